@@ -1,0 +1,5 @@
+//! `tandem`: the command-line entry point.
+
+fn main() {
+    println!("tandem");
+}
