@@ -2,12 +2,8 @@
 //! scripts/protoc) or, when unset, from the protoc-bin-vendored crate, so no system package is needed.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let protos = [
-        "tandem/v1/common.proto",
-        "tandem/v1/transfer.proto",
-        "tandem/v1/worker.proto",
-        "tandem/v1/generate.proto",
-    ];
+    let protos =
+        ["tandem/v1/common.proto", "tandem/v1/transfer.proto", "tandem/v1/worker.proto", "tandem/v1/generate.proto"];
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");
     }
@@ -16,9 +12,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // SAFETY: build scripts are single-threaded here; nothing else reads the environment concurrently.
         unsafe { std::env::set_var("PROTOC", protoc) };
     }
-    tonic_prost_build::configure()
-        .build_client(true)
-        .build_server(true)
-        .compile_protos(&protos, &["."])?;
+    tonic_prost_build::configure().build_client(true).build_server(true).compile_protos(&protos, &["."])?;
     Ok(())
 }

@@ -156,7 +156,9 @@ impl<'a> Fields<'a> {
     fn str_opt(&self, key: &str) -> Result<Option<&'a str>, ConfigError> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v.as_str().map(Some).ok_or_else(|| invalid(&self.name(key), format!("expected a string, got {v}"))),
+            Some(v) => {
+                v.as_str().map(Some).ok_or_else(|| invalid(&self.name(key), format!("expected a string, got {v}")))
+            }
         }
     }
 
@@ -274,7 +276,7 @@ impl ModelConfig {
 
     /// Cross-field checks: shapes the kernels and cache formats rely on.
     fn validate(&self) -> Result<(), ConfigError> {
-        if self.n_routed_experts % self.n_group != 0 {
+        if !self.n_routed_experts.is_multiple_of(self.n_group) {
             return Err(invalid(
                 "n_group",
                 format!("{} does not divide n_routed_experts {}", self.n_group, self.n_routed_experts),
@@ -298,7 +300,7 @@ impl ModelConfig {
         if self.n_group > 1 && per_group < 2 {
             return Err(invalid("n_group", "group-limited routing needs at least 2 experts per group"));
         }
-        if self.qk_rope_head_dim % 2 != 0 {
+        if !self.qk_rope_head_dim.is_multiple_of(2) {
             return Err(invalid("qk_rope_head_dim", "must be even"));
         }
         if !self.index_head_dim.is_power_of_two() || self.index_head_dim < self.qk_rope_head_dim {
@@ -310,10 +312,10 @@ impl ModelConfig {
                 ),
             ));
         }
-        if self.kv_lora_rank % 128 != 0 {
+        if !self.kv_lora_rank.is_multiple_of(128) {
             return Err(invalid("kv_lora_rank", "must be a multiple of 128 (FP8 cache tiles)"));
         }
-        if self.index_head_dim % 128 != 0 {
+        if !self.index_head_dim.is_multiple_of(128) {
             return Err(invalid("index_head_dim", "must be a multiple of 128 (FP8 quantization groups)"));
         }
         if self.moe_layer_freq == 0 {
@@ -337,7 +339,7 @@ impl ModelConfig {
 
     /// Whether layer `layer` (MTP layers included) uses MoE rather than the dense MLP.
     pub fn is_moe_layer(&self, layer: usize) -> bool {
-        layer >= self.first_k_dense_replace && layer % self.moe_layer_freq == 0
+        layer >= self.first_k_dense_replace && layer.is_multiple_of(self.moe_layer_freq)
     }
 
     pub fn qk_head_dim(&self) -> usize {
@@ -437,7 +439,9 @@ fn parse_quantization(f: &Fields<'_>) -> Result<Option<Fp8Quant>, ConfigError> {
     let ue8m0 = match q.str_opt("scale_fmt")? {
         None => false,
         Some("ue8m0") => true,
-        Some(other) => return Err(invalid(&q.name("scale_fmt"), format!("`{other}` is not supported (expected ue8m0)"))),
+        Some(other) => {
+            return Err(invalid(&q.name("scale_fmt"), format!("`{other}` is not supported (expected ue8m0)")));
+        }
     };
     Ok(Some(Fp8Quant { weight_block_size: block, ue8m0 }))
 }

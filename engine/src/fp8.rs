@@ -184,7 +184,8 @@ mod tests {
             state ^= state << 5;
             let x = (state as f32 / u32::MAX as f32) * 460.0;
             let got = e4m3_to_f32(f32_to_e4m3(x));
-            let best = finite.iter().copied().fold(f32::INFINITY, |b, v| if (v - x).abs() < (b - x).abs() { v } else { b });
+            let best =
+                finite.iter().copied().fold(f32::INFINITY, |b, v| if (v - x).abs() < (b - x).abs() { v } else { b });
             assert!((got - x).abs() <= (best - x).abs(), "x={x} got={got} best={best}");
         }
     }

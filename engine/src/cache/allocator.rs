@@ -42,8 +42,12 @@ pub struct BlockAllocator {
 impl BlockAllocator {
     pub fn new(num_blocks: usize) -> Self {
         assert!(num_blocks <= u32::MAX as usize, "block ids are u32");
-        let mut a =
-            BlockAllocator { refcounts: vec![0; num_blocks], by_start: BTreeMap::new(), by_len: BTreeSet::new(), free: 0 };
+        let mut a = BlockAllocator {
+            refcounts: vec![0; num_blocks],
+            by_start: BTreeMap::new(),
+            by_len: BTreeSet::new(),
+            free: 0,
+        };
         if num_blocks > 0 {
             a.insert_run(0, num_blocks as u32);
         }

@@ -161,7 +161,9 @@ impl CacheGeometry {
     /// Byte offset of block `block`'s indexer keys in layer `layer`.
     pub fn indexer_block_offset(&self, layer: LayerIdx, block: BlockId) -> usize {
         debug_assert!(layer.index() < self.num_layers && block.index() < self.num_blocks);
-        self.indexer_region_offset() + layer.index() * self.indexer_layer_stride() + block.index() * self.indexer_bytes_per_block()
+        self.indexer_region_offset()
+            + layer.index() * self.indexer_layer_stride()
+            + block.index() * self.indexer_bytes_per_block()
     }
 
     /// Blocks needed to hold `tokens` tokens.

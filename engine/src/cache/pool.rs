@@ -57,7 +57,12 @@ impl BlockPool {
 
     /// Reserves blocks for a new request whose first blocks are `shared` (prefix-cache hits, which gain a
     /// reference) and the rest fresh.
-    pub fn reserve_with_prefix(&self, request_id: &str, shared: &[BlockId], tokens: usize) -> Result<BlockTable, PoolError> {
+    pub fn reserve_with_prefix(
+        &self,
+        request_id: &str,
+        shared: &[BlockId],
+        tokens: usize,
+    ) -> Result<BlockTable, PoolError> {
         let mut g = self.lock();
         if g.tables.contains_key(request_id) {
             return Err(PoolError::DuplicateRequest(request_id.to_string()));
