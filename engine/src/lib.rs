@@ -5,6 +5,7 @@
 //!   allocator whose arena kv-transfer registers with UCX.
 
 pub mod cache;
+pub mod checkpoint;
 pub mod config;
 pub mod fp8;
 
