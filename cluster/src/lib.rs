@@ -1,1 +1,30 @@
-//! Cluster membership shared by the router and both workers: the discovery trait (etcd, static), worker registration, drain and load reporting.
+//! Cluster membership shared by the router and both workers.
+//!
+//! - [`Discovery`]: one trait, one file per backend: [`EtcdDiscovery`] (leases, keep-alive, prefix
+//!   watch) and [`StaticDiscovery`] (`--prefill ADDR --decode ADDR`, no registry).
+//! - Workers call [`Discovery::register`] and keep the returned [`Registration`]: a background task
+//!   holds the lease alive, registers again whenever etcd comes back, and deregisters on drop.
+//! - The router calls [`Discovery::watch`]: a [`ClusterView`] that is replaced on every change and
+//!   kept as it was while the registry is unreachable.
+//! - [`prefix_hash`]: the hash chain over 64-token prompt blocks that prefill workers report from
+//!   their prefix cache and the router's cache-aware policy matches.
+//!
+//! Key layout: `/tandem/<cluster>/workers/{prefill,decode}/<worker id>` -> JSON [`WorkerRecord`].
+
+mod discovery;
+mod error;
+mod etcd;
+mod keys;
+pub mod prefix_hash;
+#[path = "static.rs"]
+mod static_list;
+mod view;
+mod worker;
+
+pub use discovery::{Discovery, DiscoveryConfig, Registration, RegistrationState, connect};
+pub use error::DiscoveryError;
+pub use etcd::{EtcdDiscovery, EtcdOptions};
+pub use keys::{role_prefix, worker_key, workers_prefix};
+pub use static_list::StaticDiscovery;
+pub use view::ClusterView;
+pub use worker::{Capacity, Fingerprint, WorkerRecord, WorkerRole};
