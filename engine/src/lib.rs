@@ -1,12 +1,19 @@
 //! The model: everything that computes or formats, nothing that talks to a network.
 //!
 //! - [`config`]: the HF `config.json` of a DeepSeek-V3.2 checkpoint.
+//! - [`checkpoint`]: sharded safetensors, tensor names and shapes, FP8 block scales, `verify`.
 //! - [`cache`]: the paged cache formats (656-byte FP8 MLA entry, 8448-byte indexer block) and the block
 //!   allocator whose arena kv-transfer registers with UCX.
+//! - [`backend`]: the trait every backend implements; [`cpu`]: the CPU reference backend.
+//! - [`rope`], [`fp8`]: shared numerics.
 
+pub mod backend;
 pub mod cache;
 pub mod checkpoint;
 pub mod config;
+pub mod cpu;
 pub mod fp8;
+pub mod rope;
 
+pub use backend::{AttnForm, Backend, EngineError, Logits, MtpInput, Precision, SeqInput, SeqOutput};
 pub use config::ModelConfig;

@@ -160,8 +160,10 @@ impl Checkpoint {
             // SAFETY: the checkpoint is read-only for our lifetime; a concurrent truncation by another
             // process is outside what any mmap-based loader can defend against.
             let mmap = unsafe { Mmap::map(&file) }.map_err(io_err(&path))?;
-            let (n, metadata) = SafeTensors::read_metadata(&mmap)
-                .map_err(|e| CheckpointError::Format { path: path.clone(), msg: format!("not a valid safetensors file: {e}") })?;
+            let (n, metadata) = SafeTensors::read_metadata(&mmap).map_err(|e| CheckpointError::Format {
+                path: path.clone(),
+                msg: format!("not a valid safetensors file: {e}"),
+            })?;
             hasher.update(file_name.as_bytes());
             hasher.update(&mmap[8..8 + n]);
             for (name, info) in metadata.tensors() {
@@ -191,7 +193,8 @@ impl Checkpoint {
             }
         }
         let fingerprint = hex(&hasher.finalize());
-        let mut ckpt = Checkpoint { dir: dir.to_path_buf(), config, shards, tensors, fingerprint, unexpected: Vec::new() };
+        let mut ckpt =
+            Checkpoint { dir: dir.to_path_buf(), config, shards, tensors, fingerprint, unexpected: Vec::new() };
         ckpt.validate()?;
         Ok(ckpt)
     }

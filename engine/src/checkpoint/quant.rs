@@ -45,7 +45,7 @@ pub fn quantize(w: &[f32], rows: usize, cols: usize, block: [usize; 2], ue8m0: b
 /// shards that split a block; seeds/001): every old scale is replicated over the sub-blocks it covers,
 /// so the dequantized weight is unchanged.
 pub fn reblock_scales(scales: &[f32], rows: usize, cols: usize, from: [usize; 2], to: [usize; 2]) -> Vec<f32> {
-    assert!(from[0] % to[0] == 0 && from[1] % to[1] == 0, "new block {to:?} must divide {from:?}");
+    assert!(from[0].is_multiple_of(to[0]) && from[1].is_multiple_of(to[1]), "new block {to:?} must divide {from:?}");
     let (osc, nsr, nsc) = (cols.div_ceil(from[1]), rows.div_ceil(to[0]), cols.div_ceil(to[1]));
     let mut out = vec![0f32; nsr * nsc];
     for r in 0..nsr {
@@ -65,7 +65,10 @@ mod tests {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         // Blocks of very different magnitudes, so scales matter.
         (0..rows * cols)
-            .map(|i| (rng.random::<f32>() - 0.5) * if (i / cols / 128 + i % cols / 128) % 2 == 0 { 0.01 } else { 3.0 })
+            .map(|i| {
+                (rng.random::<f32>() - 0.5)
+                    * if (i / cols / 128 + i % cols / 128).is_multiple_of(2) { 0.01 } else { 3.0 }
+            })
             .collect()
     }
 

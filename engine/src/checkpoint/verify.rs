@@ -37,7 +37,9 @@ pub fn parse_manifest(text: &str) -> Result<Vec<(String, String)>, String> {
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
-        let (digest, name) = line.split_once(char::is_whitespace).ok_or_else(|| format!("line {}: expected `<sha256>  <file>`", i + 1))?;
+        let (digest, name) = line
+            .split_once(char::is_whitespace)
+            .ok_or_else(|| format!("line {}: expected `<sha256>  <file>`", i + 1))?;
         let name = name.trim_start().trim_start_matches('*');
         if digest.len() != 64 || !digest.chars().all(|c| c.is_ascii_hexdigit()) || name.is_empty() {
             return Err(format!("line {}: expected `<sha256>  <file>`, got `{line}`", i + 1));
@@ -105,7 +107,11 @@ fn check_shard(path: &Path) -> Result<(Vec<String>, u64), String> {
     // SAFETY: read-only map of a file we do not modify.
     let mmap = unsafe { Mmap::map(&file) }.map_err(|e| format!("{}: {e}", path.display()))?;
     let (_, meta) = SafeTensors::read_metadata(&mmap).map_err(|e| {
-        format!("{}: does not parse or its size does not match its header ({e}); file is {} bytes", path.display(), mmap.len())
+        format!(
+            "{}: does not parse or its size does not match its header ({e}); file is {} bytes",
+            path.display(),
+            mmap.len()
+        )
     })?;
     let mut names = Vec::new();
     for (name, info) in meta.tensors() {
@@ -113,7 +119,12 @@ fn check_shard(path: &Path) -> Result<(Vec<String>, u64), String> {
         let want = (numel * info.dtype.bitsize()).div_ceil(8);
         let got = info.data_offsets.1 - info.data_offsets.0;
         if want != got {
-            return Err(format!("{}: tensor `{name}` has {got} bytes but {:?} {:?} needs {want}", path.display(), info.dtype, info.shape));
+            return Err(format!(
+                "{}: tensor `{name}` has {got} bytes but {:?} {:?} needs {want}",
+                path.display(),
+                info.dtype,
+                info.shape
+            ));
         }
         names.push(name);
     }

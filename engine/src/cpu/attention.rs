@@ -1,0 +1,117 @@
+//! Multi-head latent attention (SPEC 2.2) over the selected tokens, in both forms: MHA with decompressed
+//! keys/values (prefill) and MQA against the shared 576-d latent key (absorbed decode, what FlashMLA runs).
+
+use super::kernels::{dot, rms_norm, softmax};
+use super::weights::Mla;
+use crate::ModelConfig;
+use crate::rope::{Rope, apply_interleaved};
+
+/// Per-row MLA projections.
+pub struct Projected {
+    /// `[rows, heads, nope + rope]`, RoPE applied to the last `rope` dims of each head.
+    pub q: Vec<f32>,
+    /// `[rows, q_lora_rank]`: the normed query latent, shared with the indexer.
+    pub qr: Vec<f32>,
+    /// `[rows, kv_lora_rank]`: the normed KV latent that is cached.
+    pub c: Vec<f32>,
+    /// `[rows, rope]`: the rotated shared rope key.
+    pub k_pe: Vec<f32>,
+}
+
+pub fn project(m: &Mla, cfg: &ModelConfig, rope: &Rope, x: &[f32], positions: &[usize]) -> Projected {
+    let rows = positions.len();
+    let (heads, nope, rd, rank) =
+        (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank);
+    let qk = nope + rd;
+    let qr = rms_norm(&m.q_a.forward(x, rows), &m.q_a_norm, cfg.rms_norm_eps);
+    let mut q = m.q_b.forward(&qr, rows);
+    let kv = m.kv_a.forward(x, rows);
+    let mut c = vec![0f32; rows * rank];
+    let mut k_pe = vec![0f32; rows * rd];
+    for (r, &pos) in positions.iter().enumerate() {
+        let (cos, sin) = rope.cos_sin(pos);
+        for h in 0..heads {
+            let base = (r * heads + h) * qk;
+            apply_interleaved(&mut q[base + nope..base + qk], &cos, &sin);
+        }
+        let row = &kv[r * (rank + rd)..(r + 1) * (rank + rd)];
+        super::kernels::rms_norm_row(&row[..rank], &m.kv_a_norm, cfg.rms_norm_eps, &mut c[r * rank..(r + 1) * rank]);
+        let kp = &mut k_pe[r * rd..(r + 1) * rd];
+        kp.copy_from_slice(&row[rank..]);
+        apply_interleaved(kp, &cos, &sin);
+    }
+    Projected { q, qr, c, k_pe }
+}
+
+/// Context decompressed for the MHA form: `kv_b(c)` per context token.
+pub struct Decompressed {
+    /// `[ctx, heads, nope + v]`.
+    pub kv: Vec<f32>,
+    /// `[ctx, rope]`.
+    pub k_pe: Vec<f32>,
+}
+
+pub fn decompress(m: &Mla, c: &[f32], k_pe: Vec<f32>, ctx: usize) -> Decompressed {
+    Decompressed { kv: m.kv_b.forward(c, ctx), k_pe }
+}
+
+/// MHA form for one query row: `out [heads, v]`. `q_row` is `[heads, nope + rope]`; `selected` are context
+/// positions (ascending) into `ctx`.
+pub fn mha_row(cfg: &ModelConfig, q_row: &[f32], ctx: &Decompressed, selected: &[usize], scale: f32) -> Vec<f32> {
+    let (heads, nope, rd, vd) = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim);
+    let (qk, kvw) = (nope + rd, nope + vd);
+    let mut out = vec![0f32; heads * vd];
+    let mut p = vec![0f32; selected.len()];
+    for h in 0..heads {
+        let qh = &q_row[h * qk..(h + 1) * qk];
+        for (i, &s) in selected.iter().enumerate() {
+            let kv = &ctx.kv[(s * heads + h) * kvw..(s * heads + h) * kvw + nope];
+            p[i] = (dot(&qh[..nope], kv) + dot(&qh[nope..], &ctx.k_pe[s * rd..(s + 1) * rd])) * scale;
+        }
+        softmax(&mut p);
+        let oh = &mut out[h * vd..(h + 1) * vd];
+        for (i, &s) in selected.iter().enumerate() {
+            let v = &ctx.kv[(s * heads + h) * kvw + nope..(s * heads + h + 1) * kvw];
+            for (o, vv) in oh.iter_mut().zip(v) {
+                *o += p[i] * vv;
+            }
+        }
+    }
+    out
+}
+
+/// Absorbed form for one query row: the selected tokens' latents `c_sel [n, rank]` and rope keys
+/// `kpe_sel [n, rope]`, read from the cache. Returns `[heads, v]`.
+pub fn absorbed_row(m: &Mla, cfg: &ModelConfig, q_row: &[f32], c_sel: &[f32], kpe_sel: &[f32], scale: f32) -> Vec<f32> {
+    let (heads, nope, rd, vd, rank) =
+        (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank);
+    let qk = nope + rd;
+    let n = c_sel.len() / rank;
+    let mut out = vec![0f32; heads * vd];
+    let mut q_abs = vec![0f32; rank];
+    let mut p = vec![0f32; n];
+    let mut lat = vec![0f32; rank];
+    for h in 0..heads {
+        let qh = &q_row[h * qk..(h + 1) * qk];
+        let wt = &m.w_uk_t[h];
+        for (cidx, qa) in q_abs.iter_mut().enumerate() {
+            *qa = dot(&wt[cidx * nope..(cidx + 1) * nope], &qh[..nope]);
+        }
+        for (i, pi) in p.iter_mut().enumerate() {
+            *pi = (dot(&q_abs, &c_sel[i * rank..(i + 1) * rank]) + dot(&qh[nope..], &kpe_sel[i * rd..(i + 1) * rd]))
+                * scale;
+        }
+        softmax(&mut p);
+        lat.fill(0.0);
+        for (i, pi) in p.iter().enumerate() {
+            for (l, cv) in lat.iter_mut().zip(&c_sel[i * rank..(i + 1) * rank]) {
+                *l += pi * cv;
+            }
+        }
+        let wv = &m.w_uv[h];
+        for (d, o) in out[h * vd..(h + 1) * vd].iter_mut().enumerate() {
+            *o = dot(&wv[d * rank..(d + 1) * rank], &lat);
+        }
+    }
+    out
+}

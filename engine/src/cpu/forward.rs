@@ -1,0 +1,197 @@
+//! One decoder layer over a batch, and the main-model and MTP forwards built from it (SPEC section 2).
+
+use rayon::prelude::*;
+
+use super::attention::{self, Decompressed};
+use super::cache_io;
+use super::indexer;
+use super::kernels::rms_norm;
+use super::moe::ffn_forward;
+use super::topk;
+use super::weights::{Layer, Weights};
+use crate::backend::{AttnForm, Logits, SeqOutput};
+use crate::cache::{BlockId, KvCache, LayerIdx};
+use crate::rope::Rope;
+use crate::{ModelConfig, Precision};
+
+/// A batch item's rows: positions `start .. start + n`, rows `row0 .. row0 + n` of the batch matrices.
+#[derive(Debug, Clone, Copy)]
+pub struct Item<'a> {
+    pub start: usize,
+    pub n: usize,
+    pub row0: usize,
+    pub blocks: &'a [BlockId],
+    pub logits: Logits,
+}
+
+/// Which row each query's top-k ranks (it only matters for exact ties; see `topk`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum TopkRows {
+    /// The causal row, positions `0..=p`: batch-invariant, and what a reference computes in cached decode.
+    #[default]
+    Causal,
+    /// Rows padded with masked entries to `max(p + 1, n)`, as a reference's forward over an `n`-token
+    /// sequence with a causal mask does. For bit-exact comparison with such a reference only: tie
+    /// resolution then depends on the sequence length.
+    PaddedTo(usize),
+}
+
+pub struct Ctx<'a> {
+    pub topk_rows: TopkRows,
+    pub cfg: &'a ModelConfig,
+    pub prec: Precision,
+    pub rope: &'a Rope,
+    pub w: &'a Weights,
+}
+
+/// Positions of every row of the batch, in row order.
+pub fn positions(items: &[Item<'_>]) -> Vec<usize> {
+    items.iter().flat_map(|it| it.start..it.start + it.n).collect()
+}
+
+/// One forward call over a batch: its items, the attention form and the cache they read and write.
+pub struct Pass<'a> {
+    pub items: &'a [Item<'a>],
+    pub form: AttnForm,
+    pub cache: &'a KvCache,
+}
+
+/// Runs `layer` (cache layer `li`) over the batch, updating the residual stream `h` in place.
+pub fn layer_forward(
+    ctx: &Ctx<'_>,
+    pass: &Pass<'_>,
+    layer: &Layer,
+    li: LayerIdx,
+    h: &mut [f32],
+    on_layer: &mut dyn FnMut(LayerIdx),
+) {
+    let (items, form, cache) = (pass.items, pass.form, pass.cache);
+    let cfg = ctx.cfg;
+    let pos = positions(items);
+    let rows = pos.len();
+    let (hidden, rank, rd, idim) = (cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim);
+    let (heads, vd, qk, ih) = (cfg.num_attention_heads, cfg.v_head_dim, cfg.qk_head_dim(), cfg.index_n_heads);
+
+    let x = rms_norm(h, &layer.attn_norm, cfg.rms_norm_eps);
+    let pr = attention::project(&layer.attn, cfg, ctx.rope, &x, &pos);
+    let (iq, keys) = indexer::project(&layer.indexer, cfg, ctx.prec, ctx.rope, &x, &pr.qr, &pos);
+
+    // Caches first: attention reads every position (this batch's too) back from the cache, so prefill
+    // sees exactly what decode will (the quantized-then-dequantized latent in FP8).
+    for it in items {
+        for i in 0..it.n {
+            let r = it.row0 + i;
+            cache_io::write_latent(
+                cache,
+                li,
+                it.blocks,
+                it.start + i,
+                &pr.c[r * rank..(r + 1) * rank],
+                &pr.k_pe[r * rd..(r + 1) * rd],
+            );
+            cache_io::write_index_key(cache, li, it.blocks, it.start + i, &keys[r * idim..(r + 1) * idim]);
+        }
+    }
+    on_layer(li);
+
+    let scale = cfg.softmax_scale();
+    let topk = cfg.index_topk;
+    // Per item: its context's index keys, and (MHA form) its decompressed keys/values.
+    let item_ctx: Vec<(Vec<f32>, Vec<f32>, Option<Decompressed>)> = items
+        .par_iter()
+        .map(|it| {
+            let end = it.start + it.n;
+            let (kv, ks) = cache_io::read_index_keys(cache, li, it.blocks, end);
+            let dec = (form == AttnForm::Prefill).then(|| {
+                let (c, kpe) = cache_io::read_latents(cache, li, it.blocks, 0..end);
+                attention::decompress(&layer.attn, &c, kpe, end)
+            });
+            (kv, ks, dec)
+        })
+        .collect();
+    let row_item: Vec<usize> = items.iter().enumerate().flat_map(|(k, it)| std::iter::repeat_n(k, it.n)).collect();
+    let o: Vec<f32> = (0..rows)
+        .into_par_iter()
+        .flat_map_iter(|r| {
+            let it = &items[row_item[r]];
+            let (kv, ks, dec) = &item_ctx[row_item[r]];
+            let p = pos[r];
+            let q_i = &iq.q[r * ih * idim..(r + 1) * ih * idim];
+            let w_i = &iq.w[r * ih..(r + 1) * ih];
+            let row_len = match ctx.topk_rows {
+                TopkRows::Causal => p + 1,
+                TopkRows::PaddedTo(n) => n.max(p + 1),
+            };
+            let sel = topk::select(&indexer::scores(q_i, w_i, kv, ks, p + 1, idim), topk, row_len);
+            let q_row = &pr.q[r * heads * qk..(r + 1) * heads * qk];
+            match dec {
+                Some(d) => attention::mha_row(cfg, q_row, d, &sel, scale),
+                None => {
+                    let (c_sel, kpe_sel) = cache_io::read_latents(cache, li, it.blocks, sel.iter().copied());
+                    attention::absorbed_row(&layer.attn, cfg, q_row, &c_sel, &kpe_sel, scale)
+                }
+            }
+        })
+        .collect();
+    debug_assert_eq!(o.len(), rows * heads * vd);
+    let attn_out = layer.attn.o.forward(&o, rows);
+    for (a, b) in h.iter_mut().zip(&attn_out) {
+        *a += b;
+    }
+    let x = rms_norm(h, &layer.ffn_norm, cfg.rms_norm_eps);
+    let f = ffn_forward(&layer.ffn, cfg, &x, rows);
+    for (a, b) in h.iter_mut().zip(&f) {
+        *a += b;
+    }
+    debug_assert_eq!(h.len(), rows * hidden);
+}
+
+/// Final norm, then logits for the rows each item asks for; splits results per item.
+pub fn finish(
+    ctx: &Ctx<'_>,
+    items: &[Item<'_>],
+    h: &[f32],
+    norm: &[f32],
+    head: &super::linear::Linear,
+) -> Vec<SeqOutput> {
+    let cfg = ctx.cfg;
+    let hidden = cfg.hidden_size;
+    let normed = rms_norm(h, norm, cfg.rms_norm_eps);
+    let mut want_rows = Vec::new();
+    for it in items {
+        match it.logits {
+            Logits::None => {}
+            Logits::Last => want_rows.push(it.row0 + it.n - 1),
+            Logits::All => want_rows.extend(it.row0..it.row0 + it.n),
+        }
+    }
+    let mut gathered = Vec::with_capacity(want_rows.len() * hidden);
+    for &r in &want_rows {
+        gathered.extend_from_slice(&normed[r * hidden..(r + 1) * hidden]);
+    }
+    let logits = head.forward(&gathered, want_rows.len());
+    let vocab = head.out_features();
+    let mut at = 0;
+    items
+        .iter()
+        .map(|it| {
+            let n_logits = match it.logits {
+                Logits::None => 0,
+                Logits::Last => 1,
+                Logits::All => it.n,
+            };
+            let l = logits[at * vocab..(at + n_logits) * vocab].to_vec();
+            at += n_logits;
+            SeqOutput { logits: l, hidden: normed[it.row0 * hidden..(it.row0 + it.n) * hidden].to_vec() }
+        })
+        .collect()
+}
+
+/// Embedding rows of `tokens` (`table` is `[vocab, hidden]`).
+pub fn embed(table: &[f32], tokens: impl Iterator<Item = u32>, hidden: usize) -> Vec<f32> {
+    let mut h = Vec::new();
+    for t in tokens {
+        h.extend_from_slice(&table[t as usize * hidden..(t as usize + 1) * hidden]);
+    }
+    h
+}

@@ -1,0 +1,134 @@
+//! The lightning indexer (SPEC 2.3): per-token index keys for the cache, per-query scores over the causal
+//! context, and the top-k selection that sparse MLA attends to.
+
+use super::kernels::{dot, hadamard, layer_norm_row};
+use super::weights::Indexer;
+use crate::rope::{Rope, apply_neox};
+use crate::{ModelConfig, Precision, fp8};
+
+/// Indexer keys' LayerNorm epsilon (DeepSeek's reference uses the LayerNorm default).
+pub const K_NORM_EPS: f32 = 1e-6;
+
+/// Queries of a batch of rows, ready to score.
+pub struct Queries {
+    /// Per row, per head: the vector dotted with keys (decoded e4m3 codes in FP8, f32 otherwise).
+    pub q: Vec<f32>,
+    /// Per row, per head: the head weight with every scale folded in
+    /// (`weights_proj(x) * heads^-0.5 * q_scale * dim^-0.5`).
+    pub w: Vec<f32>,
+}
+
+/// Index queries and keys for `rows` tokens at `positions`. Keys are returned in f32 (rotated and
+/// Hadamard-transformed); the cache writer quantizes them.
+pub fn project(
+    ix: &Indexer,
+    cfg: &ModelConfig,
+    prec: Precision,
+    rope: &Rope,
+    x: &[f32],
+    qr: &[f32],
+    positions: &[usize],
+) -> (Queries, Vec<f32>) {
+    let rows = positions.len();
+    let (heads, dim, rd) = (cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim);
+    let mut q = ix.wq_b.forward(qr, rows);
+    let mut k = ix.wk.forward(x, rows);
+    let wts = ix.weights_proj.forward(x, rows);
+    let mut w = vec![0f32; rows * heads];
+    let head_scale = (heads as f32).powf(-0.5) * cfg.index_softmax_scale();
+    let mut codes = vec![0f32; dim];
+    for (r, &pos) in positions.iter().enumerate() {
+        let (cos, sin) = rope.cos_sin(pos);
+        let kr = &mut k[r * dim..(r + 1) * dim];
+        layer_norm_row(kr, &ix.k_norm_w, &ix.k_norm_b, K_NORM_EPS);
+        apply_neox(&mut kr[..rd], &cos, &sin);
+        hadamard(kr);
+        for h in 0..heads {
+            let qh = &mut q[(r * heads + h) * dim..(r * heads + h + 1) * dim];
+            apply_neox(&mut qh[..rd], &cos, &sin);
+            hadamard(qh);
+            let mut wh = wts[r * heads + h] * head_scale;
+            if prec == Precision::Fp8 {
+                let s = fp8::quantize_group_values(qh, &mut codes, true);
+                qh.copy_from_slice(&codes);
+                wh *= s;
+            }
+            w[r * heads + h] = wh;
+        }
+    }
+    (Queries { q, w }, k)
+}
+
+/// `I[s] = k_scale[s] * sum_h w[h] * relu(q[h] . k[s])` for `s in 0..ctx`.
+pub fn scores(q: &[f32], w: &[f32], keys: &[f32], k_scale: &[f32], ctx: usize, dim: usize) -> Vec<f32> {
+    (0..ctx)
+        .map(|s| {
+            let ks = &keys[s * dim..(s + 1) * dim];
+            let mut acc = 0f32;
+            for (h, wh) in w.iter().enumerate() {
+                acc += dot(&q[h * dim..(h + 1) * dim], ks).max(0.0) * wh;
+            }
+            acc * k_scale[s]
+        })
+        .collect()
+}
+
+/// The selection as a fixed-width list padded with -1 (the form attention kernels take).
+pub fn padded(selection: &[usize], k: usize) -> Vec<i32> {
+    let mut out: Vec<i32> = selection.iter().map(|&i| i as i32).collect();
+    out.resize(k, -1);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{RngExt, SeedableRng};
+
+    #[test]
+    fn topk_equals_brute_force_ranking_with_padding() {
+        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let (heads, dim) = (4, 128);
+        for ctx in [1usize, 5, 16, 17, 100, 1500] {
+            // Real indexer scores from random queries and keys (distinct almost surely).
+            let q: Vec<f32> = (0..heads * dim).map(|_| rng.random::<f32>() - 0.5).collect();
+            let w: Vec<f32> = (0..heads).map(|_| rng.random::<f32>() - 0.3).collect();
+            let keys: Vec<f32> = (0..ctx * dim).map(|_| rng.random::<f32>() - 0.5).collect();
+            let s = scores(&q, &w, &keys, &vec![1.0; ctx], ctx, dim);
+            let k = 16;
+            let got = super::super::topk::select(&s, k, ctx);
+            let mut brute: Vec<usize> = (0..ctx).collect();
+            brute.sort_by(|&a, &b| s[b].total_cmp(&s[a]));
+            brute.truncate(k);
+            brute.sort();
+            if s.iter().filter(|&&v| v == 0.0).count() <= 1 {
+                assert_eq!(got, brute, "ctx {ctx} seed {seed}");
+            }
+            let p = padded(&got, k);
+            assert_eq!(p.len(), k);
+            assert_eq!(p.iter().filter(|&&i| i == -1).count(), k.saturating_sub(ctx));
+            assert!(p.iter().filter(|&&i| i >= 0).all(|&i| (i as usize) < ctx));
+        }
+    }
+
+    #[test]
+    fn scores_match_the_formula() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        let (heads, dim, ctx) = (3, 8, 5);
+        let q: Vec<f32> = (0..heads * dim).map(|_| rng.random::<f32>() - 0.5).collect();
+        let w: Vec<f32> = (0..heads).map(|_| rng.random::<f32>()).collect();
+        let keys: Vec<f32> = (0..ctx * dim).map(|_| rng.random::<f32>() - 0.5).collect();
+        let ks: Vec<f32> = (0..ctx).map(|_| rng.random::<f32>() + 0.5).collect();
+        let got = scores(&q, &w, &keys, &ks, ctx, dim);
+        for s in 0..ctx {
+            let mut want = 0f64;
+            for h in 0..heads {
+                let d: f64 = (0..dim).map(|i| q[h * dim + i] as f64 * keys[s * dim + i] as f64).sum();
+                want += d.max(0.0) * w[h] as f64;
+            }
+            want *= ks[s] as f64;
+            assert!((got[s] as f64 - want).abs() < 1e-5);
+        }
+    }
+}
