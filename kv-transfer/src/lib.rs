@@ -1,1 +1,106 @@
-//! Ships a request's MLA latent and indexer caches from a prefill worker into the blocks a decode worker reserved, over UCX, TCP or in-process.
+//! Ships a request's MLA latent and indexer caches from a prefill worker into the blocks a decode worker
+//! reserved, over UCX, TCP or in-process.
+//!
+//! - Decode side ([`KvReceiver`]): registers the cache arena once; per request [`KvReceiver::expect`] turns
+//!   a `BlockPool` reservation into a [`TransferDescriptor`](proto::v1::TransferDescriptor) for the prefill
+//!   worker and a [`PendingTransfer`] that resolves to [`TransferOutcome::Completed`] (first token, logprobs,
+//!   MTP draft; every layer and block verified), [`TransferOutcome::Released`] or a [`TransferError`].
+//! - Prefill side ([`KvSender`]): [`KvSender::begin`] validates the descriptor and handshakes before any
+//!   byte moves; [`SendSession::put_layer`] queues a finished layer without blocking compute;
+//!   [`SendSession::complete`], [`SendSession::release`] or [`SendSession::abort`] end it.
+//! - [`transport`]: UCX (libucp loaded at run time, TCP fallback), TCP (tokio), in-process, one trait.
+//! - [`layout`]: the put plan (runs contiguous on both sides go as single puts) and checksums.
+//!
+//! See the crate README for the message sequence, failure semantics and the block-freeing policy.
+
+pub mod error;
+pub mod fault;
+pub mod fingerprint;
+pub mod layout;
+pub mod receiver;
+mod runtime;
+pub mod sender;
+#[doc(hidden)]
+pub mod testkit;
+pub mod transport;
+#[doc(hidden)]
+pub mod wait;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+pub use error::{RejectStatus, TransferError};
+pub use fault::Fault;
+pub use fingerprint::check_fingerprint;
+pub use receiver::{
+    CompletedTransfer, ExpectRequest, KvReceiver, PendingTransfer, ReceiverConfig, ReceiverStats, ReleasedTransfer,
+    TransferOutcome,
+};
+pub use sender::{KvSender, SendReport, SendSession, SenderConfig};
+pub use transport::TransportKind;
+
+/// TCP transport settings.
+#[derive(Debug, Clone)]
+pub struct TcpConfig {
+    /// Where the receiver listens (port 0 picks a free one).
+    pub listen: SocketAddr,
+    /// Host name or address put in descriptors (defaults to the listen address's IP).
+    pub advertise_host: Option<String>,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        TcpConfig { listen: SocketAddr::from(([127, 0, 0, 1], 0)), advertise_host: None }
+    }
+}
+
+/// Which transport a receiver serves (senders follow the descriptor).
+#[derive(Debug, Clone)]
+pub enum TransportConfig {
+    /// UCX through libucp (`UCX_TLS` and the other `UCX_*` variables apply). When libucp cannot be
+    /// loaded, falls back to TCP with `tcp_fallback` (or the default) and logs why.
+    /// `tls` overrides `UCX_TLS` for this process's UCX context (tests pin tcp or shared memory).
+    Ucx {
+        tls: Option<String>,
+        tcp_fallback: Option<TcpConfig>,
+    },
+    Tcp(TcpConfig),
+    /// Same-process transfers (single-process mode, tests).
+    InProc,
+}
+
+impl TransportConfig {
+    /// The default configuration of `kind`.
+    pub fn of_kind(kind: TransportKind) -> Self {
+        match kind {
+            TransportKind::Ucx => TransportConfig::Ucx { tls: None, tcp_fallback: None },
+            TransportKind::Tcp => TransportConfig::Tcp(TcpConfig::default()),
+            TransportKind::InProc => TransportConfig::InProc,
+        }
+    }
+}
+
+/// Whether libucp can be loaded on this machine (and why not).
+pub fn ucx_available() -> Result<(), String> {
+    transport::ucx::load().map(|_| ())
+}
+
+pub(crate) fn transport_for(
+    cfg: &TransportConfig,
+    rt: &Arc<runtime::Runtime>,
+) -> Result<Arc<dyn transport::Transport>, TransferError> {
+    Ok(match cfg {
+        TransportConfig::InProc => Arc::new(transport::inproc::InProcTransport::new(rt.handle().clone())),
+        TransportConfig::Tcp(c) => Arc::new(transport::tcp::TcpTransport::new(c.clone(), rt.handle().clone())),
+        TransportConfig::Ucx { tls, tcp_fallback } => match transport::ucx::UcxTransport::new(tls.as_deref()) {
+            Ok(t) => Arc::new(t),
+            Err(e) => {
+                tracing::warn!(reason = %e, "UCX unavailable, kv-transfer falls back to TCP");
+                Arc::new(transport::tcp::TcpTransport::new(
+                    tcp_fallback.clone().unwrap_or_default(),
+                    rt.handle().clone(),
+                ))
+            }
+        },
+    })
+}

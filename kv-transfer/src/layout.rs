@@ -1,0 +1,261 @@
+//! Cache layout on the wire and the put plan: which byte ranges of which layer go where.
+//!
+//! A request's blocks are merged into runs that are consecutive on both sides (source and destination
+//! block ids both increase by one), so a fresh pool ships each layer as two puts (latent, indexer). The
+//! latent run of the last block carries only the request's tokens (a partial block ships
+//! `tokens % 64` entries); indexer blocks always ship whole (values and scales are split inside a block).
+
+use engine::cache::{BLOCK_SIZE, BlockId, CacheGeometry, LayerIdx};
+use proto::v1::{CacheLayout, MemoryRegion};
+use xxhash_rust::xxh3::Xxh3;
+
+/// The wire description of `g`.
+pub fn layout_of(g: &CacheGeometry) -> CacheLayout {
+    CacheLayout {
+        block_size: BLOCK_SIZE as u32,
+        num_layers: g.num_layers as u32,
+        latent_bytes_per_token: g.latent_bytes_per_token() as u32,
+        indexer_bytes_per_block: g.indexer_bytes_per_block() as u32,
+        num_blocks: g.num_blocks as u32,
+        latent_offset: 0,
+        latent_layer_stride: g.latent_layer_stride() as u64,
+        indexer_offset: g.indexer_region_offset() as u64,
+        indexer_layer_stride: g.indexer_layer_stride() as u64,
+    }
+}
+
+/// Checks that a peer's layout can hold our entries and is internally consistent.
+pub fn check_layout(local: &CacheGeometry, remote: &CacheLayout) -> Result<(), String> {
+    let want = layout_of(local);
+    if remote.block_size != want.block_size {
+        return Err(format!("block size {} != {}", remote.block_size, want.block_size));
+    }
+    if remote.num_layers != want.num_layers {
+        return Err(format!("{} layers, this side has {}", remote.num_layers, want.num_layers));
+    }
+    if remote.latent_bytes_per_token != want.latent_bytes_per_token {
+        return Err(format!(
+            "latent entry of {} bytes, this side has {}",
+            remote.latent_bytes_per_token, want.latent_bytes_per_token
+        ));
+    }
+    if remote.indexer_bytes_per_block != want.indexer_bytes_per_block {
+        return Err(format!(
+            "indexer block of {} bytes, this side has {}",
+            remote.indexer_bytes_per_block, want.indexer_bytes_per_block
+        ));
+    }
+    let latent_block = remote.latent_bytes_per_token as u64 * BLOCK_SIZE as u64;
+    let nb = remote.num_blocks as u64;
+    if remote.latent_layer_stride < nb * latent_block
+        || remote.indexer_layer_stride < nb * remote.indexer_bytes_per_block as u64
+    {
+        return Err("layer strides smaller than a layer's blocks".into());
+    }
+    Ok(())
+}
+
+/// Consecutive blocks on both sides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Run {
+    pub src: BlockId,
+    pub dst: BlockId,
+    pub blocks: u32,
+    /// Tokens of the request in this run (less than `blocks * 64` only in the last run).
+    pub tokens: u32,
+}
+
+/// One contiguous copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Put {
+    pub src_offset: u64,
+    pub dst_offset: u64,
+    pub len: u64,
+}
+
+/// The request's runs plus both sides' layouts: everything needed to address any layer.
+#[derive(Debug, Clone)]
+pub struct PutPlan {
+    pub runs: Vec<Run>,
+    pub num_tokens: usize,
+    pub num_blocks: usize,
+    src: CacheLayout,
+    dst: CacheLayout,
+}
+
+impl PutPlan {
+    /// Merges `src[i] -> dst[i]` (first `blocks_for(num_tokens)` entries) into maximal runs.
+    pub fn new(
+        src: CacheLayout,
+        dst: CacheLayout,
+        src_blocks: &[BlockId],
+        dst_blocks: &[BlockId],
+        num_tokens: usize,
+    ) -> Self {
+        let n = CacheGeometry::blocks_for(num_tokens);
+        debug_assert!(src_blocks.len() >= n && dst_blocks.len() >= n);
+        let mut runs: Vec<Run> = Vec::new();
+        for i in 0..n {
+            let tokens = (num_tokens - i * BLOCK_SIZE).min(BLOCK_SIZE) as u32;
+            match runs.last_mut() {
+                Some(r) if r.src.0 + r.blocks == src_blocks[i].0 && r.dst.0 + r.blocks == dst_blocks[i].0 => {
+                    r.blocks += 1;
+                    r.tokens += tokens;
+                }
+                _ => runs.push(Run { src: src_blocks[i], dst: dst_blocks[i], blocks: 1, tokens }),
+            }
+        }
+        PutPlan { runs, num_tokens, num_blocks: n, src, dst }
+    }
+
+    pub fn latent_bytes_per_layer(&self) -> u64 {
+        self.num_tokens as u64 * self.dst.latent_bytes_per_token as u64
+    }
+
+    pub fn indexer_bytes_per_layer(&self) -> u64 {
+        self.num_blocks as u64 * self.dst.indexer_bytes_per_block as u64
+    }
+
+    pub fn bytes_per_layer(&self) -> u64 {
+        self.latent_bytes_per_layer() + self.indexer_bytes_per_layer()
+    }
+
+    /// The layer's latent puts, then its indexer puts, in token order.
+    pub fn layer_puts(&self, layer: LayerIdx) -> impl Iterator<Item = Put> + '_ {
+        let l = layer.0 as u64;
+        let lat = move |c: &CacheLayout, b: BlockId| {
+            c.latent_offset
+                + l * c.latent_layer_stride
+                + b.0 as u64 * c.latent_bytes_per_token as u64 * BLOCK_SIZE as u64
+        };
+        let idx = move |c: &CacheLayout, b: BlockId| {
+            c.indexer_offset + l * c.indexer_layer_stride + b.0 as u64 * c.indexer_bytes_per_block as u64
+        };
+        let latent = self.runs.iter().map(move |r| Put {
+            src_offset: lat(&self.src, r.src),
+            dst_offset: lat(&self.dst, r.dst),
+            len: r.tokens as u64 * self.dst.latent_bytes_per_token as u64,
+        });
+        let indexer = self.runs.iter().map(move |r| Put {
+            src_offset: idx(&self.src, r.src),
+            dst_offset: idx(&self.dst, r.dst),
+            len: r.blocks as u64 * self.dst.indexer_bytes_per_block as u64,
+        });
+        latent.chain(indexer)
+    }
+}
+
+/// Checks descriptor block ids and token count against a layout: every id inside the pool, no id twice,
+/// exactly as many blocks as the tokens need.
+pub fn check_blocks(layout: &CacheLayout, blocks: &[u32], num_tokens: u32) -> Result<(), (bool, String)> {
+    if num_tokens == 0 {
+        return Err((false, "num_tokens is 0".into()));
+    }
+    let need = (num_tokens as usize).div_ceil(layout.block_size.max(1) as usize);
+    if blocks.len() != need {
+        return Err((false, format!("{} tokens need {need} blocks, got {}", num_tokens, blocks.len())));
+    }
+    let mut seen = std::collections::HashSet::with_capacity(blocks.len());
+    for &b in blocks {
+        if b >= layout.num_blocks {
+            return Err((true, format!("block {b} outside the pool of {} blocks", layout.num_blocks)));
+        }
+        if !seen.insert(b) {
+            return Err((true, format!("block {b} appears twice")));
+        }
+    }
+    Ok(())
+}
+
+/// The region holding `addr..addr+len`, if any.
+pub fn region_for(regions: &[MemoryRegion], addr: u64, len: u64) -> Option<usize> {
+    regions
+        .iter()
+        .position(|r| addr >= r.remote_addr && addr.checked_add(len).is_some_and(|e| e <= r.remote_addr + r.length))
+}
+
+/// xxh3-64 of a layer's shipped bytes: `segments` in order (latent runs, then indexer runs), read from
+/// `base + offset`.
+///
+/// # Safety
+/// Every segment must be inside the memory at `base`, with no concurrent writer.
+pub unsafe fn checksum_segments(base: *const u8, segments: impl Iterator<Item = (u64, u64)>) -> u64 {
+    let mut h = Xxh3::new();
+    for (off, len) in segments {
+        // SAFETY: forwarded contract.
+        h.update(unsafe { std::slice::from_raw_parts(base.add(off as usize), len as usize) });
+    }
+    h.digest()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use engine::cache::{CacheFormat, EntryDims};
+
+    fn geo(blocks: usize) -> CacheGeometry {
+        CacheGeometry::new(CacheFormat::Fp8, EntryDims::DEEPSEEK_V32, 3, blocks)
+    }
+
+    fn ids(v: &[u32]) -> Vec<BlockId> {
+        v.iter().map(|&b| BlockId(b)).collect()
+    }
+
+    #[test]
+    fn runs_merge_only_where_both_sides_are_consecutive() {
+        let (s, d) = (layout_of(&geo(20)), layout_of(&geo(30)));
+        let p = PutPlan::new(s, d, &ids(&[0, 1, 2, 7, 8]), &ids(&[10, 11, 5, 6, 7]), 5 * 64 - 10);
+        let got: Vec<(u32, u32, u32, u32)> = p.runs.iter().map(|r| (r.src.0, r.dst.0, r.blocks, r.tokens)).collect();
+        assert_eq!(got, vec![(0, 10, 2, 128), (2, 5, 1, 64), (7, 6, 2, 118)]);
+        assert_eq!(p.latent_bytes_per_layer(), (5 * 64 - 10) * 656);
+        assert_eq!(p.indexer_bytes_per_layer(), 5 * 8448);
+    }
+
+    #[test]
+    fn layer_puts_address_both_geometries_and_cover_exactly_the_request() {
+        let (gs, gd) = (geo(20), geo(30));
+        let p = PutPlan::new(layout_of(&gs), layout_of(&gd), &ids(&[3, 4]), &ids(&[8, 9]), 100);
+        let puts: Vec<Put> = p.layer_puts(LayerIdx(2)).collect();
+        assert_eq!(puts.len(), 2, "one contiguous run: one latent put and one indexer put");
+        assert_eq!(puts[0].src_offset as usize, gs.latent_block_offset(LayerIdx(2), BlockId(3)));
+        assert_eq!(puts[0].dst_offset as usize, gd.latent_block_offset(LayerIdx(2), BlockId(8)));
+        assert_eq!(puts[0].len, 100 * 656, "a partial last block ships only its tokens");
+        assert_eq!(puts[1].src_offset as usize, gs.indexer_block_offset(LayerIdx(2), BlockId(3)));
+        assert_eq!(puts[1].dst_offset as usize, gd.indexer_block_offset(LayerIdx(2), BlockId(8)));
+        assert_eq!(puts[1].len, 2 * 8448);
+        let total: u64 = puts.iter().map(|p| p.len).sum();
+        assert_eq!(total, p.bytes_per_layer());
+    }
+
+    #[test]
+    fn a_prompt_shorter_than_a_block_ships_one_partial_block() {
+        let g = geo(4);
+        let p = PutPlan::new(layout_of(&g), layout_of(&g), &ids(&[1]), &ids(&[2]), 5);
+        let puts: Vec<Put> = p.layer_puts(LayerIdx(0)).collect();
+        assert_eq!(puts.iter().map(|p| p.len).collect::<Vec<_>>(), vec![5 * 656, 8448]);
+    }
+
+    #[test]
+    fn block_checks_catch_range_duplicates_and_counts() {
+        let l = layout_of(&geo(10));
+        assert!(check_blocks(&l, &[0, 1], 100).is_ok());
+        assert!(check_blocks(&l, &[0, 10], 100).unwrap_err().0, "out of range");
+        assert!(check_blocks(&l, &[3, 3], 100).unwrap_err().0, "duplicate");
+        assert!(!check_blocks(&l, &[0], 100).unwrap_err().0, "too few blocks");
+        assert!(!check_blocks(&l, &[0, 1, 2], 100).unwrap_err().0, "too many blocks");
+        assert!(check_blocks(&l, &[], 0).is_err());
+    }
+
+    #[test]
+    fn layouts_must_agree_on_entry_sizes_and_layers() {
+        let g = geo(10);
+        check_layout(&g, &layout_of(&geo(99))).unwrap();
+        let f32 = CacheGeometry::new(CacheFormat::F32, EntryDims::DEEPSEEK_V32, 3, 10);
+        assert!(check_layout(&g, &layout_of(&f32)).unwrap_err().contains("latent entry"));
+        let l4 = CacheGeometry::new(CacheFormat::Fp8, EntryDims::DEEPSEEK_V32, 4, 10);
+        assert!(check_layout(&g, &layout_of(&l4)).unwrap_err().contains("layers"));
+        let mut bad = layout_of(&g);
+        bad.latent_layer_stride = 1;
+        assert!(check_layout(&g, &bad).is_err());
+    }
+}

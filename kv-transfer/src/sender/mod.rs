@@ -1,0 +1,311 @@
+//! The prefill worker's side: begin a session from a descriptor (handshake before any write), queue each
+//! layer as compute finishes it (shipped in the background), then complete, release or abort. Every call
+//! waits at most until the descriptor's deadline (plus a short grace for the final acknowledgement).
+
+mod session;
+mod shipper;
+
+pub use session::{SendReport, SendSession};
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use engine::cache::{BlockId, BlockTable, CacheGeometry, KvCache, LayerIdx};
+use proto::v1::transfer_control::Body;
+use proto::v1::{
+    CacheLayout, ModelFingerprint, TransferAbort, TransferAck, TransferBegin, TransferDescriptor, TransferStatus,
+};
+
+use self::session::SessionState;
+use self::shipper::Shipper;
+use crate::fault::Fault;
+use crate::layout::{self, PutPlan};
+use crate::runtime::Runtime;
+use crate::transport::{Inbound, Link, Transport, TransportKind};
+use crate::{TcpConfig, TransferError, TransportConfig, fingerprint};
+
+/// Sender settings.
+#[derive(Debug, Clone)]
+pub struct SenderConfig {
+    /// Extra time past the descriptor deadline to wait for the receiver's final acknowledgement.
+    pub reply_grace: Duration,
+    /// Upper bound on any single wait, whatever the deadline says.
+    pub max_wait: Duration,
+    /// Transports this sender may use (descriptors name the receiver's).
+    pub transports: Vec<TransportKind>,
+    /// Overrides `UCX_TLS` for this sender's UCX context.
+    pub ucx_tls: Option<String>,
+    /// Fault injection (tests); `None` reads `TANDEM_KV_FAULT` where the build honours it.
+    pub fault: Option<Fault>,
+}
+
+impl Default for SenderConfig {
+    fn default() -> Self {
+        SenderConfig {
+            reply_grace: Duration::from_millis(1000),
+            max_wait: Duration::from_secs(600),
+            transports: TransportKind::ALL.to_vec(),
+            ucx_tls: None,
+            fault: None,
+        }
+    }
+}
+
+pub(crate) struct SenderShared {
+    pub cache: Arc<KvCache>,
+    pub layout: CacheLayout,
+    pub fingerprint: ModelFingerprint,
+    pub config: SenderConfig,
+    pub fault: Option<Fault>,
+    pub rt: Arc<Runtime>,
+    transports: Mutex<HashMap<TransportKind, Arc<dyn Transport>>>,
+    links: Mutex<HashMap<(TransportKind, Vec<u8>), Arc<dyn Link>>>,
+    pub router: Arc<Router>,
+    pub shipper: Shipper,
+}
+
+/// Routes receiver-initiated messages to sessions.
+#[derive(Default)]
+pub(crate) struct Router {
+    sessions: Mutex<HashMap<(u64, u64), Weak<SessionState>>>,
+}
+
+impl Router {
+    pub fn add(&self, link: u64, session: u64, st: &Arc<SessionState>) {
+        self.sessions.lock().unwrap_or_else(|p| p.into_inner()).insert((link, session), Arc::downgrade(st));
+    }
+
+    pub fn remove(&self, link: u64, session: u64) {
+        self.sessions.lock().unwrap_or_else(|p| p.into_inner()).remove(&(link, session));
+    }
+}
+
+impl Inbound for Router {
+    fn on_abort(&self, link: &Arc<dyn Link>, correlation_id: u64, abort: TransferAbort) {
+        let st = self
+            .sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&(link.id(), abort.session_id))
+            .and_then(Weak::upgrade);
+        if let Some(st) = st {
+            if st.token() == abort.transfer_token {
+                st.stop_by_receiver(&abort.reason, abort.status);
+            }
+        }
+        // Unknown sessions issue no puts; known ones stopped issuing above. Ack after the flush.
+        let ack =
+            TransferAck { session_id: abort.session_id, status: TransferStatus::Ok as i32, message: String::new() };
+        link.flush_then_reply(correlation_id, Body::Ack(ack));
+    }
+
+    fn on_link_lost(&self, link_id: u64, reason: &str) {
+        let live: Vec<Arc<SessionState>> = self
+            .sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|((l, _), _)| *l == link_id)
+            .filter_map(|(_, w)| w.upgrade())
+            .collect();
+        for st in live {
+            st.set_error(TransferError::PeerLost {
+                request_id: st.request_id().to_string(),
+                reason: reason.to_string(),
+            });
+        }
+    }
+}
+
+/// The sending side of kv-transfer, one per prefill worker; sessions share its connections.
+#[derive(Clone)]
+pub struct KvSender {
+    shared: Arc<SenderShared>,
+}
+
+impl KvSender {
+    /// A sender reading caches from `cache` (the prefill worker's pool) for a model with `fingerprint`.
+    pub fn new(
+        config: SenderConfig,
+        cache: Arc<KvCache>,
+        fingerprint: ModelFingerprint,
+    ) -> Result<KvSender, TransferError> {
+        fingerprint::check_own_fingerprint(&fingerprint, cache.geometry())?;
+        let fault = match config.fault {
+            Some(f) => Some(f),
+            None => Fault::from_env().map_err(TransferError::Transport)?,
+        };
+        let rt = Runtime::new("kv-send")?;
+        Ok(KvSender {
+            shared: Arc::new(SenderShared {
+                layout: layout::layout_of(cache.geometry()),
+                cache,
+                fingerprint,
+                config,
+                fault,
+                rt,
+                transports: Mutex::new(HashMap::new()),
+                links: Mutex::new(HashMap::new()),
+                router: Arc::new(Router::default()),
+                shipper: Shipper::start()?,
+            }),
+        })
+    }
+
+    /// Validates `desc` against this side, connects, and performs the handshake: on success the
+    /// receiver has accepted the request id and token and writes may start. `src_blocks` is the prefill
+    /// side's block table for the request (its first `blocks_for(num_tokens)` blocks are shipped).
+    pub fn begin(&self, desc: &TransferDescriptor, src_blocks: &BlockTable) -> Result<SendSession, TransferError> {
+        let sh = &self.shared;
+        let rid = desc.request_id.clone();
+        let bad = |reason: String| TransferError::BadDescriptor { request_id: rid.clone(), reason };
+        let now = Instant::now();
+        let deadline = deadline_instant(desc.deadline_unix_ms, now);
+        if deadline <= now {
+            return Err(TransferError::DeadlineExceeded(rid));
+        }
+        let deadline = deadline.min(now + sh.config.max_wait);
+        let fp = desc.fingerprint.as_ref().ok_or_else(|| bad("no fingerprint".into()))?;
+        fingerprint::check_fingerprint(&sh.fingerprint, fp)?;
+        let dst_layout = desc.layout.clone().ok_or_else(|| bad("no cache layout".into()))?;
+        layout::check_layout(sh.cache.geometry(), &dst_layout).map_err(|e| bad(format!("layout: {e}")))?;
+        layout::check_blocks(&dst_layout, &desc.block_ids, desc.num_tokens).map_err(|(_, e)| bad(e))?;
+        let n = CacheGeometry::blocks_for(desc.num_tokens as usize);
+        if src_blocks.len() < n {
+            return Err(bad(format!(
+                "the source table has {} blocks, {} tokens need {n}",
+                src_blocks.len(),
+                desc.num_tokens
+            )));
+        }
+        if let Some(b) = src_blocks.blocks[..n].iter().find(|b| b.index() >= sh.cache.geometry().num_blocks) {
+            return Err(bad(format!("source block {} outside this pool", b.0)));
+        }
+        let dst_blocks: Vec<BlockId> = desc.block_ids.iter().map(|&b| BlockId(b)).collect();
+        let plan = PutPlan::new(
+            sh.layout.clone(),
+            dst_layout.clone(),
+            &src_blocks.blocks[..n],
+            &dst_blocks,
+            desc.num_tokens as usize,
+        );
+        // regions[0] starts at the pool base; every put must fall inside one region.
+        let base = desc.regions.first().ok_or_else(|| bad("no memory region".into()))?.remote_addr;
+        for l in 0..dst_layout.num_layers {
+            for p in plan.layer_puts(LayerIdx(l)) {
+                if layout::region_for(&desc.regions, base.wrapping_add(p.dst_offset), p.len).is_none() {
+                    return Err(bad(format!("no memory region covers layer {l} bytes {}+{}", p.dst_offset, p.len)));
+                }
+            }
+        }
+        let endpoint = desc.endpoint.clone().ok_or_else(|| bad("no endpoint".into()))?;
+        let link = self.link(&endpoint, deadline)?;
+        let regions = link.attach_regions(&desc.regions)?;
+        let begin = TransferBegin {
+            request_id: rid.clone(),
+            transfer_token: desc.transfer_token,
+            num_tokens: desc.num_tokens,
+            block_ids: desc.block_ids.clone(),
+            layout: Some(dst_layout.clone()),
+            fingerprint: Some(sh.fingerprint.clone()),
+            sender_address: Vec::new(),
+        };
+        let reply = link.call(Body::Begin(begin)).and_then(|cell| {
+            cell.wait_until(deadline).unwrap_or_else(|| {
+                Err(if link.is_alive() {
+                    TransferError::DeadlineExceeded(rid.clone())
+                } else {
+                    TransferError::PeerLost { request_id: rid.clone(), reason: "no handshake reply".into() }
+                })
+            })
+        });
+        let session_id = match reply {
+            Ok(Body::Accept(a)) => a.session_id,
+            Ok(Body::Ack(a)) => {
+                link.detach_regions(regions);
+                let status = TransferStatus::try_from(a.status).unwrap_or(TransferStatus::Protocol);
+                return Err(TransferError::rejected(&rid, status, a.message));
+            }
+            Ok(_) => {
+                link.detach_regions(regions);
+                return Err(TransferError::Transport(format!("request {rid}: unexpected handshake reply")));
+            }
+            Err(e) => {
+                link.detach_regions(regions);
+                return Err(map_link_error(&rid, e));
+            }
+        };
+        let final_deadline = deadline + sh.config.reply_grace;
+        let st = SessionState::new(
+            rid,
+            desc.transfer_token,
+            session_id,
+            link.clone(),
+            regions,
+            desc.regions.clone(),
+            deadline,
+            final_deadline,
+            plan,
+            dst_layout.num_layers as usize,
+            desc.verify_checksum,
+            sh.cache.clone(),
+        );
+        sh.router.add(link.id(), session_id, &st);
+        Ok(SendSession::new(st, self.shared.clone()))
+    }
+
+    fn transport(&self, kind: TransportKind) -> Result<Arc<dyn Transport>, TransferError> {
+        let sh = &self.shared;
+        if !sh.config.transports.contains(&kind) {
+            return Err(TransferError::Transport(format!("transport {kind} is not enabled on this sender")));
+        }
+        let mut g = sh.transports.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = g.get(&kind) {
+            return Ok(t.clone());
+        }
+        let cfg = match kind {
+            TransportKind::Ucx => TransportConfig::Ucx { tls: sh.config.ucx_tls.clone(), tcp_fallback: None },
+            TransportKind::Tcp => TransportConfig::Tcp(TcpConfig::default()),
+            TransportKind::InProc => TransportConfig::InProc,
+        };
+        let t = crate::transport_for(&cfg, &sh.rt)?;
+        if t.kind() != kind {
+            return Err(TransferError::Transport(format!(
+                "the receiver speaks {kind}, which this process cannot load"
+            )));
+        }
+        g.insert(kind, t.clone());
+        Ok(t)
+    }
+
+    fn link(&self, endpoint: &proto::v1::TransportEndpoint, deadline: Instant) -> Result<Arc<dyn Link>, TransferError> {
+        let kind: TransportKind = endpoint.kind.parse().map_err(TransferError::Transport)?;
+        let key = (kind, endpoint.address.clone());
+        if let Some(l) = self.shared.links.lock().unwrap_or_else(|p| p.into_inner()).get(&key)
+            && l.is_alive()
+        {
+            return Ok(l.clone());
+        }
+        let t = self.transport(kind)?;
+        let inbound: Arc<dyn Inbound> = self.shared.router.clone();
+        let link = t.connect(endpoint, &self.shared.cache, inbound, deadline)?;
+        self.shared.links.lock().unwrap_or_else(|p| p.into_inner()).insert(key, link.clone());
+        Ok(link)
+    }
+}
+
+/// The descriptor's wall-clock deadline as an Instant on this machine.
+fn deadline_instant(deadline_unix_ms: u64, now: Instant) -> Instant {
+    let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
+    now + Duration::from_millis(deadline_unix_ms.saturating_sub(now_ms))
+}
+
+pub(crate) fn map_link_error(request_id: &str, e: TransferError) -> TransferError {
+    match e {
+        TransferError::Transport(m) if m.starts_with("link lost") => {
+            TransferError::PeerLost { request_id: request_id.to_string(), reason: m }
+        }
+        e => e,
+    }
+}

@@ -1,0 +1,107 @@
+//! The background thread that turns queued layers into puts, so `put_layer` never blocks compute. One per
+//! sender; puts themselves are asynchronous in every transport, so the thread only plans, checksums and
+//! hands them over.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc;
+
+use engine::cache::LayerIdx;
+use proto::v1::LayerManifest;
+
+use super::session::SessionState;
+use crate::TransferError;
+use crate::fault::Fault;
+use crate::layout::{self, checksum_segments};
+use crate::transport::PutOp;
+
+pub(crate) struct Job {
+    pub st: Arc<SessionState>,
+    pub layer: LayerIdx,
+    pub fault: Option<Fault>,
+}
+
+pub(crate) struct Shipper {
+    tx: std::sync::Mutex<mpsc::Sender<Job>>,
+}
+
+impl Shipper {
+    pub fn start() -> Result<Shipper, TransferError> {
+        let (tx, rx) = mpsc::channel::<Job>();
+        std::thread::Builder::new()
+            .name("kv-ship".into())
+            .spawn(move || {
+                while let Ok(job) = rx.recv() {
+                    ship(&job);
+                    job.st.job_done();
+                }
+            })
+            .map_err(|e| TransferError::Transport(format!("cannot start the shipping thread: {e}")))?;
+        Ok(Shipper { tx: std::sync::Mutex::new(tx) })
+    }
+
+    pub fn submit(&self, job: Job) -> bool {
+        self.tx.lock().unwrap_or_else(|p| p.into_inner()).send(job).is_ok()
+    }
+}
+
+fn ship(job: &Job) {
+    let st = &job.st;
+    let layer = job.layer;
+    let base = st.dst_regions.first().map(|r| r.remote_addr).unwrap_or(0);
+    let src_base = st.cache.arena().as_ptr() as *const u8;
+    let (mut latent, mut indexer) = (0u64, 0u64);
+    let latent_len = st.plan.latent_bytes_per_layer();
+    for p in st.plan.layer_puts(layer) {
+        let dst_addr = base.wrapping_add(p.dst_offset);
+        let Some(region) = layout::region_for(&st.dst_regions, dst_addr, p.len) else {
+            st.set_error(TransferError::Transport(format!("request {}: put outside the regions", st.request_id())));
+            return;
+        };
+        let op = PutOp {
+            session_id: st.session_id,
+            token: st.token(),
+            // SAFETY (of the transport's read): checked against the local geometry in begin().
+            src: src_base.wrapping_add(p.src_offset as usize),
+            len: p.len,
+            dst_offset: p.dst_offset,
+            dst_addr,
+            region,
+        };
+        {
+            // Holding the control lock while issuing makes "stopped" final: after stop_by_receiver
+            // returns, no put of this session enters the transport.
+            let c = st.lock_ctl();
+            if c.stopped.is_some() {
+                return;
+            }
+            if let Err(e) = st.link.put(st.regions, op) {
+                drop(c);
+                st.set_error(super::map_link_error(st.request_id(), e));
+                return;
+            }
+        }
+        if latent < latent_len {
+            latent += p.len;
+        } else {
+            indexer += p.len;
+        }
+        st.bytes.fetch_add(p.len, Ordering::Relaxed);
+    }
+    let checksum = st.checksum.then(|| {
+        let segs = st.plan.layer_puts(layer).map(|p| (p.src_offset, p.len));
+        // SAFETY: the layer is complete (put_layer's contract) and inside the local arena.
+        unsafe { checksum_segments(src_base, segs) }
+    });
+    st.manifests.lock().unwrap_or_else(|p| p.into_inner())[layer.index()] =
+        Some(LayerManifest { layer: layer.0, latent_bytes: latent, indexer_bytes: indexer, checksum });
+    if let Some(f) = job.fault
+        && f.layer() == layer.0
+    {
+        // Make the fault deterministic: the layer has landed before the process dies or stalls.
+        if let Err(e) = st.flush(st.deadline) {
+            st.set_error(e);
+        }
+        f.fire(st.request_id());
+    }
+}

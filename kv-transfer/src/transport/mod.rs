@@ -1,0 +1,200 @@
+//! The transports behind one trait: UCX (libucp, loaded at run time), TCP (tokio) and in-process.
+//!
+//! A transport does two things for the protocol in [`crate::receiver`] and [`crate::sender`]: it carries
+//! control messages (`TransferControl`) both ways, and it moves bytes from the sender's arena into the
+//! receiver's arena. Where the transport writes receiver memory one-sidedly (UCX RMA) the receiver cannot
+//! see writes and relies on the sender's flush-then-acknowledge; elsewhere (TCP, in-process, UCX active
+//! messages) every write passes through [`ReceiverCore::admit_write`], which refuses writes to transfers
+//! that are not active and to blocks the transfer does not own.
+
+pub mod inproc;
+pub mod tcp;
+pub mod ucx;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use engine::cache::KvCache;
+use proto::v1::{MemoryRegion, TransferControl, TransportEndpoint, transfer_control::Body};
+
+use crate::TransferError;
+use crate::receiver::core::ReceiverCore;
+use crate::wait::Cell;
+
+/// Which transport an endpoint speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    Ucx,
+    Tcp,
+    InProc,
+}
+
+impl TransportKind {
+    pub const ALL: [TransportKind; 3] = [TransportKind::Ucx, TransportKind::Tcp, TransportKind::InProc];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransportKind::Ucx => "ucx",
+            TransportKind::Tcp => "tcp",
+            TransportKind::InProc => "inproc",
+        }
+    }
+}
+
+impl std::str::FromStr for TransportKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "ucx" => Ok(TransportKind::Ucx),
+            "tcp" => Ok(TransportKind::Tcp),
+            "inproc" => Ok(TransportKind::InProc),
+            _ => Err(format!("unknown transport {s:?}; valid: ucx, tcp, inproc")),
+        }
+    }
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What a serving transport publishes in descriptors.
+pub struct Served {
+    pub endpoint: TransportEndpoint,
+    pub regions: Vec<MemoryRegion>,
+    /// Keeps the listener (and registrations) alive; dropping it stops serving.
+    pub guard: Box<dyn Send + Sync>,
+}
+
+/// One transport implementation. `serve` is the receiver side, `connect` the sender side.
+pub trait Transport: Send + Sync {
+    fn kind(&self) -> TransportKind;
+
+    /// Makes `core`'s arena writable by senders and delivers their control messages to it.
+    fn serve(&self, core: Arc<ReceiverCore>) -> Result<Served, TransferError>;
+
+    /// A link to the receiver at `endpoint`, reading from `local`'s arena. Messages the receiver sends
+    /// that are not replies go to `inbound`.
+    fn connect(
+        &self,
+        endpoint: &TransportEndpoint,
+        local: &Arc<KvCache>,
+        inbound: Arc<dyn Inbound>,
+        deadline: Instant,
+    ) -> Result<Arc<dyn Link>, TransferError>;
+}
+
+/// Sender-side handler of receiver-initiated messages (aborts) and link loss.
+pub trait Inbound: Send + Sync {
+    /// The receiver asks to stop `abort.session_id`; reply with `Link::flush_then_reply` once no further
+    /// put of that session can be issued.
+    fn on_abort(&self, link: &Arc<dyn Link>, correlation_id: u64, abort: proto::v1::TransferAbort);
+    fn on_link_lost(&self, link_id: u64, reason: &str);
+}
+
+/// A one-sided copy of `len` bytes from the sender's arena into the receiver's.
+#[derive(Debug, Clone, Copy)]
+pub struct PutOp {
+    pub session_id: u64,
+    pub token: u64,
+    /// Source address in the sender's arena.
+    pub src: *const u8,
+    pub len: u64,
+    /// Destination offset from the receiver's pool base.
+    pub dst_offset: u64,
+    /// Destination virtual address (region base + offset) and the region holding it.
+    pub dst_addr: u64,
+    pub region: usize,
+}
+
+// SAFETY: `src` points into an arena the session keeps alive (Arc<KvCache>) until its puts are flushed.
+unsafe impl Send for PutOp {}
+unsafe impl Sync for PutOp {}
+
+pub type Reply = Arc<Cell<Result<Body, TransferError>>>;
+pub type Flushed = Arc<Cell<Result<(), TransferError>>>;
+
+/// Sender side of a connection to one receiver.
+pub trait Link: Send + Sync {
+    fn id(&self) -> u64;
+    /// Sends a request; the reply (same correlation id) completes the returned cell.
+    fn call(&self, body: Body) -> Result<Reply, TransferError>;
+    /// Makes `regions` (from a descriptor) usable by `put`; returns a handle for them.
+    fn attach_regions(&self, regions: &[MemoryRegion]) -> Result<u64, TransferError>;
+    fn detach_regions(&self, handle: u64);
+    /// Queues a put; never blocks. Failures surface at the next flush.
+    fn put(&self, regions: u64, op: PutOp) -> Result<(), TransferError>;
+    /// Completes once every put queued before it is visible in the receiver's memory.
+    fn flush(&self) -> Result<Flushed, TransferError>;
+    /// Flushes, then sends `body` as the reply to `correlation_id` (acknowledging a receiver's abort).
+    fn flush_then_reply(&self, correlation_id: u64, body: Body);
+    fn is_alive(&self) -> bool;
+}
+
+/// Receiver side of a connection from one sender.
+pub trait PeerLink: Send + Sync {
+    fn id(&self) -> u64;
+    /// Whether writes from this peer bypass [`ReceiverCore::admit_write`] (one-sided RMA): then only the
+    /// sender's acknowledgement, or a quarantine after its loss, makes freeing blocks safe.
+    fn one_sided(&self) -> bool;
+    fn send(&self, msg: TransferControl);
+    /// Drops the connection (the receiver gave up waiting for the sender).
+    fn close(&self);
+}
+
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// Process-unique ids for links, peers and correlation.
+pub(crate) fn next_id() -> u64 {
+    NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Replies pending on a link: correlation id -> cell. Fails them all when the link dies.
+#[derive(Default)]
+pub(crate) struct PendingCalls {
+    calls: std::sync::Mutex<(bool, std::collections::HashMap<u64, Reply>)>,
+}
+
+impl PendingCalls {
+    /// Registers a call; `None` once the link died.
+    pub fn register(&self) -> Option<(u64, Reply)> {
+        let mut g = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        if g.0 {
+            return None;
+        }
+        let id = next_id();
+        let cell = Cell::new();
+        g.1.insert(id, cell.clone());
+        Some((id, cell))
+    }
+
+    /// Completes the call `id`; false when no such call is pending.
+    pub fn complete(&self, id: u64, v: Result<Body, TransferError>) -> bool {
+        let cell = self.calls.lock().unwrap_or_else(|p| p.into_inner()).1.remove(&id);
+        match cell {
+            Some(c) => {
+                c.set(v);
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub fn fail_all(&self, reason: &str) {
+        let drained: Vec<Reply> = {
+            let mut g = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+            g.0 = true;
+            g.1.drain().map(|(_, c)| c).collect()
+        };
+        for c in drained {
+            c.set(Err(TransferError::Transport(format!("link lost: {reason}"))));
+        }
+    }
+}
+
+/// A control message with `body` and `correlation_id`.
+pub(crate) fn control(correlation_id: u64, body: Body) -> TransferControl {
+    TransferControl { correlation_id, body: Some(body) }
+}
