@@ -1,0 +1,195 @@
+//! Command-line flags (each with an environment fallback), shared by `tandem-router` and `tandem router`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args as ClapArgs, ValueEnum};
+
+/// Prefill worker selection (`--prefill-policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PrefillPolicyKind {
+    /// Each worker in turn.
+    RoundRobin,
+    /// Fewest queued prompt tokens (router-side in-flight counts included).
+    LeastLoaded,
+    /// Two random workers, the less loaded one.
+    PowerOfTwo,
+    /// Longest cached prompt prefix (all messages) unless that worker is much busier than the idlest.
+    CacheAware,
+}
+
+/// Decode worker selection (`--decode-policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DecodePolicyKind {
+    /// Lowest KV-cache usage.
+    LeastKv,
+    /// Two random workers, the one with lower KV usage.
+    PowerOfTwo,
+    /// Each worker in turn.
+    RoundRobin,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DiscoveryKind {
+    /// Fixed worker addresses from --prefill / --decode.
+    Static,
+    /// Workers register in etcd under /tandem/<cluster>/workers/.
+    Etcd,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// The router's flags. Embed in another clap parser with `#[command(flatten)]`.
+#[derive(Debug, Clone, ClapArgs)]
+pub struct Args {
+    /// Checkpoint directory: config.json (max_position_embeddings), tokenizer.json, tokenizer_config.json.
+    #[arg(long, env = "TANDEM_MODEL")]
+    pub model: PathBuf,
+    /// Model name clients send in "model" [default: the model directory's name].
+    #[arg(long, env = "TANDEM_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    /// Longest prompt + completion in tokens [default: config.json max_position_embeddings].
+    #[arg(long, env = "TANDEM_MAX_MODEL_LEN")]
+    pub max_model_len: Option<u32>,
+    /// Jinja chat template file (or inline template) replacing the checkpoint's.
+    #[arg(long, env = "TANDEM_CHAT_TEMPLATE")]
+    pub chat_template: Option<PathBuf>,
+
+    /// Address the HTTP and gRPC front doors listen on.
+    #[arg(long, env = "TANDEM_ROUTER_HOST", default_value = "0.0.0.0")]
+    pub host: String,
+    /// HTTP port (OpenAI-compatible API, /metrics, /health).
+    #[arg(long, env = "TANDEM_ROUTER_PORT", default_value_t = 8000)]
+    pub port: u16,
+    /// gRPC port of the tandem.v1.Generate front door.
+    #[arg(long, env = "TANDEM_ROUTER_GRPC_PORT", default_value_t = 8001)]
+    pub grpc_port: u16,
+    /// Do not serve the gRPC front door.
+    #[arg(long, env = "TANDEM_ROUTER_DISABLE_GRPC")]
+    pub disable_grpc: bool,
+    /// Require 'Authorization: Bearer <key>' on /v1/* and on gRPC calls.
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+
+    /// How workers are found.
+    #[arg(long, env = "TANDEM_DISCOVERY", value_enum, default_value = "static")]
+    pub discovery: DiscoveryKind,
+    /// Prefill worker gRPC addresses (static discovery; repeat or comma-separate).
+    #[arg(long, env = "TANDEM_PREFILL", value_delimiter = ',')]
+    pub prefill: Vec<String>,
+    /// Decode worker gRPC addresses (static discovery; repeat or comma-separate).
+    #[arg(long, env = "TANDEM_DECODE", value_delimiter = ',')]
+    pub decode: Vec<String>,
+    /// etcd endpoints (etcd discovery).
+    #[arg(long, env = "TANDEM_ETCD", value_delimiter = ',', default_value = "http://127.0.0.1:2379")]
+    pub etcd: Vec<String>,
+    /// Cluster name: the etcd key prefix is /tandem/<cluster>/workers/.
+    #[arg(long, env = "TANDEM_CLUSTER", default_value = "default")]
+    pub cluster: String,
+
+    /// Prefill worker selection.
+    #[arg(long, env = "TANDEM_PREFILL_POLICY", value_enum, default_value = "cache-aware")]
+    pub prefill_policy: PrefillPolicyKind,
+    /// Decode worker selection.
+    #[arg(long, env = "TANDEM_DECODE_POLICY", value_enum, default_value = "least-kv")]
+    pub decode_policy: DecodePolicyKind,
+    /// cache-aware: take the best-cached worker only while its queued tokens exceed the idlest worker's by
+    /// at most this many.
+    #[arg(long, env = "TANDEM_CACHE_BALANCE_TOKENS", default_value_t = 16384)]
+    pub cache_balance_tokens: u64,
+
+    /// Requests handled at once; more wait in the queue.
+    #[arg(long, env = "TANDEM_MAX_RUNNING_REQUESTS", default_value_t = 4096)]
+    pub max_running_requests: usize,
+    /// Requests waiting for a running slot; beyond this, 429 with Retry-After.
+    #[arg(long, env = "TANDEM_MAX_QUEUED_REQUESTS", default_value_t = 4096)]
+    pub max_queued_requests: usize,
+    /// Longest wait in the queue before 429.
+    #[arg(long, env = "TANDEM_QUEUE_TIMEOUT_SECS", default_value_t = 30.0)]
+    pub queue_timeout_secs: f64,
+    /// Whole-request limit (0 = none); then 504, or an error event on a started stream.
+    #[arg(long, env = "TANDEM_REQUEST_TIMEOUT_SECS", default_value_t = 600.0)]
+    pub request_timeout_secs: f64,
+    /// Limit for one Prefill call and for the decode worker's reservation answer.
+    #[arg(long, env = "TANDEM_PREFILL_TIMEOUT_SECS", default_value_t = 300.0)]
+    pub prefill_timeout_secs: f64,
+    /// Further prefill workers tried when prefill fails before the first token.
+    #[arg(long, env = "TANDEM_MAX_RETRIES", default_value_t = 2)]
+    pub max_retries: u32,
+    /// Largest accepted request body.
+    #[arg(long, env = "TANDEM_MAX_BODY_BYTES", default_value_t = 32 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+
+    /// Load/health poll period per worker.
+    #[arg(long, env = "TANDEM_HEALTH_INTERVAL_MS", default_value_t = 500)]
+    pub health_interval_ms: u64,
+    /// Timeout of one health poll.
+    #[arg(long, env = "TANDEM_HEALTH_TIMEOUT_MS", default_value_t = 1000)]
+    pub health_timeout_ms: u64,
+    /// Consecutive failures (polls or requests) that open a worker's circuit breaker.
+    #[arg(long, env = "TANDEM_BREAKER_FAILURES", default_value_t = 3)]
+    pub breaker_failures: u32,
+    /// How long an open breaker keeps a worker out before one trial request.
+    #[arg(long, env = "TANDEM_BREAKER_OPEN_SECS", default_value_t = 5.0)]
+    pub breaker_open_secs: f64,
+    /// HTTP/2 connections per worker (requests are spread over them).
+    #[arg(long, env = "TANDEM_WORKER_CONNECTIONS", default_value_t = 2)]
+    pub worker_connections: usize,
+
+    /// Log format on stderr (RUST_LOG sets the level).
+    #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+fn secs(s: f64) -> Option<Duration> {
+    (s > 0.0 && s.is_finite()).then(|| Duration::from_secs_f64(s))
+}
+
+impl Args {
+    pub fn http_addr(&self) -> String {
+        format!("{}:{}", self.host, self.port)
+    }
+
+    pub fn grpc_addr(&self) -> Option<String> {
+        (!self.disable_grpc).then(|| format!("{}:{}", self.host, self.grpc_port))
+    }
+
+    pub fn request_timeout(&self) -> Option<Duration> {
+        secs(self.request_timeout_secs)
+    }
+
+    pub fn prefill_timeout(&self) -> Duration {
+        secs(self.prefill_timeout_secs).unwrap_or(Duration::from_secs(3600))
+    }
+
+    pub fn queue_timeout(&self) -> Duration {
+        secs(self.queue_timeout_secs).unwrap_or(Duration::ZERO)
+    }
+
+    /// Checks what clap cannot. Messages name the flag.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.discovery == DiscoveryKind::Static && (self.prefill.is_empty() || self.decode.is_empty()) {
+            return Err("--discovery static needs at least one --prefill ADDR and one --decode ADDR".into());
+        }
+        if self.max_running_requests == 0 {
+            return Err("--max-running-requests must be at least 1".into());
+        }
+        if self.worker_connections == 0 {
+            return Err("--worker-connections must be at least 1".into());
+        }
+        if self.health_interval_ms == 0 {
+            return Err("--health-interval-ms must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// Parses "host:port" or a URL for logging purposes.
+pub fn parse_socket(s: &str) -> Option<SocketAddr> {
+    s.parse().ok()
+}

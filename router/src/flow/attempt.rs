@@ -1,0 +1,277 @@
+//! Stage 2: one try on one pair. Decode reserves -> prefill ships the caches -> tokens stream from decode.
+
+use std::time::Duration;
+
+use proto::v1::decode_event::Event as DecodeEv;
+use proto::v1::{DecodeRequest, PrefillRequest, StageTimings};
+use tokio::sync::mpsc;
+use tonic::Code;
+use tracing::{debug, warn};
+
+use super::abort::AbortGuard;
+use super::output::{Control, FinishReason, Output};
+use super::select::Pair;
+use super::{Event, Job, Limits};
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::workers::is_worker_fault;
+
+pub struct AttemptInput<'a> {
+    pub job: &'a Job,
+    pub hashes: &'a [u64],
+    pub pair: &'a Pair,
+    pub limits: &'a Limits,
+    pub metrics: &'a Metrics,
+}
+
+pub enum AttemptEnd {
+    /// Finished (normally or by a stop string); events were sent.
+    Done,
+    ClientGone,
+    Failed(ApiError),
+    /// The decode worker gave the request back; prefill prompt + generated again on any pair.
+    Preempted(String),
+    /// Prefill failed before producing the first token of this attempt.
+    RetryPrefill(String),
+    /// The decode worker could not reserve (full) or could not be reached.
+    RetryDecode {
+        why: String,
+        full: bool,
+    },
+}
+
+/// Adds the request id as gRPC metadata, so worker logs carry it even before the body is parsed.
+pub fn tag<T>(req: &mut tonic::Request<T>, request_id: &str) {
+    if let Ok(v) = request_id.parse() {
+        req.metadata_mut().insert(crate::request_id::HEADER, v);
+    }
+}
+
+fn finish_reason(code: i32) -> FinishReason {
+    match proto::v1::FinishReason::try_from(code) {
+        Ok(proto::v1::FinishReason::Length) => FinishReason::Length,
+        Ok(proto::v1::FinishReason::Abort) => FinishReason::Abort,
+        _ => FinishReason::Stop,
+    }
+}
+
+fn observe_timings(m: &Metrics, t: &StageTimings) {
+    let s = |us: u64| us as f64 / 1e6;
+    if t.prefill_us > 0 {
+        m.stage.with_label_values(&["prefill_queue"]).observe(s(t.prefill_queue_us));
+        m.stage.with_label_values(&["prefill"]).observe(s(t.prefill_us));
+    }
+    if t.transfer_us > 0 {
+        m.stage.with_label_values(&["kv_transfer"]).observe(s(t.transfer_us));
+        m.kv_transfer_bytes.inc_by(t.transfer_bytes);
+    }
+    if t.first_decode_step_us > 0 {
+        m.stage.with_label_values(&["first_decode_step"]).observe(s(t.first_decode_step_us));
+    }
+}
+
+fn decode_refused(status: &tonic::Status, pair: &Pair) -> AttemptEnd {
+    let full = status.code() == Code::ResourceExhausted;
+    if is_worker_fault(status) {
+        pair.decode.breaker.failure();
+    }
+    if full || is_worker_fault(status) {
+        AttemptEnd::RetryDecode { why: format!("{:?}: {}", status.code(), status.message()), full }
+    } else if status.code() == Code::InvalidArgument {
+        AttemptEnd::Failed(ApiError::invalid(format!("decode worker rejected the request: {}", status.message())))
+    } else {
+        AttemptEnd::Failed(ApiError::upstream(format!("decode worker {}: {}", pair.decode.id, status.message())))
+    }
+}
+
+pub async fn run(input: AttemptInput<'_>, out: &mut Output, tx: &mpsc::Sender<Event>) -> AttemptEnd {
+    let AttemptInput { job, hashes, pair, limits, metrics } = input;
+    let rid = job.request_id.as_str();
+    let num_generated = out.generated().len();
+    let mut seq = Vec::with_capacity(job.prompt.len() + num_generated);
+    seq.extend_from_slice(&job.prompt);
+    seq.extend_from_slice(out.generated());
+    let tokens = seq.len() as u64;
+    let mut guard = AbortGuard::new(rid);
+
+    // Reserve on the decode worker.
+    let _decode_flight = pair.decode.begin(tokens);
+    let mut dreq = tonic::Request::new(DecodeRequest {
+        request_id: rid.to_owned(),
+        token_ids: seq.clone(),
+        sampling: Some(job.sampling.clone()),
+        num_generated: num_generated as u32,
+        num_prompt_tokens: job.prompt.len() as u32,
+        transfer_timeout_ms: limits.prefill_timeout.as_millis().min(u32::MAX as u128) as u32,
+    });
+    tag(&mut dreq, rid);
+    guard.decode = Some(pair.decode.clone());
+    let mut dclient = pair.decode.decode_client();
+    let opened = tokio::select! {
+        r = dclient.decode(dreq) => r,
+        _ = tx.closed() => return AttemptEnd::ClientGone,
+    };
+    let mut stream = match opened {
+        Ok(s) => s.into_inner(),
+        Err(status) => {
+            guard.decode = None;
+            return decode_refused(&status, pair);
+        }
+    };
+    let first = tokio::select! {
+        m = stream.message() => m,
+        _ = tx.closed() => return AttemptEnd::ClientGone,
+        _ = tokio::time::sleep(limits.prefill_timeout) => {
+            guard.reason = "reservation timed out";
+            pair.decode.breaker.failure();
+            return AttemptEnd::RetryDecode { why: "no reservation answer in time".into(), full: false };
+        }
+    };
+    let transfer = match first {
+        Ok(Some(proto::v1::DecodeEvent { event: Some(DecodeEv::Reserved(r)) })) => r.transfer,
+        Ok(Some(other)) => {
+            guard.reason = "protocol error";
+            return AttemptEnd::Failed(ApiError::upstream(format!(
+                "decode worker {} sent {:?} before Reserved",
+                pair.decode.id, other.event
+            )));
+        }
+        Ok(None) => {
+            pair.decode.breaker.failure();
+            return AttemptEnd::RetryDecode { why: "stream closed before Reserved".into(), full: false };
+        }
+        Err(status) => return decode_refused(&status, pair),
+    };
+    debug!(decode = %pair.decode.id, prefill = %pair.prefill.id, "reserved");
+
+    // Prefill with the descriptor, while reading the decode stream.
+    let _prefill_flight = pair.prefill.begin(tokens);
+    pair.prefill.note_routed(hashes);
+    let mut preq = tonic::Request::new(PrefillRequest {
+        request_id: rid.to_owned(),
+        token_ids: seq,
+        sampling: Some(job.sampling.clone()),
+        transfer,
+        num_generated: num_generated as u32,
+        num_prompt_tokens: job.prompt.len() as u32,
+    });
+    tag(&mut preq, rid);
+    preq.set_timeout(limits.prefill_timeout);
+    guard.prefill = Some(pair.prefill.clone());
+    let mut pclient = pair.prefill.prefill_client();
+    let prefill = tokio::time::timeout(limits.prefill_timeout + Duration::from_secs(1), pclient.prefill(preq));
+    tokio::pin!(prefill);
+    let mut prefill_pending = true;
+    let mut decode_pos = num_generated;
+    loop {
+        tokio::select! {
+            _ = tx.closed() => return AttemptEnd::ClientGone,
+            r = &mut prefill, if prefill_pending => {
+                prefill_pending = false;
+                guard.prefill = None;
+                let progressed = out.generated().len() > num_generated;
+                let resp = match r {
+                    Ok(Ok(resp)) => resp.into_inner(),
+                    Ok(Err(status)) if !progressed => {
+                        if is_worker_fault(&status) {
+                            pair.prefill.breaker.failure();
+                        }
+                        guard.prefill = Some(pair.prefill.clone());
+                        guard.reason = "prefill failed; retrying elsewhere";
+                        return match status.code() {
+                            Code::InvalidArgument => AttemptEnd::Failed(ApiError::invalid(format!(
+                                "prefill worker rejected the request: {}", status.message()))),
+                            _ => AttemptEnd::RetryPrefill(format!("{:?}: {}", status.code(), status.message())),
+                        };
+                    }
+                    Err(_) if !progressed => {
+                        pair.prefill.breaker.failure();
+                        guard.prefill = Some(pair.prefill.clone());
+                        guard.reason = "prefill timed out; retrying elsewhere";
+                        return AttemptEnd::RetryPrefill("prefill timed out".into());
+                    }
+                    // Tokens are already flowing from decode, so the caches arrived: a lost reply is harmless.
+                    Ok(Err(_)) | Err(_) => {
+                        warn!(worker = %pair.prefill.id, "prefill reply lost after decoding started; continuing");
+                        continue;
+                    }
+                };
+                pair.prefill.breaker.success();
+                if let Some(t) = &resp.timings {
+                    observe_timings(metrics, t);
+                    out.set_cached_tokens(t.cached_tokens);
+                }
+                if let Some(tok) = resp.first_token {
+                    match out.push_at(num_generated, std::slice::from_ref(&tok)).await {
+                        Control::Continue => {}
+                        Control::Stop => { guard.reason = "stop string matched"; return AttemptEnd::Done; }
+                        Control::ClientGone => return AttemptEnd::ClientGone,
+                    }
+                }
+                if resp.finished {
+                    // The prefill worker already released the decode reservation.
+                    guard.decode = None;
+                    return match out.finish(finish_reason(resp.finish_reason)).await {
+                        Control::ClientGone => AttemptEnd::ClientGone,
+                        _ => AttemptEnd::Done,
+                    };
+                }
+            }
+            m = stream.message() => {
+                let ev = match m {
+                    Ok(Some(ev)) => ev.event,
+                    Ok(None) => {
+                        pair.decode.breaker.failure();
+                        guard.reason = "decode stream ended early";
+                        return AttemptEnd::Failed(ApiError::upstream(format!(
+                            "decode worker {} closed the stream without finishing the request", pair.decode.id)));
+                    }
+                    Err(status) => {
+                        if is_worker_fault(&status) {
+                            pair.decode.breaker.failure();
+                        }
+                        guard.reason = "decode failed";
+                        if prefill_pending && out.generated().len() == num_generated && status.code() == Code::ResourceExhausted {
+                            return AttemptEnd::RetryDecode { why: status.message().to_owned(), full: true };
+                        }
+                        return AttemptEnd::Failed(ApiError::upstream(format!(
+                            "decode worker {} failed: {}", pair.decode.id, status.message())));
+                    }
+                };
+                match ev {
+                    Some(DecodeEv::Tokens(t)) => {
+                        let start = decode_pos;
+                        decode_pos += t.tokens.len();
+                        match out.push_at(start, &t.tokens).await {
+                            Control::Continue => {}
+                            Control::Stop => { guard.reason = "stop string matched"; return AttemptEnd::Done; }
+                            Control::ClientGone => return AttemptEnd::ClientGone,
+                        }
+                    }
+                    Some(DecodeEv::Finished(f)) => {
+                        guard.decode = None;
+                        guard.prefill = None;
+                        pair.decode.breaker.success();
+                        if let Some(t) = &f.timings {
+                            observe_timings(metrics, t);
+                        }
+                        let reason = finish_reason(f.reason);
+                        if f.reason == proto::v1::FinishReason::Error as i32 {
+                            return AttemptEnd::Failed(ApiError::upstream(format!(
+                                "decode worker {} failed the request: {}", pair.decode.id, f.error)));
+                        }
+                        return match out.finish(reason).await {
+                            Control::ClientGone => AttemptEnd::ClientGone,
+                            _ => AttemptEnd::Done,
+                        };
+                    }
+                    Some(DecodeEv::Preempted(p)) => {
+                        guard.decode = None;
+                        return AttemptEnd::Preempted(p.reason);
+                    }
+                    Some(DecodeEv::Reserved(_)) | None => warn!(worker = %pair.decode.id, "unexpected decode event ignored"),
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,215 @@
+//! A request's flow through the cluster, in named stages:
+//!
+//! 1. [`select`]: pick a compatible prefill/decode pair with the configured policies.
+//! 2. [`attempt`]: open `DecodeWorker.Decode` (the decode worker reserves blocks and answers `Reserved`),
+//!    call `PrefillWorker.Prefill` with the descriptor, then relay tokens from the Decode stream.
+//! 3. [`output`]: incremental detokenization, stop strings, logprobs, usage -> [`Event`]s.
+//!
+//! [`Dispatcher::start`] runs these in a task per request and retries: another prefill worker when
+//! prefill fails before the first token, another decode worker when a reservation is refused, a fresh
+//! pair for prompt + generated tokens when the decode worker preempts. Dropping the event stream (the
+//! client went away) aborts the request on both workers.
+
+mod abort;
+mod attempt;
+mod output;
+mod select;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use proto::v1::{GeneratedToken, SamplingParams};
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
+use tracing::{Instrument, info, info_span, warn};
+
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::model::ServedModel;
+use crate::policies::Policy;
+use crate::workers::WorkerPool;
+use attempt::{AttemptEnd, AttemptInput};
+use output::Output;
+pub use output::{StopReason, Summary};
+
+/// One generation request after validation, templating and tokenization.
+#[derive(Debug, Clone)]
+pub struct Job {
+    pub request_id: String,
+    /// Metrics label: "completions", "chat" or "grpc".
+    pub endpoint: &'static str,
+    pub prompt: Vec<u32>,
+    /// max_tokens is resolved (>= 1).
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    pub include_stop_str: bool,
+    pub skip_special_tokens: bool,
+    pub arrived: Instant,
+}
+
+/// What the front doors receive.
+#[derive(Debug)]
+pub enum Event {
+    /// New text (never a split character, never part of a stop string) and the tokens that produced it.
+    Delta { text: String, tokens: Vec<GeneratedToken> },
+    /// The request ended normally.
+    Done(Summary),
+    /// The request failed. Before any Delta this becomes an HTTP error status.
+    Failed(ApiError),
+}
+
+/// Limits applied to every request.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub max_retries: u32,
+    pub prefill_timeout: Duration,
+    pub request_timeout: Option<Duration>,
+}
+
+pub struct Dispatcher {
+    pub pool: Arc<WorkerPool>,
+    pub prefill_policy: Box<dyn Policy>,
+    pub decode_policy: Box<dyn Policy>,
+    pub model: Arc<ServedModel>,
+    pub metrics: Arc<Metrics>,
+    pub limits: Limits,
+}
+
+/// The events of one request. Dropping it aborts the request on its workers.
+pub struct EventStream {
+    first: Option<Event>,
+    rx: mpsc::Receiver<Event>,
+}
+
+impl EventStream {
+    pub async fn next(&mut self) -> Option<Event> {
+        match self.first.take() {
+            Some(e) => Some(e),
+            None => self.rx.recv().await,
+        }
+    }
+}
+
+/// Preemptions allowed per request before it fails (guards against a worker that preempts forever).
+const MAX_PREEMPTIONS: u32 = 16;
+
+impl Dispatcher {
+    /// Starts `job` and waits for its first event: a failure before any output is returned as Err, so
+    /// the front door can answer with a proper status (400/429/503...). `permit` is the admission slot,
+    /// held until the request ends.
+    pub async fn start(self: &Arc<Self>, job: Job, permit: OwnedSemaphorePermit) -> Result<EventStream, ApiError> {
+        let (tx, mut rx) = mpsc::channel(256);
+        let span = info_span!("request", request_id = %job.request_id);
+        let me = self.clone();
+        tokio::spawn(
+            async move {
+                let _permit = permit;
+                me.run(job, tx).await;
+            }
+            .instrument(span),
+        );
+        match rx.recv().await {
+            Some(Event::Failed(e)) => Err(e),
+            Some(first) => Ok(EventStream { first: Some(first), rx }),
+            None => Err(ApiError::internal("request task ended without a result")),
+        }
+    }
+
+    async fn run(&self, job: Job, tx: mpsc::Sender<Event>) {
+        let deadline = self.limits.request_timeout.map(|t| job.arrived + t);
+        let mut out = Output::new(&job, self.model.clone(), self.metrics.clone(), tx.clone());
+        let work = self.drive(&job, &mut out, &tx);
+        let result = match deadline {
+            Some(d) => tokio::time::timeout_at(d.into(), work).await,
+            None => Ok(work.await),
+        };
+        match result {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => out.fail(e).await,
+            Err(_) => {
+                let secs = self.limits.request_timeout.map(|t| t.as_secs_f64()).unwrap_or_default();
+                warn!(timeout_s = secs, "request timed out");
+                out.fail(ApiError::timeout(secs)).await
+            }
+        }
+    }
+
+    /// The retry loop around attempts. Returns Err for failures to report; Ok when the request ended
+    /// (finished, or the client left).
+    async fn drive(&self, job: &Job, out: &mut Output, tx: &mpsc::Sender<Event>) -> Result<(), ApiError> {
+        let hashes = if self.prefill_policy.wants_prefix_hashes() {
+            cluster::prefix_hash::prefix_hashes(&job.prompt)
+        } else {
+            Vec::new()
+        };
+        let mut excluded_prefill = HashSet::new();
+        let mut excluded_decode = HashSet::new();
+        let mut decode_full = false;
+        let (mut retries, mut preemptions) = (0u32, 0u32);
+        let mut last_failure = String::new();
+        loop {
+            let pair = match select::pair(self, &hashes, job.prompt.len(), &excluded_prefill, &excluded_decode) {
+                Ok(p) => p,
+                Err(why) if decode_full => {
+                    return Err(ApiError::overloaded(
+                        format!("All decode workers are out of KV-cache blocks ({why}); retry shortly."),
+                        1,
+                    ));
+                }
+                Err(why) if !last_failure.is_empty() => {
+                    return Err(ApiError::unavailable(format!("{why}; last failure: {last_failure}")));
+                }
+                Err(why) => return Err(ApiError::unavailable(why)),
+            };
+            let input =
+                AttemptInput { job, hashes: &hashes, pair: &pair, limits: &self.limits, metrics: &self.metrics };
+            match attempt::run(input, out, tx).await {
+                AttemptEnd::Done => return Ok(()),
+                AttemptEnd::ClientGone => {
+                    info!("client disconnected; request aborted on both workers");
+                    return Ok(());
+                }
+                AttemptEnd::Failed(e) => return Err(e),
+                AttemptEnd::Preempted(why) => {
+                    preemptions += 1;
+                    self.metrics.retries.with_label_values(&["preempted"]).inc();
+                    info!(worker = %pair.decode.id, reason = %why, generated = out.generated().len(), "preempted; prefilling again");
+                    if preemptions > MAX_PREEMPTIONS {
+                        return Err(ApiError::upstream(format!("request preempted {preemptions} times; giving up")));
+                    }
+                }
+                AttemptEnd::RetryPrefill(why) => {
+                    retries += 1;
+                    self.metrics.retries.with_label_values(&["prefill_failed"]).inc();
+                    warn!(worker = %pair.prefill.id, reason = %why, retries, "prefill failed before the first token");
+                    last_failure = format!("prefill worker {}: {why}", pair.prefill.id);
+                    if retries > self.limits.max_retries {
+                        return Err(ApiError::upstream(format!(
+                            "Prefill failed on {retries} attempts; {last_failure}"
+                        )));
+                    }
+                    excluded_prefill.insert(pair.prefill.id.clone());
+                }
+                AttemptEnd::RetryDecode { why, full } => {
+                    self.metrics
+                        .retries
+                        .with_label_values(&[if full { "decode_full" } else { "decode_unavailable" }])
+                        .inc();
+                    warn!(worker = %pair.decode.id, reason = %why, "decode reservation failed; trying another decode worker");
+                    decode_full |= full;
+                    last_failure = format!("decode worker {}: {why}", pair.decode.id);
+                    excluded_decode.insert(pair.decode.id.clone());
+                }
+            }
+        }
+    }
+}
+
+impl Dispatcher {
+    /// For /ready: Ok with a description when some pair could serve now, else why not.
+    pub fn readiness(&self) -> Result<String, String> {
+        let none = std::collections::HashSet::new();
+        select::pair(self, &[], 1, &none, &none)
+            .map(|p| format!("e.g. prefill {} + decode {}", p.prefill.id, p.decode.id))
+    }
+}

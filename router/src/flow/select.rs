@@ -1,0 +1,75 @@
+//! Stage 1: pick a prefill/decode pair. Both must be healthy, not draining, breaker closed (or half-open
+//! with its trial free), serve the router's model, and have equal fingerprints.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use cluster::WorkerRole;
+
+use super::Dispatcher;
+use crate::policies::{Candidate, Request};
+use crate::workers::WorkerHandle;
+
+pub struct Pair {
+    pub prefill: Arc<WorkerHandle>,
+    pub decode: Arc<WorkerHandle>,
+}
+
+fn eligible(w: &WorkerHandle, model: &str) -> bool {
+    w.is_healthy()
+        && !w.is_draining()
+        && w.fingerprint().is_some_and(|f| f.model_name == model)
+        && w.breaker.available()
+}
+
+/// Err explains why no pair exists (for the 503/429 message).
+pub fn pair(
+    d: &Dispatcher,
+    hashes: &[u64],
+    prompt_tokens: usize,
+    excluded_prefill: &HashSet<String>,
+    excluded_decode: &HashSet<String>,
+) -> Result<Pair, String> {
+    let model = d.model.name.as_str();
+    let all = d.pool.snapshot();
+    let decodes: Vec<&Arc<WorkerHandle>> = all
+        .iter()
+        .filter(|w| w.role == WorkerRole::Decode && !excluded_decode.contains(&w.id) && eligible(w, model))
+        .collect();
+    let decode_fps: Vec<cluster::Fingerprint> = decodes.iter().filter_map(|w| w.fingerprint()).collect();
+    let prefills: Vec<&Arc<WorkerHandle>> = all
+        .iter()
+        .filter(|w| w.role == WorkerRole::Prefill && !excluded_prefill.contains(&w.id) && eligible(w, model))
+        .filter(|w| w.fingerprint().is_some_and(|f| decode_fps.contains(&f)))
+        .collect();
+    if prefills.is_empty() || decodes.is_empty() {
+        return Err(explain(&all, model, prefills.len(), decodes.len()));
+    }
+    let req = Request { prefix_hashes: hashes, prompt_tokens };
+    let cands: Vec<&dyn Candidate> = prefills.iter().map(|w| w.as_ref() as &dyn Candidate).collect();
+    let p =
+        d.prefill_policy.select(&cands, &req).and_then(|i| prefills.get(i)).ok_or("prefill policy chose nothing")?;
+    let fp = p.fingerprint();
+    let matching: Vec<&Arc<WorkerHandle>> = decodes.into_iter().filter(|w| w.fingerprint() == fp).collect();
+    let cands: Vec<&dyn Candidate> = matching.iter().map(|w| w.as_ref() as &dyn Candidate).collect();
+    let dec =
+        d.decode_policy.select(&cands, &req).and_then(|i| matching.get(i)).ok_or("decode policy chose nothing")?;
+    Ok(Pair { prefill: (*p).clone(), decode: (*dec).clone() })
+}
+
+fn explain(all: &[Arc<WorkerHandle>], model: &str, prefills: usize, decodes: usize) -> String {
+    let count = |role| all.iter().filter(|w| w.role == role).count();
+    let others: HashSet<String> =
+        all.iter().filter_map(|w| w.fingerprint()).map(|f| f.model_name).filter(|m| m != model).collect();
+    let mut s = format!(
+        "No prefill/decode pair can serve model `{model}` now: {prefills} of {} prefill and {decodes} of {} decode workers are usable (healthy, not draining, same model fingerprint)",
+        count(WorkerRole::Prefill),
+        count(WorkerRole::Decode)
+    );
+    if !others.is_empty() {
+        let mut v: Vec<String> = others.into_iter().collect();
+        v.sort();
+        s.push_str(&format!("; workers registered for other models: {}", v.join(", ")));
+    }
+    s
+}

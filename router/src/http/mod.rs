@@ -1,0 +1,243 @@
+//! The OpenAI-compatible HTTP front door (axum).
+//!
+//! Every /v1 answer carries `x-request-id`; errors are OpenAI-style JSON objects; bodies are read up
+//! to `--max-body-bytes` and parsed here so that every rejection has a JSON body and a useful message.
+
+mod chat;
+mod completions;
+mod logprobs;
+mod params;
+mod stream;
+
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::serve::ListenerExt;
+use serde::de::DeserializeOwned;
+use serde_json::json;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tracing::{Instrument, info_span};
+
+use crate::admission::Admission;
+use crate::error::ApiError;
+use crate::flow::{Dispatcher, Job};
+use crate::metrics::Metrics;
+use crate::model::ServedModel;
+use crate::request_id;
+use params::Validated;
+use stream::{Format, StreamOpts};
+
+pub struct AppState {
+    pub dispatcher: Arc<Dispatcher>,
+    pub admission: Arc<Admission>,
+    pub model: Arc<ServedModel>,
+    pub metrics: Arc<Metrics>,
+    pub api_key: Option<String>,
+    pub max_body_bytes: usize,
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions_handler))
+        .route("/v1/chat/completions", post(chat_handler))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
+        .fallback(fallback)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+}
+
+/// Serves until `shutdown` turns true; accepted sockets get TCP_NODELAY.
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<AppState>,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<(), String> {
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(async move {
+            let _ = shutdown.wait_for(|s| *s).await;
+        })
+        .await
+        .map_err(|e| e.to_string())
+}
+
+pub(crate) fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+pub(crate) fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("Invalid JSON body: {e}")))
+}
+
+/// Tokenizes off the async threads when the text is long.
+pub(crate) async fn tokenize(model: &Arc<ServedModel>, text: String, add_special: bool) -> Result<Vec<u32>, ApiError> {
+    let run = move |m: &ServedModel, t: &str| {
+        let r = if add_special { m.tokenizer.encode_prompt(t) } else { m.tokenizer.encode(t, false) };
+        r.map_err(|e| ApiError::invalid(format!("Cannot tokenize the prompt: {e}")))
+    };
+    if text.len() < 16 * 1024 {
+        return run(model, &text);
+    }
+    let m = model.clone();
+    tokio::task::spawn_blocking(move || run(&m, &text)).await.map_err(|e| ApiError::internal(e.to_string()))?
+}
+
+fn authorize(st: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = &st.api_key else { return Ok(()) };
+    let given =
+        headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    if given.is_some_and(|g| constant_time_eq(g.trim().as_bytes(), key.as_bytes())) {
+        Ok(())
+    } else {
+        Err(ApiError::unauthorized())
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn read_body(body: Body, limit: usize) -> Result<bytes::Bytes, ApiError> {
+    axum::body::to_bytes(body, limit).await.map_err(|_| ApiError::too_large(limit))
+}
+
+/// Admits the request, starts it, and answers as a stream or a JSON body.
+pub(crate) async fn serve_job<F: Format>(
+    st: &Arc<AppState>,
+    request_id: &str,
+    endpoint: &'static str,
+    prompt: Vec<u32>,
+    v: Validated,
+    fmt: F,
+) -> Result<Response, ApiError> {
+    let prompt_tokens = prompt.len() as u32;
+    let job = Job {
+        request_id: request_id.to_owned(),
+        endpoint,
+        prompt,
+        sampling: v.sampling,
+        stop: v.stop,
+        include_stop_str: v.include_stop_str,
+        skip_special_tokens: v.skip_special_tokens,
+        arrived: Instant::now(),
+    };
+    let permit = st.admission.admit().await?;
+    let events = st.dispatcher.start(job, permit).await?;
+    if v.stream {
+        let opts = StreamOpts { include_usage: v.include_usage, continuous_usage: v.continuous_usage };
+        Ok(stream::sse(events, fmt, opts, prompt_tokens))
+    } else {
+        stream::collect(events, fmt).await
+    }
+}
+
+type Handler =
+    for<'a> fn(&'a Arc<AppState>, &'a str, &'a [u8]) -> futures::future::BoxFuture<'a, Result<Response, ApiError>>;
+
+async fn generate(
+    st: Arc<AppState>,
+    headers: HeaderMap,
+    body: Body,
+    endpoint: &'static str,
+    handler: Handler,
+) -> Response {
+    let rid = request_id::from_header(headers.get(request_id::HEADER).and_then(|v| v.to_str().ok()));
+    let span = info_span!("http", request_id = %rid, endpoint);
+    let result = async {
+        authorize(&st, &headers)?;
+        if let Some(len) =
+            headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok())
+            && len > st.max_body_bytes
+        {
+            return Err(ApiError::too_large(st.max_body_bytes));
+        }
+        let bytes = read_body(body, st.max_body_bytes).await?;
+        handler(&st, &rid, &bytes).await
+    }
+    .instrument(span.clone())
+    .await;
+    let mut resp = match result {
+        Ok(r) => r,
+        Err(e) => {
+            if e.status.is_server_error() || e.status == StatusCode::TOO_MANY_REQUESTS {
+                span.in_scope(|| tracing::warn!(error = %e, "request refused"));
+            } else {
+                span.in_scope(|| tracing::debug!(error = %e, "request rejected"));
+            }
+            e.into_response()
+        }
+    };
+    st.metrics.requests.with_label_values(&[endpoint, resp.status().as_str()]).inc();
+    if let Ok(v) = HeaderValue::from_str(&rid) {
+        resp.headers_mut().insert(request_id::HEADER, v);
+    }
+    resp
+}
+
+async fn completions_handler(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    generate(st, headers, body, "completions", |st, rid, b| Box::pin(completions::handle(st, rid, b))).await
+}
+
+async fn chat_handler(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    generate(st, headers, body, "chat", |st, rid, b| Box::pin(chat::handle(st, rid, b))).await
+}
+
+async fn models(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&st, &headers) {
+        return e.into_response();
+    }
+    let body = json!({
+        "object": "list",
+        "data": [{
+            "id": st.model.name,
+            "object": "model",
+            "created": now(),
+            "owned_by": "tandem",
+            "root": st.model.name,
+            "max_model_len": st.model.max_model_len,
+        }],
+    });
+    ([(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+}
+
+async fn health() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], r#"{"status":"ok"}"#).into_response()
+}
+
+/// 200 when at least one compatible prefill/decode pair is usable, else 503 saying why.
+async fn ready(State(st): State<Arc<AppState>>) -> Response {
+    match st.dispatcher.readiness() {
+        Ok(pairs) => {
+            ([(header::CONTENT_TYPE, "application/json")], json!({"status": "ready", "detail": pairs}).to_string())
+                .into_response()
+        }
+        Err(why) => ApiError::unavailable(why).into_response(),
+    }
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    st.metrics.running.set(st.admission.running() as i64);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], st.metrics.render()).into_response()
+}
+
+async fn fallback(uri: Uri) -> Response {
+    ApiError::not_found(uri.path()).into_response()
+}
+
+async fn method_not_allowed(uri: Uri) -> Response {
+    let mut e = ApiError::invalid(format!("Method not allowed on {}", uri.path()));
+    e.status = StatusCode::METHOD_NOT_ALLOWED;
+    e.into_response()
+}

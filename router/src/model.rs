@@ -1,0 +1,63 @@
+//! The served model as the router knows it: name, context length, tokenizer and chat template, read as
+//! plain files from the checkpoint directory (the router never links model code).
+
+use std::path::Path;
+
+use serde::Deserialize;
+use text::{ChatTemplate, Tokenizer};
+
+use crate::Args;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{path}: {message}")]
+    Config { path: String, message: String },
+    #[error(transparent)]
+    Text(#[from] text::TextError),
+}
+
+/// The fields of config.json the router uses.
+#[derive(Deserialize)]
+struct ModelConfig {
+    max_position_embeddings: Option<u32>,
+}
+
+pub struct ServedModel {
+    pub name: String,
+    pub max_model_len: u32,
+    pub tokenizer: Tokenizer,
+    pub template: ChatTemplate,
+}
+
+impl ServedModel {
+    pub fn load(args: &Args) -> Result<Self, ModelError> {
+        let dir = args.model.as_path();
+        let max_model_len = match args.max_model_len {
+            Some(n) => n,
+            None => read_max_position_embeddings(dir)?,
+        };
+        if max_model_len < 2 {
+            return Err(ModelError::Config {
+                path: "--max-model-len".into(),
+                message: format!("must be at least 2 (got {max_model_len})"),
+            });
+        }
+        let tokenizer = Tokenizer::from_dir(dir)?;
+        let template = ChatTemplate::resolve(args.chat_template.as_deref(), tokenizer.config())?;
+        let name = args.served_model_name.clone().unwrap_or_else(|| default_name(dir));
+        Ok(Self { name, max_model_len, tokenizer, template })
+    }
+}
+
+fn read_max_position_embeddings(dir: &Path) -> Result<u32, ModelError> {
+    let path = dir.join("config.json");
+    let err = |message: String| ModelError::Config { path: path.display().to_string(), message };
+    let bytes = std::fs::read(&path).map_err(|e| err(format!("{e} (pass --max-model-len to run without it)")))?;
+    let cfg: ModelConfig = serde_json::from_slice(&bytes).map_err(|e| err(e.to_string()))?;
+    cfg.max_position_embeddings.ok_or_else(|| err("no max_position_embeddings; pass --max-model-len".into()))
+}
+
+fn default_name(dir: &Path) -> String {
+    let canon = dir.canonicalize().unwrap_or_else(|_| dir.to_owned());
+    canon.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
+}
