@@ -34,5 +34,8 @@ for f in "${FUNCS[@]}"; do allow+=(--allowlist-function "$f"); done
         --no-layout-tests --no-doc-comments --use-core \
         -- $inc
 } > "$out.tmp"
+# bindgen 0.60 writes libloading 0.7's `P: AsRef<OsStr>`; libloading 0.9 takes `AsFilename`.
+sed -i 's/P: AsRef<::std::ffi::OsStr>,/P: ::libloading::AsFilename,/' "$out.tmp"
+grep -q 'P: ::libloading::AsFilename' "$out.tmp" || { echo "gen-ucx-bindings: loader signature not patched" >&2; exit 1; }
 mv "$out.tmp" "$out"
 echo "wrote $out ($(wc -l <"$out") lines)"

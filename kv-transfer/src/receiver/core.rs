@@ -34,6 +34,9 @@ use crate::transport::{PeerLink, control, next_id};
 use crate::wait::Cell;
 use crate::{TransferError, fingerprint};
 
+/// A completion (correlation id, message, sender) waiting for writes in progress.
+type DeferredComplete = (u64, TransferComplete, Arc<dyn PeerLink>);
+
 pub(crate) type OutcomeCell = Arc<Cell<Result<TransferOutcome, TransferError>>>;
 
 /// Timing policy of the receiver.
@@ -75,7 +78,7 @@ pub(crate) struct Transfer {
     terminal: Mutex<Option<(TransferStatus, String)>>,
     free: Mutex<FreeState>,
     /// Complete waiting for writes in progress to drain.
-    deferred_complete: Mutex<Option<(u64, TransferComplete, Arc<dyn PeerLink>)>>,
+    deferred_complete: Mutex<Option<DeferredComplete>>,
 }
 
 #[derive(Default)]
@@ -519,10 +522,11 @@ impl ReceiverCore {
             }
             prev = Some(idx);
         }
-        if latent {
-            if (in_layer % g.latent_bytes_per_token() as u64) != 0 || len % g.latent_bytes_per_token() as u64 != 0 {
-                return Err("latent write not aligned to entries".into());
-            }
+        if latent
+            && (!in_layer.is_multiple_of(g.latent_bytes_per_token() as u64)
+                || !len.is_multiple_of(g.latent_bytes_per_token() as u64))
+        {
+            return Err("latent write not aligned to entries".into());
         }
         Ok((layer, latent))
     }
@@ -743,8 +747,7 @@ impl ReceiverCore {
             return Ok(false);
         }
         let blocks: Vec<engine::cache::BlockId> = t.blocks.iter().map(|&b| engine::cache::BlockId(b)).collect();
-        let plan =
-            layout::PutPlan::new(self.layout.clone(), self.layout.clone(), &blocks, &blocks, t.num_tokens as usize);
+        let plan = layout::PutPlan::new(self.layout, self.layout, &blocks, &blocks, t.num_tokens as usize);
         for l in &c.layers {
             let Some(want) = l.checksum else {
                 return Err((TransferStatus::ChecksumMismatch, format!("layer {} has no checksum", l.layer)));

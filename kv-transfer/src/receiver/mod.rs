@@ -185,7 +185,7 @@ impl KvReceiver {
             deadline_unix_ms,
             fingerprint: Some(self.core.fingerprint.clone()),
             endpoint: Some(self.served.endpoint.clone()),
-            layout: Some(self.core.layout.clone()),
+            layout: Some(self.core.layout),
             regions: self.served.regions.clone(),
             block_ids: blocks,
             num_tokens: req.num_tokens as u32,

@@ -52,6 +52,8 @@ impl Default for SenderConfig {
     }
 }
 
+type LinkSlot = Arc<Mutex<Option<Arc<dyn Link>>>>;
+
 pub(crate) struct SenderShared {
     pub cache: Arc<KvCache>,
     pub layout: CacheLayout,
@@ -60,7 +62,8 @@ pub(crate) struct SenderShared {
     pub fault: Option<Fault>,
     pub rt: Arc<Runtime>,
     transports: Mutex<HashMap<TransportKind, Arc<dyn Transport>>>,
-    links: Mutex<HashMap<(TransportKind, Vec<u8>), Arc<dyn Link>>>,
+    /// One link per receiver endpoint; the inner lock serialises connecting to it.
+    links: Mutex<HashMap<(TransportKind, Vec<u8>), LinkSlot>>,
     pub router: Arc<Router>,
     pub shipper: Shipper,
 }
@@ -89,10 +92,10 @@ impl Inbound for Router {
             .unwrap_or_else(|p| p.into_inner())
             .get(&(link.id(), abort.session_id))
             .and_then(Weak::upgrade);
-        if let Some(st) = st {
-            if st.token() == abort.transfer_token {
-                st.stop_by_receiver(&abort.reason, abort.status);
-            }
+        if let Some(st) = st
+            && st.token() == abort.transfer_token
+        {
+            st.stop_by_receiver(&abort.reason, abort.status);
         }
         // Unknown sessions issue no puts; known ones stopped issuing above. Ack after the flush.
         let ack =
@@ -168,7 +171,7 @@ impl KvSender {
         let deadline = deadline.min(now + sh.config.max_wait);
         let fp = desc.fingerprint.as_ref().ok_or_else(|| bad("no fingerprint".into()))?;
         fingerprint::check_fingerprint(&sh.fingerprint, fp)?;
-        let dst_layout = desc.layout.clone().ok_or_else(|| bad("no cache layout".into()))?;
+        let dst_layout = desc.layout.ok_or_else(|| bad("no cache layout".into()))?;
         layout::check_layout(sh.cache.geometry(), &dst_layout).map_err(|e| bad(format!("layout: {e}")))?;
         layout::check_blocks(&dst_layout, &desc.block_ids, desc.num_tokens).map_err(|(_, e)| bad(e))?;
         let n = CacheGeometry::blocks_for(desc.num_tokens as usize);
@@ -183,13 +186,7 @@ impl KvSender {
             return Err(bad(format!("source block {} outside this pool", b.0)));
         }
         let dst_blocks: Vec<BlockId> = desc.block_ids.iter().map(|&b| BlockId(b)).collect();
-        let plan = PutPlan::new(
-            sh.layout.clone(),
-            dst_layout.clone(),
-            &src_blocks.blocks[..n],
-            &dst_blocks,
-            desc.num_tokens as usize,
-        );
+        let plan = PutPlan::new(sh.layout, dst_layout, &src_blocks.blocks[..n], &dst_blocks, desc.num_tokens as usize);
         // regions[0] starts at the pool base; every put must fall inside one region.
         let base = desc.regions.first().ok_or_else(|| bad("no memory region".into()))?.remote_addr;
         for l in 0..dst_layout.num_layers {
@@ -207,7 +204,7 @@ impl KvSender {
             transfer_token: desc.transfer_token,
             num_tokens: desc.num_tokens,
             block_ids: desc.block_ids.clone(),
-            layout: Some(dst_layout.clone()),
+            layout: Some(dst_layout),
             fingerprint: Some(sh.fingerprint.clone()),
             sender_address: Vec::new(),
         };
@@ -282,7 +279,9 @@ impl KvSender {
     fn link(&self, endpoint: &proto::v1::TransportEndpoint, deadline: Instant) -> Result<Arc<dyn Link>, TransferError> {
         let kind: TransportKind = endpoint.kind.parse().map_err(TransferError::Transport)?;
         let key = (kind, endpoint.address.clone());
-        if let Some(l) = self.shared.links.lock().unwrap_or_else(|p| p.into_inner()).get(&key)
+        let slot = self.shared.links.lock().unwrap_or_else(|p| p.into_inner()).entry(key).or_default().clone();
+        let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(l) = slot.as_ref()
             && l.is_alive()
         {
             return Ok(l.clone());
@@ -290,7 +289,7 @@ impl KvSender {
         let t = self.transport(kind)?;
         let inbound: Arc<dyn Inbound> = self.shared.router.clone();
         let link = t.connect(endpoint, &self.shared.cache, inbound, deadline)?;
-        self.shared.links.lock().unwrap_or_else(|p| p.into_inner()).insert(key, link.clone());
+        *slot = Some(link.clone());
         Ok(link)
     }
 }
