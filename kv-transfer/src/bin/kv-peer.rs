@@ -1,1 +1,130 @@
-fn main() {}
+//! The other process of kv-transfer's cross-process tests (and a manual debugging aid): a receiver that
+//! prints descriptors and outcomes, or a sender that ships the descriptors it reads. One line per event on
+//! stdout: `DESC <hex TransferDescriptor>`, `OUTCOME <json>`, `SENT <json>`, `ERROR <message>`.
+//! Honours `TANDEM_KV_FAULT` in builds with the fault-injection feature (every `cargo test` build).
+
+use std::io::{BufRead, Write};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use engine::cache::LayerIdx;
+use kv_transfer::testkit;
+use kv_transfer::{
+    ExpectRequest, KvReceiver, KvSender, ReceiverConfig, SenderConfig, TransferOutcome, TransportConfig, TransportKind,
+};
+use prost::Message;
+use proto::v1::{GeneratedToken, TransferDescriptor};
+
+#[derive(Parser)]
+#[command(about = "kv-transfer test peer: one side of a transfer in its own process")]
+struct Args {
+    #[command(subcommand)]
+    role: Role,
+}
+
+#[derive(Subcommand)]
+enum Role {
+    /// Serve a receiver: reserve, print a descriptor per request, print each outcome.
+    Recv {
+        #[arg(long)]
+        transport: TransportKind,
+        /// UCX_TLS override for the UCX context.
+        #[arg(long)]
+        tls: Option<String>,
+        #[arg(long, default_value_t = 4)]
+        layers: usize,
+        #[arg(long, default_value_t = 64)]
+        blocks: usize,
+        #[arg(long, default_value_t = 300)]
+        tokens: usize,
+        #[arg(long, default_value_t = 1)]
+        requests: usize,
+        #[arg(long, default_value_t = 10_000)]
+        timeout_ms: u64,
+    },
+    /// Ship every descriptor read from stdin (`DESC <hex>` lines), all layers, then complete.
+    Send {
+        #[arg(long)]
+        tls: Option<String>,
+        #[arg(long, default_value_t = 4)]
+        layers: usize,
+        #[arg(long, default_value_t = 64)]
+        blocks: usize,
+    },
+}
+
+fn say(line: String) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .init();
+    match Args::parse().role {
+        Role::Recv { transport, tls, layers, blocks, tokens, requests, timeout_ms } => {
+            let g = testkit::geometry(layers, blocks);
+            let (cache, pool) = testkit::filled_cache(g, 1);
+            let tc = match transport {
+                TransportKind::Ucx => TransportConfig::Ucx { tls, tcp_fallback: None },
+                k => TransportConfig::of_kind(k),
+            };
+            let recv = KvReceiver::start(ReceiverConfig::new(tc), cache, pool.clone(), testkit::fingerprint(&g))?;
+            for i in 0..requests {
+                let id = format!("peer-{i}");
+                let table = pool.reserve(&id, tokens)?;
+                let req = ExpectRequest {
+                    request_id: id.clone(),
+                    blocks: table,
+                    num_tokens: tokens,
+                    timeout: Duration::from_millis(timeout_ms),
+                    verify_checksum: true,
+                };
+                let (desc, pending) = recv.expect(req)?;
+                say(format!("DESC {}", testkit::to_hex(&desc.encode_to_vec())));
+                let outcome = pending.wait_timeout(Duration::from_millis(timeout_ms) + Duration::from_secs(5));
+                let json = match outcome {
+                    Some(Ok(TransferOutcome::Completed(c))) => {
+                        pool.release(&id)?;
+                        serde_json::json!({"completed": c.request_id, "checksum_verified": c.checksum_verified})
+                    }
+                    Some(Ok(TransferOutcome::Released(r))) => serde_json::json!({"released": r.request_id}),
+                    Some(Err(e)) => serde_json::json!({"error": e.to_string()}),
+                    None => serde_json::json!({"error": "no outcome"}),
+                };
+                say(format!("OUTCOME {json}"));
+            }
+        }
+        Role::Send { tls, layers, blocks } => {
+            let g = testkit::geometry(layers, blocks);
+            let (cache, pool) = testkit::filled_cache(g, 2);
+            let cfg = SenderConfig { ucx_tls: tls, ..Default::default() };
+            let sender = KvSender::new(cfg, cache, testkit::fingerprint(&g))?;
+            let sender = Arc::new(sender);
+            for line in std::io::stdin().lock().lines() {
+                let line = line?;
+                let Some(hex) = line.strip_prefix("DESC ") else { continue };
+                let desc = TransferDescriptor::decode(testkit::from_hex(hex).context("bad hex")?.as_slice())?;
+                let src = pool.reserve(&desc.request_id, desc.num_tokens as usize)?;
+                let r = (|| {
+                    let s = sender.begin(&desc, &src)?;
+                    for l in 0..layers {
+                        s.put_layer(LayerIdx(l as u32))?;
+                    }
+                    s.complete(GeneratedToken { token_id: 1, logprobs: None }, None)
+                })();
+                pool.release(&desc.request_id)?;
+                match r {
+                    Ok(rep) => say(format!("SENT {}", serde_json::json!({"bytes": rep.bytes}))),
+                    Err(e) => say(format!("ERROR {e}")),
+                }
+            }
+        }
+    }
+    Ok(())
+}

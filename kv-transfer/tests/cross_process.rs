@@ -1,0 +1,151 @@
+//! Two processes, one killed mid-transfer: the survivor reports a typed error in bounded time and the
+//! receiver's pool gets every block back. The other process is the `kv-peer` binary; its fault comes from
+//! `TANDEM_KV_FAULT` (honoured because test builds enable the fault-injection feature).
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Kind, Opts, pair, wait_pool_used};
+use engine::cache::LayerIdx;
+use kv_transfer::{ExpectRequest, TransferError, testkit};
+use prost::Message;
+use proto::v1::{GeneratedToken, TransferDescriptor};
+
+fn peer(args: &[&str], fault: Option<&str>) -> (Child, ChildStdin, std::sync::mpsc::Receiver<String>) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kv-peer"));
+    cmd.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    match fault {
+        Some(f) => cmd.env("TANDEM_KV_FAULT", f),
+        None => cmd.env_remove("TANDEM_KV_FAULT"),
+    };
+    let mut child = cmd.spawn().expect("spawn kv-peer");
+    let stdin = child.stdin.take().unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (child, stdin, rx)
+}
+
+fn tls_args(kind: &Kind) -> Vec<String> {
+    match kind {
+        Kind::Ucx(tls) => vec!["--tls".into(), tls.to_string()],
+        _ => vec![],
+    }
+}
+
+/// The prefill process dies (SIGKILL) right after layer 1 landed.
+fn sender_killed_mid_transfer(kind: &Kind) {
+    let Some(p) = pair(kind, Opts::default()) else { return };
+    let tokens = 64 * 6 + 3;
+    let dst = p.rpool.reserve("victim", tokens).unwrap();
+    let req = ExpectRequest {
+        request_id: "victim".into(),
+        blocks: dst,
+        num_tokens: tokens,
+        timeout: Duration::from_secs(4),
+        verify_checksum: true,
+    };
+    let (desc, pending) = p.recv.expect(req).unwrap();
+    let mut args = vec!["send".to_string(), "--layers".into(), "4".into()];
+    args.extend(tls_args(kind));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (mut child, mut stdin, _out) = peer(&args, Some("kill_after_layer:1"));
+    writeln!(stdin, "DESC {}", testkit::to_hex(&desc.encode_to_vec())).unwrap();
+    let t0 = Instant::now();
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "the sender must have died: {status:?}");
+    let e = pending.wait_timeout(Duration::from_secs(10)).expect("bounded").unwrap_err();
+    match kind {
+        // Transports with peer-failure detection report the dead sender itself.
+        Kind::Tcp | Kind::Ucx("tcp") => assert!(matches!(e, TransferError::PeerLost { .. }), "{e:?}"),
+        // UCX 1.13 shared memory cannot detect a dead peer: the deadline ends the transfer.
+        _ => assert!(matches!(e, TransferError::PeerLost { .. } | TransferError::DeadlineExceeded(_)), "{e:?}"),
+    }
+    if let Kind::Ucx("tcp") = kind {
+        // A one-sided writer was lost: its blocks sit out the quarantine before returning.
+        assert_eq!(p.recv.stats().quarantined_blocks, 7, "blocks quarantined");
+    }
+    wait_pool_used(&p.rpool, 0, Duration::from_secs(6));
+    assert_eq!(p.recv.stats().quarantined_blocks, 0);
+    assert!(t0.elapsed() < Duration::from_secs(12));
+}
+
+/// The decode process dies mid-transfer: the sender's completion fails in bounded time.
+fn receiver_killed_mid_transfer(kind: &Kind) {
+    if !kind.available() {
+        return;
+    }
+    let transport = match kind {
+        Kind::Tcp => "tcp",
+        Kind::Ucx(_) => "ucx",
+        Kind::InProc => unreachable!(),
+    };
+    let mut args = vec!["recv".to_string(), "--transport".into(), transport.into(), "--layers".into(), "4".into()];
+    args.extend(["--tokens".into(), "300".into(), "--timeout-ms".into(), "3000".into()]);
+    args.extend(tls_args(kind));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (mut child, _stdin, out) = peer(&args, None);
+    let line = out.recv_timeout(Duration::from_secs(30)).expect("descriptor line");
+    let desc =
+        TransferDescriptor::decode(testkit::from_hex(line.strip_prefix("DESC ").unwrap()).unwrap().as_slice()).unwrap();
+    let g = testkit::geometry(4, 64);
+    let (cache, pool) = testkit::filled_cache(g, 5);
+    let sender = kv_transfer::KvSender::new(kind.sender_config(), cache, testkit::fingerprint(&g)).unwrap();
+    let src = pool.reserve("s", 300).unwrap();
+    let s = sender.begin(&desc, &src).unwrap();
+    s.put_layer(LayerIdx(0)).unwrap();
+    s.put_layer(LayerIdx(1)).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let t0 = Instant::now();
+    let _ = s.put_layer(LayerIdx(2));
+    let _ = s.put_layer(LayerIdx(3));
+    let r = s.complete(GeneratedToken { token_id: 1, logprobs: None }, None);
+    let e = r.expect_err("the receiver is dead");
+    assert!(
+        matches!(e, TransferError::PeerLost { .. } | TransferError::DeadlineExceeded(_) | TransferError::Transport(_)),
+        "{e:?}"
+    );
+    // Bounded by the descriptor's deadline (3 s) plus the reply grace (1 s).
+    assert!(t0.elapsed() < Duration::from_millis(4500), "took {:?}", t0.elapsed());
+}
+
+#[test]
+fn tcp_sender_killed_mid_transfer() {
+    sender_killed_mid_transfer(&Kind::Tcp)
+}
+
+#[test]
+fn ucx_tcp_sender_killed_mid_transfer() {
+    sender_killed_mid_transfer(&Kind::Ucx("tcp"))
+}
+
+#[test]
+fn ucx_shm_sender_killed_mid_transfer() {
+    sender_killed_mid_transfer(&Kind::Ucx("sm,self"))
+}
+
+#[test]
+fn tcp_receiver_killed_mid_transfer() {
+    receiver_killed_mid_transfer(&Kind::Tcp)
+}
+
+#[test]
+fn ucx_tcp_receiver_killed_mid_transfer() {
+    receiver_killed_mid_transfer(&Kind::Ucx("tcp"))
+}
+
+#[test]
+fn ucx_shm_receiver_killed_mid_transfer() {
+    receiver_killed_mid_transfer(&Kind::Ucx("sm,self"))
+}
