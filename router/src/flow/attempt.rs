@@ -162,6 +162,9 @@ pub async fn run(input: AttemptInput<'_>, out: &mut Output, tx: &mpsc::Sender<Ev
     let prefill = tokio::time::timeout(limits.prefill_timeout + Duration::from_secs(1), pclient.prefill(preq));
     tokio::pin!(prefill);
     let mut prefill_pending = true;
+    let mut decode_open = true;
+    // A Finished that overtook the prefill reply (the request ended in prefill): applied after it.
+    let mut early_finish: Option<FinishReason> = None;
     let mut decode_pos = num_generated;
     loop {
         tokio::select! {
@@ -208,18 +211,29 @@ pub async fn run(input: AttemptInput<'_>, out: &mut Output, tx: &mpsc::Sender<Ev
                         Control::ClientGone => return AttemptEnd::ClientGone,
                     }
                 }
-                if resp.finished {
+                let end = if resp.finished { Some(finish_reason(resp.finish_reason)) } else { early_finish };
+                if let Some(reason) = end {
                     // The prefill worker already released the decode reservation.
                     guard.decode = None;
-                    return match out.finish(finish_reason(resp.finish_reason)).await {
+                    return match out.finish(reason).await {
                         Control::ClientGone => AttemptEnd::ClientGone,
                         _ => AttemptEnd::Done,
                     };
                 }
+                if !decode_open {
+                    guard.reason = "decode stream ended early";
+                    return AttemptEnd::Failed(ApiError::upstream(format!(
+                        "decode worker {} closed the stream without finishing the request", pair.decode.id)));
+                }
             }
-            m = stream.message() => {
+            m = stream.message(), if decode_open && early_finish.is_none() => {
                 let ev = match m {
                     Ok(Some(ev)) => ev.event,
+                    // Released because prefill ended the request: its reply says so.
+                    Ok(None) if prefill_pending => {
+                        decode_open = false;
+                        continue;
+                    }
                     Ok(None) => {
                         pair.decode.breaker.failure();
                         guard.reason = "decode stream ended early";
@@ -250,12 +264,16 @@ pub async fn run(input: AttemptInput<'_>, out: &mut Output, tx: &mpsc::Sender<Ev
                     }
                     Some(DecodeEv::Finished(f)) => {
                         guard.decode = None;
-                        guard.prefill = None;
                         pair.decode.breaker.success();
                         if let Some(t) = &f.timings {
                             observe_timings(metrics, t);
                         }
                         let reason = finish_reason(f.reason);
+                        if prefill_pending && f.reason != proto::v1::FinishReason::Error as i32 {
+                            early_finish = Some(reason);
+                            continue;
+                        }
+                        guard.prefill = None;
                         if f.reason == proto::v1::FinishReason::Error as i32 {
                             return AttemptEnd::Failed(ApiError::upstream(format!(
                                 "decode worker {} failed the request: {}", pair.decode.id, f.error)));
