@@ -540,3 +540,37 @@ async fn info_endpoints_answer() {
         assert!(metrics.contains(name), "missing {name} in\n{metrics}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_failure_after_the_200_ends_the_stream_with_an_error_event() {
+    let c = cluster().await;
+    c.decode[0].knobs.fail_after.store(3, Ordering::Relaxed);
+    let (s, _, body) = c.post("/v1/completions", json!({"prompt": "x", "stream": true, "max_tokens": 50})).await;
+    assert_eq!(s, 200);
+    let ev = sse_events(&body);
+    assert_ne!(ev.last().unwrap(), "[DONE]");
+    let last: Value = serde_json::from_str(ev.last().unwrap()).unwrap();
+    let msg = last["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("decode worker") && msg.contains("crashed"), "{msg}");
+    assert!(ev.len() > 2, "tokens were streamed before the failure");
+    // Not streamed: the same failure is a 502 with the message.
+    let (s, body) = c.post_json("/v1/completions", json!({"prompt": "x", "max_tokens": 50})).await;
+    assert_eq!(s, 502, "{body}");
+    c.decode[0].knobs.fail_after.store(0, Ordering::Relaxed);
+    let (s, _) = c.post_json("/v1/completions", json!({"prompt": "x"})).await;
+    assert_eq!(s, 200, "the next request succeeds");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_past_its_timeout_gets_504_and_is_aborted() {
+    let c = Cluster::start(Options { args: vec!["--request-timeout-secs".into(), "0.3".into()], ..Default::default() })
+        .await;
+    c.prefill[0].knobs.prefill_delay_ms.store(2000, Ordering::Relaxed);
+    let (s, _, body) =
+        c.post_headers_json("/v1/completions", json!({"prompt": "x"}), &[("x-request-id", "slow-1")]).await;
+    assert_eq!(s, 504, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("timed out"));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(c.prefill[0].log().aborts.contains(&"slow-1".to_owned()));
+    assert!(c.decode[0].log().aborts.contains(&"slow-1".to_owned()));
+}

@@ -1,3 +1,4 @@
+#![allow(dead_code)]
 //! A real etcd server for tests: started on free ports with a temporary data dir, killed on drop.
 //! Tests skip (with a printed reason) when no `etcd` binary is installed, except under CI, where
 //! `scripts/test.sh` installs it and a missing binary is a failure.

@@ -35,6 +35,8 @@ pub struct Knobs {
     pub preempt_after: AtomicU32,
     /// Tokens per Tokens event (MTP-like batches).
     pub tokens_per_event: AtomicU32,
+    /// The decode stream fails with INTERNAL after this many streamed tokens (0 = never): a crash.
+    pub fail_after: AtomicU32,
 }
 
 impl Default for Knobs {
@@ -46,6 +48,7 @@ impl Default for Knobs {
             decode_full: AtomicBool::new(false),
             preempt_after: AtomicU32::new(0),
             tokens_per_event: AtomicU32::new(1),
+            fail_after: AtomicU32::new(0),
         }
     }
 }
@@ -328,11 +331,15 @@ async fn run_decode(
     let interval = Duration::from_micros(s.knobs.token_interval_us.load(Ordering::Relaxed));
     let per_event = s.knobs.tokens_per_event.load(Ordering::Relaxed).max(1) as usize;
     let preempt_after = s.knobs.preempt_after.swap(0, Ordering::AcqRel) as usize;
+    let fail_after = s.knobs.fail_after.load(Ordering::Relaxed) as usize;
     let mut pos = req.num_generated as usize;
     let mut streamed = 0usize;
     while pos < out.len() {
         if !interval.is_zero() && streamed > 0 {
             tokio::time::sleep(interval).await;
+        }
+        if fail_after > 0 && streamed >= fail_after {
+            return tx.send(Err(Status::internal("decode worker crashed (injected)"))).await.is_ok();
         }
         if preempt_after > 0 && streamed >= preempt_after {
             let ev = Ev::Preempted(Preempted { reason: "out of blocks (injected)".into() });
