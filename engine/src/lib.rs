@@ -7,13 +7,18 @@
 //! - [`backend`]: the trait every backend implements; [`cpu`]: the CPU reference backend.
 //! - [`rope`], [`fp8`]: shared numerics.
 
+#![recursion_limit = "256"]
+
 pub mod backend;
 pub mod cache;
 pub mod checkpoint;
 pub mod config;
 pub mod cpu;
 pub mod fp8;
+pub mod generate;
 pub mod rope;
+pub mod sampling;
+pub mod tiny;
 
 pub use backend::{AttnForm, Backend, EngineError, Logits, MtpInput, Precision, SeqInput, SeqOutput};
 pub use config::ModelConfig;

@@ -21,6 +21,8 @@ use names::{Expect, TensorSpec, expected_tensors, scale_name};
 
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 pub const SINGLE_FILE: &str = "model.safetensors";
+/// Bytes sampled from each end of every tensor for the fingerprint.
+const FINGERPRINT_SAMPLE: usize = 256;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
@@ -166,7 +168,17 @@ impl Checkpoint {
             })?;
             hasher.update(file_name.as_bytes());
             hasher.update(&mmap[8..8 + n]);
-            for (name, info) in metadata.tensors() {
+            let mut infos: Vec<(String, &TensorInfo)> = metadata.tensors().into_iter().collect();
+            infos.sort_by_key(|(_, i)| i.data_offsets);
+            for (_, info) in &infos {
+                // Samples of every tensor's bytes, so checkpoints that differ only in values (another
+                // seed, another fine-tune) differ in fingerprint without hashing hundreds of GB.
+                let (a, b) = (8 + n + info.data_offsets.0, 8 + n + info.data_offsets.1);
+                hasher.update(&mmap[a..b.min(a + FINGERPRINT_SAMPLE)]);
+                hasher.update(&mmap[b.saturating_sub(FINGERPRINT_SAMPLE).max(a)..b]);
+            }
+            for (name, info) in infos {
+                let info: &TensorInfo = info;
                 if let Some(listed) = weight_map.get(&name)
                     && listed != file_name
                 {
@@ -267,7 +279,8 @@ impl Checkpoint {
         &self.config
     }
 
-    /// Hex sha256 over config.json and every shard's name and header (names, dtypes, shapes, offsets).
+    /// Hex sha256 over config.json, every shard's name and header (names, dtypes, shapes, offsets) and the
+    /// first and last 256 bytes of every tensor.
     pub fn fingerprint(&self) -> &str {
         &self.fingerprint
     }

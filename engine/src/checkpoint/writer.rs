@@ -75,6 +75,13 @@ pub fn write_sharded(dir: &Path, tensors: &[(String, OwnedTensor)], num_shards: 
         let path = dir.join(&file);
         safetensors::serialize_to_file(group.iter().map(|(n, t)| (n.as_str(), t)), None, &path)
             .map_err(|e| CheckpointError::Format { path: path.clone(), msg: format!("cannot write: {e}") })?;
+        // safetensors writes through a private temp file (0600); checkpoints are shared read-only files.
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))
+                .map_err(|source| CheckpointError::Io { path: path.clone(), source })?;
+        }
         for (name, _) in group {
             weight_map.insert(name.clone(), file.clone());
         }

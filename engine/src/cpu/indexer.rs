@@ -132,3 +132,36 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod rope_tests {
+    use super::*;
+    use crate::cpu::kernels::hadamard;
+    use crate::cpu::test_support::{eye, indexer, small_cfg};
+
+    #[test]
+    fn indexer_rope_is_neox_on_the_first_64_dims() {
+        // qr = 8 e0 reaches the first indexer query dim through an identity wq_b.
+        let cfg = small_cfg(1);
+        let ix = indexer(&cfg, eye(128, 64, 0), eye(128, 64, 0));
+        let rope = Rope::new(&cfg);
+        let pos = 7;
+        let mut x = vec![0f32; 64];
+        x[0] = 1.0;
+        let mut qr = vec![0f32; 64];
+        qr[0] = 8.0;
+        let (q, _) = project(&ix, &cfg, Precision::Full, &rope, &x, &qr, &[pos]);
+        let mut pre = q.q.clone();
+        hadamard(&mut pre); // undo the (self-inverse) Hadamard rotation
+        let (cos, sin) = rope.cos_sin(pos);
+        assert!((pre[0] - 8.0 * cos[0]).abs() < 1e-4, "{}", pre[0]);
+        assert!((pre[32] - 8.0 * sin[0]).abs() < 1e-4, "NeoX pairs dim 0 with dim 32: {}", pre[32]);
+        assert!(
+            pre[1].abs() < 1e-5,
+            "interleaved RoPE (the early-code bug) would put the rotation into dim 1: {}",
+            pre[1]
+        );
+        // The rope part is the FIRST 64 dims: dims 64.. are untouched (zero here).
+        assert!(pre[64..].iter().all(|v| v.abs() < 1e-5));
+    }
+}

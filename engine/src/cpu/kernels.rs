@@ -1,85 +1,103 @@
-//! Numeric kernels of the CPU backend. Every reduction has one fixed order (16 lanes, a fixed reduction
-//! tree, then the tail), whatever the batch, the row's position in it or the thread that runs it: that is
-//! what makes results batch-invariant (SPEC section 2.6). The AVX2 entry points compile the same code
-//! with wider vectors and no FMA, so they give bit-identical results to the portable path.
+//! Numeric kernels of the CPU backend.
+//!
+//! Every dot product has one fixed evaluation order: 8 lanes accumulated with fused multiply-add over
+//! the body, a fixed reduction tree, then the tail. The GEMM's register tiles (2 rows x 4 columns) and its
+//! edge tiles evaluate each output element in exactly that order, so a value never depends on the batch,
+//! the row's place in it or the thread that runs it: results are batch-invariant (SPEC section 2.6).
+//! `f32::mul_add` is an exact fused operation everywhere (a hardware FMA where the AVX2+FMA entry points
+//! are taken, a correctly rounded software one otherwise), so every machine computes the same bits.
 
 use rayon::prelude::*;
 
-const LANES: usize = 16;
+/// Lanes of every accumulator (one AVX2 register).
+const LANES: usize = 8;
+/// Output columns per parallel task: the task's weights stay in cache while all rows stream past.
+const COL_BLOCK: usize = 32;
 
 #[inline(always)]
 fn reduce(acc: &[f32; LANES]) -> f32 {
-    let mut s8 = [0f32; 8];
-    for j in 0..8 {
-        s8[j] = acc[j] + acc[j + 8];
-    }
-    let s4 = [s8[0] + s8[4], s8[1] + s8[5], s8[2] + s8[6], s8[3] + s8[7]];
+    let s4 = [acc[0] + acc[4], acc[1] + acc[5], acc[2] + acc[6], acc[3] + acc[7]];
     (s4[0] + s4[2]) + (s4[1] + s4[3])
 }
 
+/// `R x C` dot products of `x[r]` with `w[c]` (all the same length), each in the fixed order.
 #[inline(always)]
-fn dot_impl(a: &[f32], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len());
-    let n = a.len().min(b.len());
+fn tile_impl<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C]) -> [[f32; C]; R] {
+    let n = x[0].len();
     let body = n / LANES * LANES;
-    let mut acc = [0f32; LANES];
-    for (x, y) in a[..body].chunks_exact(LANES).zip(b[..body].chunks_exact(LANES)) {
-        for j in 0..LANES {
-            acc[j] += x[j] * y[j];
-        }
-    }
-    let mut s = reduce(&acc);
-    for i in body..n {
-        s += a[i] * b[i];
-    }
-    s
-}
-
-/// Four dot products of `x` with `w0..w3`, each bit-identical to `dot(x, wi)`.
-#[inline(always)]
-fn dot4_impl(x: &[f32], w: [&[f32]; 4]) -> [f32; 4] {
-    let n = x.len();
-    let body = n / LANES * LANES;
-    let mut acc = [[0f32; LANES]; 4];
-    let mut c = 0;
-    while c < body {
-        let xs = &x[c..c + LANES];
-        for k in 0..4 {
-            let ws = &w[k][c..c + LANES];
-            for j in 0..LANES {
-                acc[k][j] += xs[j] * ws[j];
+    let mut acc = [[[0f32; LANES]; C]; R];
+    let mut i = 0;
+    while i < body {
+        let xs: [&[f32; LANES]; R] = std::array::from_fn(|r| x[r][i..i + LANES].try_into().expect("lane chunk"));
+        let ws: [&[f32; LANES]; C] = std::array::from_fn(|c| w[c][i..i + LANES].try_into().expect("lane chunk"));
+        for r in 0..R {
+            for c in 0..C {
+                for j in 0..LANES {
+                    acc[r][c][j] = xs[r][j].mul_add(ws[c][j], acc[r][c][j]);
+                }
             }
         }
-        c += LANES;
+        i += LANES;
     }
-    let mut out = [0f32; 4];
-    for k in 0..4 {
-        let mut s = reduce(&acc[k]);
-        for i in body..n {
-            s += x[i] * w[k][i];
+    let mut out = [[0f32; C]; R];
+    for r in 0..R {
+        for c in 0..C {
+            let mut s = reduce(&acc[r][c]);
+            for t in body..n {
+                s = x[r][t].mul_add(w[c][t], s);
+            }
+            out[r][c] = s;
         }
-        out[k] = s;
     }
     out
 }
 
+/// The AVX2+FMA tile: one 8-lane register per accumulator, the same lane-wise fused multiply-adds and
+/// the same reduction tree as `tile_impl`, so the bits are identical.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-    dot_impl(a, b)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn dot4_avx2(x: &[f32], w: [&[f32]; 4]) -> [f32; 4] {
-    dot4_impl(x, w)
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_fma<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C]) -> [[f32; C]; R] {
+    use std::arch::x86_64::*;
+    let n = x[0].len();
+    assert!(x.iter().all(|s| s.len() == n) && w.iter().all(|s| s.len() == n), "tile operands differ in length");
+    let body = n / LANES * LANES;
+    let mut acc = [[_mm256_setzero_ps(); C]; R];
+    let mut i = 0;
+    while i < body {
+        // SAFETY: i + 8 <= body <= n = every operand's length (asserted above).
+        unsafe {
+            let xv: [__m256; R] = std::array::from_fn(|r| _mm256_loadu_ps(x[r].as_ptr().add(i)));
+            for c in 0..C {
+                let wv = _mm256_loadu_ps(w[c].as_ptr().add(i));
+                for r in 0..R {
+                    acc[r][c] = _mm256_fmadd_ps(xv[r], wv, acc[r][c]);
+                }
+            }
+        }
+        i += LANES;
+    }
+    let mut out = [[0f32; C]; R];
+    for r in 0..R {
+        for c in 0..C {
+            // (a0 + a4, a1 + a5, a2 + a6, a3 + a7), then (s0 + s2) + (s1 + s3): `reduce`'s order.
+            let v = acc[r][c];
+            let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            let mut s = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+            for t in body..n {
+                s = x[r][t].mul_add(w[c][t], s);
+            }
+            out[r][c] = s;
+        }
+    }
+    out
 }
 
 #[inline]
-fn has_avx2() -> bool {
+fn has_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx2")
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -87,107 +105,105 @@ fn has_avx2() -> bool {
     }
 }
 
+/// `R x C` dot products in the engine's fixed order.
+#[inline]
+pub fn tile<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C]) -> [[f32; C]; R] {
+    #[cfg(target_arch = "x86_64")]
+    if has_fma() {
+        // SAFETY: the CPU supports AVX2 and FMA (checked).
+        return unsafe { tile_fma(x, w) };
+    }
+    tile_impl(x, w)
+}
+
 /// `sum(a[i] * b[i])` in the engine's fixed order.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the CPU supports AVX2 (checked).
-        return unsafe { dot_avx2(a, b) };
-    }
-    dot_impl(a, b)
+    debug_assert_eq!(a.len(), b.len());
+    tile::<1, 1>([a], [b])[0][0]
 }
 
-#[inline]
-pub fn dot4(x: &[f32], w: [&[f32]; 4]) -> [f32; 4] {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the CPU supports AVX2 (checked).
-        return unsafe { dot4_avx2(x, w) };
-    }
-    dot4_impl(x, w)
+/// A GEMM-shaped problem: `y[r, c]` for `rows x cols`, computed by register tiles.
+pub trait Tiles: Sync {
+    /// Outputs `rows r..r+R`, columns `c..c+C`.
+    fn tile<const R: usize, const C: usize>(&self, r: usize, c: usize) -> [[f32; C]; R];
 }
 
-/// Rows per parallel task when splitting over rows.
-const ROW_TASK: usize = 4;
-/// Output columns per parallel task when splitting over columns.
-const COL_TASK: usize = 64;
-
-/// `y[r, n] = f(r, n)` computed in parallel for `rows x cols`, where `f4(r, n0)` produces columns
-/// `n0..n0 + 4` (callers pass dot4-based closures). The split (rows or columns) never changes a value.
-pub fn par_rows_cols(
-    rows: usize,
-    cols: usize,
-    f4: impl Fn(usize, usize) -> [f32; 4] + Sync,
-    f1: impl Fn(usize, usize) -> f32 + Sync,
-) -> Vec<f32> {
+/// Runs a `Tiles` problem: parallel over blocks of columns, each block sweeping all rows in 2x4 tiles
+/// (1-row and 1-column tiles at the edges, which compute each element in the same order).
+pub fn run_tiles<P: Tiles>(p: &P, rows: usize, cols: usize) -> Vec<f32> {
     let mut y = vec![0f32; rows * cols];
     if rows == 0 || cols == 0 {
         return y;
     }
-    let fill_row_range = |r: usize, yr: &mut [f32], c0: usize, c1: usize| {
-        let mut n = c0;
-        while n + 4 <= c1 {
-            let v = f4(r, n);
-            yr[n - c0..n - c0 + 4].copy_from_slice(&v);
-            n += 4;
-        }
-        while n < c1 {
-            yr[n - c0] = f1(r, n);
-            n += 1;
-        }
-    };
-    let threads = rayon::current_num_threads();
-    if rows >= ROW_TASK * threads * 2 || cols < 2 * COL_TASK {
-        y.par_chunks_mut(cols * ROW_TASK).enumerate().for_each(|(t, chunk)| {
-            for (i, yr) in chunk.chunks_mut(cols).enumerate() {
-                fill_row_range(t * ROW_TASK + i, yr, 0, cols);
-            }
-        });
-    } else {
-        // Few rows (decode): split the columns; each task writes its own column slab per row.
-        let tasks: Vec<(usize, usize)> = (0..cols).step_by(COL_TASK).map(|c| (c, (c + COL_TASK).min(cols))).collect();
-        let slabs: Vec<Vec<f32>> = tasks
-            .par_iter()
-            .map(|&(c0, c1)| {
-                let mut slab = vec![0f32; rows * (c1 - c0)];
-                for r in 0..rows {
-                    fill_row_range(r, &mut slab[r * (c1 - c0)..(r + 1) * (c1 - c0)], c0, c1);
-                }
-                slab
-            })
-            .collect();
-        for ((c0, c1), slab) in tasks.into_iter().zip(slabs) {
+    let blocks: Vec<(usize, usize)> = (0..cols).step_by(COL_BLOCK).map(|c| (c, (c + COL_BLOCK).min(cols))).collect();
+    let slabs: Vec<Vec<f32>> = blocks
+        .par_iter()
+        .map(|&(c0, c1)| {
             let w = c1 - c0;
-            for r in 0..rows {
-                y[r * cols + c0..r * cols + c1].copy_from_slice(&slab[r * w..(r + 1) * w]);
+            let mut slab = vec![0f32; rows * w];
+            let mut r = 0;
+            while r < rows {
+                let two = r + 2 <= rows;
+                let mut c = c0;
+                while c < c1 {
+                    if c + 4 <= c1 {
+                        if two {
+                            let t = p.tile::<2, 4>(r, c);
+                            slab[r * w + c - c0..r * w + c - c0 + 4].copy_from_slice(&t[0]);
+                            slab[(r + 1) * w + c - c0..(r + 1) * w + c - c0 + 4].copy_from_slice(&t[1]);
+                        } else {
+                            let t = p.tile::<1, 4>(r, c);
+                            slab[r * w + c - c0..r * w + c - c0 + 4].copy_from_slice(&t[0]);
+                        }
+                        c += 4;
+                    } else {
+                        if two {
+                            let t = p.tile::<2, 1>(r, c);
+                            slab[r * w + c - c0] = t[0][0];
+                            slab[(r + 1) * w + c - c0] = t[1][0];
+                        } else {
+                            slab[r * w + c - c0] = p.tile::<1, 1>(r, c)[0][0];
+                        }
+                        c += 1;
+                    }
+                }
+                r += if two { 2 } else { 1 };
             }
+            slab
+        })
+        .collect();
+    for ((c0, c1), slab) in blocks.into_iter().zip(slabs) {
+        let w = c1 - c0;
+        for r in 0..rows {
+            y[r * cols + c0..r * cols + c1].copy_from_slice(&slab[r * w..(r + 1) * w]);
         }
     }
     y
+}
+
+struct Dense<'a> {
+    x: &'a [f32],
+    w: &'a [f32],
+    k: usize,
+}
+
+impl Tiles for Dense<'_> {
+    #[inline]
+    fn tile<const R: usize, const C: usize>(&self, r: usize, c: usize) -> [[f32; C]; R] {
+        let k = self.k;
+        tile(
+            std::array::from_fn(|i| &self.x[(r + i) * k..(r + i + 1) * k]),
+            std::array::from_fn(|j| &self.w[(c + j) * k..(c + j + 1) * k]),
+        )
+    }
 }
 
 /// `y = x . W^T` for `x: [rows, k]`, `W: [n, k]` (f32).
 pub fn matmul_t(x: &[f32], rows: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
     debug_assert_eq!(x.len(), rows * k);
     debug_assert_eq!(w.len(), n * k);
-    par_rows_cols(
-        rows,
-        n,
-        |r, c| {
-            let xr = &x[r * k..(r + 1) * k];
-            dot4(
-                xr,
-                [
-                    &w[c * k..(c + 1) * k],
-                    &w[(c + 1) * k..(c + 2) * k],
-                    &w[(c + 2) * k..(c + 3) * k],
-                    &w[(c + 3) * k..(c + 4) * k],
-                ],
-            )
-        },
-        |r, c| dot(&x[r * k..(r + 1) * k], &w[c * k..(c + 1) * k]),
-    )
+    run_tiles(&Dense { x, w, k }, rows, n)
 }
 
 /// RMSNorm of each row: `x * rsqrt(mean(x^2) + eps) * w`.
@@ -286,25 +302,27 @@ mod tests {
     }
 
     #[test]
-    fn dot4_matches_dot_bitwise_and_portable_matches_avx2() {
-        for n in [1, 15, 16, 17, 128, 200, 513] {
-            let x = data(n, 1);
+    fn tiles_match_single_dots_bitwise_and_portable_matches_simd() {
+        for n in [1, 7, 8, 9, 128, 200, 513] {
+            let x: Vec<Vec<f32>> = (0..2).map(|r| data(n, 1 + r)).collect();
             let ws: Vec<Vec<f32>> = (0..4).map(|k| data(n, 10 + k)).collect();
-            let four = dot4(&x, [&ws[0], &ws[1], &ws[2], &ws[3]]);
-            for k in 0..4 {
-                assert_eq!(four[k].to_bits(), dot(&x, &ws[k]).to_bits(), "n={n} k={k}");
-                assert_eq!(dot_impl(&x, &ws[k]).to_bits(), dot(&x, &ws[k]).to_bits());
+            let t = tile::<2, 4>([&x[0], &x[1]], [&ws[0], &ws[1], &ws[2], &ws[3]]);
+            for r in 0..2 {
+                for k in 0..4 {
+                    assert_eq!(t[r][k].to_bits(), dot(&x[r], &ws[k]).to_bits(), "n={n} r={r} k={k}");
+                    assert_eq!(tile_impl::<1, 1>([&x[r]], [&ws[k]])[0][0].to_bits(), dot(&x[r], &ws[k]).to_bits());
+                }
             }
         }
     }
 
     #[test]
-    fn matmul_is_the_same_whatever_the_split() {
-        let (k, n) = (96, 300);
+    fn matmul_is_the_same_whatever_the_batch() {
+        let (k, n) = (96, 301);
         let w = data(n * k, 3);
-        let x = data(40 * k, 4);
-        let all = matmul_t(&x, 40, k, &w, n);
-        for r in [0, 7, 39] {
+        let x = data(41 * k, 4);
+        let all = matmul_t(&x, 41, k, &w, n);
+        for r in [0, 7, 39, 40] {
             let one = matmul_t(&x[r * k..(r + 1) * k], 1, k, &w, n);
             assert_eq!(one, all[r * n..(r + 1) * n].to_vec(), "row {r}");
         }

@@ -3,7 +3,7 @@
 
 use safetensors::Dtype;
 
-use super::kernels::{dot, dot4, matmul_t, par_rows_cols};
+use super::kernels::{Tiles, matmul_t, run_tiles, tile};
 use crate::Precision;
 use crate::checkpoint::{Checkpoint, CheckpointError, names::scale_name};
 use crate::fp8;
@@ -117,47 +117,43 @@ impl Fp8Linear {
 
     pub fn forward(&self, x: &[f32], rows: usize) -> Vec<f32> {
         let (qa, sa) = self.quantize_rows(x, rows);
-        let groups = self.kpad / ACT_GROUP;
-        let seg = ACT_GROUP.min(self.block[1]);
-        let scale_cols = self.inp.div_ceil(self.block[1]);
-        let kpad = self.kpad;
-        let segments = kpad / seg;
-        // Scale of segment `s` for output row `n`: activation group scale x weight block scale.
-        let wscale = |n: usize, s: usize| self.scales[(n / self.block[0]) * scale_cols + (s * seg) / self.block[1]];
-        let one = |r: usize, n: usize| {
-            let (xa, wn) = (&qa[r * kpad..(r + 1) * kpad], &self.q[n * kpad..(n + 1) * kpad]);
-            let mut acc = 0f32;
-            for s in 0..segments {
-                if s * seg >= self.inp {
-                    break;
+        run_tiles(&Fp8Tiles { l: self, qa: &qa, sa: &sa }, rows, self.out)
+    }
+}
+
+/// The FP8 GEMM as register tiles: per K segment (an activation group, or a weight block when smaller),
+/// the segment's dot products in the fixed order, scaled by activation x weight block scale, summed.
+struct Fp8Tiles<'a> {
+    l: &'a Fp8Linear,
+    qa: &'a [f32],
+    sa: &'a [f32],
+}
+
+impl Tiles for Fp8Tiles<'_> {
+    #[inline]
+    fn tile<const R: usize, const C: usize>(&self, r: usize, c: usize) -> [[f32; C]; R] {
+        let l = self.l;
+        let (kpad, groups) = (l.kpad, l.kpad / ACT_GROUP);
+        let seg = ACT_GROUP.min(l.block[1]);
+        let scale_cols = l.inp.div_ceil(l.block[1]);
+        let mut acc = [[0f32; C]; R];
+        let mut s = 0;
+        while s * seg < l.inp {
+            let lo = s * seg;
+            let p = tile::<R, C>(
+                std::array::from_fn(|i| &self.qa[(r + i) * kpad + lo..(r + i) * kpad + lo + seg]),
+                std::array::from_fn(|j| &l.q[(c + j) * kpad + lo..(c + j) * kpad + lo + seg]),
+            );
+            for i in 0..R {
+                let a = self.sa[(r + i) * groups + lo / ACT_GROUP];
+                for j in 0..C {
+                    let w = l.scales[((c + j) / l.block[0]) * scale_cols + lo / l.block[1]];
+                    acc[i][j] += p[i][j] * (a * w);
                 }
-                let p = dot(&xa[s * seg..(s + 1) * seg], &wn[s * seg..(s + 1) * seg]);
-                acc += p * (sa[r * groups + s * seg / ACT_GROUP] * wscale(n, s));
             }
-            acc
-        };
-        par_rows_cols(
-            rows,
-            self.out,
-            |r, n| {
-                let xa = &qa[r * kpad..(r + 1) * kpad];
-                let mut acc = [0f32; 4];
-                for s in 0..segments {
-                    if s * seg >= self.inp {
-                        break;
-                    }
-                    let rng = s * seg..(s + 1) * seg;
-                    let w = |k: usize| &self.q[(n + k) * kpad + rng.start..(n + k) * kpad + rng.end];
-                    let p = dot4(&xa[rng.clone()], [w(0), w(1), w(2), w(3)]);
-                    let a = sa[r * groups + s * seg / ACT_GROUP];
-                    for k in 0..4 {
-                        acc[k] += p[k] * (a * wscale(n + k, s));
-                    }
-                }
-                acc
-            },
-            one,
-        )
+            s += 1;
+        }
+        acc
     }
 }
 

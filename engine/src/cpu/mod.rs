@@ -8,6 +8,8 @@ pub mod indexer;
 pub mod kernels;
 pub mod linear;
 pub mod moe;
+#[cfg(test)]
+mod test_support;
 pub mod topk;
 pub mod weights;
 

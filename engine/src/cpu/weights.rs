@@ -85,13 +85,9 @@ fn mlp(ckpt: &Checkpoint, p: &str, prec: Precision) -> Result<Mlp, CheckpointErr
     })
 }
 
-fn layer(ckpt: &Checkpoint, index: usize, prec: Precision) -> Result<Layer, CheckpointError> {
-    let cfg = ckpt.config();
-    let p = layer_prefix(index);
-    let a = format!("{p}self_attn.");
-    let ix = format!("{a}indexer.");
-    let kv_b_name = format!("{a}kv_b_proj.weight");
-    let kv_b_full = ckpt.dequantized(&kv_b_name)?;
+/// Splits the dequantized `kv_b_proj` (per head: qk_nope k rows, then v_head_dim v rows, each
+/// kv_lora_rank wide) into the absorbed form's per-head W_UK^T `[rank, nope]` and W_UV `[v, rank]`.
+pub fn absorb(kv_b: &[f32], cfg: &crate::ModelConfig) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let (rank, nope, vd) = (cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim);
     let mut w_uk_t = Vec::with_capacity(cfg.num_attention_heads);
     let mut w_uv = Vec::with_capacity(cfg.num_attention_heads);
@@ -100,12 +96,22 @@ fn layer(ckpt: &Checkpoint, index: usize, prec: Precision) -> Result<Layer, Chec
         let mut t = vec![0f32; rank * nope];
         for d in 0..nope {
             for c in 0..rank {
-                t[c * nope + d] = kv_b_full[base + d * rank + c];
+                t[c * nope + d] = kv_b[base + d * rank + c];
             }
         }
         w_uk_t.push(t);
-        w_uv.push(kv_b_full[base + nope * rank..base + (nope + vd) * rank].to_vec());
+        w_uv.push(kv_b[base + nope * rank..base + (nope + vd) * rank].to_vec());
     }
+    (w_uk_t, w_uv)
+}
+
+fn layer(ckpt: &Checkpoint, index: usize, prec: Precision) -> Result<Layer, CheckpointError> {
+    let cfg = ckpt.config();
+    let p = layer_prefix(index);
+    let a = format!("{p}self_attn.");
+    let ix = format!("{a}indexer.");
+    let kv_b_name = format!("{a}kv_b_proj.weight");
+    let (w_uk_t, w_uv) = absorb(&ckpt.dequantized(&kv_b_name)?, cfg);
     let ffn = if cfg.is_moe_layer(index) {
         let m = format!("{p}mlp.");
         let bias_name = format!("{m}gate.e_score_correction_bias");

@@ -1,0 +1,142 @@
+//! CPU engine benchmark on the tiny model: prefill tokens/s for 512- and 2048-token prompts, decode
+//! tokens/s at batch 1 and 16. Prints a table and, with --json, one JSON object per measurement.
+//!
+//! cargo run --release -p engine --bin engine-bench -- [--json] [--out FILE] [--precision fp8|full]
+
+use std::time::Instant;
+
+use engine::cache::{BlockPool, CacheGeometry, KvCache};
+use engine::cpu::CpuBackend;
+use engine::generate::{self, SeqState};
+use engine::sampling::SamplingParams;
+use engine::{Backend, Precision};
+
+struct Opts {
+    json: bool,
+    out: Option<String>,
+    precision: Precision,
+    decode_steps: usize,
+}
+
+fn parse() -> Result<Opts, String> {
+    let mut o = Opts { json: false, out: None, precision: Precision::Fp8, decode_steps: 32 };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--json" => o.json = true,
+            "--out" => o.out = Some(args.next().ok_or("--out needs a file")?),
+            "--precision" => o.precision = args.next().ok_or("--precision needs a value")?.parse()?,
+            "--decode-steps" => {
+                o.decode_steps = args.next().and_then(|v| v.parse().ok()).ok_or("--decode-steps needs a number")?
+            }
+            "-h" | "--help" => {
+                println!("engine-bench [--json] [--out FILE] [--precision fp8|full] [--decode-steps N]");
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    Ok(o)
+}
+
+fn prompt(n: usize, salt: u32, vocab: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| 7 + (i.wrapping_mul(2654435761).wrapping_add(salt * 97) >> 7) % (vocab - 7)).collect()
+}
+
+fn main() {
+    let o = match parse() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("engine-bench: {e}");
+            std::process::exit(2);
+        }
+    };
+    let dir = tempfile::tempdir().expect("temp dir");
+    engine::tiny::write(dir.path(), 0, 1280).expect("tiny checkpoint");
+    let b = CpuBackend::load(dir.path(), o.precision).expect("load");
+    let cfg = b.config().clone();
+    let blocks = 2048;
+    let geo = CacheGeometry::new(o.precision.cache_format(), b.entry_dims(), cfg.num_cache_layers(), blocks);
+    let cache = KvCache::new_host(geo).expect("cache");
+    let pool = BlockPool::new(blocks);
+    let threads = rayon::current_num_threads();
+    let mut results = Vec::new();
+    let mut record = |name: &str, tokens: usize, secs: f64, extra: serde_json::Value| {
+        let tps = tokens as f64 / secs;
+        let line = serde_json::json!({
+            "bench": name, "precision": o.precision.name(), "threads": threads,
+            "tokens": tokens, "seconds": secs, "tokens_per_s": tps, "extra": extra,
+        });
+        if o.json {
+            println!("{line}");
+        } else {
+            println!("{name:<28} {tokens:>6} tokens {secs:>8.3} s {tps:>10.1} tok/s");
+        }
+        results.push(line);
+    };
+
+    for len in [512usize, 2048] {
+        let toks = prompt(len, len as u32, cfg.vocab_size as u32);
+        let mut best = f64::MAX;
+        for rep in 0..2 {
+            let id = format!("p{len}-{rep}");
+            let t = pool.reserve(&id, len + 2).expect("blocks");
+            let mut s = SeqState::new(toks.clone(), SamplingParams::greedy(1), t.blocks, 0);
+            let start = Instant::now();
+            generate::prefill(&b, &cache, &mut [&mut s], len, &mut |_| {}).expect("prefill");
+            best = best.min(start.elapsed().as_secs_f64());
+            pool.release(&id).expect("release");
+        }
+        record(
+            &format!("prefill_{len}"),
+            len,
+            best,
+            serde_json::json!({"includes_mtp": cfg.num_nextn_predict_layers > 0}),
+        );
+    }
+
+    for batch in [1usize, 16] {
+        let ctx = 256;
+        let mut seqs: Vec<SeqState> = (0..batch)
+            .map(|i| {
+                let t = pool.reserve(&format!("d{batch}-{i}"), ctx + o.decode_steps * 2 + 4).expect("blocks");
+                let mut s = SeqState::new(
+                    prompt(ctx, i as u32, cfg.vocab_size as u32),
+                    SamplingParams { ignore_eos: true, ..SamplingParams::greedy(10_000) },
+                    t.blocks,
+                    0,
+                );
+                s.speculate = false;
+                s
+            })
+            .collect();
+        {
+            let mut refs: Vec<&mut SeqState> = seqs.iter_mut().collect();
+            generate::prefill(&b, &cache, &mut refs, ctx, &mut |_| {}).expect("prefill");
+        }
+        let start = Instant::now();
+        let mut produced = 0;
+        for _ in 0..o.decode_steps {
+            let mut refs: Vec<&mut SeqState> = seqs.iter_mut().collect();
+            for out in generate::decode_step(&b, &cache, &mut refs).expect("decode") {
+                produced += out.tokens.len();
+            }
+        }
+        record(
+            &format!("decode_batch_{batch}"),
+            produced,
+            start.elapsed().as_secs_f64(),
+            serde_json::json!({"context": ctx, "steps": o.decode_steps, "mtp": false}),
+        );
+        for i in 0..batch {
+            pool.release(&format!("d{batch}-{i}")).expect("release");
+        }
+    }
+    if let Some(path) = o.out {
+        let body = serde_json::to_string_pretty(&results).expect("json");
+        if let Err(e) = std::fs::write(&path, body + "\n") {
+            eprintln!("engine-bench: cannot write {path}: {e}");
+            std::process::exit(1);
+        }
+    }
+}

@@ -1,0 +1,410 @@
+//! A request's life on a backend, shared by `tandem generate` and the workers so that a disaggregated
+//! cluster computes exactly what one process does: (chunked) prefill, the first token, the MTP draft,
+//! then decode steps that verify the draft.
+//!
+//! Invariants of a [`SeqState`] between calls: the main model's caches hold positions `0..fed`; once the
+//! prompt is prefilled, `tokens` holds exactly one more token than `fed` (the last sampled one, not yet
+//! fed); the MTP layer's caches hold the same positions as the main model's. A draft, when present, is
+//! the MTP's guess for the token after the pending one.
+//!
+//! Drafts are the MTP's argmax. Verification treats the draft as a point mass: greedy requests accept it
+//! when it is the target's argmax; sampled requests accept it with probability p(draft) and otherwise
+//! sample from p with the draft removed. Either way the output distribution is exactly the target's
+//! (P(y) = p(x)[y=x] + (1 - p(x)) p(y)/(1 - p(x))[y!=x] = p(y)), and greedy output is identical to
+//! non-speculative decoding.
+
+use crate::backend::{AttnForm, Backend, EngineError, LayerDone, Logits, MtpInput, SeqInput, SeqOutput};
+use crate::cache::{BlockId, KvCache};
+use crate::sampling::{self, Finish, History, Sampled, SamplingParams};
+
+/// One request's state.
+#[derive(Debug, Clone)]
+pub struct SeqState {
+    pub prompt_len: usize,
+    /// Prompt tokens, then generated tokens.
+    pub tokens: Vec<u32>,
+    /// Positions whose caches (main and MTP) are written.
+    pub fed: usize,
+    /// The MTP's guess for the token after the pending one.
+    pub draft: Option<u32>,
+    /// The draft's probability under the MTP head (diagnostics; verification uses the point mass).
+    pub draft_prob: f32,
+    pub blocks: Vec<BlockId>,
+    pub params: SamplingParams,
+    pub finished: Option<Finish>,
+    pub drafts_proposed: u32,
+    pub drafts_accepted: u32,
+    /// Use MTP drafts (when the model has an MTP layer).
+    pub speculate: bool,
+}
+
+/// What one call produced for a request.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepOutput {
+    pub tokens: Vec<Sampled>,
+    pub finished: Option<Finish>,
+}
+
+impl SeqState {
+    /// A request whose first `cached` prompt positions are already in `blocks` (prefix cache), or 0.
+    pub fn new(prompt: Vec<u32>, params: SamplingParams, blocks: Vec<BlockId>, cached: usize) -> Self {
+        SeqState {
+            prompt_len: prompt.len(),
+            tokens: prompt,
+            fed: cached,
+            draft: None,
+            draft_prob: 0.0,
+            blocks,
+            params,
+            finished: None,
+            drafts_proposed: 0,
+            drafts_accepted: 0,
+            speculate: true,
+        }
+    }
+
+    /// A request continuing on a decode worker after a remote prefill: the prompt is in the cache and
+    /// `first` (sampled by the prefill worker) is pending, with the MTP draft if there is one.
+    pub fn resume(
+        prompt: Vec<u32>,
+        first: u32,
+        draft: Option<u32>,
+        params: SamplingParams,
+        blocks: Vec<BlockId>,
+    ) -> Self {
+        let prompt_len = prompt.len();
+        let mut tokens = prompt;
+        tokens.push(first);
+        SeqState {
+            prompt_len,
+            tokens,
+            fed: prompt_len,
+            draft,
+            draft_prob: 0.0,
+            blocks,
+            params,
+            finished: None,
+            drafts_proposed: 0,
+            drafts_accepted: 0,
+            speculate: true,
+        }
+    }
+
+    pub fn generated(&self) -> &[u32] {
+        &self.tokens[self.prompt_len.min(self.tokens.len())..]
+    }
+
+    pub fn prompt(&self) -> &[u32] {
+        &self.tokens[..self.prompt_len]
+    }
+
+    pub fn prefill_done(&self) -> bool {
+        self.fed >= self.prompt_len
+    }
+
+    /// Cache positions the next decode step writes up to (exclusive): the pending token and the draft.
+    pub fn positions_needed(&self) -> usize {
+        self.fed + 1 + usize::from(self.draft.is_some())
+    }
+}
+
+fn history(s: &SeqState) -> History<'_> {
+    History { prompt: s.prompt(), output: s.generated() }
+}
+
+/// Samples output token number `generated().len()` from `logits`, appends it, checks stop conditions.
+fn take(s: &mut SeqState, logits: &[f32], eos: &[u32]) -> Sampled {
+    let t = sampling::sample(logits, &s.params, history(s), eos);
+    push(s, t.clone(), eos);
+    t
+}
+
+fn push(s: &mut SeqState, t: Sampled, eos: &[u32]) {
+    s.tokens.push(t.token);
+    let count = s.generated().len() as u32;
+    s.finished = sampling::finish_reason(t.token, count, &s.params, eos);
+}
+
+fn sampled_with_logprobs(s: &SeqState, logits: &[f32], token: u32) -> Sampled {
+    let (logprob, top) = if s.params.logprobs.is_some() {
+        sampling::logprobs_of(logits, token, s.params.logprobs)
+    } else {
+        (0.0, Vec::new())
+    };
+    Sampled { token, logprob, top }
+}
+
+/// Verifies `draft` against the target logits of the pending position; returns the token to emit and
+/// whether the draft was accepted.
+fn verify(s: &SeqState, logits: &[f32], draft: u32, eos: &[u32]) -> (Sampled, bool) {
+    let h = history(s);
+    let position = h.output.len() as u32;
+    let dist = sampling::distribution(logits, &s.params, h, eos);
+    let p_draft = dist.iter().find(|(t, _)| *t == draft).map(|x| x.1).unwrap_or(0.0);
+    let accept = if s.params.is_greedy() {
+        p_draft >= 1.0
+    } else {
+        use rand::RngExt;
+        sampling::rng_for(s.params.seed, position, 1).random::<f32>() < p_draft
+    };
+    if accept {
+        return (sampled_with_logprobs(s, logits, draft), true);
+    }
+    let token = if s.params.is_greedy() {
+        dist[0].0
+    } else {
+        let rest: Vec<(u32, f32)> = dist.iter().copied().filter(|(t, _)| *t != draft).collect();
+        let total: f32 = rest.iter().map(|x| x.1).sum();
+        let rest: Vec<(u32, f32)> = rest.into_iter().map(|(t, p)| (t, p / total)).collect();
+        sampling::draw(&rest, &mut sampling::rng_for(s.params.seed, position, 2))
+    };
+    (sampled_with_logprobs(s, logits, token), false)
+}
+
+/// Prefills the next chunk (at most `chunk` tokens) of every sequence's prompt in one batch. Sequences
+/// whose prompt completes sample their first token (returned) and get an MTP draft. `on_layer` hears of
+/// each cache layer as it completes (main layers, then the MTP layer).
+pub fn prefill(
+    backend: &dyn Backend,
+    cache: &KvCache,
+    seqs: &mut [&mut SeqState],
+    chunk: usize,
+    on_layer: LayerDone<'_>,
+) -> Result<Vec<StepOutput>, EngineError> {
+    let eos = backend.config().eos_token_ids.clone();
+    let ranges: Vec<(usize, usize)> = seqs.iter().map(|s| (s.fed, (s.fed + chunk.max(1)).min(s.prompt_len))).collect();
+    if let Some((i, _)) = ranges.iter().enumerate().find(|(_, (a, b))| a >= b) {
+        return Err(EngineError::InvalidInput(format!("sequence {i} has no prompt left to prefill")));
+    }
+    let inputs: Vec<SeqInput<'_>> = seqs
+        .iter()
+        .zip(&ranges)
+        .map(|(s, &(a, b))| SeqInput {
+            tokens: &s.tokens[a..b],
+            start: a,
+            blocks: &s.blocks,
+            logits: if b == s.prompt_len { Logits::Last } else { Logits::None },
+        })
+        .collect();
+    let outs = backend.prefill(cache, &inputs, on_layer)?;
+    drop(inputs);
+    let mut results = vec![StepOutput::default(); seqs.len()];
+    for ((s, out), (res, &(_, b))) in seqs.iter_mut().zip(&outs).zip(results.iter_mut().zip(&ranges)) {
+        if b == s.prompt_len {
+            res.tokens.push(take(s, &out.logits, &eos));
+            res.finished = s.finished;
+        }
+    }
+    run_mtp(backend, cache, seqs, &ranges, &outs, AttnForm::Prefill, on_layer)?;
+    for (s, &(_, b)) in seqs.iter_mut().zip(&ranges) {
+        s.fed = b;
+    }
+    Ok(results)
+}
+
+/// The MTP layer over positions `ranges[i]` of each sequence (hidden states from `outs`), writing its
+/// caches; sequences whose next token is known at the range end get a new draft.
+fn run_mtp(
+    backend: &dyn Backend,
+    cache: &KvCache,
+    seqs: &mut [&mut SeqState],
+    ranges: &[(usize, usize)],
+    outs: &[SeqOutput],
+    form: AttnForm,
+    on_layer: LayerDone<'_>,
+) -> Result<(), EngineError> {
+    if !backend.has_mtp() {
+        return Ok(());
+    }
+    // MTP position p needs the token at p + 1, known for every position of a range once its last token is
+    // sampled; finished sequences need no more MTP caches.
+    let hidden = backend.config().hidden_size;
+    let mut idx = Vec::new();
+    let mut inputs = Vec::new();
+    for (i, (s, &(a, b))) in seqs.iter().zip(ranges).enumerate() {
+        if s.tokens.len() <= b || s.finished.is_some() {
+            continue;
+        }
+        idx.push(i);
+        inputs.push(MtpInput {
+            next_tokens: &s.tokens[a + 1..=b],
+            hidden: &outs[i].hidden[..(b - a) * hidden],
+            start: a,
+            blocks: &s.blocks,
+            logits: Logits::Last,
+        });
+    }
+    if inputs.is_empty() {
+        return Ok(());
+    }
+    let mtp_out = backend.mtp(cache, &inputs, form, on_layer)?;
+    drop(inputs);
+    for (i, out) in idx.into_iter().zip(mtp_out) {
+        let s = &mut seqs[i];
+        let b = ranges[i].1;
+        // A draft only where the range ends at the pending token (the prompt is done) and drafts are used.
+        if b + 1 == s.tokens.len() && s.speculate {
+            let lp = sampling::log_softmax(&out.logits);
+            let d = sampling::argmax(&out.logits);
+            s.draft = Some(d);
+            s.draft_prob = lp[d as usize].exp();
+        } else {
+            s.draft = None;
+        }
+    }
+    Ok(())
+}
+
+/// One decode step for every sequence: feeds the pending token (and the draft), verifies, samples, and
+/// runs the MTP layer for the next draft. Sequences must have room for `positions_needed()` positions.
+pub fn decode_step(
+    backend: &dyn Backend,
+    cache: &KvCache,
+    seqs: &mut [&mut SeqState],
+) -> Result<Vec<StepOutput>, EngineError> {
+    let eos = backend.config().eos_token_ids.clone();
+    for (i, s) in seqs.iter().enumerate() {
+        if !s.prefill_done() || s.tokens.len() != s.fed + 1 || s.finished.is_some() {
+            return Err(EngineError::InvalidInput(format!("sequence {i} is not ready to decode")));
+        }
+    }
+    let drafts: Vec<Option<u32>> =
+        seqs.iter().map(|s| if s.speculate && backend.has_mtp() { s.draft } else { None }).collect();
+    let fed_tokens: Vec<Vec<u32>> =
+        seqs.iter().zip(&drafts).map(|(s, d)| std::iter::once(s.tokens[s.fed]).chain(*d).collect()).collect();
+    let inputs: Vec<SeqInput<'_>> = seqs
+        .iter()
+        .zip(&fed_tokens)
+        .map(|(s, t)| SeqInput { tokens: t, start: s.fed, blocks: &s.blocks, logits: Logits::All })
+        .collect();
+    let outs = backend.decode(cache, &inputs)?;
+    drop(inputs);
+    let vocab = backend.config().vocab_size;
+    let mut results = vec![StepOutput::default(); seqs.len()];
+    let mut ranges = Vec::with_capacity(seqs.len());
+    for ((s, out), (res, draft)) in seqs.iter_mut().zip(&outs).zip(results.iter_mut().zip(&drafts)) {
+        let start = s.fed;
+        let row0 = out.logits_row(0, vocab);
+        let mut fed = 1;
+        match draft {
+            Some(d) => {
+                s.drafts_proposed += 1;
+                let (tok, accepted) = verify(s, row0, *d, &eos);
+                push(s, tok.clone(), &eos);
+                res.tokens.push(tok);
+                if accepted {
+                    s.drafts_accepted += 1;
+                    fed = 2;
+                    if s.finished.is_none() {
+                        res.tokens.push(take(s, out.logits_row(1, vocab), &eos));
+                    }
+                }
+            }
+            None => res.tokens.push(take(s, row0, &eos)),
+        }
+        res.finished = s.finished;
+        s.draft = None;
+        ranges.push((start, start + fed));
+    }
+    run_mtp(backend, cache, seqs, &ranges, &outs, AttnForm::Decode, &mut |_| {})?;
+    for (s, &(_, b)) in seqs.iter_mut().zip(&ranges) {
+        s.fed = b;
+    }
+    Ok(results)
+}
+
+/// Everything generated for one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generation {
+    pub tokens: Vec<Sampled>,
+    pub finish: Finish,
+    pub drafts_proposed: u32,
+    pub drafts_accepted: u32,
+}
+
+/// Generates for one request in this process (blocks from `blocks`, which must hold prompt + max_tokens
+/// + 1 positions). `chunk` bounds the tokens per prefill call.
+pub fn generate(
+    backend: &dyn Backend,
+    cache: &KvCache,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    blocks: Vec<BlockId>,
+    chunk: usize,
+    speculate: bool,
+) -> Result<Generation, EngineError> {
+    if prompt.is_empty() {
+        return Err(EngineError::InvalidInput("empty prompt".into()));
+    }
+    let mut s = SeqState::new(prompt, params, blocks, 0);
+    s.speculate = speculate;
+    let mut tokens = Vec::new();
+    while !s.prefill_done() {
+        let out = prefill(backend, cache, &mut [&mut s], chunk, &mut |_| {})?;
+        tokens.extend(out.into_iter().flat_map(|o| o.tokens));
+    }
+    while s.finished.is_none() {
+        let out = decode_step(backend, cache, &mut [&mut s])?;
+        tokens.extend(out.into_iter().flat_map(|o| o.tokens));
+    }
+    Ok(Generation {
+        tokens,
+        finish: s.finished.expect("loop ends when finished"),
+        drafts_proposed: s.drafts_proposed,
+        drafts_accepted: s.drafts_accepted,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Chi-square of observed counts against expected probabilities (bins with p > 0).
+    fn chi2(counts: &[usize], dist: &[(u32, f32)], n: usize) -> (f64, usize) {
+        let mut stat = 0f64;
+        for &(t, p) in dist {
+            let e = n as f64 * p as f64;
+            stat += (counts[t as usize] as f64 - e).powi(2) / e;
+        }
+        (stat, dist.len() - 1)
+    }
+
+    #[test]
+    fn draft_verification_preserves_the_target_distribution() {
+        let vocab = 12;
+        let logits: Vec<f32> = (0..vocab).map(|i| ((i * 7 % 5) as f32 - 2.0) * 0.8 + i as f32 * 0.05).collect();
+        let params = SamplingParams { temperature: 0.8, top_p: 0.95, max_tokens: 100, ..Default::default() };
+        let base = SeqState::new(vec![3, 4, 5], params.clone(), Vec::new(), 3);
+        let target = sampling::distribution(&logits, &params, history(&base), &[]);
+        let n = 30_000;
+        // A likely draft, an unlikely one, and one outside the top-p set (always rejected).
+        let outside = (0..vocab as u32).find(|t| !target.iter().any(|x| x.0 == *t)).expect("top_p drops a token");
+        for draft in [target.iter().max_by(|a, b| a.1.total_cmp(&b.1)).unwrap().0, target[0].0, outside] {
+            let mut counts = vec![0usize; vocab];
+            let mut accepted = 0;
+            for seed in 0..n {
+                let mut s = base.clone();
+                s.params.seed = seed as u64;
+                let (tok, acc) = verify(&s, &logits, draft, &[]);
+                counts[tok.token as usize] += 1;
+                accepted += usize::from(acc);
+            }
+            let (stat, dof) = chi2(&counts, &target, n);
+            // p = 0.001 critical values for up to 11 degrees of freedom are below 31.3.
+            assert!(stat < 31.3, "draft {draft}: chi2 {stat} with {dof} dof, counts {counts:?}");
+            let p_draft = target.iter().find(|x| x.0 == draft).map(|x| x.1).unwrap_or(0.0);
+            let rate = accepted as f32 / n as f32;
+            assert!((rate - p_draft).abs() < 0.02, "acceptance rate {rate} should be p(draft) {p_draft}");
+        }
+    }
+
+    #[test]
+    fn greedy_verification_accepts_exactly_the_argmax() {
+        let logits = vec![0.0f32, 3.0, 1.0];
+        let s = SeqState::new(vec![0], SamplingParams::greedy(4), Vec::new(), 1);
+        assert!(verify(&s, &logits, 1, &[]).1);
+        let (tok, acc) = verify(&s, &logits, 2, &[]);
+        assert!(!acc);
+        assert_eq!(tok.token, 1);
+    }
+}
