@@ -161,18 +161,23 @@ fn verify(s: &SeqState, logits: &[f32], draft: u32, eos: &[u32]) -> (Sampled, bo
     (sampled_with_logprobs(s, logits, token), false)
 }
 
-/// Prefills the next chunk (at most `chunk` tokens) of every sequence's prompt in one batch. Sequences
-/// whose prompt completes sample their first token (returned) and get an MTP draft. `on_layer` hears of
-/// each cache layer as it completes (main layers, then the MTP layer).
+/// Prefills the next chunk of every sequence's prompt in one batch, at most `chunks[i]` tokens for
+/// sequence `i` (a token budget split by the caller). Sequences whose prompt completes sample their first
+/// token (returned) and get an MTP draft. `on_layer` hears of each cache layer as it completes for the
+/// whole batch (main layers, then the MTP layer).
 pub fn prefill(
     backend: &dyn Backend,
     cache: &KvCache,
     seqs: &mut [&mut SeqState],
-    chunk: usize,
+    chunks: &[usize],
     on_layer: LayerDone<'_>,
 ) -> Result<Vec<StepOutput>, EngineError> {
+    if chunks.len() != seqs.len() {
+        return Err(EngineError::InvalidInput(format!("{} chunk sizes for {} sequences", chunks.len(), seqs.len())));
+    }
     let eos = backend.config().eos_token_ids.clone();
-    let ranges: Vec<(usize, usize)> = seqs.iter().map(|s| (s.fed, (s.fed + chunk.max(1)).min(s.prompt_len))).collect();
+    let ranges: Vec<(usize, usize)> =
+        seqs.iter().zip(chunks).map(|(s, &c)| (s.fed, (s.fed + c.max(1)).min(s.prompt_len))).collect();
     if let Some((i, _)) = ranges.iter().enumerate().find(|(_, (a, b))| a >= b) {
         return Err(EngineError::InvalidInput(format!("sequence {i} has no prompt left to prefill")));
     }
@@ -340,7 +345,7 @@ pub fn generate(
     s.speculate = speculate;
     let mut tokens = Vec::new();
     while !s.prefill_done() {
-        let out = prefill(backend, cache, &mut [&mut s], chunk, &mut |_| {})?;
+        let out = prefill(backend, cache, &mut [&mut s], &[chunk], &mut |_| {})?;
         tokens.extend(out.into_iter().flat_map(|o| o.tokens));
     }
     while s.finished.is_none() {

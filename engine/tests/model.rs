@@ -226,7 +226,8 @@ fn speculative_greedy_output_equals_plain_greedy_output() {
         for force_accept in [true, false] {
             let t = e.pool.reserve("forced", toks.len() + 30).unwrap();
             let mut s = SeqState::new(toks.clone(), params.clone(), t.blocks, 0);
-            let mut out = generate::prefill(e.b, &e.cache, &mut [&mut s], 4096, &mut |_| {}).unwrap().remove(0).tokens;
+            let mut out =
+                generate::prefill(e.b, &e.cache, &mut [&mut s], &[4096], &mut |_| {}).unwrap().remove(0).tokens;
             while s.finished.is_none() {
                 let next = target.get(s.generated().len()).copied().unwrap_or(0);
                 s.draft = Some(if force_accept { next } else { (next + 1) % VOCAB as u32 });
@@ -326,7 +327,7 @@ fn layer_notifications_cover_every_cache_layer_in_order() {
     let t = e.pool.reserve("notify", 16).unwrap();
     let mut s = SeqState::new(toks, SamplingParams::greedy(4), t.blocks, 0);
     let mut seen = Vec::new();
-    generate::prefill(e.b, &e.cache, &mut [&mut s], 4096, &mut |l| seen.push(l.0)).unwrap();
+    generate::prefill(e.b, &e.cache, &mut [&mut s], &[4096], &mut |l| seen.push(l.0)).unwrap();
     assert_eq!(seen, (0..e.b.config().num_cache_layers() as u32).collect::<Vec<_>>());
     e.pool.release("notify").unwrap();
 }

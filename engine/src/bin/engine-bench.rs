@@ -83,7 +83,7 @@ fn main() {
             let t = pool.reserve(&id, len + 2).expect("blocks");
             let mut s = SeqState::new(toks.clone(), SamplingParams::greedy(1), t.blocks, 0);
             let start = Instant::now();
-            generate::prefill(&b, &cache, &mut [&mut s], len, &mut |_| {}).expect("prefill");
+            generate::prefill(&b, &cache, &mut [&mut s], &[len], &mut |_| {}).expect("prefill");
             best = best.min(start.elapsed().as_secs_f64());
             pool.release(&id).expect("release");
         }
@@ -112,7 +112,7 @@ fn main() {
             .collect();
         {
             let mut refs: Vec<&mut SeqState> = seqs.iter_mut().collect();
-            generate::prefill(&b, &cache, &mut refs, ctx, &mut |_| {}).expect("prefill");
+            generate::prefill(&b, &cache, &mut refs, &vec![ctx; batch], &mut |_| {}).expect("prefill");
         }
         let start = Instant::now();
         let mut produced = 0;
