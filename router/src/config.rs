@@ -138,7 +138,7 @@ pub struct Args {
     #[arg(long, env = "TANDEM_BREAKER_OPEN_SECS", default_value_t = 5.0)]
     pub breaker_open_secs: f64,
     /// HTTP/2 connections per worker (requests are spread over them).
-    #[arg(long, env = "TANDEM_WORKER_CONNECTIONS", default_value_t = 2)]
+    #[arg(long, env = "TANDEM_WORKER_CONNECTIONS", default_value_t = 1)]
     pub worker_connections: usize,
 
     /// Log format on stderr (RUST_LOG sets the level).

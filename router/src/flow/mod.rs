@@ -163,7 +163,8 @@ impl Dispatcher {
             };
             let input =
                 AttemptInput { job, hashes: &hashes, pair: &pair, limits: &self.limits, metrics: &self.metrics };
-            match attempt::run(input, out, tx).await {
+            // Boxed: the attempt's state is large and would otherwise be copied around with this future.
+            match Box::pin(attempt::run(input, out, tx)).await {
                 AttemptEnd::Done => return Ok(()),
                 AttemptEnd::ClientGone => {
                     info!("client disconnected; request aborted on both workers");
