@@ -6,12 +6,14 @@
 //!   holds the lease alive, registers again whenever etcd comes back, and deregisters on drop.
 //! - The router calls [`Discovery::watch`]: a [`ClusterView`] that is replaced on every change and
 //!   kept as it was while the registry is unreachable.
+//! - [`Drain`]: stop admitting on SIGTERM, finish in-flight work, then deregister.
 //! - [`prefix_hash`]: the hash chain over 64-token prompt blocks that prefill workers report from
 //!   their prefix cache and the router's cache-aware policy matches.
 //!
 //! Key layout: `/tandem/<cluster>/workers/{prefill,decode}/<worker id>` -> JSON [`WorkerRecord`].
 
 mod discovery;
+mod drain;
 mod error;
 mod etcd;
 mod keys;
@@ -22,6 +24,7 @@ mod view;
 mod worker;
 
 pub use discovery::{Discovery, DiscoveryConfig, Registration, RegistrationState, connect};
+pub use drain::{Drain, DrainGuard};
 pub use error::DiscoveryError;
 pub use etcd::{EtcdDiscovery, EtcdOptions};
 pub use keys::{role_prefix, worker_key, workers_prefix};
