@@ -7,11 +7,12 @@
 //! fed); the MTP layer's caches hold the same positions as the main model's. A draft, when present, is
 //! the MTP's guess for the token after the pending one.
 //!
-//! Drafts are the MTP's argmax. Verification treats the draft as a point mass: greedy requests accept it
-//! when it is the target's argmax; sampled requests accept it with probability p(draft) and otherwise
-//! sample from p with the draft removed. Either way the output distribution is exactly the target's
-//! (P(y) = p(x)[y=x] + (1 - p(x)) p(y)/(1 - p(x))[y!=x] = p(y)), and greedy output is identical to
-//! non-speculative decoding.
+//! Drafts are the MTP's argmax. Verification samples the target distribution at the draft's position with
+//! that position's own RNG draw (keyed by seed and output position, exactly as without speculation) and
+//! accepts the draft when the sample equals it. The draft is accepted with probability p(draft), as in
+//! rejection sampling with a point-mass draft, the emitted tokens follow the target distribution exactly,
+//! and they are the very tokens non-speculative decoding emits for the same seed, whatever the schedule
+//! (batching, preemption, which worker decodes).
 
 use crate::backend::{AttnForm, Backend, EngineError, LayerDone, Logits, MtpInput, SeqInput, SeqOutput};
 use crate::cache::{BlockId, KvCache};
@@ -20,7 +21,10 @@ use crate::sampling::{self, Finish, History, Sampled, SamplingParams};
 /// One request's state.
 #[derive(Debug, Clone)]
 pub struct SeqState {
+    /// Leading tokens that are prompt (penalties and output positions count from here).
     pub prompt_len: usize,
+    /// Tokens to prefill: the prompt, or prompt + tokens generated before a preemption.
+    pub prefill_len: usize,
     /// Prompt tokens, then generated tokens.
     pub tokens: Vec<u32>,
     /// Positions whose caches (main and MTP) are written.
@@ -50,6 +54,7 @@ impl SeqState {
     pub fn new(prompt: Vec<u32>, params: SamplingParams, blocks: Vec<BlockId>, cached: usize) -> Self {
         SeqState {
             prompt_len: prompt.len(),
+            prefill_len: prompt.len(),
             tokens: prompt,
             fed: cached,
             draft: None,
@@ -63,22 +68,34 @@ impl SeqState {
         }
     }
 
-    /// A request continuing on a decode worker after a remote prefill: the prompt is in the cache and
-    /// `first` (sampled by the prefill worker) is pending, with the MTP draft if there is one.
+    /// A request whose `tokens` continue after `prompt_len` prompt tokens with output generated earlier
+    /// (re-prefill after a preemption): all of `tokens` is prefilled, and the next sample is output
+    /// position `tokens.len() - prompt_len`.
+    pub fn continuing(tokens: Vec<u32>, prompt_len: usize, params: SamplingParams, blocks: Vec<BlockId>) -> Self {
+        let mut s = SeqState::new(tokens, params, blocks, 0);
+        s.prompt_len = prompt_len.min(s.tokens.len());
+        s
+    }
+
+    /// A request continuing on a decode worker after a remote prefill: `prefilled` (of which the first
+    /// `prompt_len` are prompt) is in the cache and `first`, sampled by the prefill worker, is pending,
+    /// with the MTP draft if there is one.
     pub fn resume(
-        prompt: Vec<u32>,
+        prefilled: Vec<u32>,
+        prompt_len: usize,
         first: u32,
         draft: Option<u32>,
         params: SamplingParams,
         blocks: Vec<BlockId>,
     ) -> Self {
-        let prompt_len = prompt.len();
-        let mut tokens = prompt;
+        let prefill_len = prefilled.len();
+        let mut tokens = prefilled;
         tokens.push(first);
         SeqState {
-            prompt_len,
+            prompt_len: prompt_len.min(prefill_len),
+            prefill_len,
             tokens,
-            fed: prompt_len,
+            fed: prefill_len,
             draft,
             draft_prob: 0.0,
             blocks,
@@ -99,7 +116,7 @@ impl SeqState {
     }
 
     pub fn prefill_done(&self) -> bool {
-        self.fed >= self.prompt_len
+        self.fed >= self.prefill_len
     }
 
     /// Cache positions the next decode step writes up to (exclusive): the pending token and the draft.
@@ -135,30 +152,12 @@ fn sampled_with_logprobs(s: &SeqState, logits: &[f32], token: u32) -> Sampled {
 }
 
 /// Verifies `draft` against the target logits of the pending position; returns the token to emit and
-/// whether the draft was accepted.
+/// whether the draft was accepted. The token is the position's own sample (the same draw as without
+/// speculation), and the draft is accepted when it equals it.
 fn verify(s: &SeqState, logits: &[f32], draft: u32, eos: &[u32]) -> (Sampled, bool) {
-    let h = history(s);
-    let position = h.output.len() as u32;
-    let dist = sampling::distribution(logits, &s.params, h, eos);
-    let p_draft = dist.iter().find(|(t, _)| *t == draft).map(|x| x.1).unwrap_or(0.0);
-    let accept = if s.params.is_greedy() {
-        p_draft >= 1.0
-    } else {
-        use rand::RngExt;
-        sampling::rng_for(s.params.seed, position, 1).random::<f32>() < p_draft
-    };
-    if accept {
-        return (sampled_with_logprobs(s, logits, draft), true);
-    }
-    let token = if s.params.is_greedy() {
-        dist[0].0
-    } else {
-        let rest: Vec<(u32, f32)> = dist.iter().copied().filter(|(t, _)| *t != draft).collect();
-        let total: f32 = rest.iter().map(|x| x.1).sum();
-        let rest: Vec<(u32, f32)> = rest.into_iter().map(|(t, p)| (t, p / total)).collect();
-        sampling::draw(&rest, &mut sampling::rng_for(s.params.seed, position, 2))
-    };
-    (sampled_with_logprobs(s, logits, token), false)
+    let t = sampling::sample(logits, &s.params, history(s), eos);
+    let accepted = t.token == draft;
+    (t, accepted)
 }
 
 /// Prefills the next chunk of every sequence's prompt in one batch, at most `chunks[i]` tokens for
@@ -177,7 +176,7 @@ pub fn prefill(
     }
     let eos = backend.config().eos_token_ids.clone();
     let ranges: Vec<(usize, usize)> =
-        seqs.iter().zip(chunks).map(|(s, &c)| (s.fed, (s.fed + c.max(1)).min(s.prompt_len))).collect();
+        seqs.iter().zip(chunks).map(|(s, &c)| (s.fed, (s.fed + c.max(1)).min(s.prefill_len))).collect();
     if let Some((i, _)) = ranges.iter().enumerate().find(|(_, (a, b))| a >= b) {
         return Err(EngineError::InvalidInput(format!("sequence {i} has no prompt left to prefill")));
     }
@@ -188,14 +187,14 @@ pub fn prefill(
             tokens: &s.tokens[a..b],
             start: a,
             blocks: &s.blocks,
-            logits: if b == s.prompt_len { Logits::Last } else { Logits::None },
+            logits: if b == s.prefill_len { Logits::Last } else { Logits::None },
         })
         .collect();
     let outs = backend.prefill(cache, &inputs, on_layer)?;
     drop(inputs);
     let mut results = vec![StepOutput::default(); seqs.len()];
     for ((s, out), (res, &(_, b))) in seqs.iter_mut().zip(&outs).zip(results.iter_mut().zip(&ranges)) {
-        if b == s.prompt_len {
+        if b == s.prefill_len {
             res.tokens.push(take(s, &out.logits, &eos));
             res.finished = s.finished;
         }

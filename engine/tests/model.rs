@@ -331,3 +331,45 @@ fn layer_notifications_cover_every_cache_layer_in_order() {
     assert_eq!(seen, (0..e.b.config().num_cache_layers() as u32).collect::<Vec<_>>());
     e.pool.release("notify").unwrap();
 }
+
+#[test]
+fn re_prefill_after_preemption_continues_the_same_output() {
+    let e = env(Precision::Fp8);
+    let toks = prompt(45, 12);
+    for params in [
+        SamplingParams { ignore_eos: true, ..SamplingParams::greedy(20) },
+        SamplingParams {
+            temperature: 0.8,
+            seed: 99,
+            max_tokens: 20,
+            ignore_eos: true,
+            presence_penalty: 0.5,
+            ..Default::default()
+        },
+    ] {
+        let full = ids(&run(&e, &toks, &params, true, 4096));
+        // Preempted after 7 tokens: prompt + those 7 are prefilled again, then generation goes on.
+        let mut seq = toks.clone();
+        seq.extend_from_slice(&full[..7]);
+        let t = e.pool.reserve("cont", seq.len() + 30).unwrap();
+        let mut s = SeqState::continuing(seq, toks.len(), params.clone(), t.blocks);
+        let mut out: Vec<u32> = Vec::new();
+        while !s.prefill_done() {
+            out.extend(
+                generate::prefill(e.b, &e.cache, &mut [&mut s], &[16], &mut |_| {})
+                    .unwrap()
+                    .remove(0)
+                    .tokens
+                    .iter()
+                    .map(|t| t.token),
+            );
+        }
+        while s.finished.is_none() {
+            out.extend(
+                generate::decode_step(e.b, &e.cache, &mut [&mut s]).unwrap().remove(0).tokens.iter().map(|t| t.token),
+            );
+        }
+        assert_eq!(out, full[7..].to_vec(), "temperature {}", params.temperature);
+        e.pool.release("cont").unwrap();
+    }
+}

@@ -1,0 +1,57 @@
+//! What both worker roles share, so that neither binary imports the other:
+//!
+//! - [`args::ServeArgs`]: the serving flags (model, precision, pool size, batching limits, discovery,
+//!   kv-transfer transport), flattened into each role's command line.
+//! - [`model::LoadedModel`]: the backend, the cache pool and the model fingerprint.
+//! - [`register`]: registration with etcd (lease kept alive, re-registered after outages) when `--etcd`
+//!   is given; static discovery otherwise.
+//! - [`drain::Drain`]: SIGTERM handling: finish in-flight work, refuse new work, deregister, exit.
+//! - [`metrics`]: the Prometheus `/metrics` endpoint.
+//! - [`convert`]: tandem.v1 <-> engine conversions (sampling parameters, generated tokens).
+
+pub mod args;
+pub mod convert;
+pub mod drain;
+pub mod metrics;
+pub mod model;
+
+use std::time::Duration;
+
+pub use args::ServeArgs;
+pub use drain::Drain;
+pub use model::LoadedModel;
+
+/// Logs to stderr with `RUST_LOG` filtering (default info); `TANDEM_LOG_JSON=1` for JSON lines.
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = if std::env::var("TANDEM_LOG_JSON").is_ok_and(|v| v == "1") {
+        builder.json().try_init()
+    } else {
+        builder.try_init()
+    };
+}
+
+/// Registers the worker when `--etcd` is given (the handle keeps the lease alive); `None` with static
+/// discovery, where the router learns about the worker from its own flags and `GetInfo`.
+pub async fn register(
+    args: &ServeArgs,
+    record: cluster::WorkerRecord,
+) -> anyhow::Result<Option<cluster::Registration>> {
+    if args.etcd.is_empty() {
+        return Ok(None);
+    }
+    let options =
+        cluster::EtcdOptions { lease_ttl: Duration::from_secs(args.lease_ttl_s.max(2)), ..Default::default() };
+    let discovery = cluster::connect(cluster::DiscoveryConfig::Etcd {
+        endpoints: args.etcd.clone(),
+        cluster: args.cluster.clone(),
+        options,
+    })
+    .await?;
+    let mut reg = discovery.register(record).await?;
+    if !reg.wait_registered(Duration::from_secs(5)).await {
+        tracing::warn!(state = ?reg.state(), "not registered in etcd yet; retrying in the background");
+    }
+    Ok(Some(reg))
+}
