@@ -74,7 +74,8 @@ mod tests {
 
     #[test]
     fn every_byte_relevant_field_is_compared() {
-        let cases: [(&str, fn(&mut ModelFingerprint)); 5] = [
+        type Edit = fn(&mut ModelFingerprint);
+        let cases: [(&str, Edit); 5] = [
             ("checkpoint hash", |f| f.checkpoint_hash = "ffff".into()),
             ("precision", |f| f.precision = "full".into()),
             ("block size", |f| f.block_size = 128),

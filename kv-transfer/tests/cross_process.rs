@@ -37,7 +37,7 @@ fn peer(args: &[&str], fault: Option<&str>) -> (Child, ChildStdin, std::sync::mp
 
 fn tls_args(kind: &Kind) -> Vec<String> {
     match kind {
-        Kind::Ucx(tls) => vec!["--tls".into(), tls.to_string()],
+        Kind::Ucx(tls) | Kind::UcxAm(tls) => vec!["--tls".into(), tls.to_string()],
         _ => vec![],
     }
 }
@@ -86,7 +86,7 @@ fn receiver_killed_mid_transfer(kind: &Kind) {
     }
     let transport = match kind {
         Kind::Tcp => "tcp",
-        Kind::Ucx(_) => "ucx",
+        Kind::Ucx(_) | Kind::UcxAm(_) => "ucx",
         Kind::InProc => unreachable!(),
     };
     let mut args = vec!["recv".to_string(), "--transport".into(), transport.into(), "--layers".into(), "4".into()];

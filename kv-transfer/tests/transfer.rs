@@ -1,5 +1,5 @@
 //! Transfer scenarios over every transport in one process: in-process, TCP, and UCX over its tcp and
-//! shared-memory transports (skipped with a printed reason where libucp is missing).
+//! shared-memory transports, with one-sided puts and (over tcp) with active-message data (skipped with a printed reason where libucp is missing).
 
 mod common;
 
@@ -61,3 +61,4 @@ transport_tests!(inproc, Kind::InProc);
 transport_tests!(tcp, Kind::Tcp);
 transport_tests!(ucx_tcp, Kind::Ucx("tcp"));
 transport_tests!(ucx_shm, Kind::Ucx("sm,self"));
+transport_tests!(ucx_tcp_am, Kind::UcxAm("tcp"));

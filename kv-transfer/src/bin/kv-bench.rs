@@ -1,1 +1,338 @@
-fn main() {}
+//! kv-bench: moves one request's caches (latent + indexer, L layers) between two processes, repeatedly,
+//! and prints GB/s and ms per request next to `ucx_perftest` on the same UCX transport and message size.
+//!
+//! `kv-bench --transport {ucx,tcp} [--tokens N[,N..]] [--layers L] [--json]`
+//!
+//! The bench re-executes itself as the receiving process (hidden `--serve`); this process is the sender.
+//! Time per request runs from `begin` (handshake) to the receiver's verified completion; descriptor
+//! delivery (the router's job) is not timed. The perftest message size is the mean put size of the
+//! request (each layer ships one latent and one indexer put into a fresh pool). Handshake + completion
+//! overhead (1 token, 1 layer) goes to stderr as a JSON line.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, anyhow, bail};
+use clap::Parser;
+use engine::cache::{CacheGeometry, LayerIdx};
+use kv_transfer::testkit;
+use kv_transfer::{
+    ExpectRequest, KvReceiver, KvSender, ReceiverConfig, SenderConfig, TransferOutcome, TransportConfig, TransportKind,
+};
+use prost::Message;
+use proto::v1::{GeneratedToken, TransferDescriptor};
+
+#[derive(Parser, Debug)]
+#[command(about = "kv-transfer bandwidth and overhead benchmark (two processes, loopback)")]
+struct Args {
+    /// ucx (libucp; UCX_TLS applies) or tcp (tokio).
+    #[arg(long)]
+    transport: TransportKind,
+    /// Prompt tokens per request; several sizes comma-separated. Default: 1K, 8K, 32K, 128K.
+    #[arg(long, value_delimiter = ',')]
+    tokens: Vec<usize>,
+    /// Cached layers (DeepSeek-V3.2: 61 + 1 MTP).
+    #[arg(long, default_value_t = 62)]
+    layers: usize,
+    /// Timed requests per size (after one warm-up); fewer when a size would take over --budget-s.
+    #[arg(long, default_value_t = 10)]
+    reps: usize,
+    #[arg(long, default_value_t = 8.0)]
+    budget_s: f64,
+    /// One JSON line per size on stdout.
+    #[arg(long)]
+    json: bool,
+    /// Skip the ucx_perftest baseline.
+    #[arg(long)]
+    no_perftest: bool,
+    /// Internal: run as the receiving process with a pool of this many blocks.
+    #[arg(long, hide = true)]
+    serve: Option<usize>,
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .init();
+    let mut args = Args::parse();
+    if args.tokens.is_empty() {
+        args.tokens = vec![1024, 8192, 32768, 131072];
+    }
+    if let Some(blocks) = args.serve {
+        return serve(&args, blocks);
+    }
+    if args.transport == TransportKind::InProc {
+        bail!("kv-bench measures two processes: use --transport ucx or tcp");
+    }
+    run(&args)
+}
+
+fn transport_config(kind: TransportKind) -> TransportConfig {
+    match kind {
+        TransportKind::Ucx => TransportConfig::Ucx { tls: None, tcp_fallback: None },
+        k => TransportConfig::of_kind(k),
+    }
+}
+
+/// The receiving process: `REQ <tokens>` on stdin -> `DESC <hex>`, then `DONE ok|<error>` once the
+/// transfer finished and its blocks were released.
+fn serve(args: &Args, blocks: usize) -> anyhow::Result<()> {
+    let g = testkit::geometry(args.layers, blocks);
+    let (cache, pool) = testkit::filled_cache(g, 11); // also faults every page in, like a warm worker
+    let recv = KvReceiver::start(
+        ReceiverConfig::new(transport_config(args.transport)),
+        cache,
+        pool.clone(),
+        testkit::fingerprint(&g),
+    )?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "READY {}", recv.transport())?;
+    out.flush()?;
+    for (i, line) in std::io::stdin().lock().lines().enumerate() {
+        let line = line?;
+        let Some(n) = line.strip_prefix("REQ ") else { continue };
+        let tokens: usize = n.trim().parse()?;
+        let id = format!("bench-{i}");
+        let table = pool.reserve(&id, tokens)?;
+        let req = ExpectRequest {
+            request_id: id.clone(),
+            blocks: table,
+            num_tokens: tokens,
+            timeout: Duration::from_secs(120),
+            verify_checksum: false,
+        };
+        let (desc, pending) = recv.expect(req)?;
+        writeln!(out, "DESC {}", testkit::to_hex(&desc.encode_to_vec()))?;
+        out.flush()?;
+        let status = match pending.wait_timeout(Duration::from_secs(130)) {
+            Some(Ok(TransferOutcome::Completed(_))) => {
+                pool.release(&id)?;
+                "ok".to_string()
+            }
+            Some(Ok(TransferOutcome::Released(_))) => "released".to_string(),
+            Some(Err(e)) => e.to_string(),
+            None => "no outcome".to_string(),
+        };
+        writeln!(out, "DONE {status}")?;
+        out.flush()?;
+    }
+    Ok(())
+}
+
+struct Peer {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
+}
+
+impl Peer {
+    fn line(&mut self, prefix: &str) -> anyhow::Result<String> {
+        for l in self.lines.by_ref() {
+            let l = l?;
+            if let Some(rest) = l.strip_prefix(prefix) {
+                return Ok(rest.to_string());
+            }
+        }
+        bail!("the receiving process exited before sending {prefix:?}")
+    }
+
+    fn descriptor(&mut self, tokens: usize) -> anyhow::Result<TransferDescriptor> {
+        writeln!(self.stdin, "REQ {tokens}")?;
+        let hex = self.line("DESC ")?;
+        Ok(TransferDescriptor::decode(testkit::from_hex(&hex).context("bad descriptor hex")?.as_slice())?)
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One timed request: begin, put every layer, complete; returns the wall time.
+fn one(
+    sender: &KvSender,
+    peer: &mut Peer,
+    pool: &engine::cache::BlockPool,
+    tokens: usize,
+    layers: usize,
+) -> anyhow::Result<Duration> {
+    let desc = peer.descriptor(tokens)?;
+    let src = pool.reserve(&desc.request_id, tokens)?;
+    let t0 = Instant::now();
+    let r = (|| {
+        let s = sender.begin(&desc, &src)?;
+        for l in 0..layers {
+            s.put_layer(LayerIdx(l as u32))?;
+        }
+        s.complete(GeneratedToken { token_id: 1, logprobs: None }, None)
+    })();
+    let dt = t0.elapsed();
+    pool.release(&desc.request_id)?;
+    r.map_err(|e| anyhow!("transfer failed: {e}"))?;
+    let done = peer.line("DONE ")?;
+    if done != "ok" {
+        bail!("receiver: {done}");
+    }
+    Ok(dt)
+}
+
+fn run(args: &Args) -> anyhow::Result<()> {
+    let max_tokens = *args.tokens.iter().max().unwrap_or(&1024);
+    let blocks = CacheGeometry::blocks_for(max_tokens);
+    let g = testkit::geometry(args.layers, blocks);
+    let exe = std::env::current_exe()?;
+    let mut child = Command::new(exe)
+        .args([
+            "--transport",
+            args.transport.as_str(),
+            "--layers",
+            &args.layers.to_string(),
+            "--serve",
+            &blocks.to_string(),
+        ])
+        .arg("--tokens")
+        .arg(max_tokens.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("starting the receiving process")?;
+    let stdin = child.stdin.take().context("child stdin")?;
+    let stdout = child.stdout.take().context("child stdout")?;
+    let mut peer = Peer { child, stdin, lines: BufReader::new(stdout).lines() };
+    let served = peer.line("READY ")?;
+    let (cache, pool) = testkit::filled_cache(g, 3);
+    let sender = KvSender::new(SenderConfig::default(), cache, testkit::fingerprint(&g))?;
+    let label = args.transport.as_str().to_string();
+    if served != args.transport.as_str() {
+        eprintln!("kv-bench: the receiver serves {served} (UCX could not be loaded): results are for {served}");
+    }
+    let tls = match args.transport {
+        TransportKind::Tcp => Some("tcp".to_string()),
+        _ => std::env::var("UCX_TLS").ok(),
+    };
+    // Overhead: handshake + completion of a 1-token, 1-layer-sized request.
+    let overhead = overhead_us(&sender, &mut peer, &pool, args)?;
+    eprintln!(
+        "{}",
+        serde_json::json!({"transport": label, "overhead_us_median": overhead.0, "overhead_us_p99": overhead.1, "note": "1 token; begin (handshake) to verified completion, all layers"})
+    );
+    if !args.json {
+        println!(
+            "{:>8} {:>7} {:>14} {:>9} {:>10} {:>12} {:>7}",
+            "tokens", "layers", "bytes", "GB/s", "ms/req", "perftest GB/s", "ratio"
+        );
+    }
+    for &tokens in &args.tokens {
+        let nb = CacheGeometry::blocks_for(tokens) as u64;
+        let bytes = args.layers as u64
+            * (tokens as u64 * g.latent_bytes_per_token() as u64 + nb * g.indexer_bytes_per_block() as u64);
+        one(&sender, &mut peer, &pool, tokens, args.layers)?; // warm-up (connections, registration caches)
+        let mut times = Vec::new();
+        let start = Instant::now();
+        while times.len() < args.reps.max(1) && (times.len() < 3 || start.elapsed().as_secs_f64() < args.budget_s) {
+            times.push(one(&sender, &mut peer, &pool, tokens, args.layers)?);
+        }
+        let mean = times.iter().map(Duration::as_secs_f64).sum::<f64>() / times.len() as f64;
+        let gbps = bytes as f64 / mean / 1e9;
+        let msg = bytes / (2 * args.layers as u64);
+        let perf = if args.no_perftest { None } else { perftest_gbps(tls.as_deref(), msg, bytes) };
+        let ratio = perf.map(|p| gbps / p);
+        if args.json {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "transport": label, "tokens": tokens, "layers": args.layers, "bytes": bytes,
+                    "gbps": round(gbps), "ms_per_request": round(mean * 1e3), "perftest_gbps": perf.map(round),
+                    "ratio": ratio.map(round),
+                })
+            );
+        } else {
+            println!(
+                "{tokens:>8} {:>7} {bytes:>14} {gbps:>9.3} {:>10.3} {:>12} {:>7}",
+                args.layers,
+                mean * 1e3,
+                perf.map(|p| format!("{p:.3}")).unwrap_or("-".into()),
+                ratio.map(|r| format!("{r:.3}")).unwrap_or("-".into())
+            );
+        }
+    }
+    Ok(())
+}
+
+fn round(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+fn overhead_us(
+    sender: &KvSender,
+    peer: &mut Peer,
+    pool: &engine::cache::BlockPool,
+    args: &Args,
+) -> anyhow::Result<(f64, f64)> {
+    let mut v = Vec::new();
+    for i in 0..220 {
+        let dt = one(sender, peer, pool, 1, args.layers)?;
+        if i >= 20 {
+            v.push(dt.as_secs_f64() * 1e6);
+        }
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    Ok((round(v[v.len() / 2]), round(v[v.len() * 99 / 100])))
+}
+
+/// ucx_perftest on loopback: the better of ucp_put_bw and tag_bw for `msg`-byte messages, in GB/s.
+fn perftest_gbps(tls: Option<&str>, msg: u64, bytes: u64) -> Option<f64> {
+    let iters = (bytes.max(2 << 30) / msg.max(1)).clamp(50, 20_000);
+    let mut best: Option<f64> = None;
+    for test in ["ucp_put_bw", "tag_bw"] {
+        match perftest_once(tls, test, msg, iters) {
+            Ok(g) => best = Some(best.map_or(g, |b: f64| b.max(g))),
+            Err(e) => eprintln!("kv-bench: ucx_perftest {test} {msg} B: {e}"),
+        }
+    }
+    best
+}
+
+fn perftest_once(tls: Option<&str>, test: &str, msg: u64, iters: u64) -> anyhow::Result<f64> {
+    let port = 20000 + (std::process::id() % 20000) as u16 + (msg % 97) as u16;
+    let env = |c: &mut Command| {
+        if let Some(t) = tls {
+            c.env("UCX_TLS", t);
+        }
+    };
+    let mut server = Command::new("ucx_perftest");
+    server.args(["-p", &port.to_string()]).stdout(Stdio::null()).stderr(Stdio::null());
+    env(&mut server);
+    let mut server = server.spawn().context("ucx_perftest not found (apt install ucx-utils)")?;
+    let mut last = String::new();
+    let mut result = Err(anyhow!("no result"));
+    for _ in 0..20 {
+        std::thread::sleep(Duration::from_millis(150));
+        let mut c = Command::new("ucx_perftest");
+        c.args(["127.0.0.1", "-p", &port.to_string(), "-t", test, "-s", &msg.to_string()]).args([
+            "-n",
+            &iters.to_string(),
+            "-w",
+            &(iters / 10).max(5).to_string(),
+        ]);
+        env(&mut c);
+        let out = c.output()?;
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        if let Some(line) = text.lines().find(|l| l.starts_with("Final:")) {
+            // Final: iterations, latency 50%/avg/overall (us), bandwidth avg/overall (MB/s), msg rates.
+            let f: Vec<f64> = line.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+            result = f.get(5).map(|mbs| mbs * 1048576.0 / 1e9).ok_or_else(|| anyhow!("unparsable: {line}"));
+            break;
+        }
+        last = format!("{}{}", text, String::from_utf8_lossy(&out.stderr));
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+    result.map_err(|e| anyhow!("{e}; last output: {}", last.lines().last().unwrap_or("")))
+}

@@ -36,6 +36,8 @@ pub struct SenderConfig {
     pub transports: Vec<TransportKind>,
     /// Overrides `UCX_TLS` for this sender's UCX context.
     pub ucx_tls: Option<String>,
+    /// How UCX moves bytes; `None` reads `TANDEM_UCX_DATA_PATH` (default: one-sided puts).
+    pub ucx_data_path: Option<crate::transport::ucx::DataPath>,
     /// Fault injection (tests); `None` reads `TANDEM_KV_FAULT` where the build honours it.
     pub fault: Option<Fault>,
 }
@@ -47,6 +49,7 @@ impl Default for SenderConfig {
             max_wait: Duration::from_secs(600),
             transports: TransportKind::ALL.to_vec(),
             ucx_tls: None,
+            ucx_data_path: None,
             fault: None,
         }
     }
@@ -207,6 +210,7 @@ impl KvSender {
             layout: Some(dst_layout),
             fingerprint: Some(sh.fingerprint.clone()),
             sender_address: Vec::new(),
+            receiver_mediated: false,
         };
         let reply = link.call(Body::Begin(begin)).and_then(|cell| {
             cell.wait_until(deadline).unwrap_or_else(|| {
@@ -266,7 +270,14 @@ impl KvSender {
             TransportKind::Tcp => TransportConfig::Tcp(TcpConfig::default()),
             TransportKind::InProc => TransportConfig::InProc,
         };
-        let t = crate::transport_for(&cfg, &sh.rt)?;
+        let t = match (kind, sh.config.ucx_data_path) {
+            (TransportKind::Ucx, Some(dp)) => {
+                crate::transport::ucx::UcxTransport::with_data_path(sh.config.ucx_tls.as_deref(), dp)
+                    .map(|t| Arc::new(t) as Arc<dyn Transport>)
+                    .map_err(TransferError::Transport)?
+            }
+            _ => crate::transport_for(&cfg, &sh.rt)?,
+        };
         if t.kind() != kind {
             return Err(TransferError::Transport(format!(
                 "the receiver speaks {kind}, which this process cannot load"

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use engine::cache::{BlockPool, BlockTable, CacheGeometry, KvCache, LayerIdx};
 use kv_transfer::testkit;
+use kv_transfer::transport::ucx::DataPath;
 use kv_transfer::{KvReceiver, KvSender, ReceiverConfig, SenderConfig, TransportConfig, TransportKind};
 use proto::v1::TransferDescriptor;
 
@@ -18,6 +19,8 @@ pub enum Kind {
     InProc,
     Tcp,
     Ucx(&'static str),
+    /// UCX with receiver-placed active-message data instead of one-sided puts.
+    UcxAm(&'static str),
 }
 
 impl Kind {
@@ -25,21 +28,27 @@ impl Kind {
         match self {
             Kind::InProc => TransportConfig::InProc,
             Kind::Tcp => TransportConfig::of_kind(TransportKind::Tcp),
-            Kind::Ucx(tls) => TransportConfig::Ucx { tls: Some(tls.to_string()), tcp_fallback: None },
+            Kind::Ucx(tls) | Kind::UcxAm(tls) => {
+                TransportConfig::Ucx { tls: Some(tls.to_string()), tcp_fallback: None }
+            }
         }
     }
 
     pub fn sender_config(&self) -> SenderConfig {
         let mut c = SenderConfig::default();
-        if let Kind::Ucx(tls) = self {
+        if let Kind::Ucx(tls) | Kind::UcxAm(tls) = self {
             c.ucx_tls = Some(tls.to_string());
+            c.ucx_data_path = Some(match self {
+                Kind::UcxAm(_) => DataPath::ActiveMessage,
+                _ => DataPath::Put,
+            });
         }
         c
     }
 
     /// Whether this transport can run here; prints why not.
     pub fn available(&self) -> bool {
-        if let Kind::Ucx(_) = self
+        if let Kind::Ucx(_) | Kind::UcxAm(_) = self
             && let Err(e) = kv_transfer::ucx_available()
         {
             eprintln!("SKIPPED: libucp is not available ({e}); install libucx0 to run the UCX tests");
@@ -97,7 +106,7 @@ pub fn pair(kind: &Kind, o: Opts) -> Option<Pair> {
     let expected = match kind {
         Kind::InProc => TransportKind::InProc,
         Kind::Tcp => TransportKind::Tcp,
-        Kind::Ucx(_) => TransportKind::Ucx,
+        Kind::Ucx(_) | Kind::UcxAm(_) => TransportKind::Ucx,
     };
     assert_eq!(recv.transport(), expected, "the receiver must serve the transport under test");
     let scfg = o.sender.unwrap_or_else(|| kind.sender_config());

@@ -24,7 +24,7 @@ use super::{
     Flushed, Inbound, Link, PeerLink, PendingCalls, PutOp, Reply, Served, Transport, TransportKind, control, next_id,
 };
 use crate::TransferError;
-use crate::receiver::core::ReceiverCore;
+use crate::receiver::core::{ReceiverCore, Refusal, WritePermit};
 
 /// Whether libucp loads here.
 pub fn load() -> Result<(), String> {
@@ -35,16 +35,42 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// How a UCX sender moves bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataPath {
+    /// One-sided `ucp_put_nbx` into the registered arena (fastest where UCX has native RMA).
+    Put,
+    /// Rendezvous active messages the receiver places itself (fastest where RMA is emulated, as over
+    /// tcp; every write is admitted by the receiver).
+    ActiveMessage,
+}
+
+impl DataPath {
+    /// `TANDEM_UCX_DATA_PATH` = `put` or `am`; default `put`.
+    pub fn from_env() -> Result<DataPath, String> {
+        match std::env::var("TANDEM_UCX_DATA_PATH").as_deref() {
+            Err(_) | Ok("") | Ok("put") => Ok(DataPath::Put),
+            Ok("am") => Ok(DataPath::ActiveMessage),
+            Ok(v) => Err(format!("TANDEM_UCX_DATA_PATH={v:?}: valid values are put, am")),
+        }
+    }
+}
+
 pub struct UcxTransport {
     tls: Option<String>,
+    data_path: DataPath,
     sender: Mutex<Option<(NodeOwner, Arc<SenderSink>)>>,
 }
 
 impl UcxTransport {
     /// Fails (with the loader's message) when libucp cannot be loaded.
     pub fn new(tls: Option<&str>) -> Result<Self, String> {
+        Self::with_data_path(tls, DataPath::from_env()?)
+    }
+
+    pub fn with_data_path(tls: Option<&str>, data_path: DataPath) -> Result<Self, String> {
         load()?;
-        Ok(UcxTransport { tls: tls.map(str::to_string), sender: Mutex::new(None) })
+        Ok(UcxTransport { tls: tls.map(str::to_string), data_path, sender: Mutex::new(None) })
     }
 }
 
@@ -59,7 +85,7 @@ impl Transport for UcxTransport {
 
     fn serve(&self, core: Arc<ReceiverCore>) -> Result<Served, TransferError> {
         let sink = Arc::new(ReceiverSink { core: Arc::downgrade(&core), peers: Mutex::new(HashMap::new()) });
-        let node = Node::start("kv-recv", self.tls.as_deref(), sink)?;
+        let node = Node::start("kv-recv", self.tls.as_deref(), false, sink)?;
         let owner = NodeOwner(node.clone());
         let arena = core.cache.arena();
         let rkey = node.mem_map(arena.as_ptr(), arena.len())?;
@@ -83,7 +109,8 @@ impl Transport for UcxTransport {
             let mut g = lock(&self.sender);
             if g.as_ref().is_none_or(|(n, _)| !n.0.is_alive()) {
                 let sink = Arc::new(SenderSink { links: Mutex::new(HashMap::new()), inbound: inbound.clone() });
-                let node = Node::start("kv-send", self.tls.as_deref(), sink.clone())?;
+                let am = self.data_path == DataPath::ActiveMessage;
+                let node = Node::start("kv-send", self.tls.as_deref(), am, sink.clone())?;
                 *g = Some((NodeOwner(node), sink));
             }
             let (n, s) = g.as_ref().expect("set above");
@@ -91,6 +118,7 @@ impl Transport for UcxTransport {
         };
         let ep = node.connect(&endpoint.address, deadline)?;
         let link = Arc::new(UcxLink {
+            receiver_mediated: self.data_path == DataPath::ActiveMessage,
             id: next_id(),
             ep,
             node: node.clone(),
@@ -142,6 +170,7 @@ impl Sink for SenderSink {
 }
 
 struct UcxLink {
+    receiver_mediated: bool,
     id: u64,
     ep: u64,
     node: Arc<Node>,
@@ -159,6 +188,7 @@ impl Link for UcxLink {
     fn call(&self, mut body: Body) -> Result<Reply, TransferError> {
         if let Body::Begin(b) = &mut body {
             b.sender_address = self.node.address.clone();
+            b.receiver_mediated = self.receiver_mediated;
         }
         let (id, cell) = self.calls.register().ok_or_else(|| TransferError::Transport("link lost: closed".into()))?;
         self.node.send_control(self.ep, &control(id, body))?;
@@ -209,7 +239,12 @@ impl Sink for ReceiverSink {
         let peer = {
             let mut peers = lock(&self.peers);
             match peers.get(&origin) {
-                Some(p) if p.alive.load(Ordering::SeqCst) => p.clone(),
+                Some(p) if p.alive.load(Ordering::SeqCst) => {
+                    if let Some(Body::Begin(b)) = &msg.body {
+                        p.one_sided.store(!b.receiver_mediated, Ordering::SeqCst);
+                    }
+                    p.clone()
+                }
                 _ => {
                     let Some(Body::Begin(b)) = &msg.body else {
                         tracing::debug!(origin, "control message from an unknown UCX sender");
@@ -223,6 +258,7 @@ impl Sink for ReceiverSink {
                         }
                     };
                     let p = Arc::new(UcxPeer {
+                        one_sided: AtomicBool::new(!b.receiver_mediated),
                         id: next_id(),
                         ep,
                         node: Arc::downgrade(node),
@@ -236,6 +272,11 @@ impl Sink for ReceiverSink {
         };
         let dynp: Arc<dyn PeerLink> = peer;
         core.on_control(&dynp, msg);
+    }
+
+    fn admit(&self, session: u64, token: u64, offset: u64, len: u64) -> Option<Result<WritePermit, Refusal>> {
+        let core = self.core.upgrade()?;
+        Some(core.admit_write(session, token, offset, len))
     }
 
     fn on_ep_error(&self, ep: u64, reason: &str) {
@@ -254,6 +295,8 @@ impl Sink for ReceiverSink {
 }
 
 struct UcxPeer {
+    /// Whether this sender writes with one-sided puts (from its handshake).
+    one_sided: AtomicBool,
     id: u64,
     ep: u64,
     node: Weak<Node>,
@@ -267,7 +310,7 @@ impl PeerLink for UcxPeer {
     }
 
     fn one_sided(&self) -> bool {
-        true
+        self.one_sided.load(Ordering::SeqCst)
     }
 
     fn send(&self, msg: TransferControl) {

@@ -16,17 +16,24 @@ use proto::v1::TransferControl;
 use super::api::{StatusPtr, classify, status_str};
 use super::sys::*;
 use crate::TransferError;
+use crate::receiver::core::{Refusal, WritePermit};
 use crate::transport::{Flushed, PutOp, next_id};
 use crate::wait::Cell;
 
 /// AM id of control messages (header: the origin node id, 8 bytes LE; data: a TransferControl).
 const AM_CONTROL: u32 = 7101;
+/// AM id of data writes (header: session, token, pool offset, length as u64 LE; payload by rendezvous).
+const AM_DATA: u32 = 7102;
 /// How long the loop keeps polling after activity before it sleeps on the event fd.
 const SPIN: Duration = Duration::from_micros(200);
 
 /// Receives what arrives on a node.
 pub(crate) trait Sink: Send + Sync {
     fn on_control(&self, node: &Arc<Node>, origin: u64, msg: TransferControl);
+    /// Admits an active-message write (receivers); `None` where this node receives no data.
+    fn admit(&self, _session: u64, _token: u64, _offset: u64, _len: u64) -> Option<Result<WritePermit, Refusal>> {
+        None
+    }
     fn on_ep_error(&self, ep: u64, reason: &str);
 }
 
@@ -56,7 +63,12 @@ pub(crate) struct Node {
 impl Node {
     /// Creates the context (reading `UCX_*` from the environment, `tls` overriding `UCX_TLS`) and worker,
     /// and starts the progress thread.
-    pub fn start(name: &str, tls: Option<&str>, sink: Arc<dyn Sink>) -> Result<Arc<Node>, TransferError> {
+    pub fn start(
+        name: &str,
+        tls: Option<&str>,
+        am_data: bool,
+        sink: Arc<dyn Sink>,
+    ) -> Result<Arc<Node>, TransferError> {
         let lib = super::api::load().map_err(TransferError::Transport)?;
         let (tx, rx) = mpsc::channel();
         let init = Cell::new();
@@ -79,6 +91,7 @@ impl Node {
                         let mut address = id.to_le_bytes().to_vec();
                         address.extend_from_slice(&st.worker_address);
                         st.origin = id;
+                        st.am_data = am_data;
                         let node = Arc::new(Node {
                             id,
                             address,
@@ -201,13 +214,26 @@ impl Drop for NodeOwner {
 /// What UCX callbacks record.
 enum Event {
     Done(u64, ucs_status_t),
+    /// An active-message write: header words, then the payload (rendezvous or persistent descriptor, or
+    /// a copy of a small eager payload).
+    Data([u64; 4], Payload),
     EpError(u64, ucs_status_t),
     Am(u64, Vec<u8>),
+}
+
+enum Payload {
+    Rndv(*mut core::ffi::c_void),
+    Persistent(*mut core::ffi::c_void),
+    Copied(Vec<u8>),
 }
 
 /// Pending request actions, by token.
 enum Action {
     Put(u64),
+    /// An active-message data send on endpoint `.0`.
+    DataSend(u64),
+    /// Receiving a rendezvous payload into admitted memory.
+    Recv(WritePermit),
     Control,
     Flush(Flushed),
     FlushThen(u64, Vec<u8>),
@@ -236,6 +262,13 @@ struct State {
     buffers: HashMap<u64, (Box<[u8; 8]>, Vec<u8>)>,
     /// This node's id, sent as every control message's header.
     origin: u64,
+    /// The selected transports cannot report peer failure: create endpoints without it.
+    no_peer_errors: bool,
+    /// Send data as active messages (receiver-placed) instead of one-sided puts.
+    am_data: bool,
+    /// Active-message data sends in flight per endpoint, and flushes waiting for them.
+    data_inflight: HashMap<u64, usize>,
+    flush_waiting: HashMap<u64, Vec<Action>>,
     /// Puts that failed, per endpoint, reported by the next flush.
     put_errors: HashMap<u64, String>,
 }
@@ -290,6 +323,52 @@ unsafe extern "C" fn on_am(
         q.borrow_mut().push_back(Event::Am(origin, bytes));
     }
     ucs_status_t::UCS_OK
+}
+
+unsafe extern "C" fn on_am_data(
+    arg: *mut core::ffi::c_void,
+    header: *const core::ffi::c_void,
+    header_length: size_t,
+    data: *mut core::ffi::c_void,
+    length: size_t,
+    param: *const ucp_am_recv_param_t,
+) -> ucs_status_t {
+    // SAFETY: `arg` is the node's event queue; header/data are valid for the call, and beyond it when we
+    // return UCS_INPROGRESS for rendezvous and persistent payloads (released or received later).
+    unsafe {
+        let q = &*(arg as *const std::cell::RefCell<VecDeque<Event>>);
+        if header_length != 32 {
+            return ucs_status_t::UCS_OK;
+        }
+        let h = std::slice::from_raw_parts(header as *const u8, 32);
+        let w = |i: usize| u64::from_le_bytes(h[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
+        let hdr = [w(0), w(1), w(2), w(3)];
+        let attr = (*param).recv_attr;
+        if attr & ucp_am_recv_attr_t_UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0 {
+            q.borrow_mut().push_back(Event::Data(hdr, Payload::Rndv(data)));
+            return ucs_status_t::UCS_INPROGRESS;
+        }
+        if hdr[3] != length {
+            return ucs_status_t::UCS_OK;
+        }
+        if attr & ucp_am_recv_attr_t_UCP_AM_RECV_ATTR_FLAG_DATA as u64 != 0 {
+            q.borrow_mut().push_back(Event::Data(hdr, Payload::Persistent(data)));
+            return ucs_status_t::UCS_INPROGRESS;
+        }
+        let bytes = std::slice::from_raw_parts(data as *const u8, length as usize).to_vec();
+        q.borrow_mut().push_back(Event::Data(hdr, Payload::Copied(bytes)));
+    }
+    ucs_status_t::UCS_OK
+}
+
+unsafe extern "C" fn on_recv_done(
+    request: *mut core::ffi::c_void,
+    status: ucs_status_t,
+    _len: size_t,
+    user: *mut core::ffi::c_void,
+) {
+    // SAFETY: same contract as on_request_done.
+    unsafe { on_request_done(request, status, user) }
 }
 
 impl State {
@@ -367,7 +446,13 @@ impl State {
             hp.flags = ucp_am_cb_flags::UCP_AM_FLAG_WHOLE_MSG.0;
             hp.cb = Some(on_am);
             hp.arg = &*events as *const _ as *mut core::ffi::c_void;
-            let s = (lib.ucp_worker_set_am_recv_handler)(worker, &hp);
+            let mut s = (lib.ucp_worker_set_am_recv_handler)(worker, &hp);
+            if s == ucs_status_t::UCS_OK {
+                hp.id = AM_DATA;
+                hp.flags = ucp_am_cb_flags::UCP_AM_FLAG_WHOLE_MSG.0 | ucp_am_cb_flags::UCP_AM_FLAG_PERSISTENT_DATA.0;
+                hp.cb = Some(on_am_data);
+                s = (lib.ucp_worker_set_am_recv_handler)(worker, &hp);
+            }
             if s != ucs_status_t::UCS_OK {
                 (lib.ucp_worker_destroy)(worker);
                 (lib.ucp_cleanup)(ctx);
@@ -386,6 +471,10 @@ impl State {
                 actions: HashMap::new(),
                 buffers: HashMap::new(),
                 origin: 0,
+                no_peer_errors: false,
+                am_data: false,
+                data_inflight: HashMap::new(),
+                flush_waiting: HashMap::new(),
                 put_errors: HashMap::new(),
             })
         }
@@ -435,6 +524,25 @@ impl State {
             Action::Control => {
                 self.buffers.remove(&token);
             }
+            Action::DataSend(ep) => {
+                self.buffers.remove(&token);
+                if !ok {
+                    self.put_errors.entry(ep).or_insert_with(|| status_str(self.lib, s));
+                }
+                let n = self.data_inflight.entry(ep).or_insert(1);
+                *n -= 1;
+                if *n == 0 {
+                    self.data_inflight.remove(&ep);
+                    for a in self.flush_waiting.remove(&ep).unwrap_or_default() {
+                        self.flush(ep, a);
+                    }
+                }
+            }
+            Action::Recv(permit) => {
+                if ok {
+                    permit.commit();
+                }
+            }
             Action::Flush(done) => {
                 done.set(if ok { Ok(()) } else { Err(err(self.lib, "link lost: flush", s)) });
             }
@@ -459,12 +567,17 @@ impl State {
         if addr.len() <= 8 {
             return Err(TransferError::Transport("bad UCX address".into()));
         }
+        if self.no_peer_errors {
+            // SAFETY: forwarded.
+            return unsafe { self.create_ep(id, addr, false) }.map_err(|s| err(self.lib, "ucp_ep_create", s));
+        }
         // SAFETY: forwarded.
         match unsafe { self.create_ep(id, addr, true) } {
             Err(s) if s == ucs_status_t::UCS_ERR_UNREACHABLE => {
                 // Some transports (UCX 1.13's shared memory) cannot report peer failure; connect without
                 // it. Liveness then rests on deadlines, abort acknowledgements and the quarantine.
                 tracing::info!("UCX transport has no peer-failure detection; relying on deadlines");
+                self.no_peer_errors = true;
                 // SAFETY: forwarded.
                 unsafe { self.create_ep(id, addr, false) }.map_err(|s| err(self.lib, "ucp_ep_create", s))
             }
@@ -532,6 +645,33 @@ impl State {
             return;
         };
         let token = next_id();
+        if self.am_data {
+            let mut p = self.param(token);
+            p.op_attr_mask |= ucp_op_attr_t_UCP_OP_ATTR_FIELD_FLAGS;
+            p.flags = ucp_send_am_flags::UCP_AM_SEND_FLAG_RNDV.0;
+            let mut hdr = Vec::with_capacity(32);
+            for w in [op.session_id, op.token, op.dst_offset, op.len] {
+                hdr.extend_from_slice(&w.to_le_bytes());
+            }
+            self.buffers.insert(token, (Box::new([0; 8]), hdr));
+            let hdr = &self.buffers[&token].1;
+            // SAFETY: the header lives in self.buffers and the source in the session's arena until the
+            // send completes.
+            let r = unsafe {
+                (self.lib.ucp_am_send_nbx)(
+                    h,
+                    AM_DATA,
+                    hdr.as_ptr() as *const core::ffi::c_void,
+                    32,
+                    op.src as *const core::ffi::c_void,
+                    op.len as size_t,
+                    &p,
+                )
+            };
+            *self.data_inflight.entry(ep).or_insert(0) += 1;
+            self.issued(token, &p, r, Action::DataSend(ep));
+            return;
+        }
         let p = self.param(token);
         // SAFETY: the source stays alive and unmodified until the put is flushed (session contract); the
         // remote range was checked against the descriptor's regions.
@@ -542,6 +682,12 @@ impl State {
     }
 
     fn flush(&mut self, ep: u64, then: Action) {
+        if self.data_inflight.get(&ep).is_some_and(|n| *n > 0) && self.eps.get(&ep).is_some_and(|e| e.failed.is_none())
+        {
+            // Endpoint flush covers RMA, not active messages: wait for the data sends first.
+            self.flush_waiting.entry(ep).or_default().push(then);
+            return;
+        }
         let h = match self.ep(ep) {
             Ok(h) => h,
             Err(e) => {
@@ -672,6 +818,7 @@ impl State {
                             self.close_ep(ep);
                         }
                     }
+                    Event::Data(hdr, payload) => self.on_data(&*sink, hdr, payload),
                     Event::Am(origin, bytes) => match TransferControl::decode(bytes.as_slice()) {
                         Ok(msg) => sink.on_control(node, origin, msg),
                         Err(e) => tracing::warn!(error = %e, "undecodable kv-transfer control message"),
@@ -680,6 +827,12 @@ impl State {
             }
             if busy {
                 last_activity = Instant::now();
+                continue;
+            }
+            if !self.actions.is_empty() {
+                // Requests in flight: some transports complete them only under progress, without an
+                // event on the fd, so keep driving the worker (yielding the core) until they finish.
+                std::thread::yield_now();
                 continue;
             }
             if last_activity.elapsed() < SPIN {
@@ -703,6 +856,55 @@ impl State {
             if Arc::strong_count(node) == 1 {
                 return self.drain();
             }
+        }
+    }
+
+    /// Places an active-message write where the receiver admits it, or drops it.
+    fn on_data(&mut self, sink: &dyn Sink, [session, token, offset, len]: [u64; 4], payload: Payload) {
+        let admitted = match sink.admit(session, token, offset, len) {
+            Some(Ok(p)) => Some(p),
+            Some(Err(Refusal::Invalid(why))) => {
+                tracing::warn!(why, "dropping an invalid write");
+                None
+            }
+            _ => None,
+        };
+        match (payload, admitted) {
+            (Payload::Rndv(desc), Some(permit)) => {
+                let t = next_id();
+                let mut p = self.param(t);
+                p.cb.recv_am = Some(on_recv_done);
+                // SAFETY: the permit owns `len` bytes at its pointer until the receive completes.
+                let r = unsafe {
+                    (self.lib.ucp_am_recv_data_nbx)(
+                        self.worker,
+                        desc,
+                        permit.ptr as *mut core::ffi::c_void,
+                        len as size_t,
+                        &p,
+                    )
+                };
+                self.issued(t, &p, r, Action::Recv(permit));
+            }
+            (Payload::Persistent(desc), permit) => {
+                if let Some(permit) = permit {
+                    // SAFETY: `len` payload bytes (checked in the callback) into the admitted range.
+                    unsafe { std::ptr::copy_nonoverlapping(desc as *const u8, permit.ptr, len as usize) };
+                    permit.commit();
+                }
+                // SAFETY: a descriptor kept by returning UCS_INPROGRESS.
+                unsafe { (self.lib.ucp_am_data_release)(self.worker, desc) };
+            }
+            (Payload::Rndv(desc), None) => {
+                // SAFETY: releasing an unreceived rendezvous descriptor drops its data.
+                unsafe { (self.lib.ucp_am_data_release)(self.worker, desc) };
+            }
+            (Payload::Copied(bytes), Some(permit)) => {
+                // SAFETY: the admitted range is `len` = bytes.len() bytes.
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), permit.ptr, bytes.len().min(permit.len)) };
+                permit.commit();
+            }
+            (Payload::Copied(_), None) => {}
         }
     }
 
@@ -754,7 +956,8 @@ impl State {
                 }
             }
         }
-        for (_, a) in self.actions.drain() {
+        let waiting: Vec<Action> = self.flush_waiting.drain().flat_map(|(_, v)| v).collect();
+        for a in self.actions.drain().map(|(_, a)| a).chain(waiting) {
             if let Action::Flush(done) = a {
                 done.set(Err(TransferError::Transport("link lost: UCX worker stopped".into())));
             }
