@@ -1,1 +1,127 @@
-//! The decode worker: block reservation, continuous batching of sparse decode steps, MTP speculative decoding, token streaming.
+//! The decode worker: reserves cache blocks for a request, receives its caches from a prefill worker
+//! (kv-transfer), then decodes it with continuous batching (sparse decode over the FP8 cache, MTP
+//! speculative decoding) and streams tokens back on the request's `Decode` stream.
+//!
+//! - [`service`]: the `tandem.v1.DecodeWorker` gRPC service (Decode stream, Abort, GetLoad, GetInfo).
+//! - [`admission`]: the reservation policy (prompt + growth, a watermark per running request).
+//! - [`scheduler`]: the decode loop on its own thread: admit, grow or preempt, step, stream.
+//! - [`metrics`]: Prometheus metrics (pool usage, MTP acceptance, transfer times, preemptions).
+
+pub mod admission;
+pub mod metrics;
+pub mod scheduler;
+pub mod service;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use proto::v1::decode_worker_server::DecodeWorkerServer;
+use worker::{Drain, LoadedModel, ServeArgs};
+
+/// `decode-worker` flags.
+#[derive(clap::Parser, Debug, Clone)]
+#[command(name = "decode-worker", version, about = "tandem decode worker")]
+pub struct Args {
+    #[command(flatten)]
+    pub serve: ServeArgs,
+    /// How long a reservation waits for the prefill worker's transfer, unless the request says otherwise.
+    #[arg(long, env = "TANDEM_TRANSFER_TIMEOUT_MS", default_value_t = 30_000)]
+    pub transfer_timeout_ms: u64,
+    /// Decode without MTP speculative decoding.
+    #[arg(long, env = "TANDEM_NO_MTP")]
+    pub no_mtp: bool,
+    /// Ask prefill workers for per-layer checksums and verify them.
+    #[arg(long, env = "TANDEM_VERIFY_CHECKSUM")]
+    pub verify_checksum: bool,
+    /// Blocks kept free for every running request's growth before a new request is admitted.
+    #[arg(long, env = "TANDEM_GROWTH_WATERMARK", default_value_t = 1)]
+    pub growth_watermark_blocks: usize,
+}
+
+/// Runs the decode worker until SIGTERM/SIGINT, then drains.
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let serve = args.serve.clone();
+    let model = tokio::task::spawn_blocking(move || LoadedModel::load(&serve)).await??;
+    let model = Arc::new(model);
+    let receiver = kv_transfer::KvReceiver::start(
+        kv_transfer::ReceiverConfig::new(args.serve.transport_config()),
+        model.cache.clone(),
+        model.pool.clone(),
+        model.fingerprint.clone(),
+    )
+    .context("starting the kv-transfer receiver")?;
+    let registry = prometheus::Registry::new();
+    let metrics = Arc::new(metrics::DecodeMetrics::new(&registry)?);
+    let metrics_addr = match args.serve.metrics_listen {
+        Some(a) => Some(worker::metrics::serve(a, registry.clone()).await?),
+        None => None,
+    };
+    let drain = Drain::new();
+    let worker_id = args.serve.worker_id("decode");
+    let sched = scheduler::Scheduler::start(model.clone(), metrics.clone(), !args.no_mtp, args.serve.max_num_seqs);
+    let listener = tokio::net::TcpListener::bind(args.serve.listen)
+        .await
+        .with_context(|| format!("binding gRPC on {}", args.serve.listen))?;
+    let bound = listener.local_addr()?;
+    let advertise = args.serve.advertise.clone().unwrap_or_else(|| bound.to_string());
+    let record = cluster::WorkerRecord {
+        id: worker_id.clone(),
+        role: cluster::WorkerRole::Decode,
+        grpc_address: advertise.clone(),
+        capacity: cluster::Capacity {
+            max_num_seqs: args.serve.max_num_seqs as u32,
+            kv_blocks_total: args.serve.kv_blocks as u32,
+            max_model_len: model.max_model_len as u32,
+        },
+        fingerprint: Some(model.cluster_fingerprint()),
+    };
+    let svc = service::DecodeService::new(service::Shared {
+        model: model.clone(),
+        receiver,
+        scheduler: sched,
+        drain: drain.clone(),
+        metrics,
+        record: record.clone(),
+        admission: admission::Policy {
+            max_num_seqs: args.serve.max_num_seqs,
+            growth_watermark_blocks: args.growth_watermark_blocks,
+            max_model_len: model.max_model_len,
+        },
+        transfer_timeout: Duration::from_millis(args.transfer_timeout_ms),
+        verify_checksum: args.verify_checksum,
+    });
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter.set_serving::<DecodeWorkerServer<service::DecodeService>>().await;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .add_service(health_service)
+            .add_service(DecodeWorkerServer::new(svc))
+            .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async {
+                let _ = stop_rx.await;
+            }),
+    );
+    let registration = worker::register(&args.serve, record).await?;
+    println!(
+        "{}",
+        serde_json::json!({"event": "ready", "role": "decode", "id": worker_id, "grpc": advertise,
+            "metrics": metrics_addr.map(|a| a.to_string()), "model": model.name})
+    );
+    tracing::info!(grpc = %advertise, id = %worker_id, "decode worker ready");
+
+    worker::drain::shutdown_signal().await;
+    drain.start();
+    health_reporter.set_not_serving::<DecodeWorkerServer<service::DecodeService>>().await;
+    if !drain.wait_idle(Duration::from_secs(args.serve.drain_timeout_s)).await {
+        tracing::warn!(inflight = drain.inflight(), "drain timeout: stopping with requests in flight");
+    }
+    if let Some(r) = registration {
+        r.deregister().await;
+    }
+    let _ = stop_tx.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    tracing::info!("decode worker stopped");
+    Ok(())
+}

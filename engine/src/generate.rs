@@ -142,15 +142,6 @@ fn push(s: &mut SeqState, t: Sampled, eos: &[u32]) {
     s.finished = sampling::finish_reason(t.token, count, &s.params, eos);
 }
 
-fn sampled_with_logprobs(s: &SeqState, logits: &[f32], token: u32) -> Sampled {
-    let (logprob, top) = if s.params.logprobs.is_some() {
-        sampling::logprobs_of(logits, token, s.params.logprobs)
-    } else {
-        (0.0, Vec::new())
-    };
-    Sampled { token, logprob, top }
-}
-
 /// Verifies `draft` against the target logits of the pending position; returns the token to emit and
 /// whether the draft was accepted. The token is the position's own sample (the same draw as without
 /// speculation), and the draft is accepted when it equals it.

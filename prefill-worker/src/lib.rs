@@ -1,1 +1,112 @@
-//! The prefill worker: batched (chunked) prefill with prefix caching, first-token and MTP-draft sampling, layer-by-layer cache shipping.
+//! The prefill worker: batches incoming prefills under a token budget (long prompts in chunks), reuses
+//! cached prefix blocks, runs the dense indexer + MLA prefill and the MTP prefill, samples the first token
+//! and the MTP draft, and ships each layer's caches to the decode worker's reserved blocks as soon as the
+//! layer is done (kv-transfer).
+//!
+//! - [`service`]: the `tandem.v1.PrefillWorker` gRPC service.
+//! - [`scheduler`]: the prefill loop on its own thread.
+//! - [`prefix_cache`]: automatic prefix caching of full blocks.
+//! - [`metrics`]: Prometheus metrics.
+
+pub mod metrics;
+pub mod prefix_cache;
+pub mod scheduler;
+pub mod service;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use proto::v1::prefill_worker_server::PrefillWorkerServer;
+use worker::{Drain, LoadedModel, ServeArgs};
+
+/// `prefill-worker` flags.
+#[derive(clap::Parser, Debug, Clone)]
+#[command(name = "prefill-worker", version, about = "tandem prefill worker")]
+pub struct Args {
+    #[command(flatten)]
+    pub serve: ServeArgs,
+    /// Do not reuse cached prefix blocks.
+    #[arg(long, env = "TANDEM_NO_PREFIX_CACHING")]
+    pub no_prefix_caching: bool,
+}
+
+/// Runs the prefill worker until SIGTERM/SIGINT, then drains.
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let serve = args.serve.clone();
+    let model = Arc::new(tokio::task::spawn_blocking(move || LoadedModel::load(&serve)).await??);
+    let sender = kv_transfer::KvSender::new(
+        kv_transfer::SenderConfig { ucx_tls: args.serve.ucx_tls.clone(), ..Default::default() },
+        model.cache.clone(),
+        model.fingerprint.clone(),
+    )
+    .context("starting the kv-transfer sender")?;
+    let registry = prometheus::Registry::new();
+    let metrics = Arc::new(metrics::PrefillMetrics::new(&registry)?);
+    let metrics_addr = match args.serve.metrics_listen {
+        Some(a) => Some(worker::metrics::serve(a, registry.clone()).await?),
+        None => None,
+    };
+    let scheduler = scheduler::Scheduler::start(
+        model.clone(),
+        sender,
+        metrics,
+        scheduler::Config {
+            max_num_seqs: args.serve.max_num_seqs,
+            max_num_batched_tokens: args.serve.max_num_batched_tokens,
+            prefix_caching: !args.no_prefix_caching,
+        },
+    );
+    let drain = Drain::new();
+    let worker_id = args.serve.worker_id("prefill");
+    let listener = tokio::net::TcpListener::bind(args.serve.listen)
+        .await
+        .with_context(|| format!("binding gRPC on {}", args.serve.listen))?;
+    let bound = listener.local_addr()?;
+    let advertise = args.serve.advertise.clone().unwrap_or_else(|| bound.to_string());
+    let record = cluster::WorkerRecord {
+        id: worker_id.clone(),
+        role: cluster::WorkerRole::Prefill,
+        grpc_address: advertise.clone(),
+        capacity: cluster::Capacity {
+            max_num_seqs: args.serve.max_num_seqs as u32,
+            kv_blocks_total: args.serve.kv_blocks as u32,
+            max_model_len: model.max_model_len as u32,
+        },
+        fingerprint: Some(model.cluster_fingerprint()),
+    };
+    let svc = service::PrefillService { model: model.clone(), scheduler, drain: drain.clone(), record: record.clone() };
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter.set_serving::<PrefillWorkerServer<service::PrefillService>>().await;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .add_service(health_service)
+            .add_service(PrefillWorkerServer::new(svc))
+            .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async {
+                let _ = stop_rx.await;
+            }),
+    );
+    let registration = worker::register(&args.serve, record).await?;
+    println!(
+        "{}",
+        serde_json::json!({"event": "ready", "role": "prefill", "id": worker_id, "grpc": advertise,
+            "metrics": metrics_addr.map(|a| a.to_string()), "model": model.name})
+    );
+    tracing::info!(grpc = %advertise, id = %worker_id, "prefill worker ready");
+
+    worker::drain::shutdown_signal().await;
+    drain.start();
+    health_reporter.set_not_serving::<PrefillWorkerServer<service::PrefillService>>().await;
+    if !drain.wait_idle(Duration::from_secs(args.serve.drain_timeout_s)).await {
+        tracing::warn!(inflight = drain.inflight(), "drain timeout: stopping with requests in flight");
+    }
+    if let Some(r) = registration {
+        r.deregister().await;
+    }
+    let _ = stop_tx.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    tracing::info!("prefill worker stopped");
+    Ok(())
+}

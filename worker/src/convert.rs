@@ -3,9 +3,16 @@
 use engine::sampling::{self, Sampled};
 use proto::v1::{GeneratedToken, Logprobs, TokenLogprob};
 
-/// Engine sampling parameters from the wire; an absent seed becomes a random one (recorded so every
-/// worker that samples this request uses the same one).
-pub fn sampling_params(p: &proto::v1::SamplingParams) -> sampling::SamplingParams {
+/// The seed of a request that names none: derived from its id, so the prefill worker (first token) and
+/// the decode worker (the rest) draw from the same stream without talking to each other.
+pub fn seed_for(request_id: &str) -> u64 {
+    use sha2::Digest;
+    let d = sha2::Sha256::digest(request_id.as_bytes());
+    u64::from_le_bytes(d[..8].try_into().expect("8 bytes"))
+}
+
+/// Engine sampling parameters from the wire (an absent seed is derived from the request id).
+pub fn sampling_params(p: &proto::v1::SamplingParams, request_id: &str) -> sampling::SamplingParams {
     sampling::SamplingParams {
         temperature: p.temperature,
         top_p: p.top_p,
@@ -19,7 +26,7 @@ pub fn sampling_params(p: &proto::v1::SamplingParams) -> sampling::SamplingParam
             b.sort_by_key(|x| x.0);
             b
         },
-        seed: p.seed.unwrap_or_else(rand::random),
+        seed: p.seed.unwrap_or_else(|| seed_for(request_id)),
         max_tokens: p.max_tokens,
         min_tokens: p.min_tokens,
         stop_token_ids: p.stop_token_ids.clone(),

@@ -1,0 +1,131 @@
+//! The `tandem.v1.PrefillWorker` gRPC service: validates, queues the prefill and answers when the
+//! caches are delivered (or the request ended in prefill). A cancelled call aborts the prefill and its
+//! transfer.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use proto::v1::prefill_worker_server::PrefillWorker;
+use proto::v1::{
+    AbortRequest, AbortResponse, InfoRequest, LoadReport, LoadRequest, PrefillRequest, PrefillResponse, WorkerInfo,
+    WorkerRole,
+};
+use tonic::{Request, Response, Status};
+use worker::{Drain, LoadedModel};
+
+use crate::scheduler::{Job, Scheduler};
+
+pub struct PrefillService {
+    pub model: Arc<LoadedModel>,
+    pub scheduler: Arc<Scheduler>,
+    pub drain: Arc<Drain>,
+    pub record: cluster::WorkerRecord,
+}
+
+fn request_id<T>(req: &Request<T>, field: &str) -> Result<String, Status> {
+    if !field.is_empty() {
+        return Ok(field.to_string());
+    }
+    req.metadata()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .ok_or_else(|| Status::invalid_argument("request_id is empty and no x-request-id metadata was sent"))
+}
+
+#[tonic::async_trait]
+impl PrefillWorker for PrefillService {
+    async fn prefill(&self, req: Request<PrefillRequest>) -> Result<Response<PrefillResponse>, Status> {
+        let id = request_id(&req, &req.get_ref().request_id)?;
+        let guard = self.drain.admit()?;
+        let r = req.into_inner();
+        let cfg = self.model.config();
+        if r.token_ids.is_empty() {
+            return Err(Status::invalid_argument("token_ids is empty"));
+        }
+        if let Some(t) = r.token_ids.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            return Err(Status::invalid_argument(format!(
+                "token id {t} is outside the vocabulary of {}",
+                cfg.vocab_size
+            )));
+        }
+        let prompt_len = if r.num_prompt_tokens == 0 { r.token_ids.len() } else { r.num_prompt_tokens as usize };
+        if prompt_len > r.token_ids.len() {
+            return Err(Status::invalid_argument(format!(
+                "num_prompt_tokens {prompt_len} exceeds the {} token ids",
+                r.token_ids.len()
+            )));
+        }
+        if r.token_ids.len() >= self.model.max_model_len {
+            return Err(Status::invalid_argument(format!(
+                "{} tokens do not fit the maximum context length {}",
+                r.token_ids.len(),
+                self.model.max_model_len
+            )));
+        }
+        let params = worker::convert::sampling_params(&r.sampling.unwrap_or_default(), &id);
+        params.validate(cfg.vocab_size).map_err(Status::invalid_argument)?;
+        let descriptor = r.transfer.ok_or_else(|| Status::invalid_argument("no transfer descriptor"))?;
+        if descriptor.request_id != id {
+            return Err(Status::invalid_argument(format!(
+                "the transfer descriptor is for request {}, not {id}",
+                descriptor.request_id
+            )));
+        }
+        if descriptor.num_tokens as usize != r.token_ids.len() {
+            return Err(Status::invalid_argument(format!(
+                "the descriptor expects {} tokens, the request has {}",
+                descriptor.num_tokens,
+                r.token_ids.len()
+            )));
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let job = Job {
+            id: id.clone(),
+            tokens: r.token_ids,
+            prompt_len,
+            params,
+            descriptor,
+            reply: tx,
+            guard,
+            arrived: Instant::now(),
+        };
+        if self.scheduler.submit(job).is_err() {
+            return Err(Status::internal("the prefill loop is not running"));
+        }
+        match rx.await {
+            Ok(r) => r.map(Response::new),
+            Err(_) => Err(Status::internal("the prefill loop dropped the request")),
+        }
+    }
+
+    async fn abort(&self, req: Request<AbortRequest>) -> Result<Response<AbortResponse>, Status> {
+        let r = req.into_inner();
+        let found = self.model.pool.holds(&r.request_id);
+        self.scheduler.abort(&r.request_id);
+        tracing::info!(request_id = %r.request_id, reason = %r.reason, "abort requested");
+        Ok(Response::new(AbortResponse { found }))
+    }
+
+    async fn get_load(&self, _req: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
+        let l = self.scheduler.load();
+        let s = self.model.pool.stats();
+        Ok(Response::new(LoadReport {
+            worker_id: self.record.id.clone(),
+            role: WorkerRole::Prefill as i32,
+            running_requests: l.running as u32,
+            queued_requests: l.queued as u32,
+            queued_tokens: l.queued_tokens,
+            kv_blocks_total: s.total_blocks as u32,
+            kv_blocks_free: s.free_blocks as u32,
+            draining: self.drain.is_draining(),
+            cached_prefix_hashes: l.cached_hashes,
+            mtp_acceptance_rate: 0.0,
+        }))
+    }
+
+    async fn get_info(&self, _req: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
+        Ok(Response::new(self.record.to_info()))
+    }
+}
