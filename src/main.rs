@@ -22,15 +22,50 @@ enum Command {
     Verify(cli::verify::Args),
     /// Generate text in this process on the CPU backend.
     Generate(cli::generate::Args),
+    /// Start a local cluster: router + prefill + decode workers as separate processes.
+    Up(cli::up::Args),
+    /// Run the router (the `tandem-router` binary).
+    Router(router::Args),
+    /// Run a prefill worker (the `prefill-worker` binary).
+    PrefillWorker(prefill_worker::Args),
+    /// Run a decode worker (the `decode-worker` binary).
+    DecodeWorker(decode_worker::Args),
+}
+
+/// Runs an async role entry point on a fresh multi-threaded runtime.
+fn serve<F: std::future::Future<Output = anyhow::Result<()>>>(f: impl FnOnce() -> F) -> anyhow::Result<ExitCode> {
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(f())?;
+    Ok(ExitCode::SUCCESS)
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    cli::init_logging();
     let result = match cli.command {
-        Command::GenTiny(a) => cli::gen_tiny::run(a),
-        Command::Verify(a) => cli::verify::run(a),
-        Command::Generate(a) => cli::generate::run(a),
+        Command::Router(a) => {
+            router::init_tracing(a.log_format);
+            serve(|| async move { router::run(a).await.map_err(anyhow::Error::from) })
+        }
+        Command::PrefillWorker(a) => {
+            worker::init_logging();
+            serve(|| prefill_worker::run(a))
+        }
+        Command::DecodeWorker(a) => {
+            worker::init_logging();
+            serve(|| decode_worker::run(a))
+        }
+        command => {
+            cli::init_logging();
+            match command {
+                Command::GenTiny(a) => cli::gen_tiny::run(a),
+                Command::Verify(a) => cli::verify::run(a),
+                Command::Generate(a) => cli::generate::run(a),
+                Command::Up(a) => cli::up::run(a),
+                Command::Router(_) | Command::PrefillWorker(_) | Command::DecodeWorker(_) => {
+                    unreachable!("handled above")
+                }
+            }
+        }
     };
     match result {
         Ok(code) => code,

@@ -24,7 +24,10 @@ pub use model::LoadedModel;
 /// Logs to stderr with `RUST_LOG` filtering (default info); `TANDEM_LOG_JSON=1` for JSON lines.
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let _ = if std::env::var("TANDEM_LOG_JSON").is_ok_and(|v| v == "1") {
         builder.json().try_init()
     } else {

@@ -1,0 +1,325 @@
+//! `tandem up`: a whole cluster on this machine. Starts the worker processes (this same binary
+//! re-executed as `tandem prefill-worker` / `tandem decode-worker`), waits for each to report ready, starts
+//! the router pointed at them (static discovery, or etcd with `--etcd`), prints the URL and a curl line,
+//! and on Ctrl-C stops everything (SIGTERM, so workers drain, then SIGKILL after a grace period).
+//! Without `--model` it serves the tiny DeepSeek-V3.2-architecture checkpoint, generated on first run
+//! and cached.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Checkpoint directory (default: the tiny model, generated on first run into the cache directory).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Router address.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// OpenAI-compatible HTTP port.
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// tandem.v1.Generate gRPC port.
+    #[arg(long, default_value_t = 8001)]
+    pub grpc_port: u16,
+    /// Prefill worker processes.
+    #[arg(long, default_value_t = 1)]
+    pub prefill: usize,
+    /// Decode worker processes.
+    #[arg(long, default_value_t = 1)]
+    pub decode: usize,
+    /// etcd endpoint(s): workers register there and the router follows them (default: static discovery).
+    #[arg(long)]
+    pub etcd: Option<String>,
+    /// kv-transfer transport: ucx (TCP when libucp is absent), tcp.
+    #[arg(long, default_value = "ucx")]
+    pub kv_transport: String,
+    /// fp8 or full.
+    #[arg(long, default_value = "fp8")]
+    pub precision: String,
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    #[arg(long)]
+    pub max_num_seqs: Option<usize>,
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<usize>,
+    /// Cache blocks (64 tokens each) per worker.
+    #[arg(long)]
+    pub kv_blocks: Option<usize>,
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Chat template file replacing the checkpoint's.
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
+    /// Require this bearer token on the router.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Decode without MTP speculative decoding.
+    #[arg(long)]
+    pub no_mtp: bool,
+    /// Seconds to wait for each process to become ready.
+    #[arg(long, default_value_t = 120)]
+    pub ready_timeout: u64,
+}
+
+/// The tiny model's served name.
+pub const TINY_NAME: &str = "tandem-tiny";
+
+/// Where the tiny model is cached (`$XDG_CACHE_HOME/tandem` or `~/.cache/tandem`).
+pub fn cache_dir() -> PathBuf {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("tandem")
+}
+
+/// The tiny model, generated into the cache on first use.
+pub fn tiny_model() -> anyhow::Result<PathBuf> {
+    let dir = cache_dir().join(format!("tiny-v{}-seed0", env!("CARGO_PKG_VERSION")));
+    if engine::checkpoint::Checkpoint::open(&dir).is_ok() && dir.join("tokenizer.json").exists() {
+        return Ok(dir);
+    }
+    eprintln!("generating the tiny model into {} (first run)", dir.display());
+    let tmp = dir.with_extension("partial");
+    let _ = std::fs::remove_dir_all(&tmp);
+    super::gen_tiny::write(&tmp, 0)?;
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::rename(&tmp, &dir).with_context(|| format!("moving the tiny model into {}", dir.display()))?;
+    Ok(dir)
+}
+
+/// A child process with its output forwarded, prefixed by its name.
+struct Proc {
+    name: String,
+    child: Child,
+}
+
+fn spawn(name: &str, args: &[String], ready: Option<mpsc::Sender<(String, String)>>) -> anyhow::Result<Proc> {
+    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let mut child = Command::new(exe)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting {name}"))?;
+    forward(name, child.stderr.take().expect("piped"), None);
+    forward(name, child.stdout.take().expect("piped"), ready);
+    Ok(Proc { name: name.to_string(), child })
+}
+
+/// Prints a child's lines as `[name] line`; the first `{"event":"ready",...}` line goes to `ready`.
+fn forward(name: &str, out: impl Read + Send + 'static, ready: Option<mpsc::Sender<(String, String)>>) {
+    let name = name.to_string();
+    std::thread::spawn(move || {
+        let mut ready = ready;
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if line.starts_with("{\"event\":\"ready\"")
+                && let Some(tx) = ready.take()
+            {
+                let _ = tx.send((name.clone(), line));
+                continue;
+            }
+            eprintln!("[{name}] {line}");
+        }
+    });
+}
+
+fn wait_ready(rx: &mpsc::Receiver<(String, String)>, n: usize, timeout: Duration) -> anyhow::Result<Vec<String>> {
+    let deadline = Instant::now() + timeout;
+    let mut addrs = Vec::new();
+    while addrs.len() < n {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (name, line) =
+            rx.recv_timeout(left).map_err(|_| anyhow::anyhow!("workers did not become ready within {timeout:?}"))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&line).with_context(|| format!("{name}: bad ready line {line}"))?;
+        let grpc = v["grpc"].as_str().with_context(|| format!("{name}: no grpc address in {line}"))?;
+        addrs.push(grpc.to_string());
+    }
+    Ok(addrs)
+}
+
+/// GET `path` on host:port; the status code.
+fn http_status(host: &str, port: u16, path: &str) -> Option<u16> {
+    let mut s = std::net::TcpStream::connect((host, port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n").ok()?;
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line).ok()?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// The name of a child that has exited, if any.
+fn exited(procs: &mut [Proc]) -> Option<String> {
+    procs.iter_mut().find_map(|p| matches!(p.child.try_wait(), Ok(Some(_))).then(|| p.name.clone()))
+}
+
+fn terminate(procs: &mut [Proc], grace: Duration) {
+    for p in procs.iter() {
+        // SAFETY: plain kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(p.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+    }
+    let deadline = Instant::now() + grace;
+    for p in procs.iter_mut() {
+        loop {
+            match p.child.try_wait() {
+                Ok(Some(_)) | Err(_) => break,
+                Ok(None) if Instant::now() >= deadline => {
+                    eprintln!("[{}] did not stop in time; killing", p.name);
+                    let _ = p.child.kill();
+                    let _ = p.child.wait();
+                    break;
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
+    }
+}
+
+fn worker_args(a: &Args, role: &str, model: &Path) -> Vec<String> {
+    let mut v = vec![
+        role.to_string(),
+        "--model".into(),
+        model.display().to_string(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--kv-transport".into(),
+        a.kv_transport.clone(),
+        "--precision".into(),
+        a.precision.clone(),
+    ];
+    let mut opt = |flag: &str, val: Option<String>| {
+        if let Some(x) = val {
+            v.push(flag.into());
+            v.push(x);
+        }
+    };
+    opt("--max-model-len", a.max_model_len.map(|x| x.to_string()));
+    opt("--max-num-seqs", a.max_num_seqs.map(|x| x.to_string()));
+    opt("--max-num-batched-tokens", a.max_num_batched_tokens.map(|x| x.to_string()));
+    opt("--kv-blocks", a.kv_blocks.map(|x| x.to_string()));
+    opt("--served-model-name", a.served_model_name.clone());
+    opt("--etcd", a.etcd.clone());
+    if a.no_mtp && role == "decode-worker" {
+        v.push("--no-mtp".into());
+    }
+    v
+}
+
+pub fn run(a: Args) -> anyhow::Result<ExitCode> {
+    if a.prefill == 0 || a.decode == 0 {
+        bail!("--prefill and --decode must each be at least 1");
+    }
+    let mut a = a;
+    let model = match &a.model {
+        Some(m) => m.clone(),
+        None => {
+            a.served_model_name.get_or_insert_with(|| TINY_NAME.to_string());
+            tiny_model()?
+        }
+    };
+    engine::ModelConfig::from_path(&model)
+        .with_context(|| format!("{} is not a servable checkpoint", model.display()))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone()).context("installing the Ctrl-C handler")?;
+    }
+    let mut procs: Vec<Proc> = Vec::new();
+    let result = (|| -> anyhow::Result<()> {
+        let timeout = Duration::from_secs(a.ready_timeout);
+        let (tx, rx) = mpsc::channel();
+        for i in 0..a.prefill {
+            procs.push(spawn(&format!("prefill-{i}"), &worker_args(&a, "prefill-worker", &model), Some(tx.clone()))?);
+        }
+        let prefill = wait_ready(&rx, a.prefill, timeout)?;
+        for i in 0..a.decode {
+            procs.push(spawn(&format!("decode-{i}"), &worker_args(&a, "decode-worker", &model), Some(tx.clone()))?);
+        }
+        let decode = wait_ready(&rx, a.decode, timeout)?;
+        let mut r = vec![
+            "router".to_string(),
+            "--model".into(),
+            model.display().to_string(),
+            "--host".into(),
+            a.host.clone(),
+            "--port".into(),
+            a.port.to_string(),
+            "--grpc-port".into(),
+            a.grpc_port.to_string(),
+        ];
+        match &a.etcd {
+            Some(e) => r.extend(["--discovery".into(), "etcd".into(), "--etcd".into(), e.clone()]),
+            None => r.extend([
+                "--discovery".into(),
+                "static".into(),
+                "--prefill".into(),
+                prefill.join(","),
+                "--decode".into(),
+                decode.join(","),
+            ]),
+        }
+        for (flag, val) in [
+            ("--max-model-len", a.max_model_len.map(|x| x.to_string())),
+            ("--served-model-name", a.served_model_name.clone()),
+            ("--chat-template", a.chat_template.as_ref().map(|p| p.display().to_string())),
+            ("--api-key", a.api_key.clone()),
+        ] {
+            if let Some(v) = val {
+                r.push(flag.into());
+                r.push(v);
+            }
+        }
+        procs.push(spawn("router", &r, None)?);
+        let deadline = Instant::now() + timeout;
+        while http_status(&a.host, a.port, "/ready") != Some(200) {
+            if Instant::now() > deadline {
+                bail!("the router did not become ready on {}:{} within {timeout:?}", a.host, a.port);
+            }
+            if let Some(name) = exited(&mut procs) {
+                bail!("{name} exited during start-up (see its log lines above)");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let name = a.served_model_name.clone().unwrap_or_else(|| {
+            model
+                .canonicalize()
+                .ok()
+                .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .unwrap_or_default()
+        });
+        let auth = a.api_key.as_ref().map(|k| format!(" -H 'Authorization: Bearer {k}'")).unwrap_or_default();
+        println!("\ntandem is up: {} prefill + {} decode workers, model {name}", a.prefill, a.decode);
+        println!("  OpenAI API:  http://{}:{}/v1", a.host, a.port);
+        println!("  gRPC:        {}:{}", a.host, a.grpc_port);
+        println!("  metrics:     http://{}:{}/metrics", a.host, a.port);
+        println!(
+            "\ncurl http://{}:{}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'\n",
+            a.host, a.port
+        );
+        println!("Ctrl-C stops the cluster.");
+        loop {
+            if stop.load(Ordering::SeqCst) {
+                eprintln!("stopping the cluster");
+                return Ok(());
+            }
+            if let Some(name) = exited(&mut procs) {
+                bail!("{name} exited unexpectedly; stopping the cluster");
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    })();
+    // The router first (no new requests), then the workers drain.
+    procs.reverse();
+    terminate(&mut procs, Duration::from_secs(20));
+    result.map(|()| ExitCode::SUCCESS)
+}
