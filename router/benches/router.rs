@@ -124,7 +124,15 @@ async fn workers(tok: &text::Tokenizer) -> Workers {
     let fp = double::fingerprint(MODEL, "h1");
     let p = double::spawn("p0", WorkerRole::Prefill, script.clone(), eos, fabric.clone(), fp.clone()).await;
     let d = double::spawn("d0", WorkerRole::Decode, script, eos, fabric, fp).await;
-    let ch = |a: String| Channel::from_shared(format!("http://{a}")).unwrap().tcp_nodelay(true).connect_lazy();
+    // The same HTTP/2 settings as the router's worker channels (see workers/handle.rs).
+    let ch = |a: String| {
+        Channel::from_shared(format!("http://{a}"))
+            .unwrap()
+            .tcp_nodelay(true)
+            .initial_connection_window_size(Some(64 << 20))
+            .initial_stream_window_size(Some(1 << 20))
+            .connect_lazy()
+    };
     Workers {
         prefill: PrefillWorkerClient::new(ch(p.grpc_address())),
         decode: DecodeWorkerClient::new(ch(d.grpc_address())),
@@ -143,11 +151,13 @@ impl Router {
     fn start(model: &std::path::Path, w: &Workers, prefill: &str, decode: &str) -> Router {
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let _ = w;
-        let child = Command::new(env!("CARGO_BIN_EXE_tandem-router"))
+        // TANDEM_ROUTER_BIN: run a copied binary (e.g. on another machine) instead of the one cargo built.
+        let bin = std::env::var("TANDEM_ROUTER_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_tandem-router").to_owned());
+        let child = Command::new(bin)
             .args(["--model", &model.display().to_string(), "--served-model-name", MODEL, "--host", "127.0.0.1"])
             .args(["--port", &port.to_string(), "--disable-grpc", "--prefill", prefill, "--decode", decode])
             .args(["--max-running-requests", "4096", "--prefill-policy", "cache-aware"])
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", std::env::var("TANDEM_ROUTER_LOG").unwrap_or_else(|_| "warn".into()))
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
@@ -220,7 +230,7 @@ async fn direct_once(w: &Workers, prompt: &[u32], max_tokens: u32, i: u64) -> (D
         while let Some(ev) = stream.message().await.unwrap() {
             match ev.event {
                 Some(Ev::Tokens(_)) => times.push(Instant::now()),
-                Some(Ev::Finished(_)) => break,
+                // Keep reading to the trailers, as the router does, so the stream is not reset.
                 _ => {}
             }
         }
@@ -329,7 +339,9 @@ fn main() {
         .map(|s| s.split(',').filter_map(|x| x.parse().ok()).collect())
         .unwrap_or_else(|| vec![1, 64, 1024]);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let args2 = args.clone();
     rt.block_on(async move {
+        let args = args2;
         let dir = model_dir();
         let tok = text::Tokenizer::from_dir(dir.path()).unwrap();
         let w = Arc::new(workers(&tok).await);
@@ -385,14 +397,18 @@ fn main() {
         }
         let out = json!({
             "bench": "router",
-            "machine": "2-core VM (shared with other builds; load generator, router and worker doubles on the same 2 cores)",
+            "machine": std::env::var("TANDEM_BENCH_MACHINE").unwrap_or_else(|_| "2-core VM (load generator, router and worker doubles share the 2 cores)".into()),
             "seconds_per_point": secs,
             "router_log_level": "warn",
             "results": results,
         });
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/router/results.json");
+        let default_path = concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/router/results.json").to_owned();
+        let path = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned().unwrap_or(default_path);
         if let Ok(s) = serde_json::to_string_pretty(&out) {
-            let _ = std::fs::write(path, s + "\n");
+            match std::fs::write(&path, s + "\n") {
+                Ok(()) => eprintln!("wrote {path}"),
+                Err(e) => eprintln!("cannot write {path}: {e}"),
+            }
         }
         if json_out {
             println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());

@@ -27,6 +27,8 @@ pub async fn serve(
 ) -> Result<(), String> {
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     tonic::transport::Server::builder()
+        // One HTTP/2 connection may carry many clients' requests (hyper's default is 200 streams).
+        .max_concurrent_streams(Some(16_384))
         .add_service(GenerateServer::new(GenerateService { st: state }))
         .serve_with_incoming_shutdown(incoming, async move {
             let _ = shutdown.wait_for(|s| *s).await;

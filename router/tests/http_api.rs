@@ -574,3 +574,27 @@ async fn a_request_past_its_timeout_gets_504_and_is_aborted() {
     assert!(c.prefill[0].log().aborts.contains(&"slow-1".to_owned()));
     assert!(c.decode[0].log().aborts.contains(&"slow-1".to_owned()));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_does_not_break_the_worker_connection_for_others() {
+    // A stalled SSE reader backs up its token frames inside the router's HTTP/2 connection to the
+    // decode worker. h2 budgets unread small DATA frames (half the connection window) and past that
+    // closes the whole connection, failing everyone's requests; the router's large window prevents it.
+    let args = ["--max-model-len", "100000", "--prefill-timeout-secs", "5"].map(String::from).to_vec();
+    let c = Cluster::start(Options { args, ..Default::default() }).await;
+    let req = json!({"prompt": "x", "max_tokens": 40000, "ignore_eos": true, "stream": true});
+    let mut stalled = c.http.post(c.url("/v1/completions")).json(&req).send().await.unwrap();
+    assert_eq!(stalled.status(), 200);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for _ in 0..5 {
+        let (s, body) = c.post_json("/v1/completions", json!({"prompt": "y", "max_tokens": 8})).await;
+        assert_eq!(s, 200, "{body}");
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = stalled.chunk().await.unwrap() {
+        body.extend_from_slice(&chunk);
+    }
+    let text = String::from_utf8(body).unwrap();
+    assert!(text.ends_with("data: [DONE]\n\n"), "stream ended badly: {}", &text[text.len().saturating_sub(300)..]);
+    assert!(!text.contains("\"error\""));
+}

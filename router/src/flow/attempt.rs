@@ -70,12 +70,18 @@ fn observe_timings(m: &Metrics, t: &StageTimings) {
     }
 }
 
+/// RESOURCE_EXHAUSTED from the worker means "no free blocks"; the same code produced by the HTTP/2 layer
+/// (GOAWAY ENHANCE_YOUR_CALM, "h2 protocol error") is a connection failure instead.
+fn is_full(status: &tonic::Status) -> bool {
+    status.code() == Code::ResourceExhausted && !status.message().contains("h2 protocol error")
+}
+
 fn decode_refused(status: &tonic::Status, pair: &Pair) -> AttemptEnd {
-    let full = status.code() == Code::ResourceExhausted;
+    let full = is_full(status);
     if is_worker_fault(status) {
         pair.decode.breaker.failure();
     }
-    if full || is_worker_fault(status) {
+    if full || is_worker_fault(status) || status.code() == Code::ResourceExhausted {
         AttemptEnd::RetryDecode { why: format!("{:?}: {}", status.code(), status.message()), full }
     } else if status.code() == Code::InvalidArgument {
         AttemptEnd::Failed(ApiError::invalid(format!("decode worker rejected the request: {}", status.message())))
@@ -84,7 +90,28 @@ fn decode_refused(status: &tonic::Status, pair: &Pair) -> AttemptEnd {
     }
 }
 
-pub async fn run(input: AttemptInput<'_>, out: &mut Output, tx: &mpsc::Sender<Event>) -> AttemptEnd {
+/// Reads the rest of a finished Decode stream (its trailers) in the background. Dropping it unread
+/// would reset the HTTP/2 stream, and servers treat many resets as abuse (hyper answers a burst of them
+/// with GOAWAY ENHANCE_YOUR_CALM, failing every request on the connection).
+fn drain(mut stream: tonic::Streaming<proto::v1::DecodeEvent>) {
+    tokio::spawn(async move {
+        let _ =
+            tokio::time::timeout(Duration::from_secs(5), async { while let Ok(Some(_)) = stream.message().await {} })
+                .await;
+    });
+}
+
+/// The next Decode event; never resolves once the stream was handed to [`drain`].
+async fn next(
+    stream: &mut Option<tonic::Streaming<proto::v1::DecodeEvent>>,
+) -> Result<Option<proto::v1::DecodeEvent>, tonic::Status> {
+    match stream {
+        Some(s) => s.message().await,
+        None => std::future::pending().await,
+    }
+}
+
+pub async fn run(input: AttemptInput<'_>, out: &mut Output, tx: &mpsc::UnboundedSender<Event>) -> AttemptEnd {
     let AttemptInput { job, hashes, pair, limits, metrics } = input;
     let rid = job.request_id.as_str();
     let num_generated = out.generated().len();
@@ -112,14 +139,14 @@ pub async fn run(input: AttemptInput<'_>, out: &mut Output, tx: &mpsc::Sender<Ev
         _ = tx.closed() => return AttemptEnd::ClientGone,
     };
     let mut stream = match opened {
-        Ok(s) => s.into_inner(),
+        Ok(s) => Some(s.into_inner()),
         Err(status) => {
             guard.decode = None;
             return decode_refused(&status, pair);
         }
     };
     let first = tokio::select! {
-        m = stream.message() => m,
+        m = next(&mut stream) => m,
         _ = tx.closed() => return AttemptEnd::ClientGone,
         _ = tokio::time::sleep(limits.prefill_timeout) => {
             guard.reason = "reservation timed out";
@@ -226,7 +253,7 @@ pub async fn run(input: AttemptInput<'_>, out: &mut Output, tx: &mpsc::Sender<Ev
                         "decode worker {} closed the stream without finishing the request", pair.decode.id)));
                 }
             }
-            m = stream.message(), if decode_open && early_finish.is_none() => {
+            m = next(&mut stream), if decode_open && early_finish.is_none() => {
                 let ev = match m {
                     Ok(Some(ev)) => ev.event,
                     // Released because prefill ended the request: its reply says so.
@@ -245,7 +272,7 @@ pub async fn run(input: AttemptInput<'_>, out: &mut Output, tx: &mpsc::Sender<Ev
                             pair.decode.breaker.failure();
                         }
                         guard.reason = "decode failed";
-                        if prefill_pending && out.generated().len() == num_generated && status.code() == Code::ResourceExhausted {
+                        if prefill_pending && out.generated().len() == num_generated && is_full(&status) {
                             return AttemptEnd::RetryDecode { why: status.message().to_owned(), full: true };
                         }
                         return AttemptEnd::Failed(ApiError::upstream(format!(
@@ -265,6 +292,9 @@ pub async fn run(input: AttemptInput<'_>, out: &mut Output, tx: &mpsc::Sender<Ev
                     Some(DecodeEv::Finished(f)) => {
                         guard.decode = None;
                         pair.decode.breaker.success();
+                        if let Some(s) = stream.take() {
+                            drain(s);
+                        }
                         if let Some(t) = &f.timings {
                             observe_timings(metrics, t);
                         }

@@ -78,7 +78,7 @@ pub struct Dispatcher {
 /// The events of one request. Dropping it aborts the request on its workers.
 pub struct EventStream {
     first: Option<Event>,
-    rx: mpsc::Receiver<Event>,
+    rx: mpsc::UnboundedReceiver<Event>,
 }
 
 impl EventStream {
@@ -98,7 +98,10 @@ impl Dispatcher {
     /// the front door can answer with a proper status (400/429/503...). `permit` is the admission slot,
     /// held until the request ends.
     pub async fn start(self: &Arc<Self>, job: Job, permit: OwnedSemaphorePermit) -> Result<EventStream, ApiError> {
-        let (tx, mut rx) = mpsc::channel(256);
+        // Unbounded on purpose: the worker's token stream must always be read promptly. Blocking on
+        // a slow client would leave frames unread in the shared HTTP/2 connection to the worker and
+        // stall every other request on it (flow-control windows). Memory is bounded by max_tokens.
+        let (tx, mut rx) = mpsc::unbounded_channel();
         let span = info_span!("request", request_id = %job.request_id);
         let me = self.clone();
         tokio::spawn(
@@ -115,7 +118,7 @@ impl Dispatcher {
         }
     }
 
-    async fn run(&self, job: Job, tx: mpsc::Sender<Event>) {
+    async fn run(&self, job: Job, tx: mpsc::UnboundedSender<Event>) {
         let deadline = self.limits.request_timeout.map(|t| job.arrived + t);
         let mut out = Output::new(&job, self.model.clone(), self.metrics.clone(), tx.clone());
         let work = self.drive(&job, &mut out, &tx);
@@ -136,7 +139,7 @@ impl Dispatcher {
 
     /// The retry loop around attempts. Returns Err for failures to report; Ok when the request ended
     /// (finished, or the client left).
-    async fn drive(&self, job: &Job, out: &mut Output, tx: &mpsc::Sender<Event>) -> Result<(), ApiError> {
+    async fn drive(&self, job: &Job, out: &mut Output, tx: &mpsc::UnboundedSender<Event>) -> Result<(), ApiError> {
         let hashes = if self.prefill_policy.wants_prefix_hashes() {
             cluster::prefix_hash::prefix_hashes(&job.prompt)
         } else {

@@ -67,7 +67,7 @@ pub enum Control {
 pub struct Output {
     model: Arc<ServedModel>,
     metrics: Arc<Metrics>,
-    tx: mpsc::Sender<Event>,
+    tx: mpsc::UnboundedSender<Event>,
     endpoint: &'static str,
     detok: IncrementalDetokenizer,
     stop: StopMatcher,
@@ -83,7 +83,7 @@ pub struct Output {
 }
 
 impl Output {
-    pub fn new(job: &Job, model: Arc<ServedModel>, metrics: Arc<Metrics>, tx: mpsc::Sender<Event>) -> Self {
+    pub fn new(job: &Job, model: Arc<ServedModel>, metrics: Arc<Metrics>, tx: mpsc::UnboundedSender<Event>) -> Self {
         Self {
             detok: IncrementalDetokenizer::new(&job.prompt, job.skip_special_tokens),
             stop: StopMatcher::new(&job.stop, job.include_stop_str),
@@ -112,7 +112,7 @@ impl Output {
     }
 
     async fn send(&self, ev: Event) -> Control {
-        if self.tx.send(ev).await.is_err() { Control::ClientGone } else { Control::Continue }
+        if self.tx.send(ev).is_err() { Control::ClientGone } else { Control::Continue }
     }
 
     /// Tokens at output positions `start..`; positions already seen are skipped (the prefill worker's

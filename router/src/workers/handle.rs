@@ -53,7 +53,16 @@ fn endpoint(address: &str, s: &HandleSettings) -> Result<Endpoint, tonic::transp
         .http2_keep_alive_interval(Duration::from_secs(10))
         .keep_alive_timeout(Duration::from_secs(10))
         .keep_alive_while_idle(true)
-        .http2_adaptive_window(true))
+        // h2 budgets the framing overhead of small DATA frames it holds unread (half the connection
+        // window) and closes the connection with GOAWAY "too_many_data_frames" past it. A decode worker
+        // streaming tokens for a thousand requests sends exactly that: many small frames. A large
+        // window keeps the budget far above any realistic backlog.
+        .initial_connection_window_size(Some(64 << 20))
+        .initial_stream_window_size(Some(1 << 20))
+        // Workers are trusted peers: hyper's anti-abuse limit on locally reset streams (1024, then
+        // GOAWAY ENHANCE_YOUR_CALM for the whole connection) must not fail healthy traffic at high
+        // concurrency, where every stop-string hit and client disconnect cancels a stream.
+        .http2_max_local_error_reset_streams(None))
 }
 
 impl WorkerHandle {

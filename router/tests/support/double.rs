@@ -383,7 +383,12 @@ pub async fn spawn(
     };
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    let mut builder = tonic::transport::Server::builder();
+    // hyper's default of 200 concurrent streams makes the server refuse (RST) the excess streams of a
+    // busy router, and past 1024 refusals it closes the connection with GOAWAY ENHANCE_YOUR_CALM.
+    // Real workers need the same two settings.
+    let mut builder = tonic::transport::Server::builder()
+        .max_concurrent_streams(Some(100_000))
+        .http2_max_pending_accept_reset_streams(Some(100_000));
     let router = match role {
         WorkerRole::Prefill => builder.add_service(PrefillWorkerServer::new(PrefillDouble(shared))),
         _ => builder.add_service(DecodeWorkerServer::new(DecodeDouble(shared))),
