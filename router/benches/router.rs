@@ -228,10 +228,9 @@ async fn direct_once(w: &Workers, prompt: &[u32], max_tokens: u32, i: u64) -> (D
     let mut times = vec![Instant::now()];
     if !resp.finished {
         while let Some(ev) = stream.message().await.unwrap() {
-            match ev.event {
-                Some(Ev::Tokens(_)) => times.push(Instant::now()),
-                // Keep reading to the trailers, as the router does, so the stream is not reset.
-                _ => {}
+            // Read to the trailers (past Finished), as the router does, so the stream is not reset.
+            if let Some(Ev::Tokens(_)) = ev.event {
+                times.push(Instant::now());
             }
         }
         // The decode stream's first event repeats the prefill token.
