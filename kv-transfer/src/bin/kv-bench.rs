@@ -53,6 +53,11 @@ struct Args {
 }
 
 fn main() -> anyhow::Result<()> {
+    // UCX logs to stdout by default; keep stdout for this tool's own lines.
+    if std::env::var_os("UCX_LOG_FILE").is_none() {
+        // SAFETY: first statement of main, before any thread exists.
+        unsafe { std::env::set_var("UCX_LOG_FILE", "/dev/stderr") };
+    }
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
@@ -271,7 +276,12 @@ fn round(x: f64) -> f64 {
 
 /// Handshake + completion of a 1-token request: `begin` plus `complete` once every layer's (tiny) data
 /// has already landed, so neither includes data movement. Median and p99 over 200 requests, in us.
-fn overhead_us(sender: &KvSender, peer: &mut Peer, pool: &engine::cache::BlockPool, args: &Args) -> anyhow::Result<(f64, f64)> {
+fn overhead_us(
+    sender: &KvSender,
+    peer: &mut Peer,
+    pool: &engine::cache::BlockPool,
+    args: &Args,
+) -> anyhow::Result<(f64, f64)> {
     let mut v = Vec::new();
     for i in 0..220 {
         let desc = peer.descriptor(1)?;

@@ -62,6 +62,11 @@ fn say(line: String) {
 }
 
 fn main() -> anyhow::Result<()> {
+    // UCX logs to stdout by default; keep stdout for this tool's own lines.
+    if std::env::var_os("UCX_LOG_FILE").is_none() {
+        // SAFETY: first statement of main, before any thread exists.
+        unsafe { std::env::set_var("UCX_LOG_FILE", "/dev/stderr") };
+    }
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())

@@ -378,12 +378,16 @@ impl ReceiverCore {
             *ph = Phase::Done;
             drop(ph);
             t.active.store(false, Ordering::SeqCst);
-            self.finish_err(
-                &t,
-                TransferError::PeerLost { request_id: t.request_id.clone(), reason: reason.to_string() },
-            );
+            let err = TransferError::PeerLost { request_id: t.request_id.clone(), reason: reason.to_string() };
+            t.terminal.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert((err.wire_status(), err.to_string()));
             self.forget(&t);
-            if peer.one_sided() { self.free_after_quarantine(&t) } else { self.free_now(&t) }
+            // Blocks first (freed or visibly quarantined), then the outcome the worker waits on.
+            if peer.one_sided() {
+                self.free_after_quarantine(&t)
+            } else {
+                self.free_now(&t)
+            }
+            self.finish_err(&t, err);
         }
     }
 

@@ -97,7 +97,15 @@ impl Transport for TcpTransport {
             let listener = TcpListener::from_std(std_listener).map_err(|e| TransferError::Transport(e.to_string()))?;
             self.rt.spawn(async move {
                 loop {
-                    let Ok((stream, from)) = listener.accept().await else { continue };
+                    let (stream, from) = match listener.accept().await {
+                        Ok(x) => x,
+                        Err(e) => {
+                            // Out of descriptors and the like: back off instead of spinning.
+                            tracing::warn!(error = %e, "kv-transfer tcp accept failed");
+                            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                            continue;
+                        }
+                    };
                     let Some(core) = weak.upgrade() else { break };
                     let _ = stream.set_nodelay(true);
                     tracing::debug!(%from, "kv-transfer tcp sender connected");
