@@ -10,8 +10,11 @@
 //! - [`prefix_hash`]: the hash chain over 64-token prompt blocks that prefill workers report from
 //!   their prefix cache and the router's cache-aware policy matches.
 //!
+//! Flags: [`DiscoveryArgs`] (`--discovery static|etcd --etcd URL --cluster NAME --lease-ttl-secs N`).
+//!
 //! Key layout: `/tandem/<cluster>/workers/{prefill,decode}/<worker id>` -> JSON [`WorkerRecord`].
 
+mod args;
 mod discovery;
 mod drain;
 mod error;
@@ -23,6 +26,7 @@ mod static_list;
 mod view;
 mod worker;
 
+pub use args::{Backend, DiscoveryArgs};
 pub use discovery::{Discovery, DiscoveryConfig, Registration, RegistrationState, connect};
 pub use drain::{Drain, DrainGuard};
 pub use error::DiscoveryError;

@@ -31,14 +31,6 @@ pub enum DecodePolicyKind {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum DiscoveryKind {
-    /// Fixed worker addresses from --prefill / --decode.
-    Static,
-    /// Workers register in etcd under /tandem/<cluster>/workers/.
-    Etcd,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
     Text,
     Json,
@@ -76,21 +68,15 @@ pub struct Args {
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
 
-    /// How workers are found.
-    #[arg(long, env = "TANDEM_DISCOVERY", value_enum, default_value = "static")]
-    pub discovery: DiscoveryKind,
+    /// Discovery backend flags (--discovery, --etcd, --cluster, --lease-ttl-secs).
+    #[command(flatten)]
+    pub registry: cluster::DiscoveryArgs,
     /// Prefill worker gRPC addresses (static discovery; repeat or comma-separate).
     #[arg(long, env = "TANDEM_PREFILL", value_delimiter = ',')]
     pub prefill: Vec<String>,
     /// Decode worker gRPC addresses (static discovery; repeat or comma-separate).
     #[arg(long, env = "TANDEM_DECODE", value_delimiter = ',')]
     pub decode: Vec<String>,
-    /// etcd endpoints (etcd discovery).
-    #[arg(long, env = "TANDEM_ETCD", value_delimiter = ',', default_value = "http://127.0.0.1:2379")]
-    pub etcd: Vec<String>,
-    /// Cluster name: the etcd key prefix is /tandem/<cluster>/workers/.
-    #[arg(long, env = "TANDEM_CLUSTER", default_value = "default")]
-    pub cluster: String,
 
     /// Prefill worker selection.
     #[arg(long, env = "TANDEM_PREFILL_POLICY", value_enum, default_value = "cache-aware")]
@@ -173,7 +159,7 @@ impl Args {
 
     /// Checks what clap cannot. Messages name the flag.
     pub fn validate(&self) -> Result<(), String> {
-        if self.discovery == DiscoveryKind::Static && (self.prefill.is_empty() || self.decode.is_empty()) {
+        if self.registry.backend == cluster::Backend::Static && (self.prefill.is_empty() || self.decode.is_empty()) {
             return Err("--discovery static needs at least one --prefill ADDR and one --decode ADDR".into());
         }
         if self.max_running_requests == 0 {

@@ -26,9 +26,13 @@ pub async fn serve(
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<(), String> {
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    // Standard grpc.health.v1, for load balancers and Kubernetes probes.
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_serving::<GenerateServer<GenerateService>>().await;
     tonic::transport::Server::builder()
         // One HTTP/2 connection may carry many clients' requests (hyper's default is 200 streams).
         .max_concurrent_streams(Some(16_384))
+        .add_service(health)
         .add_service(GenerateServer::new(GenerateService { st: state }))
         .serve_with_incoming_shutdown(incoming, async move {
             let _ = shutdown.wait_for(|s| *s).await;

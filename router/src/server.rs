@@ -11,7 +11,7 @@ use tokio::task::JoinHandle;
 use tracing::info;
 
 use crate::admission::Admission;
-use crate::config::{Args, DiscoveryKind, LogFormat};
+use crate::config::{Args, LogFormat};
 use crate::flow::{Dispatcher, Limits};
 use crate::metrics::Metrics;
 use crate::model::{ModelError, ServedModel};
@@ -104,17 +104,7 @@ pub async fn start_with_listeners(
         chat_template = ?model.template.source(),
         "model files loaded"
     );
-    let discovery = cluster::connect(match args.discovery {
-        DiscoveryKind::Static => {
-            cluster::DiscoveryConfig::Static { prefill: args.prefill.clone(), decode: args.decode.clone() }
-        }
-        DiscoveryKind::Etcd => cluster::DiscoveryConfig::Etcd {
-            endpoints: args.etcd.clone(),
-            cluster: args.cluster.clone(),
-            options: cluster::EtcdOptions::default(),
-        },
-    })
-    .await?;
+    let discovery = cluster::connect(args.registry.config(args.prefill.clone(), args.decode.clone())).await?;
     let metrics = Arc::new(Metrics::new()?);
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let pool = WorkerPool::start(
@@ -169,7 +159,7 @@ pub async fn start_with_listeners(
         }
         None => None,
     };
-    info!(%http_addr, ?grpc_addr, discovery = ?args.discovery, prefill_policy = ?args.prefill_policy, decode_policy = ?args.decode_policy, "router listening");
+    info!(%http_addr, ?grpc_addr, discovery = ?args.registry.backend, prefill_policy = ?args.prefill_policy, decode_policy = ?args.decode_policy, "router listening");
     Ok(RouterHandle { http_addr, grpc_addr, shutdown: shutdown_tx, tasks })
 }
 

@@ -67,6 +67,12 @@ async fn grpc_generate_streams_text_then_a_final_response_with_usage() {
     let expected = c.tokenizer.encode("<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜>", false).unwrap();
     assert_eq!(c.prefill[0].log().prefills[1].2, expected);
 
+    let channel = tonic::transport::Channel::from_shared(c.grpc.clone()).unwrap().connect().await.unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    let check = tonic_health::pb::HealthCheckRequest { service: "tandem.v1.Generate".into() };
+    let status = health.check(check).await.unwrap().into_inner().status;
+    assert_eq!(status, tonic_health::pb::health_check_response::ServingStatus::Serving as i32);
+
     let mut req = tonic::Request::new(ListModelsRequest {});
     req.metadata_mut().insert("authorization", "Bearer k".parse().unwrap());
     assert_eq!(client.list_models(req).await.unwrap().into_inner().models[0].id, MODEL);
