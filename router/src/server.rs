@@ -22,13 +22,14 @@ use crate::{grpc, http, policies};
 pub enum RouterError {
     #[error("invalid flags: {0}")]
     Flags(String),
-    #[error("loading the model files: {0}")]
+    // Sources are printed by the error chain (anyhow's "Caused by"), not repeated in the message.
+    #[error("loading the model files")]
     Model(#[from] ModelError),
-    #[error("discovery: {0}")]
+    #[error("discovery")]
     Discovery(#[from] cluster::DiscoveryError),
-    #[error("binding {addr}: {source}")]
+    #[error("binding {addr}")]
     Bind { addr: String, source: std::io::Error },
-    #[error("metrics registry: {0}")]
+    #[error("metrics registry")]
     Metrics(#[from] prometheus::Error),
     #[error("server: {0}")]
     Serve(String),

@@ -18,6 +18,8 @@ use crate::workers::is_worker_fault;
 
 pub struct AttemptInput<'a> {
     pub job: &'a Job,
+    /// 0 for the first attempt; retries and re-prefills count up.
+    pub attempt: u32,
     pub hashes: &'a [u64],
     pub pair: &'a Pair,
     pub limits: &'a Limits,
@@ -112,8 +114,11 @@ async fn next(
 }
 
 pub async fn run(input: AttemptInput<'_>, out: &mut Output, tx: &mpsc::UnboundedSender<Event>) -> AttemptEnd {
-    let AttemptInput { job, hashes, pair, limits, metrics } = input;
-    let rid = job.request_id.as_str();
+    let AttemptInput { job, attempt, hashes, pair, limits, metrics } = input;
+    // Workers key reservations, transfers and aborts by request id. A retry gets its own id
+    // (`<id>.<attempt>`), so the previous attempt's late abort or cleanup can never hit it.
+    let attempt_id = if attempt == 0 { job.request_id.clone() } else { format!("{}.{attempt}", job.request_id) };
+    let rid = attempt_id.as_str();
     let num_generated = out.generated().len();
     let mut seq = Vec::with_capacity(job.prompt.len() + num_generated);
     seq.extend_from_slice(&job.prompt);

@@ -97,7 +97,10 @@ impl Dispatcher {
     /// Starts `job` and waits for its first event: a failure before any output is returned as Err, so
     /// the front door can answer with a proper status (400/429/503...). `permit` is the admission slot,
     /// held until the request ends.
-    pub async fn start(self: &Arc<Self>, job: Job, permit: OwnedSemaphorePermit) -> Result<EventStream, ApiError> {
+    pub async fn start(self: &Arc<Self>, mut job: Job, permit: OwnedSemaphorePermit) -> Result<EventStream, ApiError> {
+        // One seed for the request's whole life: every attempt (retry, re-prefill after preemption) and
+        // both workers of each attempt sample from the same (seed, output position) stream.
+        job.sampling.seed.get_or_insert_with(rand::random);
         // Unbounded on purpose: the worker's token stream must always be read promptly. Blocking on
         // a slow client would leave frames unread in the shared HTTP/2 connection to the worker and
         // stall every other request on it (flow-control windows). Memory is bounded by max_tokens.
@@ -150,6 +153,7 @@ impl Dispatcher {
         let mut decode_full = false;
         let (mut retries, mut preemptions) = (0u32, 0u32);
         let mut last_failure = String::new();
+        let mut attempt = 0u32;
         loop {
             let pair = match select::pair(self, &hashes, job.prompt.len(), &excluded_prefill, &excluded_decode) {
                 Ok(p) => p,
@@ -164,8 +168,15 @@ impl Dispatcher {
                 }
                 Err(why) => return Err(ApiError::unavailable(why)),
             };
-            let input =
-                AttemptInput { job, hashes: &hashes, pair: &pair, limits: &self.limits, metrics: &self.metrics };
+            let input = AttemptInput {
+                job,
+                attempt,
+                hashes: &hashes,
+                pair: &pair,
+                limits: &self.limits,
+                metrics: &self.metrics,
+            };
+            attempt += 1;
             // Boxed: the attempt's state is large and would otherwise be copied around with this future.
             match Box::pin(attempt::run(input, out, tx)).await {
                 AttemptEnd::Done => return Ok(()),
