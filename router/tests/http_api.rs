@@ -6,7 +6,9 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use support::harness::{Cluster, MAX_MODEL_LEN, MODEL, Options, REPLY, sse_events};
+use support::harness::{Cluster, MAX_MODEL_LEN, MODEL, Options, REPLY, eventually, sse_events};
+
+const WAIT: Duration = Duration::from_secs(5);
 
 async fn cluster() -> Cluster {
     Cluster::start(Options::default()).await
@@ -174,10 +176,12 @@ async fn a_stop_string_across_token_boundaries_is_trimmed_and_ends_the_request()
         assert_eq!(stop_reason, "swer i");
     }
     // The router ended the requests itself: the decode worker was told to stop instead of finishing.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let d = c.decode[0].log();
-    assert_eq!(d.aborts.len(), 2, "{:?}", d.aborts);
-    assert_eq!(d.cancelled.len(), 2);
+    let d = &c.decode[0];
+    assert!(
+        eventually(WAIT, || d.log().aborts.len() == 2 && d.log().cancelled.len() == 2).await,
+        "{:?}",
+        d.log().aborts
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -326,7 +330,17 @@ async fn a_full_queue_answers_429_with_retry_after() {
             http.post(url).json(&json!({"prompt": "x", "max_tokens": 10})).send().await.unwrap().status()
         })
     };
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Wait until the slow request holds the only running slot.
+    let mut held = false;
+    for _ in 0..250 {
+        let m = c.http.get(c.url("/metrics")).send().await.unwrap().text().await.unwrap();
+        if m.contains("tandem_router_running_requests 1") {
+            held = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(held, "the slow request never started");
     let (s, h, body) = c.post("/v1/completions", json!({"prompt": "y"})).await;
     assert_eq!(s, 429, "{body}");
     assert_eq!(h["retry-after"], "1");
@@ -369,8 +383,8 @@ async fn a_prefill_failure_before_the_first_token_is_retried_on_another_prefill_
     assert!(p0 >= 1, "round-robin sent something to p0");
     assert_eq!(p1, 4, "every request was served by p1");
     assert_eq!(c.decode[0].log().decodes.len(), 4 + p0, "a fresh reservation for each retry");
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(c.decode[0].log().aborts.len(), p0, "each failed attempt's reservation was released");
+    let released = eventually(WAIT, || c.decode[0].log().aborts.len() == p0).await;
+    assert!(released, "each failed attempt's reservation was released: {:?}", c.decode[0].log().aborts);
     let metrics = c.http.get(c.url("/metrics")).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains(&format!("tandem_router_retries_total{{reason=\"prefill_failed\"}} {p0}")), "{metrics}");
 }
@@ -394,11 +408,10 @@ async fn client_disconnect_during_prefill_aborts_on_both_workers() {
         .header("x-request-id", "gone-1")
         .json(&json!({"prompt": "x", "stream": true}));
     let _ = tokio::time::timeout(Duration::from_millis(300), req.send()).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(c.prefill[0].log().aborts.contains(&"gone-1".to_owned()), "prefill abort");
-    assert!(c.decode[0].log().aborts.contains(&"gone-1".to_owned()), "decode abort");
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    assert!(c.decode[0].log().cancelled.contains(&"gone-1".to_owned()), "decode stream cancelled");
+    let gone = "gone-1".to_owned();
+    assert!(eventually(WAIT, || c.prefill[0].log().aborts.contains(&gone)).await, "prefill abort");
+    assert!(eventually(WAIT, || c.decode[0].log().aborts.contains(&gone)).await, "decode abort");
+    assert!(eventually(WAIT, || c.decode[0].log().cancelled.contains(&gone)).await, "decode stream cancelled");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -570,9 +583,9 @@ async fn a_request_past_its_timeout_gets_504_and_is_aborted() {
         c.post_headers_json("/v1/completions", json!({"prompt": "x"}), &[("x-request-id", "slow-1")]).await;
     assert_eq!(s, 504, "{body}");
     assert!(body["error"]["message"].as_str().unwrap().contains("timed out"));
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(c.prefill[0].log().aborts.contains(&"slow-1".to_owned()));
-    assert!(c.decode[0].log().aborts.contains(&"slow-1".to_owned()));
+    let id = "slow-1".to_owned();
+    assert!(eventually(WAIT, || c.prefill[0].log().aborts.contains(&id)).await);
+    assert!(eventually(WAIT, || c.decode[0].log().aborts.contains(&id)).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -178,3 +178,18 @@ impl Cluster {
         (s, h, r.json().await.unwrap())
     }
 }
+
+/// Polls `cond` until it holds or `limit` passes; returns whether it held. For effects that happen in
+/// background tasks (aborts, health marks), so tests do not depend on fixed sleeps on a busy machine.
+pub async fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    loop {
+        if cond() {
+            return true;
+        }
+        if start.elapsed() > limit {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
