@@ -1,0 +1,150 @@
+//! Admission of receiver-mediated writes (TCP, in-process, UCX active messages): a write lands only in
+//! an active transfer's own blocks, inside one layer, and the transfer cannot be freed while it runs.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use super::{ReceiverCore, Transfer};
+use crate::TransferError;
+
+/// Why a receiver-mediated write was not admitted.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The transfer is gone or no longer active (aborted, expired, completed): drop the bytes.
+    Stale,
+    /// The write is outside the transfer's blocks or malformed; the transfer has been failed.
+    Invalid(String),
+}
+
+/// Permission to write `len` bytes at `ptr`, inside one layer of one transfer's blocks. Dropping it ends
+/// the write; call `commit` first when the bytes arrived.
+pub struct WritePermit {
+    core: Arc<ReceiverCore>,
+    t: Arc<Transfer>,
+    pub ptr: *mut u8,
+    pub len: usize,
+    layer: usize,
+    latent: bool,
+    committed: bool,
+}
+
+// SAFETY: the permit is the exclusive right to write its range (checked against the transfer's blocks).
+unsafe impl Send for WritePermit {}
+
+impl WritePermit {
+    /// The destination bytes.
+    ///
+    /// # Safety
+    /// Only one slice per permit may be alive.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice(&self) -> &mut [u8] {
+        // SAFETY: admitted range inside the arena, owned by this transfer, only this permit writes it.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// Records that every byte of the permit was written.
+    pub fn commit(mut self) {
+        self.committed = true;
+    }
+}
+
+impl Drop for WritePermit {
+    fn drop(&mut self) {
+        if self.committed {
+            let c = if self.latent { &self.t.latent_written } else { &self.t.indexer_written };
+            c[self.layer].fetch_add(self.len as u64, Ordering::Relaxed);
+            self.core.counters.bytes_received.fetch_add(self.len as u64, Ordering::Relaxed);
+        }
+        if self.t.inflight.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.core.on_quiescent(&self.t);
+        }
+    }
+}
+
+impl ReceiverCore {
+    /// Admits a receiver-mediated write of `len` bytes at pool offset `offset` for `session`.
+    pub fn admit_write(
+        self: &Arc<Self>,
+        session: u64,
+        token: u64,
+        offset: u64,
+        len: u64,
+    ) -> Result<WritePermit, Refusal> {
+        let Some(t) = self.tables().by_session.get(&session).cloned() else { return Err(Refusal::Stale) };
+        if t.token != token {
+            return Err(Refusal::Invalid(format!("request {}: write with a wrong token", t.request_id)));
+        }
+        t.inflight.fetch_add(1, Ordering::SeqCst);
+        let permit = |layer, latent| WritePermit {
+            core: self.clone(),
+            t: t.clone(),
+            // SAFETY (of later use): the range is checked below to lie inside the arena.
+            ptr: self.cache.arena().as_ptr().wrapping_add(offset as usize),
+            len: len as usize,
+            layer,
+            latent,
+            committed: false,
+        };
+        if !t.active.load(Ordering::SeqCst) {
+            drop(permit(0, true));
+            return Err(Refusal::Stale);
+        }
+        match self.classify(&t, offset, len) {
+            Ok((layer, latent)) => Ok(permit(layer, latent)),
+            Err(why) => {
+                drop(permit(0, true));
+                let why = format!("request {}: {why}", t.request_id);
+                self.fail(
+                    &t,
+                    TransferError::BadCompletion { request_id: t.request_id.clone(), reason: why.clone() },
+                    &why,
+                );
+                Err(Refusal::Invalid(why))
+            }
+        }
+    }
+
+    /// (layer, is_latent) of a write, if it lies inside one layer's blocks of `t`.
+    fn classify(&self, t: &Transfer, offset: u64, len: u64) -> Result<(usize, bool), String> {
+        let g = &self.geometry;
+        let end = offset.checked_add(len).ok_or("write range overflows")?;
+        if len == 0 || end > g.total_bytes() as u64 {
+            return Err(format!("write {offset}+{len} outside the pool"));
+        }
+        let (base, stride, unit, latent) = if offset < g.indexer_region_offset() as u64 {
+            (0u64, g.latent_layer_stride() as u64, g.latent_bytes_per_block() as u64, true)
+        } else {
+            (
+                g.indexer_region_offset() as u64,
+                g.indexer_layer_stride() as u64,
+                g.indexer_bytes_per_block() as u64,
+                false,
+            )
+        };
+        let rel = offset - base;
+        let layer = (rel / stride) as usize;
+        let in_layer = rel % stride;
+        if in_layer + len > stride || layer >= g.num_layers {
+            return Err(format!("write {offset}+{len} crosses a layer boundary"));
+        }
+        let first = in_layer / unit;
+        let last = (in_layer + len - 1) / unit;
+        let mut prev: Option<u32> = None;
+        for b in first..=last {
+            let Some(&idx) = t.block_index.get(&(b as u32)) else {
+                return Err(format!("write into block {b}, which the transfer does not own"));
+            };
+            if prev.is_some_and(|p| p + 1 != idx) {
+                return Err(format!("write spans blocks out of the request's order at block {b}"));
+            }
+            prev = Some(idx);
+        }
+        if latent
+            && (!in_layer.is_multiple_of(g.latent_bytes_per_token() as u64)
+                || !len.is_multiple_of(g.latent_bytes_per_token() as u64))
+        {
+            return Err("latent write not aligned to entries".into());
+        }
+        Ok((layer, latent))
+    }
+}

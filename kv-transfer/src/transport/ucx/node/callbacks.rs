@@ -1,0 +1,98 @@
+//! The C callbacks UCX calls during progress. They only record events (or keep a payload descriptor);
+//! the progress loop acts on them after `ucp_worker_progress` returns.
+
+use super::*;
+
+pub(super) unsafe extern "C" fn on_request_done(
+    request: *mut core::ffi::c_void,
+    status: ucs_status_t,
+    user: *mut core::ffi::c_void,
+) {
+    // SAFETY: `user` is the (events, token) pair registered with the request; the lib is loaded.
+    unsafe {
+        let (events, token) = *(user as *const (usize, u64));
+        let q = &*(events as *const std::cell::RefCell<VecDeque<Event>>);
+        q.borrow_mut().push_back(Event::Done(token, status));
+        drop(Box::from_raw(user as *mut (usize, u64)));
+        if let Ok(lib) = crate::transport::ucx::api::load() {
+            (lib.ucp_request_free)(request);
+        }
+    }
+}
+
+pub(super) unsafe extern "C" fn on_ep_error(arg: *mut core::ffi::c_void, _ep: ucp_ep_h, status: ucs_status_t) {
+    // SAFETY: `arg` is the endpoint's (events, id) pair, alive while the endpoint exists.
+    unsafe {
+        let (events, id) = *(arg as *const (usize, u64));
+        let q = &*(events as *const std::cell::RefCell<VecDeque<Event>>);
+        q.borrow_mut().push_back(Event::EpError(id, status));
+    }
+}
+
+pub(super) unsafe extern "C" fn on_am(
+    arg: *mut core::ffi::c_void,
+    header: *const core::ffi::c_void,
+    header_length: size_t,
+    data: *mut core::ffi::c_void,
+    length: size_t,
+    param: *const ucp_am_recv_param_t,
+) -> ucs_status_t {
+    // SAFETY: `arg` is the node's event queue; header/data are valid for the call (eager, whole message).
+    unsafe {
+        let q = &*(arg as *const std::cell::RefCell<VecDeque<Event>>);
+        if header_length != 8 || (*param).recv_attr & ucp_am_recv_attr_t_UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0 {
+            return ucs_status_t::UCS_OK;
+        }
+        let origin =
+            u64::from_le_bytes(std::slice::from_raw_parts(header as *const u8, 8).try_into().unwrap_or([0; 8]));
+        let bytes = std::slice::from_raw_parts(data as *const u8, length as usize).to_vec();
+        q.borrow_mut().push_back(Event::Am(origin, bytes));
+    }
+    ucs_status_t::UCS_OK
+}
+
+pub(super) unsafe extern "C" fn on_am_data(
+    arg: *mut core::ffi::c_void,
+    header: *const core::ffi::c_void,
+    header_length: size_t,
+    data: *mut core::ffi::c_void,
+    length: size_t,
+    param: *const ucp_am_recv_param_t,
+) -> ucs_status_t {
+    // SAFETY: `arg` is the node's event queue; header/data are valid for the call, and beyond it when we
+    // return UCS_INPROGRESS for rendezvous and persistent payloads (released or received later).
+    unsafe {
+        let q = &*(arg as *const std::cell::RefCell<VecDeque<Event>>);
+        if header_length != 32 {
+            return ucs_status_t::UCS_OK;
+        }
+        let h = std::slice::from_raw_parts(header as *const u8, 32);
+        let w = |i: usize| u64::from_le_bytes(h[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
+        let hdr = [w(0), w(1), w(2), w(3)];
+        let attr = (*param).recv_attr;
+        if attr & ucp_am_recv_attr_t_UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0 {
+            q.borrow_mut().push_back(Event::Data(hdr, Payload::Rndv(data)));
+            return ucs_status_t::UCS_INPROGRESS;
+        }
+        if hdr[3] != length {
+            return ucs_status_t::UCS_OK;
+        }
+        if attr & ucp_am_recv_attr_t_UCP_AM_RECV_ATTR_FLAG_DATA as u64 != 0 {
+            q.borrow_mut().push_back(Event::Data(hdr, Payload::Persistent(data)));
+            return ucs_status_t::UCS_INPROGRESS;
+        }
+        let bytes = std::slice::from_raw_parts(data as *const u8, length as usize).to_vec();
+        q.borrow_mut().push_back(Event::Data(hdr, Payload::Copied(bytes)));
+    }
+    ucs_status_t::UCS_OK
+}
+
+pub(super) unsafe extern "C" fn on_recv_done(
+    request: *mut core::ffi::c_void,
+    status: ucs_status_t,
+    _len: size_t,
+    user: *mut core::ffi::c_void,
+) {
+    // SAFETY: same contract as on_request_done.
+    unsafe { on_request_done(request, status, user) }
+}

@@ -1,0 +1,284 @@
+//! One UCX context and worker, driven by a dedicated progress thread. Other threads talk to it through a
+//! command queue (and an eventfd to wake it); every UCX call happens on that thread, so the worker runs in
+//! UCX's single-threaded mode. UCX callbacks only record events; the loop handles them after progress
+//! returns, so no callback re-enters the worker.
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::CString;
+use std::ptr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+use prost::Message;
+use proto::v1::TransferControl;
+
+use super::api::{StatusPtr, classify, status_str};
+use super::sys::*;
+use crate::TransferError;
+use crate::receiver::core::{Refusal, WritePermit};
+use crate::transport::{Flushed, PutOp, next_id};
+use crate::wait::Cell;
+
+mod callbacks;
+mod ops;
+mod state;
+
+use callbacks::*;
+
+/// AM id of control messages (header: the origin node id, 8 bytes LE; data: a TransferControl).
+const AM_CONTROL: u32 = 7101;
+/// AM id of data writes (header: session, token, pool offset, length as u64 LE; payload by rendezvous).
+const AM_DATA: u32 = 7102;
+/// How long the loop keeps polling after activity before it sleeps on the event fd.
+const SPIN: Duration = Duration::from_micros(200);
+
+/// Receives what arrives on a node.
+pub(crate) trait Sink: Send + Sync {
+    fn on_control(&self, node: &Arc<Node>, origin: u64, msg: TransferControl);
+    /// Admits an active-message write (receivers); `None` where this node receives no data.
+    fn admit(&self, _session: u64, _token: u64, _offset: u64, _len: u64) -> Option<Result<WritePermit, Refusal>> {
+        None
+    }
+    fn on_ep_error(&self, ep: u64, reason: &str);
+}
+
+enum Cmd {
+    Connect { ep: u64, addr: Vec<u8>, done: Option<Arc<Cell<Result<(), TransferError>>>> },
+    Control { ep: u64, data: Vec<u8> },
+    Put { ep: u64, rkeys: u64, op: PutOp },
+    Flush { ep: u64, done: Flushed },
+    FlushThenControl { ep: u64, data: Vec<u8> },
+    Rkeys { ep: u64, handle: u64, packed: Vec<Vec<u8>>, done: Arc<Cell<Result<(), TransferError>>> },
+    MemMap { addr: usize, len: usize, done: Arc<Cell<Result<Vec<u8>, TransferError>>> },
+    CloseEp { ep: u64 },
+    Shutdown,
+}
+
+/// The handle other threads hold.
+pub(crate) struct Node {
+    #[allow(dead_code)]
+    pub id: u64,
+    /// `id` (8 bytes LE) followed by the UCP worker address: what descriptors and handshakes carry.
+    pub address: Vec<u8>,
+    tx: Mutex<mpsc::Sender<Cmd>>,
+    wake_fd: i32,
+    alive: AtomicBool,
+}
+
+impl Node {
+    /// Creates the context (reading `UCX_*` from the environment, `tls` overriding `UCX_TLS`) and worker,
+    /// and starts the progress thread.
+    pub fn start(
+        name: &str,
+        tls: Option<&str>,
+        am_data: bool,
+        sink: Arc<dyn Sink>,
+    ) -> Result<Arc<Node>, TransferError> {
+        let lib = super::api::load().map_err(TransferError::Transport)?;
+        let (tx, rx) = mpsc::channel();
+        let init = Cell::new();
+        let init2 = init.clone();
+        let tls = tls.map(str::to_string);
+        // SAFETY: plain syscall.
+        let wake_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if wake_fd < 0 {
+            return Err(TransferError::Transport("eventfd failed".into()));
+        }
+        let thread_name = format!("{name}-ucx");
+        std::thread::Builder::new()
+            .name(thread_name)
+            .spawn(move || {
+                // SAFETY: the worker state is created and used on this thread only.
+                let st = unsafe { State::create(lib, tls.as_deref()) };
+                match st {
+                    Ok(mut st) => {
+                        let id = next_id() ^ ((std::process::id() as u64) << 40);
+                        let mut address = id.to_le_bytes().to_vec();
+                        address.extend_from_slice(&st.worker_address);
+                        st.origin = id;
+                        st.am_data = am_data;
+                        let node = Arc::new(Node {
+                            id,
+                            address,
+                            tx: Mutex::new(mpsc::channel().0),
+                            wake_fd,
+                            alive: AtomicBool::new(true),
+                        });
+                        init2.set(Ok(node.clone()));
+                        // SAFETY: same thread.
+                        unsafe { st.run(&node, rx, sink) };
+                        node.alive.store(false, Ordering::SeqCst);
+                        // SAFETY: same thread; every request was completed or cancelled by run().
+                        unsafe { st.destroy() };
+                    }
+                    Err(e) => {
+                        init2.set(Err(e));
+                    }
+                }
+            })
+            .map_err(|e| TransferError::Transport(format!("cannot start the UCX progress thread: {e}")))?;
+        let node: Arc<Node> = init
+            .wait_until(Instant::now() + Duration::from_secs(30))
+            .unwrap_or_else(|| Err(TransferError::Transport("UCX initialisation timed out".into())))?;
+        // The thread built the handle before it knew the channel; hand it the real sender now.
+        *node.tx.lock().unwrap_or_else(|p| p.into_inner()) = tx;
+        Ok(node)
+    }
+
+    fn cmd(&self, c: Cmd) -> Result<(), TransferError> {
+        if !self.alive.load(Ordering::SeqCst) {
+            return Err(TransferError::Transport("link lost: UCX worker stopped".into()));
+        }
+        self.tx
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send(c)
+            .map_err(|_| TransferError::Transport("link lost: UCX worker stopped".into()))?;
+        let one: u64 = 1;
+        // SAFETY: writing 8 bytes to our eventfd.
+        unsafe { libc::write(self.wake_fd, &one as *const u64 as *const libc::c_void, 8) };
+        Ok(())
+    }
+
+    /// Starts connecting to a peer's node address; returns the endpoint id at once (commands for it queue
+    /// behind the connect).
+    pub fn connect_nowait(&self, addr: &[u8]) -> Result<u64, TransferError> {
+        let ep = next_id();
+        self.cmd(Cmd::Connect { ep, addr: addr.to_vec(), done: None })?;
+        Ok(ep)
+    }
+
+    pub fn connect(&self, addr: &[u8], deadline: Instant) -> Result<u64, TransferError> {
+        let ep = next_id();
+        let done = Cell::new();
+        self.cmd(Cmd::Connect { ep, addr: addr.to_vec(), done: Some(done.clone()) })?;
+        done.wait_until(deadline).unwrap_or_else(|| Err(TransferError::Transport("UCX connect timed out".into())))?;
+        Ok(ep)
+    }
+
+    pub fn send_control(&self, ep: u64, msg: &TransferControl) -> Result<(), TransferError> {
+        self.cmd(Cmd::Control { ep, data: msg.encode_to_vec() })
+    }
+
+    pub fn flush_then_control(&self, ep: u64, msg: &TransferControl) {
+        let _ = self.cmd(Cmd::FlushThenControl { ep, data: msg.encode_to_vec() });
+    }
+
+    pub fn put(&self, ep: u64, rkeys: u64, op: PutOp) -> Result<(), TransferError> {
+        self.cmd(Cmd::Put { ep, rkeys, op })
+    }
+
+    pub fn flush(&self, ep: u64) -> Result<Flushed, TransferError> {
+        let done = Cell::new();
+        self.cmd(Cmd::Flush { ep, done: done.clone() })?;
+        Ok(done)
+    }
+
+    pub fn unpack_rkeys(&self, ep: u64, packed: Vec<Vec<u8>>) -> Result<u64, TransferError> {
+        let handle = next_id();
+        let done = Cell::new();
+        self.cmd(Cmd::Rkeys { ep, handle, packed, done: done.clone() })?;
+        done.wait_until(Instant::now() + Duration::from_secs(10))
+            .unwrap_or_else(|| Err(TransferError::Transport("rkey unpack timed out".into())))?;
+        Ok(handle)
+    }
+
+    /// Registers `len` bytes at `addr` for remote access; returns the packed rkey.
+    pub fn mem_map(&self, addr: *mut u8, len: usize) -> Result<Vec<u8>, TransferError> {
+        let done = Cell::new();
+        self.cmd(Cmd::MemMap { addr: addr as usize, len, done: done.clone() })?;
+        done.wait_until(Instant::now() + Duration::from_secs(60))
+            .unwrap_or_else(|| Err(TransferError::Transport("memory registration timed out".into())))
+    }
+
+    pub fn close_ep(&self, ep: u64) {
+        let _ = self.cmd(Cmd::CloseEp { ep });
+    }
+
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        // SAFETY: closing our own fd.
+        unsafe { libc::close(self.wake_fd) };
+    }
+}
+
+/// A node that stops its thread when the last owner goes.
+pub(crate) struct NodeOwner(pub Arc<Node>);
+
+impl Drop for NodeOwner {
+    fn drop(&mut self) {
+        let _ = self.0.cmd(Cmd::Shutdown);
+    }
+}
+
+/// What UCX callbacks record.
+enum Event {
+    Done(u64, ucs_status_t),
+    /// An active-message write: header words, then the payload (rendezvous or persistent descriptor, or
+    /// a copy of a small eager payload).
+    Data([u64; 4], Payload),
+    EpError(u64, ucs_status_t),
+    Am(u64, Vec<u8>),
+}
+
+enum Payload {
+    Rndv(*mut core::ffi::c_void),
+    Persistent(*mut core::ffi::c_void),
+    Copied(Vec<u8>),
+}
+
+/// Pending request actions, by token.
+enum Action {
+    Put(u64),
+    /// An active-message data send on endpoint `.0`.
+    DataSend(u64),
+    /// Receiving a rendezvous payload into admitted memory.
+    Recv(WritePermit),
+    Control,
+    Flush(Flushed),
+    FlushThen(u64, Vec<u8>),
+    Close,
+}
+
+struct Ep {
+    h: ucp_ep_h,
+    failed: Option<String>,
+    /// Keeps the error-callback argument alive.
+    _arg: Box<(usize, u64)>,
+}
+
+struct State {
+    lib: &'static UcpLib,
+    ctx: ucp_context_h,
+    worker: ucp_worker_h,
+    efd: i32,
+    worker_address: Vec<u8>,
+    events: Box<std::cell::RefCell<VecDeque<Event>>>,
+    eps: HashMap<u64, Ep>,
+    rkeys: HashMap<u64, (u64, Vec<ucp_rkey_h>)>,
+    memhs: Vec<ucp_mem_h>,
+    actions: HashMap<u64, Action>,
+    /// Control header and payload in flight (UCX reads them until the send completes).
+    buffers: HashMap<u64, (Box<[u8; 8]>, Vec<u8>)>,
+    /// This node's id, sent as every control message's header.
+    origin: u64,
+    /// The selected transports cannot report peer failure: create endpoints without it.
+    no_peer_errors: bool,
+    /// Send data as active messages (receiver-placed) instead of one-sided puts.
+    am_data: bool,
+    /// Active-message data sends in flight per endpoint, and flushes waiting for them.
+    data_inflight: HashMap<u64, usize>,
+    flush_waiting: HashMap<u64, Vec<Action>>,
+    /// Puts that failed, per endpoint, reported by the next flush.
+    put_errors: HashMap<u64, String>,
+}
+
+fn err(lib: &UcpLib, what: &str, s: ucs_status_t) -> TransferError {
+    TransferError::Transport(format!("{what}: {}", status_str(lib, s)))
+}

@@ -1,0 +1,361 @@
+//! What the progress thread does: control and data sends, puts, flushes, registrations, the progress
+//! loop itself and placing received active-message writes.
+
+use super::*;
+
+impl State {
+    pub(super) fn send_control(&mut self, ep: u64, data: Vec<u8>) {
+        let Ok(h) = self.ep(ep) else { return };
+        let token = next_id();
+        let mut p = self.param(token);
+        p.op_attr_mask |= ucp_op_attr_t_UCP_OP_ATTR_FIELD_FLAGS;
+        p.flags = ucp_send_am_flags::UCP_AM_SEND_FLAG_EAGER.0;
+        self.buffers.insert(token, (Box::new(self.origin.to_le_bytes()), data));
+        let (hdr, buf) = &self.buffers[&token];
+        // SAFETY: header and payload live in self.buffers until the send completes.
+        let r = unsafe {
+            (self.lib.ucp_am_send_nbx)(
+                h,
+                AM_CONTROL,
+                hdr.as_ptr() as *const core::ffi::c_void,
+                8,
+                buf.as_ptr() as *const core::ffi::c_void,
+                buf.len() as size_t,
+                &p,
+            )
+        };
+        self.issued(token, &p, r, Action::Control);
+    }
+
+    pub(super) fn put(&mut self, ep: u64, rkeys: u64, op: PutOp) {
+        let h = match self.ep(ep) {
+            Ok(h) => h,
+            Err(e) => {
+                self.put_errors.entry(ep).or_insert_with(|| e.to_string());
+                return;
+            }
+        };
+        let Some(rkey) = self.rkeys.get(&rkeys).and_then(|(_, v)| v.get(op.region).copied()) else {
+            self.put_errors.entry(ep).or_insert_with(|| "put without its remote key".into());
+            return;
+        };
+        let token = next_id();
+        if self.am_data {
+            let mut p = self.param(token);
+            p.op_attr_mask |= ucp_op_attr_t_UCP_OP_ATTR_FIELD_FLAGS;
+            p.flags = ucp_send_am_flags::UCP_AM_SEND_FLAG_RNDV.0;
+            let mut hdr = Vec::with_capacity(32);
+            for w in [op.session_id, op.token, op.dst_offset, op.len] {
+                hdr.extend_from_slice(&w.to_le_bytes());
+            }
+            self.buffers.insert(token, (Box::new([0; 8]), hdr));
+            let hdr = &self.buffers[&token].1;
+            // SAFETY: the header lives in self.buffers and the source in the session's arena until the
+            // send completes.
+            let r = unsafe {
+                (self.lib.ucp_am_send_nbx)(
+                    h,
+                    AM_DATA,
+                    hdr.as_ptr() as *const core::ffi::c_void,
+                    32,
+                    op.src as *const core::ffi::c_void,
+                    op.len as size_t,
+                    &p,
+                )
+            };
+            *self.data_inflight.entry(ep).or_insert(0) += 1;
+            self.issued(token, &p, r, Action::DataSend(ep));
+            return;
+        }
+        let p = self.param(token);
+        // SAFETY: the source stays alive and unmodified until the put is flushed (session contract); the
+        // remote range was checked against the descriptor's regions.
+        let r = unsafe {
+            (self.lib.ucp_put_nbx)(h, op.src as *const core::ffi::c_void, op.len as size_t, op.dst_addr, rkey, &p)
+        };
+        self.issued(token, &p, r, Action::Put(ep));
+    }
+
+    pub(super) fn flush(&mut self, ep: u64, then: Action) {
+        if self.data_inflight.get(&ep).is_some_and(|n| *n > 0) && self.eps.get(&ep).is_some_and(|e| e.failed.is_none())
+        {
+            // Endpoint flush covers RMA, not active messages: wait for the data sends first.
+            self.flush_waiting.entry(ep).or_default().push(then);
+            return;
+        }
+        let h = match self.ep(ep) {
+            Ok(h) => h,
+            Err(e) => {
+                if let Action::Flush(done) = then {
+                    done.set(Err(e));
+                }
+                return;
+            }
+        };
+        if let Some(e) = self.put_errors.remove(&ep)
+            && let Action::Flush(done) = then
+        {
+            done.set(Err(TransferError::Transport(format!("put failed: {e}"))));
+            return;
+        }
+        let token = next_id();
+        let p = self.param(token);
+        // SAFETY: valid endpoint.
+        let r = unsafe { (self.lib.ucp_ep_flush_nbx)(h, &p) };
+        self.issued(token, &p, r, then);
+    }
+
+    pub(super) unsafe fn unpack(&mut self, ep: u64, handle: u64, packed: &[Vec<u8>]) -> Result<(), TransferError> {
+        let h = self.ep(ep)?;
+        let mut keys = Vec::new();
+        for b in packed {
+            let mut k: ucp_rkey_h = ptr::null_mut();
+            // SAFETY: valid endpoint and buffer.
+            let s = unsafe { (self.lib.ucp_ep_rkey_unpack)(h, b.as_ptr() as *const core::ffi::c_void, &mut k) };
+            if s != ucs_status_t::UCS_OK {
+                for k in keys {
+                    // SAFETY: unpacked above.
+                    unsafe { (self.lib.ucp_rkey_destroy)(k) };
+                }
+                return Err(err(self.lib, "ucp_ep_rkey_unpack", s));
+            }
+            keys.push(k);
+        }
+        self.rkeys.insert(handle, (ep, keys));
+        Ok(())
+    }
+
+    pub(super) unsafe fn mem_map(&mut self, addr: usize, len: usize) -> Result<Vec<u8>, TransferError> {
+        // SAFETY: registering memory the caller keeps alive for the node's life; out-pointers valid.
+        unsafe {
+            let mut p: ucp_mem_map_params_t = std::mem::zeroed();
+            p.field_mask = (ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_ADDRESS.0
+                | ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_LENGTH.0) as u64;
+            p.address = addr as *mut core::ffi::c_void;
+            p.length = len as size_t;
+            let mut memh: ucp_mem_h = ptr::null_mut();
+            let s = (self.lib.ucp_mem_map)(self.ctx, &p, &mut memh);
+            if s != ucs_status_t::UCS_OK {
+                return Err(err(self.lib, "ucp_mem_map", s));
+            }
+            self.memhs.push(memh);
+            let mut buf: *mut core::ffi::c_void = ptr::null_mut();
+            let mut n: size_t = 0;
+            let s = (self.lib.ucp_rkey_pack)(self.ctx, memh, &mut buf, &mut n);
+            if s != ucs_status_t::UCS_OK {
+                return Err(err(self.lib, "ucp_rkey_pack", s));
+            }
+            let out = std::slice::from_raw_parts(buf as *const u8, n as usize).to_vec();
+            (self.lib.ucp_rkey_buffer_release)(buf);
+            Ok(out)
+        }
+    }
+
+    pub(super) fn close_ep(&mut self, ep: u64) {
+        let Some(e) = self.eps.remove(&ep) else { return };
+        let stale: Vec<u64> = self.rkeys.iter().filter(|(_, (owner, _))| *owner == ep).map(|(h, _)| *h).collect();
+        for h in stale {
+            if let Some((_, keys)) = self.rkeys.remove(&h) {
+                for k in keys {
+                    // SAFETY: unpacked on this endpoint, which is still open.
+                    unsafe { (self.lib.ucp_rkey_destroy)(k) };
+                }
+            }
+        }
+        let token = next_id();
+        let mut p = self.param(token);
+        p.op_attr_mask |= ucp_op_attr_t_UCP_OP_ATTR_FIELD_FLAGS;
+        p.flags = ucp_ep_close_flags_t::UCP_EP_CLOSE_FLAG_FORCE.0;
+        // SAFETY: the endpoint is open; it is not used after this.
+        let r = unsafe { (self.lib.ucp_ep_close_nbx)(e.h, &p) };
+        // The error-callback argument must outlive a pending close.
+        std::mem::forget(e._arg);
+        self.issued(token, &p, r, Action::Close);
+    }
+
+    /// The progress loop; returns on Shutdown or when every owner is gone.
+    pub(super) unsafe fn run(&mut self, node: &Arc<Node>, rx: mpsc::Receiver<Cmd>, sink: Arc<dyn Sink>) {
+        let mut last_activity = Instant::now();
+        loop {
+            let mut busy = false;
+            loop {
+                match rx.try_recv() {
+                    Ok(Cmd::Shutdown) | Err(mpsc::TryRecvError::Disconnected) => return self.drain(),
+                    Ok(c) => {
+                        busy = true;
+                        self.handle(c);
+                    }
+                    Err(mpsc::TryRecvError::Empty) => break,
+                }
+            }
+            // SAFETY: our worker, our thread.
+            while unsafe { (self.lib.ucp_worker_progress)(self.worker) } != 0 {
+                busy = true;
+            }
+            loop {
+                let ev = self.events.borrow_mut().pop_front();
+                let Some(ev) = ev else { break };
+                busy = true;
+                match ev {
+                    Event::Done(token, s) => {
+                        if let Some(a) = self.actions.remove(&token) {
+                            self.complete(token, a, s);
+                        }
+                    }
+                    Event::EpError(ep, s) => {
+                        let why = status_str(self.lib, s);
+                        if let Some(e) = self.eps.get_mut(&ep)
+                            && e.failed.is_none()
+                        {
+                            e.failed = Some(why.clone());
+                            tracing::info!(ep, reason = %why, "UCX endpoint failed");
+                            sink.on_ep_error(ep, &why);
+                            self.close_ep(ep);
+                        }
+                    }
+                    Event::Data(hdr, payload) => self.on_data(&*sink, hdr, payload),
+                    Event::Am(origin, bytes) => match TransferControl::decode(bytes.as_slice()) {
+                        Ok(msg) => sink.on_control(node, origin, msg),
+                        Err(e) => tracing::warn!(error = %e, "undecodable kv-transfer control message"),
+                    },
+                }
+            }
+            if busy {
+                last_activity = Instant::now();
+                continue;
+            }
+            if !self.actions.is_empty() {
+                // Requests in flight: some transports complete them only under progress, without an
+                // event on the fd, so keep driving the worker (yielding the core) until they finish.
+                std::thread::yield_now();
+                continue;
+            }
+            if last_activity.elapsed() < SPIN {
+                std::hint::spin_loop();
+                continue;
+            }
+            // SAFETY: our worker.
+            let s = unsafe { (self.lib.ucp_worker_arm)(self.worker) };
+            if s == ucs_status_t::UCS_ERR_BUSY {
+                continue;
+            }
+            let mut fds = [
+                libc::pollfd { fd: self.efd, events: libc::POLLIN, revents: 0 },
+                libc::pollfd { fd: node.wake_fd, events: libc::POLLIN, revents: 0 },
+            ];
+            // SAFETY: valid pollfd array.
+            unsafe { libc::poll(fds.as_mut_ptr(), 2, 100) };
+            let mut buf = 0u64;
+            // SAFETY: draining our nonblocking eventfd.
+            unsafe { libc::read(node.wake_fd, &mut buf as *mut u64 as *mut libc::c_void, 8) };
+            if Arc::strong_count(node) == 1 {
+                return self.drain();
+            }
+        }
+    }
+
+    /// Places an active-message write where the receiver admits it, or drops it.
+    pub(super) fn on_data(&mut self, sink: &dyn Sink, [session, token, offset, len]: [u64; 4], payload: Payload) {
+        let admitted = match sink.admit(session, token, offset, len) {
+            Some(Ok(p)) => Some(p),
+            Some(Err(Refusal::Invalid(why))) => {
+                tracing::warn!(why, "dropping an invalid write");
+                None
+            }
+            _ => None,
+        };
+        match (payload, admitted) {
+            (Payload::Rndv(desc), Some(permit)) => {
+                let t = next_id();
+                let mut p = self.param(t);
+                p.cb.recv_am = Some(on_recv_done);
+                // SAFETY: the permit owns `len` bytes at its pointer until the receive completes.
+                let r = unsafe {
+                    (self.lib.ucp_am_recv_data_nbx)(
+                        self.worker,
+                        desc,
+                        permit.ptr as *mut core::ffi::c_void,
+                        len as size_t,
+                        &p,
+                    )
+                };
+                self.issued(t, &p, r, Action::Recv(permit));
+            }
+            (Payload::Persistent(desc), permit) => {
+                if let Some(permit) = permit {
+                    // SAFETY: `len` payload bytes (checked in the callback) into the admitted range.
+                    unsafe { std::ptr::copy_nonoverlapping(desc as *const u8, permit.ptr, len as usize) };
+                    permit.commit();
+                }
+                // SAFETY: a descriptor kept by returning UCS_INPROGRESS.
+                unsafe { (self.lib.ucp_am_data_release)(self.worker, desc) };
+            }
+            (Payload::Rndv(desc), None) => {
+                // SAFETY: releasing an unreceived rendezvous descriptor drops its data.
+                unsafe { (self.lib.ucp_am_data_release)(self.worker, desc) };
+            }
+            (Payload::Copied(bytes), Some(permit)) => {
+                // SAFETY: the admitted range is `len` = bytes.len() bytes.
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), permit.ptr, bytes.len().min(permit.len)) };
+                permit.commit();
+            }
+            (Payload::Copied(_), None) => {}
+        }
+    }
+
+    pub(super) fn handle(&mut self, c: Cmd) {
+        match c {
+            Cmd::Connect { ep, addr, done } => {
+                // SAFETY: on the worker's thread.
+                let r = unsafe { self.connect(ep, &addr) };
+                if let Some(d) = done {
+                    d.set(r);
+                } else if let Err(e) = r {
+                    tracing::warn!(error = %e, "UCX connect failed");
+                }
+            }
+            Cmd::Control { ep, data } => self.send_control(ep, data),
+            Cmd::Put { ep, rkeys, op } => self.put(ep, rkeys, op),
+            Cmd::Flush { ep, done } => self.flush(ep, Action::Flush(done)),
+            Cmd::FlushThenControl { ep, data } => self.flush(ep, Action::FlushThen(ep, data)),
+            Cmd::Rkeys { ep, handle, packed, done } => {
+                // SAFETY: on the worker's thread.
+                done.set(unsafe { self.unpack(ep, handle, &packed) });
+            }
+            Cmd::MemMap { addr, len, done } => {
+                // SAFETY: on the worker's thread.
+                done.set(unsafe { self.mem_map(addr, len) });
+            }
+            Cmd::CloseEp { ep } => self.close_ep(ep),
+            Cmd::Shutdown => {}
+        }
+    }
+
+    /// Fails what is pending and closes every endpoint (then `destroy`).
+    pub(super) fn drain(&mut self) {
+        let eps: Vec<u64> = self.eps.keys().copied().collect();
+        for ep in eps {
+            self.close_ep(ep);
+        }
+        let until = Instant::now() + Duration::from_millis(500);
+        while !self.actions.is_empty() && Instant::now() < until {
+            // SAFETY: our worker.
+            unsafe { (self.lib.ucp_worker_progress)(self.worker) };
+            loop {
+                let ev = self.events.borrow_mut().pop_front();
+                let Some(ev) = ev else { break };
+                if let Event::Done(token, s) = ev
+                    && let Some(a) = self.actions.remove(&token)
+                {
+                    self.complete(token, a, s);
+                }
+            }
+        }
+        let waiting: Vec<Action> = self.flush_waiting.drain().flat_map(|(_, v)| v).collect();
+        for a in self.actions.drain().map(|(_, a)| a).chain(waiting) {
+            if let Action::Flush(done) = a {
+                done.set(Err(TransferError::Transport("link lost: UCX worker stopped".into())));
+            }
+        }
+    }
+}
