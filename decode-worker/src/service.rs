@@ -139,8 +139,9 @@ impl DecodeWorker for DecodeService {
         let sh = self.shared.clone();
         let reserved_at = Instant::now();
         tokio::spawn(async move {
+            let mut pending = pending;
             let outcome = tokio::select! {
-                o = pending => Some(o),
+                o = &mut pending => Some(o),
                 _ = tx.closed() => None,
             };
             sh.metrics.transferring.dec();
@@ -151,8 +152,8 @@ impl DecodeWorker for DecodeService {
             match outcome {
                 None => {
                     // The client went away before the caches arrived: kv-transfer frees the blocks once no
-                    // write can land anymore.
-                    sh.receiver.abort(&id, "client disconnected");
+                    // write can land anymore. This transfer, not whatever later holds the same id.
+                    pending.abort("client disconnected");
                     sh.metrics.requests.with_label_values(&["disconnected"]).inc();
                     tracing::info!(request_id = %id, "client went away during the transfer");
                 }

@@ -12,6 +12,8 @@ const CONTEXT_TOKENS: usize = 5;
 
 pub struct IncrementalDetokenizer {
     ids: Vec<u32>,
+    /// Nothing decoded yet: the prompt context is still in `ids`.
+    fresh: bool,
     prefix_offset: usize,
     read_offset: usize,
     skip_special_tokens: bool,
@@ -23,12 +25,18 @@ impl IncrementalDetokenizer {
         let start = prompt.len().saturating_sub(CONTEXT_TOKENS);
         let ids = prompt[start..].to_vec();
         let n = ids.len();
-        Self { ids, prefix_offset: 0, read_offset: n, skip_special_tokens }
+        Self { ids, fresh: true, prefix_offset: 0, read_offset: n, skip_special_tokens }
     }
 
     /// Adds one generated token and returns the text it completes (possibly empty, while a character
     /// is still incomplete).
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String, TextError> {
+        if std::mem::take(&mut self.fresh) && tok.is_byte_level() {
+            // Byte-level text needs no left context, and context ending inside a character would merge
+            // with the first output bytes: the output must be exactly decode(output ids).
+            self.ids.clear();
+            self.read_offset = 0;
+        }
         self.ids.push(id);
         let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special_tokens)?;
         let full = tok.decode(&self.ids[self.prefix_offset..], self.skip_special_tokens)?;
@@ -92,6 +100,24 @@ mod tests {
         }
         out.push_str(&d.flush(&t).unwrap());
         assert_eq!(out, text);
+    }
+
+    #[test]
+    fn output_text_equals_decoding_the_output_even_after_a_prompt_ending_mid_character() {
+        let t = tiny();
+        let euro = t.encode("€uro", false).unwrap();
+        assert!(euro.len() > 2, "the tiny vocabulary splits € into byte tokens");
+        // The prompt ends with the first byte of €; the output starts with its remaining bytes.
+        let mut prompt = t.encode_prompt("price:").unwrap();
+        prompt.push(euro[0]);
+        let output = &euro[1..];
+        let mut d = IncrementalDetokenizer::new(&prompt, true);
+        let mut out = String::new();
+        for &id in output {
+            out.push_str(&d.push(&t, id).unwrap());
+        }
+        out.push_str(&d.flush(&t).unwrap());
+        assert_eq!(out, t.decode(output, true).unwrap());
     }
 
     #[test]

@@ -88,6 +88,11 @@ impl Tokenizer {
         self.inner.decode(ids, skip_special_tokens).map_err(|e| TextError::Tokenizer(e.to_string()))
     }
 
+    /// Whether tokens are byte-level (GPT-2 style): their text never depends on left context.
+    pub fn is_byte_level(&self) -> bool {
+        self.byte_decoder.is_some()
+    }
+
     /// Vocabulary size including added tokens: every valid id is below it.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
