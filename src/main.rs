@@ -40,6 +40,7 @@ fn serve<F: std::future::Future<Output = anyhow::Result<()>>>(f: impl FnOnce() -
 }
 
 fn main() -> ExitCode {
+    worker::ucx_logs_to_stderr();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Router(a) => {

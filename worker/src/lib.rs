@@ -21,6 +21,15 @@ pub use args::ServeArgs;
 pub use drain::Drain;
 pub use model::LoadedModel;
 
+/// Sends UCX's own log lines to stderr (UCX writes them to stdout by default, where workers print their
+/// machine-readable ready line). Call first thing in `main`, before any thread exists.
+pub fn ucx_logs_to_stderr() {
+    if std::env::var_os("UCX_LOG_FILE").is_none() {
+        // SAFETY: called at the start of main, while the process is single-threaded.
+        unsafe { std::env::set_var("UCX_LOG_FILE", "/dev/stderr") };
+    }
+}
+
 /// Logs to stderr with `RUST_LOG` filtering (default info); `TANDEM_LOG_JSON=1` for JSON lines.
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
