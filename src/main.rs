@@ -24,6 +24,8 @@ enum Command {
     Generate(cli::generate::Args),
     /// Start a local cluster: router + prefill + decode workers as separate processes.
     Up(cli::up::Args),
+    /// Benchmark an OpenAI-compatible server (SGLang bench_serving's summary; JSON with --json).
+    Bench(cli::bench::Args),
     /// Run the router (the `tandem-router` binary).
     Router(router::Args),
     /// Run a prefill worker (the `prefill-worker` binary).
@@ -62,6 +64,7 @@ fn main() -> ExitCode {
                 Command::Verify(a) => cli::verify::run(a),
                 Command::Generate(a) => cli::generate::run(a),
                 Command::Up(a) => cli::up::run(a),
+                Command::Bench(a) => cli::bench::run(a),
                 Command::Router(_) | Command::PrefillWorker(_) | Command::DecodeWorker(_) => {
                     unreachable!("handled above")
                 }

@@ -1,5 +1,6 @@
 //! Subcommands of the `tandem` binary.
 
+pub mod bench;
 pub mod gen_tiny;
 pub mod generate;
 pub mod up;
