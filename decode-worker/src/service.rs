@@ -52,19 +52,6 @@ impl DecodeService {
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<DecodeEvent, Status>> + Send>>;
 
-/// The request id: the field, else the `x-request-id` metadata.
-fn request_id<T>(req: &Request<T>, field: &str) -> Result<String, Status> {
-    if !field.is_empty() {
-        return Ok(field.to_string());
-    }
-    req.metadata()
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .filter(|s| !s.is_empty())
-        .map(str::to_string)
-        .ok_or_else(|| Status::invalid_argument("request_id is empty and no x-request-id metadata was sent"))
-}
-
 fn transfer_status(e: &TransferError) -> String {
     format!("cache transfer failed: {e}")
 }
@@ -75,26 +62,11 @@ impl DecodeWorker for DecodeService {
 
     async fn decode(&self, req: Request<DecodeRequest>) -> Result<Response<Self::DecodeStream>, Status> {
         let sh = &self.shared;
-        let id = request_id(&req, &req.get_ref().request_id)?;
+        let id = worker::validate::request_id(&req, &req.get_ref().request_id)?;
         let guard = sh.drain.admit()?;
         let r = req.into_inner();
         let cfg = sh.model.config();
-        if r.token_ids.is_empty() {
-            return Err(Status::invalid_argument("token_ids is empty"));
-        }
-        if let Some(t) = r.token_ids.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-            return Err(Status::invalid_argument(format!(
-                "token id {t} is outside the vocabulary of {}",
-                cfg.vocab_size
-            )));
-        }
-        let prompt_len = if r.num_prompt_tokens == 0 { r.token_ids.len() } else { r.num_prompt_tokens as usize };
-        if prompt_len > r.token_ids.len() {
-            return Err(Status::invalid_argument(format!(
-                "num_prompt_tokens {prompt_len} exceeds the {} token ids",
-                r.token_ids.len()
-            )));
-        }
+        let prompt_len = worker::validate::tokens(&r.token_ids, r.num_prompt_tokens, cfg.vocab_size)?;
         let sampling = r.sampling.clone().unwrap_or_default();
         let params = worker::convert::sampling_params(&sampling, &id);
         params.validate(cfg.vocab_size).map_err(Status::invalid_argument)?;

@@ -14,7 +14,6 @@ pub mod scheduler;
 pub mod service;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Context;
 use proto::v1::prefill_worker_server::PrefillWorkerServer;
@@ -59,11 +58,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     );
     let drain = Drain::new();
     let worker_id = args.serve.worker_id("prefill");
-    let listener = tokio::net::TcpListener::bind(args.serve.listen)
-        .await
-        .with_context(|| format!("binding gRPC on {}", args.serve.listen))?;
-    let bound = listener.local_addr()?;
-    let advertise = args.serve.advertise.clone().unwrap_or_else(|| bound.to_string());
+    let (listener, advertise) = worker::server::bind(&args.serve).await?;
     let record = cluster::WorkerRecord {
         id: worker_id.clone(),
         role: cluster::WorkerRole::Prefill,
@@ -76,37 +71,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         fingerprint: Some(model.cluster_fingerprint()),
     };
     let svc = service::PrefillService { model: model.clone(), scheduler, drain: drain.clone(), record: record.clone() };
-    let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter.set_serving::<PrefillWorkerServer<service::PrefillService>>().await;
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .tcp_nodelay(true)
-            .add_service(health_service)
-            .add_service(PrefillWorkerServer::new(svc))
-            .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async {
-                let _ = stop_rx.await;
-            }),
-    );
-    let registration = worker::register(&args.serve, record).await?;
-    println!(
-        "{}",
-        serde_json::json!({"event": "ready", "role": "prefill", "id": worker_id, "grpc": advertise,
-            "metrics": metrics_addr.map(|a| a.to_string()), "model": model.name})
-    );
-    tracing::info!(grpc = %advertise, id = %worker_id, "prefill worker ready");
-
-    worker::drain::shutdown_signal().await;
-    drain.start();
-    health_reporter.set_not_serving::<PrefillWorkerServer<service::PrefillService>>().await;
-    if !drain.wait_idle(Duration::from_secs(args.serve.drain_timeout_s)).await {
-        tracing::warn!(inflight = drain.inflight(), "drain timeout: stopping with requests in flight");
-    }
-    if let Some(r) = registration {
-        r.deregister().await;
-    }
-    let _ = stop_tx.send(());
-    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
-    tracing::info!("prefill worker stopped");
-    Ok(())
+    worker::server::serve_until_drained(
+        PrefillWorkerServer::new(svc),
+        listener,
+        &args.serve,
+        record,
+        drain,
+        metrics_addr,
+        &model.name,
+    )
+    .await
 }

@@ -22,41 +22,14 @@ pub struct PrefillService {
     pub record: cluster::WorkerRecord,
 }
 
-fn request_id<T>(req: &Request<T>, field: &str) -> Result<String, Status> {
-    if !field.is_empty() {
-        return Ok(field.to_string());
-    }
-    req.metadata()
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .filter(|s| !s.is_empty())
-        .map(str::to_string)
-        .ok_or_else(|| Status::invalid_argument("request_id is empty and no x-request-id metadata was sent"))
-}
-
 #[tonic::async_trait]
 impl PrefillWorker for PrefillService {
     async fn prefill(&self, req: Request<PrefillRequest>) -> Result<Response<PrefillResponse>, Status> {
-        let id = request_id(&req, &req.get_ref().request_id)?;
+        let id = worker::validate::request_id(&req, &req.get_ref().request_id)?;
         let guard = self.drain.admit()?;
         let r = req.into_inner();
         let cfg = self.model.config();
-        if r.token_ids.is_empty() {
-            return Err(Status::invalid_argument("token_ids is empty"));
-        }
-        if let Some(t) = r.token_ids.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-            return Err(Status::invalid_argument(format!(
-                "token id {t} is outside the vocabulary of {}",
-                cfg.vocab_size
-            )));
-        }
-        let prompt_len = if r.num_prompt_tokens == 0 { r.token_ids.len() } else { r.num_prompt_tokens as usize };
-        if prompt_len > r.token_ids.len() {
-            return Err(Status::invalid_argument(format!(
-                "num_prompt_tokens {prompt_len} exceeds the {} token ids",
-                r.token_ids.len()
-            )));
-        }
+        let prompt_len = worker::validate::tokens(&r.token_ids, r.num_prompt_tokens, cfg.vocab_size)?;
         if r.token_ids.len() >= self.model.max_model_len {
             return Err(Status::invalid_argument(format!(
                 "{} tokens do not fit the maximum context length {}",

@@ -8,12 +8,16 @@
 //! - [`drain::Drain`]: SIGTERM handling: finish in-flight work, refuse new work, deregister, exit.
 //! - [`metrics`]: the Prometheus `/metrics` endpoint.
 //! - [`convert`]: tandem.v1 <-> engine conversions (sampling parameters, generated tokens).
+//! - [`server`]: bind, serve with gRPC health, register, announce ready, drain on SIGTERM.
+//! - [`validate`]: request id and token checks both services apply.
 
 pub mod args;
 pub mod convert;
 pub mod drain;
 pub mod metrics;
 pub mod model;
+pub mod server;
+pub mod validate;
 
 use std::time::Duration;
 

@@ -1,0 +1,79 @@
+//! A worker's life as a server: bind, serve the role's gRPC service (plus standard health), register,
+//! announce readiness, and on SIGTERM/SIGINT drain, deregister and stop.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tonic::body::Body;
+use tonic::server::NamedService;
+
+use crate::{Drain, ServeArgs};
+
+/// Binds `args.listen` and returns the listener with the address to advertise.
+pub async fn bind(args: &ServeArgs) -> anyhow::Result<(tokio::net::TcpListener, String)> {
+    let listener =
+        tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding gRPC on {}", args.listen))?;
+    let bound = listener.local_addr()?;
+    let advertise = args.advertise.clone().unwrap_or_else(|| bound.to_string());
+    Ok((listener, advertise))
+}
+
+/// Serves `svc` on `listener` until a shutdown signal, then drains: refuses new work (the service answers
+/// UNAVAILABLE through `drain`), waits for in-flight requests, deregisters, stops.
+pub async fn serve_until_drained<S>(
+    svc: S,
+    listener: tokio::net::TcpListener,
+    args: &ServeArgs,
+    record: cluster::WorkerRecord,
+    drain: Arc<Drain>,
+    metrics_addr: Option<SocketAddr>,
+    model_name: &str,
+) -> anyhow::Result<()>
+where
+    S: tower_service::Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>
+        + NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter.set_serving::<S>().await;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .add_service(health_service)
+            .add_service(svc)
+            .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async {
+                let _ = stop_rx.await;
+            }),
+    );
+    let (role, id, grpc) = (record.role.as_str(), record.id.clone(), record.grpc_address.clone());
+    let registration = crate::register(args, record).await?;
+    // The machine-readable ready line (`tandem up` and the tests read it).
+    println!(
+        "{}",
+        serde_json::json!({"event": "ready", "role": role, "id": id, "grpc": grpc,
+            "metrics": metrics_addr.map(|a| a.to_string()), "model": model_name})
+    );
+    tracing::info!(grpc = %grpc, id = %id, "{role} worker ready");
+
+    crate::drain::shutdown_signal().await;
+    drain.start();
+    health_reporter.set_not_serving::<S>().await;
+    if !drain.wait_idle(Duration::from_secs(args.drain_timeout_s)).await {
+        tracing::warn!(inflight = drain.inflight(), "drain timeout: stopping with requests in flight");
+    }
+    if let Some(r) = registration {
+        r.deregister().await;
+    }
+    let _ = stop_tx.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    tracing::info!("{role} worker stopped");
+    Ok(())
+}
