@@ -50,7 +50,8 @@ fn gen_tiny_is_deterministic_and_complete() {
     assert_eq!(cfg["num_key_value_heads"], 4);
     assert_eq!(cfg["torch_dtype"], "bfloat16");
     assert_eq!(cfg["rope_scaling"]["type"], "yarn");
-    let tok: serde_json::Value = serde_json::from_slice(&std::fs::read(a.path().join("tokenizer.json")).unwrap()).unwrap();
+    let tok: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(a.path().join("tokenizer.json")).unwrap()).unwrap();
     let added = tok["added_tokens"].as_array().unwrap();
     assert_eq!(added[0]["id"], 0);
     assert_eq!(added[1]["id"], 1);
@@ -110,7 +111,12 @@ fn generate_reproduces_the_golden_greedy_tokens_in_full_precision() {
     let bytes = std::fs::read(golden().join("golden.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let ints = |name: &str| -> Vec<u32> {
-        st.tensor(name).unwrap().data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32).collect()
+        st.tensor(name)
+            .unwrap()
+            .data()
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
+            .collect()
     };
     let ids = ints("input_ids_0");
     let want = ints("greedy_0");
@@ -130,7 +136,8 @@ fn generate_reproduces_the_golden_greedy_tokens_in_full_precision() {
     ]);
     assert!(o.status.success(), "{}", all_output(&o));
     let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
-    let got: Vec<u32> = v["generated_token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+    let got: Vec<u32> =
+        v["generated_token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
     assert_eq!(got, want);
     assert_eq!(v["prompt_token_ids"].as_array().unwrap().len(), ids.len());
 }
@@ -159,7 +166,11 @@ fn bad_input_exits_non_zero_with_the_cause() {
     let d = tempfile::tempdir().unwrap();
     let o = tandem(&["verify", d.path().to_str().unwrap()]);
     assert!(!o.status.success());
-    assert!(all_output(&o).contains("neither model.safetensors.index.json nor model.safetensors"), "{}", all_output(&o));
+    assert!(
+        all_output(&o).contains("neither model.safetensors.index.json nor model.safetensors"),
+        "{}",
+        all_output(&o)
+    );
     let o = tandem(&["generate", "--model", golden().to_str().unwrap(), "--prompt-ids", "5000"]);
     assert!(!o.status.success());
     assert!(all_output(&o).contains("outside the vocabulary"), "{}", all_output(&o));
