@@ -209,7 +209,9 @@ fn worker_args(a: &Args, role: &str, model: &Path) -> Vec<String> {
     opt("--max-num-batched-tokens", a.max_num_batched_tokens.map(|x| x.to_string()));
     opt("--kv-blocks", a.kv_blocks.map(|x| x.to_string()));
     opt("--served-model-name", a.served_model_name.clone());
-    opt("--etcd", a.etcd.clone());
+    if let Some(e) = &a.etcd {
+        v.extend(["--discovery".into(), "etcd".into(), "--etcd".into(), e.clone()]);
+    }
     if a.no_mtp && role == "decode-worker" {
         v.push("--no-mtp".into());
     }

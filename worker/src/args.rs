@@ -29,15 +29,10 @@ pub struct ServeArgs {
     /// Prometheus /metrics (and /health) listen address; off when absent.
     #[arg(long, env = "TANDEM_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
-    /// etcd endpoints, comma-separated; without them the worker relies on static discovery.
-    #[arg(long, env = "TANDEM_ETCD", value_delimiter = ',')]
-    pub etcd: Vec<String>,
-    /// Cluster name (etcd key prefix /tandem/<cluster>/).
-    #[arg(long, env = "TANDEM_CLUSTER", default_value = "default")]
-    pub cluster: String,
-    /// etcd lease TTL in seconds: a dead worker disappears from the router within this time.
-    #[arg(long, env = "TANDEM_LEASE_TTL", default_value_t = 10)]
-    pub lease_ttl_s: u64,
+    /// Discovery: `--discovery etcd` registers the worker under /tandem/<cluster>/workers/; with `static`
+    /// (the default) it registers nowhere and the router is given its address.
+    #[command(flatten)]
+    pub discovery: cluster::DiscoveryArgs,
     /// Longest prompt + output in tokens (default: the model's max_position_embeddings, capped by the pool).
     #[arg(long, env = "TANDEM_MAX_MODEL_LEN")]
     pub max_model_len: Option<usize>,

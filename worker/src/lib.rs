@@ -3,8 +3,8 @@
 //! - [`args::ServeArgs`]: the serving flags (model, precision, pool size, batching limits, discovery,
 //!   kv-transfer transport), flattened into each role's command line.
 //! - [`model::LoadedModel`]: the backend, the cache pool and the model fingerprint.
-//! - [`register`]: registration with etcd (lease kept alive, re-registered after outages) when `--etcd`
-//!   is given; static discovery otherwise.
+//! - [`register`]: registration with etcd (lease kept alive, re-registered after outages) with
+//!   `--discovery etcd`; static discovery otherwise.
 //! - [`drain::Drain`]: SIGTERM handling: finish in-flight work, refuse new work, deregister, exit.
 //! - [`metrics`]: the Prometheus `/metrics` endpoint.
 //! - [`convert`]: tandem.v1 <-> engine conversions (sampling parameters, generated tokens).
@@ -48,23 +48,16 @@ pub fn init_logging() {
     };
 }
 
-/// Registers the worker when `--etcd` is given (the handle keeps the lease alive); `None` with static
+/// Registers the worker with `--discovery etcd` (the handle keeps the lease alive); `None` with static
 /// discovery, where the router learns about the worker from its own flags and `GetInfo`.
 pub async fn register(
     args: &ServeArgs,
     record: cluster::WorkerRecord,
 ) -> anyhow::Result<Option<cluster::Registration>> {
-    if args.etcd.is_empty() {
+    if args.discovery.backend == cluster::Backend::Static {
         return Ok(None);
     }
-    let options =
-        cluster::EtcdOptions { lease_ttl: Duration::from_secs(args.lease_ttl_s.max(2)), ..Default::default() };
-    let discovery = cluster::connect(cluster::DiscoveryConfig::Etcd {
-        endpoints: args.etcd.clone(),
-        cluster: args.cluster.clone(),
-        options,
-    })
-    .await?;
+    let discovery = cluster::connect(args.discovery.config(Vec::new(), Vec::new())).await?;
     let mut reg = discovery.register(record).await?;
     if !reg.wait_registered(Duration::from_secs(5)).await {
         tracing::warn!(state = ?reg.state(), "not registered in etcd yet; retrying in the background");
