@@ -447,8 +447,15 @@ async fn preemption_re_prefills_prompt_plus_output_and_the_text_continues() {
     assert_eq!(prefills[1].2.len(), prompt_len + 3, "prompt + the 3 tokens generated before preemption");
     let reply = c.tokenizer.encode(REPLY, false).unwrap();
     assert_eq!(prefills[1].2[prompt_len..], reply[..3]);
-    let decodes = &c.decode[0].log().decodes;
+    let decodes = c.decode[0].log().decodes.clone();
     assert_eq!(decodes[1].2.len(), prompt_len + 3);
+    // No seed was given: the router chose one, and every worker call of the request used it.
+    let seed = prefills[0].3.seed;
+    assert!(seed.is_some());
+    assert!(prefills.iter().map(|p| p.3.seed).chain(decodes.iter().map(|d| d.3.seed)).all(|s| s == seed));
+    let (s, _) = c.post_json("/v1/completions", json!({"prompt": "x", "max_tokens": 2})).await;
+    assert_eq!(s, 200);
+    assert_ne!(c.prefill[0].log().prefills[2].3.seed, seed, "a new request gets a new seed");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

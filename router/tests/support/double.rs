@@ -56,8 +56,8 @@ impl Default for Knobs {
 /// What a double saw.
 #[derive(Default)]
 pub struct Log {
-    /// (request_id field, x-request-id metadata, token_ids) of each Prefill / Decode call.
-    pub prefills: Vec<(String, String, Vec<u32>)>,
+    /// (request_id field, x-request-id metadata, token_ids, sampling) of each Prefill / Decode call.
+    pub prefills: Vec<(String, String, Vec<u32>, SamplingParams)>,
     pub decodes: Vec<(String, String, Vec<u32>, SamplingParams)>,
     pub aborts: Vec<String>,
     /// Decode streams the router dropped before they finished.
@@ -192,7 +192,8 @@ impl PrefillWorker for PrefillDouble {
         let s = &self.0;
         let meta = meta_id(&request);
         let req = request.into_inner();
-        s.log.lock().unwrap().prefills.push((req.request_id.clone(), meta, req.token_ids.clone()));
+        let logged = req.sampling.clone().unwrap_or_default();
+        s.log.lock().unwrap().prefills.push((req.request_id.clone(), meta, req.token_ids.clone(), logged));
         let delay = s.knobs.prefill_delay_ms.load(Ordering::Relaxed);
         if delay > 0 {
             tokio::time::sleep(Duration::from_millis(delay)).await;
