@@ -47,6 +47,11 @@ where
     let server = tokio::spawn(
         tonic::transport::Server::builder()
             .tcp_nodelay(true)
+            // A router multiplexes all of its requests to this worker over one HTTP/2 connection.
+            .max_concurrent_streams(Some(65_536))
+            .http2_max_pending_accept_reset_streams(Some(65_536))
+            .initial_connection_window_size(Some(64 << 20))
+            .initial_stream_window_size(Some(1 << 20))
             .add_service(health_service)
             .add_service(svc)
             .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async {
