@@ -57,11 +57,21 @@ fn finish_reason(code: i32) -> FinishReason {
     }
 }
 
+/// Records the workers' per-request stage timings in the metrics and in the request's log span.
 fn observe_timings(m: &Metrics, t: &StageTimings) {
     let s = |us: u64| us as f64 / 1e6;
+    let ms = |us: u64| us as f64 / 1e3;
     if t.prefill_us > 0 {
         m.stage.with_label_values(&["prefill_queue"]).observe(s(t.prefill_queue_us));
         m.stage.with_label_values(&["prefill"]).observe(s(t.prefill_us));
+        tracing::info!(
+            queue_ms = ms(t.prefill_queue_us),
+            prefill_ms = ms(t.prefill_us),
+            cached_tokens = t.cached_tokens,
+            transfer_ms = ms(t.transfer_us),
+            transfer_bytes = t.transfer_bytes,
+            "prefill stages"
+        );
     }
     if t.transfer_us > 0 {
         m.stage.with_label_values(&["kv_transfer"]).observe(s(t.transfer_us));
@@ -69,6 +79,11 @@ fn observe_timings(m: &Metrics, t: &StageTimings) {
     }
     if t.first_decode_step_us > 0 {
         m.stage.with_label_values(&["first_decode_step"]).observe(s(t.first_decode_step_us));
+        tracing::info!(
+            transfer_ms = ms(t.transfer_us),
+            first_decode_step_ms = ms(t.first_decode_step_us),
+            "decode stages"
+        );
     }
 }
 
