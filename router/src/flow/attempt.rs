@@ -73,11 +73,10 @@ fn observe_timings(m: &Metrics, t: &StageTimings) {
             "prefill stages"
         );
     }
-    if t.transfer_us > 0 {
+    if t.first_decode_step_us > 0 {
+        // The decode side reports the verified transfer; the prefill side's figure is the same transfer.
         m.stage.with_label_values(&["kv_transfer"]).observe(s(t.transfer_us));
         m.kv_transfer_bytes.inc_by(t.transfer_bytes);
-    }
-    if t.first_decode_step_us > 0 {
         m.stage.with_label_values(&["first_decode_step"]).observe(s(t.first_decode_step_us));
         tracing::info!(
             transfer_ms = ms(t.transfer_us),
