@@ -64,6 +64,12 @@ fn observe_timings(m: &Metrics, t: &StageTimings) {
     if t.prefill_us > 0 {
         m.stage.with_label_values(&["prefill_queue"]).observe(s(t.prefill_queue_us));
         m.stage.with_label_values(&["prefill"]).observe(s(t.prefill_us));
+        // Both workers report the transfer; the prefill side's figure is counted (the decode side's is
+        // the same transfer, seen from the other end, and only logged).
+        if t.transfer_us > 0 {
+            m.stage.with_label_values(&["kv_transfer"]).observe(s(t.transfer_us));
+            m.kv_transfer_bytes.inc_by(t.transfer_bytes);
+        }
         tracing::info!(
             queue_ms = ms(t.prefill_queue_us),
             prefill_ms = ms(t.prefill_us),
@@ -74,9 +80,6 @@ fn observe_timings(m: &Metrics, t: &StageTimings) {
         );
     }
     if t.first_decode_step_us > 0 {
-        // The decode side reports the verified transfer; the prefill side's figure is the same transfer.
-        m.stage.with_label_values(&["kv_transfer"]).observe(s(t.transfer_us));
-        m.kv_transfer_bytes.inc_by(t.transfer_bytes);
         m.stage.with_label_values(&["first_decode_step"]).observe(s(t.first_decode_step_us));
         tracing::info!(
             transfer_ms = ms(t.transfer_us),
