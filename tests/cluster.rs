@@ -316,3 +316,37 @@ async fn the_official_openai_python_client_works_against_the_cluster() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_preempted_for_blocks_continues_elsewhere_with_the_same_output() {
+    let Some(mut c) = Cluster::start() else { return };
+    c.add_worker("prefill", "prefill-0", Spec::default());
+    // 12 blocks: two requests of 100 + 300 tokens each need 7 blocks by their end, so one of them runs
+    // out mid-decode and is preempted.
+    c.add_worker("decode", "decode-small", Spec::args(&["--kv-blocks", "12"]));
+    c.wait_healthy(1, 1).await;
+    let prompts = [prompt_ids(100, 4242), prompt_ids(100, 4343)];
+    let mut handles = Vec::new();
+    for p in &prompts {
+        let (base, body) = (c.http.clone(), completion(p, 300, true));
+        handles.push(tokio::spawn(async move { complete(&base, body).await }));
+    }
+    for _ in 0..200 {
+        if c.worker_metric("decode-small", "tandem_decode_running").await == Some(2.0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A roomier decode worker joins; the preempted request is prefilled again and finishes there.
+    c.add_worker("decode", "decode-big", Spec::default());
+    for (h, p) in handles.into_iter().zip(&prompts) {
+        let o = h.await.unwrap();
+        assert_eq!(o.status, 200, "{o:?}");
+        assert!(o.error.is_none(), "{o:?}\n{}", c.logs());
+        assert_eq!(o.usage.as_ref().unwrap()["completion_tokens"], 300);
+        assert_eq!(o.text, generate_reference(p, 300, false)["text"].as_str().unwrap(), "preemption changes nothing");
+    }
+    let preempted = c.worker_metric("decode-small", "tandem_decode_preemptions_total").await.unwrap_or(0.0);
+    assert!(preempted >= 1.0, "no preemption happened\n{}", c.logs());
+    assert_eq!(c.worker_metric("decode-small", "tandem_kv_blocks_free").await, Some(12.0), "blocks returned");
+}

@@ -163,14 +163,15 @@ impl Cluster {
             "ucx",
             "--ucx-tls",
             "tcp",
-            "--kv-blocks",
-            "512",
             "--drain-timeout-s",
             "5",
         ]
         .iter()
         .map(|s| s.to_string())
         .collect();
+        if !spec.args.iter().any(|a| a == "--kv-blocks") {
+            args.extend(["--kv-blocks".to_string(), "512".to_string()]);
+        }
         args.extend(spec.args);
         self.spawn(name, &args, &spec.env, true)
     }
