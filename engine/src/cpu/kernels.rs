@@ -123,6 +123,89 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     tile::<1, 1>([a], [b])[0][0]
 }
 
+/// `R x C` dot products of f32 rows with bf16 rows (raw bits), each in the same fixed order as [`tile`]:
+/// a bf16 value widens to f32 exactly, so this equals `tile` on the widened weights bit for bit, while
+/// reading half the bytes (FP8 weights' decoded values are exact in bf16).
+#[inline(always)]
+fn tile_bf16_impl<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[u16]; C]) -> [[f32; C]; R] {
+    let n = x[0].len();
+    let body = n / LANES * LANES;
+    let widen = |b: u16| f32::from_bits((b as u32) << 16);
+    let mut acc = [[[0f32; LANES]; C]; R];
+    let mut i = 0;
+    while i < body {
+        for r in 0..R {
+            for c in 0..C {
+                for j in 0..LANES {
+                    acc[r][c][j] = x[r][i + j].mul_add(widen(w[c][i + j]), acc[r][c][j]);
+                }
+            }
+        }
+        i += LANES;
+    }
+    let mut out = [[0f32; C]; R];
+    for r in 0..R {
+        for c in 0..C {
+            let mut s = reduce(&acc[r][c]);
+            for t in body..n {
+                s = x[r][t].mul_add(widen(w[c][t]), s);
+            }
+            out[r][c] = s;
+        }
+    }
+    out
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_bf16_fma<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[u16]; C]) -> [[f32; C]; R] {
+    use std::arch::x86_64::*;
+    let n = x[0].len();
+    assert!(x.iter().all(|s| s.len() == n) && w.iter().all(|s| s.len() == n), "tile operands differ in length");
+    let body = n / LANES * LANES;
+    let mut acc = [[_mm256_setzero_ps(); C]; R];
+    let mut i = 0;
+    while i < body {
+        // SAFETY: i + 8 <= body <= n = every operand's length (asserted above).
+        unsafe {
+            let xv: [__m256; R] = std::array::from_fn(|r| _mm256_loadu_ps(x[r].as_ptr().add(i)));
+            for c in 0..C {
+                let raw = _mm_loadu_si128(w[c].as_ptr().add(i) as *const __m128i);
+                let wv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+                for r in 0..R {
+                    acc[r][c] = _mm256_fmadd_ps(xv[r], wv, acc[r][c]);
+                }
+            }
+        }
+        i += LANES;
+    }
+    let mut out = [[0f32; C]; R];
+    for r in 0..R {
+        for c in 0..C {
+            let v = acc[r][c];
+            let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            let mut s = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+            for t in body..n {
+                s = x[r][t].mul_add(f32::from_bits((w[c][t] as u32) << 16), s);
+            }
+            out[r][c] = s;
+        }
+    }
+    out
+}
+
+/// [`tile`] with bf16 weights.
+#[inline]
+pub fn tile_bf16<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[u16]; C]) -> [[f32; C]; R] {
+    #[cfg(target_arch = "x86_64")]
+    if has_fma() {
+        // SAFETY: the CPU supports AVX2 and FMA (checked).
+        return unsafe { tile_bf16_fma(x, w) };
+    }
+    tile_bf16_impl(x, w)
+}
+
 /// A GEMM-shaped problem: `y[r, c]` for `rows x cols`, computed by register tiles.
 pub trait Tiles: Sync {
     /// Outputs `rows r..r+R`, columns `c..c+C`.
@@ -313,6 +396,22 @@ mod tests {
                     assert_eq!(tile_impl::<1, 1>([&x[r]], [&ws[k]])[0][0].to_bits(), dot(&x[r], &ws[k]).to_bits());
                 }
             }
+        }
+    }
+
+    #[test]
+    fn bf16_weight_tiles_equal_f32_tiles_on_the_widened_weights() {
+        for n in [1, 8, 13, 128, 200] {
+            let x: Vec<Vec<f32>> = (0..2).map(|r| data(n, 3 + r)).collect();
+            let w16: Vec<Vec<u16>> =
+                (0..4).map(|k| data(n, 30 + k).iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect()).collect();
+            let w32: Vec<Vec<f32>> =
+                w16.iter().map(|r| r.iter().map(|b| f32::from_bits((*b as u32) << 16)).collect()).collect();
+            let a = tile_bf16::<2, 4>([&x[0], &x[1]], [&w16[0], &w16[1], &w16[2], &w16[3]]);
+            let b = tile::<2, 4>([&x[0], &x[1]], [&w32[0], &w32[1], &w32[2], &w32[3]]);
+            assert_eq!(a.map(|r| r.map(f32::to_bits)), b.map(|r| r.map(f32::to_bits)), "n={n}");
+            let p = tile_bf16_impl::<2, 4>([&x[0], &x[1]], [&w16[0], &w16[1], &w16[2], &w16[3]]);
+            assert_eq!(p.map(|r| r.map(f32::to_bits)), b.map(|r| r.map(f32::to_bits)), "portable n={n}");
         }
     }
 

@@ -3,7 +3,7 @@
 
 use safetensors::Dtype;
 
-use super::kernels::{Tiles, matmul_t, run_tiles, tile};
+use super::kernels::{Tiles, matmul_t, run_tiles, tile_bf16};
 use crate::Precision;
 use crate::checkpoint::{Checkpoint, CheckpointError, names::scale_name};
 use crate::fp8;
@@ -12,8 +12,9 @@ use crate::fp8;
 pub const ACT_GROUP: usize = 128;
 
 pub struct Fp8Linear {
-    /// Decoded e4m3 weight values `[out, kpad]` (not scaled; K padded with zeros to a multiple of 128).
-    q: Vec<f32>,
+    /// Decoded e4m3 weight values `[out, kpad]` as bf16 bits (exact: e4m3 fits bf16; not scaled; K padded
+    /// with zeros to a multiple of 128). Half the bytes of f32, which is what bounds small-batch decode.
+    q: Vec<u16>,
     /// Block scales `[ceil(out / block[0]), ceil(in / block[1])]`.
     scales: Vec<f32>,
     out: usize,
@@ -86,10 +87,10 @@ impl Linear {
 impl Fp8Linear {
     pub fn new(codes: &[u8], scales: Vec<f32>, out: usize, inp: usize, block: [usize; 2], ue8m0: bool) -> Self {
         let kpad = inp.div_ceil(ACT_GROUP) * ACT_GROUP;
-        let mut q = vec![0f32; out * kpad];
+        let mut q = vec![0u16; out * kpad];
         for r in 0..out {
             for c in 0..inp {
-                q[r * kpad + c] = fp8::e4m3_to_f32(codes[r * inp + c]);
+                q[r * kpad + c] = half::bf16::from_f32(fp8::e4m3_to_f32(codes[r * inp + c])).to_bits();
             }
         }
         Fp8Linear { q, scales, out, inp, kpad, block, ue8m0 }
@@ -140,7 +141,7 @@ impl Tiles for Fp8Tiles<'_> {
         let mut s = 0;
         while s * seg < l.inp {
             let lo = s * seg;
-            let p = tile::<R, C>(
+            let p = tile_bf16::<R, C>(
                 std::array::from_fn(|i| &self.qa[(r + i) * kpad + lo..(r + i) * kpad + lo + seg]),
                 std::array::from_fn(|j| &l.q[(c + j) * kpad + lo..(c + j) * kpad + lo + seg]),
             );
