@@ -88,11 +88,14 @@ pub fn ucx_available() -> Result<(), String> {
 pub(crate) fn transport_for(
     cfg: &TransportConfig,
     rt: &Arc<runtime::Runtime>,
+    lanes: Option<usize>,
 ) -> Result<Arc<dyn transport::Transport>, TransferError> {
     Ok(match cfg {
         TransportConfig::InProc => Arc::new(transport::inproc::InProcTransport::new(rt.handle().clone())),
         TransportConfig::Tcp(c) => Arc::new(transport::tcp::TcpTransport::new(c.clone(), rt.handle().clone())),
-        TransportConfig::Ucx { tls, tcp_fallback } => match transport::ucx::UcxTransport::new(tls.as_deref()) {
+        TransportConfig::Ucx { tls, tcp_fallback } => match transport::ucx::DataPath::from_env()
+            .and_then(|dp| transport::ucx::UcxTransport::with_options(tls.as_deref(), dp, lanes))
+        {
             Ok(t) => Arc::new(t),
             Err(e) => {
                 tracing::warn!(reason = %e, "UCX unavailable, kv-transfer falls back to TCP");

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::{Kind, Opts, pair, wait_pool_used};
 use engine::cache::LayerIdx;
+use kv_transfer::transport::ucx::DataPath;
 use kv_transfer::{ExpectRequest, TransferError, testkit};
 use prost::Message;
 use proto::v1::{GeneratedToken, TransferDescriptor};
@@ -36,9 +37,9 @@ fn peer(args: &[&str], fault: Option<&str>) -> (Child, ChildStdin, std::sync::mp
 }
 
 fn tls_args(kind: &Kind) -> Vec<String> {
-    match kind {
-        Kind::Ucx(tls) | Kind::UcxAm(tls) => vec!["--tls".into(), tls.to_string()],
-        _ => vec![],
+    match kind.tls() {
+        Some(tls) => vec!["--tls".into(), tls.to_string()],
+        None => vec![],
     }
 }
 
@@ -57,6 +58,11 @@ fn sender_killed_mid_transfer(kind: &Kind) {
     let (desc, pending) = p.recv.expect(req).unwrap();
     let mut args = vec!["send".to_string(), "--layers".into(), "4".into()];
     args.extend(tls_args(kind));
+    args.extend(["--lanes".into(), kind.lanes().to_string()]);
+    if let Some(dp) = kind.data_path() {
+        let dp = if dp == DataPath::Put { "put" } else { "am" };
+        args.extend(["--data-path".into(), dp.into()]);
+    }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (mut child, mut stdin, _out) = peer(&args, Some("kill_after_layer:1"));
     writeln!(stdin, "DESC {}", testkit::to_hex(&desc.encode_to_vec())).unwrap();
@@ -64,13 +70,15 @@ fn sender_killed_mid_transfer(kind: &Kind) {
     let status = child.wait().unwrap();
     assert!(!status.success(), "the sender must have died: {status:?}");
     let e = pending.wait_timeout(Duration::from_secs(10)).expect("bounded").unwrap_err();
-    match kind {
+    match kind.base() {
         // Transports with peer-failure detection report the dead sender itself.
-        Kind::Tcp | Kind::Ucx("tcp") => assert!(matches!(e, TransferError::PeerLost { .. }), "{e:?}"),
+        Kind::Tcp | Kind::Ucx("tcp") | Kind::UcxAm("tcp") => {
+            assert!(matches!(e, TransferError::PeerLost { .. }), "{e:?}")
+        }
         // UCX 1.13 shared memory cannot detect a dead peer: the deadline ends the transfer.
         _ => assert!(matches!(e, TransferError::PeerLost { .. } | TransferError::DeadlineExceeded(_)), "{e:?}"),
     }
-    if let Kind::Ucx("tcp") = kind {
+    if let Kind::Ucx("tcp") = kind.base() {
         // A one-sided writer was lost: its blocks sit out the quarantine before returning.
         assert_eq!(p.recv.stats().quarantined_blocks, 7, "blocks quarantined");
     }
@@ -84,14 +92,11 @@ fn receiver_killed_mid_transfer(kind: &Kind) {
     if !kind.available() {
         return;
     }
-    let transport = match kind {
-        Kind::Tcp => "tcp",
-        Kind::Ucx(_) | Kind::UcxAm(_) => "ucx",
-        Kind::InProc => unreachable!(),
-    };
+    let transport = kind.transport_kind().as_str();
     let mut args = vec!["recv".to_string(), "--transport".into(), transport.into(), "--layers".into(), "4".into()];
     args.extend(["--tokens".into(), "300".into(), "--timeout-ms".into(), "3000".into()]);
     args.extend(tls_args(kind));
+    args.extend(["--lanes".into(), kind.lanes().to_string()]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (mut child, _stdin, out) = peer(&args, None);
     let line = out.recv_timeout(Duration::from_secs(30)).expect("descriptor line");
@@ -148,4 +153,19 @@ fn ucx_tcp_receiver_killed_mid_transfer() {
 #[test]
 fn ucx_shm_receiver_killed_mid_transfer() {
     receiver_killed_mid_transfer(&Kind::Ucx("sm,self"))
+}
+
+#[test]
+fn ucx_tcp_striped_sender_killed_mid_transfer() {
+    sender_killed_mid_transfer(&Kind::Striped(Box::new(Kind::Ucx("tcp")), 3))
+}
+
+#[test]
+fn ucx_tcp_am_striped_sender_killed_mid_transfer() {
+    sender_killed_mid_transfer(&Kind::Striped(Box::new(Kind::UcxAm("tcp")), 3))
+}
+
+#[test]
+fn ucx_tcp_am_striped_receiver_killed_mid_transfer() {
+    receiver_killed_mid_transfer(&Kind::Striped(Box::new(Kind::UcxAm("tcp")), 3))
 }

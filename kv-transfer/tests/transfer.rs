@@ -1,5 +1,6 @@
 //! Transfer scenarios over every transport in one process: in-process, TCP, and UCX over its tcp and
-//! shared-memory transports, with one-sided puts and (over tcp) with active-message data (skipped with a printed reason where libucp is missing).
+//! shared-memory transports, with one-sided puts and (over tcp) with active-message data, and striped over
+//! several lanes (skipped with a printed reason where libucp is missing).
 
 mod common;
 
@@ -62,3 +63,5 @@ transport_tests!(tcp, Kind::Tcp);
 transport_tests!(ucx_tcp, Kind::Ucx("tcp"));
 transport_tests!(ucx_shm, Kind::Ucx("sm,self"));
 transport_tests!(ucx_tcp_am, Kind::UcxAm("tcp"));
+transport_tests!(ucx_tcp_am_striped, Kind::Striped(Box::new(Kind::UcxAm("tcp")), 3));
+transport_tests!(ucx_shm_striped, Kind::Striped(Box::new(Kind::Ucx("sm,self")), 3));

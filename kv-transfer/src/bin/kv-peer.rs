@@ -11,6 +11,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use engine::cache::LayerIdx;
 use kv_transfer::testkit;
+use kv_transfer::transport::ucx::DataPath;
 use kv_transfer::{
     ExpectRequest, KvReceiver, KvSender, ReceiverConfig, SenderConfig, TransferOutcome, TransportConfig, TransportKind,
 };
@@ -43,6 +44,9 @@ enum Role {
         requests: usize,
         #[arg(long, default_value_t = 10_000)]
         timeout_ms: u64,
+        /// UCX nodes placing active-message writes (default: TANDEM_KV_LANES or by cores).
+        #[arg(long)]
+        lanes: Option<usize>,
     },
     /// Ship every descriptor read from stdin (`DESC <hex>` lines), all layers, then complete.
     Send {
@@ -52,6 +56,12 @@ enum Role {
         layers: usize,
         #[arg(long, default_value_t = 64)]
         blocks: usize,
+        /// UCX data path: auto, put or am (default: TANDEM_UCX_DATA_PATH, else auto).
+        #[arg(long)]
+        data_path: Option<DataPath>,
+        /// Lanes per receiver (default: TANDEM_KV_LANES or by cores).
+        #[arg(long)]
+        lanes: Option<usize>,
     },
 }
 
@@ -72,14 +82,15 @@ fn main() -> anyhow::Result<()> {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .init();
     match Args::parse().role {
-        Role::Recv { transport, tls, layers, blocks, tokens, requests, timeout_ms } => {
+        Role::Recv { transport, tls, layers, blocks, tokens, requests, timeout_ms, lanes } => {
             let g = testkit::geometry(layers, blocks);
             let (cache, pool) = testkit::filled_cache(g, 1);
             let tc = match transport {
                 TransportKind::Ucx => TransportConfig::Ucx { tls, tcp_fallback: None },
                 k => TransportConfig::of_kind(k),
             };
-            let recv = KvReceiver::start(ReceiverConfig::new(tc), cache, pool.clone(), testkit::fingerprint(&g))?;
+            let rc = ReceiverConfig { lanes, ..ReceiverConfig::new(tc) };
+            let recv = KvReceiver::start(rc, cache, pool.clone(), testkit::fingerprint(&g))?;
             for i in 0..requests {
                 let id = format!("peer-{i}");
                 let table = pool.reserve(&id, tokens)?;
@@ -105,10 +116,10 @@ fn main() -> anyhow::Result<()> {
                 say(format!("OUTCOME {json}"));
             }
         }
-        Role::Send { tls, layers, blocks } => {
+        Role::Send { tls, layers, blocks, data_path, lanes } => {
             let g = testkit::geometry(layers, blocks);
             let (cache, pool) = testkit::filled_cache(g, 2);
-            let cfg = SenderConfig { ucx_tls: tls, ..Default::default() };
+            let cfg = SenderConfig { ucx_tls: tls, ucx_data_path: data_path, lanes, ..Default::default() };
             let sender = KvSender::new(cfg, cache, testkit::fingerprint(&g))?;
             let sender = Arc::new(sender);
             for line in std::io::stdin().lock().lines() {

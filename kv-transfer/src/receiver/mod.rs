@@ -27,11 +27,19 @@ pub struct ReceiverConfig {
     pub abort_ack_timeout: Duration,
     /// How long blocks stay out of the pool after a one-sided sender was lost mid-transfer.
     pub quarantine: Duration,
+    /// UCX nodes (workers with a progress thread each) that place incoming active-message writes
+    /// (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 1 to 4).
+    pub lanes: Option<usize>,
 }
 
 impl ReceiverConfig {
     pub fn new(transport: TransportConfig) -> Self {
-        ReceiverConfig { transport, abort_ack_timeout: Duration::from_secs(2), quarantine: Duration::from_secs(2) }
+        ReceiverConfig {
+            transport,
+            abort_ack_timeout: Duration::from_secs(2),
+            quarantine: Duration::from_secs(2),
+            lanes: None,
+        }
     }
 }
 
@@ -123,7 +131,7 @@ impl KvReceiver {
         let rt = Runtime::new("kv-recv")?;
         let timings = ReceiverTimings { abort_ack_timeout: config.abort_ack_timeout, quarantine: config.quarantine };
         let core = Arc::new(ReceiverCore::new(cache, pool, fingerprint, timings, rt.handle().clone()));
-        let transport = crate::transport_for(&config.transport, &rt)?;
+        let transport = crate::transport_for(&config.transport, &rt, config.lanes)?;
         let served = transport.serve(core.clone())?;
         tracing::info!(transport = %transport.kind(), "kv-transfer receiver serving");
         Ok(KvReceiver { core, served, kind: transport.kind(), _rt: rt })

@@ -36,8 +36,12 @@ pub struct SenderConfig {
     pub transports: Vec<TransportKind>,
     /// Overrides `UCX_TLS` for this sender's UCX context.
     pub ucx_tls: Option<String>,
-    /// How UCX moves bytes; `None` reads `TANDEM_UCX_DATA_PATH` (default: one-sided puts).
+    /// How UCX moves bytes; `None` reads `TANDEM_UCX_DATA_PATH` (default `auto`: active messages where
+    /// the transports are tcp only, one-sided puts elsewhere).
     pub ucx_data_path: Option<crate::transport::ucx::DataPath>,
+    /// Parallel lanes per receiver (UCX nodes or TCP connections) that one request's data is striped
+    /// over (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 1 to 4).
+    pub lanes: Option<usize>,
     /// Fault injection (tests); `None` reads `TANDEM_KV_FAULT` where the build honours it.
     pub fault: Option<Fault>,
 }
@@ -50,6 +54,7 @@ impl Default for SenderConfig {
             transports: TransportKind::ALL.to_vec(),
             ucx_tls: None,
             ucx_data_path: None,
+            lanes: None,
             fault: None,
         }
     }
@@ -272,11 +277,11 @@ impl KvSender {
         };
         let t = match (kind, sh.config.ucx_data_path) {
             (TransportKind::Ucx, Some(dp)) => {
-                crate::transport::ucx::UcxTransport::with_data_path(sh.config.ucx_tls.as_deref(), dp)
+                crate::transport::ucx::UcxTransport::with_options(sh.config.ucx_tls.as_deref(), dp, sh.config.lanes)
                     .map(|t| Arc::new(t) as Arc<dyn Transport>)
                     .map_err(TransferError::Transport)?
             }
-            _ => crate::transport_for(&cfg, &sh.rt)?,
+            _ => crate::transport_for(&cfg, &sh.rt, sh.config.lanes)?,
         };
         if t.kind() != kind {
             return Err(TransferError::Transport(format!(

@@ -193,7 +193,16 @@ impl SessionState {
 
     /// Sends `body` and waits for the acknowledgement.
     fn call_ack(&self, body: Body, until: Instant) -> Result<(), TransferError> {
-        let cell = self.link.call(body).map_err(|e| map_link_error(&self.request_id, e))?;
+        self.wait_ack(self.link.call(body), until)
+    }
+
+    /// Waits for the acknowledgement of a sent request.
+    fn wait_ack(
+        &self,
+        sent: Result<crate::transport::Reply, TransferError>,
+        until: Instant,
+    ) -> Result<(), TransferError> {
+        let cell = sent.map_err(|e| map_link_error(&self.request_id, e))?;
         let reply = cell.wait_until(until).unwrap_or_else(|| Err(self.timeout_error()));
         match reply.map_err(|e| map_link_error(&self.request_id, e))? {
             Body::Ack(a) if a.status == TransferStatus::Ok as i32 => Ok(()),
@@ -275,7 +284,6 @@ impl SendSession {
             if layers.len() != st.num_layers {
                 return Err(TransferError::Transport(format!("request {}: a layer was not shipped", st.request_id)));
             }
-            st.flush(st.deadline)?;
             st.lock_ctl().stopped.get_or_insert(super::session::Stop::Local);
             let body = Body::Complete(TransferComplete {
                 session_id: st.session_id,
@@ -284,7 +292,15 @@ impl SendSession {
                 draft,
                 layers,
             });
-            st.call_ack(body, st.final_deadline)?;
+            // The completion must follow the data: where the link can order it behind a flush itself,
+            // that saves the caller one round trip through the transport's threads.
+            match st.link.flush_then_call(body.clone()) {
+                Some(reply) => st.wait_ack(reply, st.final_deadline)?,
+                None => {
+                    st.flush(st.deadline)?;
+                    st.call_ack(body, st.final_deadline)?;
+                }
+            }
             Ok(SendReport {
                 bytes: st.bytes.load(Ordering::Relaxed),
                 layers: st.num_layers,

@@ -13,7 +13,7 @@ use super::session::SessionState;
 use crate::TransferError;
 use crate::fault::Fault;
 use crate::layout::{self, checksum_segments};
-use crate::transport::PutOp;
+use crate::transport::{PutOp, lanes};
 
 pub(crate) struct Job {
     pub st: Arc<SessionState>,
@@ -58,17 +58,18 @@ fn ship(job: &Job) {
             st.set_error(TransferError::Transport(format!("request {}: put outside the regions", st.request_id())));
             return;
         };
-        let op = PutOp {
-            session_id: st.session_id,
-            token: st.token(),
-            // SAFETY (of the transport's read): checked against the local geometry in begin().
-            src: src_base.wrapping_add(p.src_offset as usize),
-            len: p.len,
-            dst_offset: p.dst_offset,
-            dst_addr,
-            region,
-        };
-        {
+        // Several lanes: cut the put into aligned pieces the link deals over its lanes.
+        for (off, len) in lanes::pieces(p.len, st.link.lanes()) {
+            let op = PutOp {
+                session_id: st.session_id,
+                token: st.token(),
+                // SAFETY (of the transport's read): checked against the local geometry in begin().
+                src: src_base.wrapping_add((p.src_offset + off) as usize),
+                len,
+                dst_offset: p.dst_offset + off,
+                dst_addr: dst_addr.wrapping_add(off),
+                region,
+            };
             // Holding the control lock while issuing makes "stopped" final: after stop_by_receiver
             // returns, no put of this session enters the transport.
             let c = st.lock_ctl();

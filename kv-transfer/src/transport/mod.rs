@@ -8,6 +8,7 @@
 //! that are not active and to blocks the transfer does not own.
 
 pub mod inproc;
+pub mod lanes;
 pub mod tcp;
 pub mod ucx;
 
@@ -121,6 +122,15 @@ pub trait Link: Send + Sync {
     fn id(&self) -> u64;
     /// Sends a request; the reply (same correlation id) completes the returned cell.
     fn call(&self, body: Body) -> Result<Reply, TransferError>;
+    /// Sends `body` once every put queued before it is visible, without a round trip through the
+    /// caller (`None`: not supported here; the caller flushes, waits, then calls).
+    fn flush_then_call(&self, _body: Body) -> Option<Result<Reply, TransferError>> {
+        None
+    }
+    /// Independent streams the link spreads puts over; the shipper cuts puts into pieces when above 1.
+    fn lanes(&self) -> usize {
+        1
+    }
     /// Makes `regions` (from a descriptor) usable by `put`; returns a handle for them.
     fn attach_regions(&self, regions: &[MemoryRegion]) -> Result<u64, TransferError>;
     fn detach_regions(&self, handle: u64);

@@ -13,7 +13,8 @@ use kv_transfer::transport::ucx::DataPath;
 use kv_transfer::{KvReceiver, KvSender, ReceiverConfig, SenderConfig, TransportConfig, TransportKind};
 use proto::v1::TransferDescriptor;
 
-/// A transport under test. UCX variants carry the UCX_TLS value they force.
+/// A transport under test. UCX variants carry the UCX_TLS value they force; `Striped` ships every
+/// request over several lanes (UCX nodes on both sides, or TCP connections).
 #[derive(Debug, Clone)]
 pub enum Kind {
     InProc,
@@ -21,34 +22,69 @@ pub enum Kind {
     Ucx(&'static str),
     /// UCX with receiver-placed active-message data instead of one-sided puts.
     UcxAm(&'static str),
+    /// `.0` with `.1` lanes per link on both sides (the other variants use one).
+    Striped(Box<Kind>, usize),
 }
 
 impl Kind {
-    fn receiver_transport(&self) -> TransportConfig {
+    pub fn base(&self) -> &Kind {
         match self {
-            Kind::InProc => TransportConfig::InProc,
-            Kind::Tcp => TransportConfig::of_kind(TransportKind::Tcp),
-            Kind::Ucx(tls) | Kind::UcxAm(tls) => {
-                TransportConfig::Ucx { tls: Some(tls.to_string()), tcp_fallback: None }
-            }
+            Kind::Striped(k, _) => k.base(),
+            k => k,
         }
     }
 
-    pub fn sender_config(&self) -> SenderConfig {
-        let mut c = SenderConfig::default();
-        if let Kind::Ucx(tls) | Kind::UcxAm(tls) = self {
-            c.ucx_tls = Some(tls.to_string());
-            c.ucx_data_path = Some(match self {
-                Kind::UcxAm(_) => DataPath::ActiveMessage,
-                _ => DataPath::Put,
-            });
+    pub fn lanes(&self) -> usize {
+        match self {
+            Kind::Striped(_, n) => *n,
+            _ => 1,
         }
+    }
+
+    pub fn tls(&self) -> Option<&'static str> {
+        match self.base() {
+            Kind::Ucx(tls) | Kind::UcxAm(tls) => Some(tls),
+            _ => None,
+        }
+    }
+
+    pub fn data_path(&self) -> Option<DataPath> {
+        match self.base() {
+            Kind::Ucx(_) => Some(DataPath::Put),
+            Kind::UcxAm(_) => Some(DataPath::ActiveMessage),
+            _ => None,
+        }
+    }
+
+    pub fn transport_kind(&self) -> TransportKind {
+        match self.base() {
+            Kind::InProc => TransportKind::InProc,
+            Kind::Tcp => TransportKind::Tcp,
+            _ => TransportKind::Ucx,
+        }
+    }
+
+    fn receiver_transport(&self) -> TransportConfig {
+        match self.tls() {
+            Some(tls) => TransportConfig::Ucx { tls: Some(tls.to_string()), tcp_fallback: None },
+            None => TransportConfig::of_kind(self.transport_kind()),
+        }
+    }
+
+    pub fn receiver_config(&self) -> ReceiverConfig {
+        ReceiverConfig { lanes: Some(self.lanes()), ..ReceiverConfig::new(self.receiver_transport()) }
+    }
+
+    pub fn sender_config(&self) -> SenderConfig {
+        let mut c = SenderConfig { lanes: Some(self.lanes()), ..SenderConfig::default() };
+        c.ucx_tls = self.tls().map(str::to_string);
+        c.ucx_data_path = self.data_path();
         c
     }
 
     /// Whether this transport can run here; prints why not.
     pub fn available(&self) -> bool {
-        if let Kind::Ucx(_) | Kind::UcxAm(_) = self
+        if self.tls().is_some()
             && let Err(e) = kv_transfer::ucx_available()
         {
             eprintln!("SKIPPED: libucp is not available ({e}); install libucx0 to run the UCX tests");
@@ -99,16 +135,11 @@ pub fn pair(kind: &Kind, o: Opts) -> Option<Pair> {
     let sg = testkit::geometry(o.layers, o.send_blocks);
     let (rcache, rpool) = testkit::filled_cache(rg, seed ^ 0xdead);
     let (scache, spool) = testkit::filled_cache(sg, seed);
-    let mut rc = ReceiverConfig::new(kind.receiver_transport());
+    let mut rc = kind.receiver_config();
     rc.quarantine = o.quarantine;
     rc.abort_ack_timeout = o.abort_ack_timeout;
     let recv = KvReceiver::start(rc, rcache.clone(), rpool.clone(), testkit::fingerprint(&rg)).expect("receiver");
-    let expected = match kind {
-        Kind::InProc => TransportKind::InProc,
-        Kind::Tcp => TransportKind::Tcp,
-        Kind::Ucx(_) | Kind::UcxAm(_) => TransportKind::Ucx,
-    };
-    assert_eq!(recv.transport(), expected, "the receiver must serve the transport under test");
+    assert_eq!(recv.transport(), kind.transport_kind(), "the receiver must serve the transport under test");
     let scfg = o.sender.unwrap_or_else(|| kind.sender_config());
     let sender = KvSender::new(scfg, scache.clone(), testkit::fingerprint(&sg)).expect("sender");
     Some(Pair { kind: kind.clone(), recv, rcache, rpool, sender, scache, spool })

@@ -6,12 +6,13 @@
 //! variable apply); this code names none.
 
 pub mod api;
+mod link;
 mod node;
 #[allow(non_camel_case_types, non_snake_case, non_upper_case_globals, dead_code, clippy::all, unsafe_op_in_unsafe_fn)]
 pub mod sys;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
@@ -19,10 +20,10 @@ use engine::cache::KvCache;
 use proto::v1::transfer_control::Body;
 use proto::v1::{MemoryRegion, TransferControl, TransportEndpoint};
 
+use self::link::{SenderSink, UcxLink};
 use self::node::{Node, NodeOwner, Sink};
-use super::{
-    Flushed, Inbound, Link, PeerLink, PendingCalls, PutOp, Reply, Served, Transport, TransportKind, control, next_id,
-};
+use super::lanes::{decode_address, encode_address, lanes_or_default};
+use super::{Inbound, Link, PeerLink, PendingCalls, Served, Transport, TransportKind, next_id};
 use crate::TransferError;
 use crate::receiver::core::{ReceiverCore, Refusal, WritePermit};
 
@@ -43,15 +44,40 @@ pub enum DataPath {
     /// Rendezvous active messages the receiver places itself (fastest where RMA is emulated, as over
     /// tcp; every write is admitted by the receiver).
     ActiveMessage,
+    /// `ActiveMessage` when the configured transports (`UCX_TLS`) are tcp only, where UCX emulates RMA
+    /// about 3x slower; `Put` otherwise.
+    Auto,
 }
 
 impl DataPath {
-    /// `TANDEM_UCX_DATA_PATH` = `put` or `am`; default `put`.
+    /// `TANDEM_UCX_DATA_PATH` = `put`, `am` or `auto` (the default).
     pub fn from_env() -> Result<DataPath, String> {
         match std::env::var("TANDEM_UCX_DATA_PATH").as_deref() {
-            Err(_) | Ok("") | Ok("put") => Ok(DataPath::Put),
-            Ok("am") => Ok(DataPath::ActiveMessage),
-            Ok(v) => Err(format!("TANDEM_UCX_DATA_PATH={v:?}: valid values are put, am")),
+            Err(_) | Ok("") => Ok(DataPath::Auto),
+            Ok(v) => v.parse().map_err(|e| format!("TANDEM_UCX_DATA_PATH: {e}")),
+        }
+    }
+
+    /// The concrete path for a context configured with `tls` (else `UCX_TLS`).
+    pub fn resolve(self, tls: Option<&str>) -> DataPath {
+        if self != DataPath::Auto {
+            return self;
+        }
+        let tls = tls.map(str::to_string).or_else(|| std::env::var("UCX_TLS").ok()).unwrap_or_default();
+        let names: Vec<&str> = tls.split(',').map(str::trim).filter(|t| !t.is_empty()).collect();
+        let tcp_only = names.contains(&"tcp") && names.iter().all(|t| matches!(*t, "tcp" | "self" | "sockcm"));
+        if tcp_only { DataPath::ActiveMessage } else { DataPath::Put }
+    }
+}
+
+impl std::str::FromStr for DataPath {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(DataPath::Auto),
+            "put" => Ok(DataPath::Put),
+            "am" => Ok(DataPath::ActiveMessage),
+            _ => Err(format!("unknown UCX data path {s:?}; valid: auto, put, am")),
         }
     }
 }
@@ -59,23 +85,31 @@ impl DataPath {
 pub struct UcxTransport {
     tls: Option<String>,
     data_path: DataPath,
-    sender: Mutex<Option<(NodeOwner, Arc<SenderSink>)>>,
+    /// Nodes (workers, progress threads) per link on each side.
+    lanes: usize,
+    sender: Mutex<Option<(Vec<NodeOwner>, Arc<SenderSink>)>>,
 }
 
 impl UcxTransport {
     /// Fails (with the loader's message) when libucp cannot be loaded.
     pub fn new(tls: Option<&str>) -> Result<Self, String> {
-        Self::with_data_path(tls, DataPath::from_env()?)
+        Self::with_options(tls, DataPath::from_env()?, None)
     }
 
     pub fn with_data_path(tls: Option<&str>, data_path: DataPath) -> Result<Self, String> {
-        load()?;
-        Ok(UcxTransport { tls: tls.map(str::to_string), data_path, sender: Mutex::new(None) })
+        Self::with_options(tls, data_path, None)
     }
-}
 
-fn origin_of(address: &[u8]) -> Option<u64> {
-    address.get(..8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+    /// `lanes`: nodes per link (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 1 to 4).
+    pub fn with_options(tls: Option<&str>, data_path: DataPath, lanes: Option<usize>) -> Result<Self, String> {
+        load()?;
+        Ok(UcxTransport {
+            tls: tls.map(str::to_string),
+            data_path: data_path.resolve(tls),
+            lanes: lanes_or_default(lanes),
+            sender: Mutex::new(None),
+        })
+    }
 }
 
 impl Transport for UcxTransport {
@@ -85,14 +119,24 @@ impl Transport for UcxTransport {
 
     fn serve(&self, core: Arc<ReceiverCore>) -> Result<Served, TransferError> {
         let sink = Arc::new(ReceiverSink { core: Arc::downgrade(&core), peers: Mutex::new(HashMap::new()) });
-        let node = Node::start("kv-recv", self.tls.as_deref(), false, sink)?;
-        let owner = NodeOwner(node.clone());
+        // Lane 0 registers the arena and takes control messages and puts; every lane places
+        // active-message writes (senders spread theirs over all of them).
+        let mut owners = Vec::new();
+        for _ in 0..self.lanes {
+            let sink: Arc<dyn Sink> = sink.clone();
+            owners.push(NodeOwner(Node::start("kv-recv", self.tls.as_deref(), false, sink)?));
+        }
+        let node = owners[0].0.clone();
         let arena = core.cache.arena();
         let rkey = node.mem_map(arena.as_ptr(), arena.len())?;
+        let workers: Vec<&[u8]> = owners.iter().map(|o| o.0.worker.as_slice()).collect();
         Ok(Served {
-            endpoint: TransportEndpoint { kind: TransportKind::Ucx.as_str().into(), address: node.address.clone() },
+            endpoint: TransportEndpoint {
+                kind: TransportKind::Ucx.as_str().into(),
+                address: encode_address(node.id, &workers),
+            },
             regions: vec![MemoryRegion { remote_addr: arena.as_ptr() as u64, length: arena.len() as u64, rkey }],
-            guard: Box::new(owner),
+            guard: Box::new(owners),
         })
     }
 
@@ -103,26 +147,51 @@ impl Transport for UcxTransport {
         inbound: Arc<dyn Inbound>,
         deadline: Instant,
     ) -> Result<Arc<dyn Link>, TransferError> {
-        let origin =
-            origin_of(&endpoint.address).ok_or_else(|| TransferError::Transport("bad UCX endpoint address".into()))?;
-        let (node, sink) = {
+        let (origin, remote) = decode_address(&endpoint.address)
+            .ok_or_else(|| TransferError::Transport("bad UCX endpoint address".into()))?;
+        let am = self.data_path == DataPath::ActiveMessage;
+        let (nodes, sink) = {
             let mut g = lock(&self.sender);
-            if g.as_ref().is_none_or(|(n, _)| !n.0.is_alive()) {
+            if g.as_ref().is_none_or(|(n, _)| n.iter().any(|n| !n.0.is_alive())) {
                 let sink = Arc::new(SenderSink { links: Mutex::new(HashMap::new()), inbound: inbound.clone() });
-                let am = self.data_path == DataPath::ActiveMessage;
-                let node = Node::start("kv-send", self.tls.as_deref(), am, sink.clone())?;
-                *g = Some((NodeOwner(node), sink));
+                let mut owners = Vec::new();
+                for _ in 0..self.lanes {
+                    let s: Arc<dyn Sink> = sink.clone();
+                    owners.push(NodeOwner(Node::start("kv-send", self.tls.as_deref(), am, s)?));
+                }
+                *g = Some((owners, sink));
             }
             let (n, s) = g.as_ref().expect("set above");
-            (n.0.clone(), s.clone())
+            (n.iter().map(|o| o.0.clone()).collect::<Vec<_>>(), s.clone())
         };
-        let ep = node.connect(&endpoint.address, deadline)?;
+        // Puts need the registering node's rkey: every lane targets receiver lane 0 (one-sided RMA
+        // leaves the receiver's threads idle anyway). Active messages spread over the receiver's lanes.
+        let mut pending = Vec::new();
+        for (i, node) in nodes.iter().enumerate() {
+            let target = if am { remote[i % remote.len()] } else { remote[0] };
+            let (ep, done) = node.connect_start(target)?;
+            pending.push((node.clone(), ep, done));
+        }
+        let mut lanes = Vec::new();
+        let mut failed = None;
+        for (node, ep, done) in pending {
+            if let Err(e) = Node::connected(&done, deadline) {
+                failed.get_or_insert(e);
+            }
+            lanes.push((node, ep));
+        }
+        if let Some(e) = failed {
+            for (node, ep) in lanes {
+                node.close_ep(ep);
+            }
+            return Err(e);
+        }
         let link = Arc::new(UcxLink {
-            receiver_mediated: self.data_path == DataPath::ActiveMessage,
+            receiver_mediated: am,
             id: next_id(),
-            ep,
-            node: node.clone(),
-            calls: PendingCalls::default(),
+            lanes,
+            next: AtomicUsize::new(0),
+            calls: Arc::new(PendingCalls::default()),
             alive: AtomicBool::new(true),
             rkeys: Mutex::new(HashMap::new()),
         });
@@ -130,100 +199,6 @@ impl Transport for UcxTransport {
         links.retain(|_, l| l.strong_count() > 0);
         links.insert(origin, Arc::downgrade(&link));
         Ok(link)
-    }
-}
-
-/// Sender side: routes the receiver's replies and aborts to links.
-struct SenderSink {
-    /// Receiver node id -> link.
-    links: Mutex<HashMap<u64, Weak<UcxLink>>>,
-    inbound: Arc<dyn Inbound>,
-}
-
-impl Sink for SenderSink {
-    fn on_control(&self, _node: &Arc<Node>, origin: u64, msg: TransferControl) {
-        let Some(link) = lock(&self.links).get(&origin).and_then(Weak::upgrade) else {
-            tracing::debug!(origin, "control message from an unknown UCX peer");
-            return;
-        };
-        let body = msg.body.clone().unwrap_or(Body::Ack(Default::default()));
-        if link.calls.complete(msg.correlation_id, Ok(body)) {
-            return;
-        }
-        if let Some(Body::Abort(a)) = msg.body {
-            let dl: Arc<dyn Link> = link.clone();
-            self.inbound.on_abort(&dl, msg.correlation_id, a);
-        }
-    }
-
-    fn on_ep_error(&self, ep: u64, reason: &str) {
-        let links: Vec<Arc<UcxLink>> =
-            lock(&self.links).values().filter_map(Weak::upgrade).filter(|l| l.ep == ep).collect();
-        for l in links {
-            if l.alive.swap(false, Ordering::SeqCst) {
-                let why = format!("UCX endpoint: {reason}");
-                l.calls.fail_all(&why);
-                self.inbound.on_link_lost(l.id, &why);
-            }
-        }
-    }
-}
-
-struct UcxLink {
-    receiver_mediated: bool,
-    id: u64,
-    ep: u64,
-    node: Arc<Node>,
-    calls: PendingCalls,
-    alive: AtomicBool,
-    /// Packed rkeys -> unpacked handle (unpacked once per endpoint).
-    rkeys: Mutex<HashMap<Vec<Vec<u8>>, u64>>,
-}
-
-impl Link for UcxLink {
-    fn id(&self) -> u64 {
-        self.id
-    }
-
-    fn call(&self, mut body: Body) -> Result<Reply, TransferError> {
-        if let Body::Begin(b) = &mut body {
-            b.sender_address = self.node.address.clone();
-            b.receiver_mediated = self.receiver_mediated;
-        }
-        let (id, cell) = self.calls.register().ok_or_else(|| TransferError::Transport("link lost: closed".into()))?;
-        self.node.send_control(self.ep, &control(id, body))?;
-        Ok(cell)
-    }
-
-    fn attach_regions(&self, regions: &[MemoryRegion]) -> Result<u64, TransferError> {
-        let packed: Vec<Vec<u8>> = regions.iter().map(|r| r.rkey.clone()).collect();
-        if let Some(&h) = lock(&self.rkeys).get(&packed) {
-            return Ok(h);
-        }
-        let h = self.node.unpack_rkeys(self.ep, packed.clone())?;
-        lock(&self.rkeys).insert(packed, h);
-        Ok(h)
-    }
-
-    fn detach_regions(&self, _handle: u64) {}
-
-    fn put(&self, regions: u64, op: PutOp) -> Result<(), TransferError> {
-        if !self.is_alive() {
-            return Err(TransferError::Transport("link lost: UCX endpoint failed".into()));
-        }
-        self.node.put(self.ep, regions, op)
-    }
-
-    fn flush(&self) -> Result<Flushed, TransferError> {
-        self.node.flush(self.ep)
-    }
-
-    fn flush_then_reply(&self, correlation_id: u64, body: Body) {
-        self.node.flush_then_control(self.ep, &control(correlation_id, body));
-    }
-
-    fn is_alive(&self) -> bool {
-        self.alive.load(Ordering::SeqCst) && self.node.is_alive()
     }
 }
 
@@ -250,7 +225,11 @@ impl Sink for ReceiverSink {
                         tracing::debug!(origin, "control message from an unknown UCX sender");
                         return;
                     };
-                    let ep = match node.connect_nowait(&b.sender_address) {
+                    let Some((_, sender)) = decode_address(&b.sender_address) else {
+                        tracing::warn!("a UCX sender sent a malformed address");
+                        return;
+                    };
+                    let ep = match node.connect_nowait(sender[0]) {
                         Ok(ep) => ep,
                         Err(e) => {
                             tracing::warn!(error = %e, "cannot reach a UCX sender");

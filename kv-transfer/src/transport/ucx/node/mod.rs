@@ -17,7 +17,8 @@ use super::api::{StatusPtr, classify, status_str};
 use super::sys::*;
 use crate::TransferError;
 use crate::receiver::core::{Refusal, WritePermit};
-use crate::transport::{Flushed, PutOp, next_id};
+use crate::transport::lanes::{FlushJoin, encode_address};
+use crate::transport::{PutOp, next_id};
 use crate::wait::Cell;
 
 mod callbacks;
@@ -47,20 +48,23 @@ enum Cmd {
     Connect { ep: u64, addr: Vec<u8>, done: Option<Arc<Cell<Result<(), TransferError>>>> },
     Control { ep: u64, data: Vec<u8> },
     Put { ep: u64, rkeys: u64, op: PutOp },
-    Flush { ep: u64, done: Flushed },
-    FlushThenControl { ep: u64, data: Vec<u8> },
+    Flush { ep: u64, join: Arc<FlushJoin> },
     Rkeys { ep: u64, handle: u64, packed: Vec<Vec<u8>>, done: Arc<Cell<Result<(), TransferError>>> },
     MemMap { addr: usize, len: usize, done: Arc<Cell<Result<Vec<u8>, TransferError>>> },
     CloseEp { ep: u64 },
     Shutdown,
 }
 
+/// Reports when a started connection's endpoint exists.
+pub(crate) type Connecting = Arc<Cell<Result<(), TransferError>>>;
+
 /// The handle other threads hold.
 pub(crate) struct Node {
-    #[allow(dead_code)]
     pub id: u64,
-    /// `id` (8 bytes LE) followed by the UCP worker address: what descriptors and handshakes carry.
+    /// This node as a one-lane address ([`encode_address`]): what handshakes carry.
     pub address: Vec<u8>,
+    /// The UCP worker address alone.
+    pub worker: Vec<u8>,
     tx: Mutex<mpsc::Sender<Cmd>>,
     wake_fd: i32,
     alive: AtomicBool,
@@ -94,13 +98,13 @@ impl Node {
                 match st {
                     Ok(mut st) => {
                         let id = next_id() ^ ((std::process::id() as u64) << 40);
-                        let mut address = id.to_le_bytes().to_vec();
-                        address.extend_from_slice(&st.worker_address);
+                        let address = encode_address(id, &[&st.worker_address]);
                         st.origin = id;
                         st.am_data = am_data;
                         let node = Arc::new(Node {
                             id,
                             address,
+                            worker: st.worker_address.clone(),
                             tx: Mutex::new(mpsc::channel().0),
                             wake_fd,
                             alive: AtomicBool::new(true),
@@ -141,7 +145,7 @@ impl Node {
         Ok(())
     }
 
-    /// Starts connecting to a peer's node address; returns the endpoint id at once (commands for it queue
+    /// Starts connecting to a peer's UCP worker address; returns the endpoint id at once (commands for it queue
     /// behind the connect).
     pub fn connect_nowait(&self, addr: &[u8]) -> Result<u64, TransferError> {
         let ep = next_id();
@@ -149,39 +153,39 @@ impl Node {
         Ok(ep)
     }
 
-    pub fn connect(&self, addr: &[u8], deadline: Instant) -> Result<u64, TransferError> {
+    /// Starts connecting; the cell reports when the endpoint exists (wait with [`Node::connected`]).
+    pub fn connect_start(&self, addr: &[u8]) -> Result<(u64, Connecting), TransferError> {
         let ep = next_id();
         let done = Cell::new();
         self.cmd(Cmd::Connect { ep, addr: addr.to_vec(), done: Some(done.clone()) })?;
-        done.wait_until(deadline).unwrap_or_else(|| Err(TransferError::Transport("UCX connect timed out".into())))?;
-        Ok(ep)
+        Ok((ep, done))
+    }
+
+    pub fn connected(done: &Cell<Result<(), TransferError>>, deadline: Instant) -> Result<(), TransferError> {
+        done.wait_until(deadline).unwrap_or_else(|| Err(TransferError::Transport("UCX connect timed out".into())))
     }
 
     pub fn send_control(&self, ep: u64, msg: &TransferControl) -> Result<(), TransferError> {
         self.cmd(Cmd::Control { ep, data: msg.encode_to_vec() })
     }
 
-    pub fn flush_then_control(&self, ep: u64, msg: &TransferControl) {
-        let _ = self.cmd(Cmd::FlushThenControl { ep, data: msg.encode_to_vec() });
-    }
-
     pub fn put(&self, ep: u64, rkeys: u64, op: PutOp) -> Result<(), TransferError> {
         self.cmd(Cmd::Put { ep, rkeys, op })
     }
 
-    pub fn flush(&self, ep: u64) -> Result<Flushed, TransferError> {
-        let done = Cell::new();
-        self.cmd(Cmd::Flush { ep, done: done.clone() })?;
-        Ok(done)
+    /// Flushes `ep`; reports to `join` (also when the flush cannot start).
+    pub fn flush(&self, ep: u64, join: Arc<FlushJoin>) {
+        if let Err(e) = self.cmd(Cmd::Flush { ep, join: join.clone() }) {
+            join.part(Err(e));
+        }
     }
 
-    pub fn unpack_rkeys(&self, ep: u64, packed: Vec<Vec<u8>>) -> Result<u64, TransferError> {
-        let handle = next_id();
+    /// Unpacks `packed` on `ep` under `handle` (the caller picks it, so lanes can share one id).
+    pub fn unpack_rkeys(&self, ep: u64, handle: u64, packed: Vec<Vec<u8>>) -> Result<(), TransferError> {
         let done = Cell::new();
         self.cmd(Cmd::Rkeys { ep, handle, packed, done: done.clone() })?;
         done.wait_until(Instant::now() + Duration::from_secs(10))
-            .unwrap_or_else(|| Err(TransferError::Transport("rkey unpack timed out".into())))?;
-        Ok(handle)
+            .unwrap_or_else(|| Err(TransferError::Transport("rkey unpack timed out".into())))
     }
 
     /// Registers `len` bytes at `addr` for remote access; returns the packed rkey.
@@ -241,8 +245,7 @@ enum Action {
     /// Receiving a rendezvous payload into admitted memory.
     Recv(WritePermit),
     Control,
-    Flush(Flushed),
-    FlushThen(u64, Vec<u8>),
+    Flush(Arc<FlushJoin>),
     Close,
 }
 
@@ -274,7 +277,7 @@ struct State {
     am_data: bool,
     /// Active-message data sends in flight per endpoint, and flushes waiting for them.
     data_inflight: HashMap<u64, usize>,
-    flush_waiting: HashMap<u64, Vec<Action>>,
+    flush_waiting: HashMap<u64, Vec<Arc<FlushJoin>>>,
     /// Puts that failed, per endpoint, reported by the next flush.
     put_errors: HashMap<u64, String>,
 }

@@ -76,33 +76,25 @@ impl State {
         self.issued(token, &p, r, Action::Put(ep));
     }
 
-    pub(super) fn flush(&mut self, ep: u64, then: Action) {
+    pub(super) fn flush(&mut self, ep: u64, join: Arc<FlushJoin>) {
         if self.data_inflight.get(&ep).is_some_and(|n| *n > 0) && self.eps.get(&ep).is_some_and(|e| e.failed.is_none())
         {
             // Endpoint flush covers RMA, not active messages: wait for the data sends first.
-            self.flush_waiting.entry(ep).or_default().push(then);
+            self.flush_waiting.entry(ep).or_default().push(join);
             return;
         }
         let h = match self.ep(ep) {
             Ok(h) => h,
-            Err(e) => {
-                if let Action::Flush(done) = then {
-                    done.set(Err(e));
-                }
-                return;
-            }
+            Err(e) => return join.part(Err(e)),
         };
-        if let Some(e) = self.put_errors.remove(&ep)
-            && let Action::Flush(done) = then
-        {
-            done.set(Err(TransferError::Transport(format!("put failed: {e}"))));
-            return;
+        if let Some(e) = self.put_errors.remove(&ep) {
+            return join.part(Err(TransferError::Transport(format!("put failed: {e}"))));
         }
         let token = next_id();
         let p = self.param(token);
         // SAFETY: valid endpoint.
         let r = unsafe { (self.lib.ucp_ep_flush_nbx)(h, &p) };
-        self.issued(token, &p, r, then);
+        self.issued(token, &p, r, Action::Flush(join));
     }
 
     pub(super) unsafe fn unpack(&mut self, ep: u64, handle: u64, packed: &[Vec<u8>]) -> Result<(), TransferError> {
@@ -316,8 +308,7 @@ impl State {
             }
             Cmd::Control { ep, data } => self.send_control(ep, data),
             Cmd::Put { ep, rkeys, op } => self.put(ep, rkeys, op),
-            Cmd::Flush { ep, done } => self.flush(ep, Action::Flush(done)),
-            Cmd::FlushThenControl { ep, data } => self.flush(ep, Action::FlushThen(ep, data)),
+            Cmd::Flush { ep, join } => self.flush(ep, join),
             Cmd::Rkeys { ep, handle, packed, done } => {
                 // SAFETY: on the worker's thread.
                 done.set(unsafe { self.unpack(ep, handle, &packed) });
@@ -351,10 +342,13 @@ impl State {
                 }
             }
         }
-        let waiting: Vec<Action> = self.flush_waiting.drain().flat_map(|(_, v)| v).collect();
-        for a in self.actions.drain().map(|(_, a)| a).chain(waiting) {
-            if let Action::Flush(done) = a {
-                done.set(Err(TransferError::Transport("link lost: UCX worker stopped".into())));
+        let lost = || Err(TransferError::Transport("link lost: UCX worker stopped".into()));
+        for j in self.flush_waiting.drain().flat_map(|(_, v)| v) {
+            j.part(lost());
+        }
+        for a in self.actions.drain().map(|(_, a)| a) {
+            if let Action::Flush(j) = a {
+                j.part(lost());
             }
         }
     }

@@ -165,8 +165,8 @@ impl State {
                 *n -= 1;
                 if *n == 0 {
                     self.data_inflight.remove(&ep);
-                    for a in self.flush_waiting.remove(&ep).unwrap_or_default() {
-                        self.flush(ep, a);
+                    for j in self.flush_waiting.remove(&ep).unwrap_or_default() {
+                        self.flush(ep, j);
                     }
                 }
             }
@@ -175,13 +175,8 @@ impl State {
                     permit.commit();
                 }
             }
-            Action::Flush(done) => {
-                done.set(if ok { Ok(()) } else { Err(err(self.lib, "link lost: flush", s)) });
-            }
-            Action::FlushThen(ep, data) => {
-                if ok {
-                    self.send_control(ep, data);
-                }
+            Action::Flush(join) => {
+                join.part(if ok { Ok(()) } else { Err(err(self.lib, "link lost: flush", s)) });
             }
             Action::Close => {}
         }
@@ -196,7 +191,7 @@ impl State {
     }
 
     pub(super) unsafe fn connect(&mut self, id: u64, addr: &[u8]) -> Result<(), TransferError> {
-        if addr.len() <= 8 {
+        if addr.is_empty() {
             return Err(TransferError::Transport("bad UCX address".into()));
         }
         if self.no_peer_errors {
@@ -223,7 +218,7 @@ impl State {
         unsafe {
             let mut p: ucp_ep_params_t = std::mem::zeroed();
             p.field_mask = ucp_ep_params_field::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS.0 as u64;
-            p.address = addr[8..].as_ptr() as *const ucp_address_t;
+            p.address = addr.as_ptr() as *const ucp_address_t;
             if peer_errors {
                 p.field_mask |= (ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE.0
                     | ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLER.0) as u64;

@@ -1,0 +1,159 @@
+//! Striping one link's data over several lanes (UCX workers with their own progress threads, or TCP
+//! connections), so one request is not bound by one memcpy/cma/socket stream on one core.
+//!
+//! Lane 0 also carries the control messages; a flush completes once every lane flushed, and messages
+//! that must follow the data (completion, abort acknowledgement) go out on lane 0 only after that.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::TransferError;
+
+/// Puts are cut into pieces of about this size and dealt round-robin over the lanes.
+pub const STRIPE_BYTES: u64 = 1 << 20;
+
+/// Lanes per link when neither the configuration nor `TANDEM_KV_LANES` says: a quarter of the cores,
+/// 1 to 4 (one lane on a 2-core machine, four on a 16-core host).
+pub fn default_lanes() -> usize {
+    if let Some(n) = std::env::var("TANDEM_KV_LANES").ok().and_then(|v| v.trim().parse::<usize>().ok()) {
+        return n.clamp(1, 64);
+    }
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    (cores / 4).clamp(1, 4)
+}
+
+/// Resolves a configured lane count (`None`: [`default_lanes`]).
+pub fn lanes_or_default(lanes: Option<usize>) -> usize {
+    lanes.map(|n| n.clamp(1, 64)).unwrap_or_else(default_lanes)
+}
+
+/// Where a piece of a put may be cut: both the latent entry (656 B) and the indexer block (8448 B)
+/// divide this, so a piece of either region stays aligned to whole entries or blocks.
+const CUT_UNIT: u64 = 346_368;
+
+/// Splits `len` bytes into pieces of about [`STRIPE_BYTES`], each a multiple of a whole latent entry and
+/// indexer block except the last; yields (offset, length) pairs.
+pub fn pieces(len: u64, lanes: usize) -> impl Iterator<Item = (u64, u64)> {
+    let piece = if lanes > 1 { STRIPE_BYTES.div_ceil(CUT_UNIT) * CUT_UNIT } else { u64::MAX };
+    let n = if len == 0 { 0 } else { len.div_ceil(piece.min(len)) };
+    (0..n).map(move |i| {
+        let off = i * piece.min(len);
+        (off, piece.min(len - off))
+    })
+}
+
+type Then = Box<dyn FnOnce(Result<(), TransferError>) + Send>;
+
+/// Joins the flushes of several lanes; `then` runs once, on the thread that finished the last one, with
+/// the first error if any lane failed.
+pub struct FlushJoin {
+    left: AtomicUsize,
+    error: Mutex<Option<TransferError>>,
+    then: Mutex<Option<Then>>,
+}
+
+impl FlushJoin {
+    pub fn new(parts: usize, then: impl FnOnce(Result<(), TransferError>) + Send + 'static) -> std::sync::Arc<Self> {
+        let j = std::sync::Arc::new(FlushJoin {
+            left: AtomicUsize::new(parts),
+            error: Mutex::new(None),
+            then: Mutex::new(Some(Box::new(then))),
+        });
+        if parts == 0 {
+            j.run(Ok(()));
+        }
+        j
+    }
+
+    /// One lane's flush finished.
+    pub fn part(&self, r: Result<(), TransferError>) {
+        if let Err(e) = r {
+            self.error.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+        }
+        if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let r = match self.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                Some(e) => Err(e),
+                None => Ok(()),
+            };
+            self.run(r);
+        }
+    }
+
+    fn run(&self, r: Result<(), TransferError>) {
+        let f = self.then.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(f) = f {
+            f(r);
+        }
+    }
+}
+
+/// The wire form of a UCX node address with its lanes: origin id (8 bytes LE), then per lane a 4-byte
+/// LE length and that lane's UCP worker address. Lane 0 is the control lane.
+pub fn encode_address(origin: u64, lanes: &[&[u8]]) -> Vec<u8> {
+    let mut out = origin.to_le_bytes().to_vec();
+    for l in lanes {
+        out.extend_from_slice(&(l.len() as u32).to_le_bytes());
+        out.extend_from_slice(l);
+    }
+    out
+}
+
+/// (origin, lane worker addresses) of an address from [`encode_address`]; `None` when malformed.
+pub fn decode_address(bytes: &[u8]) -> Option<(u64, Vec<&[u8]>)> {
+    let origin = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    let mut rest = &bytes[8..];
+    let mut lanes = Vec::new();
+    while !rest.is_empty() {
+        let n = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+        lanes.push(rest.get(4..4 + n)?);
+        rest = &rest[4 + n..];
+    }
+    (!lanes.is_empty() && lanes.iter().all(|l| !l.is_empty())).then_some((origin, lanes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_cover_the_put_in_aligned_pieces() {
+        for len in [0u64, 656, 656 * 3, 8448 * 7, 5 << 20, (40 << 20) + 656 * 5] {
+            let ps: Vec<(u64, u64)> = pieces(len, 4).collect();
+            assert_eq!(ps.iter().map(|p| p.1).sum::<u64>(), len);
+            let mut at = 0;
+            for (i, &(off, l)) in ps.iter().enumerate() {
+                assert_eq!(off, at);
+                at += l;
+                if i + 1 < ps.len() {
+                    assert_eq!(l % 656, 0);
+                    assert_eq!(l % 8448, 0);
+                }
+            }
+        }
+        assert_eq!(pieces(5 << 20, 1).count(), 1);
+    }
+
+    #[test]
+    fn addresses_round_trip_and_reject_garbage() {
+        let a = encode_address(42, &[b"abc", b"de"]);
+        assert_eq!(decode_address(&a), Some((42, vec![&b"abc"[..], &b"de"[..]])));
+        assert_eq!(decode_address(&a[..a.len() - 1]), None);
+        assert_eq!(decode_address(&42u64.to_le_bytes()), None);
+        assert_eq!(decode_address(b"short"), None);
+    }
+
+    #[test]
+    fn flush_join_runs_once_with_the_first_error() {
+        let hits = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let h = hits.clone();
+        let j = FlushJoin::new(3, move |r| h.lock().unwrap().push(r.is_ok()));
+        j.part(Ok(()));
+        j.part(Err(TransferError::Transport("x".into())));
+        assert!(hits.lock().unwrap().is_empty());
+        j.part(Ok(()));
+        assert_eq!(*hits.lock().unwrap(), vec![false]);
+        let h = hits.clone();
+        FlushJoin::new(0, move |r| h.lock().unwrap().push(r.is_ok()));
+        assert_eq!(*hits.lock().unwrap(), vec![false, true]);
+    }
+}

@@ -1,0 +1,163 @@
+//! The sender's side of a UCX connection: one endpoint per lane (each lane a node with its own worker and
+//! progress thread), control on lane 0, data pieces dealt round-robin over every lane.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use proto::v1::transfer_control::Body;
+use proto::v1::{MemoryRegion, TransferControl};
+
+use super::lock;
+use super::node::{Node, Sink};
+use crate::TransferError;
+use crate::transport::lanes::FlushJoin;
+use crate::transport::{Flushed, Inbound, Link, PendingCalls, PutOp, Reply, control, next_id};
+use crate::wait::Cell;
+
+/// Sender side: routes the receiver's replies and aborts to links.
+pub(super) struct SenderSink {
+    /// Receiver node id -> link.
+    pub links: Mutex<HashMap<u64, Weak<UcxLink>>>,
+    pub inbound: Arc<dyn Inbound>,
+}
+
+impl Sink for SenderSink {
+    fn on_control(&self, _node: &Arc<Node>, origin: u64, msg: TransferControl) {
+        let Some(link) = lock(&self.links).get(&origin).and_then(Weak::upgrade) else {
+            tracing::debug!(origin, "control message from an unknown UCX peer");
+            return;
+        };
+        let body = msg.body.clone().unwrap_or(Body::Ack(Default::default()));
+        if link.calls.complete(msg.correlation_id, Ok(body)) {
+            return;
+        }
+        if let Some(Body::Abort(a)) = msg.body {
+            let dl: Arc<dyn Link> = link.clone();
+            self.inbound.on_abort(&dl, msg.correlation_id, a);
+        }
+    }
+
+    fn on_ep_error(&self, ep: u64, reason: &str) {
+        let links: Vec<Arc<UcxLink>> = lock(&self.links)
+            .values()
+            .filter_map(Weak::upgrade)
+            .filter(|l| l.lanes.iter().any(|(_, e)| *e == ep))
+            .collect();
+        for l in links {
+            if l.alive.swap(false, Ordering::SeqCst) {
+                let why = format!("UCX endpoint: {reason}");
+                l.calls.fail_all(&why);
+                self.inbound.on_link_lost(l.id, &why);
+            }
+        }
+    }
+}
+
+pub(super) struct UcxLink {
+    pub receiver_mediated: bool,
+    pub id: u64,
+    /// (node, endpoint) per lane; lane 0 carries control messages.
+    pub lanes: Vec<(Arc<Node>, u64)>,
+    pub next: AtomicUsize,
+    pub calls: Arc<PendingCalls>,
+    pub alive: AtomicBool,
+    /// Packed rkeys -> handle, unpacked on every lane's endpoint under that one handle.
+    pub rkeys: Mutex<HashMap<Vec<Vec<u8>>, u64>>,
+}
+
+impl UcxLink {
+    fn control(&self) -> &(Arc<Node>, u64) {
+        &self.lanes[0]
+    }
+
+    /// Flushes every lane, then runs `then` with the joined result.
+    fn flush_all(&self, then: impl FnOnce(Result<(), TransferError>) + Send + 'static) {
+        let join = FlushJoin::new(self.lanes.len(), then);
+        for (node, ep) in &self.lanes {
+            node.flush(*ep, join.clone());
+        }
+    }
+}
+
+impl Link for UcxLink {
+    fn id(&self) -> u64 {
+        self.id
+    }
+
+    fn lanes(&self) -> usize {
+        self.lanes.len()
+    }
+
+    fn call(&self, mut body: Body) -> Result<Reply, TransferError> {
+        let (node, ep) = self.control();
+        if let Body::Begin(b) = &mut body {
+            b.sender_address = node.address.clone();
+            b.receiver_mediated = self.receiver_mediated;
+        }
+        let (id, cell) = self.calls.register().ok_or_else(|| TransferError::Transport("link lost: closed".into()))?;
+        node.send_control(*ep, &control(id, body))?;
+        Ok(cell)
+    }
+
+    fn flush_then_call(&self, body: Body) -> Option<Result<Reply, TransferError>> {
+        let Some((id, cell)) = self.calls.register() else {
+            return Some(Err(TransferError::Transport("link lost: closed".into())));
+        };
+        let (node, ep) = self.control().clone();
+        let calls = self.calls.clone();
+        self.flush_all(move |r| {
+            let r = r.and_then(|()| node.send_control(ep, &control(id, body)));
+            if let Err(e) = r {
+                calls.complete(id, Err(e));
+            }
+        });
+        Some(Ok(cell))
+    }
+
+    fn attach_regions(&self, regions: &[MemoryRegion]) -> Result<u64, TransferError> {
+        let packed: Vec<Vec<u8>> = regions.iter().map(|r| r.rkey.clone()).collect();
+        if let Some(&h) = lock(&self.rkeys).get(&packed) {
+            return Ok(h);
+        }
+        let h = next_id();
+        for (node, ep) in &self.lanes {
+            node.unpack_rkeys(*ep, h, packed.clone())?;
+        }
+        lock(&self.rkeys).insert(packed, h);
+        Ok(h)
+    }
+
+    fn detach_regions(&self, _handle: u64) {}
+
+    fn put(&self, regions: u64, op: PutOp) -> Result<(), TransferError> {
+        if !self.is_alive() {
+            return Err(TransferError::Transport("link lost: UCX endpoint failed".into()));
+        }
+        let (node, ep) = &self.lanes[self.next.fetch_add(1, Ordering::Relaxed) % self.lanes.len()];
+        node.put(*ep, regions, op)
+    }
+
+    fn flush(&self) -> Result<Flushed, TransferError> {
+        let done: Flushed = Cell::new();
+        let d = done.clone();
+        self.flush_all(move |r| {
+            d.set(r);
+        });
+        Ok(done)
+    }
+
+    fn flush_then_reply(&self, correlation_id: u64, body: Body) {
+        let (node, ep) = self.control().clone();
+        // Without a flush no acknowledgement: the receiver then closes the endpoint and quarantines.
+        self.flush_all(move |r| {
+            if r.is_ok() {
+                let _ = node.send_control(ep, &control(correlation_id, body));
+            }
+        });
+    }
+
+    fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst) && self.lanes.iter().all(|(n, _)| n.is_alive())
+    }
+}
