@@ -92,16 +92,19 @@ pub(crate) fn transport_for(
 ) -> Result<Arc<dyn transport::Transport>, TransferError> {
     Ok(match cfg {
         TransportConfig::InProc => Arc::new(transport::inproc::InProcTransport::new(rt.handle().clone())),
-        TransportConfig::Tcp(c) => Arc::new(transport::tcp::TcpTransport::new(c.clone(), rt.handle().clone())),
+        TransportConfig::Tcp(c) => {
+            Arc::new(transport::tcp::TcpTransport::with_lanes(c.clone(), rt.handle().clone(), lanes))
+        }
         TransportConfig::Ucx { tls, tcp_fallback } => match transport::ucx::DataPath::from_env()
             .and_then(|dp| transport::ucx::UcxTransport::with_options(tls.as_deref(), dp, lanes))
         {
             Ok(t) => Arc::new(t),
             Err(e) => {
                 tracing::warn!(reason = %e, "UCX unavailable, kv-transfer falls back to TCP");
-                Arc::new(transport::tcp::TcpTransport::new(
+                Arc::new(transport::tcp::TcpTransport::with_lanes(
                     tcp_fallback.clone().unwrap_or_default(),
                     rt.handle().clone(),
+                    lanes,
                 ))
             }
         },

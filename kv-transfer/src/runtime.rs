@@ -8,9 +8,10 @@ pub(crate) struct Runtime {
 }
 
 impl Runtime {
-    pub fn new(name: &str) -> Result<std::sync::Arc<Runtime>, TransferError> {
+    /// `lanes`: connections one link stripes over; each gets a thread to copy on (at least 2).
+    pub fn new(name: &str, lanes: Option<usize>) -> Result<std::sync::Arc<Runtime>, TransferError> {
         let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
+            .worker_threads(crate::transport::lanes::lanes_or_default(lanes).max(2))
             .thread_name(name)
             .enable_all()
             .build()

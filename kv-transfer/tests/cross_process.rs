@@ -169,3 +169,8 @@ fn ucx_tcp_am_striped_sender_killed_mid_transfer() {
 fn ucx_tcp_am_striped_receiver_killed_mid_transfer() {
     receiver_killed_mid_transfer(&Kind::Striped(Box::new(Kind::UcxAm("tcp")), 3))
 }
+
+#[test]
+fn tcp_striped_sender_killed_mid_transfer() {
+    sender_killed_mid_transfer(&Kind::Striped(Box::new(Kind::Tcp), 3))
+}

@@ -60,6 +60,7 @@ macro_rules! transport_tests {
 
 transport_tests!(inproc, Kind::InProc);
 transport_tests!(tcp, Kind::Tcp);
+transport_tests!(tcp_striped, Kind::Striped(Box::new(Kind::Tcp), 3));
 transport_tests!(ucx_tcp, Kind::Ucx("tcp"));
 transport_tests!(ucx_shm, Kind::Ucx("sm,self"));
 transport_tests!(ucx_tcp_am, Kind::UcxAm("tcp"));

@@ -27,8 +27,8 @@ pub struct ReceiverConfig {
     pub abort_ack_timeout: Duration,
     /// How long blocks stay out of the pool after a one-sided sender was lost mid-transfer.
     pub quarantine: Duration,
-    /// UCX nodes (workers with a progress thread each) that place incoming active-message writes
-    /// (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 1 to 4).
+    /// UCX nodes (workers with a progress thread each) that place incoming active-message writes, and
+    /// runtime threads for TCP connections (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 1 to 4).
     pub lanes: Option<usize>,
 }
 
@@ -128,7 +128,7 @@ impl KvReceiver {
                 g.num_blocks
             )));
         }
-        let rt = Runtime::new("kv-recv")?;
+        let rt = Runtime::new("kv-recv", config.lanes)?;
         let timings = ReceiverTimings { abort_ack_timeout: config.abort_ack_timeout, quarantine: config.quarantine };
         let core = Arc::new(ReceiverCore::new(cache, pool, fingerprint, timings, rt.handle().clone()));
         let transport = crate::transport_for(&config.transport, &rt, config.lanes)?;

@@ -147,7 +147,7 @@ impl KvSender {
             Some(f) => Some(f),
             None => Fault::from_env().map_err(TransferError::Transport)?,
         };
-        let rt = Runtime::new("kv-send")?;
+        let rt = Runtime::new("kv-send", config.lanes)?;
         Ok(KvSender {
             shared: Arc::new(SenderShared {
                 layout: layout::layout_of(cache.geometry()),

@@ -1,12 +1,20 @@
 //! TCP transport (tokio). Same semantics as UCX: the receiver reads each data frame's payload straight
-//! into the destination blocks (no intermediate copy), after `admit_write` checked the range; control
-//! messages share the connection, so a completion is processed after every data frame sent before it.
+//! into the destination blocks (no intermediate copy), after `admit_write` checked the range.
+//!
+//! A link is one or more connections (lanes, see [`super::lanes`]): control messages go on lane 0, data
+//! pieces round-robin over all of them. On one connection frame order alone puts a completion after
+//! the data; with several, a flush also sends a barrier on every other lane, which the receiver answers
+//! once it has placed every frame before it.
 //!
 //! Frames: control `[1][len: u32 LE][TransferControl]`; data
-//! `[2][session: u64][token: u64][offset: u64][len: u64][len bytes]` (all little-endian).
+//! `[2][session: u64][token: u64][offset: u64][len: u64][len bytes]`; barrier `[3][id: u64]`, answered
+//! by an `Ack` control frame with correlation id `id` (all little-endian).
 
+mod serve;
+
+use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
@@ -18,15 +26,15 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, B
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
-use super::{
-    Flushed, Inbound, Link, PeerLink, PendingCalls, PutOp, Reply, Served, Transport, TransportKind, control, next_id,
-};
-use crate::receiver::core::{ReceiverCore, Refusal};
+use super::lanes::{FlushJoin, lanes_or_default};
+use super::{Flushed, Inbound, Link, PendingCalls, PutOp, Reply, Served, Transport, TransportKind, control, next_id};
+use crate::receiver::core::ReceiverCore;
 use crate::wait::Cell;
 use crate::{TcpConfig, TransferError};
 
 const TAG_CONTROL: u8 = 1;
 const TAG_DATA: u8 = 2;
+const TAG_BARRIER: u8 = 3;
 /// Control messages are small (the largest is a 128K-token handshake, ~8 KB); anything huge is garbage.
 const MAX_CONTROL: u32 = 16 << 20;
 const IO_BUF: usize = 256 << 10;
@@ -34,11 +42,17 @@ const IO_BUF: usize = 256 << 10;
 pub struct TcpTransport {
     cfg: TcpConfig,
     rt: tokio::runtime::Handle,
+    lanes: usize,
 }
 
 impl TcpTransport {
     pub fn new(cfg: TcpConfig, rt: tokio::runtime::Handle) -> Self {
-        TcpTransport { cfg, rt }
+        Self::with_lanes(cfg, rt, None)
+    }
+
+    /// `lanes`: connections per link (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 1 to 4).
+    pub fn with_lanes(cfg: TcpConfig, rt: tokio::runtime::Handle, lanes: Option<usize>) -> Self {
+        TcpTransport { cfg, rt, lanes: lanes_or_default(lanes) }
     }
 }
 
@@ -109,7 +123,7 @@ impl Transport for TcpTransport {
                     let Some(core) = weak.upgrade() else { break };
                     let _ = stream.set_nodelay(true);
                     tracing::debug!(%from, "kv-transfer tcp sender connected");
-                    serve_conn(core, stream);
+                    serve::serve_conn(core, stream);
                 }
             })
         };
@@ -133,27 +147,48 @@ impl Transport for TcpTransport {
         deadline: Instant,
     ) -> Result<Arc<dyn Link>, TransferError> {
         let addr = String::from_utf8_lossy(&endpoint.address).to_string();
-        let a2 = addr.clone();
-        let stream = run_until(&self.rt, deadline, async move { TcpStream::connect(a2).await })
-            .ok_or_else(|| TransferError::Transport(format!("connecting to {addr}: timed out")))?
-            .map_err(|e| TransferError::Transport(format!("connecting to {addr}: {e}")))?;
-        let _ = stream.set_nodelay(true);
-        let (rd, wr) = stream.into_split();
-        let (tx, rx) = mpsc::unbounded_channel::<Out>();
-        let link =
-            Arc::new(TcpLink { id: next_id(), tx, calls: PendingCalls::default(), alive: AtomicBool::new(true) });
-        let weak = Arc::downgrade(&link);
-        let inbound2 = inbound.clone();
-        self.rt.spawn(async move {
-            let r = write_loop(wr, rx).await;
-            lost(&weak, &inbound2, &format!("write: {}", r.err().map(|e| e.to_string()).unwrap_or("closed".into())));
+        let (a2, n) = (addr.clone(), self.lanes);
+        let streams = run_until(&self.rt, deadline, async move {
+            let mut v = Vec::with_capacity(n);
+            for _ in 0..n {
+                v.push(TcpStream::connect(a2.clone()).await?);
+            }
+            Ok::<_, std::io::Error>(v)
+        })
+        .ok_or_else(|| TransferError::Transport(format!("connecting to {addr}: timed out")))?
+        .map_err(|e| TransferError::Transport(format!("connecting to {addr}: {e}")))?;
+        let mut lanes = Vec::new();
+        let mut halves = Vec::new();
+        for stream in streams {
+            let _ = stream.set_nodelay(true);
+            let (rd, wr) = stream.into_split();
+            let (tx, rx) = mpsc::unbounded_channel::<Out>();
+            lanes.push(tx);
+            halves.push((rd, wr, rx));
+        }
+        let link = Arc::new(TcpLink {
+            id: next_id(),
+            lanes,
+            next: AtomicUsize::new(0),
+            calls: Arc::new(PendingCalls::default()),
+            barriers: Mutex::new((false, HashMap::new())),
+            alive: AtomicBool::new(true),
         });
-        let weak = Arc::downgrade(&link);
-        self.rt.spawn(async move {
-            let r = sender_read_loop(rd, &weak, &inbound).await;
-            lost(&weak, &inbound, &format!("read: {}", r.err().map(|e| e.to_string()).unwrap_or("closed".into())));
-        });
-        tracing::debug!(%addr, "kv-transfer tcp link up");
+        for (rd, wr, rx) in halves {
+            let (weak, inbound2) = (Arc::downgrade(&link), inbound.clone());
+            self.rt.spawn(async move {
+                let r = write_loop(wr, rx).await;
+                let why = format!("write: {}", r.err().map(|e| e.to_string()).unwrap_or("closed".into()));
+                lost(&weak, &inbound2, &why);
+            });
+            let (weak, inbound2) = (Arc::downgrade(&link), inbound.clone());
+            self.rt.spawn(async move {
+                let r = sender_read_loop(rd, &weak, &inbound2).await;
+                let why = format!("read: {}", r.err().map(|e| e.to_string()).unwrap_or("closed".into()));
+                lost(&weak, &inbound2, &why);
+            });
+        }
+        tracing::debug!(%addr, lanes = self.lanes, "kv-transfer tcp link up");
         Ok(link)
     }
 }
@@ -164,6 +199,14 @@ fn lost(link: &Weak<TcpLink>, inbound: &Arc<dyn Inbound>, reason: &str) {
     {
         tracing::info!(reason, "kv-transfer tcp link lost");
         l.calls.fail_all(reason);
+        let joins: Vec<Arc<FlushJoin>> = {
+            let mut b = l.barriers.lock().unwrap_or_else(|p| p.into_inner());
+            b.0 = true;
+            b.1.drain().map(|(_, j)| j).collect()
+        };
+        for j in joins {
+            j.part(Err(TransferError::Transport(format!("link lost: {reason}"))));
+        }
         inbound.on_link_lost(l.id, reason);
     }
 }
@@ -171,7 +214,9 @@ fn lost(link: &Weak<TcpLink>, inbound: &Arc<dyn Inbound>, reason: &str) {
 enum Out {
     Ctl(TransferControl),
     Data(PutOp),
-    Flush(Flushed),
+    /// Reports to the join once every frame queued before it was written to the socket.
+    Flush(Arc<FlushJoin>),
+    Barrier(u64),
 }
 
 async fn write_frame_ctl<W: AsyncWrite + Unpin>(w: &mut W, msg: &TransferControl) -> std::io::Result<()> {
@@ -183,7 +228,7 @@ async fn write_frame_ctl<W: AsyncWrite + Unpin>(w: &mut W, msg: &TransferControl
 
 async fn write_loop(wr: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Out>) -> std::io::Result<()> {
     let mut w = BufWriter::with_capacity(IO_BUF, wr);
-    let mut flushed: Vec<Flushed> = Vec::new();
+    let mut flushed: Vec<Arc<FlushJoin>> = Vec::new();
     let result = async {
         while let Some(first) = rx.recv().await {
             let mut item = Some(first);
@@ -202,25 +247,32 @@ async fn write_loop(wr: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::Unbounded
                         let src = unsafe { std::slice::from_raw_parts(op.src, op.len as usize) };
                         w.write_all(src).await?;
                     }
-                    Out::Flush(c) => flushed.push(c),
+                    Out::Flush(j) => flushed.push(j),
+                    Out::Barrier(id) => {
+                        let mut b = [0u8; 9];
+                        b[0] = TAG_BARRIER;
+                        b[1..].copy_from_slice(&id.to_le_bytes());
+                        w.write_all(&b).await?;
+                    }
                 }
                 item = rx.try_recv().ok();
             }
             w.flush().await?;
-            for c in flushed.drain(..) {
-                c.set(Ok(()));
+            for j in flushed.drain(..) {
+                j.part(Ok(()));
             }
         }
         Ok(())
     }
     .await;
-    for c in flushed.drain(..) {
-        c.set(Err(TransferError::Transport("link lost: write failed".into())));
+    let failed = || Err(TransferError::Transport("link lost: write failed".into()));
+    for j in flushed.drain(..) {
+        j.part(failed());
     }
     rx.close();
     while let Ok(it) = rx.try_recv() {
-        if let Out::Flush(c) = it {
-            c.set(Err(TransferError::Transport("link lost: write failed".into())));
+        if let Out::Flush(j) = it {
+            j.part(failed());
         }
     }
     result
@@ -249,6 +301,11 @@ async fn sender_read_loop(
         }
         let msg = read_ctl(&mut r).await?;
         let Some(l) = link.upgrade() else { return Ok(()) };
+        let barrier = l.barriers.lock().unwrap_or_else(|p| p.into_inner()).1.remove(&msg.correlation_id);
+        if let Some(j) = barrier {
+            j.part(Ok(()));
+            continue;
+        }
         let body = msg.body.clone().unwrap_or(Body::Ack(Default::default()));
         if l.calls.complete(msg.correlation_id, Ok(body)) {
             continue;
@@ -262,17 +319,43 @@ async fn sender_read_loop(
 
 struct TcpLink {
     id: u64,
-    tx: mpsc::UnboundedSender<Out>,
-    calls: PendingCalls,
+    /// One writer per connection; lane 0 carries control messages.
+    lanes: Vec<mpsc::UnboundedSender<Out>>,
+    next: AtomicUsize,
+    calls: Arc<PendingCalls>,
+    /// Barriers waiting for the receiver's answer (id -> flush); `.0` once the link died.
+    barriers: Mutex<(bool, HashMap<u64, Arc<FlushJoin>>)>,
     alive: AtomicBool,
 }
 
 impl TcpLink {
-    fn send(&self, o: Out) -> Result<(), TransferError> {
+    fn send(&self, lane: usize, o: Out) -> Result<(), TransferError> {
         if !self.alive.load(Ordering::SeqCst) {
             return Err(TransferError::Transport("link lost: connection closed".into()));
         }
-        self.tx.send(o).map_err(|_| TransferError::Transport("link lost: connection closed".into()))
+        self.lanes[lane].send(o).map_err(|_| TransferError::Transport("link lost: connection closed".into()))
+    }
+
+    /// Reports to `join` once every frame queued so far on lanes 1.. was placed by the receiver
+    /// (`join` expects `lanes - 1` parts from here).
+    fn barriers(&self, join: &Arc<FlushJoin>) {
+        for lane in 1..self.lanes.len() {
+            let id = next_id();
+            {
+                let mut b = self.barriers.lock().unwrap_or_else(|p| p.into_inner());
+                if b.0 {
+                    drop(b);
+                    join.part(Err(TransferError::Transport("link lost: connection closed".into())));
+                    continue;
+                }
+                b.1.insert(id, join.clone());
+            }
+            if let Err(e) = self.send(lane, Out::Barrier(id)) {
+                if self.barriers.lock().unwrap_or_else(|p| p.into_inner()).1.remove(&id).is_some() {
+                    join.part(Err(e));
+                }
+            }
+        }
     }
 }
 
@@ -281,10 +364,37 @@ impl Link for TcpLink {
         self.id
     }
 
+    fn lanes(&self) -> usize {
+        self.lanes.len()
+    }
+
     fn call(&self, body: Body) -> Result<Reply, TransferError> {
         let (id, cell) = self.calls.register().ok_or_else(|| TransferError::Transport("link lost: closed".into()))?;
-        self.send(Out::Ctl(control(id, body)))?;
+        self.send(0, Out::Ctl(control(id, body)))?;
         Ok(cell)
+    }
+
+    fn flush_then_call(&self, body: Body) -> Option<Result<Reply, TransferError>> {
+        if self.lanes.len() == 1 {
+            // Frames are ordered: the message follows every data frame queued before it.
+            return Some(self.call(body));
+        }
+        let Some((id, cell)) = self.calls.register() else {
+            return Some(Err(TransferError::Transport("link lost: closed".into())));
+        };
+        let (calls, lane0) = (self.calls.clone(), self.lanes[0].clone());
+        let join = FlushJoin::new(self.lanes.len() - 1, move |r| {
+            let r = r.and_then(|()| {
+                lane0
+                    .send(Out::Ctl(control(id, body)))
+                    .map_err(|_| TransferError::Transport("link lost: connection closed".into()))
+            });
+            if let Err(e) = r {
+                calls.complete(id, Err(e));
+            }
+        });
+        self.barriers(&join);
+        Some(Ok(cell))
     }
 
     fn attach_regions(&self, _regions: &[MemoryRegion]) -> Result<u64, TransferError> {
@@ -294,142 +404,30 @@ impl Link for TcpLink {
     fn detach_regions(&self, _handle: u64) {}
 
     fn put(&self, _regions: u64, op: PutOp) -> Result<(), TransferError> {
-        self.send(Out::Data(op))
+        let lane = self.next.fetch_add(1, Ordering::Relaxed) % self.lanes.len();
+        self.send(lane, Out::Data(op))
     }
 
     fn flush(&self) -> Result<Flushed, TransferError> {
-        let c = Cell::new();
-        self.send(Out::Flush(c.clone()))?;
+        let c: Flushed = Cell::new();
+        let c2 = c.clone();
+        let join = FlushJoin::new(self.lanes.len(), move |r| {
+            c2.set(r);
+        });
+        if let Err(e) = self.send(0, Out::Flush(join.clone())) {
+            join.part(Err(e));
+        }
+        self.barriers(&join);
         Ok(c)
     }
 
     fn flush_then_reply(&self, correlation_id: u64, body: Body) {
-        // Frames are ordered: the reply follows every data frame queued before it.
-        let _ = self.send(Out::Ctl(control(correlation_id, body)));
+        // Writes here are receiver-mediated: the receiver refuses them once it aborted, whatever the
+        // order of this reply and data on other lanes.
+        let _ = self.send(0, Out::Ctl(control(correlation_id, body)));
     }
 
     fn is_alive(&self) -> bool {
         self.alive.load(Ordering::SeqCst)
-    }
-}
-
-/// Receiver side of one sender connection.
-struct TcpPeer {
-    id: u64,
-    tx: mpsc::UnboundedSender<TransferControl>,
-    reader: Mutex<Option<tokio::task::AbortHandle>>,
-    core: Weak<ReceiverCore>,
-}
-
-impl PeerLink for TcpPeer {
-    fn id(&self) -> u64 {
-        self.id
-    }
-
-    fn one_sided(&self) -> bool {
-        false
-    }
-
-    fn send(&self, msg: TransferControl) {
-        let _ = self.tx.send(msg);
-    }
-
-    fn close(&self) {
-        if let Some(h) = self.reader.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            h.abort();
-        }
-        if let Some(core) = self.core.upgrade() {
-            core.peer_lost(self.id, "connection closed by the receiver");
-        }
-    }
-}
-
-fn serve_conn(core: Arc<ReceiverCore>, stream: TcpStream) {
-    let (rd, wr) = stream.into_split();
-    let (tx, mut rx) = mpsc::unbounded_channel::<TransferControl>();
-    let peer = Arc::new(TcpPeer { id: next_id(), tx, reader: Mutex::new(None), core: Arc::downgrade(&core) });
-    let rt = core.runtime().clone();
-    rt.spawn(async move {
-        let mut w = BufWriter::new(wr);
-        while let Some(m) = rx.recv().await {
-            if write_frame_ctl(&mut w, &m).await.is_err() {
-                break;
-            }
-            while let Ok(m) = rx.try_recv() {
-                if write_frame_ctl(&mut w, &m).await.is_err() {
-                    return;
-                }
-            }
-            if w.flush().await.is_err() {
-                break;
-            }
-        }
-    });
-    let p2 = peer.clone();
-    let weak = Arc::downgrade(&core);
-    drop(core);
-    let reader = rt.spawn(async move {
-        let peer_dyn: Arc<dyn PeerLink> = p2.clone();
-        let r = receiver_read_loop(rd, &weak, &peer_dyn).await;
-        if let Some(core) = weak.upgrade() {
-            let reason = match r {
-                Ok(()) => "connection closed".to_string(),
-                Err(e) => format!("connection error: {e}"),
-            };
-            core.peer_lost(p2.id, &reason);
-        }
-    });
-    *peer.reader.lock().unwrap_or_else(|p| p.into_inner()) = Some(reader.abort_handle());
-}
-
-async fn receiver_read_loop(
-    rd: tokio::net::tcp::OwnedReadHalf,
-    core: &Weak<ReceiverCore>,
-    peer: &Arc<dyn PeerLink>,
-) -> std::io::Result<()> {
-    let mut r = BufReader::with_capacity(IO_BUF, rd);
-    let mut scratch = Vec::new();
-    loop {
-        let tag = match r.read_u8().await {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(e),
-        };
-        let Some(core) = core.upgrade() else { return Ok(()) };
-        match tag {
-            TAG_CONTROL => {
-                let msg = read_ctl(&mut r).await?;
-                core.on_control(peer, msg);
-            }
-            TAG_DATA => {
-                let mut hdr = [0u8; 32];
-                r.read_exact(&mut hdr).await?;
-                let word = |i: usize| u64::from_le_bytes(hdr[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
-                let (session, token, offset, len) = (word(0), word(1), word(2), word(3));
-                match core.admit_write(session, token, offset, len) {
-                    Ok(permit) => {
-                        // SAFETY: the permit is the only writer of its range.
-                        r.read_exact(unsafe { permit.slice() }).await?;
-                        permit.commit();
-                    }
-                    Err(refusal) => {
-                        if let Refusal::Invalid(why) = refusal {
-                            tracing::warn!(why, "dropping an invalid write");
-                        }
-                        // Drop the payload: the transfer is gone, aborted or was failed for this write.
-                        let mut left = len;
-                        scratch.resize(IO_BUF, 0);
-                        while left > 0 {
-                            let n = left.min(IO_BUF as u64) as usize;
-                            r.read_exact(&mut scratch[..n]).await?;
-                            left -= n as u64;
-                        }
-                    }
-                }
-            }
-            t => {
-                return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("unknown frame tag {t}")));
-            }
-        }
     }
 }
