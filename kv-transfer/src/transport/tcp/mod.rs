@@ -350,10 +350,10 @@ impl TcpLink {
                 }
                 b.1.insert(id, join.clone());
             }
-            if let Err(e) = self.send(lane, Out::Barrier(id)) {
-                if self.barriers.lock().unwrap_or_else(|p| p.into_inner()).1.remove(&id).is_some() {
-                    join.part(Err(e));
-                }
+            if let Err(e) = self.send(lane, Out::Barrier(id))
+                && self.barriers.lock().unwrap_or_else(|p| p.into_inner()).1.remove(&id).is_some()
+            {
+                join.part(Err(e));
             }
         }
     }
