@@ -18,6 +18,11 @@ use anyhow::{Context, anyhow, bail};
 use clap::Parser;
 use engine::cache::{CacheGeometry, LayerIdx};
 use kv_transfer::testkit;
+use kv_transfer::transport::ucx::DataPath;
+
+#[path = "kv-bench/baseline.rs"]
+mod baseline;
+use baseline::MaybeCopier;
 use kv_transfer::{
     ExpectRequest, KvReceiver, KvSender, ReceiverConfig, SenderConfig, TransferOutcome, TransportConfig, TransportKind,
 };
@@ -47,6 +52,9 @@ struct Args {
     /// Skip the ucx_perftest baseline.
     #[arg(long)]
     no_perftest: bool,
+    /// Skip the like-for-like references (perftest over a request-sized buffer, memcpy).
+    #[arg(long)]
+    no_baselines: bool,
     /// Internal: run as the receiving process with a pool of this many blocks.
     #[arg(long, hide = true)]
     serve: Option<usize>,
@@ -212,7 +220,7 @@ fn run(args: &Args) -> anyhow::Result<()> {
     let mut peer = Peer { child, stdin, lines: BufReader::new(stdout).lines() };
     let served = peer.line("READY ")?;
     let (cache, pool) = testkit::filled_cache(g, 3);
-    let sender = KvSender::new(SenderConfig::default(), cache, testkit::fingerprint(&g))?;
+    let sender = KvSender::new(SenderConfig::default(), cache.clone(), testkit::fingerprint(&g))?;
     let label = args.transport.as_str().to_string();
     if served != args.transport.as_str() {
         eprintln!("kv-bench: the receiver serves {served} (UCX could not be loaded): results are for {served}");
@@ -221,11 +229,20 @@ fn run(args: &Args) -> anyhow::Result<()> {
         TransportKind::Tcp => Some("tcp".to_string()),
         _ => std::env::var("UCX_TLS").ok(),
     };
+    let lanes = kv_transfer::transport::lanes::lanes_or_default(None);
+    let data_path = match served.as_str() {
+        "ucx" => match DataPath::from_env().map_err(|e| anyhow!(e))?.resolve(None) {
+            DataPath::ActiveMessage => "am",
+            _ => "put",
+        },
+        _ => "-",
+    };
+    let mut copy = baseline::Copier::new(&cache, args.no_baselines);
     // Overhead: handshake + completion of a 1-token, 1-layer-sized request.
     let overhead = overhead_us(&sender, &mut peer, &pool, args)?;
     eprintln!(
         "{}",
-        serde_json::json!({"transport": label, "overhead_us_median": overhead.0, "overhead_us_p99": overhead.1, "note": "handshake (begin) + completion (complete after the data landed), 1-token requests"})
+        serde_json::json!({"transport": label, "lanes": lanes, "data_path": data_path, "overhead_us_median": overhead.0, "overhead_us_p99": overhead.1, "note": "handshake (begin) + completion (complete after the data landed), 1-token requests"})
     );
     if !args.json {
         println!(
@@ -248,13 +265,20 @@ fn run(args: &Args) -> anyhow::Result<()> {
         let msg = bytes / (2 * args.layers as u64);
         let perf = if args.no_perftest { None } else { perftest_gbps(tls.as_deref(), msg, bytes) };
         let ratio = perf.map(|p| gbps / p);
+        // Like-for-like references (not the ratio): perftest streaming a buffer as large as the
+        // request (capped at 1 GiB) instead of re-sending one cache-resident message, and plain DRAM
+        // copies of the same bytes on 1 and `lanes` threads.
+        let cold = if args.no_perftest || args.no_baselines { None } else { perftest_cold_gbps(tls.as_deref(), bytes) };
+        let (memcpy1, memcpy_n) = (copy.gbps(bytes, 1), copy.gbps(bytes, lanes));
         if args.json {
             println!(
                 "{}",
                 serde_json::json!({
                     "transport": label, "tokens": tokens, "layers": args.layers, "bytes": bytes,
                     "gbps": round(gbps), "ms_per_request": round(mean * 1e3), "perftest_gbps": perf.map(round),
-                    "ratio": ratio.map(round),
+                    "ratio": ratio.map(round), "lanes": lanes, "data_path": data_path,
+                    "perftest_cold_gbps": cold.map(round), "memcpy_gbps": memcpy1.map(round),
+                    "memcpy_lanes_gbps": memcpy_n.map(round),
                 })
             );
         } else {
@@ -314,9 +338,19 @@ fn overhead_us(
 /// ucx_perftest on loopback: the better of ucp_put_bw and tag_bw for `msg`-byte messages, in GB/s.
 fn perftest_gbps(tls: Option<&str>, msg: u64, bytes: u64) -> Option<f64> {
     let iters = (bytes.max(2 << 30) / msg.max(1)).clamp(50, 20_000);
+    perftest_best(tls, msg, iters, (iters / 10).max(5))
+}
+
+/// The same with one message as large as the request (at most 1 GiB): the buffer streams from DRAM.
+fn perftest_cold_gbps(tls: Option<&str>, bytes: u64) -> Option<f64> {
+    let msg = bytes.min(1 << 30);
+    perftest_best(tls, msg, ((2u64 << 30) / msg).clamp(2, 10), 1)
+}
+
+fn perftest_best(tls: Option<&str>, msg: u64, iters: u64, warmup: u64) -> Option<f64> {
     let mut best: Option<f64> = None;
     for test in ["ucp_put_bw", "tag_bw"] {
-        match perftest_once(tls, test, msg, iters) {
+        match perftest_once(tls, test, msg, iters, warmup) {
             Ok(g) => best = Some(best.map_or(g, |b: f64| b.max(g))),
             Err(e) => eprintln!("kv-bench: ucx_perftest {test} {msg} B: {e}"),
         }
@@ -324,7 +358,7 @@ fn perftest_gbps(tls: Option<&str>, msg: u64, bytes: u64) -> Option<f64> {
     best
 }
 
-fn perftest_once(tls: Option<&str>, test: &str, msg: u64, iters: u64) -> anyhow::Result<f64> {
+fn perftest_once(tls: Option<&str>, test: &str, msg: u64, iters: u64, warmup: u64) -> anyhow::Result<f64> {
     let port = 20000 + (std::process::id() % 20000) as u16 + (msg % 97) as u16;
     let env = |c: &mut Command| {
         if let Some(t) = tls {
@@ -344,7 +378,7 @@ fn perftest_once(tls: Option<&str>, test: &str, msg: u64, iters: u64) -> anyhow:
             "-n",
             &iters.to_string(),
             "-w",
-            &(iters / 10).max(5).to_string(),
+            &warmup.to_string(),
         ]);
         env(&mut c);
         let out = c.output()?;

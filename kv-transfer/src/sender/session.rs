@@ -58,6 +58,8 @@ pub(crate) struct SessionState {
     jobs_cv: Condvar,
     error: Mutex<Option<TransferError>>,
     pub bytes: AtomicU64,
+    /// Round-robin position over the link's lanes (starts at the session id so sessions interleave).
+    pub next_lane: std::sync::atomic::AtomicUsize,
     started: Instant,
 }
 
@@ -96,6 +98,7 @@ impl SessionState {
             jobs_cv: Condvar::new(),
             error: Mutex::new(None),
             bytes: AtomicU64::new(0),
+            next_lane: std::sync::atomic::AtomicUsize::new(session_id as usize),
             started: Instant::now(),
         })
     }

@@ -58,8 +58,15 @@ fn ship(job: &Job) {
             st.set_error(TransferError::Transport(format!("request {}: put outside the regions", st.request_id())));
             return;
         };
-        // Several lanes: cut the put into aligned pieces the link deals over its lanes.
-        for (off, len) in lanes::pieces(p.len, st.link.lanes()) {
+        // Several lanes: cut the put into aligned pieces dealt round-robin over the lanes; a small
+        // request stays on lane 0 with the control messages.
+        let lanes = if st.plan.bytes_per_layer() * st.num_layers as u64 >= lanes::SPREAD_MIN_BYTES {
+            st.link.lanes()
+        } else {
+            1
+        };
+        for (off, len) in lanes::pieces(p.len, lanes) {
+            let lane = if lanes > 1 { st.next_lane.fetch_add(1, Ordering::Relaxed) } else { 0 };
             let op = PutOp {
                 session_id: st.session_id,
                 token: st.token(),
@@ -69,6 +76,7 @@ fn ship(job: &Job) {
                 dst_offset: p.dst_offset + off,
                 dst_addr: dst_addr.wrapping_add(off),
                 region,
+                lane,
             };
             // Holding the control lock while issuing makes "stopped" final: after stop_by_receiver
             // returns, no put of this session enters the transport.

@@ -42,6 +42,40 @@ pub fn pieces(len: u64, lanes: usize) -> impl Iterator<Item = (u64, u64)> {
     })
 }
 
+/// Requests smaller than this per lane stay on one lane (their flush then wakes one progress thread).
+pub const SPREAD_MIN_BYTES: u64 = 4 * STRIPE_BYTES;
+
+/// Per lane: puts issued, and how many of them a completed flush covers. A flush skips lanes whose
+/// every put issued so far is already covered (only flushes that *completed* count, so a flush another
+/// session has in flight is never relied on).
+pub struct LaneEpochs {
+    issued: Vec<std::sync::atomic::AtomicU64>,
+    covered: Vec<std::sync::atomic::AtomicU64>,
+}
+
+impl LaneEpochs {
+    pub fn new(lanes: usize) -> Self {
+        let z = || (0..lanes).map(|_| std::sync::atomic::AtomicU64::new(0)).collect();
+        LaneEpochs { issued: z(), covered: z() }
+    }
+
+    /// Call before handing a put to `lane`.
+    pub fn note_put(&self, lane: usize) {
+        self.issued[lane].fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The epoch a flush of `lane` issued now would cover, or `None` when nothing is left to cover.
+    pub fn pending(&self, lane: usize) -> Option<u64> {
+        let i = self.issued[lane].load(Ordering::Acquire);
+        (self.covered[lane].load(Ordering::Acquire) < i).then_some(i)
+    }
+
+    /// A flush of `lane` that covered `epoch` completed.
+    pub fn covered(&self, lane: usize, epoch: u64) {
+        self.covered[lane].fetch_max(epoch, Ordering::AcqRel);
+    }
+}
+
 type Then = Box<dyn FnOnce(Result<(), TransferError>) + Send>;
 
 /// Joins the flushes of several lanes; `then` runs once, on the thread that finished the last one, with
@@ -131,6 +165,22 @@ mod tests {
             }
         }
         assert_eq!(pieces(5 << 20, 1).count(), 1);
+    }
+
+    #[test]
+    fn epochs_skip_only_lanes_a_completed_flush_covered() {
+        let e = LaneEpochs::new(2);
+        assert_eq!(e.pending(0), None);
+        e.note_put(1);
+        e.note_put(1);
+        let at = e.pending(1).unwrap();
+        assert_eq!(at, 2);
+        e.note_put(1);
+        e.covered(1, at);
+        assert_eq!(e.pending(1), Some(3), "a put after the flush began is not covered");
+        e.covered(1, 3);
+        e.covered(1, 2);
+        assert_eq!(e.pending(1), None);
     }
 
     #[test]

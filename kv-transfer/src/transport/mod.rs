@@ -108,6 +108,8 @@ pub struct PutOp {
     /// Destination virtual address (region base + offset) and the region holding it.
     pub dst_addr: u64,
     pub region: usize,
+    /// Which of the link's lanes carries it (taken modulo the lane count).
+    pub lane: usize,
 }
 
 // SAFETY: `src` points into an arena the session keeps alive (Arc<KvCache>) until its puts are flushed.

@@ -2,7 +2,7 @@
 //! into the destination blocks (no intermediate copy), after `admit_write` checked the range.
 //!
 //! A link is one or more connections (lanes, see [`super::lanes`]): control messages go on lane 0, data
-//! pieces round-robin over all of them. On one connection frame order alone puts a completion after
+//! on the lane the shipper picked for each piece. On one connection frame order alone puts a completion after
 //! the data; with several, a flush also sends a barrier on every other lane, which the receiver answers
 //! once it has placed every frame before it.
 //!
@@ -14,7 +14,7 @@ mod serve;
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
@@ -26,7 +26,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, B
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
-use super::lanes::{FlushJoin, lanes_or_default};
+use super::lanes::{FlushJoin, LaneEpochs, lanes_or_default};
 use super::{Flushed, Inbound, Link, PendingCalls, PutOp, Reply, Served, Transport, TransportKind, control, next_id};
 use crate::receiver::core::ReceiverCore;
 use crate::wait::Cell;
@@ -168,8 +168,8 @@ impl Transport for TcpTransport {
         }
         let link = Arc::new(TcpLink {
             id: next_id(),
+            epochs: Arc::new(LaneEpochs::new(lanes.len())),
             lanes,
-            next: AtomicUsize::new(0),
             calls: Arc::new(PendingCalls::default()),
             barriers: Mutex::new((false, HashMap::new())),
             alive: AtomicBool::new(true),
@@ -321,7 +321,7 @@ struct TcpLink {
     id: u64,
     /// One writer per connection; lane 0 carries control messages.
     lanes: Vec<mpsc::UnboundedSender<Out>>,
-    next: AtomicUsize,
+    epochs: Arc<LaneEpochs>,
     calls: Arc<PendingCalls>,
     /// Barriers waiting for the receiver's answer (id -> flush); `.0` once the link died.
     barriers: Mutex<(bool, HashMap<u64, Arc<FlushJoin>>)>,
@@ -336,24 +336,36 @@ impl TcpLink {
         self.lanes[lane].send(o).map_err(|_| TransferError::Transport("link lost: connection closed".into()))
     }
 
-    /// Reports to `join` once every frame queued so far on lanes 1.. was placed by the receiver
-    /// (`join` expects `lanes - 1` parts from here).
-    fn barriers(&self, join: &Arc<FlushJoin>) {
-        for lane in 1..self.lanes.len() {
+    /// Lanes 1.. with data frames no answered barrier covers, and the epoch a barrier now would cover.
+    fn pending_lanes(&self) -> Vec<(usize, u64)> {
+        (1..self.lanes.len()).filter_map(|i| self.epochs.pending(i).map(|e| (i, e))).collect()
+    }
+
+    /// Sends a barrier on each of `todo`'s lanes; each reports to `join` once the receiver placed every
+    /// frame queued before it there.
+    fn barriers(&self, todo: &[(usize, u64)], join: &Arc<FlushJoin>) {
+        for &(lane, epoch) in todo {
+            let (j, e) = (join.clone(), self.epochs.clone());
+            let part = FlushJoin::new(1, move |r| {
+                if r.is_ok() {
+                    e.covered(lane, epoch);
+                }
+                j.part(r)
+            });
             let id = next_id();
             {
                 let mut b = self.barriers.lock().unwrap_or_else(|p| p.into_inner());
                 if b.0 {
                     drop(b);
-                    join.part(Err(TransferError::Transport("link lost: connection closed".into())));
+                    part.part(Err(TransferError::Transport("link lost: connection closed".into())));
                     continue;
                 }
-                b.1.insert(id, join.clone());
+                b.1.insert(id, part.clone());
             }
             if let Err(e) = self.send(lane, Out::Barrier(id))
                 && self.barriers.lock().unwrap_or_else(|p| p.into_inner()).1.remove(&id).is_some()
             {
-                join.part(Err(e));
+                part.part(Err(e));
             }
         }
     }
@@ -382,8 +394,9 @@ impl Link for TcpLink {
         let Some((id, cell)) = self.calls.register() else {
             return Some(Err(TransferError::Transport("link lost: closed".into())));
         };
+        let todo = self.pending_lanes();
         let (calls, lane0) = (self.calls.clone(), self.lanes[0].clone());
-        let join = FlushJoin::new(self.lanes.len() - 1, move |r| {
+        let join = FlushJoin::new(todo.len(), move |r| {
             let r = r.and_then(|()| {
                 lane0
                     .send(Out::Ctl(control(id, body)))
@@ -393,7 +406,7 @@ impl Link for TcpLink {
                 calls.complete(id, Err(e));
             }
         });
-        self.barriers(&join);
+        self.barriers(&todo, &join);
         Some(Ok(cell))
     }
 
@@ -404,20 +417,22 @@ impl Link for TcpLink {
     fn detach_regions(&self, _handle: u64) {}
 
     fn put(&self, _regions: u64, op: PutOp) -> Result<(), TransferError> {
-        let lane = self.next.fetch_add(1, Ordering::Relaxed) % self.lanes.len();
+        let lane = op.lane % self.lanes.len();
+        self.epochs.note_put(lane);
         self.send(lane, Out::Data(op))
     }
 
     fn flush(&self) -> Result<Flushed, TransferError> {
         let c: Flushed = Cell::new();
         let c2 = c.clone();
-        let join = FlushJoin::new(self.lanes.len(), move |r| {
+        let todo = self.pending_lanes();
+        let join = FlushJoin::new(1 + todo.len(), move |r| {
             c2.set(r);
         });
         if let Err(e) = self.send(0, Out::Flush(join.clone())) {
             join.part(Err(e));
         }
-        self.barriers(&join);
+        self.barriers(&todo, &join);
         Ok(c)
     }
 

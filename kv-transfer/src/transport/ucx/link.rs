@@ -1,8 +1,8 @@
 //! The sender's side of a UCX connection: one endpoint per lane (each lane a node with its own worker and
-//! progress thread), control on lane 0, data pieces dealt round-robin over every lane.
+//! progress thread), control on lane 0, data on the lane the shipper picked for each piece.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use proto::v1::transfer_control::Body;
@@ -11,7 +11,7 @@ use proto::v1::{MemoryRegion, TransferControl};
 use super::lock;
 use super::node::{Node, Sink};
 use crate::TransferError;
-use crate::transport::lanes::FlushJoin;
+use crate::transport::lanes::{FlushJoin, LaneEpochs};
 use crate::transport::{Flushed, Inbound, Link, PendingCalls, PutOp, Reply, control, next_id};
 use crate::wait::Cell;
 
@@ -59,7 +59,7 @@ pub(super) struct UcxLink {
     pub id: u64,
     /// (node, endpoint) per lane; lane 0 carries control messages.
     pub lanes: Vec<(Arc<Node>, u64)>,
-    pub next: AtomicUsize,
+    pub epochs: Arc<LaneEpochs>,
     pub calls: Arc<PendingCalls>,
     pub alive: AtomicBool,
     /// Packed rkeys -> handle, unpacked on every lane's endpoint under that one handle.
@@ -71,11 +71,31 @@ impl UcxLink {
         &self.lanes[0]
     }
 
-    /// Flushes every lane, then runs `then` with the joined result.
+    /// Flushes lane 0 and every lane with puts no completed flush covers, then runs `then` with the
+    /// joined result.
     fn flush_all(&self, then: impl FnOnce(Result<(), TransferError>) + Send + 'static) {
-        let join = FlushJoin::new(self.lanes.len(), then);
-        for (node, ep) in &self.lanes {
-            node.flush(*ep, join.clone());
+        let todo: Vec<(usize, Option<u64>)> = (0..self.lanes.len())
+            .filter_map(|i| {
+                let p = self.epochs.pending(i);
+                (i == 0 || p.is_some()).then_some((i, p))
+            })
+            .collect();
+        let join = FlushJoin::new(todo.len(), then);
+        for (i, pending) in todo {
+            let (node, ep) = &self.lanes[i];
+            let part = match pending {
+                Some(epoch) => {
+                    let (j, e) = (join.clone(), self.epochs.clone());
+                    FlushJoin::new(1, move |r| {
+                        if r.is_ok() {
+                            e.covered(i, epoch);
+                        }
+                        j.part(r)
+                    })
+                }
+                None => join.clone(),
+            };
+            node.flush(*ep, part);
         }
     }
 }
@@ -134,7 +154,9 @@ impl Link for UcxLink {
         if !self.is_alive() {
             return Err(TransferError::Transport("link lost: UCX endpoint failed".into()));
         }
-        let (node, ep) = &self.lanes[self.next.fetch_add(1, Ordering::Relaxed) % self.lanes.len()];
+        let lane = op.lane % self.lanes.len();
+        self.epochs.note_put(lane);
+        let (node, ep) = &self.lanes[lane];
         node.put(*ep, regions, op)
     }
 

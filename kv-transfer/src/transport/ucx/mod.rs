@@ -12,7 +12,7 @@ mod node;
 pub mod sys;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
@@ -22,7 +22,7 @@ use proto::v1::{MemoryRegion, TransferControl, TransportEndpoint};
 
 use self::link::{SenderSink, UcxLink};
 use self::node::{Node, NodeOwner, Sink};
-use super::lanes::{decode_address, encode_address, lanes_or_default};
+use super::lanes::{FlushJoin, LaneEpochs, decode_address, encode_address, lanes_or_default};
 use super::{Inbound, Link, PeerLink, PendingCalls, Served, Transport, TransportKind, next_id};
 use crate::TransferError;
 use crate::receiver::core::{ReceiverCore, Refusal, WritePermit};
@@ -189,12 +189,30 @@ impl Transport for UcxTransport {
         let link = Arc::new(UcxLink {
             receiver_mediated: am,
             id: next_id(),
+            epochs: Arc::new(LaneEpochs::new(lanes.len())),
             lanes,
-            next: AtomicUsize::new(0),
             calls: Arc::new(PendingCalls::default()),
             alive: AtomicBool::new(true),
             rkeys: Mutex::new(HashMap::new()),
         });
+        // Finish every lane's wireup now: a lane a small request never uses would otherwise still have
+        // wireup messages queued when the link closes, and UCX 1.13 asserts when it purges those.
+        let done: super::Flushed = crate::wait::Cell::new();
+        let d = done.clone();
+        let join = FlushJoin::new(link.lanes.len(), move |r| {
+            d.set(r);
+        });
+        for (node, ep) in &link.lanes {
+            node.flush(*ep, join.clone());
+        }
+        let wired =
+            done.wait_until(deadline).unwrap_or_else(|| Err(TransferError::Transport("UCX wireup timed out".into())));
+        if let Err(e) = wired {
+            for (node, ep) in &link.lanes {
+                node.close_ep(*ep);
+            }
+            return Err(e);
+        }
         let mut links = lock(&sink.links);
         links.retain(|_, l| l.strong_count() > 0);
         links.insert(origin, Arc::downgrade(&link));

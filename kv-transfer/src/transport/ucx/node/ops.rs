@@ -328,8 +328,12 @@ impl State {
         for ep in eps {
             self.close_ep(ep);
         }
-        let until = Instant::now() + Duration::from_millis(500);
-        while !self.actions.is_empty() && Instant::now() < until {
+        // Keep progressing a little even when nothing of ours is pending: wireup replies UCX still owes
+        // its peers go out now, rather than sit in a queue that ucp_worker_destroy purges (UCX 1.13
+        // asserts on purging a wireup reply).
+        let start = Instant::now();
+        let until = start + Duration::from_millis(500);
+        while (!self.actions.is_empty() || start.elapsed() < Duration::from_millis(50)) && Instant::now() < until {
             // SAFETY: our worker.
             unsafe { (self.lib.ucp_worker_progress)(self.worker) };
             loop {
