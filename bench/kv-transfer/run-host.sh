@@ -18,7 +18,8 @@ run() { # label, then env assignments and kv-bench arguments
     local label=$1
     shift
     echo "== $label $(date +%T)" | tee -a "$OUTDIR/log.txt"
-    env "$@" 2>>"$OUTDIR/log.txt" | sed "s/^/$label /" | tee -a "$OUTDIR/results.txt"
+    # stderr through a pipe: UCX opens its log file (/dev/stderr here) with truncation.
+    env "$@" 2> >(sed "s/^/$label /" >>"$OUTDIR/log.txt") | sed "s/^/$label /" | tee -a "$OUTDIR/results.txt"
 }
 
 case "$PHASE" in
@@ -26,9 +27,12 @@ sweep)
     B="kv-bench --layers 62 --reps 5 --json"
     run tcp timeout 150 $B --transport tcp
     run ucx-tcp-auto UCX_TLS=tcp timeout 150 $B --transport ucx
-    run ucx-sm-put UCX_TLS=sm,self TANDEM_UCX_DATA_PATH=put timeout 150 $B --transport ucx
-    run ucx-sm-am UCX_TLS=sm,self TANDEM_UCX_DATA_PATH=am timeout 150 $B --transport ucx
+    run ucx-sm-auto UCX_TLS=sm,self timeout 150 $B --transport ucx
+    run ucx-sm-put UCX_TLS=sm,self TANDEM_UCX_DATA_PATH=put timeout 150 $B --transport ucx --tokens 8192,131072 --reps 3
     run ucx-tcp-put UCX_TLS=tcp TANDEM_UCX_DATA_PATH=put timeout 150 $B --transport ucx --tokens 8192,131072 --reps 3
+    run tcp-l1 TANDEM_KV_LANES=1 timeout 60 $B --transport tcp --tokens 8192 --no-perftest --no-baselines
+    run ucx-tcp-auto-l1 TANDEM_KV_LANES=1 UCX_TLS=tcp timeout 60 $B --transport ucx --tokens 8192 --no-perftest --no-baselines
+    run ucx-sm-auto-l1 TANDEM_KV_LANES=1 UCX_TLS=sm,self timeout 60 $B --transport ucx --tokens 8192 --no-perftest --no-baselines
     ;;
 lanes)
     B="kv-bench --layers 62 --reps 3 --budget-s 4 --json --no-perftest --tokens 8192,131072"

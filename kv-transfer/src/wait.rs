@@ -4,14 +4,21 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 pub struct Cell<T> {
     state: Mutex<State<T>>,
     cv: Condvar,
+    /// Mirrors `State::set` for waiters that spin before sleeping.
+    ready: AtomicBool,
 }
+
+/// How long a thread waiting on a cell polls before it sleeps on the condition variable: replies on
+/// loopback arrive within tens of microseconds, and a futex wake-up costs about as much again.
+const SPIN: Duration = Duration::from_micros(50);
 
 struct State<T> {
     value: Option<T>,
@@ -21,7 +28,11 @@ struct State<T> {
 
 impl<T> Cell<T> {
     pub fn new() -> Arc<Self> {
-        Arc::new(Cell { state: Mutex::new(State { value: None, set: false, waker: None }), cv: Condvar::new() })
+        Arc::new(Cell {
+            state: Mutex::new(State { value: None, set: false, waker: None }),
+            cv: Condvar::new(),
+            ready: AtomicBool::new(false),
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, State<T>> {
@@ -37,6 +48,7 @@ impl<T> Cell<T> {
             }
             s.set = true;
             s.value = Some(v);
+            self.ready.store(true, Ordering::Release);
             s.waker.take()
         };
         self.cv.notify_all();
@@ -52,6 +64,10 @@ impl<T> Cell<T> {
 
     /// Takes the value, waiting until `deadline`. `None` on timeout (or when already taken).
     pub fn wait_until(&self, deadline: Instant) -> Option<T> {
+        let spin_until = Instant::now() + SPIN;
+        while !self.ready.load(Ordering::Acquire) && Instant::now() < spin_until.min(deadline) {
+            std::hint::spin_loop();
+        }
         let mut s = self.lock();
         loop {
             if s.set {

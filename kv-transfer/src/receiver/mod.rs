@@ -28,7 +28,7 @@ pub struct ReceiverConfig {
     /// How long blocks stay out of the pool after a one-sided sender was lost mid-transfer.
     pub quarantine: Duration,
     /// UCX nodes (workers with a progress thread each) that place incoming active-message writes, and
-    /// runtime threads for TCP connections (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 1 to 4).
+    /// runtime threads for TCP connections (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 1 to 8).
     pub lanes: Option<usize>,
 }
 

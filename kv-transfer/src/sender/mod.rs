@@ -40,7 +40,7 @@ pub struct SenderConfig {
     /// the transports are tcp only, one-sided puts elsewhere).
     pub ucx_data_path: Option<crate::transport::ucx::DataPath>,
     /// Parallel lanes per receiver (UCX nodes or TCP connections) that one request's data is striped
-    /// over (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 1 to 4).
+    /// over (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 1 to 8).
     pub lanes: Option<usize>,
     /// Fault injection (tests); `None` reads `TANDEM_KV_FAULT` where the build honours it.
     pub fault: Option<Fault>,

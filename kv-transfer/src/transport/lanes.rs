@@ -13,13 +13,13 @@ use crate::TransferError;
 pub const STRIPE_BYTES: u64 = 1 << 20;
 
 /// Lanes per link when neither the configuration nor `TANDEM_KV_LANES` says: a quarter of the cores,
-/// 1 to 4 (one lane on a 2-core machine, four on a 16-core host).
+/// 1 to 8 (one lane on a 2-core machine, four on a 16-core host).
 pub fn default_lanes() -> usize {
     if let Some(n) = std::env::var("TANDEM_KV_LANES").ok().and_then(|v| v.trim().parse::<usize>().ok()) {
         return n.clamp(1, 64);
     }
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    (cores / 4).clamp(1, 4)
+    (cores / 4).clamp(1, 8)
 }
 
 /// Resolves a configured lane count (`None`: [`default_lanes`]).

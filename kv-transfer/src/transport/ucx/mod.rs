@@ -44,8 +44,10 @@ pub enum DataPath {
     /// Rendezvous active messages the receiver places itself (fastest where RMA is emulated, as over
     /// tcp; every write is admitted by the receiver).
     ActiveMessage,
-    /// `ActiveMessage` when the configured transports (`UCX_TLS`) are tcp only, where UCX emulates RMA
-    /// about 3x slower; `Put` otherwise.
+    /// `Put` where an RDMA transport carries native RMA (`UCX_TLS` names one, or it is unset and the
+    /// host has an RDMA device); `ActiveMessage` elsewhere: over tcp UCX emulates RMA about 3x slower,
+    /// and over shared memory puts stay one stream per link while the receiver's lanes place active
+    /// messages in parallel (measured, bench/RESULTS.md).
     Auto,
 }
 
@@ -65,8 +67,12 @@ impl DataPath {
         }
         let tls = tls.map(str::to_string).or_else(|| std::env::var("UCX_TLS").ok()).unwrap_or_default();
         let names: Vec<&str> = tls.split(',').map(str::trim).filter(|t| !t.is_empty()).collect();
-        let tcp_only = names.contains(&"tcp") && names.iter().all(|t| matches!(*t, "tcp" | "self" | "sockcm"));
-        if tcp_only { DataPath::ActiveMessage } else { DataPath::Put }
+        let rdma = if names.is_empty() || names.iter().any(|n| n.starts_with('^') || *n == "all") {
+            std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some())
+        } else {
+            names.iter().any(|n| ["rc", "dc", "ud", "ib", "rdma"].iter().any(|p| n.starts_with(p)))
+        };
+        if rdma { DataPath::Put } else { DataPath::ActiveMessage }
     }
 }
 
@@ -100,7 +106,7 @@ impl UcxTransport {
         Self::with_options(tls, data_path, None)
     }
 
-    /// `lanes`: nodes per link (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 1 to 4).
+    /// `lanes`: nodes per link (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 1 to 8).
     pub fn with_options(tls: Option<&str>, data_path: DataPath, lanes: Option<usize>) -> Result<Self, String> {
         load()?;
         Ok(UcxTransport {
@@ -325,5 +331,21 @@ impl PeerLink for UcxPeer {
                 core.peer_lost(self.id, "endpoint closed by the receiver");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DataPath;
+
+    #[test]
+    fn auto_data_path_puts_only_over_rdma() {
+        assert_eq!(DataPath::Auto.resolve(Some("tcp")), DataPath::ActiveMessage);
+        assert_eq!(DataPath::Auto.resolve(Some("sm,self")), DataPath::ActiveMessage);
+        assert_eq!(DataPath::Auto.resolve(Some("rc_x,sm,self")), DataPath::Put);
+        assert_eq!(DataPath::Put.resolve(Some("tcp")), DataPath::Put);
+        assert_eq!(DataPath::ActiveMessage.resolve(Some("rc")), DataPath::ActiveMessage);
+        assert_eq!("auto".parse::<DataPath>(), Ok(DataPath::Auto));
+        assert!("rma".parse::<DataPath>().is_err());
     }
 }
