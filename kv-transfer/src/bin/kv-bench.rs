@@ -358,6 +358,28 @@ fn perftest_best(tls: Option<&str>, msg: u64, iters: u64, warmup: u64) -> Option
     best
 }
 
+/// A ucx_perftest client still running by then is killed; its output so far is still read (UCX 1.13
+/// over tcp can print its `Final:` line for huge emulated puts and then hang in teardown).
+const PERFTEST_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Runs `cmd` with its output collected; the flag says it outlived `deadline` and was killed.
+fn output_within(mut cmd: Command, deadline: Duration) -> anyhow::Result<(std::process::Output, bool)> {
+    let child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+    let pid = child.id() as libc::pid_t;
+    let (tx, rx) = std::sync::mpsc::channel();
+    // The pipes are drained while it runs, so a chatty child never blocks on a full pipe.
+    std::thread::spawn(move || tx.send(child.wait_with_output()));
+    match rx.recv_timeout(deadline) {
+        Ok(out) => Ok((out?, false)),
+        Err(_) => {
+            // SAFETY: plain kill(2) of our own child, which has not been reaped (the waiting thread
+            // still holds it), so the pid cannot have been reused.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            Ok((rx.recv()??, true))
+        }
+    }
+}
+
 fn perftest_once(tls: Option<&str>, test: &str, msg: u64, iters: u64, warmup: u64) -> anyhow::Result<f64> {
     let port = 20000 + (std::process::id() % 20000) as u16 + (msg % 97) as u16;
     let env = |c: &mut Command| {
@@ -381,7 +403,7 @@ fn perftest_once(tls: Option<&str>, test: &str, msg: u64, iters: u64, warmup: u6
             &warmup.to_string(),
         ]);
         env(&mut c);
-        let out = c.output()?;
+        let (out, killed) = output_within(c, PERFTEST_DEADLINE)?;
         let text = String::from_utf8_lossy(&out.stdout).to_string();
         if let Some(line) = text.lines().find(|l| l.starts_with("Final:")) {
             // Final: iterations, latency 50%/avg/overall (us), bandwidth avg/overall (MB/s), msg rates.
@@ -390,6 +412,10 @@ fn perftest_once(tls: Option<&str>, test: &str, msg: u64, iters: u64, warmup: u6
             break;
         }
         last = format!("{}{}", text, String::from_utf8_lossy(&out.stderr));
+        if killed {
+            last = format!("killed after {} s without a result", PERFTEST_DEADLINE.as_secs());
+            break;
+        }
     }
     let _ = server.kill();
     let _ = server.wait();

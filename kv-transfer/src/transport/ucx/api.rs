@@ -1,5 +1,7 @@
 //! Loads libucp at run time (the crate builds and runs without UCX) and wraps its status codes.
 
+use std::cell::Cell;
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::sync::OnceLock;
 
 use super::sys::{UcpLib, ucs_status_t};
@@ -13,7 +15,10 @@ pub fn load() -> Result<&'static UcpLib, String> {
         for name in ["libucp.so.0", "libucp.so"] {
             // SAFETY: loading libucp runs its constructors, which only initialise UCX's own globals.
             match unsafe { UcpLib::new(name) } {
-                Ok(lib) => return Ok(lib),
+                Ok(lib) => {
+                    install_log_filter();
+                    return Ok(lib);
+                }
                 Err(e) => errors.push(format!("{name}: {e}")),
             }
         }
@@ -21,6 +26,68 @@ pub fn load() -> Result<&'static UcpLib, String> {
     })
     .as_ref()
     .map_err(Clone::clone)
+}
+
+thread_local! {
+    static QUIET_PROBE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with UCX's "no <feature> transport to <peer>" error hidden on this thread. Used where that
+/// failure is expected and handled: probing whether an endpoint can detect peer failure, which UCX 1.13's
+/// shared-memory transports cannot (the caller logs its own line and connects without it).
+pub fn quiet_probe<T>(f: impl FnOnce() -> T) -> T {
+    QUIET_PROBE.with(|q| q.set(true));
+    let r = f();
+    QUIET_PROBE.with(|q| q.set(false));
+    r
+}
+
+/// `ucs_log_func_t` (ucs/debug/log_def.h). `ap` is a `va_list`, a pointer on x86-64 and aarch64; never read.
+type UcsLogFn = unsafe extern "C" fn(
+    file: *const c_char,
+    line: c_uint,
+    function: *const c_char,
+    level: c_int,
+    comp_conf: *const c_void,
+    message: *const c_char,
+    ap: *mut c_void,
+) -> c_int;
+
+const UCS_LOG_FUNC_RC_STOP: c_int = 0;
+const UCS_LOG_FUNC_RC_CONTINUE: c_int = 1;
+
+unsafe extern "C" fn log_filter(
+    _file: *const c_char,
+    _line: c_uint,
+    _function: *const c_char,
+    _level: c_int,
+    _comp_conf: *const c_void,
+    message: *const c_char,
+    _ap: *mut c_void,
+) -> c_int {
+    let probing = QUIET_PROBE.try_with(Cell::get).unwrap_or(false);
+    // SAFETY: UCX passes its NUL-terminated format string.
+    if probing && !message.is_null() && unsafe { CStr::from_ptr(message) }.to_bytes().starts_with(b"no %s transport") {
+        return UCS_LOG_FUNC_RC_STOP;
+    }
+    UCS_LOG_FUNC_RC_CONTINUE
+}
+
+/// Pushes [`log_filter`] onto libucs's log handler stack (it runs before the default printer). A libucs
+/// without `ucs_log_push_handler` just keeps printing everything.
+fn install_log_filter() {
+    for name in ["libucs.so.0", "libucs.so"] {
+        // SAFETY: libucs is already loaded as libucp's dependency; this only takes another reference,
+        // kept for the process's life so the pushed handler's library never unloads.
+        let Ok(lib) = (unsafe { libloading::Library::new(name) }) else { continue };
+        // SAFETY: the symbol has this signature in every UCX release that exports it (>= 1.9).
+        if let Ok(push) = unsafe { lib.get::<unsafe extern "C" fn(UcsLogFn)>(b"ucs_log_push_handler\0") } {
+            // SAFETY: log_filter matches ucs_log_func_t and never unwinds.
+            unsafe { push(log_filter) };
+        }
+        std::mem::forget(lib);
+        return;
+    }
 }
 
 pub fn status_str(lib: &UcpLib, s: ucs_status_t) -> String {

@@ -199,7 +199,7 @@ impl State {
             return unsafe { self.create_ep(id, addr, false) }.map_err(|s| err(self.lib, "ucp_ep_create", s));
         }
         // SAFETY: forwarded.
-        match unsafe { self.create_ep(id, addr, true) } {
+        match super::super::api::quiet_probe(|| unsafe { self.create_ep(id, addr, true) }) {
             Err(s) if s == ucs_status_t::UCS_ERR_UNREACHABLE => {
                 // Some transports (UCX 1.13's shared memory) cannot report peer failure; connect without
                 // it. Liveness then rests on deadlines, abort acknowledgements and the quarantine.
