@@ -109,37 +109,101 @@ mod raw_http {
     }
 }
 
+/// The worker doubles run in their own process (this benchmark re-executed with `--serve-doubles`), as
+/// real workers do: a "direct" client in the doubles' own process would skip the cross-process wake-ups
+/// that every real client pays, and understate what the router adds.
 struct Workers {
-    _prefill: Double,
-    _decode: Double,
+    child: Child,
+    /// The doubles process's stdin: `interval US` lines set the decode token interval.
+    control: std::process::ChildStdin,
+    prefill_addr: String,
+    decode_addr: String,
     prefill: PrefillWorkerClient<Channel>,
     decode: DecodeWorkerClient<Channel>,
-    knobs: Arc<double::Knobs>,
 }
 
-async fn workers(tok: &text::Tokenizer) -> Workers {
-    let fabric = Arc::new(Fabric::default());
-    let script = support::harness::reply_script(tok);
-    let eos = tok.eos_id().unwrap();
-    let fp = double::fingerprint(MODEL, "h1");
-    let p = double::spawn("p0", WorkerRole::Prefill, script.clone(), eos, fabric.clone(), fp.clone()).await;
-    let d = double::spawn("d0", WorkerRole::Decode, script, eos, fabric, fp).await;
-    // The same HTTP/2 settings as the router's worker channels (see workers/handle.rs).
-    let ch = |a: String| {
-        Channel::from_shared(format!("http://{a}"))
-            .unwrap()
-            .tcp_nodelay(true)
-            .initial_connection_window_size(Some(64 << 20))
-            .initial_stream_window_size(Some(1 << 20))
-            .connect_lazy()
-    };
-    Workers {
-        prefill: PrefillWorkerClient::new(ch(p.grpc_address())),
-        decode: DecodeWorkerClient::new(ch(d.grpc_address())),
-        knobs: d.knobs.clone(),
-        _prefill: p,
-        _decode: d,
+impl Workers {
+    fn start() -> Workers {
+        let mut child = Command::new(std::env::current_exe().expect("own executable"))
+            .arg("--serve-doubles")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn the worker doubles");
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line)
+            .expect("doubles' addresses");
+        let mut it = line.split_whitespace().skip(1);
+        let (prefill_addr, decode_addr) = (it.next().unwrap().to_owned(), it.next().unwrap().to_owned());
+        // The same HTTP/2 settings as the router's worker channels (see workers/handle.rs).
+        let ch = |a: &str| {
+            Channel::from_shared(format!("http://{a}"))
+                .unwrap()
+                .tcp_nodelay(true)
+                .initial_connection_window_size(Some(64 << 20))
+                .initial_stream_window_size(Some(1 << 20))
+                .connect_lazy()
+        };
+        Workers {
+            control: child.stdin.take().unwrap(),
+            prefill: PrefillWorkerClient::new(ch(&prefill_addr)),
+            decode: DecodeWorkerClient::new(ch(&decode_addr)),
+            prefill_addr,
+            decode_addr,
+            child,
+        }
     }
+
+    fn clients(&self) -> Clients {
+        Clients { prefill: self.prefill.clone(), decode: self.decode.clone() }
+    }
+
+    fn set_token_interval_us(&mut self, us: u64) {
+        use std::io::Write;
+        writeln!(self.control, "interval {us}").and_then(|_| self.control.flush()).expect("doubles control");
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// gRPC clients of the doubles, for the direct runs.
+struct Clients {
+    prefill: PrefillWorkerClient<Channel>,
+    decode: DecodeWorkerClient<Channel>,
+}
+
+/// `--serve-doubles`: runs a prefill and a decode double, prints `ADDR <prefill> <decode>`, applies
+/// `interval US` lines from stdin, exits when stdin closes.
+fn serve_doubles() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        let dir = model_dir();
+        let tok = text::Tokenizer::from_dir(dir.path()).unwrap();
+        let fabric = Arc::new(Fabric::default());
+        let script = support::harness::reply_script(&tok);
+        let eos = tok.eos_id().unwrap();
+        let fp = double::fingerprint(MODEL, "h1");
+        let p = double::spawn("p0", WorkerRole::Prefill, script.clone(), eos, fabric.clone(), fp.clone()).await;
+        let d: Double = double::spawn("d0", WorkerRole::Decode, script, eos, fabric, fp).await;
+        println!("ADDR {} {}", p.grpc_address(), d.grpc_address());
+        let knobs = d.knobs.clone();
+        tokio::task::spawn_blocking(move || {
+            for line in std::io::stdin().lines().map_while(Result::ok) {
+                if let Some(us) = line.strip_prefix("interval ").and_then(|v| v.trim().parse().ok()) {
+                    knobs.token_interval_us.store(us, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        })
+        .await
+        .unwrap();
+        drop((p, d));
+    });
 }
 
 struct Router {
@@ -148,9 +212,8 @@ struct Router {
 }
 
 impl Router {
-    fn start(model: &std::path::Path, w: &Workers, prefill: &str, decode: &str) -> Router {
+    fn start(model: &std::path::Path, prefill: &str, decode: &str) -> Router {
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let _ = w;
         // TANDEM_ROUTER_BIN: run a copied binary (e.g. on another machine) instead of the one cargo built.
         let bin = std::env::var("TANDEM_ROUTER_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_tandem-router").to_owned());
         let child = Command::new(bin)
@@ -197,7 +260,7 @@ fn ms(d: Duration) -> f64 {
 
 /// One request the direct way: what the router does, minus HTTP, templating and detokenization.
 /// Returns (time to first token, arrival times of token events).
-async fn direct_once(w: &Workers, prompt: &[u32], max_tokens: u32, i: u64) -> (Duration, Vec<Instant>) {
+async fn direct_once(w: &Clients, prompt: &[u32], max_tokens: u32, i: u64) -> (Duration, Vec<Instant>) {
     let start = Instant::now();
     let sampling = SamplingParams { max_tokens, ..Default::default() };
     let rid = format!("direct-{i}");
@@ -249,7 +312,7 @@ struct Point {
 
 /// Runs `conc` clients for `dur`, through the router or directly.
 async fn run_point(
-    w: &Arc<Workers>,
+    w: &Arc<Clients>,
     router: Option<&str>,
     conc: usize,
     dur: Duration,
@@ -324,6 +387,9 @@ fn summary(p: &mut Point) -> Value {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--serve-doubles") {
+        return serve_doubles();
+    }
     let json_out = args.iter().any(|a| a == "--json");
     let secs: f64 = args
         .iter()
@@ -343,9 +409,9 @@ fn main() {
         let args = args2;
         let dir = model_dir();
         let tok = text::Tokenizer::from_dir(dir.path()).unwrap();
-        let w = Arc::new(workers(&tok).await);
+        let mut workers = Workers::start();
         let prompt = Arc::new(tok.encode_prompt("Say hello to the benchmark").unwrap());
-        let router = Router::start(dir.path(), &w, &w._prefill.grpc_address(), &w._decode.grpc_address());
+        let router = Router::start(dir.path(), &workers.prefill_addr, &workers.decode_addr);
         let http = reqwest::Client::new();
         for _ in 0..200 {
             if let Ok(r) = http.get(format!("http://{}/ready", router.addr)).send().await
@@ -359,7 +425,8 @@ fn main() {
         let mut results = Vec::new();
         // Short non-streaming requests: 4 output tokens, no pacing.
         for &conc in &levels {
-            w.knobs.token_interval_us.store(0, std::sync::atomic::Ordering::Relaxed);
+            workers.set_token_interval_us(0);
+            let w = Arc::new(workers.clients());
             let mut direct = run_point(&w, None, conc, dur, false, 4, prompt.clone()).await;
             let cpu0 = router.cpu_us();
             let mut via = run_point(&w, Some(&router.addr), conc, dur, false, 4, prompt.clone()).await;
@@ -377,7 +444,8 @@ fn main() {
         }
         // Streams at a fixed rate: 50 tokens/s per stream (20 ms apart), 32 tokens each.
         for &conc in &levels {
-            w.knobs.token_interval_us.store(20_000, std::sync::atomic::Ordering::Relaxed);
+            workers.set_token_interval_us(20_000);
+            let w = Arc::new(workers.clients());
             let mut direct = run_point(&w, None, conc, dur, true, 32, prompt.clone()).await;
             let cpu0 = router.cpu_us();
             let mut via = run_point(&w, Some(&router.addr), conc, dur, true, 32, prompt.clone()).await;
