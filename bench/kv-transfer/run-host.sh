@@ -19,7 +19,8 @@ run() { # label, then env assignments and kv-bench arguments
     local label=$1
     shift
     echo "== $label $(date +%T)" | tee -a "$OUTDIR/log.txt"
-    # stderr through a pipe: UCX opens its log file (/dev/stderr here) with truncation.
+    # stderr through a pipe (kv-bench's UCX_LOG_FILE=stderr would be safe on a file too; older kv-bench
+    # builds used /dev/stderr, which UCX opens with truncation).
     env "$@" 2> >(sed "s/^/$label /" >>"$OUTDIR/log.txt") | sed "s/^/$label /" | tee -a "$OUTDIR/results.txt"
 }
 

@@ -174,3 +174,33 @@ fn ucx_tcp_am_striped_receiver_killed_mid_transfer() {
 fn tcp_striped_sender_killed_mid_transfer() {
     sender_killed_mid_transfer(&Kind::Striped(Box::new(Kind::Tcp), 3))
 }
+
+/// UCX's own log lines go to stderr without truncating a file stderr is redirected to: UCX reopens a
+/// path such as `/dev/stderr` with O_TRUNC, which wiped the log of a process started as `... 2>>log`.
+#[test]
+fn ucx_logs_append_to_a_redirected_stderr() {
+    if !Kind::Ucx("tcp").available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("peer.log");
+    std::fs::write(&path, "an earlier log line\n").unwrap();
+    let log_file = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kv-peer"))
+        .args(["recv", "--transport", "ucx", "--tls", "tcp", "--timeout-ms", "2000"])
+        .env("UCX_LOG_LEVEL", "info")
+        .env_remove("UCX_LOG_FILE")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(log_file)
+        .spawn()
+        .expect("spawn kv-peer");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(line.starts_with("DESC "), "stdout holds only the peer's own lines, got {line:?}");
+    let log = std::fs::read_to_string(&path).unwrap();
+    assert!(log.starts_with("an earlier log line\n"), "stderr's file was truncated: {:?}", &log[..log.len().min(300)]);
+    assert!(log.contains("UCX  INFO"), "UCX's log lines reach stderr: {:?}", &log[..log.len().min(300)]);
+}

@@ -391,18 +391,21 @@ fn main() {
         return serve_doubles();
     }
     let json_out = args.iter().any(|a| a == "--json");
+    // `cargo bench` passes --bench; `cargo test --all-targets` runs this without it: then a short smoke
+    // run that checks the benchmark works and writes no results file.
+    let smoke = !args.iter().any(|a| a == "--bench");
     let secs: f64 = args
         .iter()
         .position(|a| a == "--seconds")
         .and_then(|i| args.get(i + 1))
         .and_then(|s| s.parse().ok())
-        .unwrap_or(4.0);
+        .unwrap_or(if smoke { 0.3 } else { 4.0 });
     let levels: Vec<usize> = args
         .iter()
         .position(|a| a == "--concurrency")
         .and_then(|i| args.get(i + 1))
         .map(|s| s.split(',').filter_map(|x| x.parse().ok()).collect())
-        .unwrap_or_else(|| vec![1, 64, 1024]);
+        .unwrap_or_else(|| if smoke { vec![1, 8] } else { vec![1, 64, 1024] });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let args2 = args.clone();
     rt.block_on(async move {
@@ -470,7 +473,15 @@ fn main() {
             "results": results,
         });
         let default_path = concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/router/results.json").to_owned();
-        let path = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned().unwrap_or(default_path);
+        let path = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
+        let path = match path {
+            Some(p) => p,
+            None if smoke => {
+                eprintln!("smoke run (no --bench): no results file written");
+                return;
+            }
+            None => default_path,
+        };
         if let Ok(s) = serde_json::to_string_pretty(&out) {
             match std::fs::write(&path, s + "\n") {
                 Ok(()) => eprintln!("wrote {path}"),

@@ -26,11 +26,13 @@ pub use drain::Drain;
 pub use model::LoadedModel;
 
 /// Sends UCX's own log lines to stderr (UCX writes them to stdout by default, where workers print their
-/// machine-readable ready line). Call first thing in `main`, before any thread exists.
+/// machine-readable ready line). `stderr` is UCX's name for the stream itself: a path such as
+/// `/dev/stderr` would be opened with truncation, wiping a log file that stderr is redirected to.
+/// Call first thing in `main`, before any thread exists.
 pub fn ucx_logs_to_stderr() {
     if std::env::var_os("UCX_LOG_FILE").is_none() {
         // SAFETY: called at the start of main, while the process is single-threaded.
-        unsafe { std::env::set_var("UCX_LOG_FILE", "/dev/stderr") };
+        unsafe { std::env::set_var("UCX_LOG_FILE", "stderr") };
     }
 }
 

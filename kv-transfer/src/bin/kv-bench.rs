@@ -64,7 +64,7 @@ fn main() -> anyhow::Result<()> {
     // UCX logs to stdout by default; keep stdout for this tool's own lines.
     if std::env::var_os("UCX_LOG_FILE").is_none() {
         // SAFETY: first statement of main, before any thread exists.
-        unsafe { std::env::set_var("UCX_LOG_FILE", "/dev/stderr") };
+        unsafe { std::env::set_var("UCX_LOG_FILE", "stderr") };
     }
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
