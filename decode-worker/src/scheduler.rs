@@ -225,7 +225,12 @@ impl Loop {
                 Err(e) => {
                     let victim = self.running.len() - 1;
                     let r = self.running.remove(victim);
-                    tracing::warn!(request_id = %r.a.id, error = %e, "out of cache blocks: preempting for re-prefill");
+                    tracing::warn!(
+                        request_id = %r.a.id,
+                        generated = r.a.state.generated().len(),
+                        error = %e,
+                        "out of cache blocks: preempting for re-prefill"
+                    );
                     let _ = r.a.events.send(event(Event::Preempted(Preempted { reason: e.to_string() })));
                     self.release(&r.a.id);
                     self.metrics.preemptions.inc();

@@ -246,6 +246,11 @@ pub async fn get_text(url: &str) -> Result<String, reqwest::Error> {
 
 /// Single-process greedy reference: `tandem generate` on the same checkpoint and prompt ids.
 pub fn generate_reference(prompt_ids: &[u32], max_tokens: u32, no_mtp: bool) -> serde_json::Value {
+    generate_reference_with(prompt_ids, max_tokens, if no_mtp { &["--no-mtp"] } else { &[] })
+}
+
+/// The same with extra `tandem generate` flags (e.g. `--precision full`).
+pub fn generate_reference_with(prompt_ids: &[u32], max_tokens: u32, extra: &[&str]) -> serde_json::Value {
     let ids: Vec<String> = prompt_ids.iter().map(|i| i.to_string()).collect();
     let mut args = vec![
         "generate".to_string(),
@@ -258,9 +263,7 @@ pub fn generate_reference(prompt_ids: &[u32], max_tokens: u32, no_mtp: bool) -> 
         "--ignore-eos".into(),
         "--json".into(),
     ];
-    if no_mtp {
-        args.push("--no-mtp".into());
-    }
+    args.extend(extra.iter().map(|a| a.to_string()));
     let out = Command::new(env!("CARGO_BIN_EXE_tandem")).args(&args).output().expect("tandem generate");
     assert!(out.status.success(), "generate: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).expect("generate json")
