@@ -61,17 +61,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let worker_id = args.serve.worker_id("decode");
     let sched = scheduler::Scheduler::start(model.clone(), metrics.clone(), !args.no_mtp, args.serve.max_num_seqs);
     let (listener, advertise) = worker::server::bind(&args.serve).await?;
-    let record = cluster::WorkerRecord {
-        id: worker_id.clone(),
-        role: cluster::WorkerRole::Decode,
-        grpc_address: advertise.clone(),
-        capacity: cluster::Capacity {
-            max_num_seqs: args.serve.max_num_seqs as u32,
-            kv_blocks_total: args.serve.kv_blocks as u32,
-            max_model_len: model.max_model_len as u32,
-        },
-        fingerprint: Some(model.cluster_fingerprint()),
-    };
+    let record =
+        worker::server::record(&args.serve, &model, cluster::WorkerRole::Decode, worker_id.clone(), advertise.clone());
     let svc = service::DecodeService::new(service::Shared {
         model: model.clone(),
         receiver,

@@ -59,17 +59,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let drain = Drain::new();
     let worker_id = args.serve.worker_id("prefill");
     let (listener, advertise) = worker::server::bind(&args.serve).await?;
-    let record = cluster::WorkerRecord {
-        id: worker_id.clone(),
-        role: cluster::WorkerRole::Prefill,
-        grpc_address: advertise.clone(),
-        capacity: cluster::Capacity {
-            max_num_seqs: args.serve.max_num_seqs as u32,
-            kv_blocks_total: args.serve.kv_blocks as u32,
-            max_model_len: model.max_model_len as u32,
-        },
-        fingerprint: Some(model.cluster_fingerprint()),
-    };
+    let record =
+        worker::server::record(&args.serve, &model, cluster::WorkerRole::Prefill, worker_id.clone(), advertise.clone());
     let svc = service::PrefillService { model: model.clone(), scheduler, drain: drain.clone(), record: record.clone() };
     worker::server::serve_until_drained(
         PrefillWorkerServer::new(svc),

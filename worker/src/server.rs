@@ -10,7 +10,7 @@ use anyhow::Context;
 use tonic::body::Body;
 use tonic::server::NamedService;
 
-use crate::{Drain, ServeArgs};
+use crate::{Drain, LoadedModel, ServeArgs};
 
 /// Binds `args.listen` and returns the listener with the address to advertise.
 pub async fn bind(args: &ServeArgs) -> anyhow::Result<(tokio::net::TcpListener, String)> {
@@ -19,6 +19,27 @@ pub async fn bind(args: &ServeArgs) -> anyhow::Result<(tokio::net::TcpListener, 
     let bound = listener.local_addr()?;
     let advertise = args.advertise.clone().unwrap_or_else(|| bound.to_string());
     Ok((listener, advertise))
+}
+
+/// What this worker registers in discovery and reports from GetInfo.
+pub fn record(
+    args: &ServeArgs,
+    model: &LoadedModel,
+    role: cluster::WorkerRole,
+    id: String,
+    grpc_address: String,
+) -> cluster::WorkerRecord {
+    cluster::WorkerRecord {
+        id,
+        role,
+        grpc_address,
+        capacity: cluster::Capacity {
+            max_num_seqs: args.max_num_seqs as u32,
+            kv_blocks_total: args.kv_blocks as u32,
+            max_model_len: model.max_model_len as u32,
+        },
+        fingerprint: Some(model.cluster_fingerprint()),
+    }
 }
 
 /// Serves `svc` on `listener` until a shutdown signal, then drains: refuses new work (the service answers

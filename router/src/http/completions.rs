@@ -6,10 +6,10 @@ use proto::v1::GeneratedToken;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::AppState;
 use super::logprobs::CompletionLogprobs;
 use super::params::Common;
 use super::stream::{Format, UsageField, usage_json};
+use super::{AppState, stop_reason};
 use crate::error::ApiError;
 use crate::flow::Summary;
 use crate::model::ServedModel;
@@ -124,14 +124,6 @@ impl CompletionFormat {
             }
             None => Value::Null,
         }
-    }
-}
-
-fn stop_reason(s: &Summary) -> Value {
-    match &s.stop_reason {
-        Some(crate::flow::StopReason::Text(t)) => json!(t),
-        Some(crate::flow::StopReason::Token(id)) => json!(id),
-        None => Value::Null,
     }
 }
 

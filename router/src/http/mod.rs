@@ -77,6 +77,15 @@ pub(crate) fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
+/// The `stop_reason` field (vLLM's extension): the stop string or token id that ended the request.
+pub(crate) fn stop_reason(s: &crate::flow::Summary) -> serde_json::Value {
+    match &s.stop_reason {
+        Some(crate::flow::StopReason::Text(t)) => serde_json::json!(t),
+        Some(crate::flow::StopReason::Token(id)) => serde_json::json!(id),
+        None => serde_json::Value::Null,
+    }
+}
+
 pub(crate) fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("Invalid JSON body: {e}")))
 }
