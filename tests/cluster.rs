@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use serde_json::{Value, json};
-use support::cluster::{Cluster, MODEL_NAME, Spec, generate_reference, generate_reference_with, prompt_ids};
+use support::cluster::{Cluster, MODEL_NAME, Spec, generate_reference, prompt_ids};
 
 /// A finished completion as the client saw it.
 #[derive(Debug, Default)]
@@ -319,15 +319,12 @@ async fn the_official_openai_python_client_works_against_the_cluster() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_request_preempted_for_blocks_continues_elsewhere_with_the_same_output() {
-    // Full precision: a re-prefill recomputes the generated tokens' caches in the prefill (MHA) form where
-    // the uninterrupted run computed them in the decode (absorbed) form. In f32 the two agree to rounding
-    // (engine test: < 1e-4 relative, same argmax everywhere), so the text must not change. In FP8 the two
-    // forms' activations can land one e4m3 step apart, so text after the preemption point may differ.
+    // Exact in FP8: the re-prefill replays the generated tokens in the decode form (engine::generate).
     let Some(mut c) = Cluster::start() else { return };
-    c.add_worker("prefill", "prefill-0", Spec::args(&["--precision", "full"]));
+    c.add_worker("prefill", "prefill-0", Spec::default());
     // 12 blocks: two requests of 100 + 300 tokens each need 7 blocks by their end, so one of them runs
     // out mid-decode and is preempted.
-    c.add_worker("decode", "decode-small", Spec::args(&["--kv-blocks", "12", "--precision", "full"]));
+    c.add_worker("decode", "decode-small", Spec::args(&["--kv-blocks", "12"]));
     c.wait_healthy(1, 1).await;
     let prompts = [prompt_ids(100, 4242), prompt_ids(100, 4343)];
     let mut handles = Vec::new();
@@ -342,14 +339,13 @@ async fn a_request_preempted_for_blocks_continues_elsewhere_with_the_same_output
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // A roomier decode worker joins; the preempted request is prefilled again and finishes there.
-    c.add_worker("decode", "decode-big", Spec::args(&["--precision", "full"]));
+    c.add_worker("decode", "decode-big", Spec::default());
     for (h, p) in handles.into_iter().zip(&prompts) {
         let o = h.await.unwrap();
         assert_eq!(o.status, 200, "{o:?}");
         assert!(o.error.is_none(), "{o:?}\n{}", c.logs());
         assert_eq!(o.usage.as_ref().unwrap()["completion_tokens"], 300);
-        let reference = generate_reference_with(p, 300, &["--precision", "full"]);
-        assert_eq!(o.text, reference["text"].as_str().unwrap(), "preemption changes nothing");
+        assert_eq!(o.text, generate_reference(p, 300, false)["text"].as_str().unwrap(), "preemption changes nothing");
     }
     let preempted = c.worker_metric("decode-small", "tandem_decode_preemptions_total").await.unwrap_or(0.0);
     assert!(preempted >= 1.0, "no preemption happened\n{}", c.logs());

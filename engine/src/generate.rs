@@ -15,7 +15,7 @@
 //! (batching, preemption, which worker decodes).
 
 use crate::backend::{AttnForm, Backend, EngineError, LayerDone, Logits, MtpInput, SeqInput, SeqOutput};
-use crate::cache::{BlockId, KvCache};
+use crate::cache::{BlockId, KvCache, LayerIdx};
 use crate::sampling::{self, Finish, History, Sampled, SamplingParams};
 
 /// One request's state.
@@ -115,6 +115,13 @@ impl SeqState {
         &self.tokens[..self.prompt_len]
     }
 
+    /// The most tokens the next [`prefill`] call takes from this sequence: a chunk never straddles the end
+    /// of the prompt, since a continuation's generated tokens are computed in the decode form.
+    pub fn prefill_chunk_max(&self) -> usize {
+        let end = if self.fed < self.prompt_len { self.prompt_len } else { self.prefill_len };
+        end.saturating_sub(self.fed)
+    }
+
     pub fn prefill_done(&self) -> bool {
         self.fed >= self.prefill_len
     }
@@ -152,9 +159,15 @@ fn verify(s: &SeqState, logits: &[f32], draft: u32, eos: &[u32]) -> (Sampled, bo
 }
 
 /// Prefills the next chunk of every sequence's prompt in one batch, at most `chunks[i]` tokens for
-/// sequence `i` (a token budget split by the caller). Sequences whose prompt completes sample their first
+/// sequence `i` (a token budget split by the caller; see [`SeqState::prefill_chunk_max`]). Sequences whose prompt completes sample their first
 /// token (returned) and get an MTP draft. `on_layer` hears of each cache layer as it completes for the
 /// whole batch (main layers, then the MTP layer).
+///
+/// A continuation ([`SeqState::continuing`]) computes its prompt positions in the prefill form and
+/// replays the tokens generated before the preemption in the decode form, as the uninterrupted run
+/// computed them (a chunk never straddles the two). The decode form is batch- and chunk-invariant, so the
+/// caches and the next sample are bit-identical to a run that was never preempted, in FP8 as in f32
+/// (re-prefilling generated tokens in the prefill form would differ by rounding: an e4m3 step in FP8).
 pub fn prefill(
     backend: &dyn Backend,
     cache: &KvCache,
@@ -167,22 +180,39 @@ pub fn prefill(
     }
     let eos = backend.config().eos_token_ids.clone();
     let ranges: Vec<(usize, usize)> =
-        seqs.iter().zip(chunks).map(|(s, &c)| (s.fed, (s.fed + c.max(1)).min(s.prefill_len))).collect();
+        seqs.iter().zip(chunks).map(|(s, &c)| (s.fed, s.fed + c.max(1).min(s.prefill_chunk_max()))).collect();
     if let Some((i, _)) = ranges.iter().enumerate().find(|(_, (a, b))| a >= b) {
         return Err(EngineError::InvalidInput(format!("sequence {i} has no prompt left to prefill")));
     }
-    let inputs: Vec<SeqInput<'_>> = seqs
-        .iter()
-        .zip(&ranges)
-        .map(|(s, &(a, b))| SeqInput {
+    let replay: Vec<bool> = seqs.iter().zip(&ranges).map(|(s, &(a, _))| a >= s.prompt_len).collect();
+    fn input(s: &SeqState, (a, b): (usize, usize)) -> SeqInput<'_> {
+        SeqInput {
             tokens: &s.tokens[a..b],
             start: a,
             blocks: &s.blocks,
             logits: if b == s.prefill_len { Logits::Last } else { Logits::None },
-        })
-        .collect();
-    let outs = backend.prefill(cache, &inputs, on_layer)?;
-    drop(inputs);
+        }
+    }
+    let pick = |want: bool| -> Vec<SeqInput<'_>> {
+        seqs.iter().zip(&ranges).zip(&replay).filter(|(_, r)| **r == want).map(|((s, &rg), _)| input(s, rg)).collect()
+    };
+    let (replay_in, prefill_in) = (pick(true), pick(false));
+    // Replays first: when the prefill form announces a layer, the whole batch has written it.
+    let mut replayed = backend.decode(cache, &replay_in)?.into_iter();
+    let mut prefilled = if prefill_in.is_empty() {
+        for l in 0..backend.config().num_hidden_layers {
+            on_layer(LayerIdx(l as u32));
+        }
+        Vec::new().into_iter()
+    } else {
+        backend.prefill(cache, &prefill_in, on_layer)?.into_iter()
+    };
+    drop((replay_in, prefill_in));
+    let outs: Vec<SeqOutput> = replay
+        .iter()
+        .map(|&r| if r { replayed.next() } else { prefilled.next() })
+        .collect::<Option<_>>()
+        .ok_or_else(|| EngineError::InvalidInput("backend returned fewer outputs than sequences".into()))?;
     let mut results = vec![StepOutput::default(); seqs.len()];
     for ((s, out), (res, &(_, b))) in seqs.iter_mut().zip(&outs).zip(results.iter_mut().zip(&ranges)) {
         if b == s.prefill_len {

@@ -334,42 +334,105 @@ fn layer_notifications_cover_every_cache_layer_in_order() {
 
 #[test]
 fn re_prefill_after_preemption_continues_the_same_output() {
-    let e = env(Precision::Fp8);
-    let toks = prompt(45, 12);
-    for params in [
-        SamplingParams { ignore_eos: true, ..SamplingParams::greedy(20) },
-        SamplingParams {
-            temperature: 0.8,
-            seed: 99,
-            max_tokens: 20,
-            ignore_eos: true,
-            presence_penalty: 0.5,
-            ..Default::default()
-        },
-    ] {
-        let full = ids(&run(&e, &toks, &params, true, 4096));
-        // Preempted after 7 tokens: prompt + those 7 are prefilled again, then generation goes on.
-        let mut seq = toks.clone();
-        seq.extend_from_slice(&full[..7]);
-        let t = e.pool.reserve("cont", seq.len() + 30).unwrap();
-        let mut s = SeqState::continuing(seq, toks.len(), params.clone(), t.blocks);
-        let mut out: Vec<u32> = Vec::new();
-        while !s.prefill_done() {
-            out.extend(
-                generate::prefill(e.b, &e.cache, &mut [&mut s], &[16], &mut |_| {})
-                    .unwrap()
-                    .remove(0)
-                    .tokens
-                    .iter()
-                    .map(|t| t.token),
-            );
+    // Bit-exact in FP8 too: the generated tokens are replayed in the decode form, as first computed.
+    for prec in [Precision::Fp8, Precision::Full] {
+        let e = env(prec);
+        let toks = prompt(100, 12);
+        for params in [
+            SamplingParams { ignore_eos: true, ..SamplingParams::greedy(60) },
+            SamplingParams {
+                temperature: 0.8,
+                seed: 99,
+                max_tokens: 60,
+                ignore_eos: true,
+                presence_penalty: 0.5,
+                ..Default::default()
+            },
+        ] {
+            let full = ids(&run(&e, &toks, &params, true, 4096));
+            // Preempted after k tokens: prompt + those k are prefilled again (in chunks of 16, so the
+            // replay spans several chunks), then generation goes on.
+            for k in [1, 7, 37] {
+                let mut seq = toks.clone();
+                seq.extend_from_slice(&full[..k]);
+                let t = e.pool.reserve("cont", seq.len() + 70).unwrap();
+                let mut s = SeqState::continuing(seq, toks.len(), params.clone(), t.blocks);
+                let mut out: Vec<u32> = Vec::new();
+                while !s.prefill_done() {
+                    let mut layers = Vec::new();
+                    let step = generate::prefill(e.b, &e.cache, &mut [&mut s], &[16], &mut |l| layers.push(l.0));
+                    out.extend(step.unwrap().remove(0).tokens.iter().map(|t| t.token));
+                    let main = e.b.config().num_hidden_layers as u32;
+                    assert_eq!(
+                        layers[..main as usize],
+                        (0..main).collect::<Vec<_>>(),
+                        "every chunk announces each layer"
+                    );
+                }
+                while s.finished.is_none() {
+                    let step = generate::decode_step(e.b, &e.cache, &mut [&mut s]).unwrap();
+                    out.extend(step[0].tokens.iter().map(|t| t.token));
+                }
+                assert_eq!(
+                    out,
+                    full[k..].to_vec(),
+                    "{prec:?}, temperature {}, preempted after {k}",
+                    params.temperature
+                );
+                e.pool.release("cont").unwrap();
+            }
         }
-        while s.finished.is_none() {
-            out.extend(
-                generate::decode_step(e.b, &e.cache, &mut [&mut s]).unwrap().remove(0).tokens.iter().map(|t| t.token),
-            );
-        }
-        assert_eq!(out, full[7..].to_vec(), "temperature {}", params.temperature);
-        e.pool.release("cont").unwrap();
     }
+}
+
+/// What the re-prefill of a preempted request writes into the cache is byte-for-byte what the
+/// uninterrupted run wrote (every main layer's latent entry at every position), in FP8: the generated
+/// tokens are replayed in the decode form, not re-prefilled in the MHA form.
+#[test]
+fn re_prefill_after_preemption_writes_the_same_cache_bytes() {
+    let e = env(Precision::Fp8);
+    let toks = prompt(150, 21);
+    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(48) };
+    let (k, layers) = (40, e.b.config().num_hidden_layers);
+
+    // Uninterrupted: prefill, then decode steps (with MTP drafts) until k tokens past the prompt are cached.
+    let a = e.pool.reserve("whole", toks.len() + 64).unwrap();
+    let mut s = SeqState::new(toks.clone(), params.clone(), a.blocks.clone(), 0);
+    while !s.prefill_done() {
+        generate::prefill(e.b, &e.cache, &mut [&mut s], &[64], &mut |_| {}).unwrap();
+    }
+    while s.fed < toks.len() + k {
+        generate::decode_step(e.b, &e.cache, &mut [&mut s]).unwrap();
+    }
+    let generated = s.generated()[..k].to_vec();
+
+    // Preempted after k tokens: re-prefilled in chunks of 16 into other blocks.
+    let mut seq = toks.clone();
+    seq.extend_from_slice(&generated);
+    let b = e.pool.reserve("again", seq.len() + 2).unwrap();
+    let mut c = SeqState::continuing(seq, toks.len(), params, b.blocks.clone());
+    while !c.prefill_done() {
+        generate::prefill(e.b, &e.cache, &mut [&mut c], &[16], &mut |_| {}).unwrap();
+    }
+    assert_eq!(c.generated()[k], s.generated()[k], "the next sample");
+
+    let mut differing = Vec::new();
+    for l in 0..layers {
+        for p in 0..toks.len() + k {
+            let at = |blocks: &[engine::cache::BlockId]| {
+                // SAFETY: both reservations are held and no computation runs while we read.
+                unsafe { e.cache.latent_entry(engine::cache::LayerIdx(l as u32), blocks[p / 64], p % 64) }.to_vec()
+            };
+            if at(&a.blocks) != at(&b.blocks) {
+                differing.push((l, p));
+            }
+        }
+    }
+    assert!(
+        differing.is_empty(),
+        "latent entries differ at (layer, position) {:?}",
+        &differing[..differing.len().min(10)]
+    );
+    e.pool.release("whole").unwrap();
+    e.pool.release("again").unwrap();
 }

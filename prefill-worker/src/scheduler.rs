@@ -268,7 +268,10 @@ impl Loop {
         }
         let hashes = prefix_hashes(&job.tokens);
         let hit = if self.config.prefix_caching {
-            self.cache.lookup(&hashes, &job.tokens, (job.tokens.len() - 1) / BLOCK_SIZE)
+            // Cached blocks hold prefill-form caches: a continuation reuses them for its prompt only (its
+            // generated tokens are replayed in the decode form, see engine::generate::prefill).
+            let limit = ((job.tokens.len() - 1) / BLOCK_SIZE).min(job.prompt_len / BLOCK_SIZE);
+            self.cache.lookup(&hashes, &job.tokens, limit)
         } else {
             Vec::new()
         };
@@ -310,7 +313,7 @@ impl Loop {
         let mut budget = self.config.max_num_batched_tokens.max(1);
         let mut chunks = Vec::new();
         for a in &self.active {
-            let left = a.state.prefill_len - a.state.fed;
+            let left = a.state.prefill_chunk_max();
             if budget == 0 || left == 0 {
                 break;
             }
@@ -382,7 +385,8 @@ impl Loop {
             return self.fail(a, Status::internal("prefill produced no token"), "error");
         };
         if self.config.prefix_caching {
-            let prefilled = &a.state.tokens[..a.state.prefill_len];
+            // Prompt blocks only: a continuation's generated tokens were computed in the decode form.
+            let prefilled = &a.state.tokens[..a.state.prompt_len];
             self.cache.insert(&self.model.pool, &prefix_hashes(prefilled), &a.state.blocks, &a.state.tokens);
         }
         let with_lp = a.state.params.logprobs.is_some();

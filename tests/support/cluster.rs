@@ -246,11 +246,6 @@ pub async fn get_text(url: &str) -> Result<String, reqwest::Error> {
 
 /// Single-process greedy reference: `tandem generate` on the same checkpoint and prompt ids.
 pub fn generate_reference(prompt_ids: &[u32], max_tokens: u32, no_mtp: bool) -> serde_json::Value {
-    generate_reference_with(prompt_ids, max_tokens, if no_mtp { &["--no-mtp"] } else { &[] })
-}
-
-/// The same with extra `tandem generate` flags (e.g. `--precision full`).
-pub fn generate_reference_with(prompt_ids: &[u32], max_tokens: u32, extra: &[&str]) -> serde_json::Value {
     let ids: Vec<String> = prompt_ids.iter().map(|i| i.to_string()).collect();
     let mut args = vec![
         "generate".to_string(),
@@ -263,7 +258,9 @@ pub fn generate_reference_with(prompt_ids: &[u32], max_tokens: u32, extra: &[&st
         "--ignore-eos".into(),
         "--json".into(),
     ];
-    args.extend(extra.iter().map(|a| a.to_string()));
+    if no_mtp {
+        args.push("--no-mtp".into());
+    }
     let out = Command::new(env!("CARGO_BIN_EXE_tandem")).args(&args).output().expect("tandem generate");
     assert!(out.status.success(), "generate: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).expect("generate json")
