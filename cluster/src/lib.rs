@@ -6,7 +6,6 @@
 //!   holds the lease alive, registers again whenever etcd comes back, and deregisters on drop.
 //! - The router calls [`Discovery::watch`]: a [`ClusterView`] that is replaced on every change and
 //!   kept as it was while the registry is unreachable.
-//! - [`Drain`]: stop admitting on SIGTERM, finish in-flight work, then deregister.
 //! - [`prefix_hash`]: the hash chain over 64-token prompt blocks that prefill workers report from
 //!   their prefix cache and the router's cache-aware policy matches.
 //!
@@ -16,7 +15,6 @@
 
 mod args;
 mod discovery;
-mod drain;
 mod error;
 mod etcd;
 mod keys;
@@ -28,7 +26,6 @@ mod worker;
 
 pub use args::{Backend, DiscoveryArgs};
 pub use discovery::{Discovery, DiscoveryConfig, Registration, RegistrationState, connect};
-pub use drain::{Drain, DrainGuard};
 pub use error::DiscoveryError;
 pub use etcd::{EtcdDiscovery, EtcdOptions};
 pub use keys::{role_prefix, worker_key, workers_prefix};

@@ -89,3 +89,27 @@ pub async fn shutdown_signal() {
         let _ = tokio::signal::ctrl_c().await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn draining_refuses_new_work_and_waits_for_the_old() {
+        let d = Drain::new();
+        let a = d.admit().expect("admitted before drain");
+        d.start();
+        let refused = d.admit().err().expect("refused while draining");
+        assert_eq!(refused.code(), tonic::Code::Unavailable);
+        assert_eq!(d.inflight(), 1, "a refused request is not counted");
+        assert!(!d.wait_idle(Duration::from_millis(20)).await, "one request still running");
+        let waiter = {
+            let d = d.clone();
+            tokio::spawn(async move { d.wait_idle(Duration::from_secs(5)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        drop(a);
+        assert!(waiter.await.unwrap());
+        assert_eq!(d.inflight(), 0);
+    }
+}
