@@ -5,6 +5,7 @@
 //! - [`cache`]: the paged cache formats (656-byte FP8 MLA entry, 8448-byte indexer block) and the block
 //!   allocator whose arena kv-transfer registers with UCX.
 //! - [`backend`]: the trait every backend implements; [`cpu`]: the CPU reference backend.
+//! - [`cuda`]: the GPU side: NVRTC-compiled kernels with an on-disk cache, the device, launch wrappers.
 //! - [`rope`], [`fp8`]: shared numerics.
 
 #![recursion_limit = "256"]
@@ -14,6 +15,7 @@ pub mod cache;
 pub mod checkpoint;
 pub mod config;
 pub mod cpu;
+pub mod cuda;
 pub mod fp8;
 pub mod generate;
 pub mod rope;

@@ -1,0 +1,238 @@
+//! Every kernel family's source, its compile options, and the on-disk CUBIN cache.
+//!
+//! A family is one file under `engine/kernels/` (embedded in the binary), compiled by NVRTC for the
+//! device's architecture at start-up. Compiled CUBINs are cached under a key that covers everything that
+//! changes the binary: the source and our headers (their text), the CUDA and CUTLASS header versions when a
+//! family uses them, the options, NVRTC's version and the architecture. Several workers starting at once
+//! compile each family once: the writer holds a per-entry file lock, writes a temporary file and renames it
+//! into place, and the others find the finished file when they get the lock.
+
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use sha2::{Digest, Sha256};
+
+use super::CudaError;
+use super::nvrtc::{self, Unit};
+
+/// Headers of our own, passed to NVRTC in memory.
+const HEADERS: &[(&str, &str)] = &[("common.cuh", include_str!("../../kernels/common.cuh"))];
+
+/// One kernel family: a `.cu` file, the entry points it defines, and the SASS instructions its CUBIN
+/// must contain (checked with `cuobjdump -sass` by `tandem compile-kernels --check-sass`).
+#[derive(Debug, Clone, Copy)]
+pub struct Family {
+    pub name: &'static str,
+    pub source: &'static str,
+    pub functions: &'static [&'static str],
+    /// Substrings that must each appear in the SASS (e.g. `F2FP` for the e4m3 conversions, `HGMMA` for
+    /// wgmma kernels): proof that the intended instructions were emitted.
+    pub sass_expect: &'static [&'static str],
+}
+
+/// Every family tandem compiles.
+pub const FAMILIES: &[Family] = &[Family {
+    name: "cache_quant",
+    source: include_str!("../../kernels/cache_quant.cu"),
+    functions: &["tandem_quantize_latent_fp8", "tandem_quantize_index_keys_fp8"],
+    sass_expect: &["F2FP.SATFINITE.E4M3.F32.PACK_AB", "F2FP.BF16.F32.PACK_AB", "SHFL.BFLY"],
+}];
+
+/// A real GPU architecture NVRTC compiles to, e.g. `sm_90a`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Arch(String);
+
+impl Arch {
+    /// The architectures tandem's kernels are written for.
+    pub const SUPPORTED: &'static [&'static str] = &["sm_90a"];
+
+    pub fn parse(s: &str) -> Result<Self, CudaError> {
+        if Self::SUPPORTED.contains(&s) {
+            Ok(Arch(s.to_string()))
+        } else {
+            Err(CudaError::UnsupportedArch(format!(
+                "`{s}`: tandem's kernels are built for {} (Hopper: H100, H200)",
+                Self::SUPPORTED.join(", ")
+            )))
+        }
+    }
+
+    /// The architecture for a device of compute capability `major.minor`.
+    pub fn for_compute_capability(major: i32, minor: i32) -> Result<Self, CudaError> {
+        match (major, minor) {
+            (9, 0) => Ok(Arch("sm_90a".into())),
+            _ => Err(CudaError::UnsupportedArch(format!(
+                "compute capability {major}.{minor}: tandem's kernels need Hopper (9.0: H100, H200)"
+            ))),
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// Compile options for every family: exact IEEE arithmetic (no fast math: the kernels must match the
+/// CPU backend bit for bit where the docs say so), line info for the profilers and compute-sanitizer.
+pub fn options(arch: &Arch) -> Vec<String> {
+    vec![format!("-arch={}", arch.as_str()), "-std=c++17".into(), "-lineinfo".into(), "-DTANDEM_NVRTC=1".into()]
+}
+
+/// The on-disk cache folder: `TANDEM_KERNEL_CACHE`, else `$XDG_CACHE_HOME/tandem/kernels`, else
+/// `~/.cache/tandem/kernels`.
+pub fn default_cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("TANDEM_KERNEL_CACHE") {
+        return PathBuf::from(d);
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("tandem").join("kernels")
+}
+
+/// The cache key of `family` for `arch`: hex sha256.
+pub fn cache_key(family: &Family, arch: &Arch, nvrtc_version: (i32, i32)) -> String {
+    let mut h = Sha256::new();
+    let mut put = |tag: &str, bytes: &[u8]| {
+        h.update(tag.as_bytes());
+        h.update((bytes.len() as u64).to_le_bytes());
+        h.update(bytes);
+    };
+    put("tandem-kernel-cache-v1", b"");
+    put("family", family.name.as_bytes());
+    put("source", family.source.as_bytes());
+    for (name, text) in HEADERS {
+        put(name, text.as_bytes());
+    }
+    for o in options(arch) {
+        put("option", o.as_bytes());
+    }
+    put("nvrtc", format!("{}.{}", nvrtc_version.0, nvrtc_version.1).as_bytes());
+    put("arch", arch.as_str().as_bytes());
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A compiled family.
+#[derive(Debug, Clone)]
+pub struct Compiled {
+    pub family: Family,
+    pub cubin: Vec<u8>,
+    pub path: PathBuf,
+    /// False when the CUBIN came from the cache.
+    pub compiled_now: bool,
+    pub seconds: f64,
+}
+
+/// Compiles (or finds in `cache_dir`) every family for `arch`, one thread per family.
+pub fn compile_all(arch: &Arch, cache_dir: &Path) -> Result<Vec<Compiled>, CudaError> {
+    let version = nvrtc::version()?;
+    fs::create_dir_all(cache_dir).map_err(|e| CudaError::io(cache_dir, e))?;
+    std::thread::scope(|s| {
+        let jobs: Vec<_> =
+            FAMILIES.iter().map(|f| s.spawn(move || compile_cached(f, arch, cache_dir, version))).collect();
+        jobs.into_iter()
+            .map(|j| j.join().unwrap_or_else(|_| Err(CudaError::Driver("compile thread panicked".into()))))
+            .collect()
+    })
+}
+
+/// One family through the cache.
+pub fn compile_cached(family: &Family, arch: &Arch, dir: &Path, version: (i32, i32)) -> Result<Compiled, CudaError> {
+    let started = Instant::now();
+    let key = cache_key(family, arch, version);
+    let stem = format!("{}-{}-{}", family.name, arch.as_str(), &key[..24]);
+    let path = dir.join(format!("{stem}.cubin"));
+    let done = |cubin: Vec<u8>, compiled_now: bool| Compiled {
+        family: *family,
+        cubin,
+        path: path.clone(),
+        compiled_now,
+        seconds: started.elapsed().as_secs_f64(),
+    };
+    if let Some(cubin) = read_valid(&path) {
+        return Ok(done(cubin, false));
+    }
+    let lock_path = dir.join(format!("{stem}.lock"));
+    let lock = File::create(&lock_path).map_err(|e| CudaError::io(&lock_path, e))?;
+    lock.lock().map_err(|e| CudaError::io(&lock_path, e))?;
+    // Another process may have finished it while we waited for the lock.
+    if let Some(cubin) = read_valid(&path) {
+        return Ok(done(cubin, false));
+    }
+    let unit = Unit { name: family.name, source: family.source, headers: HEADERS };
+    let cubin = nvrtc::compile_cubin(&unit, &options(arch))?;
+    let tmp = dir.join(format!("{stem}.{}.tmp", std::process::id()));
+    let write = || -> std::io::Result<()> {
+        let mut f = File::create(&tmp)?;
+        f.write_all(&cubin)?;
+        f.sync_all()?;
+        fs::rename(&tmp, &path)
+    };
+    write().map_err(|e| {
+        let _ = fs::remove_file(&tmp);
+        CudaError::io(&path, e)
+    })?;
+    drop(lock);
+    Ok(done(cubin, true))
+}
+
+/// A cache entry is used only if it is a whole ELF file (a crash mid-write leaves a `.tmp`, never a
+/// partial `.cubin`, but a disk full or a hand edit could).
+fn read_valid(path: &Path) -> Option<Vec<u8>> {
+    let bytes = fs::read(path).ok()?;
+    (bytes.len() > 64 && bytes.starts_with(b"\x7fELF")).then_some(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sm90a() -> Arch {
+        Arch::parse("sm_90a").unwrap()
+    }
+
+    #[test]
+    fn the_key_changes_with_source_options_version_and_arch() {
+        let f = FAMILIES[0];
+        let base = cache_key(&f, &sm90a(), (13, 0));
+        assert_eq!(base, cache_key(&f, &sm90a(), (13, 0)), "deterministic");
+        assert_ne!(base, cache_key(&f, &sm90a(), (13, 1)));
+        let edited = Family { source: "// edited\n", ..f };
+        assert_ne!(base, cache_key(&edited, &sm90a(), (13, 0)));
+        let renamed = Family { name: "other", ..f };
+        assert_ne!(base, cache_key(&renamed, &sm90a(), (13, 0)));
+        assert_eq!(base.len(), 64);
+    }
+
+    #[test]
+    fn unsupported_architectures_are_refused_with_a_reason() {
+        let e = Arch::parse("sm_80").unwrap_err().to_string();
+        assert!(e.contains("sm_80") && e.contains("sm_90a"), "{e}");
+        let e = Arch::for_compute_capability(8, 6).unwrap_err().to_string();
+        assert!(e.contains("8.6") && e.contains("Hopper"), "{e}");
+        assert_eq!(Arch::for_compute_capability(9, 0).unwrap().as_str(), "sm_90a");
+    }
+
+    #[test]
+    fn truncated_cache_entries_are_not_used() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x.cubin");
+        fs::write(&p, b"\x7fELF").unwrap();
+        assert!(read_valid(&p).is_none());
+        fs::write(&p, [b"\x7fELF".as_slice(), &[0u8; 100]].concat()).unwrap();
+        assert!(read_valid(&p).is_some());
+    }
+
+    #[test]
+    fn every_family_names_its_functions_and_expected_sass() {
+        for f in FAMILIES {
+            assert!(!f.functions.is_empty() && !f.sass_expect.is_empty(), "{}", f.name);
+            for func in f.functions {
+                assert!(f.source.contains(&format!("void {func}(")), "{} does not define {func}", f.name);
+            }
+        }
+    }
+}
