@@ -3,7 +3,8 @@
 # Rust toolchain, then runs every test of the workspace.
 #   - apt: etcd-server (discovery tests start their own etcd), UCX runtime + ucx-utils (kv-transfer over UCX,
 #     ucx_perftest baseline), python3-venv.
-#   - a Python venv in .venv with the official `openai` client (end-to-end tests drive the router with it).
+#   - a Python venv in .venv with the official `openai` client (end-to-end tests drive the router with it)
+#     and NVIDIA's NVRTC / CUDA header / cuobjdump wheels (kernels compile and are disassembled without a GPU).
 # Set TANDEM_SKIP_INSTALL=1 to skip the installs (everything already present).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,8 @@ command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 command -v ucx_perftest >/dev/null 2>&1 || need_apt+=(ucx-utils)
 ldconfig -p 2>/dev/null | grep -q 'libucp.so.0' || need_apt+=(libucx0)
 python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need_apt+=(python3-venv)
+
+CUDA_WHEELS="$PWD/.venv/lib/python3$(python3 -c 'import sys; print(f".{sys.version_info[1]}")')/site-packages/nvidia/cu13"
 
 if [[ "${TANDEM_SKIP_INSTALL:-0}" != 1 ]]; then
     if ((${#need_apt[@]})); then
@@ -26,7 +29,17 @@ if [[ "${TANDEM_SKIP_INSTALL:-0}" != 1 ]]; then
         python3 -m venv .venv
     fi
     .venv/bin/python -c 'import openai' >/dev/null 2>&1 || .venv/bin/pip install -q openai
+    # NVRTC, the CUDA runtime headers and cuobjdump/nvdisasm from NVIDIA's wheels (no GPU needed): the kernel tests
+    # compile every kernel for sm_90a and check its SASS, so a kernel that does not compile fails CI.
+    [[ -x "$CUDA_WHEELS/bin/nvdisasm" && -e "$CUDA_WHEELS/lib/libnvrtc.so.13" ]] ||
+        .venv/bin/pip install -q nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.96 \
+            nvidia-cuda-cuobjdump==13.2.86 nvidia-cuda-nvdisasm==13.2.86
 fi
 export TANDEM_PYTHON="$PWD/.venv/bin/python"
+export LD_LIBRARY_PATH="$CUDA_WHEELS/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PATH="$CUDA_WHEELS/bin:$PATH"
 
 cargo test --workspace --all-targets "$@"
+
+# The command images use to fill a kernel cache, checked end to end: NVRTC for sm_90a, then cuobjdump -sass.
+cargo run -q --bin tandem -- compile-kernels --arch sm_90a --out "$(mktemp -d)" --check-sass

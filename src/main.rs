@@ -24,6 +24,8 @@ enum Command {
     Generate(cli::generate::Args),
     /// Start a local cluster: router + prefill + decode workers as separate processes.
     Up(cli::up::Args),
+    /// Compile every CUDA kernel with NVRTC for an architecture (no GPU needed) into the kernel cache.
+    CompileKernels(cli::compile_kernels::Args),
     /// Benchmark an OpenAI-compatible server (SGLang bench_serving's summary; JSON with --json).
     Bench(cli::bench::Args),
     /// Run the router (the `tandem-router` binary).
@@ -65,6 +67,7 @@ fn main() -> ExitCode {
                 Command::Generate(a) => cli::generate::run(a),
                 Command::Up(a) => cli::up::run(a),
                 Command::Bench(a) => cli::bench::run(a),
+                Command::CompileKernels(a) => cli::compile_kernels::run(a),
                 Command::Router(_) | Command::PrefillWorker(_) | Command::DecodeWorker(_) => {
                     unreachable!("handled above")
                 }
