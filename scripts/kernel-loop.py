@@ -1,0 +1,151 @@
+"""The fast kernel loop: loads engine/kernels/*.cu on the GPU machine through CuPy's NVRTC (no Rust build,
+no re-carry) and checks and times one kernel family against a NumPy reference.
+
+  python3 scripts/kernel-loop.py FAMILY|all [--tokens N] [--json FILE]
+
+Edit a .cu file here, send it with a device call, run this there. The Rust tests (engine::cuda, run by
+scripts/gpu-test.sh) stay the reference: this loop is for iterating quickly on one kernel.
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+try:
+    import cupy as cp
+except ImportError:  # pragma: no cover - the GPU machine has CuPy
+    sys.exit("kernel-loop.py needs CuPy (installed on the GPU machine)")
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "engine", "kernels")
+BLOCK = 64
+E4M3_MAX = 448.0
+
+
+def module(family):
+    src = open(os.path.join(ROOT, family + ".cu")).read()
+    opts = ("-std=c++17", "-I" + os.path.abspath(ROOT), "-lineinfo")
+    return cp.RawModule(code=src, options=opts, backend="nvrtc")
+
+
+def e4m3_codes(x):
+    """f32 -> e4m3fn bytes, round to nearest even, saturating at +-448 (engine::fp8::f32_to_e4m3)."""
+    x = np.asarray(x, dtype=np.float32)
+    sign = np.where(np.signbit(x), 0x80, 0).astype(np.uint32)
+    a = np.minimum(np.abs(x), E4M3_MAX).astype(np.float32)
+    sub = np.rint(a * 512.0).astype(np.uint32)  # np.rint rounds half to even
+    bits = a.view(np.uint32)
+    rounded = bits + 0x7FFFF + ((bits >> 20) & 1)
+    exp = (rounded >> 23).astype(np.int64) - 127
+    normal = (((exp + 7) << 3).astype(np.uint32) | ((rounded >> 20) & 7)).astype(np.uint32)
+    code = np.where(a < 1.0 / 64.0, sub, normal)
+    return (sign | code).astype(np.uint8)
+
+
+def ue8m0_scales(groups):
+    """engine::fp8::group_scale with ue8m0, one per row of `groups`."""
+    amax = np.max(np.abs(groups), axis=-1).astype(np.float32)
+    s = (np.maximum(amax, np.float32(1e-4)) * np.float32(1.0 / E4M3_MAX)).astype(np.float32)
+    bits = s.view(np.uint32)
+    e = ((bits >> 23) & 0xFF).astype(np.int64) - 127 + ((bits & 0x7FFFFF) != 0)
+    return np.ldexp(np.float32(1.0), e).astype(np.float32)
+
+
+def bf16_bits(x):
+    b = np.asarray(x, dtype=np.float32).view(np.uint32)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def random_values(rng, shape):
+    mag = np.exp2(rng.integers(-12, 12, size=shape)).astype(np.float32)
+    v = (rng.random(shape, dtype=np.float32) * 2 - 1) * mag
+    v[rng.random(shape) < 0.03] = 0.0
+    v[rng.random(shape) < 0.03] = -0.0
+    return v.astype(np.float32)
+
+
+def time_ms(fn, reps=20):
+    fn()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times))
+
+
+def cache_quant(tokens, rng):
+    rank, rope, dim = 512, 64, 128
+    entry, iblock = rank + 4 * (rank // 128) + 2 * rope, BLOCK * (dim + 4)
+    num_blocks = -(-tokens // BLOCK) + 3
+    c = random_values(rng, (tokens, rank))
+    k_pe = random_values(rng, (tokens, rope))
+    keys = random_values(rng, (tokens, dim))
+    slots = rng.permutation(num_blocks * BLOCK)[:tokens].astype(np.int64)
+    slots[rng.random(tokens) < 0.05] = -1
+
+    # NumPy reference of engine::cache::format's encoders, into poisoned regions.
+    want_lat = np.full(num_blocks * BLOCK * entry, 0xA5, dtype=np.uint8)
+    want_idx = np.full(num_blocks * iblock, 0xA5, dtype=np.uint8)
+    tiles = c.reshape(tokens, rank // 128, 128)
+    s_lat = ue8m0_scales(tiles)
+    q_lat = e4m3_codes(tiles / s_lat[..., None]).reshape(tokens, rank)
+    s_idx = ue8m0_scales(keys)
+    q_idx = e4m3_codes(keys / s_idx[:, None])
+    rope_b = bf16_bits(k_pe)
+    for t in np.nonzero(slots >= 0)[0]:
+        s = int(slots[t])
+        e = want_lat[s * entry:(s + 1) * entry]
+        e[:rank] = q_lat[t]
+        e[rank:rank + 16] = s_lat[t].view(np.uint8)
+        e[rank + 16:] = rope_b[t].view(np.uint8)
+        b, off = divmod(s, BLOCK)
+        blk = want_idx[b * iblock:(b + 1) * iblock]
+        blk[off * dim:(off + 1) * dim] = q_idx[t]
+        blk[BLOCK * dim + 4 * off:BLOCK * dim + 4 * off + 4] = s_idx[t:t + 1].view(np.uint8)
+
+    m = module("cache_quant")
+    k_lat, k_idx = m.get_function("tandem_quantize_latent_fp8"), m.get_function("tandem_quantize_index_keys_fp8")
+    dc, dk, dkeys, dslots = (cp.asarray(a) for a in (c, k_pe, keys, slots))
+    lat = cp.full(want_lat.shape, 0xA5, dtype=cp.uint8)
+    idx = cp.full(want_idx.shape, 0xA5, dtype=cp.uint8)
+    cap = np.int64(num_blocks * BLOCK)
+
+    def run():
+        k_lat((tokens,), (32 * rank // 128,), (dc, dk, dslots, lat, np.int32(tokens), np.int32(rank), np.int32(rope), cap))
+        k_idx((-(-tokens // 4),), (128,), (dkeys, dslots, idx, np.int32(tokens), cap))
+
+    run()
+    cp.cuda.runtime.deviceSynchronize()
+    ok = bool((cp.asnumpy(lat) == want_lat).all() and (cp.asnumpy(idx) == want_idx).all())
+    ms = time_ms(run)
+    moved = tokens * ((rank + rope + dim) * 4 + 8 + entry + dim + 4)
+    return {"family": "cache_quant", "tokens": tokens, "bit_identical": ok, "ms": ms, "gb_per_s": moved / ms / 1e6}
+
+
+FAMILIES = {"cache_quant": cache_quant}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("family", choices=sorted(FAMILIES) + ["all"])
+    ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    rng = np.random.default_rng()
+    names = sorted(FAMILIES) if a.family == "all" else [a.family]
+    rows = [FAMILIES[n](a.tokens, rng) for n in names]
+    print(f"{'family':<14} {'tokens':>8} {'exact':>6} {'ms':>8} {'GB/s':>8}")
+    for r in rows:
+        print(f"{r['family']:<14} {r['tokens']:>8} {str(r['bit_identical']):>6} {r['ms']:>8.3f} {r['gb_per_s']:>8.1f}")
+    if a.json:
+        json.dump({"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "rows": rows}, open(a.json, "w"), indent=1)
+    sys.exit(0 if all(r["bit_identical"] for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()
