@@ -5,16 +5,23 @@ use std::net::SocketAddr;
 use axum::Router;
 use axum::http::header::CONTENT_TYPE;
 use axum::routing::get;
-use prometheus::{Encoder, Registry, TextEncoder};
+use prometheus::{Encoder, IntCounter, Registry, TextEncoder};
 
-/// Serves `registry` on `addr`; returns the bound address.
+/// Serves `registry` on `addr`, plus the engine's process-wide counters; returns the bound address.
 pub async fn serve(addr: SocketAddr, registry: Registry) -> anyhow::Result<SocketAddr> {
+    let nan_scores = IntCounter::new(
+        "tandem_indexer_nan_scores_total",
+        "Indexer scores that were NaN and so never selected (a sign of overflow in the model or its weights)",
+    )?;
+    registry.register(Box::new(nan_scores.clone()))?;
     let app = Router::new()
         .route(
             "/metrics",
             get(move || {
                 let registry = registry.clone();
+                let nan_scores = nan_scores.clone();
                 async move {
+                    nan_scores.inc_by(engine::cpu::topk::nan_scores_total().saturating_sub(nan_scores.get()));
                     let mut buf = Vec::new();
                     let enc = TextEncoder::new();
                     if let Err(e) = enc.encode(&registry.gather(), &mut buf) {
