@@ -2,17 +2,22 @@
 //! repetition/frequency/presence penalties, greedy or temperature sampling with top-k / top-p / min-p,
 //! stop conditions and logprobs.
 //!
-//! Sampling draws from an RNG keyed by (request seed, output position), so a seeded request produces the
-//! same tokens whichever worker samples which position (the prefill worker samples the first, decode
-//! workers the rest; SPEC 2.6). Logprobs are those of the raw model distribution (vLLM's default).
+//! A seeded draw is an exponential race (the Gumbel-max trick) over the tokens the deterministic filters
+//! keep: each token gets its own counter-based random number, Philox4x32-10 keyed by the request seed at
+//! counter (token, output position, purpose), and the token with the largest `logit / T - ln(-ln u)` wins
+//! (equal keys: the lowest id). No running sum over the vocabulary is involved, so any backend computes
+//! the same draw for the same logits in any batch, on any worker, in any chunking (the prefill worker
+//! samples the first token, decode workers the rest; SPEC 2.6). Temperatures below [`GREEDY_BELOW`] are
+//! greedy; greedy ties take the lowest token id. Logprobs are those of the raw model distribution (vLLM's
+//! default). [`philox4x32`], [`uniform`] and [`race`] are pure functions a GPU sampler's tests compare with.
 
-use rand::{RngExt, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+/// Temperatures below this are greedy.
+pub const GREEDY_BELOW: f32 = 1e-5;
 
 /// Per-request sampling parameters (zero values mean "off", as in tandem.v1 SamplingParams).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct SamplingParams {
-    /// 0 = greedy.
+    /// Below [`GREEDY_BELOW`] (0 included) = greedy.
     pub temperature: f32,
     /// 0 or >= 1 = off.
     pub top_p: f32,
@@ -40,8 +45,9 @@ impl SamplingParams {
         SamplingParams { max_tokens, ..Default::default() }
     }
 
+    /// Greedy: a temperature below [`GREEDY_BELOW`] (dividing logits by it would overflow or be noise).
     pub fn is_greedy(&self) -> bool {
-        self.temperature <= 0.0
+        self.temperature < GREEDY_BELOW
     }
 
     /// Checks ranges; the message names the parameter.
@@ -125,12 +131,54 @@ pub fn finish_reason(token: u32, count: u32, params: &SamplingParams, eos: &[u32
     None
 }
 
-/// The RNG for output position `position` of a request with `seed`. `purpose` separates independent
-/// draws at one position (0: the token, 1: MTP draft acceptance, 2: the residual after a rejection).
-pub fn rng_for(seed: u64, position: u32, purpose: u8) -> ChaCha8Rng {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    rng.set_stream(((position as u64) << 8) | purpose as u64);
-    rng
+/// The purpose of the token draw at an output position (other values are free for independent draws).
+pub const PURPOSE_TOKEN: u32 = 0;
+
+/// Philox4x32-10 (Salmon et al., SC'11; Random123, cuRAND): the 4 x 32-bit block for `counter` under `key`.
+pub fn philox4x32(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
+    const M0: u64 = 0xD251_1F53;
+    const M1: u64 = 0xCD9E_8D57;
+    const W0: u32 = 0x9E37_79B9;
+    const W1: u32 = 0xBB67_AE85;
+    let (mut c, mut k) = (counter, key);
+    for round in 0..10 {
+        if round > 0 {
+            k = [k[0].wrapping_add(W0), k[1].wrapping_add(W1)];
+        }
+        let p0 = M0 * c[0] as u64;
+        let p1 = M1 * c[2] as u64;
+        c = [(p1 >> 32) as u32 ^ c[1] ^ k[0], p1 as u32, (p0 >> 32) as u32 ^ c[3] ^ k[1], p0 as u32];
+    }
+    c
+}
+
+/// The uniform number in (0, 1) of `token` at output `position` for `purpose`, under `seed`: 53 bits of
+/// Philox at counter (token, position, purpose, 0), key (seed low, seed high), centred in their interval.
+pub fn uniform(seed: u64, position: u32, purpose: u32, token: u32) -> f64 {
+    let r = philox4x32([token, position, purpose, 0], [seed as u32, (seed >> 32) as u32]);
+    let bits = ((r[0] as u64) << 21) ^ ((r[1] as u64) >> 11);
+    (bits as f64 + 0.5) * (1.0 / (1u64 << 53) as f64)
+}
+
+/// The exponential race over `candidates` (token, logit / temperature): the token with the largest
+/// `z - ln(-ln u)` wins, which samples `softmax(z)` over the candidates exactly; equal keys take the lowest
+/// id. `None` when no candidate has a finite `z`.
+pub fn race(candidates: &[(u32, f32)], seed: u64, position: u32, purpose: u32) -> Option<u32> {
+    let mut best: Option<(u32, f64)> = None;
+    for &(t, z) in candidates {
+        if !z.is_finite() {
+            continue;
+        }
+        let key = z as f64 - (-uniform(seed, position, purpose, t).ln()).ln();
+        let better = match best {
+            None => true,
+            Some((bt, bk)) => key > bk || (key == bk && t < bt),
+        };
+        if better {
+            best = Some((t, key));
+        }
+    }
+    best.map(|b| b.0)
 }
 
 /// The logits after min_tokens masking, logit_bias and penalties (before temperature).
@@ -194,25 +242,28 @@ fn ranked(values: &[f32]) -> Vec<u32> {
     idx
 }
 
+/// The index of the largest value; ties take the lowest index, NaN is never the maximum (0 when all are).
 pub fn argmax(values: &[f32]) -> u32 {
-    let mut best = 0usize;
+    let mut best: Option<usize> = None;
     for (i, v) in values.iter().enumerate() {
-        if *v > values[best] {
-            best = i;
+        if !v.is_nan() && best.is_none_or(|b| *v > values[b]) {
+            best = Some(i);
         }
     }
-    best as u32
+    best.unwrap_or(0) as u32
 }
 
-/// The sampling distribution (after processing, temperature and top-k/top-p/min-p) as (token, prob) in
-/// token order, probabilities summing to 1. For greedy requests: the argmax with probability 1.
-/// Speculative decoding verifies drafts against exactly this distribution.
-pub fn distribution(logits: &[f32], params: &SamplingParams, history: History<'_>, eos: &[u32]) -> Vec<(u32, f32)> {
+/// The tokens the filters keep (processing, then top-k, top-p, min-p on the temperature-scaled
+/// distribution), in token order, each with its scaled logit `z = logit / temperature`. Never empty; for
+/// greedy requests: the argmax alone.
+pub fn candidates(logits: &[f32], params: &SamplingParams, history: History<'_>, eos: &[u32]) -> Vec<(u32, f32)> {
     let l = processed_logits(logits, params, history, eos);
     if params.is_greedy() {
-        return vec![(argmax(&l), 1.0)];
+        let t = argmax(&l);
+        return vec![(t, l.get(t as usize).copied().unwrap_or(0.0))];
     }
-    let lp = log_softmax(&l.iter().map(|v| v / params.temperature).collect::<Vec<_>>());
+    let z: Vec<f32> = l.iter().map(|v| if v.is_nan() { f32::NEG_INFINITY } else { v / params.temperature }).collect();
+    let lp = log_softmax(&z);
     let order = ranked(&lp);
     let mut keep = order.len();
     if params.top_k > 0 {
@@ -234,26 +285,25 @@ pub fn distribution(logits: &[f32], params: &SamplingParams, history: History<'_
         keep = order.iter().take(keep).take_while(|&&t| probs[t as usize] >= floor).count().max(1);
     }
     let mut kept: Vec<(u32, f32)> =
-        order[..keep].iter().map(|&t| (t, probs[t as usize])).filter(|(_, p)| *p > 0.0).collect();
+        order[..keep].iter().filter(|&&t| probs[t as usize] > 0.0).map(|&t| (t, z[t as usize])).collect();
     if kept.is_empty() {
-        kept.push((order[0], 1.0));
+        let t = order.first().copied().unwrap_or(0);
+        kept.push((t, z.get(t as usize).copied().unwrap_or(0.0)));
     }
     kept.sort_by_key(|&(t, _)| t);
-    let total: f32 = kept.iter().map(|(_, p)| p).sum();
-    kept.into_iter().map(|(t, p)| (t, p / total)).collect()
+    kept
 }
 
-/// Draws from a (token, prob) distribution with one uniform number (inverse CDF in token order).
-pub fn draw(dist: &[(u32, f32)], rng: &mut ChaCha8Rng) -> u32 {
-    let u: f32 = rng.random::<f32>();
-    let mut cum = 0f32;
-    for &(t, p) in dist {
-        cum += p;
-        if u < cum {
-            return t;
-        }
+/// The sampling distribution: [`candidates`] with `softmax(z)` as (token, prob) in token order, summing
+/// to 1 (greedy: the argmax with probability 1). What [`sample`]'s race draws from, and what speculative
+/// verification preserves.
+pub fn distribution(logits: &[f32], params: &SamplingParams, history: History<'_>, eos: &[u32]) -> Vec<(u32, f32)> {
+    let kept = candidates(logits, params, history, eos);
+    if kept.len() == 1 {
+        return vec![(kept[0].0, 1.0)];
     }
-    dist.last().map(|d| d.0).unwrap_or(0)
+    let lp = log_softmax(&kept.iter().map(|c| c.1).collect::<Vec<_>>());
+    kept.iter().zip(lp).map(|(c, l)| (c.0, l.exp())).collect()
 }
 
 /// The chosen token's raw logprob and the top-n alternatives.
@@ -270,8 +320,11 @@ pub fn logprobs_of(logits: &[f32], token: u32, top_n: Option<u32>) -> (f32, Vec<
 /// Samples output position `history.output.len()` of a request.
 pub fn sample(logits: &[f32], params: &SamplingParams, history: History<'_>, eos: &[u32]) -> Sampled {
     let position = history.output.len() as u32;
-    let dist = distribution(logits, params, history, eos);
-    let token = if dist.len() == 1 { dist[0].0 } else { draw(&dist, &mut rng_for(params.seed, position, 0)) };
+    let kept = candidates(logits, params, history, eos);
+    let token = match kept.as_slice() {
+        [only] => only.0,
+        _ => race(&kept, params.seed, position, PURPOSE_TOKEN).unwrap_or(kept[0].0),
+    };
     let (logprob, top) =
         if params.logprobs.is_some() { logprobs_of(logits, token, params.logprobs) } else { (0.0, Vec::new()) };
     Sampled { token, logprob, top }
@@ -308,21 +361,116 @@ mod tests {
         assert!(draws.len() > 3, "positions give different draws");
     }
 
+    /// Chi-square statistic of `counts` against `probs` (every bin expected > 0).
+    fn chi2(counts: &[usize], probs: &[f64], n: usize) -> f64 {
+        counts.iter().zip(probs).map(|(&c, &p)| (c as f64 - n as f64 * p).powi(2) / (n as f64 * p)).sum()
+    }
+
     #[test]
     fn temperature_sampling_follows_the_softmax() {
-        let l = vec![1.0f32, 0.0, -1.0, 2.0];
-        let p = SamplingParams { temperature: 0.7, seed: 7, max_tokens: 1, ..Default::default() };
+        let l = vec![1.0f32, 0.0, -1.0, 2.0, 0.5, -3.0];
+        let t = 0.7;
         let probs: Vec<f64> =
-            log_softmax(&l.iter().map(|v| v / 0.7).collect::<Vec<_>>()).iter().map(|v| (*v as f64).exp()).collect();
-        let n = 20000;
-        let mut counts = [0usize; 4];
-        let dist = distribution(&l, &p, no_history(), EOS);
-        for i in 0..n {
-            counts[draw(&dist, &mut rng_for(p.seed, i, 0)) as usize] += 1;
+            log_softmax(&l.iter().map(|v| v / t).collect::<Vec<_>>()).iter().map(|v| (*v as f64).exp()).collect();
+        let n = 40000;
+        // Over positions of one seed, and over seeds at one position: both are the softmax.
+        for by_seed in [false, true] {
+            let mut counts = [0usize; 6];
+            for i in 0..n {
+                let p = SamplingParams {
+                    temperature: t,
+                    seed: if by_seed { i as u64 } else { 7 },
+                    max_tokens: 1,
+                    ..Default::default()
+                };
+                let pos = if by_seed { 3 } else { i };
+                let out = vec![0u32; pos];
+                counts[sample(&l, &p, History { prompt: &[], output: &out[..] }, &[]).token as usize] += 1;
+            }
+            // 5 degrees of freedom: p = 0.001 at 20.5.
+            let stat = chi2(&counts, &probs, n);
+            assert!(stat < 20.5, "by seed {by_seed}: chi2 {stat}, counts {counts:?}");
         }
-        let chi2: f64 = (0..4).map(|t| (counts[t] as f64 - n as f64 * probs[t]).powi(2) / (n as f64 * probs[t])).sum();
-        // 3 degrees of freedom: p = 0.001 at 16.3.
-        assert!(chi2 < 16.3, "chi2 {chi2}, counts {counts:?}");
+    }
+
+    #[test]
+    fn filtered_sampling_follows_the_renormalized_softmax() {
+        let l: Vec<f32> = (0..40).map(|i| ((i * 17 % 11) as f32 - 5.0) * 0.4).collect();
+        let p =
+            SamplingParams { temperature: 1.3, top_k: 8, top_p: 0.9, seed: 11, max_tokens: 1, ..Default::default() };
+        let dist = distribution(&l, &p, no_history(), &[]);
+        assert!(dist.len() > 2 && dist.len() <= 8);
+        let n = 30000;
+        let mut counts = vec![0usize; 40];
+        for i in 0..n {
+            let q = SamplingParams { seed: i as u64, ..p.clone() };
+            counts[sample(&l, &q, no_history(), &[]).token as usize] += 1;
+        }
+        let kept: Vec<usize> = dist.iter().map(|d| counts[d.0 as usize]).collect();
+        assert_eq!(kept.iter().sum::<usize>(), n, "only kept tokens are drawn");
+        let probs: Vec<f64> = dist.iter().map(|d| d.1 as f64).collect();
+        // At most 7 degrees of freedom: p = 0.001 at 24.3.
+        let stat = chi2(&kept, &probs, n);
+        assert!(stat < 24.3, "chi2 {stat}, counts {kept:?}, dist {dist:?}");
+    }
+
+    #[test]
+    fn philox_matches_the_random123_known_answers() {
+        assert_eq!(philox4x32([0; 4], [0; 2]), [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]);
+        assert_eq!(philox4x32([u32::MAX; 4], [u32::MAX; 2]), [0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd]);
+        assert_eq!(
+            philox4x32([0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344], [0xa4093822, 0x299f31d0]),
+            [0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1]
+        );
+    }
+
+    #[test]
+    fn uniforms_are_in_the_open_interval_and_keyed_by_every_part() {
+        let u = uniform(1, 2, PURPOSE_TOKEN, 3);
+        assert!(u > 0.0 && u < 1.0);
+        assert_eq!(u, uniform(1, 2, PURPOSE_TOKEN, 3));
+        for other in [
+            uniform(2, 2, 0, 3),
+            uniform(1, 3, 0, 3),
+            uniform(1, 2, 1, 3),
+            uniform(1, 2, 0, 4),
+            uniform(1 << 40, 2, 0, 3),
+        ] {
+            assert_ne!(u, other);
+        }
+    }
+
+    #[test]
+    fn a_draw_depends_on_the_logits_of_its_candidates_only() {
+        // The race needs no sum: scaling the scene (adding a constant to every logit) or dropping a
+        // non-candidate never changes the winner, and candidate order does not matter.
+        let c: Vec<(u32, f32)> = (0..50).map(|t| (t, ((t * 13 % 7) as f32) * 0.3)).collect();
+        for pos in 0..200 {
+            let w = race(&c, 5, pos, PURPOSE_TOKEN).unwrap();
+            let shifted: Vec<(u32, f32)> = c.iter().map(|&(t, z)| (t, z + 100.0)).collect();
+            assert_eq!(race(&shifted, 5, pos, PURPOSE_TOKEN), Some(w));
+            let mut reversed = c.clone();
+            reversed.reverse();
+            assert_eq!(race(&reversed, 5, pos, PURPOSE_TOKEN), Some(w));
+        }
+        assert_eq!(race(&[(3, f32::NEG_INFINITY)], 1, 1, 0), None);
+    }
+
+    #[test]
+    fn tiny_temperatures_are_greedy_and_greedy_ties_take_the_lowest_id() {
+        let l = vec![-1.0f32, 0.5, 3.0, 3.0, 2.0];
+        for t in [1e-40f32, 1e-6, 9.9e-6, 0.0] {
+            let p = SamplingParams { temperature: t, seed: 3, max_tokens: 200, ..Default::default() };
+            assert!(p.validate(5).is_ok());
+            for pos in 0..50 {
+                let out = vec![4u32; pos];
+                assert_eq!(sample(&l, &p, History { prompt: &[], output: &out[..] }, &[]).token, 2, "temperature {t}");
+            }
+        }
+        // NaN is never the argmax.
+        assert_eq!(argmax(&[f32::NAN, 1.0, 1.0]), 1);
+        // 1e-5 itself samples.
+        assert!(!SamplingParams { temperature: 1e-5, ..Default::default() }.is_greedy());
     }
 
     #[test]

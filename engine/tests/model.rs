@@ -263,6 +263,79 @@ fn seeded_sampling_with_and_without_speculation_is_reproducible() {
 }
 
 #[test]
+fn seeded_sampling_is_the_same_alone_and_in_any_batch_after_a_hand_off() {
+    // Request a alone, then: prefilled in chunks batched with b and c (other seeds, filters, lengths), its
+    // state handed to a fresh SeqState the way a decode worker resumes it (first token and draft only),
+    // and decoded batched with b and c, with and without MTP. The sampled tokens must be identical.
+    let e = env(Precision::Fp8);
+    let p = SamplingParams {
+        temperature: 1.1,
+        top_k: 40,
+        seed: 4242,
+        max_tokens: 14,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let a = prompt(70, 31);
+    let alone = ids(&run(&e, &a, &p, false, 4096));
+    assert_eq!(alone.len(), 14);
+    for speculate in [false, true] {
+        let pb = SamplingParams { seed: 5, temperature: 0.7, min_p: 0.05, ..p.clone() };
+        let pc = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(14) };
+        let (b, c) = (prompt(33, 32), prompt(130, 33));
+        // b and c take their blocks first, so a's blocks sit elsewhere in the pool than when it ran alone.
+        let tb = e.pool.reserve("b", b.len() + 20).unwrap();
+        let tc = e.pool.reserve("c", c.len() + 20).unwrap();
+        let ta = e.pool.reserve("a", a.len() + 20).unwrap();
+        let mut sb = SeqState::new(b.clone(), pb, tb.blocks.clone(), 0);
+        let mut sc = SeqState::new(c.clone(), pc, tc.blocks.clone(), 0);
+        let mut sa = SeqState::new(a.clone(), p.clone(), ta.blocks.clone(), 0);
+        for s in [&mut sa, &mut sb, &mut sc] {
+            s.speculate = speculate;
+        }
+        let mut first = Vec::new();
+        while !sa.prefill_done() {
+            let at = usize::from(!sb.prefill_done());
+            let (mut batch, mut chunks): (Vec<&mut SeqState>, Vec<usize>) = (Vec::new(), Vec::new());
+            for (s, chunk) in [(&mut sb, 16), (&mut sa, 23), (&mut sc, 50)] {
+                if !s.prefill_done() {
+                    batch.push(s);
+                    chunks.push(chunk);
+                }
+            }
+            let out = generate::prefill(e.b, &e.cache, &mut batch, &chunks, &mut |_| {}).unwrap();
+            first.extend(out[at].tokens.iter().map(|t| t.token));
+        }
+        for (s, chunk) in [(&mut sb, 16), (&mut sc, 50)] {
+            while !s.prefill_done() {
+                generate::prefill(e.b, &e.cache, &mut [&mut *s], &[chunk], &mut |_| {}).unwrap();
+            }
+        }
+        assert_eq!(first.len(), 1, "a's first token comes from its last prefill chunk");
+        let mut ra = SeqState::resume(a.clone(), a.len(), first[0], sa.draft, p.clone(), ta.blocks.clone());
+        ra.speculate = speculate;
+        let mut got = first;
+        while ra.finished.is_none() {
+            let mut batch: Vec<&mut SeqState> = Vec::new();
+            if sb.finished.is_none() {
+                batch.push(&mut sb);
+            }
+            let at = batch.len();
+            batch.push(&mut ra);
+            if sc.finished.is_none() {
+                batch.push(&mut sc);
+            }
+            let out = generate::decode_step(e.b, &e.cache, &mut batch).unwrap();
+            got.extend(out[at].tokens.iter().map(|t| t.token));
+        }
+        assert_eq!(got, alone, "speculate {speculate}");
+        for id in ["a", "b", "c"] {
+            e.pool.release(id).unwrap();
+        }
+    }
+}
+
+#[test]
 fn fp8_path_stays_close_to_full_precision() {
     let toks = prompt(80, 9);
     let fp8 = prefill_all(&env(Precision::Fp8), "fp8", &toks);

@@ -5,16 +5,23 @@ use std::net::SocketAddr;
 use axum::Router;
 use axum::http::header::CONTENT_TYPE;
 use axum::routing::get;
-use prometheus::{Encoder, Registry, TextEncoder};
+use prometheus::{Encoder, IntCounter, Registry, TextEncoder};
 
-/// Serves `registry` on `addr`; returns the bound address.
+/// Serves `registry` on `addr`, plus the engine's process-wide counters; returns the bound address.
 pub async fn serve(addr: SocketAddr, registry: Registry) -> anyhow::Result<SocketAddr> {
+    let nan_scores = IntCounter::new(
+        "tandem_indexer_nan_scores_total",
+        "Indexer scores that were NaN and so never selected (a sign of overflow in the model or its weights)",
+    )?;
+    registry.register(Box::new(nan_scores.clone()))?;
     let app = Router::new()
         .route(
             "/metrics",
             get(move || {
                 let registry = registry.clone();
+                let nan_scores = nan_scores.clone();
                 async move {
+                    nan_scores.inc_by(engine::cpu::topk::nan_scores_total().saturating_sub(nan_scores.get()));
                     let mut buf = Vec::new();
                     let enc = TextEncoder::new();
                     if let Err(e) = enc.encode(&registry.gather(), &mut buf) {
@@ -34,4 +41,28 @@ pub async fn serve(addr: SocketAddr, registry: Registry) -> anyhow::Result<Socke
     });
     tracing::info!(addr = %bound, "metrics on /metrics");
     Ok(bound)
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[tokio::test]
+    async fn metrics_report_the_engines_nan_indexer_scores() {
+        // Two NaN scores in a row longer than k: counted by the process-wide counter.
+        assert_eq!(engine::cpu::topk::select(&[f32::NAN, 1.0, f32::NAN, 0.0], 1), vec![1]);
+        let seen = engine::cpu::topk::nan_scores_total();
+        assert!(seen >= 2);
+        let addr = super::serve("127.0.0.1:0".parse().unwrap(), prometheus::Registry::new()).await.unwrap();
+        let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+        conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").await.unwrap();
+        let mut body = String::new();
+        conn.read_to_string(&mut body).await.unwrap();
+        let line = body
+            .lines()
+            .find(|l| l.starts_with("tandem_indexer_nan_scores_total "))
+            .unwrap_or_else(|| panic!("no counter in {body}"));
+        let value: u64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+        assert!(value >= seen, "{line}");
+    }
 }

@@ -176,7 +176,7 @@ mod tests {
         }
 
         // top-k >= context selects everything, which is dense attention.
-        let all = crate::cpu::topk::select(&random(&mut r, n, 1.0), n + 5, n);
+        let all = crate::cpu::topk::select(&random(&mut r, n, 1.0), n + 5);
         assert_eq!(all, (0..n).collect::<Vec<_>>());
         let sparse = mha_row(&cfg, &q_row, &ctx, &all, scale);
         let dense = dense_reference(&cfg, &q_row, &ctx, n, scale);

@@ -24,20 +24,7 @@ pub struct Item<'a> {
     pub logits: Logits,
 }
 
-/// Which row each query's top-k ranks (it only matters for exact ties; see `topk`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum TopkRows {
-    /// The causal row, positions `0..=p`: batch-invariant, and what a reference computes in cached decode.
-    #[default]
-    Causal,
-    /// Rows padded with masked entries to `max(p + 1, n)`, as a reference's forward over an `n`-token
-    /// sequence with a causal mask does. For bit-exact comparison with such a reference only: tie
-    /// resolution then depends on the sequence length.
-    PaddedTo(usize),
-}
-
 pub struct Ctx<'a> {
-    pub topk_rows: TopkRows,
     pub cfg: &'a ModelConfig,
     pub prec: Precision,
     pub rope: &'a Rope,
@@ -118,11 +105,12 @@ pub fn layer_forward(
             let p = pos[r];
             let q_i = &iq.q[r * ih * idim..(r + 1) * ih * idim];
             let w_i = &iq.w[r * ih..(r + 1) * ih];
-            let row_len = match ctx.topk_rows {
-                TopkRows::Causal => p + 1,
-                TopkRows::PaddedTo(n) => n.max(p + 1),
+            // Logical positions 0..=p are ranked (topk's rule); cache slots come from the block table after.
+            let sel = if p < topk {
+                (0..=p).collect()
+            } else {
+                topk::select(&indexer::scores(q_i, w_i, kv, ks, p + 1, idim), topk)
             };
-            let sel = topk::select(&indexer::scores(q_i, w_i, kv, ks, p + 1, idim), topk, row_len);
             let q_row = &pr.q[r * heads * qk..(r + 1) * heads * qk];
             match dec {
                 Some(d) => attention::mha_row(cfg, q_row, d, &sel, scale),

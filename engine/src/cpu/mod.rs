@@ -20,7 +20,6 @@ use crate::cache::{BlockId, KvCache, LayerIdx};
 use crate::checkpoint::Checkpoint;
 use crate::rope::Rope;
 use crate::{ModelConfig, Precision};
-pub use forward::TopkRows;
 use forward::{Ctx, Item, Pass};
 use weights::Weights;
 
@@ -30,7 +29,6 @@ pub struct CpuBackend {
     rope: Rope,
     weights: Weights,
     fingerprint: String,
-    topk_rows: TopkRows,
 }
 
 impl CpuBackend {
@@ -42,20 +40,7 @@ impl CpuBackend {
     pub fn from_checkpoint(ckpt: &Checkpoint, prec: Precision) -> Result<Self, EngineError> {
         let cfg = ckpt.config().clone();
         let weights = Weights::load(ckpt, prec)?;
-        Ok(CpuBackend {
-            rope: Rope::new(&cfg),
-            cfg,
-            prec,
-            weights,
-            fingerprint: ckpt.fingerprint().to_string(),
-            topk_rows: TopkRows::Causal,
-        })
-    }
-
-    /// Emulates a reference's top-k rows (see [`TopkRows`]); the default is `Causal`.
-    pub fn with_topk_rows(mut self, rows: TopkRows) -> Self {
-        self.topk_rows = rows;
-        self
+        Ok(CpuBackend { rope: Rope::new(&cfg), cfg, prec, weights, fingerprint: ckpt.fingerprint().to_string() })
     }
 
     /// The checkpoint's fingerprint (see `Checkpoint::fingerprint`).
@@ -64,7 +49,7 @@ impl CpuBackend {
     }
 
     fn ctx(&self) -> Ctx<'_> {
-        Ctx { topk_rows: self.topk_rows, cfg: &self.cfg, prec: self.prec, rope: &self.rope, w: &self.weights }
+        Ctx { cfg: &self.cfg, prec: self.prec, rope: &self.rope, w: &self.weights }
     }
 
     fn check_cache(&self, cache: &KvCache) -> Result<(), EngineError> {

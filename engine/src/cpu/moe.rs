@@ -17,10 +17,25 @@ pub fn mlp_forward(m: &Mlp, x: &[f32], rows: usize) -> Vec<f32> {
     m.down.forward(&g, rows)
 }
 
+/// The routing order (SPEC 2.6): `v[a]` ranks before `v[b]` when larger (IEEE, -0.0 == +0.0, NaN last);
+/// equal values rank the lower index first. A pure rule every backend's routing must follow.
+pub fn ranks_before(v: &[f32], a: usize, b: usize) -> std::cmp::Ordering {
+    use std::cmp::Ordering;
+    let by_value = match (v[a].is_nan(), v[b].is_nan()) {
+        // `+ 0.0` turns -0.0 into +0.0, so total_cmp agrees with IEEE comparison here.
+        (false, false) => (v[b] + 0.0).total_cmp(&(v[a] + 0.0)),
+        (true, false) => Ordering::Greater,
+        (false, true) => Ordering::Less,
+        (true, true) => Ordering::Equal,
+    };
+    by_value.then(a.cmp(&b))
+}
+
 /// Routing of one token: `(expert, weight)` sorted by expert id.
 ///
 /// Scores come from the gate logits; `bias` (e_score_correction_bias) is added for choosing groups and
-/// experts only; the weights use the unbiased scores.
+/// experts only; the weights use the unbiased scores. Equal group scores keep the lower group, equal expert
+/// scores the lower expert ([`ranks_before`]).
 pub fn route(logits: &[f32], bias: Option<&[f32]>, cfg: &ModelConfig) -> Vec<(usize, f32)> {
     let n = logits.len();
     let scores: Vec<f32> = match cfg.scoring_func {
@@ -35,26 +50,26 @@ pub fn route(logits: &[f32], bias: Option<&[f32]>, cfg: &ModelConfig) -> Vec<(us
         Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
         None => scores.clone(),
     };
-    let by_score = |v: &[f32], a: usize, b: usize| v[b].total_cmp(&v[a]).then(a.cmp(&b));
     let mut allowed = vec![true; n];
     if cfg.n_group > 1 {
         let per = n / cfg.n_group;
         let group_score: Vec<f32> = (0..cfg.n_group)
             .map(|g| {
-                let mut v: Vec<f32> = sel[g * per..(g + 1) * per].to_vec();
-                v.sort_by(|a, b| b.total_cmp(a));
-                if bias.is_some() { v[0] + v[1] } else { v[0] }
+                let v = &sel[g * per..(g + 1) * per];
+                let mut order: Vec<usize> = (0..per).collect();
+                order.sort_by(|&a, &b| ranks_before(v, a, b));
+                if bias.is_some() { v[order[0]] + v[order[1]] } else { v[order[0]] }
             })
             .collect();
         let mut groups: Vec<usize> = (0..cfg.n_group).collect();
-        groups.sort_by(|&a, &b| by_score(&group_score, a, b));
+        groups.sort_by(|&a, &b| ranks_before(&group_score, a, b));
         allowed.fill(false);
         for &g in &groups[..cfg.topk_group] {
             allowed[g * per..(g + 1) * per].fill(true);
         }
     }
     let mut experts: Vec<usize> = (0..n).filter(|&e| allowed[e]).collect();
-    experts.sort_by(|&a, &b| by_score(&sel, a, b));
+    experts.sort_by(|&a, &b| ranks_before(&sel, a, b));
     experts.truncate(cfg.num_experts_per_tok);
     experts.sort_unstable();
     let mut weights: Vec<f32> = experts.iter().map(|&e| scores[e]).collect();
@@ -210,5 +225,51 @@ mod tests {
         for (_, w) in r {
             assert!((w - 0.625).abs() < 1e-6);
         }
+    }
+
+    #[test]
+    fn equal_group_scores_keep_the_lower_groups() {
+        // Every score equal: groups 0 and 1 are kept, and within them experts 0..4.
+        let c = cfg();
+        let r = route(&[0.0; 16], Some(&[0.0; 16]), &c);
+        assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+        // Groups 1 and 3 tie above groups 0 and 2: the lower (1) wins the first place, 3 the second.
+        let mut logits = [0.0f32; 16];
+        for e in [4, 5, 12, 13] {
+            logits[e] = 2.0;
+        }
+        let r = route(&logits, Some(&[0.0; 16]), &c);
+        assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), vec![4, 5, 12, 13]);
+        // Three groups tie for two places: the two lower ones.
+        logits[9] = 2.0;
+        logits[8] = 2.0;
+        let r = route(&logits, Some(&[0.0; 16]), &c);
+        assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), vec![4, 5, 8, 9]);
+    }
+
+    #[test]
+    fn equal_expert_scores_keep_the_lower_experts() {
+        let c = cfg();
+        // Groups 0 and 2 are kept (expert 0 and 8 lead them); experts 1, 2, 3, 9, 10, 11 tie below the leaders.
+        let mut logits = [0.0f32; 16];
+        logits[0] = 3.0;
+        logits[8] = 3.0;
+        for e in [1, 2, 3, 9, 10, 11] {
+            logits[e] = 1.0;
+        }
+        let r = route(&logits, Some(&[0.0; 16]), &c);
+        assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1, 2, 8]);
+    }
+
+    #[test]
+    fn routing_order_treats_signed_zeros_as_equal_and_nan_as_last() {
+        let v = [-0.0f32, 0.0, f32::NAN, -1.0];
+        let mut order: Vec<usize> = (0..4).collect();
+        order.sort_by(|&a, &b| ranks_before(&v, a, b));
+        assert_eq!(order, vec![0, 1, 3, 2]);
+        let v = [0.0f32, -0.0];
+        let mut order: Vec<usize> = (0..2).collect();
+        order.sort_by(|&a, &b| ranks_before(&v, a, b));
+        assert_eq!(order, vec![0, 1]);
     }
 }
