@@ -4,7 +4,7 @@
 //!
 //! Sampling draws from an RNG keyed by (request seed, output position), so a seeded request produces the
 //! same tokens whichever worker samples which position (the prefill worker samples the first, decode
-//! workers the rest; SPEC 2.6). Logprobs are those of the raw model distribution (vLLM's default).
+//! workers the rest; docs/model.md §2.6). Logprobs are those of the raw model distribution (vLLM's default).
 
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;

@@ -60,7 +60,7 @@ fn argmax(x: &[f32]) -> u32 {
     best as u32
 }
 
-/// SPEC section 6: `1 - 2 sum(ab) / sum(a^2 + b^2)`.
+/// docs/model.md §6: `1 - 2 sum(ab) / sum(a^2 + b^2)`.
 fn diff(a: &[f32], b: &[f32]) -> f64 {
     let (mut ab, mut aa) = (0f64, 0f64);
     for (x, y) in a.iter().zip(b) {

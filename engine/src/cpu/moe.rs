@@ -1,4 +1,4 @@
-//! Feed-forward blocks: the dense MLP and the MoE with group-limited routing and a shared expert (SPEC 2.4).
+//! Feed-forward blocks: the dense MLP and the MoE with group-limited routing and a shared expert (docs/model.md §2.4).
 
 use rayon::prelude::*;
 
@@ -142,7 +142,7 @@ mod tests {
         .unwrap()
     }
 
-    /// Enumerates every choice of groups and experts and keeps the best by the spec's rules.
+    /// Enumerates every choice of groups and experts and keeps the best by the rules of docs/model.md §2.4.
     fn brute_force(logits: &[f32], bias: &[f32], c: &ModelConfig) -> Vec<(usize, f32)> {
         let s: Vec<f64> = logits.iter().map(|&l| 1.0 / (1.0 + (-l as f64).exp())).collect();
         let sel: Vec<f64> = s.iter().zip(bias).map(|(a, b)| a + *b as f64).collect();
