@@ -69,7 +69,7 @@ pub struct SeqInput<'a> {
 }
 
 /// One request's slice of an MTP batch. MTP position `p` combines the main model's final hidden state at
-/// `p` with the embedding of the token at `p + 1` (SPEC 2.5); its caches are the MTP layer's.
+/// `p` with the embedding of the token at `p + 1` (docs/model.md §2.5); its caches are the MTP layer's.
 #[derive(Debug, Clone, Copy)]
 pub struct MtpInput<'a> {
     /// The token at position `p + 1` for each MTP position `p`.

@@ -1,4 +1,4 @@
-//! The HF `config.json` of a DeepSeek-V3.2 checkpoint (SPEC section 1), read field by field so that a
+//! The HF `config.json` of a DeepSeek-V3.2 checkpoint (docs/model.md §1), read field by field so that a
 //! missing or invalid value is reported by name. Every model dimension comes from here; nothing in the
 //! engine hard-codes the 671B numbers.
 
@@ -346,7 +346,7 @@ impl ModelConfig {
         self.qk_nope_head_dim + self.qk_rope_head_dim
     }
 
-    /// MLA softmax scale: `qk_head_dim^-0.5 * mscale^2` under YaRN (SPEC section 1).
+    /// MLA softmax scale: `qk_head_dim^-0.5 * mscale^2` under YaRN (docs/model.md §1).
     pub fn softmax_scale(&self) -> f32 {
         let base = (self.qk_head_dim() as f64).powf(-0.5);
         let m = match &self.yarn {
@@ -487,7 +487,7 @@ mod tests {
     fn softmax_scale_includes_mscale_squared() {
         let mut c = with(|_| {}).unwrap();
         c.qk_nope_head_dim = 128;
-        // SPEC section 1: 192^-0.5 * 1.36889^2 = 0.135234.
+        // docs/model.md §1: 192^-0.5 * 1.36889^2 = 0.135234.
         assert!((c.softmax_scale() - 0.135234).abs() < 1e-5, "{}", c.softmax_scale());
     }
 

@@ -1,5 +1,5 @@
 //! FP8 e4m3 (`float8_e4m3fn`) conversion and the per-group quantization DeepSeek uses for activations,
-//! the indexer keys and the MLA cache tiles (SPEC sections 2.1 and 4).
+//! the indexer keys and the MLA cache tiles (docs/model.md §2.1 and §4).
 
 /// Largest finite e4m3fn value.
 pub const E4M3_MAX: f32 = 448.0;

@@ -1,4 +1,4 @@
-//! Rotary embeddings with YaRN (SPEC section 1). MLA rotates interleaved pairs `(2i, 2i+1)` of the last 64
+//! Rotary embeddings with YaRN (docs/model.md §1). MLA rotates interleaved pairs `(2i, 2i+1)` of the last 64
 //! dims of each head; the indexer rotates NeoX pairs `(i, i + 32)` of the FIRST 64 dims. Mixing them up is
 //! the known bug of early DeepSeek-V3.2 code; tests pin both down.
 

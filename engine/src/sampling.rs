@@ -7,7 +7,7 @@
 //! counter (token, output position, purpose), and the token with the largest `logit / T - ln(-ln u)` wins
 //! (equal keys: the lowest id). No running sum over the vocabulary is involved, so any backend computes
 //! the same draw for the same logits in any batch, on any worker, in any chunking (the prefill worker
-//! samples the first token, decode workers the rest; SPEC 2.6). Temperatures below [`GREEDY_BELOW`] are
+//! samples the first token, decode workers the rest; docs/model.md §2.6). Temperatures below [`GREEDY_BELOW`] are
 //! greedy; greedy ties take the lowest token id. Logprobs are those of the raw model distribution (vLLM's
 //! default). [`philox4x32`], [`uniform`] and [`race`] are pure functions a GPU sampler's tests compare with.
 

@@ -163,7 +163,7 @@ pub fn tensors(cfg: &ModelConfig, seed: u64) -> Vec<(String, OwnedTensor)> {
     let mut main_head: Option<OwnedTensor> = None;
     for spec in expected_tensors(cfg) {
         let name = spec.name.clone();
-        // SPEC 2.5: the MTP layer's embedding and head are the main model's.
+        // docs/model.md §2.5: the MTP layer's embedding and head are the main model's.
         if name.ends_with("shared_head.head.weight") {
             out.push((name, main_head.clone().expect("lm_head comes first")));
             continue;
@@ -172,7 +172,7 @@ pub fn tensors(cfg: &ModelConfig, seed: u64) -> Vec<(String, OwnedTensor)> {
             out.push((name, main_embed.clone().expect("embedding comes first")));
             continue;
         }
-        // SPEC section 3: these projections are bf16 in DeepSeek-V3.2 checkpoints; the rest are FP8.
+        // docs/model.md §3: these projections are bf16 in DeepSeek-V3.2 checkpoints; the rest are FP8.
         let bf16_linear = name.contains("weights_proj") || name.ends_with("eh_proj.weight");
         if spec.expect == Expect::Linear && !bf16_linear {
             let (rows, cols) = (spec.shape[0], spec.shape[1]);

@@ -1,5 +1,5 @@
 //! Against an independent implementation: Hugging Face transformers' DeepseekV32ForCausalLM in float32 on
-//! the dequantized weights, with its indexer's top-k replaced by SPEC 2.6's rule (scripts/hf_golden.py), on
+//! the dequantized weights, with its indexer's top-k replaced by the rule of docs/model.md §2.6 (scripts/hf_golden.py), on
 //! two checkpoints: `tests/golden/hf-tiny-v32` (a real-format FP8 checkpoint, committed) and tandem's own tiny
 //! checkpoint (`tandem gen-tiny --seed 0`, regenerated here). In full precision tandem's default backend must
 //! reproduce every sequence: logits to 1e-4 and the greedy tokens exactly, both by one-shot prefill and by
@@ -101,7 +101,7 @@ fn argmax(x: &[f32]) -> u32 {
     best as u32
 }
 
-/// SPEC section 6: `1 - 2 sum(ab) / sum(a^2 + b^2)`.
+/// docs/model.md §6: `1 - 2 sum(ab) / sum(a^2 + b^2)`.
 fn diff(a: &[f32], b: &[f32]) -> f64 {
     let (mut ab, mut aa) = (0f64, 0f64);
     for (x, y) in a.iter().zip(b) {
@@ -117,7 +117,7 @@ struct Run {
     pool: BlockPool,
 }
 
-/// The default backend (no emulation of anything: the rule of SPEC 2.6 is the model's).
+/// The default backend (no emulation of anything: the rule of docs/model.md §2.6 is the model's).
 fn setup(set: &Set, prec: Precision) -> Run {
     let ckpt = Checkpoint::open(&set.checkpoint).expect("golden checkpoint opens");
     if set.name == "tandem-tiny" {
@@ -184,7 +184,7 @@ fn max_abs(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)
 }
 
-// The references ran HF transformers with the indexer's top-k replaced by SPEC 2.6's rule (a stable sort,
+// The references ran HF transformers with the indexer's top-k replaced by the rule of docs/model.md §2.6 (a stable sort,
 // scripts/hf_golden.py), so tandem's default causal selection must match every row of every sequence.
 
 #[test]

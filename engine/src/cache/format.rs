@@ -1,4 +1,4 @@
-//! Byte layouts of one token's cache entries (SPEC section 4) and the geometry of a whole pool.
+//! Byte layouts of one token's cache entries (docs/model.md §4) and the geometry of a whole pool.
 //!
 //! FP8 MLA latent entry, 656 bytes per token per layer (FlashMLA's sparse FP8 format):
 //!

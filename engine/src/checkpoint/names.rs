@@ -1,4 +1,4 @@
-//! The HF tensor names of a DeepSeek-V3.2 checkpoint (SPEC section 3) and the shape each must have for a
+//! The HF tensor names of a DeepSeek-V3.2 checkpoint (docs/model.md §3) and the shape each must have for a
 //! given config.
 
 use crate::ModelConfig;

@@ -42,7 +42,7 @@ pub fn quantize(w: &[f32], rows: usize, cols: usize, block: [usize; 2], ue8m0: b
 }
 
 /// Re-blocks scales to a block size that divides the old one (128x128 -> 64x64 for tensor-parallel
-/// shards that split a block; seeds/001): every old scale is replicated over the sub-blocks it covers,
+/// shards that split a block; docs/model.md §3): every old scale is replicated over the sub-blocks it covers,
 /// so the dequantized weight is unchanged.
 pub fn reblock_scales(scales: &[f32], rows: usize, cols: usize, from: [usize; 2], to: [usize; 2]) -> Vec<f32> {
     assert!(from[0].is_multiple_of(to[0]) && from[1].is_multiple_of(to[1]), "new block {to:?} must divide {from:?}");

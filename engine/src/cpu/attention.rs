@@ -1,4 +1,4 @@
-//! Multi-head latent attention (SPEC 2.2) over the selected tokens, in both forms: MHA with decompressed
+//! Multi-head latent attention (docs/model.md §2.2) over the selected tokens, in both forms: MHA with decompressed
 //! keys/values (prefill) and MQA against the shared 576-d latent key (absorbed decode, what FlashMLA runs).
 
 use super::kernels::{dot, rms_norm, softmax};

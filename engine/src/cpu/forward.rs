@@ -1,4 +1,4 @@
-//! One decoder layer over a batch, and the main-model and MTP forwards built from it (SPEC section 2).
+//! One decoder layer over a batch, and the main-model and MTP forwards built from it (docs/model.md §2).
 
 use rayon::prelude::*;
 

@@ -1,4 +1,4 @@
-//! The lightning indexer (SPEC 2.3): per-token index keys for the cache, per-query scores over the causal
+//! The lightning indexer (docs/model.md §2.3): per-token index keys for the cache, per-query scores over the causal
 //! context, and the top-k selection that sparse MLA attends to.
 
 use super::kernels::{dot, hadamard, layer_norm_row};

@@ -3,7 +3,7 @@
 //! Every dot product has one fixed evaluation order: 8 lanes accumulated with fused multiply-add over
 //! the body, a fixed reduction tree, then the tail. The GEMM's register tiles (2 rows x 4 columns) and its
 //! edge tiles evaluate each output element in exactly that order, so a value never depends on the batch,
-//! the row's place in it or the thread that runs it: results are batch-invariant (SPEC section 2.6).
+//! the row's place in it or the thread that runs it: results are batch-invariant (docs/model.md §2.6).
 //! `f32::mul_add` is an exact fused operation everywhere (a hardware FMA where the AVX2+FMA entry points
 //! are taken, a correctly rounded software one otherwise), so every machine computes the same bits.
 

@@ -1,4 +1,4 @@
-//! Projections: block-scaled FP8 (SPEC 2.1: e4m3 weights with block scales, activations quantized per
+//! Projections: block-scaled FP8 (docs/model.md §2.1: e4m3 weights with block scales, activations quantized per
 //! token per 128 channels with ue8m0 scales, fp32 accumulation per K block) or plain f32.
 
 use safetensors::Dtype;
@@ -164,7 +164,7 @@ mod tests {
     use crate::checkpoint::quant;
     use rand::{RngExt, SeedableRng};
 
-    /// SPEC section 6: `1 - 2 sum(ab) / sum(a^2 + b^2)`.
+    /// docs/model.md §6: `1 - 2 sum(ab) / sum(a^2 + b^2)`.
     fn diff(a: &[f32], b: &[f32]) -> f64 {
         let (mut ab, mut aa) = (0f64, 0f64);
         for (x, y) in a.iter().zip(b) {

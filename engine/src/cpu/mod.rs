@@ -1,4 +1,4 @@
-//! The CPU reference backend: the full DeepSeek-V3.2 forward of SPEC section 2 in plain Rust, multithreaded
+//! The CPU reference backend: the full DeepSeek-V3.2 forward of docs/model.md §2 in plain Rust, multithreaded
 //! with rayon, batch-invariant (every row's reductions have one fixed order).
 
 pub mod attention;
@@ -209,7 +209,7 @@ impl Backend for CpuBackend {
         }
         let table = mtp.embed.as_ref().unwrap_or(&self.weights.embed);
         let mut emb = forward::embed(table, batch.iter().flat_map(|m| m.next_tokens.iter().copied()), hidden);
-        // The MTP input embedding at position 0 is zeroed (SPEC 2.5).
+        // The MTP input embedding at position 0 is zeroed (docs/model.md §2.5).
         for it in &items {
             if it.start == 0 {
                 emb[it.row0 * hidden..(it.row0 + 1) * hidden].fill(0.0);

@@ -1,4 +1,4 @@
-//! Feed-forward blocks: the dense MLP and the MoE with group-limited routing and a shared expert (SPEC 2.4).
+//! Feed-forward blocks: the dense MLP and the MoE with group-limited routing and a shared expert (docs/model.md §2.4).
 
 use rayon::prelude::*;
 
@@ -17,7 +17,7 @@ pub fn mlp_forward(m: &Mlp, x: &[f32], rows: usize) -> Vec<f32> {
     m.down.forward(&g, rows)
 }
 
-/// The routing order (SPEC 2.6): `v[a]` ranks before `v[b]` when larger (IEEE, -0.0 == +0.0, NaN last);
+/// The routing order (docs/model.md §2.6): `v[a]` ranks before `v[b]` when larger (IEEE, -0.0 == +0.0, NaN last);
 /// equal values rank the lower index first. A pure rule every backend's routing must follow.
 pub fn ranks_before(v: &[f32], a: usize, b: usize) -> std::cmp::Ordering {
     use std::cmp::Ordering;
@@ -157,7 +157,7 @@ mod tests {
         .unwrap()
     }
 
-    /// Enumerates every choice of groups and experts and keeps the best by the spec's rules.
+    /// Enumerates every choice of groups and experts and keeps the best by the rules of docs/model.md §2.4.
     fn brute_force(logits: &[f32], bias: &[f32], c: &ModelConfig) -> Vec<(usize, f32)> {
         let s: Vec<f64> = logits.iter().map(|&l| 1.0 / (1.0 + (-l as f64).exp())).collect();
         let sel: Vec<f64> = s.iter().zip(bias).map(|(a, b)| a + *b as f64).collect();

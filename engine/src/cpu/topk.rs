@@ -1,4 +1,4 @@
-//! The indexer's top-k rule (SPEC 2.3, 2.6), as a pure function on one query's row of scores: the
+//! The indexer's top-k rule (docs/model.md §2.3, §2.6), as a pure function on one query's row of scores: the
 //! reference every backend's selection must equal.
 //!
 //! Exact ties in indexer scores are common, not rounding noise: a key whose every head has a negative

@@ -1,4 +1,4 @@
-//! The CPU backend's weights, loaded by HF name from a checkpoint (SPEC section 3).
+//! The CPU backend's weights, loaded by HF name from a checkpoint (docs/model.md §3).
 
 use super::linear::Linear;
 use crate::Precision;
