@@ -38,6 +38,7 @@ fi
 export TANDEM_PYTHON="$PWD/.venv/bin/python"
 export LD_LIBRARY_PATH="$CUDA_WHEELS/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PATH="$CUDA_WHEELS/bin:$PATH"
+export TANDEM_CUDA_INCLUDE="${TANDEM_CUDA_INCLUDE:-$CUDA_WHEELS/include}"
 
 cargo test --workspace --all-targets "$@"
 

@@ -112,3 +112,37 @@ fn every_cubin_holds_its_expected_instructions() {
         assert!(missing.is_empty(), "{}: SASS lacks {missing:?}", c.family.name);
     }
 }
+
+#[test]
+fn a_family_that_includes_the_cuda_headers_compiles_with_their_version_in_the_key() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let version = match engine::cuda::External::Cuda.resolve() {
+        Ok((_, v)) => v,
+        Err(e) => {
+            assert!(!required(), "CUDA headers are required here (CI=true): {e}");
+            eprintln!("skipped: {e}");
+            return;
+        }
+    };
+    assert!(version.starts_with("CUDA_VERSION=1"), "{version}");
+    let family = engine::cuda::Family {
+        name: "fp8_probe",
+        source: "#include <cuda_fp8.h>\nextern \"C\" __global__ void fp8_probe(const float* x, __nv_fp8_e4m3* y) \
+                 { y[threadIdx.x] = __nv_fp8_e4m3(x[threadIdx.x]); }\n",
+        functions: &["fp8_probe"],
+        externals: &[engine::cuda::External::Cuda],
+        sass_expect: &["F2FP"],
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let c = kernels::compile_cached(&family, &sm90a(), dir.path(), nvrtc::version().unwrap()).unwrap();
+    assert!(c.compiled_now && c.cubin.starts_with(b"\x7fELF"));
+    assert_eq!(
+        c.path,
+        dir.path().join(format!(
+            "fp8_probe-sm_90a-{}.cubin",
+            &kernels::cache_key(&family, &sm90a(), nvrtc::version().unwrap(), &[version])[..24]
+        ))
+    );
+}

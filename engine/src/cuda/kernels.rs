@@ -20,13 +20,88 @@ use super::nvrtc::{self, Unit};
 /// Headers of our own, passed to NVRTC in memory.
 const HEADERS: &[(&str, &str)] = &[("common.cuh", include_str!("../../kernels/common.cuh"))];
 
-/// One kernel family: a `.cu` file, the entry points it defines, and the SASS instructions its CUBIN
-/// must contain (checked with `cuobjdump -sass` by `tandem compile-kernels --check-sass`).
+/// Header sets outside the repository a family may include. Their versions join the cache key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum External {
+    /// The CUDA toolkit's headers (`cuda_fp8.h`, `cuda_bf16.h`, libcu++ under `cccl/`):
+    /// `TANDEM_CUDA_INCLUDE`, else `$CUDA_HOME/include`, else `/usr/local/cuda/include`.
+    Cuda,
+    /// CUTLASS / CuTe, a dependency from the `nvidia-cutlass` wheel, never copied in:
+    /// `TANDEM_CUTLASS_INCLUDE` (the folder holding `cutlass/` and `cute/`).
+    Cutlass,
+}
+
+impl External {
+    fn dir(self) -> Option<PathBuf> {
+        let (var, fallbacks): (&str, Vec<PathBuf>) = match self {
+            External::Cuda => (
+                "TANDEM_CUDA_INCLUDE",
+                std::env::var_os("CUDA_HOME")
+                    .map(|h| PathBuf::from(h).join("include"))
+                    .into_iter()
+                    .chain([PathBuf::from("/usr/local/cuda/include")])
+                    .collect(),
+            ),
+            External::Cutlass => ("TANDEM_CUTLASS_INCLUDE", vec![]),
+        };
+        std::env::var_os(var).map(PathBuf::from).into_iter().chain(fallbacks).find(|d| d.join(self.marker()).is_file())
+    }
+
+    /// The file that proves the folder is the right one and carries the version.
+    fn marker(self) -> &'static str {
+        match self {
+            External::Cuda => "cuda.h",
+            External::Cutlass => "cutlass/version.h",
+        }
+    }
+
+    fn version_defines(self) -> &'static [&'static str] {
+        match self {
+            External::Cuda => &["CUDA_VERSION"],
+            External::Cutlass => &["CUTLASS_MAJOR", "CUTLASS_MINOR", "CUTLASS_PATCH"],
+        }
+    }
+
+    /// The include folder and its version (e.g. `CUDA_VERSION=13000`), or why it cannot be used.
+    pub fn resolve(self) -> Result<(PathBuf, String), CudaError> {
+        let dir = self.dir().ok_or_else(|| {
+            CudaError::MissingHeaders(match self {
+                External::Cuda => "the CUDA headers (cuda.h) were not found: set TANDEM_CUDA_INCLUDE (CUDA toolkit's \
+                                   include folder, or the nvidia-cuda-runtime wheel's nvidia/cu13/include)"
+                    .into(),
+                External::Cutlass => "the CUTLASS headers (cutlass/version.h) were not found: set \
+                                      TANDEM_CUTLASS_INCLUDE to the nvidia-cutlass wheel's \
+                                      cutlass_library/source/include"
+                    .into(),
+            })
+        })?;
+        let marker = dir.join(self.marker());
+        let text = fs::read_to_string(&marker).map_err(|e| CudaError::io(&marker, e))?;
+        let version = self
+            .version_defines()
+            .iter()
+            .map(|d| {
+                let value = text.lines().find_map(|l| {
+                    let mut w = l.split_whitespace();
+                    (w.next() == Some("#define") && w.next() == Some(d)).then(|| w.next().unwrap_or("").to_string())
+                });
+                format!("{d}={}", value.unwrap_or_else(|| "?".into()))
+            })
+            .collect::<Vec<_>>()
+            .join(",");
+        Ok((dir, version))
+    }
+}
+
+/// One kernel family: a `.cu` file, the entry points it defines, the header sets it includes, and the
+/// SASS instructions its CUBIN must contain (checked with `cuobjdump -sass` by `tandem compile-kernels
+/// --check-sass`).
 #[derive(Debug, Clone, Copy)]
 pub struct Family {
     pub name: &'static str,
     pub source: &'static str,
     pub functions: &'static [&'static str],
+    pub externals: &'static [External],
     /// Substrings that must each appear in the SASS (e.g. `F2FP` for the e4m3 conversions, `HGMMA` for
     /// wgmma kernels): proof that the intended instructions were emitted.
     pub sass_expect: &'static [&'static str],
@@ -37,6 +112,7 @@ pub const FAMILIES: &[Family] = &[Family {
     name: "cache_quant",
     source: include_str!("../../kernels/cache_quant.cu"),
     functions: &["tandem_quantize_latent_fp8", "tandem_quantize_index_keys_fp8"],
+    externals: &[],
     sass_expect: &["F2FP.SATFINITE.E4M3.F32.PACK_AB", "F2FP.BF16.F32.PACK_AB", "SHFL.BFLY"],
 }];
 
@@ -80,6 +156,22 @@ pub fn options(arch: &Arch) -> Vec<String> {
     vec![format!("-arch={}", arch.as_str()), "-std=c++17".into(), "-lineinfo".into(), "-DTANDEM_NVRTC=1".into()]
 }
 
+/// A family's options plus the include folders of its external headers, and those headers' versions.
+fn family_options(family: &Family, arch: &Arch) -> Result<(Vec<String>, Vec<String>), CudaError> {
+    let mut opts = options(arch);
+    let mut versions = Vec::new();
+    for ext in family.externals {
+        let (dir, version) = ext.resolve()?;
+        opts.push(format!("-I{}", dir.display()));
+        if *ext == External::Cuda && dir.join("cccl").is_dir() {
+            // CUDA 13 keeps libcu++ (cuda/std/...) under include/cccl.
+            opts.push(format!("-I{}", dir.join("cccl").display()));
+        }
+        versions.push(version);
+    }
+    Ok((opts, versions))
+}
+
 /// The on-disk cache folder: `TANDEM_KERNEL_CACHE`, else `$XDG_CACHE_HOME/tandem/kernels`, else
 /// `~/.cache/tandem/kernels`.
 pub fn default_cache_dir() -> PathBuf {
@@ -93,8 +185,9 @@ pub fn default_cache_dir() -> PathBuf {
     base.join("tandem").join("kernels")
 }
 
-/// The cache key of `family` for `arch`: hex sha256.
-pub fn cache_key(family: &Family, arch: &Arch, nvrtc_version: (i32, i32)) -> String {
+/// The cache key of `family` for `arch`: hex sha256. `external_versions` are the versions of the header
+/// sets the family includes (their folders are not in the key: the same version elsewhere is the same text).
+pub fn cache_key(family: &Family, arch: &Arch, nvrtc_version: (i32, i32), external_versions: &[String]) -> String {
     let mut h = Sha256::new();
     let mut put = |tag: &str, bytes: &[u8]| {
         h.update(tag.as_bytes());
@@ -109,6 +202,9 @@ pub fn cache_key(family: &Family, arch: &Arch, nvrtc_version: (i32, i32)) -> Str
     }
     for o in options(arch) {
         put("option", o.as_bytes());
+    }
+    for v in external_versions {
+        put("external", v.as_bytes());
     }
     put("nvrtc", format!("{}.{}", nvrtc_version.0, nvrtc_version.1).as_bytes());
     put("arch", arch.as_str().as_bytes());
@@ -142,7 +238,8 @@ pub fn compile_all(arch: &Arch, cache_dir: &Path) -> Result<Vec<Compiled>, CudaE
 /// One family through the cache.
 pub fn compile_cached(family: &Family, arch: &Arch, dir: &Path, version: (i32, i32)) -> Result<Compiled, CudaError> {
     let started = Instant::now();
-    let key = cache_key(family, arch, version);
+    let (opts, external_versions) = family_options(family, arch)?;
+    let key = cache_key(family, arch, version, &external_versions);
     let stem = format!("{}-{}-{}", family.name, arch.as_str(), &key[..24]);
     let path = dir.join(format!("{stem}.cubin"));
     let done = |cubin: Vec<u8>, compiled_now: bool| Compiled {
@@ -163,7 +260,7 @@ pub fn compile_cached(family: &Family, arch: &Arch, dir: &Path, version: (i32, i
         return Ok(done(cubin, false));
     }
     let unit = Unit { name: family.name, source: family.source, headers: HEADERS };
-    let cubin = nvrtc::compile_cubin(&unit, &options(arch))?;
+    let cubin = nvrtc::compile_cubin(&unit, &opts)?;
     let tmp = dir.join(format!("{stem}.{}.tmp", std::process::id()));
     let write = || -> std::io::Result<()> {
         let mut f = File::create(&tmp)?;
@@ -197,13 +294,16 @@ mod tests {
     #[test]
     fn the_key_changes_with_source_options_version_and_arch() {
         let f = FAMILIES[0];
-        let base = cache_key(&f, &sm90a(), (13, 0));
-        assert_eq!(base, cache_key(&f, &sm90a(), (13, 0)), "deterministic");
-        assert_ne!(base, cache_key(&f, &sm90a(), (13, 1)));
+        let base = cache_key(&f, &sm90a(), (13, 0), &[]);
+        assert_eq!(base, cache_key(&f, &sm90a(), (13, 0), &[]), "deterministic");
+        assert_ne!(base, cache_key(&f, &sm90a(), (13, 1), &[]));
         let edited = Family { source: "// edited\n", ..f };
-        assert_ne!(base, cache_key(&edited, &sm90a(), (13, 0)));
+        assert_ne!(base, cache_key(&edited, &sm90a(), (13, 0), &[]));
         let renamed = Family { name: "other", ..f };
-        assert_ne!(base, cache_key(&renamed, &sm90a(), (13, 0)));
+        assert_ne!(base, cache_key(&renamed, &sm90a(), (13, 0), &[]));
+        let cuda = |v: &str| cache_key(&f, &sm90a(), (13, 0), &[v.to_string()]);
+        assert_ne!(base, cuda("CUDA_VERSION=13000"));
+        assert_ne!(cuda("CUDA_VERSION=13000"), cuda("CUDA_VERSION=13010"));
         assert_eq!(base.len(), 64);
     }
 
@@ -214,6 +314,26 @@ mod tests {
         let e = Arch::for_compute_capability(8, 6).unwrap_err().to_string();
         assert!(e.contains("8.6") && e.contains("Hopper"), "{e}");
         assert_eq!(Arch::for_compute_capability(9, 0).unwrap().as_str(), "sm_90a");
+    }
+
+    #[test]
+    fn external_headers_resolve_to_their_version_or_say_what_is_missing() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::create_dir_all(dir.path().join("cutlass")).unwrap();
+        fs::write(
+            dir.path().join("cutlass/version.h"),
+            "#define CUTLASS_MAJOR 4\n#define CUTLASS_MINOR 2\n#define CUTLASS_PATCH 0\n",
+        )
+        .unwrap();
+        // SAFETY (edition 2024 set_var): this test is the only one that touches TANDEM_CUTLASS_INCLUDE.
+        unsafe { std::env::set_var("TANDEM_CUTLASS_INCLUDE", dir.path()) };
+        let (found, version) = External::Cutlass.resolve().unwrap();
+        assert_eq!(found, dir.path());
+        assert_eq!(version, "CUTLASS_MAJOR=4,CUTLASS_MINOR=2,CUTLASS_PATCH=0");
+        unsafe { std::env::set_var("TANDEM_CUTLASS_INCLUDE", dir.path().join("nowhere")) };
+        let e = External::Cutlass.resolve().unwrap_err().to_string();
+        assert!(e.contains("TANDEM_CUTLASS_INCLUDE"), "{e}");
+        unsafe { std::env::remove_var("TANDEM_CUTLASS_INCLUDE") };
     }
 
     #[test]

@@ -14,7 +14,7 @@ pub mod sass;
 use std::path::Path;
 
 pub use device::{Gpu, GpuInfo};
-pub use kernels::{Arch, FAMILIES, Family};
+pub use kernels::{Arch, External, FAMILIES, Family};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CudaError {
@@ -22,6 +22,8 @@ pub enum CudaError {
     NoNvrtc(String),
     #[error("no usable GPU: {0}")]
     NoGpu(String),
+    #[error("kernel headers: {0}")]
+    MissingHeaders(String),
     #[error("unsupported GPU architecture {0}")]
     UnsupportedArch(String),
     #[error("kernel `{unit}` failed to compile:\n{log}")]
