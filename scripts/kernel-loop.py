@@ -127,7 +127,57 @@ def cache_quant(tokens, rng):
     return {"family": "cache_quant", "tokens": tokens, "bit_identical": ok, "ms": ms, "gb_per_s": moved / ms / 1e6}
 
 
-FAMILIES = {"cache_quant": cache_quant}
+def topk_reference(row, k):
+    """engine::cpu::topk::select: score desc (-0.0 == +0.0), later position first, NaN out, ascending."""
+    n = len(row)
+    if n <= k:
+        return np.arange(n)
+    pos = np.nonzero(~np.isnan(row))[0]
+    order = np.lexsort((-pos, -row[pos]))[:k]
+    return np.sort(pos[order])
+
+
+def topk(tokens, rng):
+    k, rows = 2048, 64
+    out = []
+    m = module("topk")
+    fn = m.get_function("tandem_topk_rule")
+    for n in (max(tokens // 2, k + 1), tokens * 2):
+        scores = rng.random((rows, n), dtype=np.float32) * 4 - 1
+        scores[rng.random((rows, n)) < 0.25] = 0.0
+        scores[rng.random((rows, n)) < 0.01] = -0.0
+        scores[rng.random((rows, n)) < 0.001] = np.nan
+        lengths = rng.integers(k - 2, n + 1, size=rows).astype(np.int32)
+        lengths[0] = n
+        d_scores, d_len = cp.asarray(scores), cp.asarray(lengths)
+        pos = cp.full((rows, k), -5, dtype=cp.int32)
+        counts, nans = cp.zeros(rows, dtype=cp.int32), cp.zeros(rows, dtype=cp.int32)
+
+        def run():
+            fn((rows,), (1024,), (d_scores, np.int64(n), d_len, np.int32(k), pos, counts, nans))
+
+        run()
+        cp.cuda.runtime.deviceSynchronize()
+        got, cnt = cp.asnumpy(pos), cp.asnumpy(counts)
+        ok = True
+        for r in range(rows):
+            want = topk_reference(scores[r, :lengths[r]], k)
+            ok &= cnt[r] == len(want) and (got[r, :cnt[r]] == want).all() and (got[r, cnt[r]:] == -1).all()
+        ms = time_ms(run)
+        row = {"family": "topk", "tokens": int(n), "rows": rows, "k": k, "bit_identical": bool(ok), "ms": ms,
+               "gb_per_s": float(lengths.sum()) * 4 / ms / 1e6}
+        try:
+            import torch
+            t = torch.as_tensor(scores, device="cuda")
+            row["torch_topk_ms"] = time_ms(lambda: torch.topk(t, k, dim=1))
+        except Exception as e:  # noqa: BLE001 - the baseline is optional
+            row["torch_topk_ms"] = None
+            print("torch baseline unavailable:", e)
+        out.append(row)
+    return out
+
+
+FAMILIES = {"cache_quant": cache_quant, "topk": topk}
 
 
 def main():
@@ -138,10 +188,14 @@ def main():
     a = ap.parse_args()
     rng = np.random.default_rng()
     names = sorted(FAMILIES) if a.family == "all" else [a.family]
-    rows = [FAMILIES[n](a.tokens, rng) for n in names]
-    print(f"{'family':<14} {'tokens':>8} {'exact':>6} {'ms':>8} {'GB/s':>8}")
+    rows = []
+    for n in names:
+        r = FAMILIES[n](a.tokens, rng)
+        rows.extend(r if isinstance(r, list) else [r])
+    print(f"{'family':<14} {'tokens':>8} {'exact':>6} {'ms':>8} {'GB/s':>8}  baseline")
     for r in rows:
-        print(f"{r['family']:<14} {r['tokens']:>8} {str(r['bit_identical']):>6} {r['ms']:>8.3f} {r['gb_per_s']:>8.1f}")
+        base = f"torch.topk {r['torch_topk_ms']:.3f} ms" if r.get("torch_topk_ms") else ""
+        print(f"{r['family']:<14} {r['tokens']:>8} {str(r['bit_identical']):>6} {r['ms']:>8.3f} {r['gb_per_s']:>8.1f}  {base}")
     if a.json:
         json.dump({"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "rows": rows}, open(a.json, "w"), indent=1)
     sys.exit(0 if all(r["bit_identical"] for r in rows) else 1)

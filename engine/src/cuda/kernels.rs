@@ -108,13 +108,23 @@ pub struct Family {
 }
 
 /// Every family tandem compiles.
-pub const FAMILIES: &[Family] = &[Family {
-    name: "cache_quant",
-    source: include_str!("../../kernels/cache_quant.cu"),
-    functions: &["tandem_quantize_latent_fp8", "tandem_quantize_index_keys_fp8"],
-    externals: &[],
-    sass_expect: &["F2FP.SATFINITE.E4M3.F32.PACK_AB", "F2FP.BF16.F32.PACK_AB", "SHFL.BFLY"],
-}];
+pub const FAMILIES: &[Family] = &[
+    Family {
+        name: "cache_quant",
+        source: include_str!("../../kernels/cache_quant.cu"),
+        functions: &["tandem_quantize_latent_fp8", "tandem_quantize_index_keys_fp8"],
+        externals: &[],
+        sass_expect: &["F2FP.SATFINITE.E4M3.F32.PACK_AB", "F2FP.BF16.F32.PACK_AB", "SHFL.BFLY"],
+    },
+    Family {
+        name: "topk",
+        source: include_str!("../../kernels/topk.cu"),
+        functions: &["tandem_topk_rule"],
+        externals: &[],
+        // Shared-memory histogram atomics and warp scans.
+        sass_expect: &["ATOMS.", "SHFL.UP"],
+    },
+];
 
 /// A real GPU architecture NVRTC compiles to, e.g. `sm_90a`.
 #[derive(Debug, Clone, PartialEq, Eq)]

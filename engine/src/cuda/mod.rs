@@ -1,5 +1,5 @@
 //! The GPU side: CUDA C kernels compiled by NVRTC at start-up ([`kernels`], [`nvrtc`]), the device they
-//! run on ([`device`]) and one Rust module per kernel family with its launch checks ([`cache_quant`]).
+//! run on ([`device`]) and one Rust module per kernel family with its launch checks ([`cache_quant`], [`topk`]).
 //!
 //! Everything loads the CUDA libraries at run time (cudarc's dynamic loading): a binary built without
 //! CUDA runs anywhere, and a missing library or GPU is a clear [`CudaError`], never a panic and never a
@@ -10,6 +10,7 @@ pub mod device;
 pub mod kernels;
 pub mod nvrtc;
 pub mod sass;
+pub mod topk;
 
 use std::path::Path;
 
