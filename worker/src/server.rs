@@ -91,7 +91,10 @@ where
 
     crate::drain::shutdown_signal().await;
     drain.start();
+    // Both the role's service and the server as a whole (""), which is what a Kubernetes gRPC probe
+    // without a service name asks: the pod leaves the Service's endpoints while it drains.
     health_reporter.set_not_serving::<S>().await;
+    health_reporter.set_service_status("", tonic_health::ServingStatus::NotServing).await;
     if !drain.wait_idle(Duration::from_secs(args.drain_timeout_s)).await {
         tracing::warn!(inflight = drain.inflight(), "drain timeout: stopping with requests in flight");
     }
