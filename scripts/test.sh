@@ -4,6 +4,8 @@
 #   - apt: etcd-server (discovery tests start their own etcd), UCX runtime + ucx-utils (kv-transfer over UCX,
 #     ucx_perftest baseline), python3-venv.
 #   - a Python venv in .venv with the official `openai` client (end-to-end tests drive the router with it).
+#   - deploy/scripts/check.sh installs its pinned tools (helm, kubernetes-validate, hadolint) under
+#     .cache/deploy-tools.
 # Set TANDEM_SKIP_INSTALL=1 to skip the installs (everything already present).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,3 +32,7 @@ fi
 export TANDEM_PYTHON="$PWD/.venv/bin/python"
 
 cargo test --workspace --all-targets "$@"
+
+# The Helm chart and Dockerfile: lint, render, offline schema validation, --check-config on every rendered
+# command, and a boot of the CPU/tiny values as local processes (deploy/README.md).
+deploy/scripts/check.sh
