@@ -38,11 +38,29 @@ POD_IP = "127.0.0.1"
 CLAP_USAGE_ERROR = 2
 
 
+class StrictLoader(yaml.SafeLoader):
+    """Refuses a mapping with a repeated key, which PyYAML would silently collapse and the API server's
+    strict decoding refuses."""
+
+
+def _mapping(loader, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+
+
 def load_docs(paths):
     docs = []
     for p in paths:
         with open(p) as f:
-            for d in yaml.safe_load_all(f):
+            for d in yaml.load_all(f, Loader=StrictLoader):
                 if d:
                     docs.append((p, d))
     return docs
@@ -410,7 +428,11 @@ def main():
     b.add_argument("--tandem", required=True)
     b.add_argument("--values", default=os.path.join(DEPLOY, "helm", "values", "cpu-tiny.yaml"))
     a = ap.parse_args()
-    return {"validate": cmd_validate, "check-config": cmd_check_config, "boot": cmd_boot}[a.cmd](a)
+    try:
+        return {"validate": cmd_validate, "check-config": cmd_check_config, "boot": cmd_boot}[a.cmd](a)
+    except yaml.YAMLError as e:
+        print(f"FAIL: {e}")
+        return 1
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 #   3. every rendered manifest validated offline against the pinned Kubernetes schema (strict: unknown
 #      fields fail) and the pinned CRD schemas (ServiceMonitor, LeaderWorkerSet); an unknown kind fails;
 #   4. every rendered tandem command run with --check-config (environment resolved as the kubelet does);
-#   5. control cases: a manifest with a misspelt field, a command with a bad flag, a grace period
+#   5. control cases: a manifest with a misspelt field or a repeated key, a command with a bad flag, a grace period
 #      shorter than the drain and an unknown value key must each be refused, so the checks can fail;
 #   6. hadolint on deploy/docker/Dockerfile;
 #   7. the boot test: the CPU/tiny values rendered, run as local processes, one request served.
@@ -99,6 +99,12 @@ if "$PY" deploy/scripts/chart_check.py validate "$OUT/control-misspelt.yaml" >"$
     log "FAIL: a manifest with a misspelt field passed validation"
     exit 1
 fi
+sed '0,/^  labels:$/s//  labels:\n    app: repeated\n    app: repeated/' "$OUT/cpu-tiny.yaml" >"$OUT/control-duplicate.yaml"
+if "$PY" deploy/scripts/chart_check.py validate "$OUT/control-duplicate.yaml" >"$OUT/control.log" 2>&1; then
+    cat "$OUT/control.log"
+    log "FAIL: a manifest with a repeated key passed validation"
+    exit 1
+fi
 "$HELM" template tandem "$CHART" -f deploy/helm/values/cpu-tiny.yaml --set 'decode.extraArgs[0]=--no-such-flag' \
     >"$OUT/control-flag.yaml"
 if "$PY" deploy/scripts/chart_check.py check-config --tandem "$TANDEM" "$OUT/control-flag.yaml" >"$OUT/control.log" 2>&1; then
@@ -116,7 +122,7 @@ if "$HELM" template tandem "$CHART" --set decode.kvBlok=1 >/dev/null 2>"$OUT/con
     exit 1
 fi
 grep -q "kvBlok" "$OUT/control.log"
-log "control cases refused: misspelt field, unknown flag, grace period <= drain timeout, unknown value key"
+log "control cases refused: misspelt field, repeated key, unknown flag, grace period <= drain timeout, unknown value key"
 
 # 6. the Dockerfile.
 "$TOOLS/venv/bin/hadolint" deploy/docker/Dockerfile
