@@ -8,7 +8,9 @@
                               --check-config; `tandem verify` init containers must parse their arguments.
   boot                        renders the CPU/tiny values with free ports, starts the rendered commands as
                               local processes (etcd, router, prefill, decode; Service names and the pod IP
-                              mapped to loopback, volumes to temporary directories) and serves one request.
+                              mapped to loopback, volumes to temporary directories), serves one request,
+                              then SIGTERMs the decode worker, which must drain and exit 0 within its grace
+                              period while the router stops reporting ready.
 """
 
 import argparse
@@ -354,6 +356,34 @@ def wait_http(url, pods, deadline, what):
     raise SystemExit(f"boot: {what} not ready at {url} in time")
 
 
+def drain_decode(pod, http_port):
+    """SIGTERM as the kubelet sends it: the worker must drain, deregister and exit 0 within the pod's
+    terminationGracePeriodSeconds, and the router must stop reporting ready (no decode worker left)."""
+    grace = pod.spec["terminationGracePeriodSeconds"]
+    name, proc, log = pod.procs[0]
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"boot: {pod.name}/{name} still running {grace} s after SIGTERM:\n{tail(log)}")
+    if rc != 0:
+        raise SystemExit(f"boot: {pod.name}/{name} exited with {rc} after SIGTERM:\n{tail(log)}")
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        try:
+            http(f"http://127.0.0.1:{http_port}/ready", timeout=2)
+        except urllib.error.HTTPError as e:
+            if e.code == 503:
+                print(f"boot: decode worker drained and exited 0 in {time.time() - t0:.1f} s (grace {grace} s); "
+                      "the router reports not ready")
+                return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise SystemExit("boot: the router still reports ready after the only decode worker left")
+
+
 def cmd_boot(args):
     start = time.time()
     (http_port, grpc_port, p_grpc, p_kv, p_metrics, d_grpc, d_kv, d_metrics, etcd_client,
@@ -404,6 +434,7 @@ def cmd_boot(args):
             raise SystemExit(f"boot: unexpected answer {status} {body}")
         print(f"boot: served one request through the rendered cluster: {tokens} tokens {text!r} "
               f"({time.time() - start:.1f} s from render)")
+        drain_decode(by_component["decode"], http_port)
         ok = True
     finally:
         for p in reversed(pods):
