@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The deployment checks scripts/test.sh (and so CI) runs:
-#   1. helm lint (strict) of the chart with its defaults and with every value file in deploy/helm/values;
+#   1. helm lint (strict) of the chart with its defaults, every value file in deploy/helm/values and the
+#      option variants in deploy/helm/tandem/ci;
 #   2. helm template of each;
 #   3. every rendered manifest validated offline against the pinned Kubernetes schema (strict: unknown
 #      fields fail) and the pinned CRD schemas (ServiceMonitor, LeaderWorkerSet); an unknown kind fails;
@@ -76,7 +77,7 @@ trap 'rm -rf "$OUT"' EXIT
 
 # 1-2. lint and render: the defaults and every value file.
 rendered=()
-for values in "" deploy/helm/values/*.yaml; do
+for values in "" deploy/helm/values/*.yaml "$CHART"/ci/*-values.yaml; do
     name=$(basename "${values:-defaults.yaml}" .yaml)
     args=()
     [[ -n $values ]] && args=(-f "$values")

@@ -39,8 +39,10 @@ affinity:
     {{- end }}
   {{- end }}
 {{- end }}
+{{- with include "tandem.modelInitContainers" (dict "root" $root "verify" true) | trim }}
 initContainers:
-  {{- include "tandem.modelInitContainers" (dict "root" $root "verify" true) | nindent 2 }}
+  {{- . | nindent 2 }}
+{{- end }}
 containers:
   - name: {{ $role }}-worker
     image: {{ include "tandem.image" $root }}
