@@ -5,6 +5,8 @@
 #     ucx_perftest baseline), python3-venv.
 #   - a Python venv in .venv with the official `openai` client (end-to-end tests drive the router with it)
 #     and NVIDIA's NVRTC / CUDA header / cuobjdump wheels (kernels compile and are disassembled without a GPU).
+#   - deploy/scripts/check.sh installs its pinned tools (helm, kubernetes-validate, hadolint) under
+#     .cache/deploy-tools.
 # Set TANDEM_SKIP_INSTALL=1 to skip the installs (everything already present).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,3 +46,7 @@ cargo test --workspace --all-targets "$@"
 
 # The command images use to fill a kernel cache, checked end to end: NVRTC for sm_90a, then cuobjdump -sass.
 cargo run -q --bin tandem -- compile-kernels --arch sm_90a --out "$(mktemp -d)" --check-sass
+
+# The Helm chart and Dockerfile: lint, render, offline schema validation, --check-config on every rendered
+# command, and a boot of the CPU/tiny values as local processes (deploy/README.md).
+deploy/scripts/check.sh

@@ -82,3 +82,25 @@ fn main() -> ExitCode {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    /// What a Kubernetes pod runs takes every setting from a flag or its TANDEM_* environment variable.
+    #[test]
+    fn every_flag_of_what_pods_run_has_an_env_fallback() {
+        let cli = super::Cli::command();
+        for name in ["router", "prefill-worker", "decode-worker", "verify", "gen-tiny"] {
+            let sub = cli.find_subcommand(name).expect(name);
+            for arg in sub.get_arguments() {
+                let id = arg.get_id().as_str();
+                if matches!(id, "help" | "version") || (name == "gen-tiny" && id == "dir") {
+                    continue;
+                }
+                let env = arg.get_env().map(|e| e.to_string_lossy().into_owned());
+                assert!(env.as_deref().is_some_and(|e| e.starts_with("TANDEM_")), "{name} --{id} has no TANDEM_* env");
+            }
+        }
+    }
+}

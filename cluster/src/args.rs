@@ -31,6 +31,31 @@ pub struct DiscoveryArgs {
 }
 
 impl DiscoveryArgs {
+    /// Checks what clap cannot (`--check-config` and start-up). Messages name the flag.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.cluster.is_empty() || self.cluster.contains('/') {
+            return Err(format!("--cluster {:?}: must be a non-empty name without '/'", self.cluster));
+        }
+        if self.lease_ttl_secs == 0 {
+            return Err("--lease-ttl-secs must be at least 1".into());
+        }
+        if self.backend == Backend::Etcd {
+            if self.etcd.is_empty() {
+                return Err("--discovery etcd needs at least one --etcd URL".into());
+            }
+            for e in &self.etcd {
+                let hostport = e.strip_prefix("http://").or_else(|| e.strip_prefix("https://")).unwrap_or(e);
+                let ok = hostport
+                    .rsplit_once(':')
+                    .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+                if !ok {
+                    return Err(format!("--etcd {e:?}: expected http://HOST:PORT"));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The backend configuration. `prefill` / `decode` are the static address lists (empty for workers).
     pub fn config(&self, prefill: Vec<String>, decode: Vec<String>) -> DiscoveryConfig {
         match self.backend {
@@ -73,5 +98,18 @@ mod tests {
         }
         let err = Cli::try_parse_from(["x", "--discovery", "zookeeper"]).err().unwrap().to_string();
         assert!(err.contains("static") && err.contains("etcd"), "{err}");
+    }
+
+    #[test]
+    fn validate_names_the_bad_flag() {
+        let parse = |a: &[&str]| Cli::try_parse_from(std::iter::once("x").chain(a.iter().copied())).unwrap().d;
+        assert!(parse(&["--discovery", "etcd", "--etcd", "http://etcd.ns.svc:2379"]).validate().is_ok());
+        assert!(parse(&["--discovery", "etcd", "--etcd", "10.0.0.1:2379"]).validate().is_ok());
+        let err = parse(&["--discovery", "etcd", "--etcd", "http://etcd"]).validate().unwrap_err();
+        assert!(err.contains("--etcd"), "{err}");
+        let err = parse(&["--cluster", "a/b"]).validate().unwrap_err();
+        assert!(err.contains("--cluster"), "{err}");
+        let err = parse(&["--lease-ttl-secs", "0"]).validate().unwrap_err();
+        assert!(err.contains("--lease-ttl-secs"), "{err}");
     }
 }

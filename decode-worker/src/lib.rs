@@ -39,8 +39,14 @@ pub struct Args {
     pub growth_watermark_blocks: usize,
 }
 
-/// Runs the decode worker until SIGTERM/SIGINT, then drains.
+/// Runs the decode worker until SIGTERM/SIGINT, then drains (with `--check-config`: validates and returns).
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    args.serve.validate()?;
+    anyhow::ensure!(args.transfer_timeout_ms > 0, "--transfer-timeout-ms must be at least 1");
+    if args.serve.check_config {
+        args.serve.report_config_ok("decode-worker");
+        return Ok(());
+    }
     let serve = args.serve.clone();
     let model = tokio::task::spawn_blocking(move || LoadedModel::load(&serve)).await??;
     let model = Arc::new(model);

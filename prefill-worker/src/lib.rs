@@ -30,8 +30,13 @@ pub struct Args {
     pub no_prefix_caching: bool,
 }
 
-/// Runs the prefill worker until SIGTERM/SIGINT, then drains.
+/// Runs the prefill worker until SIGTERM/SIGINT, then drains (with `--check-config`: validates and returns).
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    args.serve.validate()?;
+    if args.serve.check_config {
+        args.serve.report_config_ok("prefill-worker");
+        return Ok(());
+    }
     let serve = args.serve.clone();
     let model = Arc::new(tokio::task::spawn_blocking(move || LoadedModel::load(&serve)).await??);
     let sender = kv_transfer::KvSender::new(

@@ -130,6 +130,10 @@ pub struct Args {
     /// Log format on stderr (RUST_LOG sets the level).
     #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+    /// Validate every argument, print the result and exit (0 when valid) without reading the model files
+    /// or binding anything.
+    #[arg(long, env = "TANDEM_CHECK_CONFIG")]
+    pub check_config: bool,
 }
 
 fn secs(s: f64) -> Option<Duration> {
@@ -171,11 +175,71 @@ impl Args {
         if self.health_interval_ms == 0 {
             return Err("--health-interval-ms must be at least 1".into());
         }
-        Ok(())
+        if self.host.is_empty() || self.host.contains(char::is_whitespace) {
+            return Err(format!("--host {:?}: expected an IP address or host name", self.host));
+        }
+        if !self.disable_grpc && self.grpc_port != 0 && self.grpc_port == self.port {
+            return Err(format!("--grpc-port {} is also --port", self.grpc_port));
+        }
+        for (flag, list) in [("--prefill", &self.prefill), ("--decode", &self.decode)] {
+            for a in list {
+                let hostport = a.strip_prefix("http://").or_else(|| a.strip_prefix("https://")).unwrap_or(a);
+                let ok = hostport
+                    .rsplit_once(':')
+                    .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+                if !ok {
+                    return Err(format!("{flag} {a:?}: expected HOST:PORT"));
+                }
+            }
+        }
+        for (flag, v) in [
+            ("--queue-timeout-secs", self.queue_timeout_secs),
+            ("--request-timeout-secs", self.request_timeout_secs),
+            ("--prefill-timeout-secs", self.prefill_timeout_secs),
+            ("--breaker-open-secs", self.breaker_open_secs),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("{flag} {v}: expected a number of seconds >= 0"));
+            }
+        }
+        self.registry.validate()
     }
 }
 
 /// Parses "host:port" or a URL for logging purposes.
 pub fn parse_socket(s: &str) -> Option<SocketAddr> {
     s.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: super::Args,
+    }
+
+    fn parse(extra: &[&str]) -> super::Args {
+        let argv =
+            ["r", "--model", "/m", "--prefill", "p:1", "--decode", "d:2"].into_iter().chain(extra.iter().copied());
+        Cli::try_parse_from(argv).unwrap().args
+    }
+
+    #[test]
+    fn check_config_refuses_bad_values_by_flag_name() {
+        assert!(parse(&[]).validate().is_ok());
+        assert!(parse(&["--check-config"]).check_config);
+        for (flags, name) in [
+            (&["--prefill", "nohost"][..], "--prefill"),
+            (&["--grpc-port", "8000"][..], "--grpc-port"),
+            (&["--queue-timeout-secs=-1"][..], "--queue-timeout-secs"),
+            (&["--discovery", "etcd", "--etcd", "http://etcd"][..], "--etcd"),
+            (&["--cluster", ""][..], "--cluster"),
+        ] {
+            let err = parse(flags).validate().unwrap_err();
+            assert!(err.contains(name), "{flags:?}: {err}");
+        }
+    }
 }

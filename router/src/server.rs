@@ -167,8 +167,18 @@ pub async fn start_with_listeners(
     Ok(RouterHandle { http_addr, grpc_addr, shutdown: shutdown_tx, tasks })
 }
 
-/// Serves until Ctrl-C or SIGTERM, then shuts down gracefully.
+/// Serves until Ctrl-C or SIGTERM, then shuts down gracefully (with `--check-config`: validates and returns).
 pub async fn run(args: Args) -> Result<(), RouterError> {
+    if args.check_config {
+        args.validate().map_err(RouterError::Flags)?;
+        println!(
+            "{}",
+            serde_json::json!({"event": "config-ok", "role": "router", "model": args.model.display().to_string(),
+                "http": args.http_addr(), "grpc": args.grpc_addr(),
+                "discovery": format!("{:?}", args.registry.backend).to_lowercase()})
+        );
+        return Ok(());
+    }
     let mut handle = start(args).await?;
     tokio::select! {
         r = handle.wait() => return r,

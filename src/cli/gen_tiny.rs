@@ -10,7 +10,7 @@ pub struct Args {
     /// Directory to write (created if missing; existing checkpoint files are overwritten).
     pub dir: PathBuf,
     /// Seed of the random weights: the same seed gives the same bytes.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, env = "TANDEM_GEN_TINY_SEED", default_value_t = 0)]
     pub seed: u64,
 }
 

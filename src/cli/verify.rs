@@ -6,12 +6,13 @@ use std::process::ExitCode;
 #[derive(clap::Args)]
 pub struct Args {
     /// Checkpoint directory (config.json, model.safetensors.index.json and shards).
+    #[arg(env = "TANDEM_MODEL")]
     pub dir: PathBuf,
     /// A `sha256sum`-format manifest (`<digest>  <file>` per line) to check every listed file against.
-    #[arg(long)]
+    #[arg(long, env = "TANDEM_VERIFY_SHA256")]
     pub sha256: Option<PathBuf>,
     /// Also load every tensor against the config (names, shapes, dtypes).
-    #[arg(long)]
+    #[arg(long, env = "TANDEM_VERIFY_TENSORS")]
     pub tensors: bool,
 }
 

@@ -20,7 +20,8 @@ pub struct ServeArgs {
     /// gRPC listen address (port 0 picks a free one; the chosen address is logged and registered).
     #[arg(long, env = "TANDEM_LISTEN", default_value = "127.0.0.1:0")]
     pub listen: SocketAddr,
-    /// host:port the router should dial (default: the listen address).
+    /// host:port the router should dial (default: the listen address; required when listening on all
+    /// interfaces, e.g. the pod IP in Kubernetes).
     #[arg(long, env = "TANDEM_ADVERTISE")]
     pub advertise: Option<String>,
     /// Unique worker id (default: role-hostname-pid).
@@ -51,6 +52,10 @@ pub struct ServeArgs {
     /// Where the decode worker's TCP kv-transfer listener binds (TCP transport and UCX fallback).
     #[arg(long, env = "TANDEM_KV_LISTEN", default_value = "127.0.0.1:0")]
     pub kv_listen: SocketAddr,
+    /// Host put in TCP kv-transfer descriptors, which prefill workers dial (default: the --kv-listen IP;
+    /// required when --kv-listen is on all interfaces, e.g. the pod IP in Kubernetes).
+    #[arg(long, env = "TANDEM_KV_ADVERTISE_HOST")]
+    pub kv_advertise_host: Option<String>,
     /// Overrides UCX_TLS for kv-transfer (e.g. "tcp", "sm").
     #[arg(long, env = "TANDEM_UCX_TLS")]
     pub ucx_tls: Option<String>,
@@ -60,9 +65,69 @@ pub struct ServeArgs {
     /// Compute threads (default: one per core).
     #[arg(long, env = "TANDEM_THREADS")]
     pub threads: Option<usize>,
+    /// Validate every argument, print the result and exit (0 when valid) without loading the model or
+    /// binding anything. The model directory itself is checked by `tandem verify`.
+    #[arg(long, env = "TANDEM_CHECK_CONFIG")]
+    pub check_config: bool,
+}
+
+/// Checks a `host:port` flag value: a non-empty host and a non-zero port.
+pub fn check_host_port(flag: &str, v: &str) -> anyhow::Result<()> {
+    let ok = v.rsplit_once(':').is_some_and(|(h, p)| {
+        let h = h.trim_start_matches('[').trim_end_matches(']');
+        !h.is_empty() && !h.contains(char::is_whitespace) && p.parse::<u16>().is_ok_and(|p| p > 0)
+    });
+    anyhow::ensure!(ok, "{flag} {v:?}: expected HOST:PORT with a non-zero port");
+    Ok(())
 }
 
 impl ServeArgs {
+    /// Checks what clap cannot, before anything is loaded or bound (`--check-config` stops after this).
+    /// Messages name the flag.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.kv_blocks > 0, "--kv-blocks must be at least 1");
+        anyhow::ensure!(self.max_num_seqs > 0, "--max-num-seqs must be at least 1");
+        anyhow::ensure!(self.max_num_batched_tokens > 0, "--max-num-batched-tokens must be at least 1");
+        anyhow::ensure!(self.max_model_len != Some(0), "--max-model-len must be at least 1");
+        anyhow::ensure!(self.threads != Some(0), "--threads must be at least 1");
+        anyhow::ensure!(!self.model.as_os_str().is_empty(), "--model must name a checkpoint directory");
+        if let Some(a) = &self.advertise {
+            check_host_port("--advertise", a)?;
+        } else {
+            anyhow::ensure!(
+                !self.listen.ip().is_unspecified(),
+                "--listen {} is on all interfaces: give --advertise HOST:PORT (the address routers dial, e.g. the pod IP)",
+                self.listen
+            );
+        }
+        if let Some(h) = &self.kv_advertise_host {
+            anyhow::ensure!(
+                (!h.is_empty() && !h.contains([':', '/'])) || h.parse::<std::net::IpAddr>().is_ok(),
+                "--kv-advertise-host {h:?}: expected a host name or IP address (no port)"
+            );
+        } else {
+            anyhow::ensure!(
+                self.kv_transport == TransportKind::InProc || !self.kv_listen.ip().is_unspecified(),
+                "--kv-listen {} is on all interfaces: give --kv-advertise-host HOST (the address prefill workers dial)",
+                self.kv_listen
+            );
+        }
+        if let Some(tls) = &self.ucx_tls {
+            anyhow::ensure!(!tls.trim().is_empty(), "--ucx-tls must not be empty");
+        }
+        self.discovery.validate().map_err(anyhow::Error::msg)
+    }
+
+    /// The `--check-config` report: prints that `role`'s arguments are valid.
+    pub fn report_config_ok(&self, role: &str) {
+        println!(
+            "{}",
+            serde_json::json!({"event": "config-ok", "role": role, "model": self.model.display().to_string(),
+                "listen": self.listen.to_string(), "advertise": self.advertise,
+                "discovery": format!("{:?}", self.discovery.backend).to_lowercase()})
+        );
+    }
+
     pub fn served_name(&self) -> String {
         self.served_model_name.clone().unwrap_or_else(|| {
             self.model
@@ -82,13 +147,70 @@ impl ServeArgs {
 
     /// The kv-transfer transport configuration for a receiver.
     pub fn transport_config(&self) -> kv_transfer::TransportConfig {
-        let tcp = kv_transfer::TcpConfig { listen: self.kv_listen, advertise_host: None };
+        let tcp = kv_transfer::TcpConfig { listen: self.kv_listen, advertise_host: self.kv_advertise_host.clone() };
         match self.kv_transport {
             TransportKind::Ucx => {
                 kv_transfer::TransportConfig::Ucx { tls: self.ucx_tls.clone(), tcp_fallback: Some(tcp) }
             }
             TransportKind::Tcp => kv_transfer::TransportConfig::Tcp(tcp),
             TransportKind::InProc => kv_transfer::TransportConfig::InProc,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn parse(extra: &[&str]) -> ServeArgs {
+        let argv = ["w", "--model", "/models/m"].into_iter().chain(extra.iter().copied());
+        Cli::try_parse_from(argv).unwrap().serve
+    }
+
+    #[test]
+    fn all_interfaces_need_an_advertised_address() {
+        assert!(parse(&[]).validate().is_ok(), "loopback defaults are valid");
+        let err = parse(&["--listen", "0.0.0.0:8100"]).validate().unwrap_err().to_string();
+        assert!(err.contains("--advertise"), "{err}");
+        assert!(parse(&["--listen", "0.0.0.0:8100", "--advertise", "10.1.2.3:8100"]).validate().is_ok());
+        let err = parse(&["--advertise", "10.1.2.3"]).validate().unwrap_err().to_string();
+        assert!(err.contains("--advertise"), "{err}");
+
+        let err = parse(&["--kv-listen", "0.0.0.0:9000"]).validate().unwrap_err().to_string();
+        assert!(err.contains("--kv-advertise-host"), "{err}");
+        let ok = parse(&["--kv-listen", "0.0.0.0:9000", "--kv-advertise-host", "10.1.2.3"]);
+        assert!(ok.validate().is_ok());
+        let err = parse(&["--kv-advertise-host", "10.1.2.3:9000"]).validate().unwrap_err().to_string();
+        assert!(err.contains("no port"), "{err}");
+    }
+
+    #[test]
+    fn the_advertised_kv_host_goes_into_tcp_descriptors() {
+        let a = parse(&["--kv-transport", "tcp", "--kv-listen", "0.0.0.0:0", "--kv-advertise-host", "decode-0.tandem"]);
+        match a.transport_config() {
+            kv_transfer::TransportConfig::Tcp(t) => assert_eq!(t.advertise_host.as_deref(), Some("decode-0.tandem")),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn zero_sizes_and_bad_discovery_are_refused_by_name() {
+        for (flags, name) in [
+            (&["--kv-blocks", "0"][..], "--kv-blocks"),
+            (&["--max-num-seqs", "0"][..], "--max-num-seqs"),
+            (&["--max-model-len", "0"][..], "--max-model-len"),
+            (&["--threads", "0"][..], "--threads"),
+            (&["--discovery", "etcd", "--etcd", "etcd"][..], "--etcd"),
+        ] {
+            let err = parse(flags).validate().unwrap_err().to_string();
+            assert!(err.contains(name), "{flags:?}: {err}");
         }
     }
 }

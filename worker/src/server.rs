@@ -42,6 +42,15 @@ pub fn record(
     }
 }
 
+/// Refuses new work from now on and reports NOT_SERVING over grpc.health.v1, for the role's service and for
+/// the server as a whole (""), which is what a Kubernetes gRPC probe without a service name asks: a
+/// draining pod leaves its Service's endpoints.
+pub async fn start_draining<S: NamedService>(drain: &Drain, health: &tonic_health::server::HealthReporter) {
+    drain.start();
+    health.set_not_serving::<S>().await;
+    health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+}
+
 /// Serves `svc` on `listener` until a shutdown signal, then drains: refuses new work (the service answers
 /// UNAVAILABLE through `drain`), waits for in-flight requests, deregisters, stops.
 pub async fn serve_until_drained<S>(
@@ -90,8 +99,7 @@ where
     tracing::info!(grpc = %grpc, id = %id, "{role} worker ready");
 
     crate::drain::shutdown_signal().await;
-    drain.start();
-    health_reporter.set_not_serving::<S>().await;
+    start_draining::<S>(&drain, &health_reporter).await;
     if !drain.wait_idle(Duration::from_secs(args.drain_timeout_s)).await {
         tracing::warn!(inflight = drain.inflight(), "drain timeout: stopping with requests in flight");
     }
@@ -102,4 +110,38 @@ where
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
     tracing::info!("{role} worker stopped");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_server::Health;
+    use tonic_health::pb::{HealthCheckRequest, health_server::HealthServer};
+
+    use super::*;
+
+    struct Role;
+    impl NamedService for Role {
+        const NAME: &'static str = "tandem.v1.DecodeWorker";
+    }
+
+    async fn status(svc: &tonic_health::server::HealthService, name: &str) -> i32 {
+        let req = tonic::Request::new(HealthCheckRequest { service: name.into() });
+        svc.check(req).await.expect("registered").into_inner().status
+    }
+
+    #[tokio::test]
+    async fn draining_reports_not_serving_for_the_role_and_the_whole_server() {
+        let (reporter, _server): (_, HealthServer<_>) = tonic_health::server::health_reporter();
+        reporter.set_serving::<Role>().await;
+        let svc = tonic_health::server::HealthService::from_health_reporter(reporter.clone());
+        assert_eq!(status(&svc, "").await, ServingStatus::Serving as i32);
+        assert_eq!(status(&svc, Role::NAME).await, ServingStatus::Serving as i32);
+
+        let drain = Drain::new();
+        start_draining::<Role>(&drain, &reporter).await;
+        assert!(drain.is_draining());
+        assert_eq!(status(&svc, "").await, ServingStatus::NotServing as i32, "the probe's service \"\"");
+        assert_eq!(status(&svc, Role::NAME).await, ServingStatus::NotServing as i32);
+    }
 }
