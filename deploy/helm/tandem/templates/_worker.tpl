@@ -107,9 +107,10 @@ containers:
     env:
       {{- include "tandem.commonEnv" $root | nindent 6 }}
       {{- if $root.Values.kernelCache.enabled }}
-      # Compiled kernels go to $XDG_CACHE_HOME/tandem (the kernel-cache volume).
-      - name: XDG_CACHE_HOME
-        value: {{ $root.Values.kernelCache.mountPath | quote }}
+      # Compiled kernels go to the kernel-cache volume (the image's own cache, compiled at build time, is
+      # used when the volume is off).
+      - name: TANDEM_KERNEL_CACHE
+        value: {{ printf "%s/kernels" $root.Values.kernelCache.mountPath | quote }}
       {{- end }}
       {{- if gt (int $p.nodesPerWorker) 1 }}
       # Multi-node workers (expert parallelism, not implemented yet): the group's shape from LeaderWorkerSet.
