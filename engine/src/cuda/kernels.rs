@@ -124,6 +124,15 @@ pub const FAMILIES: &[Family] = &[
         // Shared-memory histogram atomics and warp scans.
         sass_expect: &["ATOMS.", "SHFL.UP"],
     },
+    Family {
+        name: "indexer",
+        source: include_str!("../../kernels/indexer.cu"),
+        functions: &["tandem_indexer_scores"],
+        externals: &[],
+        // The q . k products on the tensor cores: sm_90 runs e4m3 mma.sync as f16 HMMA with f32
+        // accumulation after an exact e4m3 -> f16 conversion (FP8 QMMA rates need wgmma).
+        sass_expect: &["HMMA.16816.F32"],
+    },
 ];
 
 /// A real GPU architecture NVRTC compiles to, e.g. `sm_90a`.

@@ -1,0 +1,107 @@
+// Lightning-indexer decode scores over the paged FP8 key cache (docs/model.md §2.3, §4):
+//   I[r, s] = k_scale[s] * sum_h w[r, h] * relu(q[r, h] . k[s])     for s in 0..lengths[r]
+// q: e4m3 codes [rows, heads, 128]; w: f32 head weights with every scale folded in; keys: the 8448-byte
+// indexer blocks ([64 x 128 e4m3][64 x f32 scale]) found through each row's block table.
+//
+// The q . k products run on the tensor cores (mma.sync m16n8k32 e4m3, f32 accumulate; sm_90 executes it as
+// two f16 HMMA.16816 after an exact e4m3 -> f16 conversion, the FP8 rate being wgmma's): a CTA of 4 warps
+// takes one 64-token block at a time, warp w its 16 tokens against all heads (8 heads per MMA tile). The
+// head sum then runs in the CPU backend's order (h = 0, 1, ...; multiply, then add, no FMA) from shared
+// memory, so wherever the dot products are exact the scores equal the CPU's bit for bit.
+//
+// Work split: a CTA covers BLOCKS_PER_CTA consecutive blocks of one row, so the split depends only on the
+// row's own length; no score is combined across CTAs (batch-invariant).
+#include "common.cuh"
+
+#define IDX_DIM 128
+#define IDX_BLOCK 64
+#define IDX_MAX_HEADS 64
+#define IDX_WARPS 4
+#define IDX_BLOCKS_PER_CTA 4
+
+__device__ __forceinline__ void tandem_mma_e4m3(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+extern "C" __global__ void __launch_bounds__(IDX_WARPS * 32) tandem_indexer_scores(
+    const u8* __restrict__ q,            // [rows, heads, 128] e4m3
+    const float* __restrict__ w,         // [rows, heads]
+    int heads,                           // multiple of 8, at most 64
+    const u8* __restrict__ index_blocks, // this layer's indexer region
+    const int* __restrict__ block_table, // [rows, max_blocks]
+    int max_blocks,
+    const int* __restrict__ lengths,     // [rows]
+    float* __restrict__ scores,          // [rows, score_stride]
+    i64 score_stride) {
+    __shared__ float dots[IDX_BLOCK][IDX_MAX_HEADS + 1];
+    __shared__ float ws[IDX_MAX_HEADS];
+    const int row = blockIdx.y;
+    const int len = (int)min((i64)lengths[row], score_stride);
+    const int first = blockIdx.x * IDX_BLOCKS_PER_CTA;
+    if (first * IDX_BLOCK >= len) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int tiles = heads >> 3;
+
+    // q as B fragments (k = dim, n = head; q is [head][dim], i.e. column-major B), kept in registers.
+    u32 bq[8][4][2];
+    const u8* qr = q + (i64)row * heads * IDX_DIM;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+            const bool live = nt < tiles;
+            const u8* p = qr + (nt * 8 + g) * IDX_DIM + ks * 32 + t4 * 4;
+            bq[nt][ks][0] = live ? *reinterpret_cast<const u32*>(p) : 0u;
+            bq[nt][ks][1] = live ? *reinterpret_cast<const u32*>(p + 16) : 0u;
+        }
+    }
+    for (int h = threadIdx.x; h < heads; h += blockDim.x) ws[h] = w[(i64)row * heads + h];
+
+    const int last = min(first + IDX_BLOCKS_PER_CTA, (len + IDX_BLOCK - 1) / IDX_BLOCK);
+    for (int lb = first; lb < last; ++lb) {
+        const int phys = block_table[(i64)row * max_blocks + lb];
+        const u8* blk = index_blocks + (i64)phys * (IDX_BLOCK * (IDX_DIM + 4));
+        const u8* k0 = blk + (warp * 16 + g) * IDX_DIM + t4 * 4;  // token warp*16+g
+        const u8* k1 = k0 + 8 * IDX_DIM;                          // token warp*16+g+8
+        float acc[8][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+            const u32 a[4] = {
+                *reinterpret_cast<const u32*>(k0 + ks * 32),
+                *reinterpret_cast<const u32*>(k1 + ks * 32),
+                *reinterpret_cast<const u32*>(k0 + ks * 32 + 16),
+                *reinterpret_cast<const u32*>(k1 + ks * 32 + 16),
+            };
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+                if (nt < tiles) tandem_mma_e4m3(acc[nt], a, bq[nt][ks][0], bq[nt][ks][1]);
+        }
+        __syncthreads();  // the previous block's epilogue is done with `dots`
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            if (nt >= tiles) continue;
+            const int h = nt * 8 + t4 * 2;
+            dots[warp * 16 + g][h] = acc[nt][0];
+            dots[warp * 16 + g][h + 1] = acc[nt][1];
+            dots[warp * 16 + g + 8][h] = acc[nt][2];
+            dots[warp * 16 + g + 8][h + 1] = acc[nt][3];
+        }
+        __syncthreads();
+        if (threadIdx.x < IDX_BLOCK) {
+            const int s = lb * IDX_BLOCK + threadIdx.x;
+            if (s < len) {
+                float sum = 0.0f;
+                for (int h = 0; h < heads; ++h) sum = __fadd_rn(sum, __fmul_rn(fmaxf(dots[threadIdx.x][h], 0.0f), ws[h]));
+                const float ks = reinterpret_cast<const float*>(blk + IDX_BLOCK * IDX_DIM)[threadIdx.x];
+                scores[(i64)row * score_stride + s] = __fmul_rn(sum, ks);
+            }
+        }
+    }
+}

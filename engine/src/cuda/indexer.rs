@@ -1,0 +1,288 @@
+//! Lightning-indexer decode scores on the GPU (`engine/kernels/indexer.cu`): FP8 queries against the paged
+//! FP8 key blocks through each row's block table, the products on the tensor cores, summed over heads in
+//! the CPU backend's order ([`crate::cpu::indexer::scores`]). A first, correct version for the GPU harness:
+//! the memory-bound fast path (wgmma, pipelined block loads, fused top-k) is the indexer issue's.
+
+use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+
+use super::{CudaError, Gpu};
+use crate::cache::BLOCK_SIZE;
+
+/// Must match `IDX_BLOCKS_PER_CTA` / `IDX_WARPS` in the kernel.
+const BLOCKS_PER_CTA: usize = 4;
+const THREADS: u32 = 128;
+/// The FP8 indexer block holds 128-wide keys; heads go through the MMA 8 at a time.
+pub const DIM: usize = 128;
+pub const MAX_HEADS: usize = 64;
+
+/// One batch of decode rows (a query token each; an MTP step has two rows per request, the draft's row
+/// one position longer).
+pub struct ScoreArgs<'a> {
+    /// e4m3 codes `[rows, heads, 128]`.
+    pub q: &'a CudaSlice<u8>,
+    /// Head weights `[rows, heads]`, every scale folded in (`weights_proj * heads^-0.5 * q_scale * 128^-0.5`).
+    pub w: &'a CudaSlice<f32>,
+    /// A multiple of 8 up to 64; models with fewer heads pad q and w with zeros (a zero head adds +0.0).
+    pub heads: usize,
+    /// One layer's indexer region: `num_blocks` blocks of 8448 bytes.
+    pub index_blocks: &'a CudaView<'a, u8>,
+    pub num_blocks: usize,
+    /// Physical block ids `[rows, max_blocks]`, logical block order.
+    pub block_table: &'a CudaSlice<i32>,
+    pub max_blocks: usize,
+    /// Causal context length of each row.
+    pub lengths: &'a CudaSlice<i32>,
+    pub rows: usize,
+}
+
+/// Writes `scores[r * score_stride + s]` for `s < lengths[r]` (lengths are clamped to `score_stride`).
+pub fn decode_scores(
+    gpu: &Gpu,
+    a: &ScoreArgs<'_>,
+    scores: &mut CudaSlice<f32>,
+    score_stride: usize,
+) -> Result<(), CudaError> {
+    let bad = |m: String| Err(CudaError::Shape(m));
+    if a.heads == 0 || !a.heads.is_multiple_of(8) || a.heads > MAX_HEADS {
+        return bad(format!("{} indexer heads: a multiple of 8 up to {MAX_HEADS} (pad with zero heads)", a.heads));
+    }
+    if a.q.len() < a.rows * a.heads * DIM || a.w.len() < a.rows * a.heads {
+        return bad(format!("q/w hold {}/{} values, {} rows x {} heads needed", a.q.len(), a.w.len(), a.rows, a.heads));
+    }
+    if a.index_blocks.len() < a.num_blocks * BLOCK_SIZE * (DIM + 4) {
+        return bad(format!("indexer region of {} bytes for {} blocks", a.index_blocks.len(), a.num_blocks));
+    }
+    if a.block_table.len() < a.rows * a.max_blocks || a.lengths.len() < a.rows {
+        return bad(format!("block table/lengths shorter than {} rows x {} blocks", a.rows, a.max_blocks));
+    }
+    if score_stride > a.max_blocks * BLOCK_SIZE || scores.len() < a.rows * score_stride {
+        return bad(format!(
+            "{} scores, stride {score_stride}: at most max_blocks x 64 per row, rows x stride in all",
+            scores.len()
+        ));
+    }
+    if a.rows == 0 || score_stride == 0 {
+        return Ok(());
+    }
+    let f = gpu.function("tandem_indexer_scores")?;
+    let grid_x = a.max_blocks.div_ceil(BLOCKS_PER_CTA) as u32;
+    let cfg = LaunchConfig { grid_dim: (grid_x, a.rows as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    let (heads, max_blocks, stride) = (a.heads as i32, a.max_blocks as i32, score_stride as i64);
+    let mut b = gpu.stream().launch_builder(f);
+    b.arg(a.q).arg(a.w).arg(&heads).arg(a.index_blocks).arg(a.block_table).arg(&max_blocks).arg(a.lengths);
+    b.arg(scores).arg(&stride);
+    // SAFETY: argument types and order match the kernel; every buffer was checked above. Block ids in the
+    // table are the caller's (the pool's allocator hands out ids below num_blocks).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::seq::SliceRandom;
+    use rand::{RngExt, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    use super::*;
+    use crate::cpu::indexer::scores as cpu_scores;
+    use crate::fp8::e4m3_to_f32;
+
+    const BLOCK_BYTES: usize = BLOCK_SIZE * (DIM + 4);
+
+    fn fresh_seed() -> u64 {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(7)
+    }
+
+    /// An e4m3 code: any finite one, or (exact) one of +-1.0..1.875, whose products and 128-term sums are
+    /// exact in f32 in any order, so tensor cores and the CPU must agree bit for bit.
+    fn code(rng: &mut ChaCha8Rng, exact: bool) -> u8 {
+        if exact {
+            (rng.random::<u8>() & 0x80) | (7 << 3) | (rng.random::<u8>() & 7)
+        } else {
+            loop {
+                let c = rng.random::<u8>();
+                if c & 0x7f != 0x7f {
+                    return c;
+                }
+            }
+        }
+    }
+
+    struct Case {
+        heads: usize,
+        num_blocks: usize,
+        pool: Vec<u8>,
+        rows: Vec<Row>,
+    }
+
+    struct Row {
+        q: Vec<u8>,
+        w: Vec<f32>,
+        table: Vec<i32>,
+        len: usize,
+    }
+
+    fn case(rng: &mut ChaCha8Rng, heads: usize, lens: &[usize], exact: bool) -> Case {
+        let max_blocks = lens.iter().map(|l| l.div_ceil(BLOCK_SIZE)).max().unwrap_or(1).max(1);
+        let num_blocks = max_blocks * 2 + 3;
+        let mut pool = vec![0u8; num_blocks * BLOCK_BYTES];
+        for b in 0..num_blocks {
+            let blk = &mut pool[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
+            for v in &mut blk[..BLOCK_SIZE * DIM] {
+                *v = code(rng, exact);
+            }
+            for s in 0..BLOCK_SIZE {
+                let scale = 2f32.powi(rng.random_range(-8..4));
+                blk[BLOCK_SIZE * DIM + 4 * s..BLOCK_SIZE * DIM + 4 * s + 4].copy_from_slice(&scale.to_le_bytes());
+            }
+        }
+        let rows = lens
+            .iter()
+            .map(|&len| {
+                let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+                ids.shuffle(rng);
+                ids.truncate(max_blocks);
+                Row {
+                    q: (0..heads * DIM).map(|_| code(rng, exact)).collect(),
+                    w: (0..heads).map(|_| rng.random::<f32>() * 2.0 - 0.7).collect(),
+                    table: ids,
+                    len,
+                }
+            })
+            .collect();
+        Case { heads, num_blocks, pool, rows }
+    }
+
+    /// The CPU backend's scores of one row: keys decoded in logical order through the block table.
+    fn cpu_row(c: &Case, r: &Row, real_heads: usize) -> Vec<f32> {
+        let q: Vec<f32> = r.q[..real_heads * DIM].iter().map(|&b| e4m3_to_f32(b)).collect();
+        let mut keys = Vec::with_capacity(r.len * DIM);
+        let mut scales = Vec::with_capacity(r.len);
+        for s in 0..r.len {
+            let blk = &c.pool[r.table[s / BLOCK_SIZE] as usize * BLOCK_BYTES..][..BLOCK_BYTES];
+            let off = s % BLOCK_SIZE;
+            keys.extend(blk[off * DIM..(off + 1) * DIM].iter().map(|&b| e4m3_to_f32(b)));
+            let at = BLOCK_SIZE * DIM + 4 * off;
+            scales.push(f32::from_le_bytes(blk[at..at + 4].try_into().unwrap()));
+        }
+        cpu_scores(&q, &r.w[..real_heads], &keys, &scales, r.len, DIM)
+    }
+
+    fn gpu_scores(gpu: &Gpu, c: &Case) -> Vec<Vec<f32>> {
+        let st = gpu.stream();
+        let rows = c.rows.len();
+        let max_blocks = c.rows[0].table.len();
+        let stride = max_blocks * BLOCK_SIZE;
+        let cat = |f: &dyn Fn(&Row) -> Vec<u8>| c.rows.iter().flat_map(f).collect::<Vec<u8>>();
+        let q = st.clone_htod(&cat(&|r| r.q.clone())).unwrap();
+        let w = st.clone_htod(&c.rows.iter().flat_map(|r| r.w.clone()).collect::<Vec<f32>>()).unwrap();
+        let table = st.clone_htod(&c.rows.iter().flat_map(|r| r.table.clone()).collect::<Vec<i32>>()).unwrap();
+        let lens = st.clone_htod(&c.rows.iter().map(|r| r.len as i32).collect::<Vec<i32>>()).unwrap();
+        let pool = st.clone_htod(&c.pool).unwrap();
+        let view = pool.slice(..);
+        let mut out = st.clone_htod(&vec![f32::NAN; rows * stride]).unwrap();
+        let args = ScoreArgs {
+            q: &q,
+            w: &w,
+            heads: c.heads,
+            index_blocks: &view,
+            num_blocks: c.num_blocks,
+            block_table: &table,
+            max_blocks,
+            lengths: &lens,
+            rows,
+        };
+        decode_scores(gpu, &args, &mut out, stride).unwrap();
+        let host = st.clone_dtoh(&out).unwrap();
+        st.synchronize().unwrap();
+        c.rows.iter().enumerate().map(|(i, r)| host[i * stride..i * stride + r.len].to_vec()).collect()
+    }
+
+    #[test]
+    fn exact_products_give_the_cpu_scores_bit_for_bit() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let seed = fresh_seed();
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        for heads in [64usize, 8] {
+            let c = case(&mut rng, heads, &[1, 63, 64, 65, 700, 2049], true);
+            for (r, got) in c.rows.iter().zip(gpu_scores(&gpu, &c)) {
+                let want = cpu_row(&c, r, heads);
+                assert_eq!(
+                    got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "heads {heads} len {} seed {seed}",
+                    r.len
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn zero_padded_heads_change_nothing() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let seed = fresh_seed();
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        // The tiny model's 4 heads, padded to 8 with zero queries and weights.
+        let mut c = case(&mut rng, 8, &[300, 64], true);
+        for r in &mut c.rows {
+            r.q[4 * DIM..].fill(0);
+            r.w[4..].fill(0.0);
+        }
+        for (r, got) in c.rows.iter().zip(gpu_scores(&gpu, &c)) {
+            let want = cpu_row(&c, r, 4);
+            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "seed {seed}");
+        }
+    }
+
+    #[test]
+    fn any_fp8_inputs_stay_within_the_indexer_tolerance() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let seed = fresh_seed();
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let c = case(&mut rng, 64, &[5000, 129, 3], false);
+        for (r, got) in c.rows.iter().zip(gpu_scores(&gpu, &c)) {
+            let want = cpu_row(&c, r, 64);
+            let (ab, aa) = got.iter().zip(&want).fold((0f64, 0f64), |(ab, aa), (&a, &b)| {
+                (ab + a as f64 * b as f64, aa + (a as f64).powi(2) + (b as f64).powi(2))
+            });
+            let diff = 1.0 - 2.0 * ab / aa;
+            // docs/model.md §6: indexer logits diff < 1e-3. The tensor cores sum the 128 products in
+            // another order than the CPU, so only rounding differs: far below the bound.
+            assert!(diff < 1e-6, "len {}: diff {diff:e} (seed {seed})", r.len);
+            assert!(got.iter().all(|v| v.is_finite()), "seed {seed}");
+        }
+    }
+
+    #[test]
+    fn a_rows_scores_do_not_depend_on_its_batch() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let seed = fresh_seed();
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let probe = case(&mut rng, 64, &[1000], false);
+        let mut first: Option<Vec<u32>> = None;
+        for rows in [1usize, 63, 64, 65, 129] {
+            // Row 0 has the probe's length, so every table has the probe's 16 blocks.
+            let lens: Vec<usize> = (0..rows).map(|i| if i == 0 { 1000 } else { 1 + (i * 131) % 1000 }).collect();
+            let mut c = case(&mut rng, 64, &lens, false);
+            // The probe row, with its own keys copied into the blocks its table names.
+            let at = rng.random_range(0..rows);
+            let row = Row {
+                q: probe.rows[0].q.clone(),
+                w: probe.rows[0].w.clone(),
+                table: c.rows[at].table.clone(),
+                len: 1000,
+            };
+            for (lb, &phys) in row.table.iter().enumerate().take(1000usize.div_ceil(BLOCK_SIZE)) {
+                let src = probe.rows[0].table[lb] as usize * BLOCK_BYTES;
+                c.pool[phys as usize * BLOCK_BYTES..][..BLOCK_BYTES]
+                    .copy_from_slice(&probe.pool[src..src + BLOCK_BYTES]);
+            }
+            c.rows[at] = row;
+            let got: Vec<u32> = gpu_scores(&gpu, &c).swap_remove(at).iter().map(|v| v.to_bits()).collect();
+            match &first {
+                None => first = Some(got),
+                Some(f) => assert_eq!(&got, f, "batch of {rows} (seed {seed})"),
+            }
+        }
+    }
+}
