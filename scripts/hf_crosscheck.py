@@ -11,12 +11,14 @@
 - prints HF's 16 greedy tokens after the first 40 prompt tokens, to compare with
   `tandem generate --precision full --prompt-ids ... --max-tokens 16 --ignore-eos --json`.
 """
-import json, os, sys, tempfile
+import json, os, sys
 
 import numpy as np
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hf_dequant import dequantized_copy  # noqa: E402
 
 src, ids_file, ours_file = sys.argv[1:4]
 ids = [int(x) for x in open(ids_file).read().strip().split(",")]
@@ -27,27 +29,7 @@ rep["encode"] = tok("Hello there, tandem!")["input_ids"]
 rep["chat"] = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
 rep["config_class"] = type(transformers.AutoConfig.from_pretrained(src)).__name__
 
-dst = tempfile.mkdtemp()
-index = json.load(open(os.path.join(src, "model.safetensors.index.json")))
-tensors = {}
-for f in sorted(set(index["weight_map"].values())):
-    tensors.update(load_file(os.path.join(src, f)))
-plain = {}
-for k, v in tensors.items():
-    if k.endswith("_scale_inv"):
-        continue
-    if v.dtype == torch.float8_e4m3fn:
-        r, c = v.shape
-        s = tensors[k + "_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)[:r, :c]
-        plain[k] = (v.float() * s).contiguous()
-    else:
-        plain[k] = v.float().contiguous()
-save_file(plain, os.path.join(dst, "model.safetensors"))
-cfg = json.load(open(os.path.join(src, "config.json")))
-cfg.pop("quantization_config", None)
-cfg["torch_dtype"] = "float32"
-json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
-
+dst, cfg = dequantized_copy(src)
 model = transformers.AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
 with torch.no_grad():
     hf = model(torch.tensor([ids])).logits[0].float().numpy()

@@ -15,13 +15,15 @@ forward, `greedy_i` int64: the tokens plain argmax decoding appends through the 
 rule moves the logits from torch's own top-k). With --check-old, torch's own top-k is also run on the old golden's
 inputs and its distance to the old logits is reported (it shows the loading and dequantization are unchanged).
 """
-import argparse, collections, json, os, sys, tempfile
+import argparse, collections, json, os, sys
 
 import numpy as np
 import torch
 import transformers
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hf_dequant import dequantized_copy  # noqa: E402
 from safetensors.numpy import load_file as load_np, save_file as save_np
-from safetensors.torch import load_file, save_file
 
 ap = argparse.ArgumentParser()
 ap.add_argument("checkpoint")
@@ -83,26 +85,7 @@ torch.topk = lambda x, k, dim=-1, largest=True, sorted=True, **kw: dispatch(_tor
 
 # ---- the model on dequantized weights ---------------------------------------------------------------------
 src = args.checkpoint
-dst = tempfile.mkdtemp()
-index = json.load(open(os.path.join(src, "model.safetensors.index.json")))
-tensors = {}
-for f in sorted(set(index["weight_map"].values())):
-    tensors.update(load_file(os.path.join(src, f)))
-plain = {}
-for k, v in tensors.items():
-    if k.endswith("_scale_inv"):
-        continue
-    if v.dtype == torch.float8_e4m3fn:
-        r, c = v.shape
-        s = tensors[k + "_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)[:r, :c]
-        plain[k] = (v.float() * s).contiguous()
-    else:
-        plain[k] = v.float().contiguous()
-save_file(plain, os.path.join(dst, "model.safetensors"))
-cfg = json.load(open(os.path.join(src, "config.json")))
-cfg.pop("quantization_config", None)
-cfg["torch_dtype"] = "float32"
-json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+dst, cfg = dequantized_copy(src)
 model = transformers.AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32, attn_implementation="eager").eval()
 vocab = cfg["vocab_size"]
 

@@ -259,7 +259,6 @@ def indexer(tokens, rng):
         except Exception as e:  # noqa: BLE001 - the baseline is optional
             row["torch_naive_ms"] = None
             print("torch baseline unavailable:", e)
-        del pool
         out.append(row)
     return out
 
