@@ -216,7 +216,7 @@ def indexer(tokens, rng):
         counts, nans = cp.zeros(rows, dtype=cp.int32), cp.zeros(rows, dtype=cp.int32)
 
         def run():
-            f_scores((-(-nblk // 4), rows), (128,), (q, w, np.int32(heads), pool, table, np.int32(nblk), lens, scores,
+            f_scores((-(-nblk // 8), rows), (128,), (q, w, np.int32(heads), pool, table, np.int32(nblk), lens, scores,
                                                       np.int64(ctx)))
             f_topk((rows,), (1024,), (scores, np.int64(ctx), lens, np.int32(k), pos, counts, nans))
 

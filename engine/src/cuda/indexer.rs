@@ -9,7 +9,7 @@ use super::{CudaError, Gpu};
 use crate::cache::BLOCK_SIZE;
 
 /// Must match `IDX_BLOCKS_PER_CTA` / `IDX_WARPS` in the kernel.
-const BLOCKS_PER_CTA: usize = 4;
+const BLOCKS_PER_CTA: usize = 8;
 const THREADS: u32 = 128;
 /// The FP8 indexer block holds 128-wide keys; heads go through the MMA 8 at a time.
 pub const DIM: usize = 128;
