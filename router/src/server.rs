@@ -138,6 +138,7 @@ pub async fn start_with_listeners(
             prefill_timeout: args.prefill_timeout(),
             request_timeout: args.request_timeout(),
         },
+        ids: Default::default(),
     });
     let admission = Arc::new(Admission::new(
         args.max_running_requests,
@@ -152,9 +153,11 @@ pub async fn start_with_listeners(
         metrics,
         api_key: args.api_key.clone(),
         max_body_bytes: args.max_body_bytes,
+        body_read_timeout: args.body_read_timeout(),
     });
     let http_addr = http_listener.local_addr().map_err(|e| RouterError::Serve(e.to_string()))?;
-    let mut tasks = vec![tokio::spawn(http::serve(http_listener, state.clone(), shutdown_rx.clone()))];
+    let mut tasks =
+        vec![tokio::spawn(http::serve(http_listener, state.clone(), args.header_read_timeout(), shutdown_rx.clone()))];
     let grpc_addr = match grpc_listener {
         Some(l) => {
             let a = l.local_addr().map_err(|e| RouterError::Serve(e.to_string()))?;

@@ -26,11 +26,21 @@ pub struct Options {
     /// Checkpoint hash of each decode double (default all "h1"); prefill doubles use "h1".
     pub decode_hashes: Vec<&'static str>,
     pub wait_ready: bool,
+    /// The max_model_len every worker double reports (default 4096, above the router's 512).
+    pub worker_max_model_len: Option<u32>,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Self { prefill: 1, decode: 1, args: Vec::new(), script: None, decode_hashes: Vec::new(), wait_ready: true }
+        Self {
+            prefill: 1,
+            decode: 1,
+            args: Vec::new(),
+            script: None,
+            decode_hashes: Vec::new(),
+            wait_ready: true,
+            worker_max_model_len: None,
+        }
     }
 }
 
@@ -98,6 +108,11 @@ impl Cluster {
             decode.push(
                 double::spawn(&format!("d{i}"), WorkerRole::Decode, script.clone(), eos, fabric.clone(), fp).await,
             );
+        }
+        if let Some(len) = o.worker_max_model_len {
+            for d in prefill.iter().chain(&decode) {
+                d.knobs.max_model_len.store(len, std::sync::atomic::Ordering::Relaxed);
+            }
         }
         let p: Vec<String> = prefill.iter().map(|d| d.grpc_address()).collect();
         let d: Vec<String> = decode.iter().map(|d| d.grpc_address()).collect();
