@@ -92,12 +92,18 @@ pub struct Args {
     /// Requests handled at once; more wait in the queue.
     #[arg(long, env = "TANDEM_MAX_RUNNING_REQUESTS", default_value_t = 4096)]
     pub max_running_requests: usize,
-    /// Requests waiting for a running slot; beyond this, 429 with Retry-After.
+    /// Requests waiting for a running slot, and (separately) new requests waiting for room on a full
+    /// decode worker; beyond this, 429 with Retry-After.
     #[arg(long, env = "TANDEM_MAX_QUEUED_REQUESTS", default_value_t = 4096)]
     pub max_queued_requests: usize,
-    /// Longest wait in the queue before 429.
+    /// Longest wait in the queue before 429: for a running slot, and for room on a decode worker when
+    /// every one is full (0 = answer 429 at once).
     #[arg(long, env = "TANDEM_QUEUE_TIMEOUT_SECS", default_value_t = 30.0)]
     pub queue_timeout_secs: f64,
+    /// How long a preempted request (its stream already open) waits for a decode worker with room to
+    /// continue it before it ends with an error event.
+    #[arg(long, env = "TANDEM_PREEMPTED_WAIT_SECS", default_value_t = 120.0)]
+    pub preempted_wait_secs: f64,
     /// Whole-request limit (0 = none); then 504, or an error event on a started stream.
     #[arg(long, env = "TANDEM_REQUEST_TIMEOUT_SECS", default_value_t = 600.0)]
     pub request_timeout_secs: f64,
@@ -166,6 +172,10 @@ impl Args {
 
     pub fn body_read_timeout(&self) -> Duration {
         secs(self.body_read_timeout_secs).unwrap_or(Duration::from_secs(60))
+    }
+
+    pub fn preempted_wait(&self) -> Duration {
+        secs(self.preempted_wait_secs).unwrap_or(Duration::ZERO)
     }
 
     pub fn queue_timeout(&self) -> Duration {

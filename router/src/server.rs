@@ -12,7 +12,7 @@ use tracing::info;
 
 use crate::admission::Admission;
 use crate::config::{Args, LogFormat};
-use crate::flow::{Dispatcher, Limits};
+use crate::flow::{CapacityWait, Dispatcher, Limits};
 use crate::metrics::Metrics;
 use crate::model::{ModelError, ServedModel};
 use crate::workers::{HandleSettings, PoolSettings, WorkerPool};
@@ -139,6 +139,7 @@ pub async fn start_with_listeners(
             request_timeout: args.request_timeout(),
         },
         ids: Default::default(),
+        capacity: CapacityWait::new(args.max_queued_requests, args.queue_timeout(), args.preempted_wait()),
     });
     let admission = Arc::new(Admission::new(
         args.max_running_requests,

@@ -142,7 +142,8 @@ async fn a_request_id_reused_while_in_flight_is_served_twice() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn capacity_errors_name_the_real_cause() {
-    let c = Cluster::start(Options::default()).await;
+    let args = ["--queue-timeout-secs", "0"].map(String::from).to_vec();
+    let c = Cluster::start(Options { args, ..Default::default() }).await;
     *c.decode[0].knobs.full_reason.lock().unwrap() = "64 requests running or transferring (--max-num-seqs 64)".into();
     c.decode[0].knobs.decode_full.store(true, Ordering::Relaxed);
     let (s, body) = c.post_json("/v1/completions", json!({"prompt": "x"})).await;
@@ -240,4 +241,70 @@ impl tonic::codec::Decoder for RawDecoder {
         let n = bytes::Buf::remaining(src);
         Ok(Some(bytes::Buf::copy_to_bytes(src, n)))
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waits_for_a_full_decode_worker_instead_of_an_immediate_429() {
+    let args = ["--queue-timeout-secs", "5"].map(String::from).to_vec();
+    let c = Cluster::start(Options { args, ..Default::default() }).await;
+    c.decode[0].knobs.decode_full.store(true, Ordering::Relaxed);
+    let knobs = c.decode[0].knobs.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        knobs.decode_full.store(false, Ordering::Relaxed);
+    });
+    let started = Instant::now();
+    let (s, body) = c.post_json("/v1/completions", json!({"prompt": "x"})).await;
+    assert_eq!(s, 200, "{body}");
+    assert!(started.elapsed() >= Duration::from_millis(600), "it cannot have run while the worker was full");
+    assert!(c.decode[0].log().decodes.len() >= 2, "tried again after the refusal");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_wait_for_decode_room_is_bounded_by_time_and_length() {
+    let args = ["--queue-timeout-secs", "0.5", "--max-queued-requests", "1"].map(String::from).to_vec();
+    let c = Cluster::start(Options { args, ..Default::default() }).await;
+    c.decode[0].knobs.decode_full.store(true, Ordering::Relaxed);
+    let first = {
+        let (http, url) = (c.http.clone(), c.url("/v1/completions"));
+        tokio::spawn(async move {
+            let t = Instant::now();
+            let r = http.post(url).json(&json!({"prompt": "x"})).send().await.unwrap();
+            (r.status().as_u16(), r.headers().contains_key("retry-after"), t.elapsed())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // The one waiting place is taken: 429 at once.
+    let t = Instant::now();
+    let (s, body) = c.post_json("/v1/completions", json!({"prompt": "y"})).await;
+    assert_eq!(s, 429, "{body}");
+    assert!(t.elapsed() < Duration::from_millis(400), "{:?}", t.elapsed());
+    let (s, retry_after, waited) = first.await.unwrap();
+    assert_eq!((s, retry_after), (429, true));
+    assert!(waited >= Duration::from_millis(450) && waited < Duration::from_secs(5), "{waited:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preempted_request_waits_for_room_and_its_stream_continues() {
+    let c = Cluster::start(Options::default()).await;
+    let k = &c.decode[0].knobs;
+    k.token_interval_us.store(20_000, Ordering::Relaxed);
+    k.preempt_after.store(3, Ordering::Relaxed);
+    k.full_after_preempt.store(true, Ordering::Relaxed);
+    let knobs = k.clone();
+    tokio::spawn(async move {
+        // Full from the preemption (after ~3 tokens) until here.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        knobs.decode_full.store(false, Ordering::Relaxed);
+    });
+    let (s, _, body) = c.post("/v1/completions", json!({"prompt": "x", "max_tokens": 50, "stream": true})).await;
+    assert_eq!(s, 200);
+    assert!(!body.contains("\"error\""), "the stream ended with an error: {body}");
+    let text: String = support::harness::sse_events(&body)
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"].as_str().unwrap_or("").to_owned())
+        .collect();
+    assert_eq!(text, support::harness::REPLY);
+    assert!(c.decode[0].log().decodes.len() >= 3, "refused at least once while full, then continued");
 }

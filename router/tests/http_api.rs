@@ -350,7 +350,9 @@ async fn a_full_queue_answers_429_with_retry_after() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decode_workers_out_of_blocks_mean_429_not_500() {
-    let c = Cluster::start(Options { decode: 2, ..Default::default() }).await;
+    // No waiting for room (--queue-timeout-secs 0): the 429 comes at once.
+    let args = ["--queue-timeout-secs", "0"].map(String::from).to_vec();
+    let c = Cluster::start(Options { decode: 2, args, ..Default::default() }).await;
     for d in &c.decode {
         d.knobs.decode_full.store(true, Ordering::Relaxed);
     }

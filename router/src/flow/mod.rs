@@ -12,6 +12,7 @@
 
 mod abort;
 mod attempt;
+mod capacity;
 mod output;
 mod select;
 
@@ -29,6 +30,7 @@ use crate::model::ServedModel;
 use crate::policies::Policy;
 use crate::workers::WorkerPool;
 use attempt::{AttemptEnd, AttemptInput};
+pub use capacity::CapacityWait;
 use output::Output;
 pub use output::{StopReason, Summary};
 
@@ -74,6 +76,7 @@ pub struct Dispatcher {
     pub metrics: Arc<Metrics>,
     pub limits: Limits,
     pub ids: InFlightIds,
+    pub capacity: CapacityWait,
 }
 
 /// Request ids in flight on the workers.
@@ -172,6 +175,8 @@ impl Dispatcher {
             Some(d) => tokio::time::timeout_at(d.into(), work).await,
             None => Ok(work.await),
         };
+        // Its decode slot and blocks are free now: waiting requests may try again.
+        self.capacity.freed();
         match result {
             Ok(Ok(())) => {}
             Ok(Err(e)) => out.fail(e).await,
@@ -199,16 +204,49 @@ impl Dispatcher {
         let (mut retries, mut preemptions) = (0u32, 0u32);
         let mut last_failure = String::new();
         let mut attempt = 0u32;
+        let mut waiter = None;
         loop {
             let seq_len = job.prompt.len() + job.sampling.max_tokens as usize;
             let pair = match select::pair(self, &hashes, job.prompt.len(), seq_len, &excluded_prefill, &excluded_decode)
             {
                 Ok(p) => p,
                 Err(_) if !decode_full.is_empty() => {
-                    return Err(ApiError::overloaded(
-                        format!("Every decode worker is at capacity; retry shortly. {}", decode_full.join("; ")),
-                        1,
-                    ));
+                    // Every decode worker is full: wait for room (bounded), then try them all again.
+                    let preempted = preemptions > 0;
+                    if waiter.is_none() {
+                        waiter = self.capacity.enter(preempted);
+                        if waiter.is_some() {
+                            info!(
+                                preempted,
+                                waiting = self.capacity.waiting(),
+                                "every decode worker is full; waiting for room"
+                            );
+                        }
+                    }
+                    let go_on = match &waiter {
+                        Some(w) => tokio::select! {
+                            more = self.capacity.next_try(w) => more,
+                            _ = tx.closed() => {
+                                info!("client disconnected while waiting for decode capacity");
+                                return Ok(());
+                            }
+                        },
+                        None => false,
+                    };
+                    if go_on {
+                        decode_full.clear();
+                        excluded_decode.clear();
+                        continue;
+                    }
+                    let message =
+                        format!("Every decode worker is at capacity; retry shortly. {}", decode_full.join("; "));
+                    return Err(if preempted {
+                        ApiError::unavailable(format!(
+                            "The request was preempted and no decode worker had room to continue it within --preempted-wait-secs. {message}"
+                        ))
+                    } else {
+                        ApiError::overloaded(message, 1)
+                    });
                 }
                 Err(why) if !last_failure.is_empty() => {
                     return Err(ApiError::unavailable(format!("{why}; last failure: {last_failure}")));

@@ -39,6 +39,8 @@ pub struct Knobs {
     pub fail_after: AtomicU32,
     /// The longest sequence GetInfo reports (read when the router first asks).
     pub max_model_len: AtomicU32,
+    /// Preempting also turns `decode_full` on (a worker out of blocks stays full for a while).
+    pub full_after_preempt: AtomicBool,
     /// The RESOURCE_EXHAUSTED message of a full decode double (after its id).
     pub full_reason: Mutex<String>,
 }
@@ -54,6 +56,7 @@ impl Default for Knobs {
             tokens_per_event: AtomicU32::new(1),
             fail_after: AtomicU32::new(0),
             max_model_len: AtomicU32::new(4096),
+            full_after_preempt: AtomicBool::new(false),
             full_reason: Mutex::new("no free KV blocks".into()),
         }
     }
@@ -350,6 +353,9 @@ async fn run_decode(
             return tx.send(Err(Status::internal("decode worker crashed (injected)"))).await.is_ok();
         }
         if preempt_after > 0 && streamed >= preempt_after {
+            if s.knobs.full_after_preempt.load(Ordering::Relaxed) {
+                s.knobs.decode_full.store(true, Ordering::Relaxed);
+            }
             let ev = Ev::Preempted(Preempted { reason: "out of blocks (injected)".into() });
             return tx.send(Ok(DecodeEvent { event: Some(ev) })).await.is_ok();
         }
