@@ -206,9 +206,15 @@ fn fp8_path_agreement_with_golden_is_reported() {
         // This random golden model is very sensitive to FP8: quantizing the cached latent to e4m3 tiles
         // alone moves its logits by diff 2.4e-2 on seq 0 (bf16 k_pe alone: 2e-6), and the discrete choices
         // downstream (MoE experts, index top-k) then flip. A broken FP8 path (wrong scale, layout or
-        // rounding) gives diff near 1; the bound catches that, the printed numbers are the report. The FP8 path itself is
-        // checked against the full path on the well-conditioned tiny model (tests/model.rs).
-        assert!(d < 0.5, "seq {i}: FP8 logits diff {d}");
+        // rounding) gives diff near 1. The bound is what is measured (3.1e-2, 5.8e-2, 1.27e-1, 3.02e-1
+        // for seqs 0-3, the same in repeated runs) with a 15% margin for numerics changes of the same
+        // accuracy.
+        // The FP8 path itself is checked against the full path on the well-conditioned tiny model
+        // (tests/model.rs).
+        assert!(d < 0.35, "seq {i}: FP8 logits diff {d}");
     }
     println!("fp8 greedy agreement: {agree_total}/{total} tokens");
+    // Measured 4/64 (1, 2, 0, 1 leading tokens): the random golden model flips its argmax under FP8
+    // rounding within a few tokens. Agreement with HF's first tokens at all is what a broken path loses.
+    assert!(agree_total >= 3, "fp8 greedy agreement {agree_total}/{total}");
 }
