@@ -353,6 +353,7 @@ async fn decode_workers_out_of_blocks_mean_429_not_500() {
     // No waiting for room (--queue-timeout-secs 0): the 429 comes at once.
     let args = ["--queue-timeout-secs", "0"].map(String::from).to_vec();
     let c = Cluster::start(Options { decode: 2, args, ..Default::default() }).await;
+    c.wait_all_healthy(Duration::from_secs(10)).await;
     for d in &c.decode {
         d.knobs.decode_full.store(true, Ordering::Relaxed);
     }

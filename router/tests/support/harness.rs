@@ -143,6 +143,23 @@ impl Cluster {
         }
     }
 
+    /// Waits until the router counts every double healthy (`/ready` needs only one pair; a test that
+    /// relies on trying every worker must not run while one is still being identified).
+    pub async fn wait_all_healthy(&self, limit: Duration) {
+        let want = self.prefill.len() + self.decode.len();
+        let start = Instant::now();
+        loop {
+            let m = self.http.get(self.url("/metrics")).send().await.unwrap().text().await.unwrap();
+            let healthy =
+                m.lines().filter(|l| l.starts_with("tandem_router_worker_healthy{") && l.ends_with(" 1")).count();
+            if healthy >= want {
+                return;
+            }
+            assert!(start.elapsed() < limit, "{healthy} of {want} workers healthy after {limit:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("{}{}", self.base, path)
     }
