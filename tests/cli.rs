@@ -156,6 +156,27 @@ fn generate_with_the_tiny_tokenizer_and_chat_template() {
     assert_eq!(*prompt.last().unwrap(), 4, "the generation prompt ends with <｜Assistant｜> (id 4)");
     assert!(v["generated_token_ids"].as_array().unwrap().len() <= 8);
     assert!(v["text"].is_string());
+
+    // Each MTP draft is listed with its verdict; greedy verification accepts exactly the drafts that
+    // equal the main model's token at their position.
+    let args = ["generate", "--model", model, "--prompt", "abc", "--temperature", "0", "--max-tokens", "24"];
+    let o = tandem(&[&args[..], &["--ignore-eos", "--json"]].concat());
+    assert!(o.status.success(), "{}", all_output(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let got: Vec<u32> =
+        v["generated_token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+    let steps = v["mtp"]["steps"].as_array().unwrap();
+    assert_eq!(steps.len() as u64, v["mtp"]["drafts"].as_u64().unwrap());
+    assert!(steps.len() >= 8, "the tiny model has an MTP layer: {}", v["mtp"]);
+    let accepted = steps.iter().filter(|s| s["accepted"] == true).count() as u64;
+    assert_eq!(accepted, v["mtp"]["accepted"].as_u64().unwrap());
+    for s in steps {
+        let p = s["position"].as_u64().unwrap() as usize;
+        let draft = s["draft_token_id"].as_u64().unwrap() as u32;
+        if let Some(&t) = got.get(p) {
+            assert_eq!(s["accepted"] == true, draft == t, "draft {s} vs token {t} at output position {p}");
+        }
+    }
     // Seeded sampling is reproducible.
     let args = ["generate", "--model", model, "--prompt", "abc", "--temperature", "0.9", "--seed", "11", "--json"];
     assert_eq!(stdout(&tandem(&args)).split("\"seconds\"").next(), stdout(&tandem(&args)).split("\"seconds\"").next());

@@ -42,8 +42,13 @@ impl Default for EtcdOptions {
     }
 }
 
+/// HTTP/2 keep-alive ping period: twice a default etcd's minimum (`--grpc-keepalive-min-time` 5 s).
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+
 pub struct EtcdDiscovery {
     client: Client,
+    /// Times the router's watch lost etcd (each logged as "etcd unreachable").
+    watch_failures: Arc<std::sync::atomic::AtomicU64>,
     endpoints: String,
     cluster: String,
     options: EtcdOptions,
@@ -62,16 +67,32 @@ impl EtcdDiscovery {
             )));
         }
         let joined = endpoints.join(",");
+        // A default etcd (grpc-go) allows one HTTP/2 ping per --grpc-keepalive-min-time (5 s) and none
+        // on a connection without streams; more and it answers GOAWAY "too_many_pings", dropping every
+        // watch and keep-alive on the connection. Ping at twice that minimum, only while streams are
+        // open (the watch and the lease keep-alive always are).
         let connect_options = ConnectOptions::new()
             .with_timeout(options.request_timeout)
             .with_connect_timeout(options.request_timeout)
-            .with_keep_alive(Duration::from_secs(2), options.request_timeout)
-            .with_keep_alive_while_idle(true);
+            .with_keep_alive(KEEPALIVE_INTERVAL, options.request_timeout)
+            .with_keep_alive_while_idle(false);
         // Client::connect only builds a lazily connecting channel; it does not reach etcd.
         let client = Client::connect(&endpoints, Some(connect_options))
             .await
             .map_err(|source| DiscoveryError::Etcd { endpoints: joined.clone(), source })?;
-        Ok(Self { client, endpoints: joined, cluster, options, view: OnceLock::new() })
+        Ok(Self {
+            client,
+            watch_failures: Default::default(),
+            endpoints: joined,
+            cluster,
+            options,
+            view: OnceLock::new(),
+        })
+    }
+
+    /// How often the watch lost its connection to etcd so far.
+    pub fn watch_failures(&self) -> u64 {
+        self.watch_failures.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn cluster(&self) -> &str {
@@ -89,6 +110,7 @@ impl Discovery for EtcdDiscovery {
                     prefix: workers_prefix(&self.cluster),
                     endpoints: self.endpoints.clone(),
                     max_backoff: self.options.max_backoff,
+                    failures: self.watch_failures.clone(),
                     tx,
                 };
                 tokio::spawn(watcher.run());
@@ -237,6 +259,7 @@ struct Watcher {
     prefix: String,
     endpoints: String,
     max_backoff: Duration,
+    failures: Arc<std::sync::atomic::AtomicU64>,
     tx: watch::Sender<Arc<ClusterView>>,
 }
 
@@ -250,6 +273,7 @@ impl Watcher {
             match self.list_then_watch().await {
                 Ok(()) => backoff = Duration::from_millis(100),
                 Err(e) => {
+                    self.failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     let n = self.tx.borrow().len();
                     warn!(endpoints = %self.endpoints, error = %e, workers = n, "etcd unreachable; serving with the last view");
                     tokio::time::sleep(backoff).await;

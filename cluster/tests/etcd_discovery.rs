@@ -148,3 +148,25 @@ async fn a_restart_that_keeps_data_reconciles_workers_that_died_during_the_outag
     );
     assert!(alive.wait_registered(Duration::from_secs(5)).await);
 }
+
+/// A default etcd refuses HTTP/2 pings more often than every 5 s (GOAWAY "too_many_pings"), which cut
+/// the router's watch and the workers' lease keep-alive every 8-10 s with a 2 s ping.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_default_etcd_keeps_the_connection_for_a_minute() {
+    let Some(etcd) = Etcd::start() else { return };
+    let opts = EtcdOptions::default();
+    let router = EtcdDiscovery::new(vec![etcd.client_url.clone()], "calm".into(), opts.clone()).await.unwrap();
+    let worker = EtcdDiscovery::new(vec![etcd.client_url.clone()], "calm".into(), opts).await.unwrap();
+    let mut view = router.watch();
+    let mut reg = worker.register(record(WorkerRole::Decode, "d0", 7101)).await.unwrap();
+    assert!(reg.wait_registered(Duration::from_secs(5)).await);
+    let RegistrationState::Registered { lease } = reg.state() else { panic!("not registered: {:?}", reg.state()) };
+    assert!(wait_view(&mut view, Duration::from_secs(5), |v| v.len() == 1).await);
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(router.watch_failures(), 0, "the router's watch lost etcd");
+    assert!(
+        matches!(reg.state(), RegistrationState::Registered { lease: l } if l == lease),
+        "the worker registered again: {:?}",
+        reg.state()
+    );
+}

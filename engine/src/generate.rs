@@ -338,6 +338,16 @@ pub fn decode_step(
     Ok(results)
 }
 
+/// One MTP draft and what verification made of it (for checking the MTP layer against another
+/// implementation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DraftStep {
+    /// Output position (0 = first generated token) the draft guessed.
+    pub position: usize,
+    pub draft: u32,
+    pub accepted: bool,
+}
+
 /// Everything generated for one request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Generation {
@@ -345,6 +355,8 @@ pub struct Generation {
     pub finish: Finish,
     pub drafts_proposed: u32,
     pub drafts_accepted: u32,
+    /// Every draft in order.
+    pub drafts: Vec<DraftStep>,
 }
 
 /// Generates for one request in this process (blocks from `blocks`, which must hold prompt + max_tokens
@@ -368,8 +380,15 @@ pub fn generate(
         let out = prefill(backend, cache, &mut [&mut s], &[chunk], &mut |_| {})?;
         tokens.extend(out.into_iter().flat_map(|o| o.tokens));
     }
+    let mut drafts = Vec::new();
     while s.finished.is_none() {
+        // The draft guesses the token after the pending one.
+        let draft = if s.speculate && backend.has_mtp() { s.draft } else { None };
+        let (position, accepted_before) = (s.tokens.len() - s.prompt_len, s.drafts_accepted);
         let out = decode_step(backend, cache, &mut [&mut s])?;
+        if let Some(draft) = draft {
+            drafts.push(DraftStep { position, draft, accepted: s.drafts_accepted > accepted_before });
+        }
         tokens.extend(out.into_iter().flat_map(|o| o.tokens));
     }
     Ok(Generation {
@@ -377,6 +396,7 @@ pub fn generate(
         finish: s.finished.expect("loop ends when finished"),
         drafts_proposed: s.drafts_proposed,
         drafts_accepted: s.drafts_accepted,
+        drafts,
     })
 }
 

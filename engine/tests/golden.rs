@@ -246,10 +246,19 @@ fn fp8_path_agreement_with_golden_is_reported() {
             // The random hf-tiny-v32 model is very sensitive to FP8: quantizing the cached latent to e4m3
             // tiles alone moves its logits by diff 2.4e-2 on seq 0 (bf16 k_pe alone: 2e-6), and the discrete
             // choices downstream (MoE experts, index top-k) then flip. A broken FP8 path (wrong scale, layout
-            // or rounding) gives diff near 1; the bound catches that, the printed numbers are the report. The
-            // FP8 path itself is checked against the full path on the well-conditioned tiny model (tests/model.rs).
-            assert!(d < 0.5, "{} seq {i}: FP8 logits diff {d}", set.name);
+            // or rounding) gives diff near 1. The inputs are fixed, so the numbers repeat exactly; each bound
+            // is the largest measured diff with a 15% margin for numerics changes of the same accuracy
+            // (hf-tiny-v32: 3.07e-2, 5.80e-2, 1.29e-1, 2.97e-1; tandem-tiny: 1.17e-2, 1.23e-2, 1.36e-2,
+            // 3.07e-2). The FP8 path itself is checked against the full path on the well-conditioned tiny
+            // model (tests/model.rs).
+            let bound = if set.name == "hf-tiny-v32" { 0.35 } else { 0.036 };
+            assert!(d < bound, "{} seq {i}: FP8 logits diff {d} (bound {bound})", set.name);
         }
         println!("{} fp8 greedy agreement: {agree_total}/{total} tokens", set.name);
+        // Measured 4/64 (hf-tiny-v32: 1, 2, 0, 1 leading tokens) and 16/64 (tandem-tiny: 11, 1, 1, 3): the
+        // random models flip their argmax under FP8 rounding within a few tokens. Agreement with HF's first
+        // tokens at all is what a broken path loses.
+        let least = if set.name == "hf-tiny-v32" { 3 } else { 13 };
+        assert!(agree_total >= least, "{} fp8 greedy agreement {agree_total}/{total} (at least {least})", set.name);
     }
 }

@@ -121,8 +121,12 @@ fn prefill_logits_equal_decode_logits_fed_token_by_token() {
             Precision::Full => assert!(worst < 1e-4 && agree == n, "{worst} {agree}"),
             // The activation quantization before o_proj usually absorbs the two forms' rounding differences
             // (bit-identical logits), but a value on an e4m3 rounding boundary can flip by one step (6%).
-            // A wrong form agrees nowhere.
-            Precision::Fp8 => assert!(close * 10 >= n * 9 && agree * 10 >= n * 7, "{close} {agree}"),
+            // Measured over 8 runs (fresh prompts): 68..70 of 70 within 1e-4, token-by-token decode (whose
+            // cache entries are all decode-written) argmax-equal at 62..70 of 70. The bounds keep 4 and 6
+            // positions below the worst run; a wrong form agrees nowhere.
+            Precision::Fp8 => {
+                assert!(close + 6 >= n && agree + 14 >= n, "{close}/{n} close, worst {worst}, argmax {agree}/{n}")
+            }
         }
         e.pool.release("dec").unwrap();
         e.pool.release("iso").unwrap();
@@ -352,9 +356,12 @@ fn fp8_path_stays_close_to_full_precision() {
     println!("fp8 vs full on the tiny model: diff {d:.2e}, argmax agrees at {agree}/{} positions", toks.len());
     // A random model is sensitive: the FP8 latent cache alone (e4m3 tiles, ~2.4% RMS error per value)
     // gives diff ~2.4e-2 here, amplified by MoE routing and top-k choices that flip. The exactness of the
-    // FP8 pieces is unit-tested (fp8, cache::format, cpu::linear); this bound catches a broken path.
-    assert!(d < 0.1, "diff {d}");
-    assert!(agree * 2 >= toks.len(), "argmax agreement {agree}/{}", toks.len());
+    // FP8 pieces is unit-tested (fp8, cache::format, cpu::linear). The prompt is fresh each run; over 16
+    // runs the diff was 1.8e-2..3.05e-2 and the argmax agreed at 49..63 of 80 positions (mean 56, sd
+    // ~3.5). The bounds sit 1.5x above the largest diff and ~3.4 sd below the mean agreement (55%); a
+    // broken path gives diff near 1 and agrees almost nowhere.
+    assert!(d < 0.045, "diff {d}");
+    assert!(agree >= 44, "argmax agreement {agree}/{}", toks.len());
 }
 
 #[test]

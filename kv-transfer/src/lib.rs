@@ -98,6 +98,8 @@ pub(crate) fn transport_for(
         TransportConfig::Ucx { tls, tcp_fallback } => match transport::ucx::DataPath::from_env()
             .and_then(|dp| transport::ucx::UcxTransport::with_options(tls.as_deref(), dp, lanes))
         {
+            // Listen where the user asked: a loopback TCP address keeps UCX on loopback too.
+            Ok(t) if tcp_fallback.as_ref().is_some_and(|c| c.listen.ip().is_loopback()) => Arc::new(t.loopback_only()),
             Ok(t) => Arc::new(t),
             Err(e) => {
                 tracing::warn!(reason = %e, "UCX unavailable, kv-transfer falls back to TCP");

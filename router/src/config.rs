@@ -52,8 +52,8 @@ pub struct Args {
     #[arg(long, env = "TANDEM_CHAT_TEMPLATE")]
     pub chat_template: Option<PathBuf>,
 
-    /// Address the HTTP and gRPC front doors listen on.
-    #[arg(long, env = "TANDEM_ROUTER_HOST", default_value = "0.0.0.0")]
+    /// Address the HTTP and gRPC front doors listen on (0.0.0.0 to serve other machines).
+    #[arg(long, env = "TANDEM_ROUTER_HOST", default_value = "127.0.0.1")]
     pub host: String,
     /// HTTP port (OpenAI-compatible API, /metrics, /health).
     #[arg(long, env = "TANDEM_ROUTER_PORT", default_value_t = 8000)]
@@ -92,12 +92,18 @@ pub struct Args {
     /// Requests handled at once; more wait in the queue.
     #[arg(long, env = "TANDEM_MAX_RUNNING_REQUESTS", default_value_t = 4096)]
     pub max_running_requests: usize,
-    /// Requests waiting for a running slot; beyond this, 429 with Retry-After.
+    /// Requests waiting for a running slot, and (separately) new requests waiting for room on a full
+    /// decode worker; beyond this, 429 with Retry-After.
     #[arg(long, env = "TANDEM_MAX_QUEUED_REQUESTS", default_value_t = 4096)]
     pub max_queued_requests: usize,
-    /// Longest wait in the queue before 429.
+    /// Longest wait in the queue before 429: for a running slot, and for room on a decode worker when
+    /// every one is full (0 = answer 429 at once).
     #[arg(long, env = "TANDEM_QUEUE_TIMEOUT_SECS", default_value_t = 30.0)]
     pub queue_timeout_secs: f64,
+    /// How long a preempted request (its stream already open) waits for a decode worker with room to
+    /// continue it before it ends with an error event.
+    #[arg(long, env = "TANDEM_PREEMPTED_WAIT_SECS", default_value_t = 120.0)]
+    pub preempted_wait_secs: f64,
     /// Whole-request limit (0 = none); then 504, or an error event on a started stream.
     #[arg(long, env = "TANDEM_REQUEST_TIMEOUT_SECS", default_value_t = 600.0)]
     pub request_timeout_secs: f64,
@@ -110,6 +116,13 @@ pub struct Args {
     /// Largest accepted request body.
     #[arg(long, env = "TANDEM_MAX_BODY_BYTES", default_value_t = 32 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// A connection must send a request's complete headers within this time (also the first byte of
+    /// a new connection), else it is closed.
+    #[arg(long, env = "TANDEM_HEADER_READ_TIMEOUT_SECS", default_value_t = 30.0)]
+    pub header_read_timeout_secs: f64,
+    /// A request's complete body must arrive within this time of its headers, else 408.
+    #[arg(long, env = "TANDEM_BODY_READ_TIMEOUT_SECS", default_value_t = 60.0)]
+    pub body_read_timeout_secs: f64,
 
     /// Load/health poll period per worker.
     #[arg(long, env = "TANDEM_HEALTH_INTERVAL_MS", default_value_t = 500)]
@@ -155,6 +168,18 @@ impl Args {
 
     pub fn prefill_timeout(&self) -> Duration {
         secs(self.prefill_timeout_secs).unwrap_or(Duration::from_secs(3600))
+    }
+
+    pub fn header_read_timeout(&self) -> Duration {
+        secs(self.header_read_timeout_secs).unwrap_or(Duration::from_secs(30))
+    }
+
+    pub fn body_read_timeout(&self) -> Duration {
+        secs(self.body_read_timeout_secs).unwrap_or(Duration::from_secs(60))
+    }
+
+    pub fn preempted_wait(&self) -> Duration {
+        secs(self.preempted_wait_secs).unwrap_or(Duration::ZERO)
     }
 
     pub fn queue_timeout(&self) -> Duration {

@@ -85,6 +85,20 @@ impl ApiError {
         )
     }
 
+    /// 400: the client sent fewer body bytes than it announced, or a malformed chunked body.
+    pub fn incomplete_body(why: impl std::fmt::Display) -> Self {
+        Self::invalid(format!("The request body could not be read completely: {why}"))
+    }
+
+    /// 408: the body did not arrive in time.
+    pub fn body_timeout(secs: f64) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            format!("The request body did not arrive within {secs:.1} s (--body-read-timeout-secs)."),
+        )
+    }
+
     /// 429 with Retry-After.
     pub fn overloaded(message: impl Into<String>, retry_after: u64) -> Self {
         Self { retry_after: Some(retry_after), ..Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message) }

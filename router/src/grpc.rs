@@ -32,6 +32,7 @@ pub async fn serve(
     tonic::transport::Server::builder()
         // One HTTP/2 connection may carry many clients' requests (hyper's default is 200 streams).
         .max_concurrent_streams(Some(16_384))
+        .layer(tower::util::MapResponseLayer::new(undecodable_is_invalid_argument))
         .add_service(health)
         .add_service(GenerateServer::new(GenerateService { st: state }))
         .serve_with_incoming_shutdown(incoming, async move {
@@ -39,6 +40,24 @@ pub async fn serve(
         })
         .await
         .map_err(|e| e.to_string())
+}
+
+/// tonic answers a request message that does not decode with INTERNAL (the server's fault, so clients
+/// retry it); it is the client's: INVALID_ARGUMENT, with tonic's message kept.
+fn undecodable_is_invalid_argument(
+    mut resp: axum::http::Response<tonic::body::Body>,
+) -> axum::http::Response<tonic::body::Body> {
+    let h = resp.headers();
+    let internal = h.get("grpc-status").is_some_and(|v| v.as_bytes() == b"13");
+    let undecodable = h.get("grpc-message").is_some_and(|v| {
+        let m = v.as_bytes();
+        m.starts_with(b"failed to decode") || m.starts_with(b"failed%20to%20decode")
+    });
+    if internal && undecodable {
+        let code = axum::http::HeaderValue::from(tonic::Code::InvalidArgument as i32);
+        resp.headers_mut().insert("grpc-status", code);
+    }
+    resp
 }
 
 struct GenerateService {
@@ -97,7 +116,7 @@ impl GenerateService {
             }
         };
         let mut sampling = req.sampling.unwrap_or_default();
-        let max_len = st.model.max_model_len as usize;
+        let max_len = st.dispatcher.max_model_len() as usize;
         if prompt.is_empty() {
             return Err(ApiError::invalid_param("input", "The prompt is empty"));
         }
@@ -121,9 +140,7 @@ impl GenerateService {
                 ),
             ));
         }
-        if !(0.0..=2.0).contains(&sampling.temperature) {
-            return Err(ApiError::invalid_param("temperature", "temperature must be between 0 and 2"));
-        }
+        crate::http::check_sampling(&sampling, st.model.tokenizer.vocab_size())?;
         Ok(Job {
             request_id: rid.to_owned(),
             endpoint: "grpc",
@@ -205,7 +222,10 @@ impl Generate for GenerateService {
     async fn list_models(&self, request: Request<ListModelsRequest>) -> Result<Response<ListModelsResponse>, Status> {
         authorize(&self.st, &request)?;
         Ok(Response::new(ListModelsResponse {
-            models: vec![ModelInfo { id: self.st.model.name.clone(), max_model_len: self.st.model.max_model_len }],
+            models: vec![ModelInfo {
+                id: self.st.model.name.clone(),
+                max_model_len: self.st.dispatcher.max_model_len(),
+            }],
         }))
     }
 }

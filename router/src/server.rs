@@ -12,7 +12,7 @@ use tracing::info;
 
 use crate::admission::Admission;
 use crate::config::{Args, LogFormat};
-use crate::flow::{Dispatcher, Limits};
+use crate::flow::{CapacityWait, Dispatcher, Limits};
 use crate::metrics::Metrics;
 use crate::model::{ModelError, ServedModel};
 use crate::workers::{HandleSettings, PoolSettings, WorkerPool};
@@ -138,6 +138,8 @@ pub async fn start_with_listeners(
             prefill_timeout: args.prefill_timeout(),
             request_timeout: args.request_timeout(),
         },
+        ids: Default::default(),
+        capacity: CapacityWait::new(args.max_queued_requests, args.queue_timeout(), args.preempted_wait()),
     });
     let admission = Arc::new(Admission::new(
         args.max_running_requests,
@@ -152,9 +154,11 @@ pub async fn start_with_listeners(
         metrics,
         api_key: args.api_key.clone(),
         max_body_bytes: args.max_body_bytes,
+        body_read_timeout: args.body_read_timeout(),
     });
     let http_addr = http_listener.local_addr().map_err(|e| RouterError::Serve(e.to_string()))?;
-    let mut tasks = vec![tokio::spawn(http::serve(http_listener, state.clone(), shutdown_rx.clone()))];
+    let mut tasks =
+        vec![tokio::spawn(http::serve(http_listener, state.clone(), args.header_read_timeout(), shutdown_rx.clone()))];
     let grpc_addr = match grpc_listener {
         Some(l) => {
             let a = l.local_addr().map_err(|e| RouterError::Serve(e.to_string()))?;

@@ -350,14 +350,17 @@ async fn a_full_queue_answers_429_with_retry_after() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decode_workers_out_of_blocks_mean_429_not_500() {
-    let c = Cluster::start(Options { decode: 2, ..Default::default() }).await;
+    // No waiting for room (--queue-timeout-secs 0): the 429 comes at once.
+    let args = ["--queue-timeout-secs", "0"].map(String::from).to_vec();
+    let c = Cluster::start(Options { decode: 2, args, ..Default::default() }).await;
+    c.wait_all_healthy(Duration::from_secs(10)).await;
     for d in &c.decode {
         d.knobs.decode_full.store(true, Ordering::Relaxed);
     }
     let (s, h, body) = c.post("/v1/completions", json!({"prompt": "x"})).await;
     assert_eq!(s, 429, "{body}");
     assert!(h.contains_key("retry-after"));
-    assert!(body.contains("KV-cache"), "{body}");
+    assert!(body.contains("no free KV blocks"), "{body}");
     assert_eq!(c.decode[0].log().decodes.len() + c.decode[1].log().decodes.len(), 2, "both tried once");
     c.decode[1].knobs.decode_full.store(false, Ordering::Relaxed);
     let (s, _) = c.post_json("/v1/completions", json!({"prompt": "x"})).await;
@@ -601,7 +604,7 @@ async fn a_client_that_stops_reading_does_not_break_the_worker_connection_for_ot
     // decode worker. h2 budgets unread small DATA frames (half the connection window) and past that
     // closes the whole connection, failing everyone's requests; the router's large window prevents it.
     let args = ["--max-model-len", "100000", "--prefill-timeout-secs", "5"].map(String::from).to_vec();
-    let c = Cluster::start(Options { args, ..Default::default() }).await;
+    let c = Cluster::start(Options { args, worker_max_model_len: Some(100_000), ..Default::default() }).await;
     let req = json!({"prompt": "x", "max_tokens": 40000, "ignore_eos": true, "stream": true});
     let mut stalled = c.http.post(c.url("/v1/completions")).json(&req).send().await.unwrap();
     assert_eq!(stalled.status(), 200);

@@ -134,7 +134,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             "generated_token_ids": ids,
             "text": text,
             "finish_reason": finish,
-            "mtp": { "drafts": g.drafts_proposed, "accepted": g.drafts_accepted },
+            "mtp": {
+                "drafts": g.drafts_proposed,
+                "accepted": g.drafts_accepted,
+                "steps": g.drafts.iter().map(|d| serde_json::json!({
+                    "position": d.position, "draft_token_id": d.draft, "accepted": d.accepted,
+                })).collect::<Vec<_>>(),
+            },
             "precision": args.precision.name(),
             "seconds": elapsed.as_secs_f64(),
         });

@@ -2,6 +2,10 @@
 //! re-executed as `tandem prefill-worker` / `tandem decode-worker`), waits for each to report ready, starts
 //! the router pointed at them (static discovery, or etcd with `--etcd`), prints the URL and a curl line,
 //! and on Ctrl-C stops everything (SIGTERM, so workers drain, then SIGKILL after a grace period).
+//!
+//! It supervises, as Kubernetes restarts a pod: a process that dies is logged and started again with
+//! the same arguments after a backoff (1 s, doubling to 30 s; reset after a minute of running), while
+//! the others keep serving. Workers listen on fixed ports, so the router's static list stays valid.
 //! Without `--model` it serves the tiny DeepSeek-V3.2-architecture checkpoint, generated on first run
 //! and cached.
 
@@ -95,13 +99,25 @@ pub fn tiny_model() -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
+/// First restart delay; it doubles per consecutive crash up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_secs(1);
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// A process that ran this long before dying starts over at [`FIRST_BACKOFF`].
+const STABLE_RUN: Duration = Duration::from_secs(60);
+
 /// A child process with its output forwarded, prefixed by its name.
 struct Proc {
     name: String,
+    args: Vec<String>,
     child: Child,
+    started: Instant,
+    /// Consecutive crashes (each one doubles the restart delay).
+    crashes: u32,
+    /// When a dead process is started again.
+    restart_at: Option<Instant>,
 }
 
-fn spawn(name: &str, args: &[String], ready: Option<mpsc::Sender<(String, String)>>) -> anyhow::Result<Proc> {
+fn start_child(name: &str, args: &[String], ready: Option<mpsc::Sender<(String, String)>>) -> anyhow::Result<Child> {
     let exe = std::env::current_exe().context("locating the tandem binary")?;
     let mut child = Command::new(exe)
         .args(args)
@@ -112,7 +128,71 @@ fn spawn(name: &str, args: &[String], ready: Option<mpsc::Sender<(String, String
         .with_context(|| format!("starting {name}"))?;
     forward(name, child.stderr.take().expect("piped"), None);
     forward(name, child.stdout.take().expect("piped"), ready);
-    Ok(Proc { name: name.to_string(), child })
+    Ok(child)
+}
+
+fn spawn(name: &str, args: &[String], ready: Option<mpsc::Sender<(String, String)>>) -> anyhow::Result<Proc> {
+    let child = start_child(name, args, ready)?;
+    Ok(Proc {
+        name: name.to_string(),
+        args: args.to_vec(),
+        child,
+        started: Instant::now(),
+        crashes: 0,
+        restart_at: None,
+    })
+}
+
+/// The restart delay after `crashes` consecutive crashes.
+fn backoff(crashes: u32) -> Duration {
+    FIRST_BACKOFF.saturating_mul(1 << crashes.min(16)).min(MAX_BACKOFF)
+}
+
+/// Notices dead processes and starts them again once their backoff passed.
+fn supervise(procs: &mut [Proc]) {
+    let now = Instant::now();
+    for p in procs.iter_mut() {
+        if let Some(at) = p.restart_at {
+            if now < at {
+                continue;
+            }
+            match start_child(&p.name, &p.args, None) {
+                Ok(child) => {
+                    eprintln!("[{}] restarted (restart {})", p.name, p.crashes);
+                    p.child = child;
+                    p.started = now;
+                    p.restart_at = None;
+                }
+                Err(e) => {
+                    let delay = backoff(p.crashes);
+                    p.crashes += 1;
+                    eprintln!("[{}] could not be restarted ({e:#}); trying again in {delay:?}", p.name);
+                    p.restart_at = Some(now + delay);
+                }
+            }
+            continue;
+        }
+        if let Ok(Some(status)) = p.child.try_wait() {
+            if p.started.elapsed() >= STABLE_RUN {
+                p.crashes = 0;
+            }
+            let delay = backoff(p.crashes);
+            p.crashes += 1;
+            eprintln!(
+                "[{}] exited ({status}) after {:.1} s; restarting in {delay:?} (crash {} in a row); the rest of the cluster keeps serving",
+                p.name,
+                p.started.elapsed().as_secs_f64(),
+                p.crashes
+            );
+            p.restart_at = Some(now + delay);
+        }
+    }
+}
+
+/// A free TCP port on the loopback interface (for a worker that must keep its address across restarts).
+fn free_port() -> anyhow::Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+    Ok(l.local_addr()?.port())
 }
 
 /// Prints a child's lines as `[name] line`; the first `{"event":"ready",...}` line goes to `ready`.
@@ -163,7 +243,8 @@ fn exited(procs: &mut [Proc]) -> Option<String> {
 }
 
 fn terminate(procs: &mut [Proc], grace: Duration) {
-    for p in procs.iter() {
+    // A process waiting for its restart was already reaped: its pid may belong to someone else now.
+    for p in procs.iter().filter(|p| p.restart_at.is_none()) {
         // SAFETY: plain kill(2) on our own child's pid.
         unsafe {
             libc::kill(p.child.id() as libc::pid_t, libc::SIGTERM);
@@ -186,13 +267,13 @@ fn terminate(procs: &mut [Proc], grace: Duration) {
     }
 }
 
-fn worker_args(a: &Args, role: &str, model: &Path) -> Vec<String> {
+fn worker_args(a: &Args, role: &str, model: &Path, port: u16) -> Vec<String> {
     let mut v = vec![
         role.to_string(),
         "--model".into(),
         model.display().to_string(),
         "--listen".into(),
-        "127.0.0.1:0".into(),
+        format!("127.0.0.1:{port}"),
         "--kv-transport".into(),
         a.kv_transport.clone(),
         "--precision".into(),
@@ -241,11 +322,13 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         let timeout = Duration::from_secs(a.ready_timeout);
         let (tx, rx) = mpsc::channel();
         for i in 0..a.prefill {
-            procs.push(spawn(&format!("prefill-{i}"), &worker_args(&a, "prefill-worker", &model), Some(tx.clone()))?);
+            let args = worker_args(&a, "prefill-worker", &model, free_port()?);
+            procs.push(spawn(&format!("prefill-{i}"), &args, Some(tx.clone()))?);
         }
         let prefill = wait_ready(&rx, a.prefill, timeout)?;
         for i in 0..a.decode {
-            procs.push(spawn(&format!("decode-{i}"), &worker_args(&a, "decode-worker", &model), Some(tx.clone()))?);
+            let args = worker_args(&a, "decode-worker", &model, free_port()?);
+            procs.push(spawn(&format!("decode-{i}"), &args, Some(tx.clone()))?);
         }
         let decode = wait_ready(&rx, a.decode, timeout)?;
         let mut r = vec![
@@ -308,15 +391,13 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
             "\ncurl http://{}:{}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'\n",
             a.host, a.port
         );
-        println!("Ctrl-C stops the cluster.");
+        println!("Ctrl-C stops the cluster. A process that dies is restarted (with backoff).");
         loop {
             if stop.load(Ordering::SeqCst) {
                 eprintln!("stopping the cluster");
                 return Ok(());
             }
-            if let Some(name) = exited(&mut procs) {
-                bail!("{name} exited unexpectedly; stopping the cluster");
-            }
+            supervise(&mut procs);
             std::thread::sleep(Duration::from_millis(200));
         }
     })();

@@ -12,6 +12,7 @@
 
 mod abort;
 mod attempt;
+mod capacity;
 mod output;
 mod select;
 
@@ -29,6 +30,7 @@ use crate::model::ServedModel;
 use crate::policies::Policy;
 use crate::workers::WorkerPool;
 use attempt::{AttemptEnd, AttemptInput};
+pub use capacity::CapacityWait;
 use output::Output;
 pub use output::{StopReason, Summary};
 
@@ -73,6 +75,45 @@ pub struct Dispatcher {
     pub model: Arc<ServedModel>,
     pub metrics: Arc<Metrics>,
     pub limits: Limits,
+    pub ids: InFlightIds,
+    pub capacity: CapacityWait,
+}
+
+/// Request ids in flight on the workers.
+#[derive(Default)]
+pub struct InFlightIds(Arc<std::sync::Mutex<HashSet<String>>>);
+
+/// Holds an id until dropped.
+pub struct IdClaim {
+    id: String,
+    set: Arc<std::sync::Mutex<HashSet<String>>>,
+}
+
+impl IdClaim {
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+}
+
+impl Drop for IdClaim {
+    fn drop(&mut self) {
+        self.set.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
+    }
+}
+
+impl InFlightIds {
+    /// `id` itself when no request in flight uses it, else `id~N` for the smallest free N.
+    pub fn claim(&self, id: &str) -> IdClaim {
+        let mut set = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut candidate = id.to_owned();
+        let mut n = 1u32;
+        while set.contains(&candidate) {
+            candidate = format!("{id}~{n}");
+            n += 1;
+        }
+        set.insert(candidate.clone());
+        IdClaim { id: candidate, set: self.0.clone() }
+    }
 }
 
 /// The events of one request. Dropping it aborts the request on its workers.
@@ -101,6 +142,10 @@ impl Dispatcher {
         // One seed for the request's whole life: every attempt (retry, re-prefill after preemption) and
         // both workers of each attempt sample from the same (seed, output position) stream.
         job.sampling.seed.get_or_insert_with(rand::random);
+        // Workers key reservations and aborts by request id; a client may reuse its `x-request-id` while
+        // the first request runs, so the second gets a distinct worker-side id.
+        let key = self.ids.claim(&job.request_id);
+        job.request_id = key.id().to_owned();
         // Unbounded on purpose: the worker's token stream must always be read promptly. Blocking on
         // a slow client would leave frames unread in the shared HTTP/2 connection to the worker and
         // stall every other request on it (flow-control windows). Memory is bounded by max_tokens.
@@ -110,6 +155,7 @@ impl Dispatcher {
         tokio::spawn(
             async move {
                 let _permit = permit;
+                let _key = key;
                 me.run(job, tx).await;
             }
             .instrument(span),
@@ -129,6 +175,8 @@ impl Dispatcher {
             Some(d) => tokio::time::timeout_at(d.into(), work).await,
             None => Ok(work.await),
         };
+        // Its decode slot and blocks are free now: waiting requests may try again.
+        self.capacity.freed();
         match result {
             Ok(Ok(())) => {}
             Ok(Err(e)) => out.fail(e).await,
@@ -150,18 +198,55 @@ impl Dispatcher {
         };
         let mut excluded_prefill = HashSet::new();
         let mut excluded_decode = HashSet::new();
-        let mut decode_full = false;
+        // Why each decode worker refused a reservation for lack of room (its own words: the sequence
+        // limit or the cache blocks), for the 429 message.
+        let mut decode_full: Vec<String> = Vec::new();
         let (mut retries, mut preemptions) = (0u32, 0u32);
         let mut last_failure = String::new();
         let mut attempt = 0u32;
+        let mut waiter = None;
         loop {
-            let pair = match select::pair(self, &hashes, job.prompt.len(), &excluded_prefill, &excluded_decode) {
+            let seq_len = job.prompt.len() + job.sampling.max_tokens as usize;
+            let pair = match select::pair(self, &hashes, job.prompt.len(), seq_len, &excluded_prefill, &excluded_decode)
+            {
                 Ok(p) => p,
-                Err(why) if decode_full => {
-                    return Err(ApiError::overloaded(
-                        format!("All decode workers are out of KV-cache blocks ({why}); retry shortly."),
-                        1,
-                    ));
+                Err(_) if !decode_full.is_empty() => {
+                    // Every decode worker is full: wait for room (bounded), then try them all again.
+                    let preempted = preemptions > 0;
+                    if waiter.is_none() {
+                        waiter = self.capacity.enter(preempted);
+                        if waiter.is_some() {
+                            info!(
+                                preempted,
+                                waiting = self.capacity.waiting(),
+                                "every decode worker is full; waiting for room"
+                            );
+                        }
+                    }
+                    let go_on = match &waiter {
+                        Some(w) => tokio::select! {
+                            more = self.capacity.next_try(w) => more,
+                            _ = tx.closed() => {
+                                info!("client disconnected while waiting for decode capacity");
+                                return Ok(());
+                            }
+                        },
+                        None => false,
+                    };
+                    if go_on {
+                        decode_full.clear();
+                        excluded_decode.clear();
+                        continue;
+                    }
+                    let message =
+                        format!("Every decode worker is at capacity; retry shortly. {}", decode_full.join("; "));
+                    return Err(if preempted {
+                        ApiError::unavailable(format!(
+                            "The request was preempted and no decode worker had room to continue it within --preempted-wait-secs. {message}"
+                        ))
+                    } else {
+                        ApiError::overloaded(message, 1)
+                    });
                 }
                 Err(why) if !last_failure.is_empty() => {
                     return Err(ApiError::unavailable(format!("{why}; last failure: {last_failure}")));
@@ -211,8 +296,10 @@ impl Dispatcher {
                         .with_label_values(&[if full { "decode_full" } else { "decode_unavailable" }])
                         .inc();
                     warn!(worker = %pair.decode.id, reason = %why, "decode reservation failed; trying another decode worker");
-                    decode_full |= full;
                     last_failure = format!("decode worker {}: {why}", pair.decode.id);
+                    if full {
+                        decode_full.push(last_failure.clone());
+                    }
                     excluded_decode.insert(pair.decode.id.clone());
                 }
             }
@@ -221,10 +308,32 @@ impl Dispatcher {
 }
 
 impl Dispatcher {
+    /// The context length requests are validated against: `--max-model-len` (or the checkpoint's)
+    /// capped by the workers' own limits.
+    pub fn max_model_len(&self) -> u32 {
+        select::context_limit(self, self.model.max_model_len)
+    }
+
     /// For /ready: Ok with a description when some pair could serve now, else why not.
     pub fn readiness(&self) -> Result<String, String> {
         let none = std::collections::HashSet::new();
-        select::pair(self, &[], 1, &none, &none)
+        select::pair(self, &[], 1, 2, &none, &none)
             .map(|p| format!("e.g. prefill {} + decode {}", p.prefill.id, p.decode.id))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::InFlightIds;
+
+    #[test]
+    fn a_reused_request_id_gets_a_distinct_worker_side_id_while_the_first_runs() {
+        let ids = InFlightIds::default();
+        let a = ids.claim("abc");
+        let b = ids.claim("abc");
+        assert_eq!(a.id(), "abc");
+        assert_eq!(b.id(), "abc~1");
+        drop(a);
+        assert_eq!(ids.claim("abc").id(), "abc");
     }
 }

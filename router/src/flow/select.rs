@@ -22,11 +22,33 @@ fn eligible(w: &WorkerHandle, model: &str) -> bool {
         && w.breaker.available()
 }
 
-/// Err explains why no pair exists (for the 503/429 message).
+/// Whether the worker accepts a sequence of `len` tokens (unknown limits accept: the worker decides).
+fn fits(w: &WorkerHandle, len: usize) -> bool {
+    w.max_model_len().is_none_or(|m| len <= m as usize)
+}
+
+/// The longest sequence (prompt + output) some prefill/decode pair of `model` accepts: the configured
+/// limit capped by what the workers report, so defaults and validation never promise more than a
+/// worker's cache pool holds.
+pub fn context_limit(d: &Dispatcher, configured: u32) -> u32 {
+    let model = d.model.name.as_str();
+    let all = d.pool.snapshot();
+    let role_max = |role: WorkerRole| {
+        all.iter()
+            .filter(|w| w.role == role && w.fingerprint().is_some_and(|f| f.model_name == model))
+            .filter_map(|w| w.max_model_len())
+            .max()
+    };
+    [role_max(WorkerRole::Prefill), role_max(WorkerRole::Decode)].into_iter().flatten().fold(configured, u32::min)
+}
+
+/// Err explains why no pair exists (for the 503/429 message). `seq_len` is prompt + output: workers
+/// whose context is shorter are skipped.
 pub fn pair(
     d: &Dispatcher,
     hashes: &[u64],
     prompt_tokens: usize,
+    seq_len: usize,
     excluded_prefill: &HashSet<String>,
     excluded_decode: &HashSet<String>,
 ) -> Result<Pair, String> {
@@ -35,15 +57,25 @@ pub fn pair(
     let decodes: Vec<&Arc<WorkerHandle>> = all
         .iter()
         .filter(|w| w.role == WorkerRole::Decode && !excluded_decode.contains(&w.id) && eligible(w, model))
+        .filter(|w| fits(w, seq_len))
         .collect();
-    let decode_fps: Vec<cluster::Fingerprint> = decodes.iter().filter_map(|w| w.fingerprint()).collect();
-    let prefills: Vec<&Arc<WorkerHandle>> = all
+    let usable_prefills: Vec<&Arc<WorkerHandle>> = all
         .iter()
         .filter(|w| w.role == WorkerRole::Prefill && !excluded_prefill.contains(&w.id) && eligible(w, model))
-        .filter(|w| w.fingerprint().is_some_and(|f| decode_fps.contains(&f)))
+        .filter(|w| fits(w, seq_len))
         .collect();
-    if prefills.is_empty() || decodes.is_empty() {
-        return Err(explain(&all, model, prefills.len(), decodes.len()));
+    let usable = usable_prefills.len();
+    if usable == 0 || decodes.is_empty() {
+        return Err(explain(&all, model, usable, decodes.len()));
+    }
+    let decode_fps: Vec<cluster::Fingerprint> = decodes.iter().filter_map(|w| w.fingerprint()).collect();
+    let prefills: Vec<&Arc<WorkerHandle>> =
+        usable_prefills.into_iter().filter(|w| w.fingerprint().is_some_and(|f| decode_fps.contains(&f))).collect();
+    if prefills.is_empty() {
+        return Err(format!(
+            "No prefill/decode pair can serve model `{model}` now: {usable} prefill and {} decode workers are usable, but no prefill worker has the same model fingerprint as a decode worker (checkpoint or precision differ)",
+            decodes.len()
+        ));
     }
     let req = Request { prefix_hashes: hashes, prompt_tokens };
     let cands: Vec<&dyn Candidate> = prefills.iter().map(|w| w.as_ref() as &dyn Candidate).collect();

@@ -130,7 +130,7 @@ pub async fn handle(st: &Arc<AppState>, request_id: &str, body: &[u8]) -> Result
         }
     }
     let prompt = super::tokenize(&st.model, rendered, req.add_special_tokens.unwrap_or(false)).await?;
-    let v = req.common.validate(&st.model, prompt.len(), None, top_logprobs)?;
+    let v = req.common.validate(&st.model, st.dispatcher.max_model_len(), prompt.len(), None, top_logprobs)?;
     let fmt = ChatFormat {
         id: format!("chatcmpl-{request_id}"),
         created: super::now(),

@@ -85,7 +85,7 @@ pub async fn handle(st: &Arc<AppState>, request_id: &str, body: &[u8]) -> Result
         }
     };
     // OpenAI's default for completions is 16 tokens.
-    let v = req.common.validate(&st.model, prompt.len(), Some(16), logprobs)?;
+    let v = req.common.validate(&st.model, st.dispatcher.max_model_len(), prompt.len(), Some(16), logprobs)?;
     let fmt = CompletionFormat {
         id: format!("cmpl-{request_id}"),
         created: super::now(),

@@ -18,7 +18,6 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 use serde::de::DeserializeOwned;
 use serde_json::json;
 use tokio::net::TcpListener;
@@ -32,6 +31,7 @@ use crate::metrics::Metrics;
 use crate::model::ServedModel;
 use crate::request_id;
 use params::Validated;
+pub(crate) use params::check_sampling;
 use stream::{Format, StreamOpts};
 
 pub struct AppState {
@@ -41,6 +41,7 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     pub api_key: Option<String>,
     pub max_body_bytes: usize,
+    pub body_read_timeout: std::time::Duration,
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
@@ -53,24 +54,86 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::map_response(json_errors))
         .with_state(state)
 }
 
-/// Serves until `shutdown` turns true; accepted sockets get TCP_NODELAY.
+/// Error answers produced below the handlers (the framework's own rejections) get the same JSON
+/// error object as every other error.
+async fn json_errors(resp: Response) -> Response {
+    let status = resp.status();
+    let is_json = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    let text =
+        axum::body::to_bytes(body, 4096).await.map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
+    let reason = status.canonical_reason().unwrap_or("error");
+    let message = if text.trim().is_empty() { reason.to_owned() } else { format!("{reason}: {}", text.trim()) };
+    let mut e = if status.is_server_error() { ApiError::internal(message) } else { ApiError::invalid(message) };
+    e.status = status;
+    let mut out = e.into_response();
+    for (k, v) in parts.headers.iter() {
+        if k != header::CONTENT_TYPE && k != header::CONTENT_LENGTH {
+            out.headers_mut().insert(k.clone(), v.clone());
+        }
+    }
+    out
+}
+
+/// Serves until `shutdown` turns true; accepted sockets get TCP_NODELAY. A connection must send its
+/// first byte and each request's headers within `header_timeout`, so clients that open connections
+/// and send nothing (or half a request) cannot hold them forever.
 pub async fn serve(
     listener: TcpListener,
     state: Arc<AppState>,
+    header_timeout: std::time::Duration,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<(), String> {
-    let listener = listener.tap_io(|tcp| {
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    use hyper_util::server::conn::auto::Builder;
+    use hyper_util::service::TowerToHyperService;
+
+    let app = router(state);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    loop {
+        let (tcp, _) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    // Out of file descriptors and the like: keep serving the connections we have.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = async { drop(shutdown.wait_for(|s| *s).await) } => break,
+        };
         let _ = tcp.set_nodelay(true);
-    });
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(async move {
-            let _ = shutdown.wait_for(|s| *s).await;
-        })
-        .await
-        .map_err(|e| e.to_string())
+        let svc = TowerToHyperService::new(app.clone());
+        let watcher = graceful.watcher();
+        tokio::spawn(async move {
+            // The first byte decides HTTP/1 or HTTP/2; a silent connection would wait for it forever.
+            let mut probe = [0u8; 1];
+            if !matches!(tokio::time::timeout(header_timeout, tcp.peek(&mut probe)).await, Ok(Ok(n)) if n > 0) {
+                return;
+            }
+            let mut builder = Builder::new(TokioExecutor::new());
+            builder.http1().timer(TokioTimer::new()).header_read_timeout(header_timeout);
+            builder.http2().timer(TokioTimer::new()).keep_alive_interval(Some(header_timeout));
+            let conn = builder.serve_connection_with_upgrades(TokioIo::new(tcp), svc);
+            let _ = watcher.watch(conn.into_owned()).await;
+        });
+    }
+    drop(listener);
+    // In-flight responses finish; RouterHandle::shutdown bounds the wait.
+    graceful.shutdown().await;
+    Ok(())
 }
 
 pub(crate) fn now() -> u64 {
@@ -118,8 +181,32 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn read_body(body: Body, limit: usize) -> Result<bytes::Bytes, ApiError> {
-    axum::body::to_bytes(body, limit).await.map_err(|_| ApiError::too_large(limit))
+/// Reads the whole body: 413 past `limit`, 400 when the client sent less than it announced (or broken
+/// chunked framing), 408 when it does not arrive within `timeout`.
+async fn read_body(body: Body, limit: usize, timeout: std::time::Duration) -> Result<bytes::Bytes, ApiError> {
+    match tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await {
+        Err(_) => Err(ApiError::body_timeout(timeout.as_secs_f64())),
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(e)) => {
+            let inner = e.into_inner();
+            if is_length_limit(inner.as_ref()) {
+                Err(ApiError::too_large(limit))
+            } else {
+                Err(ApiError::incomplete_body(inner))
+            }
+        }
+    }
+}
+
+fn is_length_limit(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if err.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
 }
 
 /// Admits the request, starts it, and answers as a stream or a JSON body.
@@ -172,7 +259,7 @@ async fn generate(
         {
             return Err(ApiError::too_large(st.max_body_bytes));
         }
-        let bytes = read_body(body, st.max_body_bytes).await?;
+        let bytes = read_body(body, st.max_body_bytes, st.body_read_timeout).await?;
         handler(&st, &rid, &bytes).await
     }
     .instrument(span.clone())
@@ -215,7 +302,7 @@ async fn models(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response
             "created": now(),
             "owned_by": "tandem",
             "root": st.model.name,
-            "max_model_len": st.model.max_model_len,
+            "max_model_len": st.dispatcher.max_model_len(),
         }],
     });
     ([(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()

@@ -87,11 +87,13 @@ impl Common {
         }
     }
 
+    /// `max_len`: the context length in force (the router's limit capped by the workers').
     /// `default_max_tokens`: what to use when the request gives no limit (None = up to the context).
     /// `logprobs`: the endpoint-specific logprobs request, already validated.
     pub fn validate(
         self,
         model: &ServedModel,
+        max_len: u32,
         prompt_tokens: usize,
         default_max_tokens: Option<u32>,
         logprobs: Option<u32>,
@@ -109,7 +111,7 @@ impl Common {
         {
             return Err(ApiError::invalid_param("best_of", format!("best_of must be 1 (got {b})")));
         }
-        let max_len = model.max_model_len as usize;
+        let max_len = max_len as usize;
         if prompt_tokens == 0 {
             return Err(ApiError::invalid_param("prompt", "The prompt is empty: send at least one token."));
         }
@@ -232,5 +234,95 @@ impl Common {
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
             include_stop_str: self.include_stop_str_in_output.unwrap_or(false),
         })
+    }
+}
+
+/// Most top logprobs per token, on every front door (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+/// Checks a gRPC request's sampling parameters against the same bounds the HTTP API enforces (proto
+/// defaults, 0 for "off", are accepted). `max_tokens` must already be resolved.
+pub fn check_sampling(s: &SamplingParams, vocab: usize) -> Result<(), ApiError> {
+    let within = |name: &str, x: f32, lo: f32, hi: f32| {
+        if x.is_finite() && (lo..=hi).contains(&x) {
+            Ok(())
+        } else {
+            Err(ApiError::invalid_param(name, format!("{name} must be between {lo} and {hi} (got {x})")))
+        }
+    };
+    within("temperature", s.temperature, 0.0, 2.0)?;
+    within("top_p", s.top_p, 0.0, 1.0)?;
+    within("min_p", s.min_p, 0.0, 1.0)?;
+    within("presence_penalty", s.presence_penalty, -2.0, 2.0)?;
+    within("frequency_penalty", s.frequency_penalty, -2.0, 2.0)?;
+    if !(s.repetition_penalty.is_finite() && s.repetition_penalty >= 0.0) {
+        return Err(ApiError::invalid_param(
+            "repetition_penalty",
+            format!("repetition_penalty must be > 0, or 0 for off (got {})", s.repetition_penalty),
+        ));
+    }
+    if s.top_k < -1 {
+        return Err(ApiError::invalid_param(
+            "top_k",
+            format!("top_k must be -1 or 0 (off) or positive (got {})", s.top_k),
+        ));
+    }
+    let in_vocab = |name: &str, id: u32| {
+        if (id as usize) < vocab {
+            Ok(())
+        } else {
+            Err(ApiError::invalid_param(name, format!("token id {id} is outside the vocabulary (0..{vocab})")))
+        }
+    };
+    for (&id, &bias) in &s.logit_bias {
+        in_vocab("logit_bias", id)?;
+        within("logit_bias", bias, -100.0, 100.0)?;
+    }
+    for &id in &s.stop_token_ids {
+        in_vocab("stop_token_ids", id)?;
+    }
+    if let Some(n) = s.logprobs
+        && n > MAX_TOP_LOGPROBS
+    {
+        return Err(ApiError::invalid_param(
+            "logprobs",
+            format!("logprobs must be between 0 and {MAX_TOP_LOGPROBS} (got {n})"),
+        ));
+    }
+    if s.min_tokens > s.max_tokens {
+        return Err(ApiError::invalid_param(
+            "min_tokens",
+            format!("min_tokens ({}) must not exceed max_tokens ({})", s.min_tokens, s.max_tokens),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ok() -> SamplingParams {
+        SamplingParams { temperature: 0.7, max_tokens: 8, ..Default::default() }
+    }
+
+    #[test]
+    fn grpc_sampling_gets_the_http_bounds() {
+        assert!(check_sampling(&ok(), 100).is_ok());
+        assert!(check_sampling(&SamplingParams { top_k: -1, ..ok() }, 100).is_ok());
+        let bad = [
+            ("logprobs", SamplingParams { logprobs: Some(100_000), ..ok() }),
+            ("top_k", SamplingParams { top_k: -5, ..ok() }),
+            ("temperature", SamplingParams { temperature: f32::NAN, ..ok() }),
+            ("top_p", SamplingParams { top_p: 1.5, ..ok() }),
+            ("repetition_penalty", SamplingParams { repetition_penalty: -1.0, ..ok() }),
+            ("stop_token_ids", SamplingParams { stop_token_ids: vec![100], ..ok() }),
+            ("min_tokens", SamplingParams { min_tokens: 9, ..ok() }),
+        ];
+        for (param, s) in bad {
+            let e = check_sampling(&s, 100).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{e}");
+            assert_eq!(e.to_status().code(), tonic::Code::InvalidArgument);
+        }
     }
 }

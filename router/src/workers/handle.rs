@@ -119,6 +119,12 @@ impl WorkerHandle {
         self.record.read().unwrap_or_else(|p| p.into_inner()).fingerprint.clone()
     }
 
+    /// The longest sequence the worker accepts, once known (registration or GetInfo).
+    pub fn max_model_len(&self) -> Option<u32> {
+        let len = self.record.read().unwrap_or_else(|p| p.into_inner()).capacity.max_model_len;
+        (len > 0).then_some(len)
+    }
+
     pub fn is_healthy(&self) -> bool {
         self.healthy.load(Ordering::Relaxed)
     }

@@ -37,6 +37,12 @@ pub struct Knobs {
     pub tokens_per_event: AtomicU32,
     /// The decode stream fails with INTERNAL after this many streamed tokens (0 = never): a crash.
     pub fail_after: AtomicU32,
+    /// The longest sequence GetInfo reports (read when the router first asks).
+    pub max_model_len: AtomicU32,
+    /// Preempting also turns `decode_full` on (a worker out of blocks stays full for a while).
+    pub full_after_preempt: AtomicBool,
+    /// The RESOURCE_EXHAUSTED message of a full decode double (after its id).
+    pub full_reason: Mutex<String>,
 }
 
 impl Default for Knobs {
@@ -49,6 +55,9 @@ impl Default for Knobs {
             preempt_after: AtomicU32::new(0),
             tokens_per_event: AtomicU32::new(1),
             fail_after: AtomicU32::new(0),
+            max_model_len: AtomicU32::new(4096),
+            full_after_preempt: AtomicBool::new(false),
+            full_reason: Mutex::new("no free KV blocks".into()),
         }
     }
 }
@@ -181,7 +190,7 @@ fn info(s: &Shared, role: WorkerRole, addr: &str) -> WorkerInfo {
         fingerprint: Some(s.fingerprint.clone()),
         max_num_seqs: 256,
         kv_blocks_total: 1000,
-        max_model_len: 4096,
+        max_model_len: s.knobs.max_model_len.load(Ordering::Relaxed),
         grpc_address: addr.to_owned(),
     }
 }
@@ -261,7 +270,8 @@ impl DecodeWorker for DecodeDouble {
         let sampling = req.sampling.clone().unwrap_or_default();
         s.log.lock().unwrap().decodes.push((req.request_id.clone(), meta, req.token_ids.clone(), sampling.clone()));
         if s.knobs.decode_full.load(Ordering::Relaxed) {
-            return Err(Status::resource_exhausted(format!("{}: no free KV blocks", s.id)));
+            let why = s.knobs.full_reason.lock().unwrap().clone();
+            return Err(Status::resource_exhausted(format!("{}: {why}", s.id)));
         }
         let transfer_token: u64 = rand::random();
         let (done_tx, done_rx) = oneshot::channel();
@@ -343,6 +353,9 @@ async fn run_decode(
             return tx.send(Err(Status::internal("decode worker crashed (injected)"))).await.is_ok();
         }
         if preempt_after > 0 && streamed >= preempt_after {
+            if s.knobs.full_after_preempt.load(Ordering::Relaxed) {
+                s.knobs.decode_full.store(true, Ordering::Relaxed);
+            }
             let ev = Ev::Preempted(Preempted { reason: "out of blocks (injected)".into() });
             return tx.send(Ok(DecodeEvent { event: Some(ev) })).await.is_ok();
         }

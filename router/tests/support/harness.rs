@@ -26,11 +26,21 @@ pub struct Options {
     /// Checkpoint hash of each decode double (default all "h1"); prefill doubles use "h1".
     pub decode_hashes: Vec<&'static str>,
     pub wait_ready: bool,
+    /// The max_model_len every worker double reports (default 4096, above the router's 512).
+    pub worker_max_model_len: Option<u32>,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Self { prefill: 1, decode: 1, args: Vec::new(), script: None, decode_hashes: Vec::new(), wait_ready: true }
+        Self {
+            prefill: 1,
+            decode: 1,
+            args: Vec::new(),
+            script: None,
+            decode_hashes: Vec::new(),
+            wait_ready: true,
+            worker_max_model_len: None,
+        }
     }
 }
 
@@ -99,6 +109,11 @@ impl Cluster {
                 double::spawn(&format!("d{i}"), WorkerRole::Decode, script.clone(), eos, fabric.clone(), fp).await,
             );
         }
+        if let Some(len) = o.worker_max_model_len {
+            for d in prefill.iter().chain(&decode) {
+                d.knobs.max_model_len.store(len, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
         let p: Vec<String> = prefill.iter().map(|d| d.grpc_address()).collect();
         let d: Vec<String> = decode.iter().map(|d| d.grpc_address()).collect();
         let args = router_args(model_dir.path(), &p, &d, &o.args);
@@ -124,6 +139,23 @@ impl Cluster {
                 return;
             }
             assert!(start.elapsed() < limit, "router not ready within {limit:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits until the router counts every double healthy (`/ready` needs only one pair; a test that
+    /// relies on trying every worker must not run while one is still being identified).
+    pub async fn wait_all_healthy(&self, limit: Duration) {
+        let want = self.prefill.len() + self.decode.len();
+        let start = Instant::now();
+        loop {
+            let m = self.http.get(self.url("/metrics")).send().await.unwrap().text().await.unwrap();
+            let healthy =
+                m.lines().filter(|l| l.starts_with("tandem_router_worker_healthy{") && l.ends_with(" 1")).count();
+            if healthy >= want {
+                return;
+            }
+            assert!(start.elapsed() < limit, "{healthy} of {want} workers healthy after {limit:?}");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }

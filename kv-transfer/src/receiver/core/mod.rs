@@ -218,6 +218,12 @@ impl ReceiverCore {
         Ok(t)
     }
 
+    /// Whether `token` is the secret of the transfer expected for `request_id` (a sender proving it was
+    /// handed the descriptor).
+    pub(crate) fn knows_token(&self, request_id: &str, token: u64) -> bool {
+        self.lookup_request(request_id).is_some_and(|t| t.token == token)
+    }
+
     pub(crate) fn lookup_request(&self, request_id: &str) -> Option<Arc<Transfer>> {
         let tb = self.tables();
         tb.by_request.get(request_id).and_then(|s| tb.by_session.get(s)).cloned()

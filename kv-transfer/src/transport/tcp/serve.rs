@@ -1,6 +1,12 @@
 //! The receiver's side of one sender connection: control messages to the core, data frames read straight
 //! into admitted blocks, barriers answered once every frame before them was placed.
+//!
+//! A connection is trusted once it proved it knows a transfer's secret token: a handshake (`Begin`)
+//! carrying an expected request's token, or a data frame the core admitted. Before that only handshakes
+//! are answered (at most [`UNTRUSTED_HANDSHAKES`] refused ones); any other frame closes the connection.
+//! Replies wait in a queue of at most [`REPLY_QUEUE`] messages; a peer that does not read them is cut off.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use proto::v1::TransferControl;
@@ -13,12 +19,19 @@ use super::{IO_BUF, TAG_BARRIER, TAG_CONTROL, TAG_DATA, read_ctl, write_frame_ct
 use crate::receiver::core::{ReceiverCore, Refusal};
 use crate::transport::{PeerLink, control, next_id};
 
+/// Replies queued for one connection. A sender reads its replies as they come; a full queue means the
+/// peer stopped reading (or floods us with requests for replies), and it is disconnected.
+pub(super) const REPLY_QUEUE: usize = 4096;
+/// Refused handshakes a connection may send before one succeeds.
+pub(super) const UNTRUSTED_HANDSHAKES: u32 = 16;
+
 /// Receiver side of one sender connection.
 struct TcpPeer {
     id: u64,
-    tx: mpsc::UnboundedSender<TransferControl>,
+    tx: mpsc::Sender<TransferControl>,
     reader: Mutex<Option<tokio::task::AbortHandle>>,
     core: Weak<ReceiverCore>,
+    overflowed: AtomicBool,
 }
 
 impl PeerLink for TcpPeer {
@@ -31,7 +44,12 @@ impl PeerLink for TcpPeer {
     }
 
     fn send(&self, msg: TransferControl) {
-        let _ = self.tx.send(msg);
+        if let Err(mpsc::error::TrySendError::Full(_)) = self.tx.try_send(msg)
+            && !self.overflowed.swap(true, Ordering::SeqCst)
+        {
+            tracing::warn!(queued = REPLY_QUEUE, "kv-transfer tcp peer does not read its replies; disconnecting");
+            self.close();
+        }
     }
 
     fn close(&self) {
@@ -46,8 +64,14 @@ impl PeerLink for TcpPeer {
 
 pub(super) fn serve_conn(core: Arc<ReceiverCore>, stream: TcpStream) {
     let (rd, wr) = stream.into_split();
-    let (tx, mut rx) = mpsc::unbounded_channel::<TransferControl>();
-    let peer = Arc::new(TcpPeer { id: next_id(), tx, reader: Mutex::new(None), core: Arc::downgrade(&core) });
+    let (tx, mut rx) = mpsc::channel::<TransferControl>(REPLY_QUEUE);
+    let peer = Arc::new(TcpPeer {
+        id: next_id(),
+        tx,
+        reader: Mutex::new(None),
+        core: Arc::downgrade(&core),
+        overflowed: AtomicBool::new(false),
+    });
     let rt = core.runtime().clone();
     rt.spawn(async move {
         let mut w = BufWriter::new(wr);
@@ -89,6 +113,11 @@ async fn receiver_read_loop(
 ) -> std::io::Result<()> {
     let mut r = BufReader::with_capacity(IO_BUF, rd);
     let mut scratch = Vec::new();
+    let mut trusted = false;
+    let mut refused_handshakes = 0u32;
+    let untrusted = |what: &str| {
+        std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("{what} before a valid handshake"))
+    };
     loop {
         let tag = match r.read_u8().await {
             Ok(t) => t,
@@ -99,9 +128,23 @@ async fn receiver_read_loop(
         match tag {
             TAG_CONTROL => {
                 let msg = read_ctl(&mut r).await?;
+                if !trusted {
+                    let Some(Body::Begin(b)) = &msg.body else { return Err(untrusted("a control message")) };
+                    if core.knows_token(&b.request_id, b.transfer_token) {
+                        trusted = true;
+                    } else {
+                        refused_handshakes += 1;
+                        if refused_handshakes > UNTRUSTED_HANDSHAKES {
+                            return Err(untrusted("too many refused handshakes"));
+                        }
+                    }
+                }
                 core.on_control(peer, msg);
             }
             TAG_BARRIER => {
+                if !trusted {
+                    return Err(untrusted("a barrier"));
+                }
                 // This connection's reader placed every frame before the barrier: answer it.
                 let id = r.read_u64_le().await?;
                 peer.send(control(id, Body::Ack(Default::default())));
@@ -113,6 +156,7 @@ async fn receiver_read_loop(
                 let (session, token, offset, len) = (word(0), word(1), word(2), word(3));
                 match core.admit_write(session, token, offset, len) {
                     Ok(permit) => {
+                        trusted = true;
                         // SAFETY: the permit is the only writer of its range.
                         r.read_exact(unsafe { permit.slice() }).await?;
                         permit.commit();
@@ -120,7 +164,12 @@ async fn receiver_read_loop(
                     Err(refusal) => {
                         if let Refusal::Invalid(why) = refusal {
                             tracing::warn!(why, "dropping an invalid write");
+                            if !trusted {
+                                return Err(untrusted("an invalid write"));
+                            }
                         }
+                        // Stale (the transfer ended, or never existed): a lane's first write can meet a
+                        // transfer that just ended, so the bytes are only dropped; nothing is answered.
                         // Drop the payload: the transfer is gone, aborted or was failed for this write.
                         let mut left = len;
                         scratch.resize(IO_BUF, 0);

@@ -90,6 +90,8 @@ impl std::str::FromStr for DataPath {
 
 pub struct UcxTransport {
     tls: Option<String>,
+    /// `UCX_NET_DEVICES` for this transport's contexts when the environment sets none.
+    net_devices: Option<String>,
     data_path: DataPath,
     /// Nodes (workers, progress threads) per link on each side.
     lanes: usize,
@@ -111,10 +113,21 @@ impl UcxTransport {
         load()?;
         Ok(UcxTransport {
             tls: tls.map(str::to_string),
+            net_devices: None,
             data_path: data_path.resolve(tls),
             lanes: lanes_or_default(lanes),
             sender: Mutex::new(None),
         })
+    }
+}
+
+impl UcxTransport {
+    /// Keeps UCX's network transports on the loopback interface (`UCX_NET_DEVICES=lo` unless the
+    /// environment names devices), for a receiver told to listen on loopback: UCX would otherwise
+    /// listen on every interface. Shared-memory transports are not network devices and stay available.
+    pub fn loopback_only(mut self) -> Self {
+        self.net_devices = Some("lo".into());
+        self
     }
 }
 
@@ -130,7 +143,13 @@ impl Transport for UcxTransport {
         let mut owners = Vec::new();
         for _ in 0..self.lanes {
             let sink: Arc<dyn Sink> = sink.clone();
-            owners.push(NodeOwner(Node::start("kv-recv", self.tls.as_deref(), false, sink)?));
+            owners.push(NodeOwner(Node::start(
+                "kv-recv",
+                self.tls.as_deref(),
+                self.net_devices.as_deref(),
+                false,
+                sink,
+            )?));
         }
         let node = owners[0].0.clone();
         let arena = core.cache.arena();
@@ -163,7 +182,13 @@ impl Transport for UcxTransport {
                 let mut owners = Vec::new();
                 for _ in 0..self.lanes {
                     let s: Arc<dyn Sink> = sink.clone();
-                    owners.push(NodeOwner(Node::start("kv-send", self.tls.as_deref(), am, s)?));
+                    owners.push(NodeOwner(Node::start(
+                        "kv-send",
+                        self.tls.as_deref(),
+                        self.net_devices.as_deref(),
+                        am,
+                        s,
+                    )?));
                 }
                 *g = Some((owners, sink));
             }

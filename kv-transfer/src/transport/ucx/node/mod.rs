@@ -71,11 +71,12 @@ pub(crate) struct Node {
 }
 
 impl Node {
-    /// Creates the context (reading `UCX_*` from the environment, `tls` overriding `UCX_TLS`) and worker,
-    /// and starts the progress thread.
+    /// Creates the context (reading `UCX_*` from the environment, `tls` overriding `UCX_TLS`,
+    /// `net_devices` standing in for an unset `UCX_NET_DEVICES`) and worker, and starts the progress thread.
     pub fn start(
         name: &str,
         tls: Option<&str>,
+        net_devices: Option<&str>,
         am_data: bool,
         sink: Arc<dyn Sink>,
     ) -> Result<Arc<Node>, TransferError> {
@@ -84,6 +85,7 @@ impl Node {
         let init = Cell::new();
         let init2 = init.clone();
         let tls = tls.map(str::to_string);
+        let net_devices = net_devices.map(str::to_string);
         // SAFETY: plain syscall.
         let wake_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
         if wake_fd < 0 {
@@ -94,7 +96,7 @@ impl Node {
             .name(thread_name)
             .spawn(move || {
                 // SAFETY: the worker state is created and used on this thread only.
-                let st = unsafe { State::create(lib, tls.as_deref()) };
+                let st = unsafe { State::create(lib, tls.as_deref(), net_devices.as_deref()) };
                 match st {
                     Ok(mut st) => {
                         let id = next_id() ^ ((std::process::id() as u64) << 40);

@@ -4,7 +4,11 @@
 use super::*;
 
 impl State {
-    pub(super) unsafe fn create(lib: &'static UcpLib, tls: Option<&str>) -> Result<State, TransferError> {
+    pub(super) unsafe fn create(
+        lib: &'static UcpLib,
+        tls: Option<&str>,
+        net_devices: Option<&str>,
+    ) -> Result<State, TransferError> {
         // SAFETY: the calls follow UCX's documented initialisation sequence; every out-pointer is valid.
         unsafe {
             let mut config: *mut ucp_config_t = ptr::null_mut();
@@ -22,6 +26,13 @@ impl State {
                     (lib.ucp_config_release)(config);
                     return Err(err(lib, &format!("UCX_TLS={tls}"), s));
                 }
+            }
+            // The listening sockets of UCX's network transports follow NET_DEVICES (default: every
+            // interface); the user's UCX_NET_DEVICES wins over ours.
+            if let Some(dev) = net_devices
+                && std::env::var_os("UCX_NET_DEVICES").is_none()
+            {
+                set("NET_DEVICES", dev);
             }
             // A killed peer must be noticed in about a second, not the 20 s default.
             if std::env::var_os("UCX_KEEPALIVE_INTERVAL").is_none() {

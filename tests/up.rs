@@ -1,0 +1,99 @@
+//! `tandem up` supervises its processes: a worker that dies is restarted (with backoff) while the router
+//! keeps serving, and Ctrl-C still stops everything.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// (status, body) of one HTTP/1.0 request.
+fn http(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
+    write!(
+        s,
+        "{method} {path} HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    let status = out.split_whitespace().nth(1)?.parse().ok()?;
+    Some((status, out.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned()))
+}
+
+fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    false
+}
+
+/// The pids of `pid`'s children whose command line contains `needle`.
+fn children_with(pid: u32, needle: &str) -> Vec<u32> {
+    let list = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    list.split_whitespace()
+        .filter_map(|c| c.parse::<u32>().ok())
+        .filter(|c| {
+            std::fs::read(format!("/proc/{c}/cmdline")).is_ok_and(|b| String::from_utf8_lossy(&b).contains(needle))
+        })
+        .collect()
+}
+
+#[test]
+fn a_dead_worker_is_restarted_and_the_cluster_keeps_serving() {
+    let cache = tempfile::tempdir().unwrap();
+    let (port, grpc) = (free_port(), free_port());
+    let mut up = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["up", "--port", &port.to_string(), "--grpc-port", &grpc.to_string()])
+        .args(["--kv-transport", "tcp", "--precision", "full", "--kv-blocks", "64"])
+        .env("XDG_CACHE_HOME", cache.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let log = Arc::new(Mutex::new(String::new()));
+    let (l2, stderr) = (log.clone(), up.stderr.take().unwrap());
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let mut g = l2.lock().unwrap();
+            g.push_str(&line);
+            g.push('\n');
+        }
+    });
+    let logs = || log.lock().unwrap().clone();
+    let ready = || http(port, "GET", "/ready", "").is_some_and(|(s, _)| s == 200);
+    assert!(wait_until(Duration::from_secs(240), ready), "cluster not ready:\n{}", logs());
+    let req = r#"{"model": "tandem-tiny", "prompt": "Hello", "max_tokens": 4}"#;
+    assert_eq!(http(port, "POST", "/v1/completions", req).unwrap().0, 200, "{}", logs());
+
+    let decode = children_with(up.id(), "decode-worker");
+    assert_eq!(decode.len(), 1, "{}", logs());
+    // SAFETY: kill(2) on a child of the process this test started.
+    unsafe { libc::kill(decode[0] as i32, libc::SIGKILL) };
+
+    let restarted = || logs().contains("[decode-0] restarted");
+    assert!(wait_until(Duration::from_secs(60), restarted), "no restart:\n{}", logs());
+    assert!(logs().contains("[decode-0] exited"), "{}", logs());
+    assert!(up.try_wait().unwrap().is_none(), "tandem up stopped:\n{}", logs());
+    let served = || http(port, "POST", "/v1/completions", req).is_some_and(|(s, _)| s == 200);
+    assert!(wait_until(Duration::from_secs(120), served), "not serving after the restart:\n{}", logs());
+    let new = children_with(up.id(), "decode-worker");
+    assert!(new.len() == 1 && new[0] != decode[0], "{new:?}");
+
+    // Ctrl-C stops everything.
+    // SAFETY: kill(2) on the process this test started.
+    unsafe { libc::kill(up.id() as i32, libc::SIGINT) };
+    let stopped = wait_until(Duration::from_secs(60), || up.try_wait().unwrap().is_some());
+    assert!(stopped, "tandem up did not stop on SIGINT:\n{}", logs());
+    assert!(!std::path::Path::new(&format!("/proc/{}", new[0])).exists(), "the decode worker outlived tandem up");
+}
