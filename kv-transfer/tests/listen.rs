@@ -7,16 +7,29 @@ use std::time::Duration;
 use common::Kind;
 use kv_transfer::{KvReceiver, ReceiverConfig, TcpConfig, TransportConfig, TransportKind, testkit};
 
+/// Inodes of this process's sockets (`/proc/self/fd/N -> socket:[INODE]`).
+fn own_socket_inodes() -> std::collections::HashSet<String> {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| {
+            d.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+                .filter_map(|l| l.to_str()?.strip_prefix("socket:[")?.strip_suffix(']').map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// Local addresses of this process's listening TCP sockets ("ip:port", IPv4 and IPv6 in /proc's hex).
+/// /proc/self/net/tcp lists the whole network namespace (other processes' sockets too), so a socket
+/// counts only if its inode is one of this process's file descriptors.
 fn listening() -> Vec<String> {
+    let ours = own_socket_inodes();
     let mut out = Vec::new();
     for f in ["/proc/self/net/tcp", "/proc/self/net/tcp6"] {
         let text = std::fs::read_to_string(f).unwrap_or_default();
         for line in text.lines().skip(1) {
             let cols: Vec<&str> = line.split_whitespace().collect();
-            // st 0A = LISTEN; only sockets of this process's inodes would be exact, but a test binary
-            // runs one test here and nothing else listens.
-            if cols.len() > 9 && cols[3] == "0A" {
+            // st 0A = LISTEN; column 9 is the inode.
+            if cols.len() > 9 && cols[3] == "0A" && ours.contains(cols[9]) {
                 out.push(cols[1].to_owned());
             }
         }
