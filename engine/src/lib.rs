@@ -4,7 +4,9 @@
 //! - [`checkpoint`]: sharded safetensors, tensor names and shapes, FP8 block scales, `verify`.
 //! - [`cache`]: the paged cache formats (656-byte FP8 MLA entry, 8448-byte indexer block) and the block
 //!   allocator whose arena kv-transfer registers with UCX.
-//! - [`backend`]: the trait every backend implements; [`cpu`]: the CPU reference backend.
+//! - [`backend`]: the trait every backend implements; [`cpu`]: the CPU reference backend;
+//!   [`device`]: `--device cpu|cuda[:N]` and the factory, the one place a backend is constructed.
+//! - [`memory`]: the backend's memory budget and the pool size it leaves.
 //! - [`rope`], [`fp8`]: shared numerics.
 
 #![recursion_limit = "256"]
@@ -14,11 +16,16 @@ pub mod cache;
 pub mod checkpoint;
 pub mod config;
 pub mod cpu;
+pub mod device;
 pub mod fp8;
 pub mod generate;
+pub mod memory;
 pub mod rope;
 pub mod sampling;
 pub mod tiny;
 
-pub use backend::{AttnForm, Backend, EngineError, Logits, MtpInput, Precision, SeqInput, SeqOutput};
+pub use backend::{
+    AttnForm, Backend, DeviceRows, EngineError, Fence, LayerReady, Logits, MtpInput, Precision, SeqInput, SeqOutput,
+};
 pub use config::ModelConfig;
+pub use device::Device;

@@ -337,10 +337,10 @@ impl Loop {
                 states.push(&mut a.state);
                 ships.push((if *fin { a.session.as_ref() } else { None }, &mut a.error));
             }
-            let mut on_layer = |l: LayerIdx| {
+            let mut on_layer = |l: LayerIdx, ready: engine::LayerReady| {
                 for (session, err) in ships.iter_mut() {
                     if let (Some(s), None) = (session, &**err)
-                        && let Err(e) = s.put_layer(l)
+                        && let Err(e) = s.put_layer_when(l, ready.clone())
                     {
                         **err = Some(e);
                     }

@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use engine::Precision;
+use engine::{Device, Precision};
 use kv_transfer::TransportKind;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -14,6 +14,9 @@ pub struct ServeArgs {
     /// fp8: block-scaled FP8 weights, activations and caches; full: f32 (for comparisons).
     #[arg(long, env = "TANDEM_PRECISION", default_value = "fp8")]
     pub precision: Precision,
+    /// Where the model runs: cpu, or cuda[:N] (GPU N; the CUDA backend is not built yet).
+    #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
+    pub device: Device,
     /// The model name clients send; defaults to the checkpoint directory's name.
     #[arg(long, env = "TANDEM_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
@@ -42,9 +45,15 @@ pub struct ServeArgs {
     /// Token budget of one prefill batch (longer prompts are chunked).
     #[arg(long, env = "TANDEM_MAX_NUM_BATCHED_TOKENS", default_value_t = 4096)]
     pub max_num_batched_tokens: usize,
-    /// Cache blocks (64 tokens each, every layer) in this worker's pool.
-    #[arg(long, env = "TANDEM_KV_BLOCKS", default_value_t = 2048)]
-    pub kv_blocks: usize,
+    /// Cache blocks (64 tokens each, every layer) in this worker's pool. CPU: the pool size (default
+    /// 2048). GPU: by default what --gpu-memory-utilization leaves after the backend's budget; when
+    /// given, an exact size that must fit there.
+    #[arg(long, env = "TANDEM_KV_BLOCKS")]
+    pub kv_blocks: Option<usize>,
+    /// Fraction of the GPU's memory this worker uses (weights, activations at --max-num-batched-tokens,
+    /// graphs, communication buffers, and the cache pool in what remains). Not used on the CPU.
+    #[arg(long, env = "TANDEM_GPU_MEMORY_UTILIZATION", default_value_t = 0.9)]
+    pub gpu_memory_utilization: f64,
     /// kv-transfer transport: ucx (TCP fallback when libucp is absent), tcp or inproc.
     #[arg(long, env = "TANDEM_KV_TRANSPORT", default_value = "ucx")]
     pub kv_transport: TransportKind,
@@ -57,7 +66,7 @@ pub struct ServeArgs {
     /// Seconds a draining worker waits for in-flight requests after SIGTERM.
     #[arg(long, env = "TANDEM_DRAIN_TIMEOUT", default_value_t = 30)]
     pub drain_timeout_s: u64,
-    /// Compute threads (default: one per core).
+    /// CPU backend compute threads (default: one per core).
     #[arg(long, env = "TANDEM_THREADS")]
     pub threads: Option<usize>,
 }
@@ -71,6 +80,11 @@ impl ServeArgs {
                 .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
                 .unwrap_or_else(|| self.model.display().to_string())
         })
+    }
+
+    /// The backend this worker builds.
+    pub fn backend_options(&self) -> engine::device::BackendOptions {
+        engine::device::BackendOptions { device: self.device, precision: self.precision, threads: self.threads }
     }
 
     pub fn worker_id(&self, role: &str) -> String {

@@ -7,13 +7,21 @@ use axum::http::header::CONTENT_TYPE;
 use axum::routing::get;
 use prometheus::{Encoder, Registry, TextEncoder};
 
-/// Serves `registry` on `addr`; returns the bound address.
+/// Serves `registry` on `addr`; returns the bound address. Adds `tandem_cache_arenas_created`: cache
+/// arenas this process created, which stays at its startup value while the worker serves (the pool is
+/// allocated once, before ready).
 pub async fn serve(addr: SocketAddr, registry: Registry) -> anyhow::Result<SocketAddr> {
+    let arenas = prometheus::IntGauge::new(
+        "tandem_cache_arenas_created",
+        "Cache arenas this process allocated (once, at startup: nothing is allocated per request)",
+    )?;
+    registry.register(Box::new(arenas.clone()))?;
     let app = Router::new()
         .route(
             "/metrics",
             get(move || {
                 let registry = registry.clone();
+                arenas.set(engine::cache::arenas_created() as i64);
                 async move {
                     let mut buf = Vec::new();
                     let enc = TextEncoder::new();

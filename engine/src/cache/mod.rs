@@ -7,15 +7,12 @@ pub mod format;
 pub mod pool;
 
 pub use allocator::{AllocError, BlockAllocator, BlockRun, BlockTable, runs_of};
-pub use arena::{ArenaError, KvArena};
+pub use arena::{ArenaError, KvArena, MemoryKind, arenas_created};
 pub use format::{BLOCK_SIZE, BlockId, CacheFormat, CacheGeometry, EntryDims, LayerIdx};
 pub use pool::{BlockPool, PoolError, PoolStats};
 
 /// A pool's memory with its geometry: where each layer's latent entries and indexer blocks live.
-///
-/// Accessors are `unsafe` because the arena is shared: writers must own the (layer, block) range they
-/// write (the block allocator hands each block to one request; within a request, each layer is written
-/// by one party), and readers must not overlap a writer.
+/// The host reads and writes entries through [`KvCache::host`], which refuses device memory.
 #[derive(Debug)]
 pub struct KvCache {
     geometry: CacheGeometry,
@@ -42,55 +39,84 @@ impl KvCache {
         &self.arena
     }
 
+    /// Where the pool's bytes live.
+    pub fn memory_kind(&self) -> MemoryKind {
+        self.arena.kind()
+    }
+
+    /// Entry accessors for a pool the host can dereference; an error for device memory.
+    pub fn host(&self) -> Result<HostCache<'_>, ArenaError> {
+        self.arena.check_host()?;
+        Ok(HostCache { cache: self })
+    }
+}
+
+/// A host-accessible pool: holding one proves the arena is host (or pinned host) memory.
+///
+/// Accessors are `unsafe` because the arena is shared: writers must own the (layer, block) range they
+/// write (the block allocator hands each block to one request; within a request, each layer is written
+/// by one party), and readers must not overlap a writer.
+#[derive(Debug, Clone, Copy)]
+pub struct HostCache<'a> {
+    cache: &'a KvCache,
+}
+
+impl<'a> HostCache<'a> {
+    pub fn geometry(&self) -> &'a CacheGeometry {
+        &self.cache.geometry
+    }
+
     fn latent_range(&self, layer: LayerIdx, block: BlockId, slot: usize) -> (usize, usize) {
-        assert!(layer.index() < self.geometry.num_layers, "layer {} out of range", layer.0);
-        assert!(block.index() < self.geometry.num_blocks, "block {} out of range", block.0);
+        let g = self.geometry();
+        assert!(layer.index() < g.num_layers, "layer {} out of range", layer.0);
+        assert!(block.index() < g.num_blocks, "block {} out of range", block.0);
         assert!(slot < BLOCK_SIZE);
-        let per = self.geometry.latent_bytes_per_token();
-        (self.geometry.latent_block_offset(layer, block) + slot * per, per)
+        let per = g.latent_bytes_per_token();
+        (g.latent_block_offset(layer, block) + slot * per, per)
     }
 
     fn indexer_range(&self, layer: LayerIdx, block: BlockId) -> (usize, usize) {
-        assert!(layer.index() < self.geometry.num_layers, "layer {} out of range", layer.0);
-        assert!(block.index() < self.geometry.num_blocks, "block {} out of range", block.0);
-        (self.geometry.indexer_block_offset(layer, block), self.geometry.indexer_bytes_per_block())
+        let g = self.geometry();
+        assert!(layer.index() < g.num_layers, "layer {} out of range", layer.0);
+        assert!(block.index() < g.num_blocks, "block {} out of range", block.0);
+        (g.indexer_block_offset(layer, block), g.indexer_bytes_per_block())
     }
 
     /// One token's latent entry.
     ///
     /// # Safety
     /// No concurrent writer of this entry (see the type's docs).
-    pub unsafe fn latent_entry(&self, layer: LayerIdx, block: BlockId, slot: usize) -> &[u8] {
+    pub unsafe fn latent_entry(&self, layer: LayerIdx, block: BlockId, slot: usize) -> &'a [u8] {
         let (o, n) = self.latent_range(layer, block, slot);
-        // SAFETY: forwarded contract.
-        unsafe { self.arena.slice(o, n) }
+        // SAFETY: host memory (this type's invariant); the rest is the forwarded contract.
+        unsafe { self.cache.arena.host_slice(o, n) }
     }
 
     /// # Safety
     /// The caller owns this entry for writing (see the type's docs).
     #[allow(clippy::mut_from_ref)]
-    pub unsafe fn latent_entry_mut(&self, layer: LayerIdx, block: BlockId, slot: usize) -> &mut [u8] {
+    pub unsafe fn latent_entry_mut(&self, layer: LayerIdx, block: BlockId, slot: usize) -> &'a mut [u8] {
         let (o, n) = self.latent_range(layer, block, slot);
-        // SAFETY: forwarded contract.
-        unsafe { self.arena.slice_mut(o, n) }
+        // SAFETY: host memory (this type's invariant); the rest is the forwarded contract.
+        unsafe { self.cache.arena.host_slice_mut(o, n) }
     }
 
     /// One block of indexer keys.
     ///
     /// # Safety
     /// No concurrent writer of this block (see the type's docs).
-    pub unsafe fn indexer_block(&self, layer: LayerIdx, block: BlockId) -> &[u8] {
+    pub unsafe fn indexer_block(&self, layer: LayerIdx, block: BlockId) -> &'a [u8] {
         let (o, n) = self.indexer_range(layer, block);
-        // SAFETY: forwarded contract.
-        unsafe { self.arena.slice(o, n) }
+        // SAFETY: host memory (this type's invariant); the rest is the forwarded contract.
+        unsafe { self.cache.arena.host_slice(o, n) }
     }
 
     /// # Safety
     /// The caller owns this block for writing (see the type's docs).
     #[allow(clippy::mut_from_ref)]
-    pub unsafe fn indexer_block_mut(&self, layer: LayerIdx, block: BlockId) -> &mut [u8] {
+    pub unsafe fn indexer_block_mut(&self, layer: LayerIdx, block: BlockId) -> &'a mut [u8] {
         let (o, n) = self.indexer_range(layer, block);
-        // SAFETY: forwarded contract.
-        unsafe { self.arena.slice_mut(o, n) }
+        // SAFETY: host memory (this type's invariant); the rest is the forwarded contract.
+        unsafe { self.cache.arena.host_slice_mut(o, n) }
     }
 }

@@ -29,7 +29,7 @@ impl<'a> Copier<'a> {
     pub fn gbps(&mut self, bytes: u64, threads: usize) -> Option<f64> {
         let n = (bytes as usize).min(self.dst.len());
         // SAFETY: the sender's arena is only read, while no transfer is in flight.
-        let src = unsafe { self.cache.arena().slice(0, n) };
+        let src = unsafe { self.cache.arena().slice(0, n) }.ok()?;
         let dst = &mut self.dst[..n];
         let chunk = n.div_ceil(threads.max(1));
         let mut best = f64::MAX;
