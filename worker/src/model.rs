@@ -81,6 +81,33 @@ impl LoadedModel {
         })
     }
 
+    /// A model over an already-built backend with a pool of `blocks` blocks (tests: a fake backend).
+    pub fn from_backend(backend: Arc<dyn Backend>, blocks: usize, name: &str) -> anyhow::Result<LoadedModel> {
+        let geometry = CacheGeometry::new(
+            backend.precision().cache_format(),
+            backend.entry_dims(),
+            backend.cache_layers(),
+            blocks,
+        );
+        let cache = backend.allocate_cache(geometry)?;
+        let cfg = backend.config();
+        let fingerprint = ModelFingerprint {
+            model_name: name.to_string(),
+            checkpoint_hash: format!("{}-{}", backend.name(), cfg.vocab_size),
+            precision: backend.precision().name().to_string(),
+            block_size: BLOCK_SIZE as u32,
+            num_layers: geometry.num_layers as u32,
+        };
+        Ok(LoadedModel {
+            max_model_len: cfg.max_position_embeddings.min(blocks * BLOCK_SIZE),
+            backend,
+            cache: Arc::new(cache),
+            pool: Arc::new(BlockPool::new(blocks)),
+            fingerprint,
+            name: name.to_string(),
+        })
+    }
+
     pub fn config(&self) -> &ModelConfig {
         self.backend.config()
     }
