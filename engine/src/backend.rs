@@ -12,7 +12,6 @@
 //! announced with a [`LayerReady`] marker that other threads wait on before reading the bytes.
 
 use std::any::Any;
-use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -152,48 +151,7 @@ pub struct SeqOutput {
     pub hidden: DeviceRows,
 }
 
-/// A point in a backend's work: reached once the work issued before it (a layer's cache writes) is done.
-/// A GPU backend records an event on its stream; the CPU writes synchronously.
-pub trait Fence: Send + Sync {
-    /// Blocks until the work is done; an error when the device failed it.
-    fn wait(&self) -> Result<(), String>;
-    fn is_complete(&self) -> bool;
-}
-
-/// Handed over with each finished cache layer: whoever reads that layer's bytes from another thread
-/// (kv-transfer) waits on it first, so the compute thread never blocks per layer.
-#[derive(Clone)]
-pub struct LayerReady(Option<Arc<dyn Fence>>);
-
-impl LayerReady {
-    /// The writes are already done (the CPU backend, whose writes are synchronous).
-    pub fn complete() -> Self {
-        LayerReady(None)
-    }
-
-    /// Done when `fence` is.
-    pub fn pending(fence: Arc<dyn Fence>) -> Self {
-        LayerReady(Some(fence))
-    }
-
-    pub fn is_complete(&self) -> bool {
-        self.0.as_ref().is_none_or(|f| f.is_complete())
-    }
-
-    /// Blocks until the layer's bytes are written.
-    pub fn wait(&self) -> Result<(), EngineError> {
-        match &self.0 {
-            None => Ok(()),
-            Some(f) => f.wait().map_err(EngineError::Device),
-        }
-    }
-}
-
-impl std::fmt::Debug for LayerReady {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("LayerReady").field(&self.is_complete()).finish()
-    }
-}
+pub use crate::cache::{Fence, LayerReady};
 
 /// Attention form: MHA over decompressed keys (prefill) or MQA over the latent (absorbed decode).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -226,7 +184,7 @@ pub trait Backend: Send + Sync {
 
     /// Dimensions of cached vectors; with `precision().cache_format()` they fix the pool's byte layout.
     fn entry_dims(&self) -> EntryDims {
-        EntryDims::from_config(self.config())
+        self.config().entry_dims()
     }
 
     /// Cache layers this backend runs: the decoder layers and the one MTP layer it serves (when the

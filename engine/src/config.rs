@@ -332,6 +332,15 @@ impl ModelConfig {
         Ok(())
     }
 
+    /// Dimensions of the cached vectors.
+    pub fn entry_dims(&self) -> crate::cache::EntryDims {
+        crate::cache::EntryDims {
+            kv_lora_rank: self.kv_lora_rank,
+            rope_dim: self.qk_rope_head_dim,
+            index_dim: self.index_head_dim,
+        }
+    }
+
     /// Layers whose caches a request holds: the decoder layers, then the one MTP layer that is served.
     /// A checkpoint may ship more MTP layers (`num_nextn_predict_layers > 1`); only the first drafts
     /// (one draft token per step), so the pool, manifests and transfers cover exactly these layers.

@@ -3,7 +3,7 @@
 //! - [`config`]: the HF `config.json` of a DeepSeek-V3.2 checkpoint.
 //! - [`checkpoint`]: sharded safetensors, tensor names and shapes, FP8 block scales, `verify`.
 //! - [`cache`]: the paged cache formats (656-byte FP8 MLA entry, 8448-byte indexer block) and the block
-//!   allocator whose arena kv-transfer registers with UCX.
+//!   allocator whose arena kv-transfer registers with UCX (the `kv-cache` crate, re-exported).
 //! - [`backend`]: the trait every backend implements; [`cpu`]: the CPU reference backend;
 //!   [`device`]: `--device cpu|cuda[:N]` and the factory, the one place a backend is constructed.
 //! - [`memory`]: the backend's memory budget and the pool size it leaves.
@@ -12,12 +12,13 @@
 #![recursion_limit = "256"]
 
 pub mod backend;
-pub mod cache;
+/// The paged cache layouts (the `kv-cache` crate, shared with kv-transfer).
+pub use kv_cache as cache;
+pub use kv_cache::fp8;
 pub mod checkpoint;
 pub mod config;
 pub mod cpu;
 pub mod device;
-pub mod fp8;
 pub mod generate;
 pub mod memory;
 pub mod rope;

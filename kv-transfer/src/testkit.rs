@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use engine::cache::{BlockPool, CacheFormat, CacheGeometry, EntryDims, KvCache};
+use kv_cache::{BlockPool, CacheFormat, CacheGeometry, EntryDims, KvCache};
 use proto::v1::ModelFingerprint;
 
 /// A fingerprint matching `g`.

@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use engine::LayerReady;
-use engine::cache::{KvCache, LayerIdx};
+use kv_cache::LayerReady;
+use kv_cache::{KvCache, LayerIdx};
 use proto::v1::transfer_control::Body;
 use proto::v1::{
     FinishReason, GeneratedToken, LayerManifest, MemoryRegion, MtpDraft, TransferAbort, TransferComplete,

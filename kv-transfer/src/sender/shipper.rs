@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 
-use engine::LayerReady;
-use engine::cache::LayerIdx;
+use kv_cache::LayerIdx;
+use kv_cache::LayerReady;
 use proto::v1::LayerManifest;
 
 use super::session::SessionState;

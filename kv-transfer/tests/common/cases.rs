@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use engine::cache::{BlockTable, LayerIdx};
+use kv_cache::{BlockTable, LayerIdx};
 use kv_transfer::{ExpectRequest, Fault, RejectStatus, TransferError, TransferOutcome};
 use proto::v1::{FinishReason, GeneratedToken, Logprobs, MtpDraft, TokenLogprob};
 
@@ -314,7 +314,7 @@ struct TestFence {
     cv: std::sync::Condvar,
 }
 
-impl engine::Fence for TestFence {
+impl kv_cache::Fence for TestFence {
     fn wait(&self) -> Result<(), String> {
         let mut d = self.done.lock().unwrap();
         while !*d {
@@ -337,7 +337,7 @@ pub fn layers_wait_for_their_completion_marker(kind: &Kind) {
     let s = p.sender.begin(&desc, &src).unwrap();
     let fence = std::sync::Arc::new(TestFence { done: std::sync::Mutex::new(false), cv: std::sync::Condvar::new() });
     let t0 = Instant::now();
-    s.put_layer_when(LayerIdx(0), engine::LayerReady::pending(fence.clone())).unwrap();
+    s.put_layer_when(LayerIdx(0), kv_cache::LayerReady::pending(fence.clone())).unwrap();
     assert!(t0.elapsed() < Duration::from_millis(100), "put_layer_when must not wait for the marker");
     for l in 1..4 {
         s.put_layer(LayerIdx(l)).unwrap();

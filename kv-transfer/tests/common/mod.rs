@@ -7,7 +7,7 @@ pub mod cases;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine::cache::{BlockPool, BlockTable, CacheGeometry, KvCache, LayerIdx};
+use kv_cache::{BlockPool, BlockTable, CacheGeometry, KvCache, LayerIdx};
 use kv_transfer::testkit;
 use kv_transfer::transport::ucx::DataPath;
 use kv_transfer::{KvReceiver, KvSender, ReceiverConfig, SenderConfig, TransportConfig, TransportKind};
@@ -171,7 +171,7 @@ pub fn assert_landed(p: &Pair, desc: &TransferDescriptor, src: &BlockTable) {
         let layer = LayerIdx(l as u32);
         for t in 0..n {
             let (sb, slot) = src.slot(t).unwrap();
-            let db = engine::cache::BlockId(desc.block_ids[t / 64]);
+            let db = kv_cache::BlockId(desc.block_ids[t / 64]);
             // SAFETY: the transfer finished; nobody writes.
             let (sc, rc) = (p.scache.host().unwrap(), p.rcache.host().unwrap());
             let (a, b) = unsafe { (sc.latent_entry(layer, sb, slot), rc.latent_entry(layer, db, slot)) };
@@ -180,7 +180,7 @@ pub fn assert_landed(p: &Pair, desc: &TransferDescriptor, src: &BlockTable) {
         for (i, &d) in desc.block_ids.iter().enumerate() {
             let (sc, rc) = (p.scache.host().unwrap(), p.rcache.host().unwrap());
             let (a, b) =
-                unsafe { (sc.indexer_block(layer, src.blocks[i]), rc.indexer_block(layer, engine::cache::BlockId(d))) };
+                unsafe { (sc.indexer_block(layer, src.blocks[i]), rc.indexer_block(layer, kv_cache::BlockId(d))) };
             assert!(a == b, "layer {l} block {i}: indexer block differs");
         }
     }

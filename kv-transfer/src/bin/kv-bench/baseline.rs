@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use engine::cache::KvCache;
+use kv_cache::KvCache;
 
 /// Copies at most this much per measurement: far beyond any last-level cache, so the copy streams DRAM.
 const MAX_COPY: usize = 1 << 30;

@@ -1,15 +1,21 @@
-//! Paged caches: the FP8 and f32 entry formats ([`format`]), the memory they live in ([`arena`]), the
-//! block allocator ([`allocator`]) and per-request block tables ([`pool`]).
+//! Paged caches, shared by the engine and kv-transfer (which therefore does not compile the model):
+//! the FP8 and f32 entry formats ([`format`], with the e4m3 numerics of [`fp8`]), the memory they live
+//! in ([`arena`]), the block allocator ([`allocator`]), per-request block tables ([`pool`]) and the
+//! completion marker of a layer's cache writes ([`ready`]). The engine re-exports this crate as
+//! `engine::cache`.
 
 pub mod allocator;
 pub mod arena;
 pub mod format;
+pub mod fp8;
 pub mod pool;
+pub mod ready;
 
 pub use allocator::{AllocError, BlockAllocator, BlockRun, BlockTable, runs_of};
 pub use arena::{ArenaError, KvArena, MemoryKind, arenas_created};
 pub use format::{BLOCK_SIZE, BlockId, CacheFormat, CacheGeometry, EntryDims, LayerIdx};
 pub use pool::{BlockPool, PoolError, PoolStats};
+pub use ready::{Fence, FenceError, LayerReady};
 
 /// A pool's memory with its geometry: where each layer's latent entries and indexer blocks live.
 /// The host reads and writes entries through [`KvCache::host`], which refuses device memory.
@@ -31,6 +37,7 @@ impl KvCache {
         Ok(KvCache { geometry, arena })
     }
 
+    #[inline]
     pub fn geometry(&self) -> &CacheGeometry {
         &self.geometry
     }
@@ -45,6 +52,7 @@ impl KvCache {
     }
 
     /// Entry accessors for a pool the host can dereference; an error for device memory.
+    #[inline]
     pub fn host(&self) -> Result<HostCache<'_>, ArenaError> {
         self.arena.check_host()?;
         Ok(HostCache { cache: self })
@@ -62,10 +70,12 @@ pub struct HostCache<'a> {
 }
 
 impl<'a> HostCache<'a> {
+    #[inline]
     pub fn geometry(&self) -> &'a CacheGeometry {
         &self.cache.geometry
     }
 
+    #[inline]
     fn latent_range(&self, layer: LayerIdx, block: BlockId, slot: usize) -> (usize, usize) {
         let g = self.geometry();
         assert!(layer.index() < g.num_layers, "layer {} out of range", layer.0);
@@ -75,6 +85,7 @@ impl<'a> HostCache<'a> {
         (g.latent_block_offset(layer, block) + slot * per, per)
     }
 
+    #[inline]
     fn indexer_range(&self, layer: LayerIdx, block: BlockId) -> (usize, usize) {
         let g = self.geometry();
         assert!(layer.index() < g.num_layers, "layer {} out of range", layer.0);
@@ -86,6 +97,7 @@ impl<'a> HostCache<'a> {
     ///
     /// # Safety
     /// No concurrent writer of this entry (see the type's docs).
+    #[inline]
     pub unsafe fn latent_entry(&self, layer: LayerIdx, block: BlockId, slot: usize) -> &'a [u8] {
         let (o, n) = self.latent_range(layer, block, slot);
         // SAFETY: host memory (this type's invariant); the rest is the forwarded contract.
@@ -95,6 +107,7 @@ impl<'a> HostCache<'a> {
     /// # Safety
     /// The caller owns this entry for writing (see the type's docs).
     #[allow(clippy::mut_from_ref)]
+    #[inline]
     pub unsafe fn latent_entry_mut(&self, layer: LayerIdx, block: BlockId, slot: usize) -> &'a mut [u8] {
         let (o, n) = self.latent_range(layer, block, slot);
         // SAFETY: host memory (this type's invariant); the rest is the forwarded contract.
@@ -105,6 +118,7 @@ impl<'a> HostCache<'a> {
     ///
     /// # Safety
     /// No concurrent writer of this block (see the type's docs).
+    #[inline]
     pub unsafe fn indexer_block(&self, layer: LayerIdx, block: BlockId) -> &'a [u8] {
         let (o, n) = self.indexer_range(layer, block);
         // SAFETY: host memory (this type's invariant); the rest is the forwarded contract.
@@ -114,6 +128,7 @@ impl<'a> HostCache<'a> {
     /// # Safety
     /// The caller owns this block for writing (see the type's docs).
     #[allow(clippy::mut_from_ref)]
+    #[inline]
     pub unsafe fn indexer_block_mut(&self, layer: LayerIdx, block: BlockId) -> &'a mut [u8] {
         let (o, n) = self.indexer_range(layer, block);
         // SAFETY: host memory (this type's invariant); the rest is the forwarded contract.

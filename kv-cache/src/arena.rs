@@ -1,5 +1,5 @@
 //! The pool's memory: one contiguous byte range that the engine writes caches into and kv-transfer
-//! registers with UCX (or receives into over TCP). The backend provides it ([`crate::Backend::allocate_cache`]):
+//! registers with UCX (or receives into over TCP). The backend provides it (`engine::Backend::allocate_cache`):
 //! a page-aligned, zeroed host allocation on the CPU, device (or pinned host) memory on a GPU. The arena
 //! knows which ([`MemoryKind`]); the host accessors refuse device memory with an error.
 
@@ -109,6 +109,7 @@ impl KvArena {
         KvArena { ptr, len, kind, owner: Owner::External(owner) }
     }
 
+    #[inline]
     pub fn kind(&self) -> MemoryKind {
         self.kind
     }
@@ -118,6 +119,7 @@ impl KvArena {
         if self.kind.host_accessible() { Ok(()) } else { Err(ArenaError::NotHostAccessible(self.kind)) }
     }
 
+    #[inline]
     pub fn len(&self) -> usize {
         self.len
     }
@@ -127,6 +129,7 @@ impl KvArena {
     }
 
     /// Base address, for memory registration and remote addressing.
+    #[inline]
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
@@ -163,6 +166,7 @@ impl KvArena {
 
     /// # Safety
     /// `check_host` passed for this arena (a [`super::HostCache`] proves it); no concurrent writer.
+    #[inline]
     pub(super) unsafe fn host_slice(&self, offset: usize, len: usize) -> &[u8] {
         debug_assert!(self.kind.host_accessible());
         assert!(offset.checked_add(len).is_some_and(|e| e <= self.len), "arena read out of range");
@@ -173,6 +177,7 @@ impl KvArena {
     /// # Safety
     /// As `host_slice`, and the caller is the only one accessing the range.
     #[allow(clippy::mut_from_ref)]
+    #[inline]
     pub(super) unsafe fn host_slice_mut(&self, offset: usize, len: usize) -> &mut [u8] {
         debug_assert!(self.kind.host_accessible());
         assert!(offset.checked_add(len).is_some_and(|e| e <= self.len), "arena write out of range");
