@@ -192,7 +192,7 @@ struct Active {
 enum Started {
     Handshaking(Box<Active>),
     /// The pool is short; the job goes back to the queue or is refused.
-    NoBlocks(Job, PoolError),
+    NoBlocks(Box<Job>, PoolError),
 }
 
 struct Prefill {
@@ -374,7 +374,7 @@ impl Prefill {
                     if !self.active.is_empty() || !self.handshaking.is_empty() || self.settling > 0 =>
                 {
                     // Blocks come back when running prefills finish: wait for them.
-                    self.waiting.push_front(job);
+                    self.waiting.push_front(*job);
                     break;
                 }
                 Started::NoBlocks(mut job, e) => {
@@ -414,7 +414,7 @@ impl Prefill {
         };
         let table = match pool.reserve_with_prefix(&job.id, &hit, job.tokens.len()) {
             Ok(t) => t,
-            Err(e) => return Started::NoBlocks(job, e),
+            Err(e) => return Started::NoBlocks(Box::new(job), e),
         };
         let cached_tokens = hit.len() * BLOCK_SIZE;
         let started = Instant::now();
