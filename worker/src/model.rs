@@ -26,6 +26,8 @@ pub struct LoadedModel {
 
 impl LoadedModel {
     pub fn load(args: &ServeArgs) -> anyhow::Result<LoadedModel> {
+        // Before touching the checkpoint: a device this build cannot use fails at once.
+        engine::device::check_available(args.device)?;
         let ckpt =
             Checkpoint::open(&args.model).with_context(|| format!("opening checkpoint {}", args.model.display()))?;
         let backend = engine::device::load_backend(&ckpt, args.backend_options())
