@@ -206,3 +206,37 @@ fn bad_input_exits_non_zero_with_the_cause() {
     assert!(!o.status.success());
     assert!(all_output(&o).contains("model_type"), "{}", all_output(&o));
 }
+
+#[test]
+fn cuda_devices_answer_not_built_yet_and_bad_devices_are_refused() {
+    let model = golden();
+    let model = model.to_str().unwrap();
+    for args in [
+        vec!["generate", "--model", model, "--prompt-ids", "5", "--device", "cuda"],
+        vec!["generate", "--model", model, "--prompt-ids", "5", "--device", "cuda:1"],
+        vec!["prefill-worker", "--model", model, "--device", "cuda:0"],
+        vec!["decode-worker", "--model", model, "--device", "cuda"],
+        vec!["up", "--model", model, "--device", "cuda"],
+    ] {
+        let o = tandem(&args);
+        assert!(!o.status.success(), "{args:?}");
+        assert!(all_output(&o).contains("CUDA backend is not built yet"), "{args:?}: {}", all_output(&o));
+    }
+    let o = tandem(&["generate", "--model", model, "--prompt-ids", "5", "--device", "tpu"]);
+    assert!(!o.status.success());
+    assert!(all_output(&o).contains("expected cpu, cuda or cuda:N"), "{}", all_output(&o));
+    let o = tandem(&[
+        "generate",
+        "--model",
+        model,
+        "--prompt-ids",
+        "5",
+        "--max-tokens",
+        "2",
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+    ]);
+    assert!(o.status.success(), "{}", all_output(&o));
+}

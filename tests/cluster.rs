@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use serde_json::{Value, json};
-use support::cluster::{Cluster, MODEL_NAME, Spec, generate_reference, prompt_ids};
+use support::cluster::{
+    Cluster, MODEL_NAME, Spec, generate_reference, generate_reference_on, model_with_two_mtp_layers, prompt_ids,
+};
 
 /// A finished completion as the client saw it.
 #[derive(Debug, Default)]
@@ -351,4 +353,35 @@ async fn a_request_preempted_for_blocks_continues_elsewhere_with_the_same_output
     let preempted = c.worker_metric("decode-small", "tandem_decode_preemptions_total").await.unwrap_or(0.0);
     assert!(preempted >= 1.0, "no preemption happened\n{}", c.logs());
     assert_eq!(c.worker_metric("decode-small", "tandem_kv_blocks_free").await, Some(12.0), "blocks returned");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_checkpoint_with_two_mtp_layers_serves_with_its_first() {
+    // The pool, manifests and transfers cover the decoder layers and the first MTP layer only, so
+    // disaggregated requests complete, equal the single-process output, and draft with MTP.
+    let model = model_with_two_mtp_layers();
+    let Some(mut c) = Cluster::start_with_model(model) else { return };
+    c.add_worker("prefill", "prefill-0", Spec::default());
+    c.add_worker("decode", "decode-0", Spec::default());
+    c.wait_healthy(1, 1).await;
+    let arenas = |name: &'static str| {
+        let c = &c;
+        async move { c.worker_metric(name, "tandem_cache_arenas_created").await }
+    };
+    let at_ready = (arenas("prefill-0").await, arenas("decode-0").await);
+    assert_eq!(at_ready, (Some(1.0), Some(1.0)), "each worker allocates its pool once");
+    let prompts: Vec<Vec<u32>> =
+        [9usize, 70, 130].iter().enumerate().map(|(i, &n)| prompt_ids(n, 50 + i as u64)).collect();
+    for (i, p) in prompts.iter().enumerate() {
+        let got = complete(&c.http, completion(p, 16, i % 2 == 0)).await;
+        assert_eq!(got.status, 200, "{got:?}\n{}", c.logs());
+        assert!(got.error.is_none(), "{got:?}\n{}", c.logs());
+        let want = generate_reference_on(model, p, 16, false);
+        assert_eq!(got.text, want["text"].as_str().unwrap(), "prompt {i}");
+        assert_eq!(got.usage.as_ref().unwrap()["completion_tokens"], 16);
+    }
+    assert!(c.worker_metric("decode-0", "tandem_mtp_drafts_total").await.unwrap_or(0.0) > 0.0, "MTP drafts");
+    assert_eq!((arenas("prefill-0").await, arenas("decode-0").await), at_ready, "nothing allocated per request");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(c.worker_metric("decode-0", "tandem_kv_blocks_free").await, Some(512.0), "every block is back");
 }

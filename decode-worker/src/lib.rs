@@ -4,7 +4,7 @@
 //!
 //! - [`service`]: the `tandem.v1.DecodeWorker` gRPC service (Decode stream, Abort, GetLoad, GetInfo).
 //! - [`admission`]: the reservation policy (prompt + growth, a watermark per running request).
-//! - [`scheduler`]: the decode loop on its own thread: admit, grow or preempt, step, stream.
+//! - [`scheduler`]: the decode batcher on the shared compute loop: admit, grow or preempt, step, stream.
 //! - [`metrics`]: Prometheus metrics (pool usage, MTP acceptance, transfer times, preemptions).
 
 pub mod admission;
@@ -65,7 +65,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     };
     let drain = Drain::new();
     let worker_id = args.serve.worker_id("decode");
-    let sched = scheduler::Scheduler::start(model.clone(), metrics.clone(), !args.no_mtp, args.serve.max_num_seqs);
+    let sched = scheduler::Scheduler::start(model.clone(), metrics.clone(), !args.no_mtp, args.serve.max_num_seqs)
+        .context("starting the decode loop")?;
     let (listener, advertise) = worker::server::bind(&args.serve).await?;
     let record =
         worker::server::record(&args.serve, &model, cluster::WorkerRole::Decode, worker_id.clone(), advertise.clone());

@@ -1,22 +1,23 @@
-//! The decode loop, on its own thread (compute never runs on the async runtime): admit requests whose
-//! caches arrived, make room for the next positions (growing by a block, or preempting the newest request
-//! when the pool is exhausted), run one batched decode step with MTP verification, stream the tokens, and
-//! retire finished, aborted or disconnected requests, releasing their blocks.
+//! The decode batcher on the shared compute loop ([`worker::compute_loop`]; compute never runs on the
+//! async runtime): admit requests whose caches arrived, make room for the next positions (growing by a
+//! block, or preempting the newest request when the pool is exhausted), run one batched decode step with
+//! MTP verification, stream the tokens, and retire finished, aborted or disconnected requests, releasing
+//! their blocks. It streams domain events (`DecodeEvent`); the service wraps them for gRPC.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use engine::generate::{self, SeqState};
 use proto::v1::decode_event::Event;
 use proto::v1::{DecodeEvent, FinishReason, Finished, GeneratedToken, Preempted, StageTimings, Tokens};
 use worker::LoadedModel;
+use worker::compute_loop::{self, Batcher, LoopHandle, Turn};
 use worker::drain::InflightGuard;
 
 use crate::metrics::DecodeMetrics;
 
-pub type EventTx = tokio::sync::mpsc::UnboundedSender<Result<DecodeEvent, tonic::Status>>;
+pub type EventTx = tokio::sync::mpsc::UnboundedSender<DecodeEvent>;
 
 /// Counts a request as holding blocks (for admission) until dropped with the request.
 pub struct Holding(pub Arc<AtomicUsize>);
@@ -40,13 +41,8 @@ pub struct Admitted {
     pub completed_at: Instant,
 }
 
-enum Cmd {
-    Admit(Box<Admitted>),
-    Abort(String),
-}
-
 pub struct Scheduler {
-    tx: mpsc::Sender<Cmd>,
+    handle: LoopHandle<Box<Admitted>, ()>,
     running: Arc<AtomicUsize>,
 }
 
@@ -55,8 +51,8 @@ struct Running {
     stepped: bool,
 }
 
-fn event(e: Event) -> Result<DecodeEvent, tonic::Status> {
-    Ok(DecodeEvent { event: Some(e) })
+fn event(e: Event) -> DecodeEvent {
+    DecodeEvent { event: Some(e) }
 }
 
 impl Scheduler {
@@ -65,35 +61,27 @@ impl Scheduler {
         metrics: Arc<DecodeMetrics>,
         speculate: bool,
         max_batch: usize,
-    ) -> Arc<Scheduler> {
-        let (tx, rx) = mpsc::channel();
+    ) -> std::io::Result<Arc<Scheduler>> {
         let running = Arc::new(AtomicUsize::new(0));
-        let loop_ = Loop {
+        let count = running.clone();
+        let handle = compute_loop::spawn("decode-loop", move |_events| Decode {
             model,
             metrics,
             speculate,
             max_batch: max_batch.max(1),
-            rx,
             running: Vec::new(),
-            count: running.clone(),
-        };
-        std::thread::Builder::new()
-            .name("decode-loop".into())
-            .spawn(move || loop_.run())
-            .expect("spawning the decode loop thread");
-        Arc::new(Scheduler { tx, running })
+            count,
+        })?;
+        Ok(Arc::new(Scheduler { handle, running }))
     }
 
     /// Hands a request to the loop; gives it back if the loop is gone.
     pub fn admit(&self, a: Admitted) -> Result<(), Box<Admitted>> {
-        self.tx.send(Cmd::Admit(Box::new(a))).map_err(|e| match e.0 {
-            Cmd::Admit(a) => a,
-            Cmd::Abort(_) => unreachable!("sent an Admit"),
-        })
+        self.handle.submit(Box::new(a))
     }
 
     pub fn abort(&self, id: &str) {
-        let _ = self.tx.send(Cmd::Abort(id.to_string()));
+        self.handle.abort(id);
     }
 
     /// Requests in the decode batch.
@@ -102,54 +90,54 @@ impl Scheduler {
     }
 }
 
-struct Loop {
+struct Decode {
     model: Arc<LoadedModel>,
     metrics: Arc<DecodeMetrics>,
     speculate: bool,
     max_batch: usize,
-    rx: mpsc::Receiver<Cmd>,
     running: Vec<Running>,
     count: Arc<AtomicUsize>,
 }
 
-impl Loop {
-    fn run(mut self) {
-        loop {
-            if self.running.is_empty() {
-                match self.rx.recv_timeout(Duration::from_millis(200)) {
-                    Ok(cmd) => self.handle(cmd),
-                    Err(mpsc::RecvTimeoutError::Timeout) => {
-                        self.publish();
-                        continue;
-                    }
-                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
-                }
-            }
-            while let Ok(cmd) = self.rx.try_recv() {
-                self.handle(cmd);
-            }
-            self.drop_disconnected();
-            self.make_room();
-            if !self.running.is_empty() {
-                self.step();
-            }
-            self.publish();
+impl Batcher for Decode {
+    type Job = Box<Admitted>;
+    type Event = ();
+
+    fn submit(&mut self, a: Box<Admitted>) {
+        self.admit(*a);
+    }
+
+    fn abort(&mut self, id: &str) {
+        if let Some(i) = self.running.iter().position(|r| r.a.id == id) {
+            let r = self.running.remove(i);
+            tracing::info!(request_id = %id, "aborted");
+            self.retire(r, FinishReason::Abort, String::new(), "abort");
         }
     }
 
-    fn handle(&mut self, cmd: Cmd) {
-        match cmd {
-            Cmd::Admit(a) => self.admit(*a),
-            Cmd::Abort(id) => {
-                if let Some(i) = self.running.iter().position(|r| r.a.id == id) {
-                    let r = self.running.remove(i);
-                    tracing::info!(request_id = %id, "aborted");
-                    self.retire(r, FinishReason::Abort, String::new(), "abort");
-                }
-            }
+    fn event(&mut self, (): ()) {}
+
+    fn turn(&mut self) -> Turn {
+        self.drop_disconnected();
+        self.make_room();
+        if self.running.is_empty() {
+            return Turn::Wait;
         }
+        self.step();
+        Turn::Busy
     }
 
+    fn publish(&mut self) {
+        self.count.store(self.running.len(), Ordering::Relaxed);
+        let s = self.model.pool.stats();
+        self.metrics.running.set(self.running.len() as i64);
+        self.metrics.kv_blocks_total.set(s.total_blocks as i64);
+        self.metrics.kv_blocks_free.set(s.free_blocks as i64);
+        self.metrics.mtp_acceptance.set(self.metrics.acceptance_rate());
+    }
+}
+
+impl Decode {
     fn admit(&mut self, mut a: Admitted) {
         if !self.speculate || !self.model.backend.has_mtp() {
             a.state.speculate = false;
@@ -176,9 +164,7 @@ impl Loop {
     }
 
     fn release(&self, id: &str) {
-        if let Err(e) = self.model.pool.release(id) {
-            tracing::error!(request_id = %id, error = %e, "releasing blocks");
-        }
+        compute_loop::release(&self.model.pool, id);
     }
 
     /// Sends the final event (if the client is still there), releases the blocks, counts the outcome.
@@ -300,13 +286,166 @@ impl Loop {
             }
         }
     }
+}
 
-    fn publish(&self) {
-        self.count.store(self.running.len(), Ordering::Relaxed);
-        let s = self.model.pool.stats();
-        self.metrics.running.set(self.running.len() as i64);
-        self.metrics.kv_blocks_total.set(s.total_blocks as i64);
-        self.metrics.kv_blocks_free.set(s.free_blocks as i64);
-        self.metrics.mtp_acceptance.set(self.metrics.acceptance_rate());
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use engine::sampling::SamplingParams;
+    use proto::v1::FinishReason;
+    use tokio::sync::mpsc::UnboundedReceiver;
+    use worker::Drain;
+    use worker::fake_backend::FakeBackend;
+
+    use super::*;
+
+    struct Env {
+        fake: Arc<FakeBackend>,
+        model: Arc<LoadedModel>,
+        sched: Arc<Scheduler>,
+        metrics: Arc<DecodeMetrics>,
+        drain: Arc<Drain>,
+    }
+
+    fn env() -> Env {
+        let fake = FakeBackend::new(1280);
+        let model = Arc::new(LoadedModel::from_backend(fake.clone(), 32, "fake").unwrap());
+        let metrics = Arc::new(DecodeMetrics::new(&prometheus::Registry::new()).unwrap());
+        let sched = Scheduler::start(model.clone(), metrics.clone(), true, 8).unwrap();
+        Env { fake, model, sched, metrics, drain: Drain::new() }
+    }
+
+    /// Admits a request whose `prompt` was prefilled elsewhere, with the prefill worker's first token and
+    /// draft as the fake computes them.
+    fn admit(e: &Env, id: &str, prompt_len: usize, max_tokens: u32) -> (Vec<u32>, UnboundedReceiver<DecodeEvent>) {
+        let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| 7 + i * 3).collect();
+        let first = e.fake.next(prompt[prompt_len - 1], prompt_len - 1);
+        let draft = e.fake.next(first, prompt_len);
+        let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) };
+        let table = e.model.pool.reserve(id, prompt_len + 2).unwrap();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let holding = Arc::new(AtomicUsize::new(1));
+        let a = Admitted {
+            id: id.to_string(),
+            state: SeqState::resume(prompt.clone(), prompt_len, first, Some(draft), params, table.blocks),
+            first: GeneratedToken { token_id: first, logprobs: None },
+            events: tx,
+            guard: e.drain.admit().unwrap(),
+            hold: Holding(holding),
+            timings: StageTimings::default(),
+            completed_at: Instant::now(),
+        };
+        assert!(e.sched.admit(a).is_ok());
+        (prompt, rx)
+    }
+
+    /// Events until the Finished one: (tokens streamed, the Finished event).
+    async fn drain_events(rx: &mut UnboundedReceiver<DecodeEvent>) -> (Vec<u32>, Finished) {
+        let mut tokens = Vec::new();
+        loop {
+            let ev = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await.expect("an event").expect("open");
+            match ev.event {
+                Some(Event::Tokens(t)) => tokens.extend(t.tokens.iter().map(|t| t.token_id)),
+                Some(Event::Finished(f)) => return (tokens, f),
+                other => panic!("unexpected event {other:?}"),
+            }
+        }
+    }
+
+    async fn wait_pool_empty(model: &LoadedModel) {
+        for _ in 0..500 {
+            if model.pool.stats().used_blocks == 0 {
+                model.pool.check_invariants().unwrap();
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        panic!("blocks still held: {:?}", model.pool.stats());
+    }
+
+    #[tokio::test]
+    async fn a_request_streams_max_tokens_with_accepted_drafts_then_releases_its_blocks() {
+        let e = env();
+        let (prompt, mut rx) = admit(&e, "r1", 10, 40);
+        let (tokens, fin) = drain_events(&mut rx).await;
+        assert_eq!(fin.reason, FinishReason::Length as i32, "{fin:?}");
+        assert_eq!(tokens.len(), 40);
+        // Each token follows the previous one exactly as the fake model predicts.
+        let mut prev = *prompt.last().unwrap();
+        for (i, &t) in tokens.iter().enumerate() {
+            assert_eq!(t, e.fake.next(prev, prompt.len() - 1 + i), "token {i}");
+            prev = t;
+        }
+        assert_eq!(fin.completion_tokens, 40);
+        assert!(fin.mtp_drafts > 0 && fin.mtp_accepted == fin.mtp_drafts, "the fake's drafts are always right");
+        wait_pool_empty(&e.model).await;
+        assert_eq!(e.metrics.requests.with_label_values(&["finished"]).get(), 1);
+    }
+
+    #[tokio::test]
+    async fn an_abort_mid_stream_finishes_with_abort_and_frees_the_blocks() {
+        let e = env();
+        let (_, mut rx) = admit(&e, "long", 10, 100_000);
+        // Let it run a few steps.
+        for _ in 0..3 {
+            rx.recv().await.unwrap();
+        }
+        e.sched.abort("long");
+        let (_, fin) = drain_events(&mut rx).await;
+        assert_eq!(fin.reason, FinishReason::Abort as i32);
+        wait_pool_empty(&e.model).await;
+        assert!(e.model.pool.stats().free_blocks == 32);
+    }
+
+    #[tokio::test]
+    async fn a_backend_failure_fails_the_batch_with_an_error_and_frees_the_blocks() {
+        let e = env();
+        e.fake.fail_next.store(true, std::sync::atomic::Ordering::SeqCst);
+        let (_, mut rx) = admit(&e, "doomed", 10, 20);
+        let (tokens, fin) = drain_events(&mut rx).await;
+        assert_eq!(tokens.len(), 1, "only the prefill worker's first token");
+        assert_eq!(fin.reason, FinishReason::Error as i32);
+        assert!(fin.error.contains("injected failure"), "{}", fin.error);
+        wait_pool_empty(&e.model).await;
+    }
+
+    #[tokio::test]
+    async fn a_client_that_goes_away_frees_the_blocks() {
+        let e = env();
+        let (_, rx) = admit(&e, "gone", 10, 100_000);
+        drop(rx);
+        wait_pool_empty(&e.model).await;
+        // The loop is idle again and serves the next request.
+        let (_, mut rx) = admit(&e, "next", 5, 3);
+        let (tokens, _) = drain_events(&mut rx).await;
+        assert_eq!(tokens.len(), 3);
+    }
+
+    #[tokio::test]
+    async fn requests_beyond_the_pool_are_preempted_not_failed() {
+        let e = env();
+        // 32 blocks of 64 tokens: two requests that each grow past 16 blocks cannot both finish.
+        let (_, mut a) = admit(&e, "a", 64 * 14, 64 * 4);
+        let (_, mut b) = admit(&e, "b", 64 * 14, 64 * 4);
+        let mut preempted = 0;
+        for rx in [&mut a, &mut b] {
+            loop {
+                let ev = tokio::time::timeout(Duration::from_secs(20), rx.recv()).await.unwrap().unwrap();
+                match ev.event {
+                    Some(Event::Preempted(_)) => {
+                        preempted += 1;
+                        break;
+                    }
+                    Some(Event::Finished(f)) => {
+                        assert_eq!(f.reason, FinishReason::Length as i32);
+                        break;
+                    }
+                    _ => {}
+                }
+            }
+        }
+        assert_eq!(preempted, 1, "the newest request is preempted, the other finishes");
+        wait_pool_empty(&e.model).await;
     }
 }

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use engine::generate::SeqState;
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use kv_transfer::{ExpectRequest, KvReceiver, TransferError, TransferOutcome};
 use proto::v1::decode_event::Event;
 use proto::v1::decode_worker_server::DecodeWorker;
@@ -104,7 +104,7 @@ impl DecodeWorker for DecodeService {
             }
         };
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let _ = tx.send(Ok(DecodeEvent { event: Some(Event::Reserved(Reserved { transfer: Some(desc) })) }));
+        let _ = tx.send(DecodeEvent { event: Some(Event::Reserved(Reserved { transfer: Some(desc) })) });
         sh.metrics.transferring.inc();
         tracing::info!(request_id = %id, tokens = r.token_ids.len(), blocks = table.len(), "reserved; awaiting transfer");
 
@@ -119,7 +119,7 @@ impl DecodeWorker for DecodeService {
             sh.metrics.transferring.dec();
             let send_finished = |tx: &EventTx, reason: FinishReason, error: String, timings: StageTimings| {
                 let fin = Finished { reason: reason as i32, error, timings: Some(timings), ..Default::default() };
-                let _ = tx.send(Ok(DecodeEvent { event: Some(Event::Finished(fin)) }));
+                let _ = tx.send(DecodeEvent { event: Some(Event::Finished(fin)) });
             };
             match outcome {
                 None => {
@@ -171,7 +171,8 @@ impl DecodeWorker for DecodeService {
                 }
             }
         });
-        let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
+        // The loop streams domain events; gRPC wraps each one.
+        let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(Ok::<_, Status>);
         Ok(Response::new(Box::pin(stream)))
     }
 

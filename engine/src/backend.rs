@@ -4,12 +4,22 @@
 //! `start .. start + tokens.len()`; the caches of positions `< start` are already in its blocks (earlier
 //! chunks, a prefix-cache hit, or a transfer from a prefill worker). Every call writes the caches of its
 //! own positions into the item's blocks, so the next call can continue from there.
+//!
+//! Memory belongs to the backend: it allocates the cache pool ([`Backend::allocate_cache`]) and reports
+//! what else it needs ([`Backend::memory_budget`]). Activations stay where they were computed: logits and
+//! hidden states come back as opaque [`DeviceRows`] that only the backend reads, so a step returns sampled
+//! tokens (and requested logprobs) to the host, nothing vocabulary-sized. Each layer's cache writes are
+//! announced with a [`LayerReady`] marker that other threads wait on before reading the bytes.
+
+use std::any::Any;
 
 use serde::{Deserialize, Serialize};
 
 use crate::ModelConfig;
-use crate::cache::{BlockId, CacheFormat, EntryDims, KvCache, LayerIdx};
+use crate::cache::{BlockId, CacheFormat, CacheGeometry, EntryDims, KvCache, LayerIdx};
 use crate::checkpoint::CheckpointError;
+use crate::memory::{MemoryBudget, ServingLimits};
+use crate::sampling::{History, Sampled, SamplingParams};
 
 /// Numeric mode of a backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -74,28 +84,74 @@ pub struct SeqInput<'a> {
 pub struct MtpInput<'a> {
     /// The token at position `p + 1` for each MTP position `p`.
     pub next_tokens: &'a [u32],
-    /// Main-model final hidden states (after the final norm), one row of hidden_size per position.
-    pub hidden: &'a [f32],
+    /// Main-model final hidden states (after the final norm) from this backend's main-model call: the
+    /// first `next_tokens.len()` rows are used.
+    pub hidden: &'a DeviceRows,
     pub start: usize,
     pub blocks: &'a [BlockId],
     pub logits: Logits,
 }
 
-/// Outputs for one item.
-#[derive(Debug, Clone, Default)]
-pub struct SeqOutput {
-    /// Logits rows (0, 1 or one per position, per `Logits`), each vocab_size long.
-    pub logits: Vec<f32>,
-    /// Final hidden states (after the final norm) of every position, hidden_size each: the MTP input.
-    pub hidden: Vec<f32>,
+/// Rows of activations (logits, hidden states) where the backend computed them: host memory on the CPU,
+/// device memory on a GPU. Opaque to everyone but the backend that made them; [`Backend::rows_to_host`]
+/// copies them out for tests and diagnostics, never on the serving path.
+pub struct DeviceRows {
+    rows: usize,
+    width: usize,
+    data: Box<dyn Any + Send + Sync>,
 }
 
-impl SeqOutput {
-    /// Logits row `i`.
-    pub fn logits_row(&self, i: usize, vocab: usize) -> &[f32] {
-        &self.logits[i * vocab..(i + 1) * vocab]
+impl DeviceRows {
+    /// Wraps a backend's own storage of `rows` rows of `width` values.
+    pub fn new<T: Any + Send + Sync>(rows: usize, width: usize, data: T) -> Self {
+        DeviceRows { rows, width, data: Box::new(data) }
+    }
+
+    /// No rows.
+    pub fn empty() -> Self {
+        DeviceRows::new(0, 0, ())
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn width(&self) -> usize {
+        self.width
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows == 0
+    }
+
+    /// The backend's storage, if it is a `T`.
+    pub fn downcast_ref<T: Any>(&self) -> Option<&T> {
+        self.data.downcast_ref()
     }
 }
+
+impl Default for DeviceRows {
+    fn default() -> Self {
+        DeviceRows::empty()
+    }
+}
+
+impl std::fmt::Debug for DeviceRows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceRows").field("rows", &self.rows).field("width", &self.width).finish()
+    }
+}
+
+/// Outputs for one item, kept by the backend.
+#[derive(Debug, Default)]
+pub struct SeqOutput {
+    /// Logits rows (0, 1 or one per position, per `Logits`), vocab_size wide.
+    pub logits: DeviceRows,
+    /// Final hidden states (after the final norm) of every position, hidden_size wide: the MTP input.
+    pub hidden: DeviceRows,
+}
+
+pub use crate::cache::{Fence, LayerReady};
 
 /// Attention form: MHA over decompressed keys (prefill) or MQA over the latent (absorbed decode).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,11 +168,13 @@ pub enum EngineError {
     Checkpoint(#[from] CheckpointError),
     #[error("unsupported: {0}")]
     Unsupported(String),
+    #[error("device: {0}")]
+    Device(String),
 }
 
-/// Called with each layer index as soon as that layer's caches are written for the whole batch, so the
-/// prefill worker can start shipping them while later layers compute.
-pub type LayerDone<'a> = &'a mut dyn FnMut(LayerIdx);
+/// Called with each layer index as soon as that layer's caches are issued for the whole batch, with the
+/// marker of their completion, so the prefill worker can ship them while later layers compute.
+pub type LayerDone<'a> = &'a mut (dyn FnMut(LayerIdx, LayerReady) + Send);
 
 pub trait Backend: Send + Sync {
     /// Short name for logs ("cpu", "cuda").
@@ -126,8 +184,49 @@ pub trait Backend: Send + Sync {
 
     /// Dimensions of cached vectors; with `precision().cache_format()` they fix the pool's byte layout.
     fn entry_dims(&self) -> EntryDims {
-        EntryDims::from_config(self.config())
+        self.config().entry_dims()
     }
+
+    /// Cache layers this backend runs: the decoder layers and the one MTP layer it serves (when the
+    /// checkpoint has any). The pool, manifests and transfers cover exactly these.
+    fn cache_layers(&self) -> usize {
+        self.config().num_cache_layers()
+    }
+
+    /// The pool's memory in the place this backend computes from (host memory on the CPU, device memory
+    /// on a GPU). Called once at startup: serving allocates nothing per request.
+    fn allocate_cache(&self, geometry: CacheGeometry) -> Result<KvCache, EngineError>;
+
+    /// What the backend needs besides the cache pool at these serving limits.
+    fn memory_budget(&self, limits: &ServingLimits) -> MemoryBudget;
+
+    /// Bytes of the memory the pool and the budget share (a GPU's memory), or `None` where the pool is
+    /// sized by `--kv-blocks` (the CPU).
+    fn memory_capacity(&self) -> Option<u64> {
+        None
+    }
+
+    /// A marker reached when all work issued so far is done.
+    fn fence(&self) -> LayerReady {
+        LayerReady::complete()
+    }
+
+    /// Samples from row `row` of `logits` (this backend's rows) for one request; only the token and
+    /// its requested logprobs come back.
+    fn sample(
+        &self,
+        logits: &DeviceRows,
+        row: usize,
+        params: &SamplingParams,
+        history: History<'_>,
+        eos: &[u32],
+    ) -> Result<Sampled, EngineError>;
+
+    /// The MTP draft of row `row`: its argmax token and that token's probability.
+    fn draft(&self, logits: &DeviceRows, row: usize) -> Result<(u32, f32), EngineError>;
+
+    /// Copies rows to the host (tests, diagnostics).
+    fn rows_to_host(&self, rows: &DeviceRows) -> Result<Vec<f32>, EngineError>;
 
     /// Main model, prefill form (MHA over the selected tokens). Writes every layer's caches.
     fn prefill(
@@ -141,8 +240,9 @@ pub trait Backend: Send + Sync {
     /// verification). Writes every layer's caches for the new positions.
     fn decode(&self, cache: &KvCache, batch: &[SeqInput<'_>]) -> Result<Vec<SeqOutput>, EngineError>;
 
-    /// The MTP layer (layer index num_hidden_layers) over `batch`, in the given form; logits are the draft
-    /// distribution for the token after each position's next token.
+    /// The first MTP layer (cache layer num_hidden_layers) over `batch`, in the given form; logits are the
+    /// draft distribution for the token after each position's next token. Further MTP layers of a
+    /// checkpoint are not served.
     fn mtp(
         &self,
         cache: &KvCache,

@@ -332,8 +332,29 @@ impl ModelConfig {
         Ok(())
     }
 
-    /// Layers whose caches a request holds: the decoder layers, then the MTP layers.
+    /// Dimensions of the cached vectors.
+    pub fn entry_dims(&self) -> crate::cache::EntryDims {
+        crate::cache::EntryDims {
+            kv_lora_rank: self.kv_lora_rank,
+            rope_dim: self.qk_rope_head_dim,
+            index_dim: self.index_head_dim,
+        }
+    }
+
+    /// Layers whose caches a request holds: the decoder layers, then the one MTP layer that is served.
+    /// A checkpoint may ship more MTP layers (`num_nextn_predict_layers > 1`); only the first drafts
+    /// (one draft token per step), so the pool, manifests and transfers cover exactly these layers.
     pub fn num_cache_layers(&self) -> usize {
+        self.num_hidden_layers + self.num_served_mtp_layers()
+    }
+
+    /// MTP layers that run: the first one, when the checkpoint has any.
+    pub fn num_served_mtp_layers(&self) -> usize {
+        self.num_nextn_predict_layers.min(1)
+    }
+
+    /// Every layer the checkpoint holds (decoder layers, then all its MTP layers).
+    pub fn num_checkpoint_layers(&self) -> usize {
         self.num_hidden_layers + self.num_nextn_predict_layers
     }
 
@@ -543,6 +564,11 @@ mod tests {
         })
         .unwrap();
         assert_eq!(c.num_cache_layers(), 4);
+        let c = with(|m| {
+            m.insert("num_nextn_predict_layers".into(), 2.into());
+        })
+        .unwrap();
+        assert_eq!((c.num_cache_layers(), c.num_checkpoint_layers()), (4, 5), "only the first MTP layer is served");
         assert!(c.is_moe_layer(3));
         let c = with(|m| {
             m.remove("num_nextn_predict_layers");

@@ -14,7 +14,11 @@
 //! and they are the very tokens non-speculative decoding emits for the same seed, whatever the schedule
 //! (batching, preemption, which worker decodes).
 
-use crate::backend::{AttnForm, Backend, EngineError, LayerDone, Logits, MtpInput, SeqInput, SeqOutput};
+//!
+//! Logits and hidden states stay in the backend ([`crate::DeviceRows`]): this module asks the backend to
+//! sample and to draft, and gets back tokens and requested logprobs only.
+
+use crate::backend::{AttnForm, Backend, DeviceRows, EngineError, LayerDone, Logits, MtpInput, SeqInput, SeqOutput};
 use crate::cache::{BlockId, KvCache, LayerIdx};
 use crate::sampling::{self, Finish, History, Sampled, SamplingParams};
 
@@ -136,11 +140,18 @@ fn history(s: &SeqState) -> History<'_> {
     History { prompt: s.prompt(), output: s.generated() }
 }
 
-/// Samples output token number `generated().len()` from `logits`, appends it, checks stop conditions.
-fn take(s: &mut SeqState, logits: &[f32], eos: &[u32]) -> Sampled {
-    let t = sampling::sample(logits, &s.params, history(s), eos);
+/// Samples output token number `generated().len()` from row `row` of `logits`, appends it, checks stop
+/// conditions.
+fn take(
+    backend: &dyn Backend,
+    s: &mut SeqState,
+    logits: &DeviceRows,
+    row: usize,
+    eos: &[u32],
+) -> Result<Sampled, EngineError> {
+    let t = backend.sample(logits, row, &s.params, history(s), eos)?;
     push(s, t.clone(), eos);
-    t
+    Ok(t)
 }
 
 fn push(s: &mut SeqState, t: Sampled, eos: &[u32]) {
@@ -149,11 +160,9 @@ fn push(s: &mut SeqState, t: Sampled, eos: &[u32]) {
     s.finished = sampling::finish_reason(t.token, count, &s.params, eos);
 }
 
-/// Verifies `draft` against the target logits of the pending position; returns the token to emit and
-/// whether the draft was accepted. The token is the position's own sample (the same draw as without
-/// speculation), and the draft is accepted when it equals it.
-fn verify(s: &SeqState, logits: &[f32], draft: u32, eos: &[u32]) -> (Sampled, bool) {
-    let t = sampling::sample(logits, &s.params, history(s), eos);
+/// Verifies `draft` given the pending position's own sample `t` from the target logits (the same draw as
+/// without speculation): the token to emit is `t`, and the draft is accepted when it equals it.
+fn verify(t: Sampled, draft: u32) -> (Sampled, bool) {
     let accepted = t.token == draft;
     (t, accepted)
 }
@@ -200,8 +209,9 @@ pub fn prefill(
     // Replays first: when the prefill form announces a layer, the whole batch has written it.
     let mut replayed = backend.decode(cache, &replay_in)?.into_iter();
     let mut prefilled = if prefill_in.is_empty() {
+        let ready = backend.fence();
         for l in 0..backend.config().num_hidden_layers {
-            on_layer(LayerIdx(l as u32));
+            on_layer(LayerIdx(l as u32), ready.clone());
         }
         Vec::new().into_iter()
     } else {
@@ -216,7 +226,7 @@ pub fn prefill(
     let mut results = vec![StepOutput::default(); seqs.len()];
     for ((s, out), (res, &(_, b))) in seqs.iter_mut().zip(&outs).zip(results.iter_mut().zip(&ranges)) {
         if b == s.prefill_len {
-            res.tokens.push(take(s, &out.logits, &eos));
+            res.tokens.push(take(backend, s, &out.logits, 0, &eos)?);
             res.finished = s.finished;
         }
     }
@@ -243,7 +253,6 @@ fn run_mtp(
     }
     // MTP position p needs the token at p + 1, known for every position of a range once its last token is
     // sampled; finished sequences need no more MTP caches.
-    let hidden = backend.config().hidden_size;
     let mut idx = Vec::new();
     let mut inputs = Vec::new();
     for (i, (s, &(a, b))) in seqs.iter().zip(ranges).enumerate() {
@@ -253,7 +262,7 @@ fn run_mtp(
         idx.push(i);
         inputs.push(MtpInput {
             next_tokens: &s.tokens[a + 1..=b],
-            hidden: &outs[i].hidden[..(b - a) * hidden],
+            hidden: &outs[i].hidden,
             start: a,
             blocks: &s.blocks,
             logits: Logits::Last,
@@ -269,10 +278,9 @@ fn run_mtp(
         let b = ranges[i].1;
         // A draft only where the range ends at the pending token (the prompt is done) and drafts are used.
         if b + 1 == s.tokens.len() && s.speculate {
-            let lp = sampling::log_softmax(&out.logits);
-            let d = sampling::argmax(&out.logits);
+            let (d, p) = backend.draft(&out.logits, 0)?;
             s.draft = Some(d);
-            s.draft_prob = lp[d as usize].exp();
+            s.draft_prob = p;
         } else {
             s.draft = None;
         }
@@ -304,34 +312,33 @@ pub fn decode_step(
         .collect();
     let outs = backend.decode(cache, &inputs)?;
     drop(inputs);
-    let vocab = backend.config().vocab_size;
     let mut results = vec![StepOutput::default(); seqs.len()];
     let mut ranges = Vec::with_capacity(seqs.len());
     for ((s, out), (res, draft)) in seqs.iter_mut().zip(&outs).zip(results.iter_mut().zip(&drafts)) {
         let start = s.fed;
-        let row0 = out.logits_row(0, vocab);
         let mut fed = 1;
         match draft {
             Some(d) => {
                 s.drafts_proposed += 1;
-                let (tok, accepted) = verify(s, row0, *d, &eos);
+                let t = backend.sample(&out.logits, 0, &s.params, history(s), &eos)?;
+                let (tok, accepted) = verify(t, *d);
                 push(s, tok.clone(), &eos);
                 res.tokens.push(tok);
                 if accepted {
                     s.drafts_accepted += 1;
                     fed = 2;
                     if s.finished.is_none() {
-                        res.tokens.push(take(s, out.logits_row(1, vocab), &eos));
+                        res.tokens.push(take(backend, s, &out.logits, 1, &eos)?);
                     }
                 }
             }
-            None => res.tokens.push(take(s, row0, &eos)),
+            None => res.tokens.push(take(backend, s, &out.logits, 0, &eos)?),
         }
         res.finished = s.finished;
         s.draft = None;
         ranges.push((start, start + fed));
     }
-    run_mtp(backend, cache, seqs, &ranges, &outs, AttnForm::Decode, &mut |_| {})?;
+    run_mtp(backend, cache, seqs, &ranges, &outs, AttnForm::Decode, &mut |_, _| {})?;
     for (s, &(_, b)) in seqs.iter_mut().zip(&ranges) {
         s.fed = b;
     }
@@ -377,7 +384,7 @@ pub fn generate(
     s.speculate = speculate;
     let mut tokens = Vec::new();
     while !s.prefill_done() {
-        let out = prefill(backend, cache, &mut [&mut s], &[chunk], &mut |_| {})?;
+        let out = prefill(backend, cache, &mut [&mut s], &[chunk], &mut |_, _| {})?;
         tokens.extend(out.into_iter().flat_map(|o| o.tokens));
     }
     let mut drafts = Vec::new();
@@ -430,7 +437,7 @@ mod tests {
             for seed in 0..n {
                 let mut s = base.clone();
                 s.params.seed = seed as u64;
-                let (tok, acc) = verify(&s, &logits, draft, &[]);
+                let (tok, acc) = verify(sampling::sample(&logits, &s.params, history(&s), &[]), draft);
                 counts[tok.token as usize] += 1;
                 accepted += usize::from(acc);
             }
@@ -447,8 +454,9 @@ mod tests {
     fn greedy_verification_accepts_exactly_the_argmax() {
         let logits = vec![0.0f32, 3.0, 1.0];
         let s = SeqState::new(vec![0], SamplingParams::greedy(4), Vec::new(), 1);
-        assert!(verify(&s, &logits, 1, &[]).1);
-        let (tok, acc) = verify(&s, &logits, 2, &[]);
+        let sample = || sampling::sample(&logits, &s.params, history(&s), &[]);
+        assert!(verify(sample(), 1).1);
+        let (tok, acc) = verify(sample(), 2);
         assert!(!acc);
         assert_eq!(tok.token, 1);
     }

@@ -3,24 +3,32 @@
 //! - [`config`]: the HF `config.json` of a DeepSeek-V3.2 checkpoint.
 //! - [`checkpoint`]: sharded safetensors, tensor names and shapes, FP8 block scales, `verify`.
 //! - [`cache`]: the paged cache formats (656-byte FP8 MLA entry, 8448-byte indexer block) and the block
-//!   allocator whose arena kv-transfer registers with UCX.
-//! - [`backend`]: the trait every backend implements; [`cpu`]: the CPU reference backend.
+//!   allocator whose arena kv-transfer registers with UCX (the `kv-cache` crate, re-exported).
+//! - [`backend`]: the trait every backend implements; [`cpu`]: the CPU reference backend;
+//!   [`device`]: `--device cpu|cuda[:N]` and the factory, the one place a backend is constructed.
+//! - [`memory`]: the backend's memory budget and the pool size it leaves.
 //! - [`cuda`]: the GPU side: NVRTC-compiled kernels with an on-disk cache, the device, launch wrappers.
 //! - [`rope`], [`fp8`]: shared numerics.
 
 #![recursion_limit = "256"]
 
 pub mod backend;
-pub mod cache;
+/// The paged cache layouts (the `kv-cache` crate, shared with kv-transfer).
+pub use kv_cache as cache;
+pub use kv_cache::fp8;
 pub mod checkpoint;
 pub mod config;
 pub mod cpu;
 pub mod cuda;
-pub mod fp8;
+pub mod device;
 pub mod generate;
+pub mod memory;
 pub mod rope;
 pub mod sampling;
 pub mod tiny;
 
-pub use backend::{AttnForm, Backend, EngineError, Logits, MtpInput, Precision, SeqInput, SeqOutput};
+pub use backend::{
+    AttnForm, Backend, DeviceRows, EngineError, Fence, LayerReady, Logits, MtpInput, Precision, SeqInput, SeqOutput,
+};
 pub use config::ModelConfig;
+pub use device::Device;

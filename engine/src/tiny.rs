@@ -200,7 +200,19 @@ pub fn tensors(cfg: &ModelConfig, seed: u64) -> Vec<(String, OwnedTensor)> {
 
 /// Writes the tiny checkpoint (everything but the tokenizer) into `dir`, which must exist.
 pub fn write(dir: &Path, seed: u64, vocab_size: usize) -> Result<(), CheckpointError> {
-    let config = config_json(vocab_size);
+    write_with_mtp_layers(dir, seed, vocab_size, 1)
+}
+
+/// The tiny checkpoint with `mtp_layers` MTP layers (`num_nextn_predict_layers`); only the first is
+/// served, the others exercise checkpoints that ship more.
+pub fn write_with_mtp_layers(
+    dir: &Path,
+    seed: u64,
+    vocab_size: usize,
+    mtp_layers: usize,
+) -> Result<(), CheckpointError> {
+    let mut config = config_json(vocab_size);
+    config["num_nextn_predict_layers"] = json!(mtp_layers);
     let cfg = ModelConfig::from_json(&config)?;
     let write_json = |name: &str, v: &Value| {
         let path = dir.join(name);
@@ -238,5 +250,16 @@ mod tests {
         assert_eq!(ca.tensor("model.layers.1.self_attn.q_a_proj.weight_scale_inv").unwrap().shape, &[2, 2]);
         write(b.path(), 8, 1280).unwrap();
         assert_ne!(Checkpoint::open(b.path()).unwrap().fingerprint(), ca.fingerprint(), "the seed matters");
+    }
+
+    #[test]
+    fn a_second_mtp_layer_is_written_and_verifies() {
+        let d = tempfile::tempdir().unwrap();
+        write_with_mtp_layers(d.path(), 7, 1280, 2).unwrap();
+        let c = Checkpoint::open(d.path()).unwrap();
+        assert_eq!(c.config().num_nextn_predict_layers, 2);
+        assert!(c.contains("model.layers.5.eh_proj.weight") && c.contains("model.layers.5.mlp.gate.weight"));
+        assert!(c.unexpected().is_empty());
+        assert_eq!(c.config().num_cache_layers(), 5, "4 decoder layers and the first MTP layer");
     }
 }

@@ -139,10 +139,10 @@ fn prefill_all(r: &Run, tokens: &[u32]) -> Vec<f32> {
     let table = r.pool.reserve("oneshot", tokens.len()).unwrap();
     let out = r
         .backend
-        .prefill(&r.cache, &[SeqInput { tokens, start: 0, blocks: &table.blocks, logits: Logits::All }], &mut |_| {})
+        .prefill(&r.cache, &[SeqInput { tokens, start: 0, blocks: &table.blocks, logits: Logits::All }], &mut |_, _| {})
         .unwrap();
     r.pool.release("oneshot").unwrap();
-    out.into_iter().next().unwrap().logits
+    r.backend.rows_to_host(&out[0].logits).unwrap()
 }
 
 /// Prefill the prompt, then greedy decode steps (one token each) through the paged cache.
@@ -154,10 +154,10 @@ fn greedy_by_decode(r: &Run, prompt: &[u32], n: usize) -> Vec<u32> {
         .prefill(
             &r.cache,
             &[SeqInput { tokens: prompt, start: 0, blocks: &table.blocks, logits: Logits::Last }],
-            &mut |_| {},
+            &mut |_, _| {},
         )
         .unwrap();
-    let mut toks = vec![argmax(&out[0].logits[..vocab])];
+    let mut toks = vec![argmax(&r.backend.rows_to_host(&out[0].logits).unwrap()[..vocab])];
     while toks.len() < n {
         let pos = prompt.len() + toks.len() - 1;
         let last = [*toks.last().unwrap()];
@@ -165,7 +165,7 @@ fn greedy_by_decode(r: &Run, prompt: &[u32], n: usize) -> Vec<u32> {
             .backend
             .decode(&r.cache, &[SeqInput { tokens: &last, start: pos, blocks: &table.blocks, logits: Logits::Last }])
             .unwrap();
-        toks.push(argmax(&out[0].logits));
+        toks.push(argmax(&r.backend.rows_to_host(&out[0].logits).unwrap()));
     }
     r.pool.release("decode").unwrap();
     toks

@@ -59,10 +59,10 @@ fn prompt(n: usize, salt: u64) -> Vec<u32> {
 fn prefill_all(e: &Env, id: &str, tokens: &[u32]) -> Vec<f32> {
     let t = e.pool.reserve(id, tokens.len()).unwrap();
     let out =
-        e.b.prefill(&e.cache, &[SeqInput { tokens, start: 0, blocks: &t.blocks, logits: Logits::All }], &mut |_| {})
+        e.b.prefill(&e.cache, &[SeqInput { tokens, start: 0, blocks: &t.blocks, logits: Logits::All }], &mut |_, _| {})
             .unwrap();
     e.pool.release(id).unwrap();
-    out.into_iter().next().unwrap().logits
+    e.b.rows_to_host(&out[0].logits).unwrap()
 }
 
 fn max_rel(a: &[f32], b: &[f32]) -> f32 {
@@ -85,7 +85,7 @@ fn prefill_logits_equal_decode_logits_fed_token_by_token() {
                 .b
                 .decode(&e.cache, &[SeqInput { tokens: &[*tok], start: p, blocks: &t.blocks, logits: Logits::Last }])
                 .unwrap();
-            stepwise.push(out[0].logits.clone());
+            stepwise.push(e.b.rows_to_host(&out[0].logits).unwrap());
         }
         let agree =
             (0..toks.len()).filter(|&p| argmax(&stepwise[p]) == argmax(&pre[p * VOCAB..(p + 1) * VOCAB])).count();
@@ -96,7 +96,7 @@ fn prefill_logits_equal_decode_logits_fed_token_by_token() {
         e.b.prefill(
             &e.cache,
             &[SeqInput { tokens: &toks, start: 0, blocks: &table.blocks, logits: Logits::None }],
-            &mut |_| {},
+            &mut |_, _| {},
         )
         .unwrap();
         let (mut worst, mut close) = (0f32, 0);
@@ -107,7 +107,7 @@ fn prefill_logits_equal_decode_logits_fed_token_by_token() {
                     &[SeqInput { tokens: &toks[p..p + 1], start: p, blocks: &table.blocks, logits: Logits::Last }],
                 )
                 .unwrap();
-            let d = max_rel(&out[0].logits, &pre[p * VOCAB..(p + 1) * VOCAB]);
+            let d = max_rel(&e.b.rows_to_host(&out[0].logits).unwrap(), &pre[p * VOCAB..(p + 1) * VOCAB]);
             worst = worst.max(d);
             close += usize::from(d < 1e-4);
         }
@@ -146,10 +146,10 @@ fn chunked_prefill_is_bitwise_one_shot_prefill() {
                 e.b.prefill(
                     &e.cache,
                     &[SeqInput { tokens: &toks[a..b], start: a, blocks: &t.blocks, logits: Logits::All }],
-                    &mut |_| {},
+                    &mut |_, _| {},
                 )
                 .unwrap();
-            chunked.extend_from_slice(&out[0].logits);
+            chunked.extend_from_slice(&e.b.rows_to_host(&out[0].logits).unwrap());
         }
         assert!(one == chunked, "{prec:?}: chunked prefill differs from one-shot");
         e.pool.release("chunks").unwrap();
@@ -169,9 +169,9 @@ fn a_requests_logits_do_not_depend_on_its_batch() {
         SeqInput { tokens: &a, start: 0, blocks: &ta.blocks, logits: Logits::All },
         SeqInput { tokens: &c, start: 0, blocks: &tc.blocks, logits: Logits::None },
     ];
-    let out = e.b.prefill(&e.cache, &batch, &mut |_| {}).unwrap();
-    assert!(out[1].logits == alone, "prefill of a batched with others differs");
-    assert_eq!(out[2].logits.len(), 0);
+    let out = e.b.prefill(&e.cache, &batch, &mut |_, _| {}).unwrap();
+    assert!(e.b.rows_to_host(&out[1].logits).unwrap() == alone, "prefill of a batched with others differs");
+    assert_eq!(out[2].logits.rows(), 0);
     // Decode: a's next token alone, then batched with b and c, then with a second query token (MTP shape).
     let next = [argmax(&alone[(a.len() - 1) * VOCAB..])];
     let solo =
@@ -188,12 +188,18 @@ fn a_requests_logits_do_not_depend_on_its_batch() {
             ],
         )
         .unwrap();
-    assert!(many[1].logits == solo[0].logits, "decode of a batched with others differs");
+    assert!(
+        e.b.rows_to_host(&many[1].logits).unwrap() == e.b.rows_to_host(&solo[0].logits).unwrap(),
+        "decode of a batched with others differs"
+    );
     let two = [next[0], 77];
     let wide =
         e.b.decode(&e.cache, &[SeqInput { tokens: &two, start: a.len(), blocks: &ta.blocks, logits: Logits::All }])
             .unwrap();
-    assert!(wide[0].logits[..VOCAB] == solo[0].logits[..], "a second query token changes the first one's logits");
+    assert!(
+        e.b.rows_to_host(&wide[0].logits).unwrap()[..VOCAB] == e.b.rows_to_host(&solo[0].logits).unwrap()[..],
+        "a second query token changes the first one's logits"
+    );
     for id in ["a", "b", "c"] {
         e.pool.release(id).unwrap();
     }
@@ -231,7 +237,7 @@ fn speculative_greedy_output_equals_plain_greedy_output() {
             let t = e.pool.reserve("forced", toks.len() + 30).unwrap();
             let mut s = SeqState::new(toks.clone(), params.clone(), t.blocks, 0);
             let mut out =
-                generate::prefill(e.b, &e.cache, &mut [&mut s], &[4096], &mut |_| {}).unwrap().remove(0).tokens;
+                generate::prefill(e.b, &e.cache, &mut [&mut s], &[4096], &mut |_, _| {}).unwrap().remove(0).tokens;
             while s.finished.is_none() {
                 let next = target.get(s.generated().len()).copied().unwrap_or(0);
                 s.draft = Some(if force_accept { next } else { (next + 1) % VOCAB as u32 });
@@ -307,12 +313,12 @@ fn seeded_sampling_is_the_same_alone_and_in_any_batch_after_a_hand_off() {
                     chunks.push(chunk);
                 }
             }
-            let out = generate::prefill(e.b, &e.cache, &mut batch, &chunks, &mut |_| {}).unwrap();
+            let out = generate::prefill(e.b, &e.cache, &mut batch, &chunks, &mut |_, _| {}).unwrap();
             first.extend(out[at].tokens.iter().map(|t| t.token));
         }
         for (s, chunk) in [(&mut sb, 16), (&mut sc, 50)] {
             while !s.prefill_done() {
-                generate::prefill(e.b, &e.cache, &mut [&mut *s], &[chunk], &mut |_| {}).unwrap();
+                generate::prefill(e.b, &e.cache, &mut [&mut *s], &[chunk], &mut |_, _| {}).unwrap();
             }
         }
         assert_eq!(first.len(), 1, "a's first token comes from its last prefill chunk");
@@ -380,7 +386,7 @@ fn bad_input_is_an_error_not_a_panic() {
     let e = env(Precision::Fp8);
     let t = e.pool.reserve("bad", 64).unwrap();
     let call = |tokens: &[u32], start: usize, blocks: &[engine::cache::BlockId]| {
-        e.b.prefill(&e.cache, &[SeqInput { tokens, start, blocks, logits: Logits::Last }], &mut |_| {})
+        e.b.prefill(&e.cache, &[SeqInput { tokens, start, blocks, logits: Logits::Last }], &mut |_, _| {})
     };
     assert!(call(&[VOCAB as u32], 0, &t.blocks).unwrap_err().to_string().contains("vocab_size"));
     assert!(call(&[5; 65], 0, &t.blocks).unwrap_err().to_string().contains("blocks"));
@@ -393,7 +399,7 @@ fn bad_input_is_an_error_not_a_panic() {
         e.b.prefill(
             &wrong,
             &[SeqInput { tokens: &[5], start: 0, blocks: &t.blocks[..1], logits: Logits::Last }],
-            &mut |_| {}
+            &mut |_, _| {}
         )
         .is_err()
     );
@@ -407,7 +413,11 @@ fn layer_notifications_cover_every_cache_layer_in_order() {
     let t = e.pool.reserve("notify", 16).unwrap();
     let mut s = SeqState::new(toks, SamplingParams::greedy(4), t.blocks, 0);
     let mut seen = Vec::new();
-    generate::prefill(e.b, &e.cache, &mut [&mut s], &[4096], &mut |l| seen.push(l.0)).unwrap();
+    generate::prefill(e.b, &e.cache, &mut [&mut s], &[4096], &mut |l, ready: engine::LayerReady| {
+        assert!(ready.is_complete(), "the CPU writes synchronously");
+        seen.push(l.0)
+    })
+    .unwrap();
     assert_eq!(seen, (0..e.b.config().num_cache_layers() as u32).collect::<Vec<_>>());
     e.pool.release("notify").unwrap();
 }
@@ -440,7 +450,7 @@ fn re_prefill_after_preemption_continues_the_same_output() {
                 let mut out: Vec<u32> = Vec::new();
                 while !s.prefill_done() {
                     let mut layers = Vec::new();
-                    let step = generate::prefill(e.b, &e.cache, &mut [&mut s], &[16], &mut |l| layers.push(l.0));
+                    let step = generate::prefill(e.b, &e.cache, &mut [&mut s], &[16], &mut |l, _| layers.push(l.0));
                     out.extend(step.unwrap().remove(0).tokens.iter().map(|t| t.token));
                     let main = e.b.config().num_hidden_layers as u32;
                     assert_eq!(
@@ -479,7 +489,7 @@ fn re_prefill_after_preemption_writes_the_same_cache_bytes() {
     let a = e.pool.reserve("whole", toks.len() + 64).unwrap();
     let mut s = SeqState::new(toks.clone(), params.clone(), a.blocks.clone(), 0);
     while !s.prefill_done() {
-        generate::prefill(e.b, &e.cache, &mut [&mut s], &[64], &mut |_| {}).unwrap();
+        generate::prefill(e.b, &e.cache, &mut [&mut s], &[64], &mut |_, _| {}).unwrap();
     }
     while s.fed < toks.len() + k {
         generate::decode_step(e.b, &e.cache, &mut [&mut s]).unwrap();
@@ -492,7 +502,7 @@ fn re_prefill_after_preemption_writes_the_same_cache_bytes() {
     let b = e.pool.reserve("again", seq.len() + 2).unwrap();
     let mut c = SeqState::continuing(seq, toks.len(), params, b.blocks.clone());
     while !c.prefill_done() {
-        generate::prefill(e.b, &e.cache, &mut [&mut c], &[16], &mut |_| {}).unwrap();
+        generate::prefill(e.b, &e.cache, &mut [&mut c], &[16], &mut |_, _| {}).unwrap();
     }
     assert_eq!(c.generated()[k], s.generated()[k], "the next sample");
 
@@ -501,7 +511,10 @@ fn re_prefill_after_preemption_writes_the_same_cache_bytes() {
         for p in 0..toks.len() + k {
             let at = |blocks: &[engine::cache::BlockId]| {
                 // SAFETY: both reservations are held and no computation runs while we read.
-                unsafe { e.cache.latent_entry(engine::cache::LayerIdx(l as u32), blocks[p / 64], p % 64) }.to_vec()
+                unsafe {
+                    e.cache.host().unwrap().latent_entry(engine::cache::LayerIdx(l as u32), blocks[p / 64], p % 64)
+                }
+                .to_vec()
             };
             if at(&a.blocks) != at(&b.blocks) {
                 differing.push((l, p));

@@ -2,7 +2,7 @@
 //! same cache format. The served name is informational (aliases are fine); everything that changes bytes
 //! must match.
 
-use engine::cache::{BLOCK_SIZE, CacheGeometry};
+use kv_cache::{BLOCK_SIZE, CacheGeometry};
 use proto::v1::ModelFingerprint;
 
 use crate::TransferError;
@@ -53,7 +53,7 @@ fn short(h: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use engine::cache::{CacheFormat, EntryDims};
+    use kv_cache::{CacheFormat, EntryDims};
 
     fn fp() -> ModelFingerprint {
         ModelFingerprint {

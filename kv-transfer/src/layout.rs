@@ -5,7 +5,7 @@
 //! latent run of the last block carries only the request's tokens (a partial block ships
 //! `tokens % 64` entries); indexer blocks always ship whole (values and scales are split inside a block).
 
-use engine::cache::{BLOCK_SIZE, BlockId, CacheGeometry, LayerIdx};
+use kv_cache::{BLOCK_SIZE, BlockId, CacheGeometry, LayerIdx};
 use proto::v1::{CacheLayout, MemoryRegion};
 use xxhash_rust::xxh3::Xxh3;
 
@@ -191,7 +191,7 @@ pub unsafe fn checksum_segments(base: *const u8, segments: impl Iterator<Item = 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use engine::cache::{CacheFormat, EntryDims};
+    use kv_cache::{CacheFormat, EntryDims};
 
     fn geo(blocks: usize) -> CacheGeometry {
         CacheGeometry::new(CacheFormat::Fp8, EntryDims::DEEPSEEK_V32, 3, blocks)

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use engine::cache::{BlockPool, CacheFormat, CacheGeometry, EntryDims, KvCache};
+use kv_cache::{BlockPool, CacheFormat, CacheGeometry, EntryDims, KvCache};
 use proto::v1::ModelFingerprint;
 
 /// A fingerprint matching `g`.
@@ -32,7 +32,7 @@ pub fn filled_cache(g: CacheGeometry, seed: u64) -> (Arc<KvCache>, Arc<BlockPool
 pub fn fill(cache: &KvCache, seed: u64) {
     let len = cache.arena().len();
     // SAFETY: test setup, no concurrent access.
-    let bytes = unsafe { cache.arena().slice_mut(0, len) };
+    let bytes = unsafe { cache.arena().slice_mut(0, len) }.expect("a host test cache");
     let mut x = seed | 1;
     for chunk in bytes.chunks_mut(8) {
         x ^= x << 13;

@@ -9,7 +9,7 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{Kind, Opts, pair, wait_pool_used};
-use engine::cache::LayerIdx;
+use kv_cache::LayerIdx;
 use kv_transfer::transport::ucx::DataPath;
 use kv_transfer::{ExpectRequest, TransferError, testkit};
 use prost::Message;

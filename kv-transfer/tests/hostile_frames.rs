@@ -7,7 +7,7 @@ use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine::cache::BlockPool;
+use kv_cache::BlockPool;
 use kv_transfer::{ExpectRequest, KvReceiver, ReceiverConfig, TcpConfig, TransportConfig, testkit};
 use prost::Message;
 use proto::v1::transfer_control::Body;
@@ -89,11 +89,11 @@ fn a_peer_that_does_not_read_its_replies_is_disconnected() {
     assert!(closed_after.is_some(), "100 MB of barriers were accepted without reading a reply");
 }
 
-fn recv_blocks(pool: &BlockPool, id: &str) -> engine::cache::BlockTable {
+fn recv_blocks(pool: &BlockPool, id: &str) -> kv_cache::BlockTable {
     pool.reserve(id, 64).unwrap()
 }
 
-fn expect(id: &str, blocks: engine::cache::BlockTable) -> ExpectRequest {
+fn expect(id: &str, blocks: kv_cache::BlockTable) -> ExpectRequest {
     ExpectRequest {
         request_id: id.into(),
         blocks,

@@ -51,6 +51,10 @@ macro_rules! transport_tests {
                 cases::incomplete_sessions_are_refused(&$kind)
             }
             #[test]
+            fn layers_wait_for_their_completion_marker() {
+                cases::layers_wait_for_their_completion_marker(&$kind)
+            }
+            #[test]
             fn concurrent_requests() {
                 cases::concurrent_requests(&$kind)
             }

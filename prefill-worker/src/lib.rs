@@ -4,7 +4,8 @@
 //! layer is done (kv-transfer).
 //!
 //! - [`service`]: the `tandem.v1.PrefillWorker` gRPC service.
-//! - [`scheduler`]: the prefill loop on its own thread.
+//! - [`scheduler`]: the prefill batcher on the shared compute loop; handshakes and completions on helper
+//!   threads.
 //! - [`prefix_cache`]: automatic prefix caching of full blocks.
 //! - [`metrics`]: Prometheus metrics.
 
@@ -60,7 +61,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             max_num_batched_tokens: args.serve.max_num_batched_tokens,
             prefix_caching: !args.no_prefix_caching,
         },
-    );
+        tokio::runtime::Handle::current(),
+    )
+    .context("starting the prefill loop")?;
     let drain = Drain::new();
     let worker_id = args.serve.worker_id("prefill");
     let (listener, advertise) = worker::server::bind(&args.serve).await?;

@@ -1,22 +1,25 @@
-//! The prefill loop, on its own thread: start queued requests (prefix-cache lookup, block reservation,
-//! kv-transfer handshake), run batches under the token budget (long prompts go in chunks), ship every
-//! layer of a request as soon as its last chunk computed it, then complete the transfer with the first
-//! token and the MTP draft (or release the decode side when prefill already finished the request).
+//! The prefill batcher on the shared compute loop ([`worker::compute_loop`]): start queued requests
+//! (prefix-cache lookup, block reservation), run batches under the token budget (long prompts go in
+//! chunks), ship every layer of a request as soon as its last chunk computed it, then complete the
+//! transfer with the first token and the MTP draft (or release the decode side when prefill already
+//! finished the request). The kv-transfer handshake (`KvSender::begin`) and the terminal calls (complete,
+//! release, abort: they wait for the receiver) run on helper threads, never on the compute thread; a
+//! request's blocks return to the pool only once its transfer has settled. Outcomes are [`PrefillError`]s;
+//! the service maps them to gRPC statuses.
 
 use std::collections::VecDeque;
-use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cluster::prefix_hash::prefix_hashes;
-use engine::cache::{BLOCK_SIZE, CacheGeometry, LayerIdx, PoolError};
+use engine::cache::{BLOCK_SIZE, BlockTable, CacheGeometry, LayerIdx, PoolError};
 use engine::generate::{self, SeqState};
 use engine::sampling::SamplingParams;
 use kv_transfer::{KvSender, SendSession, TransferError};
-use proto::v1::{FinishReason, MtpDraft, PrefillResponse, StageTimings, TransferDescriptor};
+use proto::v1::{FinishReason, GeneratedToken, MtpDraft, PrefillResponse, StageTimings, TransferDescriptor};
 use tokio::sync::oneshot;
-use tonic::Status;
 use worker::LoadedModel;
+use worker::compute_loop::{self, Batcher, Events, LoopHandle, Turn};
 use worker::drain::InflightGuard;
 
 use crate::metrics::PrefillMetrics;
@@ -25,6 +28,69 @@ use crate::prefix_cache::PrefixCache;
 /// Hashes of cached prefixes reported to the router.
 const REPORTED_HASHES: usize = 256;
 
+/// Why a prefill did not deliver its caches.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PrefillError {
+    /// An abort asked for it.
+    Aborted,
+    /// The caller went away.
+    CallerGone,
+    /// The pool cannot hold the prompt even with nothing else running.
+    NoBlocks(PoolError),
+    Transfer(TransferError),
+    /// The backend failed the batch.
+    Compute(String),
+    NoToken,
+}
+
+impl std::fmt::Display for PrefillError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PrefillError::Aborted => f.write_str("aborted"),
+            PrefillError::CallerGone => f.write_str("the caller went away"),
+            PrefillError::NoBlocks(e) => write!(f, "prefill worker cache: {e}"),
+            PrefillError::Transfer(e) => write!(f, "cache transfer: {e}"),
+            PrefillError::Compute(e) => write!(f, "prefill failed: {e}"),
+            PrefillError::NoToken => f.write_str("prefill produced no token"),
+        }
+    }
+}
+
+impl PrefillError {
+    /// The `requests` metric label.
+    fn outcome(&self) -> &'static str {
+        match self {
+            PrefillError::Aborted => "aborted",
+            PrefillError::CallerGone => "cancelled",
+            PrefillError::NoBlocks(_) => "no_blocks",
+            PrefillError::Transfer(_) => "transfer_failed",
+            PrefillError::Compute(_) | PrefillError::NoToken => "error",
+        }
+    }
+}
+
+pub type Outcome = Result<PrefillResponse, PrefillError>;
+
+/// Where a job's outcome goes (once).
+pub struct Reply(Option<oneshot::Sender<Outcome>>);
+
+impl Reply {
+    pub fn new(tx: oneshot::Sender<Outcome>) -> Self {
+        Reply(Some(tx))
+    }
+
+    fn send(&mut self, outcome: Outcome) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(outcome);
+        }
+    }
+
+    /// The caller went away (or was already answered).
+    fn is_closed(&self) -> bool {
+        self.0.as_ref().is_none_or(|tx| tx.is_closed())
+    }
+}
+
 pub struct Job {
     pub id: String,
     /// Tokens to prefill (prompt, plus output generated before a preemption).
@@ -32,7 +98,7 @@ pub struct Job {
     pub prompt_len: usize,
     pub params: SamplingParams,
     pub descriptor: TransferDescriptor,
-    pub reply: oneshot::Sender<Result<PrefillResponse, Status>>,
+    pub reply: Reply,
     pub guard: InflightGuard,
     pub arrived: Instant,
 }
@@ -52,53 +118,54 @@ pub struct Config {
     pub prefix_caching: bool,
 }
 
-enum Cmd {
-    Job(Box<Job>),
-    Abort(String),
+/// What helper threads report.
+pub enum Event {
+    /// The handshake of request `id` ended.
+    Handshake { id: String, result: Result<SendSession, TransferError> },
+    /// A request's transfer settled and its blocks are back in the pool.
+    Settled,
 }
 
 pub struct Scheduler {
-    tx: mpsc::Sender<Cmd>,
+    handle: LoopHandle<Box<Job>, Event>,
     load: Arc<Mutex<Load>>,
 }
 
 impl Scheduler {
+    /// Starts the loop; helper work (handshakes, completions) runs as blocking tasks on `runtime`.
     pub fn start(
         model: Arc<LoadedModel>,
         sender: KvSender,
         metrics: Arc<PrefillMetrics>,
         config: Config,
-    ) -> Arc<Scheduler> {
-        let (tx, rx) = mpsc::channel();
+        runtime: tokio::runtime::Handle,
+    ) -> std::io::Result<Arc<Scheduler>> {
         let load = Arc::new(Mutex::new(Load::default()));
-        let l = Loop {
+        let l = load.clone();
+        let handle = compute_loop::spawn("prefill-loop", move |events| Prefill {
             model,
             sender,
             metrics,
             config,
-            rx,
+            events,
+            runtime,
             waiting: VecDeque::new(),
+            handshaking: Vec::new(),
             active: Vec::new(),
+            settling: 0,
             cache: PrefixCache::default(),
-            load: load.clone(),
-        };
-        std::thread::Builder::new()
-            .name("prefill-loop".into())
-            .spawn(move || l.run())
-            .expect("spawning the prefill loop");
-        Arc::new(Scheduler { tx, load })
+            load: l,
+        })?;
+        Ok(Arc::new(Scheduler { handle, load }))
     }
 
     /// Queues a prefill; gives the job back if the loop is gone.
     pub fn submit(&self, job: Job) -> Result<(), Box<Job>> {
-        self.tx.send(Cmd::Job(Box::new(job))).map_err(|e| match e.0 {
-            Cmd::Job(j) => j,
-            Cmd::Abort(_) => unreachable!("sent a Job"),
-        })
+        self.handle.submit(Box::new(job))
     }
 
     pub fn abort(&self, id: &str) {
-        let _ = self.tx.send(Cmd::Abort(id.to_string()));
+        self.handle.abort(id);
     }
 
     pub fn load(&self) -> Load {
@@ -109,7 +176,10 @@ impl Scheduler {
 struct Active {
     job: Job,
     state: SeqState,
+    /// None while the handshake runs.
     session: Option<SendSession>,
+    /// The caller is already answered with this error; the request ends once its handshake returns.
+    cancelled: Option<PrefillError>,
     cached_tokens: usize,
     started: Instant,
     compute: Duration,
@@ -120,99 +190,150 @@ struct Active {
 
 /// What starting a queued request led to.
 enum Started {
-    Active(Box<Active>),
+    Handshaking(Box<Active>),
     /// The pool is short; the job goes back to the queue or is refused.
     NoBlocks(Box<Job>, PoolError),
-    /// Failed and already answered (handshake refused).
-    Answered,
 }
 
-struct Loop {
+struct Prefill {
     model: Arc<LoadedModel>,
     sender: KvSender,
     metrics: Arc<PrefillMetrics>,
     config: Config,
-    rx: mpsc::Receiver<Cmd>,
+    events: Events<Box<Job>, Event>,
+    runtime: tokio::runtime::Handle,
     waiting: VecDeque<Job>,
+    /// Reserved, waiting for the handshake.
+    handshaking: Vec<Active>,
+    /// Handshake done: these compute.
     active: Vec<Active>,
+    /// Requests whose transfer is settling on a helper thread (their blocks are not back yet).
+    settling: usize,
     cache: PrefixCache,
     load: Arc<Mutex<Load>>,
 }
 
-/// The gRPC status for a transfer that failed on this side.
-fn transfer_status(e: &TransferError) -> Status {
-    let msg = format!("cache transfer: {e}");
-    match e {
-        TransferError::BadDescriptor { .. } => Status::invalid_argument(msg),
-        TransferError::FingerprintMismatch(_) => Status::failed_precondition(msg),
-        TransferError::DeadlineExceeded(_) => Status::deadline_exceeded(msg),
-        TransferError::Aborted { .. } => Status::cancelled(msg),
-        TransferError::Rejected { .. } | TransferError::BadCompletion { .. } => Status::failed_precondition(msg),
-        _ => Status::unavailable(msg),
+impl Batcher for Prefill {
+    type Job = Box<Job>;
+    type Event = Event;
+
+    fn submit(&mut self, job: Box<Job>) {
+        self.metrics.queued.inc();
+        self.waiting.push_back(*job);
+    }
+
+    fn abort(&mut self, id: &str) {
+        if let Some(i) = self.waiting.iter().position(|j| j.id == id) {
+            let mut j = self.waiting.remove(i).expect("position found");
+            self.metrics.queued.dec();
+            self.metrics.requests.with_label_values(&["aborted"]).inc();
+            j.reply.send(Err(PrefillError::Aborted));
+        }
+        if let Some(a) = self.handshaking.iter_mut().find(|a| a.job.id == id && a.cancelled.is_none()) {
+            a.job.reply.send(Err(PrefillError::Aborted));
+            a.cancelled = Some(PrefillError::Aborted);
+        }
+        if let Some(i) = self.active.iter().position(|a| a.job.id == id) {
+            let a = self.active.remove(i);
+            self.fail(a, PrefillError::Aborted);
+        }
+    }
+
+    fn event(&mut self, event: Event) {
+        match event {
+            Event::Handshake { id, result } => self.handshaken(&id, result),
+            Event::Settled => self.settling -= 1,
+        }
+    }
+
+    fn turn(&mut self) -> Turn {
+        self.drop_cancelled();
+        self.start_waiting();
+        if self.active.is_empty() {
+            // Idle, or waiting for handshakes and settling transfers: their events wake the loop.
+            return Turn::Wait;
+        }
+        self.run_batch();
+        Turn::Busy
+    }
+
+    fn publish(&mut self) {
+        let queued_tokens: u64 = self.waiting.iter().map(|j| j.tokens.len() as u64).sum::<u64>()
+            + self
+                .handshaking
+                .iter()
+                .chain(&self.active)
+                .map(|a| (a.state.prefill_len - a.state.fed) as u64)
+                .sum::<u64>();
+        let load = Load {
+            running: self.handshaking.len() + self.active.len(),
+            queued: self.waiting.len(),
+            queued_tokens,
+            cached_hashes: self.cache.hashes(REPORTED_HASHES),
+        };
+        *self.load.lock().unwrap_or_else(|p| p.into_inner()) = load;
+        self.metrics.prefix_cache_blocks.set(self.cache.len() as i64);
+        self.metrics.kv_blocks_free.set(self.model.pool.stats().free_blocks as i64);
     }
 }
 
-impl Loop {
-    fn run(mut self) {
-        loop {
-            if self.waiting.is_empty() && self.active.is_empty() {
-                match self.rx.recv_timeout(Duration::from_millis(200)) {
-                    Ok(cmd) => self.handle(cmd),
-                    Err(mpsc::RecvTimeoutError::Timeout) => {
-                        self.publish();
-                        continue;
-                    }
-                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
-                }
+impl Prefill {
+    /// Ends an active request with an error: on a helper thread, aborts its transfer (the decode side
+    /// frees its blocks), then releases this side's blocks and answers.
+    fn fail(&mut self, mut a: Active, err: PrefillError) {
+        tracing::warn!(request_id = %a.job.id, error = %err, "prefill failed");
+        self.metrics.requests.with_label_values(&[err.outcome()]).inc();
+        let session = a.session.take();
+        self.settle(a, move |_| {
+            if let Some(s) = session {
+                let _ = s.abort(&err.to_string());
             }
-            while let Ok(cmd) = self.rx.try_recv() {
-                self.handle(cmd);
-            }
-            self.drop_cancelled();
-            self.start_waiting();
-            if !self.active.is_empty() {
-                self.run_batch();
-            }
-            self.publish();
-        }
+            Err(err)
+        });
     }
 
-    fn handle(&mut self, cmd: Cmd) {
-        match cmd {
-            Cmd::Job(j) => {
-                self.metrics.queued.inc();
-                self.waiting.push_back(*j);
-            }
-            Cmd::Abort(id) => {
-                if let Some(i) = self.waiting.iter().position(|j| j.id == id) {
-                    let j = self.waiting.remove(i).expect("position found");
-                    self.metrics.queued.dec();
-                    let _ = j.reply.send(Err(Status::cancelled("aborted")));
-                }
-                if let Some(i) = self.active.iter().position(|a| a.job.id == id) {
-                    let a = self.active.remove(i);
-                    self.fail(a, Status::cancelled("aborted"), "aborted");
-                }
-            }
-        }
+    /// Runs `end` (the transfer's terminal call, which waits for the receiver) on a helper thread, then
+    /// returns the request's blocks (no byte is read from them anymore), answers the caller and tells the
+    /// loop.
+    fn settle(&mut self, mut a: Active, end: impl FnOnce(&mut Active) -> Outcome + Send + 'static) {
+        self.settling += 1;
+        let (pool, metrics, events) = (self.model.pool.clone(), self.metrics.clone(), self.events.clone());
+        self.runtime.spawn_blocking(move || {
+            let outcome = end(&mut a);
+            compute_loop::release(&pool, &a.job.id);
+            metrics.running.dec();
+            a.job.reply.send(outcome);
+            events.send(Event::Settled);
+        });
     }
 
-    /// Ends an active request with an error: aborts its transfer (the decode side frees its blocks) and
-    /// releases this side's blocks.
-    fn fail(&self, mut a: Active, status: Status, outcome: &str) {
-        if let Some(s) = a.session.take() {
-            let _ = s.abort(status.message());
-        }
-        self.release(&a.job.id);
-        self.metrics.running.dec();
-        self.metrics.requests.with_label_values(&[outcome]).inc();
-        tracing::warn!(request_id = %a.job.id, status = %status.message(), "prefill failed");
-        let _ = a.job.reply.send(Err(status));
-    }
-
-    fn release(&self, id: &str) {
-        if let Err(e) = self.model.pool.release(id) {
-            tracing::error!(request_id = %id, error = %e, "releasing prefill blocks");
+    /// A handshake returned: the request starts computing, or ends.
+    fn handshaken(&mut self, id: &str, result: Result<SendSession, TransferError>) {
+        let Some(i) = self.handshaking.iter().position(|a| a.job.id == id) else {
+            tracing::error!(request_id = %id, "a handshake returned for an unknown request");
+            return;
+        };
+        let mut a = self.handshaking.remove(i);
+        match (result, a.cancelled.take()) {
+            (Ok(session), None) => {
+                a.session = Some(session);
+                a.transfer_started = Instant::now();
+                self.active.push(a);
+            }
+            (Ok(session), Some(err)) => {
+                self.metrics.requests.with_label_values(&[err.outcome()]).inc();
+                self.settle(a, move |_| {
+                    let _ = session.abort(&err.to_string());
+                    Err(err)
+                });
+            }
+            (Err(e), cancelled) => {
+                if cancelled.is_none() {
+                    tracing::warn!(request_id = %id, error = %e, "transfer handshake failed");
+                }
+                self.metrics.requests.with_label_values(&["transfer_failed"]).inc();
+                self.settle(a, move |_| Err(PrefillError::Transfer(e)));
+            }
         }
     }
 
@@ -224,11 +345,16 @@ impl Loop {
             self.metrics.queued.dec();
             self.metrics.requests.with_label_values(&["cancelled"]).inc();
         }
+        for a in &mut self.handshaking {
+            if a.cancelled.is_none() && a.job.reply.is_closed() {
+                a.cancelled = Some(PrefillError::CallerGone);
+            }
+        }
         let mut i = 0;
         while i < self.active.len() {
             if self.active[i].job.reply.is_closed() {
                 let a = self.active.remove(i);
-                self.fail(a, Status::cancelled("the caller went away"), "cancelled");
+                self.fail(a, PrefillError::CallerGone);
             } else {
                 i += 1;
             }
@@ -236,30 +362,41 @@ impl Loop {
     }
 
     fn start_waiting(&mut self) {
-        while self.active.len() < self.config.max_num_seqs {
+        while self.active.len() + self.handshaking.len() < self.config.max_num_seqs {
             let Some(job) = self.waiting.pop_front() else { break };
             match self.start(job) {
-                Started::Active(a) => {
+                Started::Handshaking(a) => {
                     self.metrics.queued.dec();
                     self.metrics.running.inc();
-                    self.active.push(*a);
+                    self.handshaking.push(*a);
                 }
-                Started::NoBlocks(job, _) if !self.active.is_empty() => {
+                Started::NoBlocks(job, _)
+                    if !self.active.is_empty() || !self.handshaking.is_empty() || self.settling > 0 =>
+                {
                     // Blocks come back when running prefills finish: wait for them.
                     self.waiting.push_front(*job);
                     break;
                 }
-                Started::NoBlocks(job, e) => {
+                Started::NoBlocks(mut job, e) => {
                     self.metrics.queued.dec();
                     self.metrics.requests.with_label_values(&["no_blocks"]).inc();
-                    let _ = job.reply.send(Err(Status::resource_exhausted(format!("prefill worker cache: {e}"))));
+                    job.reply.send(Err(PrefillError::NoBlocks(e)));
                 }
-                Started::Answered => self.metrics.queued.dec(),
             }
         }
     }
 
-    /// Prefix lookup, reservation and handshake.
+    /// Starts the handshake of `table` on a helper thread.
+    fn begin(&self, id: &str, descriptor: &TransferDescriptor, table: BlockTable) {
+        let (sender, events, desc, id) = (self.sender.clone(), self.events.clone(), descriptor.clone(), id.to_string());
+        self.runtime.spawn_blocking(move || {
+            let result = sender.begin(&desc, &table);
+            // If the loop is gone the session is dropped, which aborts it.
+            events.send(Event::Handshake { id, result });
+        });
+    }
+
+    /// Prefix lookup, reservation, and the handshake's start.
     fn start(&mut self, job: Job) -> Started {
         let pool = &self.model.pool;
         let needed = CacheGeometry::blocks_for(job.tokens.len());
@@ -282,25 +419,17 @@ impl Loop {
         let cached_tokens = hit.len() * BLOCK_SIZE;
         let started = Instant::now();
         self.metrics.queue_seconds.observe(job.arrived.elapsed().as_secs_f64());
-        let session = match self.sender.begin(&job.descriptor, &table) {
-            Ok(s) => s,
-            Err(e) => {
-                self.release(&job.id);
-                self.metrics.requests.with_label_values(&["transfer_failed"]).inc();
-                tracing::warn!(request_id = %job.id, error = %e, "transfer handshake failed");
-                let _ = job.reply.send(Err(transfer_status(&e)));
-                return Started::Answered;
-            }
-        };
+        self.begin(&job.id, &job.descriptor, table.clone());
         let mut state = SeqState::continuing(job.tokens.clone(), job.prompt_len, job.params.clone(), table.blocks);
         state.fed = cached_tokens;
         self.metrics.prompt_tokens.inc_by(job.tokens.len() as u64);
         self.metrics.cached_tokens.inc_by(cached_tokens as u64);
         tracing::info!(request_id = %job.id, tokens = job.tokens.len(), cached_tokens, "prefill started");
-        Started::Active(Box::new(Active {
+        Started::Handshaking(Box::new(Active {
             job,
             state,
-            session: Some(session),
+            session: None,
+            cancelled: None,
             cached_tokens,
             started,
             compute: Duration::ZERO,
@@ -337,10 +466,10 @@ impl Loop {
                 states.push(&mut a.state);
                 ships.push((if *fin { a.session.as_ref() } else { None }, &mut a.error));
             }
-            let mut on_layer = |l: LayerIdx| {
+            let mut on_layer = |l: LayerIdx, ready: engine::LayerReady| {
                 for (session, err) in ships.iter_mut() {
                     if let (Some(s), None) = (session, &**err)
-                        && let Err(e) = s.put_layer(l)
+                        && let Err(e) = s.put_layer_when(l, ready.clone())
                     {
                         **err = Some(e);
                     }
@@ -357,7 +486,7 @@ impl Loop {
             Err(e) => {
                 let failed: Vec<Active> = self.active.drain(..n).collect();
                 for a in failed {
-                    self.fail(a, Status::internal(format!("prefill failed: {e}")), "error");
+                    self.fail(a, PrefillError::Compute(e.to_string()));
                 }
                 return;
             }
@@ -378,11 +507,10 @@ impl Loop {
 
     fn finish(&mut self, mut a: Active, first: Option<engine::sampling::Sampled>) {
         if let Some(e) = a.error.take() {
-            let status = transfer_status(&e);
-            return self.fail(a, status, "transfer_failed");
+            return self.fail(a, PrefillError::Transfer(e));
         }
         let Some(first) = first else {
-            return self.fail(a, Status::internal("prefill produced no token"), "error");
+            return self.fail(a, PrefillError::NoToken);
         };
         if self.config.prefix_caching {
             // Prompt blocks only: a continuation's generated tokens were computed in the decode form.
@@ -391,64 +519,258 @@ impl Loop {
         }
         let with_lp = a.state.params.logprobs.is_some();
         let first_token = worker::convert::generated_token(&first, with_lp);
-        let session = a.session.take().expect("an active request has a session");
-        let mut timings = StageTimings {
-            prefill_queue_us: a.started.duration_since(a.job.arrived).as_micros() as u64,
-            prefill_us: a.compute.as_micros() as u64,
-            cached_tokens: a.cached_tokens as u32,
-            ..Default::default()
+        let Some(session) = a.session.take() else {
+            return self.fail(a, PrefillError::Compute("a computed request has no transfer session".into()));
         };
-        let (finished, reason, result) = match a.state.finished {
-            Some(f) => {
-                let reason = worker::convert::finish_reason(f);
-                (true, reason, session.release(first_token.clone(), reason).map(|_| None))
+        let metrics = self.metrics.clone();
+        self.settle(a, move |a| deliver(a, session, first_token, &metrics));
+    }
+}
+
+/// On a helper thread: completes the transfer (or releases the decode side when prefill finished the
+/// request) and builds the answer.
+fn deliver(a: &mut Active, session: SendSession, first_token: GeneratedToken, metrics: &PrefillMetrics) -> Outcome {
+    let mut timings = StageTimings {
+        prefill_queue_us: a.started.duration_since(a.job.arrived).as_micros() as u64,
+        prefill_us: a.compute.as_micros() as u64,
+        cached_tokens: a.cached_tokens as u32,
+        ..Default::default()
+    };
+    let (finished, reason, result) = match a.state.finished {
+        Some(f) => {
+            let reason = worker::convert::finish_reason(f);
+            (true, reason, session.release(first_token.clone(), reason).map(|_| None))
+        }
+        None => {
+            let draft = a.state.draft.map(|d| MtpDraft { token_id: d, prob: a.state.draft_prob });
+            (false, FinishReason::Unspecified, session.complete(first_token.clone(), draft).map(Some))
+        }
+    };
+    match result {
+        Ok(report) => {
+            if let Some(r) = report {
+                timings.transfer_us = r.elapsed.as_micros() as u64;
+                timings.transfer_bytes = r.bytes;
+                metrics.transfer_bytes.inc_by(r.bytes);
             }
-            None => {
-                let draft = a.state.draft.map(|d| MtpDraft { token_id: d, prob: a.state.draft_prob });
-                (false, FinishReason::Unspecified, session.complete(first_token.clone(), draft).map(Some))
-            }
-        };
-        self.release(&a.job.id);
-        self.metrics.running.dec();
-        match result {
-            Ok(report) => {
-                if let Some(r) = report {
-                    timings.transfer_us = r.elapsed.as_micros() as u64;
-                    timings.transfer_bytes = r.bytes;
-                    self.metrics.transfer_bytes.inc_by(r.bytes);
-                }
-                self.metrics.transfer_seconds.observe(a.transfer_started.elapsed().as_secs_f64());
-                self.metrics.requests.with_label_values(&[if finished { "finished" } else { "shipped" }]).inc();
-                tracing::info!(
-                    request_id = %a.job.id, prefill_us = timings.prefill_us, transfer_us = timings.transfer_us,
-                    bytes = timings.transfer_bytes, finished, "prefill done"
-                );
-                let _ = a.job.reply.send(Ok(PrefillResponse {
-                    first_token: Some(first_token),
-                    finished,
-                    finish_reason: reason as i32,
-                    timings: Some(timings),
-                }));
-            }
-            Err(e) => {
-                self.metrics.requests.with_label_values(&["transfer_failed"]).inc();
-                tracing::warn!(request_id = %a.job.id, error = %e, "transfer failed at completion");
-                let _ = a.job.reply.send(Err(transfer_status(&e)));
-            }
+            metrics.transfer_seconds.observe(a.transfer_started.elapsed().as_secs_f64());
+            metrics.requests.with_label_values(&[if finished { "finished" } else { "shipped" }]).inc();
+            tracing::info!(
+                request_id = %a.job.id, prefill_us = timings.prefill_us, transfer_us = timings.transfer_us,
+                bytes = timings.transfer_bytes, finished, "prefill done"
+            );
+            Ok(PrefillResponse {
+                first_token: Some(first_token),
+                finished,
+                finish_reason: reason as i32,
+                timings: Some(timings),
+            })
+        }
+        Err(e) => {
+            metrics.requests.with_label_values(&["transfer_failed"]).inc();
+            tracing::warn!(request_id = %a.job.id, error = %e, "transfer failed at completion");
+            Err(PrefillError::Transfer(e))
         }
     }
+}
 
-    fn publish(&mut self) {
-        let queued_tokens: u64 = self.waiting.iter().map(|j| j.tokens.len() as u64).sum::<u64>()
-            + self.active.iter().map(|a| (a.state.prefill_len - a.state.fed) as u64).sum::<u64>();
-        let load = Load {
-            running: self.active.len(),
-            queued: self.waiting.len(),
-            queued_tokens,
-            cached_hashes: self.cache.hashes(REPORTED_HASHES),
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use engine::cache::{BlockPool, KvCache};
+    use kv_transfer::{
+        ExpectRequest, KvReceiver, PendingTransfer, ReceiverConfig, SenderConfig, TransferOutcome, TransportConfig,
+        TransportKind,
+    };
+    use worker::Drain;
+    use worker::fake_backend::FakeBackend;
+
+    use super::*;
+
+    /// A prefill loop on the fake backend, shipping in-process into a decode-side pool.
+    struct Env {
+        fake: Arc<FakeBackend>,
+        model: Arc<LoadedModel>,
+        sched: Arc<Scheduler>,
+        receiver: KvReceiver,
+        rcache: Arc<KvCache>,
+        rpool: Arc<BlockPool>,
+        drain: Arc<Drain>,
+    }
+
+    fn env(blocks: usize, prefix_caching: bool) -> Env {
+        let fake = FakeBackend::new(1280);
+        let model = Arc::new(LoadedModel::from_backend(fake.clone(), blocks, "fake").unwrap());
+        let geometry = *model.cache.geometry();
+        let rcache = Arc::new(KvCache::new_host(CacheGeometry { num_blocks: 64, ..geometry }).unwrap());
+        let rpool = Arc::new(BlockPool::new(64));
+        let receiver = KvReceiver::start(
+            ReceiverConfig::new(TransportConfig::InProc),
+            rcache.clone(),
+            rpool.clone(),
+            model.fingerprint.clone(),
+        )
+        .unwrap();
+        let sender = KvSender::new(
+            SenderConfig { transports: vec![TransportKind::InProc], ..SenderConfig::default() },
+            model.cache.clone(),
+            model.fingerprint.clone(),
+        )
+        .unwrap();
+        let metrics = Arc::new(PrefillMetrics::new(&prometheus::Registry::new()).unwrap());
+        let config = Config { max_num_seqs: 8, max_num_batched_tokens: 96, prefix_caching };
+        let sched =
+            Scheduler::start(model.clone(), sender, metrics, config, tokio::runtime::Handle::current()).unwrap();
+        Env { fake, model, sched, receiver, rcache, rpool, drain: Drain::new() }
+    }
+
+    fn prompt(n: usize, salt: u32) -> Vec<u32> {
+        (0..n as u32).map(|i| 7 + (i * 11 + salt * 101) % 1200).collect()
+    }
+
+    /// Reserves decode-side blocks, expects the transfer, submits the prefill.
+    fn submit(e: &Env, id: &str, tokens: &[u32]) -> (oneshot::Receiver<Outcome>, PendingTransfer, BlockTable) {
+        let dst = e.rpool.reserve(id, tokens.len() + 2).unwrap();
+        let (descriptor, pending) = e
+            .receiver
+            .expect(ExpectRequest {
+                request_id: id.into(),
+                blocks: dst.clone(),
+                num_tokens: tokens.len(),
+                timeout: Duration::from_secs(10),
+                verify_checksum: false,
+            })
+            .unwrap();
+        let (tx, rx) = oneshot::channel();
+        let job = Job {
+            id: id.into(),
+            tokens: tokens.to_vec(),
+            prompt_len: tokens.len(),
+            params: SamplingParams { ignore_eos: true, ..SamplingParams::greedy(16) },
+            descriptor,
+            reply: Reply::new(tx),
+            guard: e.drain.admit().unwrap(),
+            arrived: Instant::now(),
         };
-        *self.load.lock().unwrap_or_else(|p| p.into_inner()) = load;
-        self.metrics.prefix_cache_blocks.set(self.cache.len() as i64);
-        self.metrics.kv_blocks_free.set(self.model.pool.stats().free_blocks as i64);
+        assert!(e.sched.submit(job).is_ok());
+        (rx, pending, dst)
+    }
+
+    async fn outcome(rx: oneshot::Receiver<Outcome>) -> Outcome {
+        tokio::time::timeout(Duration::from_secs(20), rx).await.expect("answered in time").expect("answered")
+    }
+
+    async fn wait_pool_used(pool: &BlockPool, used: usize) {
+        for _ in 0..1000 {
+            if pool.stats().used_blocks == used {
+                pool.check_invariants().unwrap();
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        panic!("pool holds {:?}, want {used} used", pool.stats());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn chunked_prefills_ship_every_layer_and_deliver_first_token_and_draft() {
+        let e = env(32, false);
+        let prompts = [prompt(200, 1), prompt(70, 2), prompt(5, 3)];
+        let mut runs = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            runs.push(submit(&e, &format!("r{i}"), p));
+        }
+        for ((rx, pending, dst), p) in runs.into_iter().zip(&prompts) {
+            let resp = outcome(rx).await.expect("delivered");
+            let first = e.fake.next(p[p.len() - 1], p.len() - 1);
+            assert_eq!(resp.first_token.as_ref().unwrap().token_id, first);
+            assert!(!resp.finished);
+            let done = tokio::time::timeout(Duration::from_secs(10), pending).await.unwrap().unwrap();
+            let TransferOutcome::Completed(c) = done else { panic!("{done:?}") };
+            assert_eq!(c.draft.map(|d| d.token_id), Some(e.fake.next(first, p.len())), "the MTP draft");
+            // Every served layer landed: decoder layers hold each position's token, the MTP layer the next.
+            let host = e.rcache.host().unwrap();
+            let layers = e.model.cache.geometry().num_layers;
+            for l in 0..layers {
+                for pos in 0..p.len() {
+                    let t = if l + 1 == layers { p.get(pos + 1).copied().unwrap_or(first) } else { p[pos] };
+                    let (b, slot) = dst.slot(pos).unwrap();
+                    // SAFETY: the transfer completed; nothing writes the decode-side pool now.
+                    let entry = unsafe { host.latent_entry(LayerIdx(l as u32), b, slot) };
+                    assert!(entry.iter().all(|&x| x == FakeBackend::cache_byte(l, pos, t)), "layer {l} pos {pos}");
+                }
+            }
+        }
+        // Prefill-side blocks come back once each transfer settled.
+        wait_pool_used(&e.model.pool, 0).await;
+        assert_eq!(e.sched.load().running, 0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_abort_fails_the_prefill_aborts_the_transfer_and_frees_both_sides() {
+        let e = env(32, false);
+        // 16 chunks of the 96-token budget at 10 ms per backend call: abort once it computes.
+        e.fake.delay_us.store(10_000, std::sync::atomic::Ordering::SeqCst);
+        let (rx, pending, _) = submit(&e, "gone", &prompt(1500, 4));
+        while e.fake.calls.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        e.sched.abort("gone");
+        assert_eq!(outcome(rx).await.unwrap_err(), PrefillError::Aborted);
+        let r = tokio::time::timeout(Duration::from_secs(10), pending).await.unwrap();
+        assert!(r.is_err(), "the decode side hears of the abort: {r:?}");
+        wait_pool_used(&e.model.pool, 0).await;
+        wait_pool_used(&e.rpool, 0).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_backend_failure_is_a_compute_error_and_frees_both_sides() {
+        let e = env(32, false);
+        e.fake.fail_next.store(true, std::sync::atomic::Ordering::SeqCst);
+        let (rx, pending, _) = submit(&e, "doomed", &prompt(40, 5));
+        let err = outcome(rx).await.unwrap_err();
+        assert!(matches!(&err, PrefillError::Compute(m) if m.contains("injected failure")), "{err:?}");
+        assert!(tokio::time::timeout(Duration::from_secs(10), pending).await.unwrap().is_err());
+        wait_pool_used(&e.model.pool, 0).await;
+        wait_pool_used(&e.rpool, 0).await;
+        // The loop goes on serving.
+        let (rx, _, _) = submit(&e, "after", &prompt(40, 6));
+        assert!(outcome(rx).await.is_ok());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_prompt_larger_than_the_idle_pool_is_refused_with_no_blocks() {
+        let e = env(2, false);
+        let (rx, _, _) = submit(&e, "huge", &prompt(3 * 64, 7));
+        assert!(matches!(outcome(rx).await.unwrap_err(), PrefillError::NoBlocks(_)));
+        assert_eq!(e.model.pool.stats().used_blocks, 0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_second_request_waits_for_blocks_a_settling_transfer_returns() {
+        // Two blocks: the second request fits only once the first one's transfer settled.
+        let e = env(2, false);
+        let (a, _, _) = submit(&e, "a", &prompt(100, 8));
+        let (b, _, _) = submit(&e, "b", &prompt(100, 9));
+        assert!(outcome(a).await.is_ok());
+        assert!(outcome(b).await.is_ok(), "b waited instead of being refused");
+        wait_pool_used(&e.model.pool, 0).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn prefix_cache_hits_skip_cached_blocks_and_ship_the_same_bytes() {
+        let e = env(32, true);
+        let p = prompt(200, 10);
+        let (rx, pending, _) = submit(&e, "first", &p);
+        outcome(rx).await.unwrap();
+        pending.await.unwrap();
+        let calls = e.fake.calls.load(std::sync::atomic::Ordering::SeqCst);
+        let (rx, pending, _) = submit(&e, "second", &p);
+        let resp = outcome(rx).await.unwrap();
+        assert_eq!(resp.timings.unwrap().cached_tokens, 192);
+        assert!(matches!(pending.await.unwrap(), TransferOutcome::Completed(_)));
+        assert!(e.fake.calls.load(std::sync::atomic::Ordering::SeqCst) > calls);
+        // The cache keeps its own blocks; the requests hold none.
+        wait_pool_used(&e.model.pool, 3).await;
     }
 }

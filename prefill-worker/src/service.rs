@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use kv_transfer::TransferError;
 use proto::v1::prefill_worker_server::PrefillWorker;
 use proto::v1::{
     AbortRequest, AbortResponse, InfoRequest, LoadReport, LoadRequest, PrefillRequest, PrefillResponse, WorkerInfo,
@@ -13,7 +14,25 @@ use proto::v1::{
 use tonic::{Request, Response, Status};
 use worker::{Drain, LoadedModel};
 
-use crate::scheduler::{Job, Scheduler};
+use crate::scheduler::{Job, PrefillError, Reply, Scheduler};
+
+/// The gRPC status of a prefill that did not deliver.
+fn status(e: &PrefillError) -> Status {
+    let msg = e.to_string();
+    match e {
+        PrefillError::Aborted | PrefillError::CallerGone => Status::cancelled(msg),
+        PrefillError::NoBlocks(_) => Status::resource_exhausted(msg),
+        PrefillError::Compute(_) | PrefillError::NoToken => Status::internal(msg),
+        PrefillError::Transfer(t) => match t {
+            TransferError::BadDescriptor { .. } => Status::invalid_argument(msg),
+            TransferError::FingerprintMismatch(_) => Status::failed_precondition(msg),
+            TransferError::DeadlineExceeded(_) => Status::deadline_exceeded(msg),
+            TransferError::Aborted { .. } => Status::cancelled(msg),
+            TransferError::Rejected { .. } | TransferError::BadCompletion { .. } => Status::failed_precondition(msg),
+            _ => Status::unavailable(msg),
+        },
+    }
+}
 
 pub struct PrefillService {
     pub model: Arc<LoadedModel>,
@@ -60,7 +79,7 @@ impl PrefillWorker for PrefillService {
             prompt_len,
             params,
             descriptor,
-            reply: tx,
+            reply: Reply::new(tx),
             guard,
             arrived: Instant::now(),
         };
@@ -68,7 +87,7 @@ impl PrefillWorker for PrefillService {
             return Err(Status::internal("the prefill loop is not running"));
         }
         match rx.await {
-            Ok(r) => r.map(Response::new),
+            Ok(r) => r.map(Response::new).map_err(|e| status(&e)),
             Err(_) => Err(Status::internal("the prefill loop dropped the request")),
         }
     }

@@ -1,14 +1,15 @@
-//! `tandem generate`: one request, in this process, on the CPU backend: the same engine code the
-//! workers run, so a cluster's greedy output can be checked against it.
+//! `tandem generate`: one request, in this process, on the backend `--device` selects: the same engine
+//! code the workers run, so a cluster's greedy output can be checked against it.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, bail};
-use engine::cache::{BlockPool, CacheGeometry, KvCache};
-use engine::cpu::CpuBackend;
+use engine::cache::{BlockPool, CacheGeometry};
+use engine::checkpoint::Checkpoint;
+use engine::device::{BackendOptions, load_backend};
 use engine::sampling::{Finish, SamplingParams};
-use engine::{Backend, Precision};
+use engine::{Device, Precision};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -42,6 +43,12 @@ pub struct Args {
     /// fp8 (block-scaled FP8 weights/activations, FP8 caches) or full (f32 everything).
     #[arg(long, default_value = "fp8")]
     pub precision: Precision,
+    /// Where the model runs: cpu, or cuda[:N] (the CUDA backend is not built yet).
+    #[arg(long, default_value = "cpu")]
+    pub device: Device,
+    /// CPU compute threads (default: one per core).
+    #[arg(long)]
+    pub threads: Option<usize>,
     /// Do not use MTP speculative decoding.
     #[arg(long)]
     pub no_mtp: bool,
@@ -54,8 +61,10 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let backend =
-        CpuBackend::load(&args.model, args.precision).with_context(|| format!("loading {}", args.model.display()))?;
+    engine::device::check_available(args.device)?;
+    let ckpt = Checkpoint::open(&args.model).with_context(|| format!("opening checkpoint {}", args.model.display()))?;
+    let opts = BackendOptions { device: args.device, precision: args.precision, threads: args.threads };
+    let backend = load_backend(&ckpt, opts).with_context(|| format!("loading {}", args.model.display()))?;
     let cfg = backend.config().clone();
     let tokenizer = if args.model.join("tokenizer.json").exists() {
         Some(text::Tokenizer::from_dir(&args.model).context("loading the tokenizer")?)
@@ -103,13 +112,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         );
     }
     let blocks = CacheGeometry::blocks_for(positions);
-    let geo = CacheGeometry::new(args.precision.cache_format(), backend.entry_dims(), cfg.num_cache_layers(), blocks);
-    let cache = KvCache::new_host(geo).context("allocating the cache")?;
+    let geo = CacheGeometry::new(args.precision.cache_format(), backend.entry_dims(), backend.cache_layers(), blocks);
+    let cache = backend.allocate_cache(geo).context("allocating the cache")?;
     let pool = BlockPool::new(blocks);
     let table = pool.reserve("generate", positions)?;
     let started = std::time::Instant::now();
     let g = engine::generate::generate(
-        &backend,
+        backend.as_ref(),
         &cache,
         prompt_ids.clone(),
         params,

@@ -47,6 +47,12 @@ pub struct Args {
     /// fp8 or full.
     #[arg(long, default_value = "fp8")]
     pub precision: String,
+    /// Where the workers run the model: cpu, or cuda[:N] (the CUDA backend is not built yet).
+    #[arg(long, default_value = "cpu")]
+    pub device: engine::Device,
+    /// Fraction of the GPU's memory each worker uses (GPU only).
+    #[arg(long)]
+    pub gpu_memory_utilization: Option<f64>,
     #[arg(long)]
     pub max_model_len: Option<usize>,
     #[arg(long)]
@@ -278,6 +284,8 @@ fn worker_args(a: &Args, role: &str, model: &Path, port: u16) -> Vec<String> {
         a.kv_transport.clone(),
         "--precision".into(),
         a.precision.clone(),
+        "--device".into(),
+        a.device.to_string(),
     ];
     let mut opt = |flag: &str, val: Option<String>| {
         if let Some(x) = val {
@@ -289,6 +297,7 @@ fn worker_args(a: &Args, role: &str, model: &Path, port: u16) -> Vec<String> {
     opt("--max-num-seqs", a.max_num_seqs.map(|x| x.to_string()));
     opt("--max-num-batched-tokens", a.max_num_batched_tokens.map(|x| x.to_string()));
     opt("--kv-blocks", a.kv_blocks.map(|x| x.to_string()));
+    opt("--gpu-memory-utilization", a.gpu_memory_utilization.map(|x| x.to_string()));
     opt("--served-model-name", a.served_model_name.clone());
     if let Some(e) = &a.etcd {
         v.extend(["--discovery".into(), "etcd".into(), "--etcd".into(), e.clone()]);
@@ -303,6 +312,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     if a.prefill == 0 || a.decode == 0 {
         bail!("--prefill and --decode must each be at least 1");
     }
+    engine::device::check_available(a.device)?;
     let mut a = a;
     let model = match &a.model {
         Some(m) => m.clone(),

@@ -17,16 +17,23 @@ pub const MODEL_NAME: &str = "tiny";
 /// The tiny checkpoint, generated once per test binary.
 pub fn model() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let d = tempfile::tempdir().expect("tempdir");
-        let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
-            .args(["gen-tiny", d.path().to_str().unwrap(), "--seed", "0"])
-            .output()
-            .expect("gen-tiny runs");
-        assert!(out.status.success(), "gen-tiny: {}", String::from_utf8_lossy(&out.stderr));
-        d
-    })
-    .path()
+    DIR.get_or_init(|| gen_tiny(1)).path()
+}
+
+/// The tiny checkpoint with two MTP layers (only the first is served), generated once per test binary.
+pub fn model_with_two_mtp_layers() -> &'static Path {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    DIR.get_or_init(|| gen_tiny(2)).path()
+}
+
+fn gen_tiny(mtp_layers: usize) -> tempfile::TempDir {
+    let d = tempfile::tempdir().expect("tempdir");
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["gen-tiny", d.path().to_str().unwrap(), "--seed", "0", "--mtp-layers", &mtp_layers.to_string()])
+        .output()
+        .expect("gen-tiny runs");
+    assert!(out.status.success(), "gen-tiny: {}", String::from_utf8_lossy(&out.stderr));
+    d
 }
 
 pub fn free_port() -> u16 {
@@ -54,6 +61,8 @@ pub struct Cluster {
     pub procs: Vec<Proc>,
     pub http: String,
     pub cluster: String,
+    /// The checkpoint every process serves.
+    pub model: PathBuf,
     dir: tempfile::TempDir,
 }
 
@@ -73,15 +82,20 @@ impl Spec {
 impl Cluster {
     /// etcd plus a router; add workers with `add_worker`. None (test skipped) without etcd.
     pub fn start() -> Option<Cluster> {
+        Cluster::start_with_model(model())
+    }
+
+    /// As `start`, serving the checkpoint in `model`.
+    pub fn start_with_model(model: &Path) -> Option<Cluster> {
         let etcd = Etcd::start()?;
         let dir = tempfile::tempdir().expect("tempdir");
         let cluster = format!("e2e-{}", std::process::id());
-        let mut c = Cluster { etcd, procs: Vec::new(), http: String::new(), cluster, dir };
+        let mut c = Cluster { etcd, procs: Vec::new(), http: String::new(), cluster, model: model.to_path_buf(), dir };
         let port = free_port();
         let args: Vec<String> = [
             "router",
             "--model",
-            model().to_str().unwrap(),
+            model.to_str().unwrap(),
             "--served-model-name",
             MODEL_NAME,
             "--host",
@@ -144,7 +158,7 @@ impl Cluster {
         let mut args: Vec<String> = [
             &format!("{role}-worker"),
             "--model",
-            model().to_str().unwrap(),
+            self.model.to_str().unwrap(),
             "--served-model-name",
             MODEL_NAME,
             "--worker-id",
@@ -246,11 +260,16 @@ pub async fn get_text(url: &str) -> Result<String, reqwest::Error> {
 
 /// Single-process greedy reference: `tandem generate` on the same checkpoint and prompt ids.
 pub fn generate_reference(prompt_ids: &[u32], max_tokens: u32, no_mtp: bool) -> serde_json::Value {
+    generate_reference_on(model(), prompt_ids, max_tokens, no_mtp)
+}
+
+/// `generate_reference` on the checkpoint in `model`.
+pub fn generate_reference_on(model: &Path, prompt_ids: &[u32], max_tokens: u32, no_mtp: bool) -> serde_json::Value {
     let ids: Vec<String> = prompt_ids.iter().map(|i| i.to_string()).collect();
     let mut args = vec![
         "generate".to_string(),
         "--model".into(),
-        model().to_str().unwrap().into(),
+        model.to_str().unwrap().into(),
         "--prompt-ids".into(),
         ids.join(","),
         "--max-tokens".into(),

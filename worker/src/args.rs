@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use engine::Precision;
+use engine::{Device, Precision};
 use kv_transfer::TransportKind;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -14,6 +14,9 @@ pub struct ServeArgs {
     /// fp8: block-scaled FP8 weights, activations and caches; full: f32 (for comparisons).
     #[arg(long, env = "TANDEM_PRECISION", default_value = "fp8")]
     pub precision: Precision,
+    /// Where the model runs: cpu, or cuda[:N] (GPU N; the CUDA backend is not built yet).
+    #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
+    pub device: Device,
     /// The model name clients send; defaults to the checkpoint directory's name.
     #[arg(long, env = "TANDEM_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
@@ -43,9 +46,15 @@ pub struct ServeArgs {
     /// Token budget of one prefill batch (longer prompts are chunked).
     #[arg(long, env = "TANDEM_MAX_NUM_BATCHED_TOKENS", default_value_t = 4096)]
     pub max_num_batched_tokens: usize,
-    /// Cache blocks (64 tokens each, every layer) in this worker's pool.
-    #[arg(long, env = "TANDEM_KV_BLOCKS", default_value_t = 2048)]
-    pub kv_blocks: usize,
+    /// Cache blocks (64 tokens each, every layer) in this worker's pool. CPU: the pool size (default
+    /// 2048). GPU: by default what --gpu-memory-utilization leaves after the backend's budget; when
+    /// given, an exact size that must fit there.
+    #[arg(long, env = "TANDEM_KV_BLOCKS")]
+    pub kv_blocks: Option<usize>,
+    /// Fraction of the GPU's memory this worker uses (weights, activations at --max-num-batched-tokens,
+    /// graphs, communication buffers, and the cache pool in what remains). Not used on the CPU.
+    #[arg(long, env = "TANDEM_GPU_MEMORY_UTILIZATION", default_value_t = 0.9)]
+    pub gpu_memory_utilization: f64,
     /// kv-transfer transport: ucx (TCP fallback when libucp is absent), tcp or inproc.
     #[arg(long, env = "TANDEM_KV_TRANSPORT", default_value = "ucx")]
     pub kv_transport: TransportKind,
@@ -62,7 +71,7 @@ pub struct ServeArgs {
     /// Seconds a draining worker waits for in-flight requests after SIGTERM.
     #[arg(long, env = "TANDEM_DRAIN_TIMEOUT", default_value_t = 30)]
     pub drain_timeout_s: u64,
-    /// Compute threads (default: one per core).
+    /// CPU backend compute threads (default: one per core).
     #[arg(long, env = "TANDEM_THREADS")]
     pub threads: Option<usize>,
     /// Validate every argument, print the result and exit (0 when valid) without loading the model or
@@ -85,7 +94,12 @@ impl ServeArgs {
     /// Checks what clap cannot, before anything is loaded or bound (`--check-config` stops after this).
     /// Messages name the flag.
     pub fn validate(&self) -> anyhow::Result<()> {
-        anyhow::ensure!(self.kv_blocks > 0, "--kv-blocks must be at least 1");
+        anyhow::ensure!(self.kv_blocks != Some(0), "--kv-blocks must be at least 1");
+        anyhow::ensure!(
+            self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0,
+            "--gpu-memory-utilization must be in (0, 1], got {}",
+            self.gpu_memory_utilization
+        );
         anyhow::ensure!(self.max_num_seqs > 0, "--max-num-seqs must be at least 1");
         anyhow::ensure!(self.max_num_batched_tokens > 0, "--max-num-batched-tokens must be at least 1");
         anyhow::ensure!(self.max_model_len != Some(0), "--max-model-len must be at least 1");
@@ -136,6 +150,11 @@ impl ServeArgs {
                 .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
                 .unwrap_or_else(|| self.model.display().to_string())
         })
+    }
+
+    /// The backend this worker builds.
+    pub fn backend_options(&self) -> engine::device::BackendOptions {
+        engine::device::BackendOptions { device: self.device, precision: self.precision, threads: self.threads }
     }
 
     pub fn worker_id(&self, role: &str) -> String {

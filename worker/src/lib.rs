@@ -10,10 +10,15 @@
 //! - [`convert`]: tandem.v1 <-> engine conversions (sampling parameters, generated tokens).
 //! - [`server`]: bind, serve with gRPC health, register, announce ready, drain on SIGTERM.
 //! - [`validate`]: request id and token checks both services apply.
+//! - [`compute_loop`]: the compute thread both roles run (commands, abort, idle wait, release).
+//! - `fake_backend` (feature `fake-backend`): a fast deterministic backend for the roles' unit tests.
 
 pub mod args;
+pub mod compute_loop;
 pub mod convert;
 pub mod drain;
+#[cfg(feature = "fake-backend")]
+pub mod fake_backend;
 pub mod metrics;
 pub mod model;
 pub mod server;

@@ -7,19 +7,27 @@ use axum::http::header::CONTENT_TYPE;
 use axum::routing::get;
 use prometheus::{Encoder, IntCounter, Registry, TextEncoder};
 
-/// Serves `registry` on `addr`, plus the engine's process-wide counters; returns the bound address.
+/// Serves `registry` on `addr`, plus the engine's process-wide counters; returns the bound address. Adds
+/// `tandem_cache_arenas_created`: cache arenas this process created, which stays at its startup value while
+/// the worker serves (the pool is allocated once, before ready).
 pub async fn serve(addr: SocketAddr, registry: Registry) -> anyhow::Result<SocketAddr> {
     let nan_scores = IntCounter::new(
         "tandem_indexer_nan_scores_total",
         "Indexer scores that were NaN and so never selected (a sign of overflow in the model or its weights)",
     )?;
     registry.register(Box::new(nan_scores.clone()))?;
+    let arenas = prometheus::IntGauge::new(
+        "tandem_cache_arenas_created",
+        "Cache arenas this process allocated (once, at startup: nothing is allocated per request)",
+    )?;
+    registry.register(Box::new(arenas.clone()))?;
     let app = Router::new()
         .route(
             "/metrics",
             get(move || {
                 let registry = registry.clone();
                 let nan_scores = nan_scores.clone();
+                arenas.set(engine::cache::arenas_created() as i64);
                 async move {
                     nan_scores.inc_by(engine::cpu::topk::nan_scores_total().saturating_sub(nan_scores.get()));
                     let mut buf = Vec::new();

@@ -1,11 +1,14 @@
-//! Loading the model and creating the cache pool a worker serves from.
+//! Loading the model and creating the cache pool a worker serves from. The backend comes from the
+//! factory (`--device`), allocates the pool itself and reports its memory budget; the pool's size follows
+//! (`--kv-blocks` on the CPU, what `--gpu-memory-utilization` leaves on a GPU). Everything is allocated
+//! here, before the worker reports ready: serving allocates no cache memory per request.
 
 use std::sync::Arc;
 
 use anyhow::Context;
 use engine::cache::{BLOCK_SIZE, BlockPool, CacheGeometry, KvCache};
 use engine::checkpoint::Checkpoint;
-use engine::cpu::CpuBackend;
+use engine::memory::{PoolSizing, ServingLimits};
 use engine::{Backend, ModelConfig};
 use proto::v1::ModelFingerprint;
 
@@ -23,26 +26,25 @@ pub struct LoadedModel {
 
 impl LoadedModel {
     pub fn load(args: &ServeArgs) -> anyhow::Result<LoadedModel> {
-        if let Some(n) = args.threads {
-            // A second call (tests starting several workers in one process) keeps the first pool.
-            let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
-        }
+        // Before touching the checkpoint: a device this build cannot use fails at once.
+        engine::device::check_available(args.device)?;
         let ckpt =
             Checkpoint::open(&args.model).with_context(|| format!("opening checkpoint {}", args.model.display()))?;
-        let backend = CpuBackend::from_checkpoint(&ckpt, args.precision)
-            .with_context(|| format!("loading {}", args.model.display()))?;
+        let backend = engine::device::load_backend(&ckpt, args.backend_options())
+            .with_context(|| format!("loading {} on {}", args.model.display(), args.device))?;
         let cfg: ModelConfig = backend.config().clone();
-        anyhow::ensure!(args.kv_blocks > 0, "--kv-blocks must be > 0");
-        let geometry = CacheGeometry::new(
-            args.precision.cache_format(),
-            backend.entry_dims(),
-            cfg.num_cache_layers(),
-            args.kv_blocks,
-        );
-        let cache = KvCache::new_host(geometry).with_context(|| {
-            format!("allocating a {}-byte cache pool (--kv-blocks {})", geometry.total_bytes(), args.kv_blocks)
+        let limits =
+            ServingLimits { max_num_batched_tokens: args.max_num_batched_tokens, max_num_seqs: args.max_num_seqs };
+        let budget = backend.memory_budget(&limits);
+        let capacity = backend.memory_capacity();
+        let mut geometry =
+            CacheGeometry::new(args.precision.cache_format(), backend.entry_dims(), backend.cache_layers(), 0);
+        let sizing = PoolSizing { kv_blocks: args.kv_blocks, gpu_memory_utilization: args.gpu_memory_utilization };
+        geometry.num_blocks = sizing.blocks(&geometry, capacity, &budget)?;
+        let cache = backend.allocate_cache(geometry).with_context(|| {
+            format!("allocating a {}-byte cache pool ({} blocks)", geometry.total_bytes(), geometry.num_blocks)
         })?;
-        let pool_tokens = args.kv_blocks * BLOCK_SIZE;
+        let pool_tokens = geometry.num_blocks * BLOCK_SIZE;
         let max_model_len = args.max_model_len.unwrap_or(cfg.max_position_embeddings.min(pool_tokens));
         anyhow::ensure!(
             max_model_len <= cfg.max_position_embeddings,
@@ -55,20 +57,56 @@ impl LoadedModel {
             checkpoint_hash: ckpt.fingerprint().to_string(),
             precision: args.precision.name().to_string(),
             block_size: BLOCK_SIZE as u32,
-            num_layers: cfg.num_cache_layers() as u32,
+            num_layers: geometry.num_layers as u32,
         };
+        if cfg.num_nextn_predict_layers > cfg.num_served_mtp_layers() {
+            tracing::info!(
+                mtp_layers = cfg.num_nextn_predict_layers,
+                "the checkpoint has {} MTP layers; only the first is served (one draft token per step)",
+                cfg.num_nextn_predict_layers
+            );
+        }
         tracing::info!(
-            model = %args.model.display(), name = %name, precision = args.precision.name(),
-            kv_blocks = args.kv_blocks, cache_bytes = geometry.total_bytes(), max_model_len,
-            fingerprint = %fingerprint.checkpoint_hash, "model loaded"
+            model = %args.model.display(), name = %name, device = %args.device, backend = backend.name(),
+            precision = args.precision.name(), kv_blocks = geometry.num_blocks, cache_layers = geometry.num_layers,
+            cache_bytes = geometry.total_bytes(), cache_memory = %cache.memory_kind(), max_model_len,
+            weights_bytes = budget.weights, activation_bytes = budget.activations, graph_bytes = budget.graphs,
+            communication_bytes = budget.communication, fingerprint = %fingerprint.checkpoint_hash, "model loaded"
         );
         Ok(LoadedModel {
-            backend: Arc::new(backend),
+            backend,
             cache: Arc::new(cache),
-            pool: Arc::new(BlockPool::new(args.kv_blocks)),
+            pool: Arc::new(BlockPool::new(geometry.num_blocks)),
             fingerprint,
             max_model_len,
             name,
+        })
+    }
+
+    /// A model over an already-built backend with a pool of `blocks` blocks (tests: a fake backend).
+    pub fn from_backend(backend: Arc<dyn Backend>, blocks: usize, name: &str) -> anyhow::Result<LoadedModel> {
+        let geometry = CacheGeometry::new(
+            backend.precision().cache_format(),
+            backend.entry_dims(),
+            backend.cache_layers(),
+            blocks,
+        );
+        let cache = backend.allocate_cache(geometry)?;
+        let cfg = backend.config();
+        let fingerprint = ModelFingerprint {
+            model_name: name.to_string(),
+            checkpoint_hash: format!("{}-{}", backend.name(), cfg.vocab_size),
+            precision: backend.precision().name().to_string(),
+            block_size: BLOCK_SIZE as u32,
+            num_layers: geometry.num_layers as u32,
+        };
+        Ok(LoadedModel {
+            max_model_len: cfg.max_position_embeddings.min(blocks * BLOCK_SIZE),
+            backend,
+            cache: Arc::new(cache),
+            pool: Arc::new(BlockPool::new(blocks)),
+            fingerprint,
+            name: name.to_string(),
         })
     }
 

@@ -35,7 +35,7 @@ pub fn record(
         grpc_address,
         capacity: cluster::Capacity {
             max_num_seqs: args.max_num_seqs as u32,
-            kv_blocks_total: args.kv_blocks as u32,
+            kv_blocks_total: model.pool.stats().total_blocks as u32,
             max_model_len: model.max_model_len as u32,
         },
         fingerprint: Some(model.cluster_fingerprint()),

@@ -2,35 +2,53 @@
 //! tokens/s at batch 1 and 16. Prints a table and, with --json, one JSON object per measurement.
 //!
 //! cargo run --release -p engine --bin engine-bench -- [--json] [--out FILE] [--precision fp8|full]
+//!     [--device cpu|cuda[:N]] [--threads N]
 
 use std::time::Instant;
 
-use engine::cache::{BlockPool, CacheGeometry, KvCache};
-use engine::cpu::CpuBackend;
+use engine::cache::{BlockPool, CacheGeometry};
+use engine::checkpoint::Checkpoint;
+use engine::device::{BackendOptions, load_backend};
 use engine::generate::{self, SeqState};
 use engine::sampling::SamplingParams;
-use engine::{Backend, Precision};
+use engine::{Device, Precision};
 
 struct Opts {
     json: bool,
     out: Option<String>,
     precision: Precision,
+    device: Device,
+    threads: Option<usize>,
     decode_steps: usize,
 }
 
 fn parse() -> Result<Opts, String> {
-    let mut o = Opts { json: false, out: None, precision: Precision::Fp8, decode_steps: 32 };
+    let mut o = Opts {
+        json: false,
+        out: None,
+        precision: Precision::Fp8,
+        device: Device::Cpu,
+        threads: None,
+        decode_steps: 32,
+    };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--json" => o.json = true,
             "--out" => o.out = Some(args.next().ok_or("--out needs a file")?),
             "--precision" => o.precision = args.next().ok_or("--precision needs a value")?.parse()?,
+            "--device" => o.device = args.next().ok_or("--device needs a value")?.parse()?,
+            "--threads" => {
+                o.threads = Some(args.next().and_then(|v| v.parse().ok()).ok_or("--threads needs a number")?)
+            }
             "--decode-steps" => {
                 o.decode_steps = args.next().and_then(|v| v.parse().ok()).ok_or("--decode-steps needs a number")?
             }
             "-h" | "--help" => {
-                println!("engine-bench [--json] [--out FILE] [--precision fp8|full] [--decode-steps N]");
+                println!(
+                    "engine-bench [--json] [--out FILE] [--precision fp8|full] [--device cpu|cuda[:N]] [--threads N] \
+                     [--decode-steps N]"
+                );
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}")),
@@ -53,18 +71,26 @@ fn main() {
     };
     let dir = tempfile::tempdir().expect("temp dir");
     engine::tiny::write(dir.path(), 0, 1280).expect("tiny checkpoint");
-    let b = CpuBackend::load(dir.path(), o.precision).expect("load");
+    let ckpt = Checkpoint::open(dir.path()).expect("open the tiny checkpoint");
+    let b = match load_backend(&ckpt, BackendOptions { device: o.device, precision: o.precision, threads: o.threads }) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("engine-bench: {e}");
+            std::process::exit(1);
+        }
+    };
+    let b = b.as_ref();
     let cfg = b.config().clone();
     let blocks = 2048;
-    let geo = CacheGeometry::new(o.precision.cache_format(), b.entry_dims(), cfg.num_cache_layers(), blocks);
-    let cache = KvCache::new_host(geo).expect("cache");
+    let geo = CacheGeometry::new(o.precision.cache_format(), b.entry_dims(), b.cache_layers(), blocks);
+    let cache = b.allocate_cache(geo).expect("cache");
     let pool = BlockPool::new(blocks);
-    let threads = rayon::current_num_threads();
+    let threads = o.threads.unwrap_or_else(rayon::current_num_threads);
     let mut results = Vec::new();
     let mut record = |name: &str, tokens: usize, secs: f64, extra: serde_json::Value| {
         let tps = tokens as f64 / secs;
         let line = serde_json::json!({
-            "bench": name, "precision": o.precision.name(), "threads": threads,
+            "bench": name, "precision": o.precision.name(), "device": o.device.to_string(), "threads": threads,
             "tokens": tokens, "seconds": secs, "tokens_per_s": tps, "extra": extra,
         });
         if o.json {
@@ -83,7 +109,7 @@ fn main() {
             let t = pool.reserve(&id, len + 2).expect("blocks");
             let mut s = SeqState::new(toks.clone(), SamplingParams::greedy(1), t.blocks, 0);
             let start = Instant::now();
-            generate::prefill(&b, &cache, &mut [&mut s], &[len], &mut |_| {}).expect("prefill");
+            generate::prefill(b, &cache, &mut [&mut s], &[len], &mut |_, _| {}).expect("prefill");
             best = best.min(start.elapsed().as_secs_f64());
             pool.release(&id).expect("release");
         }
@@ -112,13 +138,13 @@ fn main() {
             .collect();
         {
             let mut refs: Vec<&mut SeqState> = seqs.iter_mut().collect();
-            generate::prefill(&b, &cache, &mut refs, &vec![ctx; batch], &mut |_| {}).expect("prefill");
+            generate::prefill(b, &cache, &mut refs, &vec![ctx; batch], &mut |_, _| {}).expect("prefill");
         }
         let start = Instant::now();
         let mut produced = 0;
         for _ in 0..o.decode_steps {
             let mut refs: Vec<&mut SeqState> = seqs.iter_mut().collect();
-            for out in generate::decode_step(&b, &cache, &mut refs).expect("decode") {
+            for out in generate::decode_step(b, &cache, &mut refs).expect("decode") {
                 produced += out.tokens.len();
             }
         }

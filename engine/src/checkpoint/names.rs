@@ -129,7 +129,7 @@ pub fn expected_tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
         expect: Expect::Float,
         optional: cfg.tie_word_embeddings,
     });
-    for layer in 0..cfg.num_cache_layers() {
+    for layer in 0..cfg.num_checkpoint_layers() {
         out.extend(decoder_layer(cfg, layer));
         if layer >= cfg.num_hidden_layers {
             out.extend(mtp_layer_extras(cfg, layer));

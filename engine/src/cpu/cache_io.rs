@@ -2,9 +2,9 @@
 //!
 //! Every function here touches only blocks of the request's own table (`blocks`), which the block
 //! allocator gave to that request alone; within a call, a layer is written by this backend only. That is
-//! the exclusivity `KvCache`'s unsafe accessors ask for.
+//! the exclusivity `HostCache`'s unsafe accessors ask for.
 
-use crate::cache::{self, BLOCK_SIZE, BlockId, CacheFormat, KvCache, LayerIdx, format};
+use crate::cache::{self, BLOCK_SIZE, BlockId, CacheFormat, HostCache, LayerIdx, format};
 use crate::fp8;
 
 #[inline]
@@ -13,7 +13,7 @@ fn slot(blocks: &[BlockId], pos: usize) -> (BlockId, usize) {
 }
 
 /// Writes position `pos`'s latent `c` and rotated `k_pe`.
-pub fn write_latent(cache: &KvCache, layer: LayerIdx, blocks: &[BlockId], pos: usize, c: &[f32], k_pe: &[f32]) {
+pub fn write_latent(cache: &HostCache<'_>, layer: LayerIdx, blocks: &[BlockId], pos: usize, c: &[f32], k_pe: &[f32]) {
     let (b, s) = slot(blocks, pos);
     // SAFETY: see the module docs: the request owns block `b` and this layer is ours to write.
     let out = unsafe { cache.latent_entry_mut(layer, b, s) };
@@ -24,7 +24,7 @@ pub fn write_latent(cache: &KvCache, layer: LayerIdx, blocks: &[BlockId], pos: u
 }
 
 /// Writes position `pos`'s indexer key.
-pub fn write_index_key(cache: &KvCache, layer: LayerIdx, blocks: &[BlockId], pos: usize, key: &[f32]) {
+pub fn write_index_key(cache: &HostCache<'_>, layer: LayerIdx, blocks: &[BlockId], pos: usize, key: &[f32]) {
     let (b, s) = slot(blocks, pos);
     // SAFETY: see the module docs.
     let block = unsafe { cache.indexer_block_mut(layer, b) };
@@ -36,7 +36,7 @@ pub fn write_index_key(cache: &KvCache, layer: LayerIdx, blocks: &[BlockId], pos
 
 /// Dequantized latents and rope keys of positions `positions` (in that order): `c [n, rank]`, `k_pe [n, rope]`.
 pub fn read_latents(
-    cache: &KvCache,
+    cache: &HostCache<'_>,
     layer: LayerIdx,
     blocks: &[BlockId],
     positions: impl ExactSizeIterator<Item = usize>,
@@ -61,7 +61,7 @@ pub fn read_latents(
 
 /// Indexer keys of positions `0..ctx`: values `[ctx, dim]` as multiplied by the scorer (decoded e4m3 codes
 /// for FP8, raw f32 otherwise) and per-token scales (1 for f32).
-pub fn read_index_keys(cache: &KvCache, layer: LayerIdx, blocks: &[BlockId], ctx: usize) -> (Vec<f32>, Vec<f32>) {
+pub fn read_index_keys(cache: &HostCache<'_>, layer: LayerIdx, blocks: &[BlockId], ctx: usize) -> (Vec<f32>, Vec<f32>) {
     let dim = cache.geometry().dims.index_dim;
     let mut vals = vec![0f32; ctx * dim];
     let mut scales = vec![1f32; ctx];

@@ -9,8 +9,8 @@ use super::kernels::rms_norm;
 use super::moe::ffn_forward;
 use super::topk;
 use super::weights::{Layer, Weights};
-use crate::backend::{AttnForm, Logits, SeqOutput};
-use crate::cache::{BlockId, KvCache, LayerIdx};
+use crate::backend::{AttnForm, DeviceRows, LayerDone, LayerReady, Logits, SeqOutput};
+use crate::cache::{BlockId, HostCache, LayerIdx};
 use crate::rope::Rope;
 use crate::{ModelConfig, Precision};
 
@@ -40,7 +40,7 @@ pub fn positions(items: &[Item<'_>]) -> Vec<usize> {
 pub struct Pass<'a> {
     pub items: &'a [Item<'a>],
     pub form: AttnForm,
-    pub cache: &'a KvCache,
+    pub cache: HostCache<'a>,
 }
 
 /// Runs `layer` (cache layer `li`) over the batch, updating the residual stream `h` in place.
@@ -50,9 +50,9 @@ pub fn layer_forward(
     layer: &Layer,
     li: LayerIdx,
     h: &mut [f32],
-    on_layer: &mut dyn FnMut(LayerIdx),
+    on_layer: LayerDone<'_>,
 ) {
-    let (items, form, cache) = (pass.items, pass.form, pass.cache);
+    let (items, form, cache) = (pass.items, pass.form, &pass.cache);
     let cfg = ctx.cfg;
     let pos = positions(items);
     let rows = pos.len();
@@ -79,7 +79,8 @@ pub fn layer_forward(
             cache_io::write_index_key(cache, li, it.blocks, it.start + i, &keys[r * idim..(r + 1) * idim]);
         }
     }
-    on_layer(li);
+    // The CPU writes synchronously: the layer is complete as it is announced.
+    on_layer(li, LayerReady::complete());
 
     let scale = cfg.softmax_scale();
     let topk = cfg.index_topk;
@@ -170,7 +171,8 @@ pub fn finish(
             };
             let l = logits[at * vocab..(at + n_logits) * vocab].to_vec();
             at += n_logits;
-            SeqOutput { logits: l, hidden: normed[it.row0 * hidden..(it.row0 + it.n) * hidden].to_vec() }
+            let h = normed[it.row0 * hidden..(it.row0 + it.n) * hidden].to_vec();
+            SeqOutput { logits: DeviceRows::new(n_logits, vocab, l), hidden: DeviceRows::new(it.n, hidden, h) }
         })
         .collect()
 }

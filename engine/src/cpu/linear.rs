@@ -42,6 +42,16 @@ impl Linear {
         }
     }
 
+    /// Bytes the weights occupy in memory.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Linear::Dense { w, .. } => std::mem::size_of_val(w.as_slice()) as u64,
+            Linear::Fp8(l) => {
+                (std::mem::size_of_val(l.q.as_slice()) + std::mem::size_of_val(l.scales.as_slice())) as u64
+            }
+        }
+    }
+
     pub fn in_features(&self) -> usize {
         match self {
             Linear::Dense { inp, .. } => *inp,

@@ -1,5 +1,7 @@
 //! The CPU reference backend: the full DeepSeek-V3.2 forward of docs/model.md §2 in plain Rust, multithreaded
-//! with rayon, batch-invariant (every row's reductions have one fixed order).
+//! with rayon (its own pool with `--threads`, rayon's global one otherwise), batch-invariant (every row's
+//! reductions have one fixed order). Its memory is host memory: the cache pool, and activations returned
+//! as [`DeviceRows`] holding a `Vec<f32>`.
 
 pub mod attention;
 mod cache_io;
@@ -14,11 +16,14 @@ pub mod topk;
 pub mod weights;
 
 use std::path::Path;
+use std::sync::Arc;
 
-use crate::backend::{AttnForm, Backend, EngineError, LayerDone, MtpInput, SeqInput, SeqOutput};
-use crate::cache::{BlockId, KvCache, LayerIdx};
+use crate::backend::{AttnForm, Backend, DeviceRows, EngineError, LayerDone, MtpInput, SeqInput, SeqOutput};
+use crate::cache::{BlockId, CacheGeometry, HostCache, KvCache, LayerIdx};
 use crate::checkpoint::Checkpoint;
+use crate::memory::{MemoryBudget, ServingLimits};
 use crate::rope::Rope;
+use crate::sampling::{self, History, Sampled, SamplingParams};
 use crate::{ModelConfig, Precision};
 use forward::{Ctx, Item, Pass};
 use weights::Weights;
@@ -29,6 +34,24 @@ pub struct CpuBackend {
     rope: Rope,
     weights: Weights,
     fingerprint: String,
+    /// Its own compute threads (`--threads`); rayon's global pool when absent.
+    pool: Option<Arc<rayon::ThreadPool>>,
+}
+
+/// The CPU's rows: `rows x width` f32 values in host memory.
+type HostRows = Vec<f32>;
+
+fn host_rows(rows: &DeviceRows) -> Result<&HostRows, EngineError> {
+    rows.downcast_ref::<HostRows>()
+        .ok_or_else(|| EngineError::InvalidInput("rows from another backend given to the CPU backend".into()))
+}
+
+fn host_row(rows: &DeviceRows, row: usize) -> Result<&[f32], EngineError> {
+    let data = host_rows(rows)?;
+    if row >= rows.rows() {
+        return Err(EngineError::InvalidInput(format!("row {row} of {} rows", rows.rows())));
+    }
+    Ok(&data[row * rows.width()..(row + 1) * rows.width()])
 }
 
 impl CpuBackend {
@@ -40,7 +63,38 @@ impl CpuBackend {
     pub fn from_checkpoint(ckpt: &Checkpoint, prec: Precision) -> Result<Self, EngineError> {
         let cfg = ckpt.config().clone();
         let weights = Weights::load(ckpt, prec)?;
-        Ok(CpuBackend { rope: Rope::new(&cfg), cfg, prec, weights, fingerprint: ckpt.fingerprint().to_string() })
+        Ok(CpuBackend {
+            rope: Rope::new(&cfg),
+            cfg,
+            prec,
+            weights,
+            fingerprint: ckpt.fingerprint().to_string(),
+            pool: None,
+        })
+    }
+
+    /// Computes on `threads` threads of its own (`None`: rayon's global pool, one thread per core).
+    pub fn with_threads(mut self, threads: Option<usize>) -> Result<Self, EngineError> {
+        self.pool = match threads {
+            None => None,
+            Some(0) => return Err(EngineError::InvalidInput("--threads must be > 0".into())),
+            Some(n) => Some(Arc::new(
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n)
+                    .thread_name(|i| format!("cpu-backend-{i}"))
+                    .build()
+                    .map_err(|e| EngineError::Unsupported(format!("cannot start {n} compute threads: {e}")))?,
+            )),
+        };
+        Ok(self)
+    }
+
+    /// Runs `f` on this backend's threads.
+    fn on_threads<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        match &self.pool {
+            Some(p) => p.install(f),
+            None => f(),
+        }
     }
 
     /// The checkpoint's fingerprint (see `Checkpoint::fingerprint`).
@@ -52,7 +106,11 @@ impl CpuBackend {
         Ctx { cfg: &self.cfg, prec: self.prec, rope: &self.rope, w: &self.weights }
     }
 
-    fn check_cache(&self, cache: &KvCache) -> Result<(), EngineError> {
+    /// The pool as host memory, if it fits this model.
+    fn check_cache<'c>(&self, cache: &'c KvCache) -> Result<HostCache<'c>, EngineError> {
+        let host = cache
+            .host()
+            .map_err(|e| EngineError::InvalidInput(format!("the CPU backend cannot use this pool: {e}")))?;
         let g = cache.geometry();
         if g.format != self.prec.cache_format()
             || g.dims != self.entry_dims()
@@ -69,7 +127,7 @@ impl CpuBackend {
                 self.cfg.num_cache_layers()
             )));
         }
-        Ok(())
+        Ok(host)
     }
 
     fn check_item(
@@ -105,7 +163,6 @@ impl CpuBackend {
     }
 
     fn items<'a>(&self, cache: &KvCache, batch: &[SeqInput<'a>]) -> Result<Vec<Item<'a>>, EngineError> {
-        self.check_cache(cache)?;
         let mut row0 = 0;
         let mut items = Vec::with_capacity(batch.len());
         for (i, s) in batch.iter().enumerate() {
@@ -129,6 +186,7 @@ impl CpuBackend {
         form: AttnForm,
         on_layer: LayerDone<'_>,
     ) -> Result<Vec<SeqOutput>, EngineError> {
+        let host = self.check_cache(cache)?;
         let items = self.items(cache, batch)?;
         if items.is_empty() {
             return Ok(Vec::new());
@@ -136,41 +194,14 @@ impl CpuBackend {
         let ctx = self.ctx();
         let hidden = self.cfg.hidden_size;
         let mut h = forward::embed(&self.weights.embed, batch.iter().flat_map(|s| s.tokens.iter().copied()), hidden);
-        let pass = Pass { items: &items, form, cache };
+        let pass = Pass { items: &items, form, cache: host };
         for (l, layer) in self.weights.layers.iter().enumerate() {
             forward::layer_forward(&ctx, &pass, layer, LayerIdx(l as u32), &mut h, on_layer);
         }
         Ok(forward::finish(&ctx, &items, &h, &self.weights.norm, &self.weights.lm_head))
     }
-}
 
-impl Backend for CpuBackend {
-    fn name(&self) -> &'static str {
-        "cpu"
-    }
-
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    fn precision(&self) -> Precision {
-        self.prec
-    }
-
-    fn prefill(
-        &self,
-        cache: &KvCache,
-        batch: &[SeqInput<'_>],
-        on_layer: LayerDone<'_>,
-    ) -> Result<Vec<SeqOutput>, EngineError> {
-        self.run_main(cache, batch, AttnForm::Prefill, on_layer)
-    }
-
-    fn decode(&self, cache: &KvCache, batch: &[SeqInput<'_>]) -> Result<Vec<SeqOutput>, EngineError> {
-        self.run_main(cache, batch, AttnForm::Decode, &mut |_| {})
-    }
-
-    fn mtp(
+    fn run_mtp(
         &self,
         cache: &KvCache,
         batch: &[MtpInput<'_>],
@@ -182,17 +213,19 @@ impl Backend for CpuBackend {
                 "this checkpoint has no MTP layer (num_nextn_predict_layers = 0)".into(),
             ));
         };
-        self.check_cache(cache)?;
+        let host = self.check_cache(cache)?;
         let hidden = self.cfg.hidden_size;
         let mut items = Vec::with_capacity(batch.len());
         let mut row0 = 0;
         for (i, m) in batch.iter().enumerate() {
             let n = m.next_tokens.len();
             self.check_item(cache, i, n, m.start, m.blocks)?;
-            if m.hidden.len() != n * hidden {
+            let rows = host_rows(m.hidden)?;
+            if m.hidden.width() != hidden || m.hidden.rows() < n || rows.len() < n * hidden {
                 return Err(EngineError::InvalidInput(format!(
-                    "batch item {i}: {} hidden values for {n} positions of width {hidden}",
-                    m.hidden.len()
+                    "batch item {i}: {} hidden rows of width {} for {n} positions of width {hidden}",
+                    m.hidden.rows(),
+                    m.hidden.width()
                 )));
             }
             if let Some(t) = m.next_tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
@@ -217,7 +250,10 @@ impl Backend for CpuBackend {
         }
         let eps = self.cfg.rms_norm_eps;
         let e = kernels::rms_norm(&emb, &mtp.enorm, eps);
-        let prev: Vec<f32> = batch.iter().flat_map(|m| m.hidden.iter().copied()).collect();
+        let mut prev: Vec<f32> = Vec::with_capacity(row0 * hidden);
+        for (m, it) in batch.iter().zip(&items) {
+            prev.extend_from_slice(&host_rows(m.hidden)?[..it.n * hidden]);
+        }
         let hh = kernels::rms_norm(&prev, &mtp.hnorm, eps);
         let mut cat = Vec::with_capacity(row0 * 2 * hidden);
         for r in 0..row0 {
@@ -227,9 +263,88 @@ impl Backend for CpuBackend {
         let mut h = mtp.eh_proj.forward(&cat, row0);
         let ctx = self.ctx();
         let li = LayerIdx(self.cfg.num_hidden_layers as u32);
-        let pass = Pass { items: &items, form, cache };
+        let pass = Pass { items: &items, form, cache: host };
         forward::layer_forward(&ctx, &pass, &mtp.layer, li, &mut h, on_layer);
         let head = mtp.head.as_ref().unwrap_or(&self.weights.lm_head);
         Ok(forward::finish(&ctx, &items, &h, &mtp.head_norm, head))
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn precision(&self) -> Precision {
+        self.prec
+    }
+
+    fn allocate_cache(&self, geometry: CacheGeometry) -> Result<KvCache, EngineError> {
+        KvCache::new_host(geometry).map_err(|e| {
+            EngineError::Unsupported(format!("{e} ({} blocks of {} layers)", geometry.num_blocks, geometry.num_layers))
+        })
+    }
+
+    /// Weights as loaded; activations are an estimate of the f32 buffers alive at once in a
+    /// `max_num_batched_tokens` forward (residual and normed rows, projections, the decompressed keys and
+    /// values of the MHA form, routed experts' intermediates) plus two logits rows per request.
+    fn memory_budget(&self, limits: &ServingLimits) -> MemoryBudget {
+        let c = &self.cfg;
+        let per_token = 3 * c.hidden_size
+            + c.num_attention_heads * (c.qk_head_dim() + c.qk_nope_head_dim + 2 * c.v_head_dim)
+            + c.kv_lora_rank
+            + c.qk_rope_head_dim
+            + c.index_n_heads * c.index_head_dim
+            + 2 * c.num_experts_per_tok.max(1) * c.moe_intermediate_size.max(c.intermediate_size);
+        let floats = limits.max_num_batched_tokens * per_token + 2 * limits.max_num_seqs * c.vocab_size;
+        MemoryBudget { weights: self.weights.bytes(), activations: 4 * floats as u64, graphs: 0, communication: 0 }
+    }
+
+    fn sample(
+        &self,
+        logits: &DeviceRows,
+        row: usize,
+        params: &SamplingParams,
+        history: History<'_>,
+        eos: &[u32],
+    ) -> Result<Sampled, EngineError> {
+        Ok(sampling::sample(host_row(logits, row)?, params, history, eos))
+    }
+
+    fn draft(&self, logits: &DeviceRows, row: usize) -> Result<(u32, f32), EngineError> {
+        let r = host_row(logits, row)?;
+        let d = sampling::argmax(r);
+        Ok((d, sampling::log_softmax(r)[d as usize].exp()))
+    }
+
+    fn rows_to_host(&self, rows: &DeviceRows) -> Result<Vec<f32>, EngineError> {
+        Ok(host_rows(rows)?.clone())
+    }
+
+    fn prefill(
+        &self,
+        cache: &KvCache,
+        batch: &[SeqInput<'_>],
+        on_layer: LayerDone<'_>,
+    ) -> Result<Vec<SeqOutput>, EngineError> {
+        self.on_threads(|| self.run_main(cache, batch, AttnForm::Prefill, on_layer))
+    }
+
+    fn decode(&self, cache: &KvCache, batch: &[SeqInput<'_>]) -> Result<Vec<SeqOutput>, EngineError> {
+        self.on_threads(|| self.run_main(cache, batch, AttnForm::Decode, &mut |_, _| {}))
+    }
+
+    fn mtp(
+        &self,
+        cache: &KvCache,
+        batch: &[MtpInput<'_>],
+        form: AttnForm,
+        on_layer: LayerDone<'_>,
+    ) -> Result<Vec<SeqOutput>, EngineError> {
+        self.on_threads(|| self.run_mtp(cache, batch, form, on_layer))
     }
 }

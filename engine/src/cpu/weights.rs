@@ -200,3 +200,60 @@ impl Weights {
         Ok(Weights { embed, layers, norm, lm_head, mtp })
     }
 }
+
+fn f32_bytes(v: &[f32]) -> u64 {
+    std::mem::size_of_val(v) as u64
+}
+
+impl Mlp {
+    fn bytes(&self) -> u64 {
+        self.gate.bytes() + self.up.bytes() + self.down.bytes()
+    }
+}
+
+impl Layer {
+    /// Bytes this layer's weights occupy in memory (as loaded, not as stored in the checkpoint).
+    pub fn bytes(&self) -> u64 {
+        let a = &self.attn;
+        let attn = [&a.q_a, &a.q_b, &a.kv_a, &a.kv_b, &a.o].iter().map(|l| l.bytes()).sum::<u64>()
+            + f32_bytes(&a.q_a_norm)
+            + f32_bytes(&a.kv_a_norm)
+            + a.w_uk_t.iter().chain(&a.w_uv).map(|w| f32_bytes(w)).sum::<u64>();
+        let i = &self.indexer;
+        let indexer =
+            i.wq_b.bytes() + i.wk.bytes() + i.weights_proj.bytes() + f32_bytes(&i.k_norm_w) + f32_bytes(&i.k_norm_b);
+        let ffn = match &self.ffn {
+            Ffn::Dense(m) => m.bytes(),
+            Ffn::Moe(m) => {
+                f32_bytes(&m.gate)
+                    + m.bias.as_deref().map_or(0, f32_bytes)
+                    + m.experts.iter().chain(&m.shared).map(Mlp::bytes).sum::<u64>()
+            }
+        };
+        attn + indexer + ffn + f32_bytes(&self.attn_norm) + f32_bytes(&self.ffn_norm)
+    }
+}
+
+impl Weights {
+    /// Bytes the loaded weights occupy.
+    pub fn bytes(&self) -> u64 {
+        let mtp: u64 = self
+            .mtp
+            .iter()
+            .map(|m| {
+                f32_bytes(&m.enorm)
+                    + f32_bytes(&m.hnorm)
+                    + m.eh_proj.bytes()
+                    + f32_bytes(&m.head_norm)
+                    + m.head.as_ref().map_or(0, Linear::bytes)
+                    + m.embed.as_deref().map_or(0, f32_bytes)
+                    + m.layer.bytes()
+            })
+            .sum();
+        f32_bytes(&self.embed)
+            + f32_bytes(&self.norm)
+            + self.lm_head.bytes()
+            + self.layers.iter().map(Layer::bytes).sum::<u64>()
+            + mtp
+    }
+}

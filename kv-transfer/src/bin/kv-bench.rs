@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail};
 use clap::Parser;
-use engine::cache::{CacheGeometry, LayerIdx};
+use kv_cache::{CacheGeometry, LayerIdx};
 use kv_transfer::testkit;
 use kv_transfer::transport::ucx::DataPath;
 
@@ -170,7 +170,7 @@ impl Drop for Peer {
 fn one(
     sender: &KvSender,
     peer: &mut Peer,
-    pool: &engine::cache::BlockPool,
+    pool: &kv_cache::BlockPool,
     tokens: usize,
     layers: usize,
 ) -> anyhow::Result<Duration> {
@@ -303,7 +303,7 @@ fn round(x: f64) -> f64 {
 fn overhead_us(
     sender: &KvSender,
     peer: &mut Peer,
-    pool: &engine::cache::BlockPool,
+    pool: &kv_cache::BlockPool,
     args: &Args,
 ) -> anyhow::Result<(f64, f64)> {
     let mut v = Vec::new();

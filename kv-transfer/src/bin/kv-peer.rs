@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use engine::cache::LayerIdx;
+use kv_cache::LayerIdx;
 use kv_transfer::testkit;
 use kv_transfer::transport::ucx::DataPath;
 use kv_transfer::{

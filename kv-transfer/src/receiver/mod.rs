@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use engine::cache::{BlockPool, BlockTable, CacheGeometry, KvCache};
+use kv_cache::{BlockPool, BlockTable, CacheGeometry, KvCache};
 use proto::v1::{FinishReason, GeneratedToken, ModelFingerprint, MtpDraft, TransferDescriptor};
 
 use self::core::{OutcomeCell, ReceiverCore, ReceiverTimings, Transfer};

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use engine::cache::{BlockId, BlockTable, CacheGeometry, KvCache, LayerIdx};
+use kv_cache::{BlockId, BlockTable, CacheGeometry, KvCache, LayerIdx};
 use proto::v1::transfer_control::Body;
 use proto::v1::{
     CacheLayout, ModelFingerprint, TransferAbort, TransferAck, TransferBegin, TransferDescriptor, TransferStatus,

@@ -5,7 +5,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use engine::cache::{KvCache, LayerIdx};
+use kv_cache::LayerReady;
+use kv_cache::{KvCache, LayerIdx};
 use proto::v1::transfer_control::Body;
 use proto::v1::{
     FinishReason, GeneratedToken, LayerManifest, MemoryRegion, MtpDraft, TransferAbort, TransferComplete,
@@ -238,6 +239,13 @@ impl SendSession {
     /// Queues layer `layer` for shipping and returns at once (the compute thread goes on with the next
     /// layer). The layer's caches must be complete and stay untouched until the session finishes.
     pub fn put_layer(&self, layer: LayerIdx) -> Result<(), TransferError> {
+        self.put_layer_when(layer, LayerReady::complete())
+    }
+
+    /// Queues layer `layer` for shipping once `ready` (the backend's completion marker for the layer's
+    /// cache writes) is reached; returns at once. The shipping thread waits on the marker, so no byte of
+    /// the layer leaves before it is written and the compute thread never blocks here.
+    pub fn put_layer_when(&self, layer: LayerIdx, ready: LayerReady) -> Result<(), TransferError> {
         let usage = |reason: String| TransferError::Usage { request_id: self.st.request_id.clone(), reason };
         if layer.index() >= self.st.num_layers {
             return Err(usage(format!("layer {} out of range ({} layers)", layer.0, self.st.num_layers)));
@@ -256,7 +264,7 @@ impl SendSession {
             c.queued[layer.index()] = true;
         }
         self.st.add_job();
-        if !self.shared.shipper.submit(Job { st: self.st.clone(), layer, fault: self.shared.fault }) {
+        if !self.shared.shipper.submit(Job { st: self.st.clone(), layer, ready, fault: self.shared.fault }) {
             self.st.job_done();
             return Err(TransferError::Transport("the shipping thread is gone".into()));
         }

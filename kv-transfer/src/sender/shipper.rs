@@ -1,12 +1,13 @@
 //! The background thread that turns queued layers into puts, so `put_layer` never blocks compute. One per
-//! sender; puts themselves are asynchronous in every transport, so the thread only plans, checksums and
-//! hands them over.
+//! sender; puts themselves are asynchronous in every transport, so the thread waits for each layer's
+//! completion marker (a GPU event; complete at once on the CPU), plans, checksums and hands puts over.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 
-use engine::cache::LayerIdx;
+use kv_cache::LayerIdx;
+use kv_cache::LayerReady;
 use proto::v1::LayerManifest;
 
 use super::session::SessionState;
@@ -18,6 +19,8 @@ use crate::transport::{PutOp, lanes};
 pub(crate) struct Job {
     pub st: Arc<SessionState>,
     pub layer: LayerIdx,
+    /// Reached once the layer's bytes are written.
+    pub ready: LayerReady,
     pub fault: Option<Fault>,
 }
 
@@ -48,6 +51,14 @@ impl Shipper {
 fn ship(job: &Job) {
     let st = &job.st;
     let layer = job.layer;
+    if let Err(e) = job.ready.wait() {
+        st.set_error(TransferError::Transport(format!(
+            "request {}: layer {} was never written: {e}",
+            st.request_id(),
+            layer.0
+        )));
+        return;
+    }
     let base = st.dst_regions.first().map(|r| r.remote_addr).unwrap_or(0);
     let src_base = st.cache.arena().as_ptr() as *const u8;
     let (mut latent, mut indexer) = (0u64, 0u64);

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Instant;
 
-use engine::cache::KvCache;
+use kv_cache::KvCache;
 use proto::v1::transfer_control::Body;
 use proto::v1::{MemoryRegion, TransferControl, TransportEndpoint};
 use tokio::sync::mpsc;

@@ -15,7 +15,7 @@ pub mod ucx;
 use std::sync::Arc;
 use std::time::Instant;
 
-use engine::cache::KvCache;
+use kv_cache::KvCache;
 use proto::v1::{MemoryRegion, TransferControl, TransportEndpoint, transfer_control::Body};
 
 use crate::TransferError;

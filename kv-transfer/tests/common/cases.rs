@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use engine::cache::{BlockTable, LayerIdx};
+use kv_cache::{BlockTable, LayerIdx};
 use kv_transfer::{ExpectRequest, Fault, RejectStatus, TransferError, TransferOutcome};
 use proto::v1::{FinishReason, GeneratedToken, Logprobs, MtpDraft, TokenLogprob};
 
@@ -306,4 +306,58 @@ pub fn concurrent_requests(kind: &Kind) {
         p.rpool.release(&desc.request_id).unwrap();
     }
     wait_pool_used(&p.rpool, 0, Duration::from_secs(1));
+}
+
+/// A GPU-style completion marker: pending until `signal`.
+struct TestFence {
+    done: std::sync::Mutex<bool>,
+    cv: std::sync::Condvar,
+}
+
+impl kv_cache::Fence for TestFence {
+    fn wait(&self) -> Result<(), String> {
+        let mut d = self.done.lock().unwrap();
+        while !*d {
+            d = self.cv.wait(d).unwrap();
+        }
+        Ok(())
+    }
+    fn is_complete(&self) -> bool {
+        *self.done.lock().unwrap()
+    }
+}
+
+/// A layer handed over with a pending marker is shipped only once the marker is reached: bytes written
+/// after the hand-over (as a GPU stream writes them after the compute thread moved on) are what lands.
+pub fn layers_wait_for_their_completion_marker(kind: &Kind) {
+    let Some(p) = pair(kind, Opts::default()) else { return };
+    let tokens = 64 * 2 + 5;
+    let (dst, src) = reserve(&p, "fenced", tokens);
+    let (desc, pending) = expect(&p, "fenced", &dst, tokens, Duration::from_secs(10), true);
+    let s = p.sender.begin(&desc, &src).unwrap();
+    let fence = std::sync::Arc::new(TestFence { done: std::sync::Mutex::new(false), cv: std::sync::Condvar::new() });
+    let t0 = Instant::now();
+    s.put_layer_when(LayerIdx(0), kv_cache::LayerReady::pending(fence.clone())).unwrap();
+    assert!(t0.elapsed() < Duration::from_millis(100), "put_layer_when must not wait for the marker");
+    for l in 1..4 {
+        s.put_layer(LayerIdx(l)).unwrap();
+    }
+    // Give a shipper that ignored the marker time to ship layer 0's old bytes, then "write" the layer.
+    std::thread::sleep(Duration::from_millis(200));
+    let host = p.scache.host().unwrap();
+    for &b in &src.blocks {
+        for slot in 0..64 {
+            // SAFETY: the layer is ours to write until its marker is signalled.
+            for (i, x) in unsafe { host.latent_entry_mut(LayerIdx(0), b, slot) }.iter_mut().enumerate() {
+                *x = (i as u8).wrapping_mul(31).wrapping_add(slot as u8) ^ 0x5a;
+            }
+        }
+        unsafe { host.indexer_block_mut(LayerIdx(0), b) }.fill(0xc3);
+    }
+    *fence.done.lock().unwrap() = true;
+    fence.cv.notify_all();
+    s.complete(first_token(), draft()).unwrap();
+    let out = pending.wait_timeout(Duration::from_secs(10)).expect("outcome").unwrap();
+    assert!(matches!(out, TransferOutcome::Completed(ref c) if c.checksum_verified), "{out:?}");
+    assert_landed(&p, &desc, &src);
 }

@@ -7,7 +7,7 @@ pub mod cases;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine::cache::{BlockPool, BlockTable, CacheGeometry, KvCache, LayerIdx};
+use kv_cache::{BlockPool, BlockTable, CacheGeometry, KvCache, LayerIdx};
 use kv_transfer::testkit;
 use kv_transfer::transport::ucx::DataPath;
 use kv_transfer::{KvReceiver, KvSender, ReceiverConfig, SenderConfig, TransportConfig, TransportKind};
@@ -150,7 +150,7 @@ pub fn pair(kind: &Kind, o: Opts) -> Option<Pair> {
 /// xxh3 of a whole arena (detects any write).
 pub fn arena_hash(c: &KvCache) -> u64 {
     // SAFETY: tests read only when no transfer writes.
-    xxhash_rust_free_hash(unsafe { c.arena().slice(0, c.arena().len()) })
+    xxhash_rust_free_hash(unsafe { c.arena().slice(0, c.arena().len()) }.expect("a host arena"))
 }
 
 fn xxhash_rust_free_hash(b: &[u8]) -> u64 {
@@ -173,15 +173,16 @@ pub fn assert_landed(p: &Pair, desc: &TransferDescriptor, src: &BlockTable) {
         let layer = LayerIdx(l as u32);
         for t in 0..n {
             let (sb, slot) = src.slot(t).unwrap();
-            let db = engine::cache::BlockId(desc.block_ids[t / 64]);
+            let db = kv_cache::BlockId(desc.block_ids[t / 64]);
             // SAFETY: the transfer finished; nobody writes.
-            let (a, b) = unsafe { (p.scache.latent_entry(layer, sb, slot), p.rcache.latent_entry(layer, db, slot)) };
+            let (sc, rc) = (p.scache.host().unwrap(), p.rcache.host().unwrap());
+            let (a, b) = unsafe { (sc.latent_entry(layer, sb, slot), rc.latent_entry(layer, db, slot)) };
             assert!(a == b, "layer {l} token {t}: latent entry differs");
         }
         for (i, &d) in desc.block_ids.iter().enumerate() {
-            let (a, b) = unsafe {
-                (p.scache.indexer_block(layer, src.blocks[i]), p.rcache.indexer_block(layer, engine::cache::BlockId(d)))
-            };
+            let (sc, rc) = (p.scache.host().unwrap(), p.rcache.host().unwrap());
+            let (a, b) =
+                unsafe { (sc.indexer_block(layer, src.blocks[i]), rc.indexer_block(layer, kv_cache::BlockId(d))) };
             assert!(a == b, "layer {l} block {i}: indexer block differs");
         }
     }

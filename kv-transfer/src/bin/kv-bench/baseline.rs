@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use engine::cache::KvCache;
+use kv_cache::KvCache;
 
 /// Copies at most this much per measurement: far beyond any last-level cache, so the copy streams DRAM.
 const MAX_COPY: usize = 1 << 30;
@@ -29,7 +29,7 @@ impl<'a> Copier<'a> {
     pub fn gbps(&mut self, bytes: u64, threads: usize) -> Option<f64> {
         let n = (bytes as usize).min(self.dst.len());
         // SAFETY: the sender's arena is only read, while no transfer is in flight.
-        let src = unsafe { self.cache.arena().slice(0, n) };
+        let src = unsafe { self.cache.arena().slice(0, n) }.ok()?;
         let dst = &mut self.dst[..n];
         let chunk = n.div_ceil(threads.max(1));
         let mut best = f64::MAX;

@@ -233,13 +233,13 @@ impl ReceiverCore {
         if !t.verify_checksum {
             return Ok(false);
         }
-        let blocks: Vec<engine::cache::BlockId> = t.blocks.iter().map(|&b| engine::cache::BlockId(b)).collect();
+        let blocks: Vec<kv_cache::BlockId> = t.blocks.iter().map(|&b| kv_cache::BlockId(b)).collect();
         let plan = layout::PutPlan::new(self.layout, self.layout, &blocks, &blocks, t.num_tokens as usize);
         for l in &c.layers {
             let Some(want) = l.checksum else {
                 return Err((TransferStatus::ChecksumMismatch, format!("layer {} has no checksum", l.layer)));
             };
-            let segs = plan.layer_puts(engine::cache::LayerIdx(l.layer)).map(|p| (p.dst_offset, p.len));
+            let segs = plan.layer_puts(kv_cache::LayerIdx(l.layer)).map(|p| (p.dst_offset, p.len));
             // SAFETY: the transfer owns these blocks and no write is admitted any more.
             let got = unsafe { checksum_segments(self.cache.arena().as_ptr(), segs) };
             if got != want {

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use engine::cache::{BlockPool, CacheGeometry, KvCache};
+use kv_cache::{BlockPool, CacheGeometry, KvCache};
 use proto::v1::transfer_control::Body;
 use proto::v1::{
     CacheLayout, ModelFingerprint, TransferAbort, TransferAck, TransferComplete, TransferControl, TransferStatus,

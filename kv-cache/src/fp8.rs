@@ -7,6 +7,7 @@ pub const E4M3_MAX: f32 = 448.0;
 /// Smallest group amax considered, so an all-zero group still gets a finite scale.
 pub const AMAX_FLOOR: f32 = 1e-4;
 
+#[inline]
 const fn decode_e4m3(b: u8) -> f32 {
     let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
     let exp = ((b >> 3) & 0x0f) as i32;
@@ -33,6 +34,7 @@ const fn decode_e4m3(b: u8) -> f32 {
     sign * mag
 }
 
+#[inline]
 const fn build_table() -> [f32; 256] {
     let mut t = [0.0f32; 256];
     let mut i = 0;
@@ -121,6 +123,7 @@ pub fn quantize_group_values(x: &[f32], out: &mut [f32], ue8m0: bool) -> f32 {
 }
 
 /// `x` replaced by its quantized-then-dequantized value, group by group (what a consumer of the FP8 form sees).
+#[inline]
 pub fn fake_quantize(x: &mut [f32], group: usize, ue8m0: bool) {
     let mut tmp = vec![0.0f32; group];
     for g in x.chunks_mut(group) {

@@ -32,6 +32,7 @@ pub enum CacheFormat {
 }
 
 impl CacheFormat {
+    #[inline]
     pub fn name(self) -> &'static str {
         match self {
             CacheFormat::Fp8 => "fp8",
@@ -45,6 +46,7 @@ impl CacheFormat {
 pub struct BlockId(pub u32);
 
 impl BlockId {
+    #[inline]
     pub fn index(self) -> usize {
         self.0 as usize
     }
@@ -55,6 +57,7 @@ impl BlockId {
 pub struct LayerIdx(pub u32);
 
 impl LayerIdx {
+    #[inline]
     pub fn index(self) -> usize {
         self.0 as usize
     }
@@ -75,10 +78,7 @@ impl EntryDims {
     /// DeepSeek-V3.2's dimensions: the 656-byte and 8448-byte formats.
     pub const DEEPSEEK_V32: EntryDims = EntryDims { kv_lora_rank: 512, rope_dim: 64, index_dim: 128 };
 
-    pub fn from_config(cfg: &crate::ModelConfig) -> Self {
-        EntryDims { kv_lora_rank: cfg.kv_lora_rank, rope_dim: cfg.qk_rope_head_dim, index_dim: cfg.index_head_dim }
-    }
-
+    #[inline]
     pub fn latent_bytes(&self, format: CacheFormat) -> usize {
         match format {
             CacheFormat::Fp8 => self.kv_lora_rank + 4 * (self.kv_lora_rank / LATENT_TILE) + 2 * self.rope_dim,
@@ -86,6 +86,7 @@ impl EntryDims {
         }
     }
 
+    #[inline]
     pub fn indexer_bytes_per_token(&self, format: CacheFormat) -> usize {
         match format {
             CacheFormat::Fp8 => self.index_dim + 4,
@@ -93,6 +94,7 @@ impl EntryDims {
         }
     }
 
+    #[inline]
     pub fn indexer_block_bytes(&self, format: CacheFormat) -> usize {
         BLOCK_SIZE * self.indexer_bytes_per_token(format)
     }
@@ -110,55 +112,67 @@ pub struct CacheGeometry {
 }
 
 impl CacheGeometry {
+    #[inline]
     pub fn new(format: CacheFormat, dims: EntryDims, num_layers: usize, num_blocks: usize) -> Self {
         CacheGeometry { format, dims, num_layers, num_blocks }
     }
 
+    #[inline]
     pub fn block_size(&self) -> usize {
         BLOCK_SIZE
     }
 
+    #[inline]
     pub fn latent_bytes_per_token(&self) -> usize {
         self.dims.latent_bytes(self.format)
     }
 
+    #[inline]
     pub fn latent_bytes_per_block(&self) -> usize {
         BLOCK_SIZE * self.latent_bytes_per_token()
     }
 
+    #[inline]
     pub fn indexer_bytes_per_block(&self) -> usize {
         self.dims.indexer_block_bytes(self.format)
     }
 
     /// Cache bytes one token costs across all layers.
+    #[inline]
     pub fn bytes_per_token(&self) -> usize {
         self.num_layers * (self.latent_bytes_per_token() + self.dims.indexer_bytes_per_token(self.format))
     }
 
+    #[inline]
     pub fn latent_layer_stride(&self) -> usize {
         self.num_blocks * self.latent_bytes_per_block()
     }
 
     /// Offset of the indexer region (after every layer's latent blocks).
+    #[inline]
     pub fn indexer_region_offset(&self) -> usize {
         self.num_layers * self.latent_layer_stride()
     }
 
+    #[inline]
     pub fn indexer_layer_stride(&self) -> usize {
         self.num_blocks * self.indexer_bytes_per_block()
     }
 
+    #[inline]
     pub fn total_bytes(&self) -> usize {
         self.indexer_region_offset() + self.num_layers * self.indexer_layer_stride()
     }
 
     /// Byte offset of block `block`'s latent entries in layer `layer`.
+    #[inline]
     pub fn latent_block_offset(&self, layer: LayerIdx, block: BlockId) -> usize {
         debug_assert!(layer.index() < self.num_layers && block.index() < self.num_blocks);
         layer.index() * self.latent_layer_stride() + block.index() * self.latent_bytes_per_block()
     }
 
     /// Byte offset of block `block`'s indexer keys in layer `layer`.
+    #[inline]
     pub fn indexer_block_offset(&self, layer: LayerIdx, block: BlockId) -> usize {
         debug_assert!(layer.index() < self.num_layers && block.index() < self.num_blocks);
         self.indexer_region_offset()
@@ -167,12 +181,14 @@ impl CacheGeometry {
     }
 
     /// Blocks needed to hold `tokens` tokens.
+    #[inline]
     pub fn blocks_for(tokens: usize) -> usize {
         tokens.div_ceil(BLOCK_SIZE)
     }
 }
 
 /// Encodes one token's latent entry in the FP8 format. `out` is exactly `latent_bytes(Fp8)` long.
+#[inline]
 pub fn encode_latent_fp8(c: &[f32], k_pe: &[f32], out: &mut [u8]) {
     let rank = c.len();
     let tiles = rank / LATENT_TILE;
@@ -190,6 +206,7 @@ pub fn encode_latent_fp8(c: &[f32], k_pe: &[f32], out: &mut [u8]) {
 }
 
 /// Decodes an FP8 latent entry into `c` (dequantized) and `k_pe`.
+#[inline]
 pub fn decode_latent_fp8(bytes: &[u8], c: &mut [f32], k_pe: &mut [f32]) {
     let rank = c.len();
     let tiles = rank / LATENT_TILE;
@@ -207,6 +224,7 @@ pub fn decode_latent_fp8(bytes: &[u8], c: &mut [f32], k_pe: &mut [f32]) {
 }
 
 /// Encodes one token's latent entry in the f32 format.
+#[inline]
 pub fn encode_latent_f32(c: &[f32], k_pe: &[f32], out: &mut [u8]) {
     debug_assert_eq!(out.len(), 4 * (c.len() + k_pe.len()));
     for (o, v) in out.chunks_exact_mut(4).zip(c.iter().chain(k_pe)) {
@@ -214,6 +232,7 @@ pub fn encode_latent_f32(c: &[f32], k_pe: &[f32], out: &mut [u8]) {
     }
 }
 
+#[inline]
 pub fn decode_latent_f32(bytes: &[u8], c: &mut [f32], k_pe: &mut [f32]) {
     for (v, b) in c.iter_mut().chain(k_pe.iter_mut()).zip(bytes.chunks_exact(4)) {
         *v = f32::from_le_bytes(b.try_into().expect("4 bytes"));
@@ -221,6 +240,7 @@ pub fn decode_latent_f32(bytes: &[u8], c: &mut [f32], k_pe: &mut [f32]) {
 }
 
 /// Writes token `slot`'s indexer key into an FP8 indexer block (values at `slot * dim`, scale after all values).
+#[inline]
 pub fn encode_index_key_fp8(key: &[f32], block: &mut [u8], slot: usize) {
     let dim = key.len();
     debug_assert_eq!(block.len(), BLOCK_SIZE * (dim + 4));
@@ -233,12 +253,14 @@ pub fn encode_index_key_fp8(key: &[f32], block: &mut [u8], slot: usize) {
 }
 
 /// Reads token `slot`'s FP8 indexer key: e4m3 codes and scale.
+#[inline]
 pub fn index_key_fp8(block: &[u8], dim: usize, slot: usize) -> (&[u8], f32) {
     let at = BLOCK_SIZE * dim + 4 * slot;
     let s = f32::from_le_bytes(block[at..at + 4].try_into().expect("4-byte scale"));
     (&block[slot * dim..(slot + 1) * dim], s)
 }
 
+#[inline]
 pub fn encode_index_key_f32(key: &[f32], block: &mut [u8], slot: usize) {
     let dim = key.len();
     for (o, v) in block[slot * dim * 4..(slot + 1) * dim * 4].chunks_exact_mut(4).zip(key) {
@@ -246,6 +268,7 @@ pub fn encode_index_key_f32(key: &[f32], block: &mut [u8], slot: usize) {
     }
 }
 
+#[inline]
 pub fn index_key_f32(block: &[u8], dim: usize, slot: usize, out: &mut [f32]) {
     for (v, b) in out.iter_mut().zip(block[slot * dim * 4..(slot + 1) * dim * 4].chunks_exact(4)) {
         *v = f32::from_le_bytes(b.try_into().expect("4 bytes"));

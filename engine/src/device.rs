@@ -1,0 +1,100 @@
+//! Where a backend runs (`--device cpu|cuda[:N]`) and the factory that builds it: the one place a
+//! backend is constructed, so workers, `tandem generate` and the benchmarks never name a backend type.
+
+use std::sync::Arc;
+
+use crate::backend::{Backend, EngineError, Precision};
+use crate::checkpoint::Checkpoint;
+use crate::cpu::CpuBackend;
+
+/// A compute device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Device {
+    /// The CPU reference backend.
+    #[default]
+    Cpu,
+    /// NVIDIA GPU `ordinal` (`cuda` is `cuda:0`).
+    Cuda(u32),
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("unknown device `{s}` (expected cpu, cuda or cuda:N)");
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => match s.strip_prefix("cuda:") {
+                Some(n) => n.parse().map(Device::Cuda).map_err(|_| bad()),
+                None => Err(bad()),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// What a backend is built from besides the checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackendOptions {
+    pub device: Device,
+    pub precision: Precision,
+    /// CPU compute threads (`None`: rayon's global pool, one thread per core).
+    pub threads: Option<usize>,
+}
+
+/// Whether this build can run on `device` (checked before loading weights, so a command fails at once).
+pub fn check_available(device: Device) -> Result<(), EngineError> {
+    match device {
+        Device::Cpu => Ok(()),
+        Device::Cuda(n) => Err(cuda_not_built(n)),
+    }
+}
+
+fn cuda_not_built(ordinal: u32) -> EngineError {
+    EngineError::Unsupported(format!("--device cuda:{ordinal}: the CUDA backend is not built yet; use --device cpu"))
+}
+
+/// Builds the backend for `opts.device` over an opened checkpoint.
+pub fn load_backend(ckpt: &Checkpoint, opts: BackendOptions) -> Result<Arc<dyn Backend>, EngineError> {
+    match opts.device {
+        Device::Cpu => Ok(Arc::new(CpuBackend::from_checkpoint(ckpt, opts.precision)?.with_threads(opts.threads)?)),
+        Device::Cuda(n) => Err(cuda_not_built(n)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_parse_and_print() {
+        assert_eq!("cpu".parse::<Device>(), Ok(Device::Cpu));
+        assert_eq!("cuda".parse::<Device>(), Ok(Device::Cuda(0)));
+        assert_eq!("cuda:3".parse::<Device>(), Ok(Device::Cuda(3)));
+        assert_eq!(Device::Cuda(3).to_string(), "cuda:3");
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", "CPU"] {
+            let e = bad.parse::<Device>().unwrap_err();
+            assert!(e.contains("expected cpu, cuda or cuda:N"), "{e}");
+        }
+    }
+
+    #[test]
+    fn cuda_answers_not_built_yet() {
+        let dir = tempfile::tempdir().unwrap();
+        crate::tiny::write(dir.path(), 0, 256).unwrap();
+        let ckpt = Checkpoint::open(dir.path()).unwrap();
+        let opts = BackendOptions { device: Device::Cuda(1), precision: Precision::Fp8, threads: None };
+        let e = load_backend(&ckpt, opts).err().expect("cuda is refused");
+        assert!(e.to_string().contains("CUDA backend is not built yet"), "{e}");
+        let cpu = load_backend(&ckpt, BackendOptions { device: Device::Cpu, ..opts }).unwrap();
+        assert_eq!(cpu.name(), "cpu");
+    }
+}

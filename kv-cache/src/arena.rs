@@ -1,0 +1,248 @@
+//! The pool's memory: one contiguous byte range that the engine writes caches into and kv-transfer
+//! registers with UCX (or receives into over TCP). The backend provides it (`engine::Backend::allocate_cache`):
+//! a page-aligned, zeroed host allocation on the CPU, device (or pinned host) memory on a GPU. The arena
+//! knows which ([`MemoryKind`]); the host accessors refuse device memory with an error.
+
+use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::any::Any;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Alignment of arenas this module allocates (a page, so RDMA registration covers whole pages).
+pub const ARENA_ALIGN: usize = 4096;
+
+/// Arenas created in this process: a worker creates its pool once at startup, so this count must not
+/// move while it serves (the "nothing allocated per request" invariant its tests check).
+static ARENAS_CREATED: AtomicU64 = AtomicU64::new(0);
+
+/// How many arenas this process has created so far.
+pub fn arenas_created() -> u64 {
+    ARENAS_CREATED.load(Ordering::Relaxed)
+}
+
+/// Where an arena's bytes live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MemoryKind {
+    /// Pageable host memory.
+    Host,
+    /// Page-locked host memory (DMA-able by a GPU and RDMA NICs without staging).
+    PinnedHost,
+    /// Memory of GPU `ordinal`: the host cannot dereference it.
+    Device { ordinal: u32 },
+}
+
+impl MemoryKind {
+    /// Whether the CPU may read and write the bytes through a pointer.
+    pub fn host_accessible(self) -> bool {
+        !matches!(self, MemoryKind::Device { .. })
+    }
+}
+
+impl std::fmt::Display for MemoryKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MemoryKind::Host => f.write_str("host"),
+            MemoryKind::PinnedHost => f.write_str("pinned host"),
+            MemoryKind::Device { ordinal } => write!(f, "device {ordinal}"),
+        }
+    }
+}
+
+/// A contiguous byte range with a stable address for its whole life.
+///
+/// Access goes through raw-pointer accessors because several parties write it at once (the backend
+/// writes layer l + 1 while a transport reads layer l of the same blocks; a transport writes one
+/// request's blocks while the backend reads another's). The block allocator is the synchronization:
+/// a (layer, block) range is written by the one party that owns that block for that phase.
+pub struct KvArena {
+    ptr: NonNull<u8>,
+    len: usize,
+    kind: MemoryKind,
+    owner: Owner,
+}
+
+enum Owner {
+    /// Allocated here with this layout.
+    Host(Layout),
+    /// Provided by the caller; dropped (and so freed) with the arena.
+    External(#[allow(dead_code)] Box<dyn Any + Send + Sync>),
+}
+
+// SAFETY: the arena is plain memory; concurrent access discipline is documented on the type and on
+// every accessor.
+unsafe impl Send for KvArena {}
+unsafe impl Sync for KvArena {}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ArenaError {
+    #[error("cannot allocate a {0}-byte cache arena")]
+    OutOfMemory(usize),
+    #[error("cache arena access {offset}+{len} is outside the {size}-byte arena")]
+    OutOfRange { offset: usize, len: usize, size: usize },
+    #[error("the cache arena is in {0} memory, which the host cannot access")]
+    NotHostAccessible(MemoryKind),
+}
+
+impl KvArena {
+    /// A zeroed, page-aligned host allocation of `len` bytes.
+    pub fn new_host(len: usize) -> Result<Self, ArenaError> {
+        let layout = Layout::from_size_align(len.max(1), ARENA_ALIGN).map_err(|_| ArenaError::OutOfMemory(len))?;
+        // SAFETY: layout has non-zero size.
+        let raw = unsafe { alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).ok_or(ArenaError::OutOfMemory(len))?;
+        ARENAS_CREATED.fetch_add(1, Ordering::Relaxed);
+        Ok(KvArena { ptr, len, kind: MemoryKind::Host, owner: Owner::Host(layout) })
+    }
+
+    /// Wraps memory a backend or caller owns (pinned host memory, device memory, a registered region).
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be valid memory of `kind` for as long as `owner` lives, and `owner` must be
+    /// what keeps it alive (it is dropped with the arena).
+    pub unsafe fn from_raw_parts(
+        ptr: NonNull<u8>,
+        len: usize,
+        kind: MemoryKind,
+        owner: Box<dyn Any + Send + Sync>,
+    ) -> Self {
+        ARENAS_CREATED.fetch_add(1, Ordering::Relaxed);
+        KvArena { ptr, len, kind, owner: Owner::External(owner) }
+    }
+
+    #[inline]
+    pub fn kind(&self) -> MemoryKind {
+        self.kind
+    }
+
+    /// Ok when the host may dereference the arena's bytes.
+    pub fn check_host(&self) -> Result<(), ArenaError> {
+        if self.kind.host_accessible() { Ok(()) } else { Err(ArenaError::NotHostAccessible(self.kind)) }
+    }
+
+    #[inline]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Base address, for memory registration and remote addressing.
+    #[inline]
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub fn check(&self, offset: usize, len: usize) -> Result<(), ArenaError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(ArenaError::OutOfRange { offset, len, size: self.len }),
+        }
+    }
+
+    /// Reads `offset..offset+len` of a host-accessible arena.
+    ///
+    /// # Safety
+    /// No one may write the range while the returned slice lives.
+    pub unsafe fn slice(&self, offset: usize, len: usize) -> Result<&[u8], ArenaError> {
+        self.check_host()?;
+        self.check(offset, len)?;
+        // SAFETY: host memory, in range (checked); absence of writers is the caller's contract.
+        Ok(unsafe { self.host_slice(offset, len) })
+    }
+
+    /// Writes `offset..offset+len` of a host-accessible arena.
+    ///
+    /// # Safety
+    /// The caller must be the only one accessing the range while the returned slice lives.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice_mut(&self, offset: usize, len: usize) -> Result<&mut [u8], ArenaError> {
+        self.check_host()?;
+        self.check(offset, len)?;
+        // SAFETY: host memory, in range (checked); exclusivity is the caller's contract.
+        Ok(unsafe { self.host_slice_mut(offset, len) })
+    }
+
+    /// # Safety
+    /// `check_host` passed for this arena (a [`super::HostCache`] proves it); no concurrent writer.
+    #[inline]
+    pub(super) unsafe fn host_slice(&self, offset: usize, len: usize) -> &[u8] {
+        debug_assert!(self.kind.host_accessible());
+        assert!(offset.checked_add(len).is_some_and(|e| e <= self.len), "arena read out of range");
+        // SAFETY: in range (asserted), host memory (the caller's contract).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset), len) }
+    }
+
+    /// # Safety
+    /// As `host_slice`, and the caller is the only one accessing the range.
+    #[allow(clippy::mut_from_ref)]
+    #[inline]
+    pub(super) unsafe fn host_slice_mut(&self, offset: usize, len: usize) -> &mut [u8] {
+        debug_assert!(self.kind.host_accessible());
+        assert!(offset.checked_add(len).is_some_and(|e| e <= self.len), "arena write out of range");
+        // SAFETY: in range (asserted), host memory and exclusivity (the caller's contract).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset), len) }
+    }
+}
+
+impl Drop for KvArena {
+    fn drop(&mut self) {
+        if let Owner::Host(layout) = self.owner {
+            // SAFETY: allocated in new_host with this layout.
+            unsafe { dealloc(self.ptr.as_ptr(), layout) };
+        }
+    }
+}
+
+impl std::fmt::Debug for KvArena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvArena").field("ptr", &self.ptr).field("len", &self.len).field("kind", &self.kind).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_arena_is_zeroed_and_page_aligned() {
+        let a = KvArena::new_host(10_000).unwrap();
+        assert_eq!(a.as_ptr() as usize % ARENA_ALIGN, 0);
+        assert_eq!(a.kind(), MemoryKind::Host);
+        assert!(unsafe { a.slice(0, 10_000) }.unwrap().iter().all(|&b| b == 0));
+        assert!(a.check(9_999, 1).is_ok());
+        assert!(a.check(9_999, 2).is_err());
+        assert!(a.check(usize::MAX, 2).is_err());
+    }
+
+    #[test]
+    fn external_memory_is_kept_alive_by_its_owner() {
+        let mut buf = vec![7u8; 256].into_boxed_slice();
+        let ptr = NonNull::new(buf.as_mut_ptr()).unwrap();
+        let arena = unsafe { KvArena::from_raw_parts(ptr, 256, MemoryKind::PinnedHost, Box::new(buf)) };
+        unsafe { arena.slice_mut(10, 2) }.unwrap().copy_from_slice(&[1, 2]);
+        assert_eq!(unsafe { arena.slice(9, 4) }.unwrap(), &[7, 1, 2, 7]);
+        assert!(matches!(unsafe { arena.slice(250, 7) }, Err(ArenaError::OutOfRange { .. })));
+    }
+
+    #[test]
+    fn host_accessors_refuse_device_memory() {
+        // A stand-in pointer that is never dereferenced: the accessors must refuse before touching it.
+        let arena = unsafe {
+            KvArena::from_raw_parts(NonNull::dangling(), 1 << 20, MemoryKind::Device { ordinal: 3 }, Box::new(()))
+        };
+        assert!(!arena.kind().host_accessible());
+        let e = unsafe { arena.slice(0, 16) }.unwrap_err();
+        assert!(matches!(e, ArenaError::NotHostAccessible(MemoryKind::Device { ordinal: 3 })), "{e}");
+        assert!(e.to_string().contains("device 3"), "{e}");
+        assert!(unsafe { arena.slice_mut(0, 16) }.is_err());
+    }
+
+    #[test]
+    fn every_arena_is_counted() {
+        let before = arenas_created();
+        let _a = KvArena::new_host(64).unwrap();
+        assert!(arenas_created() > before);
+    }
+}

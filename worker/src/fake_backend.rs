@@ -1,0 +1,203 @@
+//! A fast, deterministic backend for the worker loops' unit tests: the tiny model's shapes, no model
+//! math. The token after `t` at position `p` is always [`FakeBackend::next`]`(t, p)` (a one-hot logits
+//! row, sampled by the real sampler), the MTP layer predicts exactly that (so drafts are accepted), every
+//! position's cache entries get bytes derived from (layer, position, token), and each layer is announced.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+use engine::backend::{
+    AttnForm, Backend, DeviceRows, EngineError, LayerDone, LayerReady, MtpInput, SeqInput, SeqOutput,
+};
+use engine::cache::{BLOCK_SIZE, CacheGeometry, KvCache, LayerIdx};
+use engine::memory::{MemoryBudget, ServingLimits};
+use engine::sampling::{self, History, Sampled, SamplingParams};
+use engine::{Logits, ModelConfig, Precision};
+
+pub struct FakeBackend {
+    cfg: ModelConfig,
+    /// The next call fails (tests of error paths).
+    pub fail_next: AtomicBool,
+    /// Main-model and MTP calls made.
+    pub calls: AtomicUsize,
+    /// Microseconds each call takes (tests that act while a request computes).
+    pub delay_us: AtomicU64,
+}
+
+impl FakeBackend {
+    /// The tiny model's config with a `vocab_size`-token vocabulary and one MTP layer.
+    pub fn new(vocab_size: usize) -> Arc<Self> {
+        let cfg = ModelConfig::from_json(&engine::tiny::config_json(vocab_size)).expect("the tiny config is valid");
+        Arc::new(FakeBackend {
+            cfg,
+            fail_next: AtomicBool::new(false),
+            calls: AtomicUsize::new(0),
+            delay_us: AtomicU64::new(0),
+        })
+    }
+
+    /// The token that follows `token` at position `pos` (never a special id below 7).
+    pub fn next(&self, token: u32, pos: usize) -> u32 {
+        7 + ((token as usize * 31 + pos * 17) % (self.cfg.vocab_size - 7)) as u32
+    }
+
+    /// The byte every cache entry of (layer, pos, token) is filled with.
+    pub fn cache_byte(layer: usize, pos: usize, token: u32) -> u8 {
+        (layer as u32 * 59 + pos as u32 * 13 + token * 7) as u8 | 1
+    }
+
+    fn begin_call(&self) -> Result<(), EngineError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        std::thread::sleep(std::time::Duration::from_micros(self.delay_us.load(Ordering::SeqCst)));
+        if self.fail_next.swap(false, Ordering::SeqCst) {
+            return Err(EngineError::Device("injected failure".into()));
+        }
+        Ok(())
+    }
+
+    fn one_hot(&self, tokens: &[u32]) -> Vec<f32> {
+        let vocab = self.cfg.vocab_size;
+        let mut rows = vec![0f32; tokens.len() * vocab];
+        for (r, &t) in tokens.iter().enumerate() {
+            rows[r * vocab + t as usize] = 10.0;
+        }
+        rows
+    }
+
+    /// Writes positions `start..start + tokens.len()` of `layer` and builds the item's output.
+    fn run_item(
+        &self,
+        cache: &KvCache,
+        layer_range: std::ops::Range<usize>,
+        item: (&[u32], usize, &[engine::cache::BlockId], Logits),
+        // The token each position predicts.
+        predict: impl Fn(usize) -> u32,
+    ) -> Result<SeqOutput, EngineError> {
+        let (tokens, start, blocks, logits) = item;
+        let host = cache.host().map_err(|e| EngineError::InvalidInput(e.to_string()))?;
+        if blocks.len() * BLOCK_SIZE < start + tokens.len() {
+            return Err(EngineError::InvalidInput("blocks do not cover the positions".into()));
+        }
+        for l in layer_range {
+            for (i, &t) in tokens.iter().enumerate() {
+                let pos = start + i;
+                let (b, s) = (blocks[pos / BLOCK_SIZE], pos % BLOCK_SIZE);
+                // SAFETY: the block belongs to this item's request, which this call writes alone.
+                unsafe { host.latent_entry_mut(LayerIdx(l as u32), b, s) }.fill(Self::cache_byte(l, pos, t));
+            }
+        }
+        let rows: Vec<usize> = match logits {
+            Logits::None => Vec::new(),
+            Logits::Last => vec![tokens.len() - 1],
+            Logits::All => (0..tokens.len()).collect(),
+        };
+        let predicted: Vec<u32> = rows.iter().map(|&i| predict(i)).collect();
+        let hidden: Vec<f32> = tokens.iter().map(|&t| t as f32).collect();
+        Ok(SeqOutput {
+            logits: DeviceRows::new(rows.len(), self.cfg.vocab_size, self.one_hot(&predicted)),
+            hidden: DeviceRows::new(tokens.len(), 1, hidden),
+        })
+    }
+
+    fn main(
+        &self,
+        cache: &KvCache,
+        batch: &[SeqInput<'_>],
+        on_layer: LayerDone<'_>,
+    ) -> Result<Vec<SeqOutput>, EngineError> {
+        self.begin_call()?;
+        let layers = 0..self.cfg.num_hidden_layers;
+        let outs = batch
+            .iter()
+            .map(|s| {
+                let item = (s.tokens, s.start, s.blocks, s.logits);
+                self.run_item(cache, layers.clone(), item, |i| self.next(s.tokens[i], s.start + i))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        for l in layers {
+            on_layer(LayerIdx(l as u32), LayerReady::complete());
+        }
+        Ok(outs)
+    }
+}
+
+fn host_row(rows: &DeviceRows, row: usize) -> Result<&[f32], EngineError> {
+    let data = rows.downcast_ref::<Vec<f32>>().ok_or_else(|| EngineError::InvalidInput("foreign rows".into()))?;
+    data.get(row * rows.width()..(row + 1) * rows.width())
+        .ok_or_else(|| EngineError::InvalidInput(format!("row {row} of {}", rows.rows())))
+}
+
+impl Backend for FakeBackend {
+    fn name(&self) -> &'static str {
+        "fake"
+    }
+
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn precision(&self) -> Precision {
+        Precision::Fp8
+    }
+
+    fn allocate_cache(&self, geometry: CacheGeometry) -> Result<KvCache, EngineError> {
+        KvCache::new_host(geometry).map_err(|e| EngineError::Unsupported(e.to_string()))
+    }
+
+    fn memory_budget(&self, _limits: &ServingLimits) -> MemoryBudget {
+        MemoryBudget::default()
+    }
+
+    fn sample(
+        &self,
+        logits: &DeviceRows,
+        row: usize,
+        params: &SamplingParams,
+        history: History<'_>,
+        eos: &[u32],
+    ) -> Result<Sampled, EngineError> {
+        Ok(sampling::sample(host_row(logits, row)?, params, history, eos))
+    }
+
+    fn draft(&self, logits: &DeviceRows, row: usize) -> Result<(u32, f32), EngineError> {
+        Ok((sampling::argmax(host_row(logits, row)?), 1.0))
+    }
+
+    fn rows_to_host(&self, rows: &DeviceRows) -> Result<Vec<f32>, EngineError> {
+        rows.downcast_ref::<Vec<f32>>().cloned().ok_or_else(|| EngineError::InvalidInput("foreign rows".into()))
+    }
+
+    fn prefill(
+        &self,
+        cache: &KvCache,
+        batch: &[SeqInput<'_>],
+        on_layer: LayerDone<'_>,
+    ) -> Result<Vec<SeqOutput>, EngineError> {
+        self.main(cache, batch, on_layer)
+    }
+
+    fn decode(&self, cache: &KvCache, batch: &[SeqInput<'_>]) -> Result<Vec<SeqOutput>, EngineError> {
+        self.main(cache, batch, &mut |_, _| {})
+    }
+
+    fn mtp(
+        &self,
+        cache: &KvCache,
+        batch: &[MtpInput<'_>],
+        _form: AttnForm,
+        on_layer: LayerDone<'_>,
+    ) -> Result<Vec<SeqOutput>, EngineError> {
+        self.begin_call()?;
+        let l = self.cfg.num_hidden_layers;
+        let outs = batch
+            .iter()
+            .map(|m| {
+                // MTP position p sees the token at p + 1 and predicts the one after it.
+                let item = (m.next_tokens, m.start, m.blocks, m.logits);
+                self.run_item(cache, l..l + 1, item, |i| self.next(m.next_tokens[i], m.start + i + 1))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        on_layer(LayerIdx(l as u32), LayerReady::complete());
+        Ok(outs)
+    }
+}
