@@ -13,7 +13,7 @@ pub struct Args {
     #[arg(long, env = "TANDEM_GEN_TINY_SEED", default_value_t = 0)]
     pub seed: u64,
     /// MTP layers in the checkpoint (num_nextn_predict_layers); tandem serves the first.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, env = "TANDEM_TINY_MTP_LAYERS", default_value_t = 1)]
     pub mtp_layers: usize,
 }
 
