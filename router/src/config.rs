@@ -149,6 +149,9 @@ pub struct Args {
     pub check_config: bool,
 }
 
+/// Longest timeout a flag accepts, in seconds.
+const MAX_SECS: f64 = 1e7;
+
 fn secs(s: f64) -> Option<Duration> {
     (s > 0.0 && s.is_finite()).then(|| Duration::from_secs_f64(s))
 }
@@ -222,9 +225,19 @@ impl Args {
             ("--request-timeout-secs", self.request_timeout_secs),
             ("--prefill-timeout-secs", self.prefill_timeout_secs),
             ("--breaker-open-secs", self.breaker_open_secs),
+            ("--preempted-wait-secs", self.preempted_wait_secs),
         ] {
-            if !(v.is_finite() && v >= 0.0) {
-                return Err(format!("{flag} {v}: expected a number of seconds >= 0"));
+            // The upper bound keeps `Instant::now() + timeout` from overflowing (about 116 days).
+            if !(v.is_finite() && (0.0..=MAX_SECS).contains(&v)) {
+                return Err(format!("{flag} {v}: expected a number of seconds from 0 to {MAX_SECS}"));
+            }
+        }
+        for (flag, v) in [
+            ("--header-read-timeout-secs", self.header_read_timeout_secs),
+            ("--body-read-timeout-secs", self.body_read_timeout_secs),
+        ] {
+            if !(v.is_finite() && v > 0.0 && v <= MAX_SECS) {
+                return Err(format!("{flag} {v}: expected a number of seconds above 0, at most {MAX_SECS}"));
             }
         }
         self.registry.validate()
@@ -260,6 +273,9 @@ mod tests {
             (&["--prefill", "nohost"][..], "--prefill"),
             (&["--grpc-port", "8000"][..], "--grpc-port"),
             (&["--queue-timeout-secs=-1"][..], "--queue-timeout-secs"),
+            (&["--preempted-wait-secs=1e30"][..], "--preempted-wait-secs"),
+            (&["--header-read-timeout-secs=0"][..], "--header-read-timeout-secs"),
+            (&["--body-read-timeout-secs=NaN"][..], "--body-read-timeout-secs"),
             (&["--discovery", "etcd", "--etcd", "http://etcd"][..], "--etcd"),
             (&["--cluster", ""][..], "--cluster"),
         ] {

@@ -65,8 +65,9 @@ impl CapacityWait {
     }
 
     /// Joins the waiters, or None when the request may not wait (no wait time, or the queue is full;
-    /// a preempted request is never refused for the length).
-    pub fn enter(&self, preempted: bool) -> Option<Waiter<'_>> {
+    /// a preempted request is never refused for the length). `until` keeps the deadline of an earlier
+    /// wait of the same request (it waited, tried, and found every worker full again); `None` starts one.
+    pub fn enter(&self, preempted: bool, until: Option<Instant>) -> Option<Waiter<'_>> {
         let limit = if preempted { self.preempted_wait } else { self.fresh_wait };
         if limit.is_zero() {
             return None;
@@ -79,7 +80,7 @@ impl CapacityWait {
         if preempted {
             self.preempted_waiting.fetch_add(1, Ordering::SeqCst);
         }
-        Some(Waiter { wait: self, preempted, deadline: Instant::now() + limit })
+        Some(Waiter { wait: self, preempted, deadline: until.unwrap_or_else(|| Instant::now() + limit) })
     }
 
     /// Waits for the next chance to try again; false once the deadline passed.
@@ -108,21 +109,45 @@ mod tests {
     #[test]
     fn the_queue_length_bounds_new_requests_but_not_continuations() {
         let w = CapacityWait::new(1, Duration::from_secs(1), Duration::from_secs(1));
-        let a = w.enter(false).expect("room for one");
-        assert!(w.enter(false).is_none(), "the second new request is refused");
-        let p = w.enter(true).expect("a continuation always waits");
+        let a = w.enter(false, None).expect("room for one");
+        assert!(w.enter(false, None).is_none(), "the second new request is refused");
+        let p = w.enter(true, None).expect("a continuation always waits");
         assert_eq!(w.waiting(), 2);
         drop((a, p));
         assert_eq!(w.waiting(), 0);
-        assert!(CapacityWait::new(9, Duration::ZERO, Duration::ZERO).enter(false).is_none(), "no wait time");
+        assert!(CapacityWait::new(9, Duration::ZERO, Duration::ZERO).enter(false, None).is_none(), "no wait time");
     }
 
     #[tokio::test]
     async fn a_waiter_gives_up_at_its_deadline() {
         let w = CapacityWait::new(4, Duration::from_millis(100), Duration::from_secs(1));
-        let a = w.enter(false).unwrap();
+        let a = w.enter(false, None).unwrap();
         let t = Instant::now();
         while w.next_try(&a).await {}
         assert!(t.elapsed() >= Duration::from_millis(100));
+    }
+
+    #[tokio::test]
+    async fn a_continuation_that_leaves_the_queue_no_longer_holds_back_new_requests() {
+        let w = CapacityWait::new(4, Duration::from_secs(5), Duration::from_secs(5));
+        // While a preempted request waits, a new one is not let through ...
+        let p = w.enter(true, None).unwrap();
+        let n = w.enter(false, None).unwrap();
+        w.freed();
+        assert!(tokio::time::timeout(Duration::from_millis(400), w.next_try(&n)).await.is_err());
+        // ... and once it leaves (its attempt runs), the new one tries at the next chance.
+        drop(p);
+        w.freed();
+        assert!(tokio::time::timeout(Duration::from_millis(400), w.next_try(&n)).await.unwrap());
+        drop(n);
+        assert_eq!(w.waiting(), 0);
+    }
+
+    #[test]
+    fn a_request_that_waits_again_keeps_its_first_deadline() {
+        let w = CapacityWait::new(4, Duration::from_secs(60), Duration::from_secs(60));
+        let first = w.enter(false, None).unwrap().deadline;
+        let again = w.enter(false, Some(first)).unwrap();
+        assert_eq!(again.deadline, first, "waits between tries add up to one bound");
     }
 }

@@ -204,7 +204,11 @@ impl Dispatcher {
         let (mut retries, mut preemptions) = (0u32, 0u32);
         let mut last_failure = String::new();
         let mut attempt = 0u32;
+        // A request waiting for decode room holds a place among the waiters only while it waits: an
+        // attempt leaves (the deadline is kept, so waits between tries add up to one bound), and a
+        // preemption starts a fresh wait with the continuation's own bound.
         let mut waiter = None;
+        let mut wait_deadline = None;
         loop {
             let seq_len = job.prompt.len() + job.sampling.max_tokens as usize;
             let pair = match select::pair(self, &hashes, job.prompt.len(), seq_len, &excluded_prefill, &excluded_decode)
@@ -214,7 +218,7 @@ impl Dispatcher {
                     // Every decode worker is full: wait for room (bounded), then try them all again.
                     let preempted = preemptions > 0;
                     if waiter.is_none() {
-                        waiter = self.capacity.enter(preempted);
+                        waiter = self.capacity.enter(preempted, wait_deadline);
                         if waiter.is_some() {
                             info!(
                                 preempted,
@@ -253,6 +257,9 @@ impl Dispatcher {
                 }
                 Err(why) => return Err(ApiError::unavailable(why)),
             };
+            if let Some(w) = waiter.take() {
+                wait_deadline = Some(w.deadline);
+            }
             let input = AttemptInput {
                 job,
                 attempt,
@@ -272,6 +279,7 @@ impl Dispatcher {
                 AttemptEnd::Failed(e) => return Err(e),
                 AttemptEnd::Preempted(why) => {
                     preemptions += 1;
+                    wait_deadline = None;
                     self.metrics.retries.with_label_values(&["preempted"]).inc();
                     info!(worker = %pair.decode.id, reason = %why, generated = out.generated().len(), "preempted; prefilling again");
                     if preemptions > MAX_PREEMPTIONS {
