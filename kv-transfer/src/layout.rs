@@ -9,6 +9,21 @@ use kv_cache::{BLOCK_SIZE, BlockId, CacheGeometry, LayerIdx};
 use proto::v1::{CacheLayout, MemoryRegion};
 use xxhash_rust::xxh3::Xxh3;
 
+/// kv-transfer reads and writes the pool through host pointers (TCP and in-process copies, UCX over host
+/// registrations, checksums). A pool in device memory is refused here, by both sides, with the reason,
+/// until the device-memory data path exists.
+pub fn check_host_memory(cache: &kv_cache::KvCache) -> Result<(), crate::TransferError> {
+    let kind = cache.memory_kind();
+    if kind.host_accessible() {
+        Ok(())
+    } else {
+        Err(crate::TransferError::Transport(format!(
+            "the cache pool is in {kind} memory: kv-transfer moves host memory only (TCP, in-process and \
+             UCX host registrations); device-memory transfers are not built yet"
+        )))
+    }
+}
+
 /// The wire description of `g`.
 pub fn layout_of(g: &CacheGeometry) -> CacheLayout {
     CacheLayout {

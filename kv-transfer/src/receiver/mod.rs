@@ -120,6 +120,7 @@ impl KvReceiver {
         fingerprint: ModelFingerprint,
     ) -> Result<KvReceiver, TransferError> {
         fingerprint::check_own_fingerprint(&fingerprint, cache.geometry())?;
+        crate::layout::check_host_memory(&cache)?;
         let g = cache.geometry();
         let total = pool.stats().total_blocks;
         if total != g.num_blocks {

@@ -143,6 +143,7 @@ impl KvSender {
         fingerprint: ModelFingerprint,
     ) -> Result<KvSender, TransferError> {
         fingerprint::check_own_fingerprint(&fingerprint, cache.geometry())?;
+        crate::layout::check_host_memory(&cache)?;
         let fault = match config.fault {
             Some(f) => Some(f),
             None => Fault::from_env().map_err(TransferError::Transport)?,
