@@ -5,7 +5,7 @@
 
 Runs `DeepseekV32ForCausalLM` (float32, CPU) on the checkpoint's dequantized weights (weight x 128x128 block
 scale, partial blocks cropped, as scripts/hf_crosscheck.py does) with every indexer top-k replaced by the rule
-of SPEC 2.6: larger score first, equal scores -> the later position (a stable sort of the reversed row), and
+of docs/model.md §2.6: larger score first, equal scores -> the later position (a stable sort of the reversed row), and
 every MoE routing top-k by "equal scores -> the lower index" (a stable sort). Which module calls `topk` is read
 off the caller's `self`; the run fails if no indexer top-k was intercepted.
 

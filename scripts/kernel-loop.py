@@ -147,8 +147,8 @@ def topk(tokens, rng):
         scores[rng.random((rows, n)) < 0.25] = 0.0
         scores[rng.random((rows, n)) < 0.01] = -0.0
         scores[rng.random((rows, n)) < 0.001] = np.nan
-        lengths = rng.integers(k - 2, n + 1, size=rows).astype(np.int32)
-        lengths[0] = n
+        # Full rows, so torch.topk over the same [rows, n] matrix does the same work.
+        lengths = np.full(rows, n, dtype=np.int32)
         d_scores, d_len = cp.asarray(scores), cp.asarray(lengths)
         pos = cp.full((rows, k), -5, dtype=cp.int32)
         counts, nans = cp.zeros(rows, dtype=cp.int32), cp.zeros(rows, dtype=cp.int32)
@@ -216,7 +216,7 @@ def indexer(tokens, rng):
         counts, nans = cp.zeros(rows, dtype=cp.int32), cp.zeros(rows, dtype=cp.int32)
 
         def run():
-            f_scores((-(-nblk // 8), rows), (128,), (q, w, np.int32(heads), pool, table, np.int32(nblk), lens, scores,
+            f_scores((-(-nblk // 8), rows), (128,), (q, w, np.int32(heads), pool, table, np.int32(nblk), np.int32(num_blocks), lens, scores,
                                                       np.int64(ctx)))
             f_topk((rows,), (1024,), (scores, np.int64(ctx), lens, np.int32(k), pos, counts, nans))
 
@@ -240,7 +240,7 @@ def indexer(tokens, rng):
             ok &= (sel == topk_reference(cp.asnumpy(scores[r]), k)).all()
         ms = time_ms(run)
         moved = rows * ctx * (dim + 4) + q.nbytes + w.nbytes
-        row = {"family": "indexer", "tokens": ctx, "rows": rows, "k": k, "bit_identical": bool(ok), "score_diff": worst,
+        row = {"family": "indexer", "tokens": ctx, "rows": rows, "k": k, "within_tolerance": bool(ok), "score_diff": worst,
                "ms": ms, "gb_per_s": moved / ms / 1e6}
         try:
             import torch
@@ -278,14 +278,14 @@ def main():
     for n in names:
         r = FAMILIES[n](a.tokens, rng)
         rows.extend(r if isinstance(r, list) else [r])
-    print(f"{'family':<14} {'tokens':>8} {'exact':>6} {'ms':>8} {'GB/s':>8}  baseline")
+    print(f"{'family':<14} {'tokens':>8} {'ok':>6} {'ms':>8} {'GB/s':>8}  baseline")
     for r in rows:
         base = f"torch.topk {r['torch_topk_ms']:.3f} ms" if r.get("torch_topk_ms") else ""
         base = f"naive torch {r['torch_naive_ms']:.3f} ms, diff {r['score_diff']:.1e}" if r.get("torch_naive_ms") else base
-        print(f"{r['family']:<14} {r['tokens']:>8} {str(r['bit_identical']):>6} {r['ms']:>8.3f} {r['gb_per_s']:>8.1f}  {base}")
+        print(f"{r['family']:<14} {r['tokens']:>8} {str(r.get('bit_identical', r.get('within_tolerance'))):>6} {r['ms']:>8.3f} {r['gb_per_s']:>8.1f}  {base}")
     if a.json:
         json.dump({"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "rows": rows}, open(a.json, "w"), indent=1)
-    sys.exit(0 if all(r["bit_identical"] for r in rows) else 1)
+    sys.exit(0 if all(r.get("bit_identical", r.get("within_tolerance")) for r in rows) else 1)
 
 
 if __name__ == "__main__":

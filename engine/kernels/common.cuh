@@ -2,7 +2,7 @@
 // the kernel cache key covers its text (engine::cuda::kernels).
 //
 // No CUDA headers are needed: conversions are single PTX instructions whose rounding is the one the CPU
-// backend implements (engine/src/fp8.rs): round to nearest even, saturating to +-448 for e4m3.
+// backend implements (kv-cache/src/fp8.rs): round to nearest even, saturating to +-448 for e4m3.
 #pragma once
 
 typedef unsigned char u8;

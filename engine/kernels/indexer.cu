@@ -60,6 +60,7 @@ extern "C" __global__ void __launch_bounds__(IDX_WARPS * 32) tandem_indexer_scor
     const u8* __restrict__ index_blocks, // this layer's indexer region
     const int* __restrict__ block_table, // [rows, max_blocks]
     int max_blocks,
+    int num_blocks,                      // blocks in the region: a table entry outside it is not read
     const int* __restrict__ lengths,     // [rows]
     float* __restrict__ scores,          // [rows, score_stride]
     i64 score_stride) {
@@ -77,7 +78,13 @@ extern "C" __global__ void __launch_bounds__(IDX_WARPS * 32) tandem_indexer_scor
     const int* table = block_table + (i64)row * max_blocks;
     const i64 block_bytes = IDX_BLOCK * (IDX_DIM + 4);
 
-    tandem_load_block(stages[0], index_blocks + (i64)table[first] * block_bytes);
+    // A table entry outside the region (a caller's bug) reads block 0 instead and its scores become NaN,
+    // which the top-k never selects and counts.
+    auto block_at = [&](int lb) -> const u8* {
+        const int phys = table[lb];
+        return index_blocks + (i64)((phys >= 0 && phys < num_blocks) ? phys : 0) * block_bytes;
+    };
+    tandem_load_block(stages[0], block_at(first));
 
     // q as B fragments (k = dim, n = head; q is [head][dim], i.e. column-major B), kept in registers.
     u32 bq[8][4][2];
@@ -99,7 +106,7 @@ extern "C" __global__ void __launch_bounds__(IDX_WARPS * 32) tandem_indexer_scor
         if (lb + 1 < last) {
             // The other stage was last read by block lb - 1's MMAs and scale reads, which the barrier
             // before its epilogue has seen finish.
-            tandem_load_block(stages[(lb + 1 - first) & 1], index_blocks + (i64)table[lb + 1] * block_bytes);
+            tandem_load_block(stages[(lb + 1 - first) & 1], block_at(lb + 1));
             asm volatile("cp.async.wait_group 1;");
         } else {
             asm volatile("cp.async.wait_group 0;");
@@ -140,7 +147,8 @@ extern "C" __global__ void __launch_bounds__(IDX_WARPS * 32) tandem_indexer_scor
             if (s < len) {
                 float sum = 0.0f;
                 for (int h = 0; h < heads; ++h) sum = __fadd_rn(sum, __fmul_rn(fmaxf(dots[threadIdx.x][h], 0.0f), ws[h]));
-                scores[(i64)row * score_stride + s] = __fmul_rn(sum, kscale);
+                const bool valid = table[lb] >= 0 && table[lb] < num_blocks;
+                scores[(i64)row * score_stride + s] = valid ? __fmul_rn(sum, kscale) : __int_as_float(0x7fc00000);
             }
         }
     }

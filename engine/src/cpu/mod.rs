@@ -11,7 +11,7 @@ pub mod kernels;
 pub mod linear;
 pub mod moe;
 #[cfg(test)]
-mod test_support;
+pub(crate) mod test_support;
 pub mod topk;
 pub mod weights;
 

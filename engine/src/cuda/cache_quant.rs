@@ -88,18 +88,14 @@ pub fn quantize_index_keys_fp8(
 
 #[cfg(test)]
 mod tests {
+    use rand::RngExt;
     use rand::seq::SliceRandom;
-    use rand::{RngExt, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
     use super::*;
     use crate::cache::{BlockId, CacheGeometry, LayerIdx, format};
 
     const POISON: u8 = 0xa5;
-
-    fn fresh_seed() -> u64 {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(7)
-    }
 
     /// Values over many magnitudes, with the cases that stress rounding and scales: exact zeros (the amax
     /// floor), negative zeros, values that saturate, e4m3 subnormals and ties.
@@ -134,8 +130,7 @@ mod tests {
     #[test]
     fn quantize_on_write_is_bit_identical_to_the_cpu_encoders() {
         let Some(gpu) = Gpu::for_test() else { return };
-        let seed = fresh_seed();
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let (mut rng, seed) = crate::cpu::test_support::rng();
         let dims = EntryDims::DEEPSEEK_V32;
         let (num_layers, num_blocks) = (3, 9);
         let geo = CacheGeometry::new(CacheFormat::Fp8, dims, num_layers, num_blocks);

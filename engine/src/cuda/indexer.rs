@@ -1,7 +1,8 @@
 //! Lightning-indexer decode scores on the GPU (`engine/kernels/indexer.cu`): FP8 queries against the paged
 //! FP8 key blocks through each row's block table, the products on the tensor cores, summed over heads in
-//! the CPU backend's order ([`crate::cpu::indexer::scores`]). A first, correct version for the GPU harness:
-//! the memory-bound fast path (wgmma, pipelined block loads, fused top-k) is the indexer issue's.
+//! the CPU backend's order ([`crate::cpu::indexer::scores`]). Key blocks are staged in shared memory by
+//! `cp.async`, two in flight; what would make it memory-bound (wgmma with q in shared memory, a register
+//! head sum, a fused or split top-k) is the indexer issue's (bench/RESULTS.md has the profile).
 
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 
@@ -35,7 +36,8 @@ pub struct ScoreArgs<'a> {
     pub rows: usize,
 }
 
-/// Writes `scores[r * score_stride + s]` for `s < lengths[r]` (lengths are clamped to `score_stride`).
+/// Writes `scores[r * score_stride + s]` for `s < lengths[r]` (lengths are clamped to `score_stride`). A
+/// table entry outside `0..num_blocks` (a caller's bug) gives NaN scores for its 64 positions.
 pub fn decode_scores(
     gpu: &Gpu,
     a: &ScoreArgs<'_>,
@@ -61,26 +63,31 @@ pub fn decode_scores(
             scores.len()
         ));
     }
+    if a.rows > 65_535 || a.num_blocks > i32::MAX as usize || a.max_blocks > i32::MAX as usize {
+        return bad(format!("{} rows (at most 65535 per launch), {} blocks", a.rows, a.num_blocks));
+    }
     if a.rows == 0 || score_stride == 0 {
         return Ok(());
     }
     let f = gpu.function("tandem_indexer_scores")?;
     let grid_x = a.max_blocks.div_ceil(BLOCKS_PER_CTA) as u32;
     let cfg = LaunchConfig { grid_dim: (grid_x, a.rows as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-    let (heads, max_blocks, stride) = (a.heads as i32, a.max_blocks as i32, score_stride as i64);
+    let (heads, max_blocks, num_blocks, stride) =
+        (a.heads as i32, a.max_blocks as i32, a.num_blocks as i32, score_stride as i64);
     let mut b = gpu.stream().launch_builder(f);
-    b.arg(a.q).arg(a.w).arg(&heads).arg(a.index_blocks).arg(a.block_table).arg(&max_blocks).arg(a.lengths);
+    b.arg(a.q).arg(a.w).arg(&heads).arg(a.index_blocks).arg(a.block_table).arg(&max_blocks).arg(&num_blocks);
+    b.arg(a.lengths);
     b.arg(scores).arg(&stride);
-    // SAFETY: argument types and order match the kernel; every buffer was checked above. Block ids in the
-    // table are the caller's (the pool's allocator hands out ids below num_blocks).
+    // SAFETY: argument types and order match the kernel; every buffer was checked above, and the kernel
+    // reads no block outside the region whatever the table holds (such a block's scores are NaN).
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
+    use rand::RngExt;
     use rand::seq::SliceRandom;
-    use rand::{RngExt, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
     use super::*;
@@ -88,10 +95,6 @@ mod tests {
     use crate::fp8::e4m3_to_f32;
 
     const BLOCK_BYTES: usize = BLOCK_SIZE * (DIM + 4);
-
-    fn fresh_seed() -> u64 {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(7)
-    }
 
     /// An e4m3 code: any finite one, or (exact) one of +-1.0..1.875, whose products and 128-term sums are
     /// exact in f32 in any order, so tensor cores and the CPU must agree bit for bit.
@@ -201,8 +204,7 @@ mod tests {
     #[test]
     fn exact_products_give_the_cpu_scores_bit_for_bit() {
         let Some(gpu) = Gpu::for_test() else { return };
-        let seed = fresh_seed();
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let (mut rng, seed) = crate::cpu::test_support::rng();
         for heads in [64usize, 8] {
             let c = case(&mut rng, heads, &[1, 63, 64, 65, 700, 2049], true);
             for (r, got) in c.rows.iter().zip(gpu_scores(&gpu, &c)) {
@@ -220,8 +222,7 @@ mod tests {
     #[test]
     fn zero_padded_heads_change_nothing() {
         let Some(gpu) = Gpu::for_test() else { return };
-        let seed = fresh_seed();
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let (mut rng, seed) = crate::cpu::test_support::rng();
         // The tiny model's 4 heads, padded to 8 with zero queries and weights.
         let mut c = case(&mut rng, 8, &[300, 64], true);
         for r in &mut c.rows {
@@ -237,8 +238,7 @@ mod tests {
     #[test]
     fn any_fp8_inputs_stay_within_the_indexer_tolerance() {
         let Some(gpu) = Gpu::for_test() else { return };
-        let seed = fresh_seed();
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let (mut rng, seed) = crate::cpu::test_support::rng();
         let c = case(&mut rng, 64, &[5000, 129, 3], false);
         for (r, got) in c.rows.iter().zip(gpu_scores(&gpu, &c)) {
             let want = cpu_row(&c, r, 64);
@@ -256,8 +256,7 @@ mod tests {
     #[test]
     fn a_rows_scores_do_not_depend_on_its_batch() {
         let Some(gpu) = Gpu::for_test() else { return };
-        let seed = fresh_seed();
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let (mut rng, seed) = crate::cpu::test_support::rng();
         let probe = case(&mut rng, 64, &[1000], false);
         let mut first: Option<Vec<u32>> = None;
         for rows in [1usize, 63, 64, 65, 129] {
@@ -283,6 +282,23 @@ mod tests {
                 None => first = Some(got),
                 Some(f) => assert_eq!(&got, f, "batch of {rows} (seed {seed})"),
             }
+        }
+    }
+
+    #[test]
+    fn a_table_entry_outside_the_region_gives_nan_scores_not_a_stray_read() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        let mut c = case(&mut rng, 64, &[200], true);
+        let bad = c.num_blocks as i32 + 5;
+        let good = c.rows[0].table[1];
+        c.rows[0].table[1] = bad;
+        let got = gpu_scores(&gpu, &c).swap_remove(0);
+        assert!(got[64..128].iter().all(|v| v.is_nan()), "block 1's positions are NaN (seed {seed})");
+        c.rows[0].table[1] = good;
+        let want = cpu_row(&c, &c.rows[0], 64);
+        for s in (0..64).chain(128..200) {
+            assert_eq!(got[s].to_bits(), want[s].to_bits(), "position {s} (seed {seed})");
         }
     }
 }

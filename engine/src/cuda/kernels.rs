@@ -64,7 +64,12 @@ impl External {
 
     /// The include folder and its version (e.g. `CUDA_VERSION=13000`), or why it cannot be used.
     pub fn resolve(self) -> Result<(PathBuf, String), CudaError> {
-        let dir = self.dir().ok_or_else(|| {
+        self.resolve_in(self.dir())
+    }
+
+    /// [`External::resolve`] for a folder already looked up (`None`: not found).
+    fn resolve_in(self, dir: Option<PathBuf>) -> Result<(PathBuf, String), CudaError> {
+        let dir = dir.filter(|d| d.join(self.marker()).is_file()).ok_or_else(|| {
             CudaError::MissingHeaders(match self {
                 External::Cuda => "the CUDA headers (cuda.h) were not found: set TANDEM_CUDA_INCLUDE (CUDA toolkit's \
                                    include folder, or the nvidia-cuda-runtime wheel's nvidia/cu13/include)"
@@ -344,15 +349,12 @@ mod tests {
             "#define CUTLASS_MAJOR 4\n#define CUTLASS_MINOR 2\n#define CUTLASS_PATCH 0\n",
         )
         .unwrap();
-        // SAFETY (edition 2024 set_var): this test is the only one that touches TANDEM_CUTLASS_INCLUDE.
-        unsafe { std::env::set_var("TANDEM_CUTLASS_INCLUDE", dir.path()) };
-        let (found, version) = External::Cutlass.resolve().unwrap();
+        let (found, version) = External::Cutlass.resolve_in(Some(dir.path().to_path_buf())).unwrap();
         assert_eq!(found, dir.path());
         assert_eq!(version, "CUTLASS_MAJOR=4,CUTLASS_MINOR=2,CUTLASS_PATCH=0");
-        unsafe { std::env::set_var("TANDEM_CUTLASS_INCLUDE", dir.path().join("nowhere")) };
-        let e = External::Cutlass.resolve().unwrap_err().to_string();
+        let e = External::Cutlass.resolve_in(Some(dir.path().join("nowhere"))).unwrap_err().to_string();
         assert!(e.contains("TANDEM_CUTLASS_INCLUDE"), "{e}");
-        unsafe { std::env::remove_var("TANDEM_CUTLASS_INCLUDE") };
+        assert!(External::Cutlass.resolve_in(None).is_err());
     }
 
     #[test]
@@ -370,7 +372,11 @@ mod tests {
         for f in FAMILIES {
             assert!(!f.functions.is_empty() && !f.sass_expect.is_empty(), "{}", f.name);
             for func in f.functions {
-                let defined = f.source.contains(&format!(" {func}(")) && f.source.contains("extern \"C\" __global__");
+                // The entry point is declared `extern "C" __global__` itself (its mangled name would not load).
+                let defined = f.source.find(&format!(" {func}(")).is_some_and(|at| {
+                    let decl = &f.source[f.source[..at].rfind(';').map_or(0, |i| i + 1)..at];
+                    decl.contains("extern \"C\" __global__")
+                });
                 assert!(defined, "{} does not define {func}", f.name);
             }
         }

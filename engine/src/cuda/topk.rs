@@ -55,15 +55,11 @@ pub fn select_rows(
 
 #[cfg(test)]
 mod tests {
-    use rand::{RngExt, SeedableRng};
+    use rand::RngExt;
     use rand_chacha::ChaCha8Rng;
 
     use super::*;
     use crate::cpu::topk::select_counting_nan;
-
-    fn fresh_seed() -> u64 {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(7)
-    }
 
     /// A row as the indexer makes them: many exact zeros (ReLU), some -0.0, a few NaN, values drawn from a
     /// small set (many ties) or continuous.
@@ -116,8 +112,7 @@ mod tests {
     #[test]
     fn selections_equal_the_cpu_rule_on_tie_heavy_rows() {
         let Some(gpu) = Gpu::for_test() else { return };
-        let seed = fresh_seed();
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let (mut rng, seed) = crate::cpu::test_support::rng();
         for k in [16usize, 2048] {
             let mut lens = vec![0, 1, k - 1, k, k + 1, 2 * k + 3, 5000, 70_001];
             lens.retain(|&n| n <= 70_001);
@@ -161,8 +156,7 @@ mod tests {
     #[test]
     fn a_rows_selection_does_not_depend_on_its_batch() {
         let Some(gpu) = Gpu::for_test() else { return };
-        let seed = fresh_seed();
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let (mut rng, seed) = crate::cpu::test_support::rng();
         let k = 2048;
         let probe = row(&mut rng, 9000, 1);
         let mut first = None;
