@@ -92,19 +92,25 @@ pub fn group_scale(amax: f32, ue8m0: bool) -> f32 {
     2f32.powi(e)
 }
 
+/// Quantizes one group: returns its scale and hands `emit(i, code)` the e4m3 code of `x[i] / scale`.
+#[inline(always)]
+fn quantize_with(x: &[f32], ue8m0: bool, mut emit: impl FnMut(usize, u8)) -> f32 {
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let s = group_scale(amax, ue8m0);
+    let inv = 1.0 / s;
+    for (i, &v) in x.iter().enumerate() {
+        // Power-of-two scales make `v * inv` exact; otherwise divide as the reference does.
+        let q = if ue8m0 { v * inv } else { v / s };
+        emit(i, f32_to_e4m3(q.clamp(-E4M3_MAX, E4M3_MAX)));
+    }
+    s
+}
+
 /// Quantizes one group: returns its scale and writes the e4m3 codes of `x / scale`.
 #[inline]
 pub fn quantize_group(x: &[f32], out: &mut [u8], ue8m0: bool) -> f32 {
     debug_assert_eq!(x.len(), out.len());
-    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let s = group_scale(amax, ue8m0);
-    let inv = 1.0 / s;
-    for (o, &v) in out.iter_mut().zip(x) {
-        // Power-of-two scales make `v * inv` exact; otherwise divide as the reference does.
-        let q = if ue8m0 { v * inv } else { v / s };
-        *o = f32_to_e4m3(q.clamp(-E4M3_MAX, E4M3_MAX));
-    }
-    s
+    quantize_with(x, ue8m0, |i, c| out[i] = c)
 }
 
 /// Quantizes one group and writes the decoded e4m3 values (not multiplied by the scale); returns the scale.
@@ -112,14 +118,7 @@ pub fn quantize_group(x: &[f32], out: &mut [u8], ue8m0: bool) -> f32 {
 #[inline]
 pub fn quantize_group_values(x: &[f32], out: &mut [f32], ue8m0: bool) -> f32 {
     debug_assert_eq!(x.len(), out.len());
-    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let s = group_scale(amax, ue8m0);
-    let inv = 1.0 / s;
-    for (o, &v) in out.iter_mut().zip(x) {
-        let q = if ue8m0 { v * inv } else { v / s };
-        *o = e4m3_to_f32(f32_to_e4m3(q.clamp(-E4M3_MAX, E4M3_MAX)));
-    }
-    s
+    quantize_with(x, ue8m0, |i, c| out[i] = e4m3_to_f32(c))
 }
 
 /// `x` replaced by its quantized-then-dequantized value, group by group (what a consumer of the FP8 form sees).
