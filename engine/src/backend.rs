@@ -128,6 +128,21 @@ impl DeviceRows {
     pub fn downcast_ref<T: Any>(&self) -> Option<&T> {
         self.data.downcast_ref()
     }
+
+    /// All values, for rows a host backend stored as one `Vec<f32>`; an error for anyone else's rows.
+    pub fn host_values(&self) -> Result<&[f32], EngineError> {
+        self.downcast_ref::<Vec<f32>>()
+            .map(Vec::as_slice)
+            .ok_or_else(|| EngineError::InvalidInput("rows from another backend (not host f32 rows)".into()))
+    }
+
+    /// Row `row` of [`DeviceRows::host_values`].
+    pub fn host_row(&self, row: usize) -> Result<&[f32], EngineError> {
+        let data = self.host_values()?;
+        data.get(row * self.width..(row + 1) * self.width)
+            .filter(|_| row < self.rows)
+            .ok_or_else(|| EngineError::InvalidInput(format!("row {row} of {} rows", self.rows)))
+    }
 }
 
 impl Default for DeviceRows {

@@ -121,12 +121,6 @@ impl FakeBackend {
     }
 }
 
-fn host_row(rows: &DeviceRows, row: usize) -> Result<&[f32], EngineError> {
-    let data = rows.downcast_ref::<Vec<f32>>().ok_or_else(|| EngineError::InvalidInput("foreign rows".into()))?;
-    data.get(row * rows.width()..(row + 1) * rows.width())
-        .ok_or_else(|| EngineError::InvalidInput(format!("row {row} of {}", rows.rows())))
-}
-
 impl Backend for FakeBackend {
     fn name(&self) -> &'static str {
         "fake"
@@ -156,15 +150,15 @@ impl Backend for FakeBackend {
         history: History<'_>,
         eos: &[u32],
     ) -> Result<Sampled, EngineError> {
-        Ok(sampling::sample(host_row(logits, row)?, params, history, eos))
+        Ok(sampling::sample(logits.host_row(row)?, params, history, eos))
     }
 
     fn draft(&self, logits: &DeviceRows, row: usize) -> Result<(u32, f32), EngineError> {
-        Ok((sampling::argmax(host_row(logits, row)?), 1.0))
+        Ok((sampling::argmax(logits.host_row(row)?), 1.0))
     }
 
     fn rows_to_host(&self, rows: &DeviceRows) -> Result<Vec<f32>, EngineError> {
-        rows.downcast_ref::<Vec<f32>>().cloned().ok_or_else(|| EngineError::InvalidInput("foreign rows".into()))
+        Ok(rows.host_values()?.to_vec())
     }
 
     fn prefill(

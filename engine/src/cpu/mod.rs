@@ -38,22 +38,6 @@ pub struct CpuBackend {
     pool: Option<Arc<rayon::ThreadPool>>,
 }
 
-/// The CPU's rows: `rows x width` f32 values in host memory.
-type HostRows = Vec<f32>;
-
-fn host_rows(rows: &DeviceRows) -> Result<&HostRows, EngineError> {
-    rows.downcast_ref::<HostRows>()
-        .ok_or_else(|| EngineError::InvalidInput("rows from another backend given to the CPU backend".into()))
-}
-
-fn host_row(rows: &DeviceRows, row: usize) -> Result<&[f32], EngineError> {
-    let data = host_rows(rows)?;
-    if row >= rows.rows() {
-        return Err(EngineError::InvalidInput(format!("row {row} of {} rows", rows.rows())));
-    }
-    Ok(&data[row * rows.width()..(row + 1) * rows.width()])
-}
-
 impl CpuBackend {
     pub fn load(dir: &Path, prec: Precision) -> Result<Self, EngineError> {
         let ckpt = Checkpoint::open(dir)?;
@@ -220,7 +204,7 @@ impl CpuBackend {
         for (i, m) in batch.iter().enumerate() {
             let n = m.next_tokens.len();
             self.check_item(cache, i, n, m.start, m.blocks)?;
-            let rows = host_rows(m.hidden)?;
+            let rows = m.hidden.host_values()?;
             if m.hidden.width() != hidden || m.hidden.rows() < n || rows.len() < n * hidden {
                 return Err(EngineError::InvalidInput(format!(
                     "batch item {i}: {} hidden rows of width {} for {n} positions of width {hidden}",
@@ -252,7 +236,7 @@ impl CpuBackend {
         let e = kernels::rms_norm(&emb, &mtp.enorm, eps);
         let mut prev: Vec<f32> = Vec::with_capacity(row0 * hidden);
         for (m, it) in batch.iter().zip(&items) {
-            prev.extend_from_slice(&host_rows(m.hidden)?[..it.n * hidden]);
+            prev.extend_from_slice(&m.hidden.host_values()?[..it.n * hidden]);
         }
         let hh = kernels::rms_norm(&prev, &mtp.hnorm, eps);
         let mut cat = Vec::with_capacity(row0 * 2 * hidden);
@@ -312,17 +296,17 @@ impl Backend for CpuBackend {
         history: History<'_>,
         eos: &[u32],
     ) -> Result<Sampled, EngineError> {
-        Ok(sampling::sample(host_row(logits, row)?, params, history, eos))
+        Ok(sampling::sample(logits.host_row(row)?, params, history, eos))
     }
 
     fn draft(&self, logits: &DeviceRows, row: usize) -> Result<(u32, f32), EngineError> {
-        let r = host_row(logits, row)?;
+        let r = logits.host_row(row)?;
         let d = sampling::argmax(r);
         Ok((d, sampling::log_softmax(r)[d as usize].exp()))
     }
 
     fn rows_to_host(&self, rows: &DeviceRows) -> Result<Vec<f32>, EngineError> {
-        Ok(host_rows(rows)?.clone())
+        Ok(rows.host_values()?.to_vec())
     }
 
     fn prefill(
