@@ -1,5 +1,6 @@
 //! A worker's life as a server: bind, serve the role's gRPC service (plus standard health), register,
-//! announce readiness, and on SIGTERM/SIGINT drain, deregister and stop.
+//! announce readiness, and on SIGTERM/SIGINT drain, deregister and stop; on a device failure deregister
+//! and stop at once, returning the reason.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -52,7 +53,9 @@ pub async fn start_draining<S: NamedService>(drain: &Drain, health: &tonic_healt
 }
 
 /// Serves `svc` on `listener` until a shutdown signal, then drains: refuses new work (the service answers
-/// UNAVAILABLE through `drain`), waits for in-flight requests, deregisters, stops.
+/// UNAVAILABLE through `drain`), waits for in-flight requests, deregisters, stops. When the worker fails
+/// ([`Drain::fail`], a device failure) it deregisters and stops at once, and returns the reason as an
+/// error: the process exits non-zero and its supervisor (Kubernetes, `tandem up`) starts a fresh one.
 pub async fn serve_until_drained<S>(
     svc: S,
     listener: tokio::net::TcpListener,
@@ -98,18 +101,38 @@ where
     );
     tracing::info!(grpc = %grpc, id = %id, "{role} worker ready");
 
-    crate::drain::shutdown_signal().await;
+    let mut failure = tokio::select! {
+        _ = crate::drain::shutdown_signal() => None,
+        reason = drain.failed() => Some(reason),
+    };
     start_draining::<S>(&drain, &health_reporter).await;
-    if !drain.wait_idle(Duration::from_secs(args.drain_timeout_s)).await {
-        tracing::warn!(inflight = drain.inflight(), "drain timeout: stopping with requests in flight");
+    if failure.is_none() {
+        // A failure while draining ends the wait: what is in flight cannot complete anymore.
+        failure = tokio::select! {
+            idle = drain.wait_idle(Duration::from_secs(args.drain_timeout_s)) => {
+                if !idle {
+                    tracing::warn!(inflight = drain.inflight(), "drain timeout: stopping with requests in flight");
+                }
+                None
+            }
+            reason = drain.failed() => Some(reason),
+        };
+    }
+    if let Some(reason) = &failure {
+        tracing::error!(%reason, inflight = drain.inflight(), "{role} worker failed: deregistering and stopping");
     }
     if let Some(r) = registration {
         r.deregister().await;
     }
     let _ = stop_tx.send(());
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
-    tracing::info!("{role} worker stopped");
-    Ok(())
+    match failure {
+        Some(reason) => Err(anyhow::anyhow!("{role} worker failed: {reason}")),
+        None => {
+            tracing::info!("{role} worker stopped");
+            Ok(())
+        }
+    }
 }
 
 #[cfg(test)]
