@@ -40,6 +40,7 @@ pub struct Args {
 }
 
 /// Runs the decode worker until SIGTERM/SIGINT, then drains (with `--check-config`: validates and returns).
+/// A device failure ends it at once with an error naming the failure.
 pub async fn run(args: Args) -> anyhow::Result<()> {
     args.serve.validate()?;
     anyhow::ensure!(args.transfer_timeout_ms > 0, "--transfer-timeout-ms must be at least 1");
@@ -47,9 +48,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         args.serve.report_config_ok("decode-worker");
         return Ok(());
     }
-    let serve = args.serve.clone();
-    let model = tokio::task::spawn_blocking(move || LoadedModel::load(&serve)).await??;
-    let model = Arc::new(model);
+    let serve_args = args.serve.clone();
+    let model = tokio::task::spawn_blocking(move || LoadedModel::load(&serve_args)).await??;
+    serve(args, Arc::new(model)).await
+}
+
+/// Serves an already loaded model (`run` after loading; tests pass a fake backend's).
+pub async fn serve(args: Args, model: Arc<LoadedModel>) -> anyhow::Result<()> {
     let receiver = kv_transfer::KvReceiver::start(
         kv_transfer::ReceiverConfig::new(args.serve.transport_config()),
         model.cache.clone(),
@@ -65,8 +70,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     };
     let drain = Drain::new();
     let worker_id = args.serve.worker_id("decode");
-    let sched = scheduler::Scheduler::start(model.clone(), metrics.clone(), !args.no_mtp, args.serve.max_num_seqs)
-        .context("starting the decode loop")?;
+    let sched = scheduler::Scheduler::start(
+        model.clone(),
+        metrics.clone(),
+        drain.clone(),
+        !args.no_mtp,
+        args.serve.max_num_seqs,
+    )
+    .context("starting the decode loop")?;
     let (listener, advertise) = worker::server::bind(&args.serve).await?;
     let record =
         worker::server::record(&args.serve, &model, cluster::WorkerRole::Decode, worker_id.clone(), advertise.clone());

@@ -2,7 +2,8 @@
 //! async runtime): admit requests whose caches arrived, make room for the next positions (growing by a
 //! block, or preempting the newest request when the pool is exhausted), run one batched decode step with
 //! MTP verification, stream the tokens, and retire finished, aborted or disconnected requests, releasing
-//! their blocks. It streams domain events (`DecodeEvent`); the service wraps them for gRPC.
+//! their blocks. It streams domain events (`DecodeEvent`); the service wraps them for gRPC. A device
+//! failure ends every request and fails the worker ([`worker::Drain::fail`]): nothing decodes anymore.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -11,9 +12,9 @@ use std::time::Instant;
 use engine::generate::{self, SeqState};
 use proto::v1::decode_event::Event;
 use proto::v1::{DecodeEvent, FinishReason, Finished, GeneratedToken, Preempted, StageTimings, Tokens};
-use worker::LoadedModel;
 use worker::compute_loop::{self, Batcher, LoopHandle, Turn};
-use worker::drain::InflightGuard;
+use worker::drain::{self, InflightGuard};
+use worker::{Drain, LoadedModel};
 
 use crate::metrics::DecodeMetrics;
 
@@ -56,9 +57,11 @@ fn event(e: Event) -> DecodeEvent {
 }
 
 impl Scheduler {
+    /// Starts the loop; a device failure is reported to `drain`.
     pub fn start(
         model: Arc<LoadedModel>,
         metrics: Arc<DecodeMetrics>,
+        drain: Arc<Drain>,
         speculate: bool,
         max_batch: usize,
     ) -> std::io::Result<Arc<Scheduler>> {
@@ -67,10 +70,12 @@ impl Scheduler {
         let handle = compute_loop::spawn("decode-loop", move |_events| Decode {
             model,
             metrics,
+            drain,
             speculate,
             max_batch: max_batch.max(1),
             running: Vec::new(),
             count,
+            failed: None,
         })?;
         Ok(Arc::new(Scheduler { handle, running }))
     }
@@ -93,10 +98,13 @@ impl Scheduler {
 struct Decode {
     model: Arc<LoadedModel>,
     metrics: Arc<DecodeMetrics>,
+    drain: Arc<Drain>,
     speculate: bool,
     max_batch: usize,
     running: Vec<Running>,
     count: Arc<AtomicUsize>,
+    /// The error every request gets once the device failed.
+    failed: Option<String>,
 }
 
 impl Batcher for Decode {
@@ -139,6 +147,11 @@ impl Batcher for Decode {
 
 impl Decode {
     fn admit(&mut self, mut a: Admitted) {
+        if let Some(error) = &self.failed {
+            // Its transfer completed after the device failed.
+            let error = error.clone();
+            return self.retire(Running { a, stepped: false }, FinishReason::Error, error, "error");
+        }
         if !self.speculate || !self.model.backend.has_mtp() {
             a.state.speculate = false;
             a.state.draft = None;
@@ -226,6 +239,19 @@ impl Decode {
         }
     }
 
+    /// The device is unusable: every running request ends with the error (its blocks released), later
+    /// ones too, and the worker deregisters and exits.
+    fn fail_worker(&mut self, e: &engine::EngineError) {
+        let reason = format!("device failure in a decode step: {e}");
+        tracing::error!(%reason, requests = self.running.len(), "failing every request; the worker stops");
+        let error = drain::failed_request_error(&reason);
+        for r in std::mem::take(&mut self.running) {
+            self.retire(r, FinishReason::Error, error.clone(), "error");
+        }
+        self.failed = Some(error);
+        self.drain.fail(reason);
+    }
+
     fn step(&mut self) {
         let started = Instant::now();
         let n = self.running.len().min(self.max_batch);
@@ -244,6 +270,7 @@ impl Decode {
         self.metrics.step_batch.observe(n as f64);
         let (outputs, drafts, accepted) = match result {
             Ok(x) => x,
+            Err(e) if drain::is_fatal(&e) => return self.fail_worker(&e),
             Err(e) => {
                 tracing::error!(error = %e, "decode step failed; failing its requests");
                 for r in self.running.drain(..n).collect::<Vec<_>>() {
@@ -296,7 +323,7 @@ mod tests {
     use proto::v1::FinishReason;
     use tokio::sync::mpsc::UnboundedReceiver;
     use worker::Drain;
-    use worker::fake_backend::FakeBackend;
+    use worker::fake_backend::{Failure, FakeBackend};
 
     use super::*;
 
@@ -309,16 +336,32 @@ mod tests {
     }
 
     fn env() -> Env {
+        env_with_batch(8)
+    }
+
+    fn env_with_batch(max_batch: usize) -> Env {
         let fake = FakeBackend::new(1280);
         let model = Arc::new(LoadedModel::from_backend(fake.clone(), 32, "fake").unwrap());
         let metrics = Arc::new(DecodeMetrics::new(&prometheus::Registry::new()).unwrap());
-        let sched = Scheduler::start(model.clone(), metrics.clone(), true, 8).unwrap();
-        Env { fake, model, sched, metrics, drain: Drain::new() }
+        let drain = Drain::new();
+        let sched = Scheduler::start(model.clone(), metrics.clone(), drain.clone(), true, max_batch).unwrap();
+        Env { fake, model, sched, metrics, drain }
     }
 
     /// Admits a request whose `prompt` was prefilled elsewhere, with the prefill worker's first token and
     /// draft as the fake computes them.
     fn admit(e: &Env, id: &str, prompt_len: usize, max_tokens: u32) -> (Vec<u32>, UnboundedReceiver<DecodeEvent>) {
+        admit_with(e, id, prompt_len, max_tokens, e.drain.admit().unwrap())
+    }
+
+    /// `admit` for a request the service admitted earlier (`guard`).
+    fn admit_with(
+        e: &Env,
+        id: &str,
+        prompt_len: usize,
+        max_tokens: u32,
+        guard: InflightGuard,
+    ) -> (Vec<u32>, UnboundedReceiver<DecodeEvent>) {
         let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| 7 + i * 3).collect();
         let first = e.fake.next(prompt[prompt_len - 1], prompt_len - 1);
         let draft = e.fake.next(first, prompt_len);
@@ -331,7 +374,7 @@ mod tests {
             state: SeqState::resume(prompt.clone(), prompt_len, first, Some(draft), params, table.blocks),
             first: GeneratedToken { token_id: first, logprobs: None },
             events: tx,
-            guard: e.drain.admit().unwrap(),
+            guard,
             hold: Holding(holding),
             timings: StageTimings::default(),
             completed_at: Instant::now(),
@@ -399,15 +442,55 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_backend_failure_fails_the_batch_with_an_error_and_frees_the_blocks() {
+    async fn a_non_device_backend_error_fails_the_batch_frees_the_blocks_and_the_worker_goes_on() {
         let e = env();
-        e.fake.fail_next.store(true, std::sync::atomic::Ordering::SeqCst);
+        e.fake.fail_next(Failure::InvalidInput);
         let (_, mut rx) = admit(&e, "doomed", 10, 20);
         let (tokens, fin) = drain_events(&mut rx).await;
         assert_eq!(tokens.len(), 1, "only the prefill worker's first token");
         assert_eq!(fin.reason, FinishReason::Error as i32);
         assert!(fin.error.contains("injected failure"), "{}", fin.error);
         wait_pool_empty(&e.model).await;
+        assert_eq!(e.drain.failure(), None, "the worker did not fail");
+        assert!(!e.drain.is_draining());
+        let (_, mut rx) = admit(&e, "next", 10, 5);
+        let (tokens, fin) = drain_events(&mut rx).await;
+        assert_eq!((tokens.len(), fin.reason), (5, FinishReason::Length as i32));
+    }
+
+    #[tokio::test]
+    async fn a_device_failure_fails_every_request_frees_the_blocks_and_fails_the_worker() {
+        // One request per step: "running" is stepped, "waiting" sits in the batch behind it. At 1 ms a
+        // backend call, "running" neither finishes nor fills the pool before the failure.
+        let e = env_with_batch(1);
+        e.fake.delay_us.store(1_000, std::sync::atomic::Ordering::SeqCst);
+        let (_, mut running) = admit(&e, "running", 10, 1_500);
+        for _ in 0..3 {
+            running.recv().await.unwrap();
+        }
+        let (_, mut waiting) = admit(&e, "waiting", 10, 1_500);
+        assert!(matches!(waiting.recv().await.unwrap().event, Some(Event::Tokens(_))), "joined the batch");
+        // Admitted by the service now; its caches arrive after the failure.
+        let late_guard = e.drain.admit().unwrap();
+        e.fake.fail_next(Failure::Device);
+        for rx in [&mut running, &mut waiting] {
+            let (_, fin) = drain_events(rx).await;
+            assert_eq!(fin.reason, FinishReason::Error as i32);
+            assert!(fin.error.contains("device failure") && fin.error.contains("injected device failure"), "{fin:?}");
+            assert!(fin.error.contains("shutting down"), "{}", fin.error);
+        }
+        wait_pool_empty(&e.model).await;
+        let reason = e.drain.failure().expect("the worker failed");
+        assert!(reason.contains("injected device failure"), "{reason}");
+        // A transfer that completes afterwards ends at once, without touching the device.
+        let calls = e.fake.calls.load(std::sync::atomic::Ordering::SeqCst);
+        let (_, mut late) = admit_with(&e, "late", 10, 5, late_guard);
+        let (tokens, fin) = drain_events(&mut late).await;
+        assert!(tokens.is_empty() && fin.reason == FinishReason::Error as i32, "{tokens:?} {fin:?}");
+        assert!(fin.error.contains("injected device failure"), "{}", fin.error);
+        wait_pool_empty(&e.model).await;
+        assert_eq!(e.fake.calls.load(std::sync::atomic::Ordering::SeqCst), calls);
+        assert_eq!(e.metrics.requests.with_label_values(&["error"]).get(), 3);
     }
 
     #[tokio::test]

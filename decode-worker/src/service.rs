@@ -112,15 +112,24 @@ impl DecodeWorker for DecodeService {
         let reserved_at = Instant::now();
         tokio::spawn(async move {
             let mut pending = pending;
-            let outcome = tokio::select! {
-                o = &mut pending => Some(o),
-                _ = tx.closed() => None,
-            };
-            sh.metrics.transferring.dec();
             let send_finished = |tx: &EventTx, reason: FinishReason, error: String, timings: StageTimings| {
                 let fin = Finished { reason: reason as i32, error, timings: Some(timings), ..Default::default() };
                 let _ = tx.send(DecodeEvent { event: Some(Event::Finished(fin)) });
             };
+            let outcome = tokio::select! {
+                o = &mut pending => Some(o),
+                _ = tx.closed() => None,
+                reason = sh.drain.failed() => {
+                    // The device failed: these caches would never be decoded. kv-transfer frees the blocks.
+                    sh.metrics.transferring.dec();
+                    let error = worker::drain::failed_request_error(&reason);
+                    pending.abort(&error);
+                    sh.metrics.requests.with_label_values(&["error"]).inc();
+                    send_finished(&tx, FinishReason::Error, error, StageTimings::default());
+                    return;
+                }
+            };
+            sh.metrics.transferring.dec();
             match outcome {
                 None => {
                     // The client went away before the caches arrived: kv-transfer frees the blocks once no

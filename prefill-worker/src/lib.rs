@@ -32,14 +32,20 @@ pub struct Args {
 }
 
 /// Runs the prefill worker until SIGTERM/SIGINT, then drains (with `--check-config`: validates and returns).
+/// A device failure ends it at once with an error naming the failure.
 pub async fn run(args: Args) -> anyhow::Result<()> {
     args.serve.validate()?;
     if args.serve.check_config {
         args.serve.report_config_ok("prefill-worker");
         return Ok(());
     }
-    let serve = args.serve.clone();
-    let model = Arc::new(tokio::task::spawn_blocking(move || LoadedModel::load(&serve)).await??);
+    let serve_args = args.serve.clone();
+    let model = tokio::task::spawn_blocking(move || LoadedModel::load(&serve_args)).await??;
+    serve(args, Arc::new(model)).await
+}
+
+/// Serves an already loaded model (`run` after loading; tests pass a fake backend's).
+pub async fn serve(args: Args, model: Arc<LoadedModel>) -> anyhow::Result<()> {
     let sender = kv_transfer::KvSender::new(
         kv_transfer::SenderConfig { ucx_tls: args.serve.ucx_tls.clone(), ..Default::default() },
         model.cache.clone(),
@@ -52,10 +58,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         Some(a) => Some(worker::metrics::serve(a, registry.clone()).await?),
         None => None,
     };
+    let drain = Drain::new();
     let scheduler = scheduler::Scheduler::start(
         model.clone(),
         sender,
         metrics,
+        drain.clone(),
         scheduler::Config {
             max_num_seqs: args.serve.max_num_seqs,
             max_num_batched_tokens: args.serve.max_num_batched_tokens,
@@ -64,7 +72,6 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         tokio::runtime::Handle::current(),
     )
     .context("starting the prefill loop")?;
-    let drain = Drain::new();
     let worker_id = args.serve.worker_id("prefill");
     let (listener, advertise) = worker::server::bind(&args.serve).await?;
     let record =

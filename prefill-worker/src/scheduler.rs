@@ -5,7 +5,8 @@
 //! finished the request). The kv-transfer handshake (`KvSender::begin`) and the terminal calls (complete,
 //! release, abort: they wait for the receiver) run on helper threads, never on the compute thread; a
 //! request's blocks return to the pool only once its transfer has settled. Outcomes are [`PrefillError`]s;
-//! the service maps them to gRPC statuses.
+//! the service maps them to gRPC statuses. A device failure ends every request and fails the worker
+//! ([`worker::Drain::fail`]): nothing computes anymore.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -18,9 +19,9 @@ use engine::sampling::SamplingParams;
 use kv_transfer::{KvSender, SendSession, TransferError};
 use proto::v1::{FinishReason, GeneratedToken, MtpDraft, PrefillResponse, StageTimings, TransferDescriptor};
 use tokio::sync::oneshot;
-use worker::LoadedModel;
 use worker::compute_loop::{self, Batcher, Events, LoopHandle, Turn};
-use worker::drain::InflightGuard;
+use worker::drain::{self, InflightGuard};
+use worker::{Drain, LoadedModel};
 
 use crate::metrics::PrefillMetrics;
 use crate::prefix_cache::PrefixCache;
@@ -40,6 +41,8 @@ pub enum PrefillError {
     Transfer(TransferError),
     /// The backend failed the batch.
     Compute(String),
+    /// The device failed (this batch or another): the worker is shutting down.
+    Device(String),
     NoToken,
 }
 
@@ -51,6 +54,7 @@ impl std::fmt::Display for PrefillError {
             PrefillError::NoBlocks(e) => write!(f, "prefill worker cache: {e}"),
             PrefillError::Transfer(e) => write!(f, "cache transfer: {e}"),
             PrefillError::Compute(e) => write!(f, "prefill failed: {e}"),
+            PrefillError::Device(e) => f.write_str(e),
             PrefillError::NoToken => f.write_str("prefill produced no token"),
         }
     }
@@ -64,7 +68,7 @@ impl PrefillError {
             PrefillError::CallerGone => "cancelled",
             PrefillError::NoBlocks(_) => "no_blocks",
             PrefillError::Transfer(_) => "transfer_failed",
-            PrefillError::Compute(_) | PrefillError::NoToken => "error",
+            PrefillError::Compute(_) | PrefillError::Device(_) | PrefillError::NoToken => "error",
         }
     }
 }
@@ -132,11 +136,13 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    /// Starts the loop; helper work (handshakes, completions) runs as blocking tasks on `runtime`.
+    /// Starts the loop; helper work (handshakes, completions) runs as blocking tasks on `runtime`. A device
+    /// failure is reported to `drain`.
     pub fn start(
         model: Arc<LoadedModel>,
         sender: KvSender,
         metrics: Arc<PrefillMetrics>,
+        drain: Arc<Drain>,
         config: Config,
         runtime: tokio::runtime::Handle,
     ) -> std::io::Result<Arc<Scheduler>> {
@@ -146,6 +152,7 @@ impl Scheduler {
             model,
             sender,
             metrics,
+            drain,
             config,
             events,
             runtime,
@@ -155,6 +162,7 @@ impl Scheduler {
             settling: 0,
             cache: PrefixCache::default(),
             load: l,
+            failed: None,
         })?;
         Ok(Arc::new(Scheduler { handle, load }))
     }
@@ -199,6 +207,7 @@ struct Prefill {
     model: Arc<LoadedModel>,
     sender: KvSender,
     metrics: Arc<PrefillMetrics>,
+    drain: Arc<Drain>,
     config: Config,
     events: Events<Box<Job>, Event>,
     runtime: tokio::runtime::Handle,
@@ -211,13 +220,20 @@ struct Prefill {
     settling: usize,
     cache: PrefixCache,
     load: Arc<Mutex<Load>>,
+    /// The error every request gets once the device failed.
+    failed: Option<PrefillError>,
 }
 
 impl Batcher for Prefill {
     type Job = Box<Job>;
     type Event = Event;
 
-    fn submit(&mut self, job: Box<Job>) {
+    fn submit(&mut self, mut job: Box<Job>) {
+        if let Some(err) = &self.failed {
+            // Admitted just before the device failed.
+            self.metrics.requests.with_label_values(&[err.outcome()]).inc();
+            return job.reply.send(Err(err.clone()));
+        }
         self.metrics.queued.inc();
         self.waiting.push_back(*job);
     }
@@ -483,6 +499,7 @@ impl Prefill {
         self.metrics.computed_tokens.inc_by(tokens as u64);
         let outputs = match result {
             Ok(o) => o,
+            Err(e) if drain::is_fatal(&e) => return self.fail_worker(&e),
             Err(e) => {
                 let failed: Vec<Active> = self.active.drain(..n).collect();
                 for a in failed {
@@ -503,6 +520,31 @@ impl Prefill {
             let out = &outputs[i];
             self.finish(a, out.tokens.first().cloned());
         }
+    }
+
+    /// The device is unusable: every request ends with the error (computing ones abort their transfers,
+    /// so the decode side frees its blocks, and release theirs), later ones too, and the worker
+    /// deregisters and exits.
+    fn fail_worker(&mut self, e: &engine::EngineError) {
+        let reason = format!("device failure in a prefill batch: {e}");
+        let requests = self.waiting.len() + self.handshaking.len() + self.active.len();
+        tracing::error!(%reason, requests, "failing every request; the worker stops");
+        let err = PrefillError::Device(drain::failed_request_error(&reason));
+        for a in std::mem::take(&mut self.active) {
+            self.fail(a, err.clone());
+        }
+        // Their handshakes still return; the requests settle then.
+        for a in self.handshaking.iter_mut().filter(|a| a.cancelled.is_none()) {
+            a.job.reply.send(Err(err.clone()));
+            a.cancelled = Some(err.clone());
+        }
+        for mut job in std::mem::take(&mut self.waiting) {
+            self.metrics.queued.dec();
+            self.metrics.requests.with_label_values(&[err.outcome()]).inc();
+            job.reply.send(Err(err.clone()));
+        }
+        self.failed = Some(err);
+        self.drain.fail(reason);
     }
 
     fn finish(&mut self, mut a: Active, first: Option<engine::sampling::Sampled>) {
@@ -583,8 +625,7 @@ mod tests {
         ExpectRequest, KvReceiver, PendingTransfer, ReceiverConfig, SenderConfig, TransferOutcome, TransportConfig,
         TransportKind,
     };
-    use worker::Drain;
-    use worker::fake_backend::FakeBackend;
+    use worker::fake_backend::{Failure, FakeBackend};
 
     use super::*;
 
@@ -600,6 +641,10 @@ mod tests {
     }
 
     fn env(blocks: usize, prefix_caching: bool) -> Env {
+        env_with_seqs(blocks, prefix_caching, 8)
+    }
+
+    fn env_with_seqs(blocks: usize, prefix_caching: bool, max_num_seqs: usize) -> Env {
         let fake = FakeBackend::new(1280);
         let model = Arc::new(LoadedModel::from_backend(fake.clone(), blocks, "fake").unwrap());
         let geometry = *model.cache.geometry();
@@ -619,10 +664,11 @@ mod tests {
         )
         .unwrap();
         let metrics = Arc::new(PrefillMetrics::new(&prometheus::Registry::new()).unwrap());
-        let config = Config { max_num_seqs: 8, max_num_batched_tokens: 96, prefix_caching };
-        let sched =
-            Scheduler::start(model.clone(), sender, metrics, config, tokio::runtime::Handle::current()).unwrap();
-        Env { fake, model, sched, receiver, rcache, rpool, drain: Drain::new() }
+        let config = Config { max_num_seqs, max_num_batched_tokens: 96, prefix_caching };
+        let drain = Drain::new();
+        let runtime = tokio::runtime::Handle::current();
+        let sched = Scheduler::start(model.clone(), sender, metrics, drain.clone(), config, runtime).unwrap();
+        Env { fake, model, sched, receiver, rcache, rpool, drain }
     }
 
     fn prompt(n: usize, salt: u32) -> Vec<u32> {
@@ -631,6 +677,16 @@ mod tests {
 
     /// Reserves decode-side blocks, expects the transfer, submits the prefill.
     fn submit(e: &Env, id: &str, tokens: &[u32]) -> (oneshot::Receiver<Outcome>, PendingTransfer, BlockTable) {
+        submit_with(e, id, tokens, e.drain.admit().unwrap())
+    }
+
+    /// `submit` for a request the service admitted earlier (`guard`).
+    fn submit_with(
+        e: &Env,
+        id: &str,
+        tokens: &[u32],
+        guard: InflightGuard,
+    ) -> (oneshot::Receiver<Outcome>, PendingTransfer, BlockTable) {
         let dst = e.rpool.reserve(id, tokens.len() + 2).unwrap();
         let (descriptor, pending) = e
             .receiver
@@ -650,7 +706,7 @@ mod tests {
             params: SamplingParams { ignore_eos: true, ..SamplingParams::greedy(16) },
             descriptor,
             reply: Reply::new(tx),
-            guard: e.drain.admit().unwrap(),
+            guard,
             arrived: Instant::now(),
         };
         assert!(e.sched.submit(job).is_ok());
@@ -724,18 +780,57 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_backend_failure_is_a_compute_error_and_frees_both_sides() {
+    async fn a_non_device_backend_error_is_a_compute_error_frees_both_sides_and_the_worker_goes_on() {
         let e = env(32, false);
-        e.fake.fail_next.store(true, std::sync::atomic::Ordering::SeqCst);
+        e.fake.fail_next(Failure::InvalidInput);
         let (rx, pending, _) = submit(&e, "doomed", &prompt(40, 5));
         let err = outcome(rx).await.unwrap_err();
         assert!(matches!(&err, PrefillError::Compute(m) if m.contains("injected failure")), "{err:?}");
         assert!(tokio::time::timeout(Duration::from_secs(10), pending).await.unwrap().is_err());
         wait_pool_used(&e.model.pool, 0).await;
         wait_pool_used(&e.rpool, 0).await;
+        assert_eq!(e.drain.failure(), None, "the worker did not fail");
+        assert!(!e.drain.is_draining());
         // The loop goes on serving.
         let (rx, _, _) = submit(&e, "after", &prompt(40, 6));
         assert!(outcome(rx).await.is_ok());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_device_failure_fails_every_request_frees_both_sides_and_fails_the_worker() {
+        // One request at a time: "computing" runs (16 chunks, 10 ms each), "queued" waits behind it.
+        let e = env_with_seqs(32, false, 1);
+        e.fake.delay_us.store(10_000, std::sync::atomic::Ordering::SeqCst);
+        let (computing, computing_pending, _) = submit(&e, "computing", &prompt(1500, 11));
+        while e.fake.calls.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let (queued, queued_pending, _) = submit(&e, "queued", &prompt(40, 12));
+        // Admitted by the service now; it reaches the loop after the failure.
+        let late_guard = e.drain.admit().unwrap();
+        e.fake.fail_next(Failure::Device);
+        for rx in [computing, queued] {
+            let err = outcome(rx).await.unwrap_err();
+            assert!(matches!(&err, PrefillError::Device(_)), "{err:?}");
+            let msg = err.to_string();
+            assert!(msg.contains("device failure") && msg.contains("injected device failure"), "{msg}");
+            assert_eq!(crate::service::status(&err).code(), tonic::Code::Unavailable, "another worker can serve it");
+        }
+        let r = tokio::time::timeout(Duration::from_secs(10), computing_pending).await.unwrap();
+        assert!(r.is_err(), "the decode side hears of the abort: {r:?}");
+        // The queued one never began its transfer: its decode side is aborted by the router.
+        queued_pending.abort("prefill failed");
+        wait_pool_used(&e.model.pool, 0).await;
+        wait_pool_used(&e.rpool, 0).await;
+        let reason = e.drain.failure().expect("the worker failed");
+        assert!(reason.contains("injected device failure"), "{reason}");
+
+        let calls = e.fake.calls.load(std::sync::atomic::Ordering::SeqCst);
+        let (late, late_pending, _) = submit_with(&e, "late", &prompt(40, 13), late_guard);
+        assert!(matches!(outcome(late).await.unwrap_err(), PrefillError::Device(_)));
+        late_pending.abort("prefill failed");
+        assert_eq!(e.fake.calls.load(std::sync::atomic::Ordering::SeqCst), calls, "the device is not touched");
+        wait_pool_used(&e.rpool, 0).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -17,12 +17,14 @@ use worker::{Drain, LoadedModel};
 use crate::scheduler::{Job, PrefillError, Reply, Scheduler};
 
 /// The gRPC status of a prefill that did not deliver.
-fn status(e: &PrefillError) -> Status {
+pub(crate) fn status(e: &PrefillError) -> Status {
     let msg = e.to_string();
     match e {
         PrefillError::Aborted | PrefillError::CallerGone => Status::cancelled(msg),
         PrefillError::NoBlocks(_) => Status::resource_exhausted(msg),
         PrefillError::Compute(_) | PrefillError::NoToken => Status::internal(msg),
+        // Another prefill worker can serve it.
+        PrefillError::Device(_) => Status::unavailable(msg),
         PrefillError::Transfer(t) => match t {
             TransferError::BadDescriptor { .. } => Status::invalid_argument(msg),
             TransferError::FingerprintMismatch(_) => Status::failed_precondition(msg),

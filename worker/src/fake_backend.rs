@@ -2,9 +2,10 @@
 //! math. The token after `t` at position `p` is always [`FakeBackend::next`]`(t, p)` (a one-hot logits
 //! row, sampled by the real sampler), the MTP layer predicts exactly that (so drafts are accepted), every
 //! position's cache entries get bytes derived from (layer, position, token), and each layer is announced.
+//! A test can make a chosen call fail ([`FakeBackend::fail_at`]).
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use engine::backend::{
     AttnForm, Backend, DeviceRows, EngineError, LayerDone, LayerReady, MtpInput, SeqInput, SeqOutput,
@@ -14,10 +15,21 @@ use engine::memory::{MemoryBudget, ServingLimits};
 use engine::sampling::{self, History, Sampled, SamplingParams};
 use engine::{Logits, ModelConfig, Precision};
 
+/// What an injected failure returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// `EngineError::Device`, and every later call fails too, as after a sticky CUDA error.
+    Device,
+    /// `EngineError::InvalidInput`, once.
+    InvalidInput,
+}
+
 pub struct FakeBackend {
     cfg: ModelConfig,
-    /// The next call fails (tests of error paths).
-    pub fail_next: AtomicBool,
+    /// The call number (1-based, counted by `calls`) that fails, and how.
+    fail_at: Mutex<Option<(usize, Failure)>>,
+    /// A device failure happened: every call fails.
+    broken: Mutex<Option<String>>,
     /// Main-model and MTP calls made.
     pub calls: AtomicUsize,
     /// Microseconds each call takes (tests that act while a request computes).
@@ -30,10 +42,21 @@ impl FakeBackend {
         let cfg = ModelConfig::from_json(&engine::tiny::config_json(vocab_size)).expect("the tiny config is valid");
         Arc::new(FakeBackend {
             cfg,
-            fail_next: AtomicBool::new(false),
+            fail_at: Mutex::new(None),
+            broken: Mutex::new(None),
             calls: AtomicUsize::new(0),
             delay_us: AtomicU64::new(0),
         })
+    }
+
+    /// Main-model or MTP call number `call` (1-based, counting all calls made so far) fails with `failure`.
+    pub fn fail_at(&self, call: usize, failure: Failure) {
+        *self.fail_at.lock().unwrap_or_else(|p| p.into_inner()) = Some((call, failure));
+    }
+
+    /// The next main-model or MTP call fails with `failure`.
+    pub fn fail_next(&self, failure: Failure) {
+        self.fail_at(self.calls.load(Ordering::SeqCst) + 1, failure);
     }
 
     /// The token that follows `token` at position `pos` (never a special id below 7).
@@ -47,12 +70,22 @@ impl FakeBackend {
     }
 
     fn begin_call(&self) -> Result<(), EngineError> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
+        let call = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
         std::thread::sleep(std::time::Duration::from_micros(self.delay_us.load(Ordering::SeqCst)));
-        if self.fail_next.swap(false, Ordering::SeqCst) {
-            return Err(EngineError::Device("injected failure".into()));
+        let mut broken = self.broken.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(msg) = &*broken {
+            return Err(EngineError::Device(msg.clone()));
         }
-        Ok(())
+        let mut fail_at = self.fail_at.lock().unwrap_or_else(|p| p.into_inner());
+        match fail_at.take_if(|(at, _)| *at <= call).map(|(_, f)| f) {
+            Some(Failure::Device) => {
+                let msg = format!("injected device failure (call {call})");
+                *broken = Some(msg.clone());
+                Err(EngineError::Device(msg))
+            }
+            Some(Failure::InvalidInput) => Err(EngineError::InvalidInput(format!("injected failure (call {call})"))),
+            None => Ok(()),
+        }
     }
 
     fn one_hot(&self, tokens: &[u32]) -> Vec<f32> {
