@@ -530,6 +530,8 @@ impl Prefill {
         let requests = self.waiting.len() + self.handshaking.len() + self.active.len();
         tracing::error!(%reason, requests, "failing every request; the worker stops");
         let err = PrefillError::Device(drain::failed_request_error(&reason));
+        // First: the worker refuses new work and starts deregistering while the requests end.
+        self.drain.fail(reason);
         for a in std::mem::take(&mut self.active) {
             self.fail(a, err.clone());
         }
@@ -544,7 +546,6 @@ impl Prefill {
             job.reply.send(Err(err.clone()));
         }
         self.failed = Some(err);
-        self.drain.fail(reason);
     }
 
     fn finish(&mut self, mut a: Active, first: Option<engine::sampling::Sampled>) {
