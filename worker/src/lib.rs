@@ -5,13 +5,16 @@
 //! - [`model::LoadedModel`]: the backend, the cache pool and the model fingerprint.
 //! - [`register`]: registration with etcd (lease kept alive, re-registered after outages) with
 //!   `--discovery etcd`; static discovery otherwise.
-//! - [`drain::Drain`]: SIGTERM handling: finish in-flight work, refuse new work, deregister, exit.
+//! - [`drain::Drain`]: SIGTERM handling: finish in-flight work, refuse new work, deregister, exit; and a
+//!   device failure ([`drain::Drain::fail`]): deregister at once and exit non-zero with the reason.
 //! - [`metrics`]: the Prometheus `/metrics` endpoint.
 //! - [`convert`]: tandem.v1 <-> engine conversions (sampling parameters, generated tokens).
-//! - [`server`]: bind, serve with gRPC health, register, announce ready, drain on SIGTERM.
+//! - [`server`]: bind, serve with gRPC health, register, announce ready, drain on SIGTERM, stop at once
+//!   on a device failure.
 //! - [`validate`]: request id and token checks both services apply.
 //! - [`compute_loop`]: the compute thread both roles run (commands, abort, idle wait, release).
-//! - `fake_backend` (feature `fake-backend`): a fast deterministic backend for the roles' unit tests.
+//! - `fake_backend` (feature `fake-backend`): a fast deterministic backend for the roles' tests, which can
+//!   fail a chosen call (a device failure or an input error).
 
 pub mod args;
 pub mod compute_loop;
