@@ -246,7 +246,9 @@ impl ReceiverCore {
                 None => unsafe { checksum_segments(self.cache.arena().as_ptr(), segs) },
                 Some(pool) => {
                     let cannot = |why: String| (TransferStatus::ChecksumMismatch, format!("layer {}: {why}", l.layer));
-                    let mut buf = pool.take_until(t.deadline).ok_or_else(|| cannot("no staging buffer".into()))?;
+                    // Verifications hold a buffer only while hashing: a wait means others are hashing.
+                    let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+                    let mut buf = pool.take_until(until).ok_or_else(|| cannot("no staging buffer".into()))?;
                     // SAFETY: as above.
                     unsafe { checksum_copied(self.cache.arena(), segs, &mut buf) }
                         .map_err(|e| cannot(format!("cannot read the pool to verify it: {e}")))?

@@ -184,13 +184,12 @@ impl State {
                 }
             }
             Action::Recv(permit, staged) => {
-                if ok {
-                    match staged {
-                        None => permit.commit(),
-                        Some(buf) => {
-                            let n = permit.len;
-                            place(permit, &buf[..n]);
-                        }
+                match (ok, staged) {
+                    (false, staged) => drop((permit, staged)),
+                    (true, None) => permit.commit(),
+                    (true, Some(buf)) => {
+                        let n = permit.len;
+                        place(permit, &buf[..n]);
                     }
                 }
                 // The staging buffer is back: a deferred write may take it.
