@@ -11,7 +11,6 @@ use std::sync::mpsc;
 use kv_cache::LayerIdx;
 use kv_cache::LayerReady;
 use proto::v1::LayerManifest;
-
 use xxhash_rust::xxh3::Xxh3;
 
 use super::session::SessionState;
@@ -70,7 +69,9 @@ fn ship(job: &Job) {
     let src_base = st.cache.arena().as_ptr() as *const u8;
     // A staged pool is hashed from the host copies as they go out (the arena is not host memory).
     let mut staged_hash = (st.checksum && job.staging.is_some()).then(Xxh3::new);
-    let max_write = job.staging.as_ref().map(|_| STAGE_BYTES as u64).into_iter().chain(st.link.max_write()).min();
+    // A device pool on either side: pieces must fit one staging buffer.
+    let own_limit = job.staging.as_ref().map(|_| STAGE_BYTES as u64);
+    let max_write = [own_limit, st.link.max_write()].into_iter().flatten().min();
     let (mut latent, mut indexer) = (0u64, 0u64);
     let latent_len = st.plan.latent_bytes_per_layer();
     for p in st.plan.layer_puts(layer) {
@@ -87,7 +88,7 @@ fn ship(job: &Job) {
         } else {
             1
         };
-        // Staged writes (either side) go in pieces that fit a staging buffer and hold whole items.
+        // Staged pieces hold whole latent entries or indexer blocks, so the receiver admits each.
         let piece = match max_write {
             Some(max) => staging::piece_bytes(st.plan.unit_bytes(is_latent), max),
             None => lanes::piece_bytes(lanes),
