@@ -1,11 +1,14 @@
 //! The pool's memory: one contiguous byte range that the engine writes caches into and kv-transfer
 //! registers with UCX (or receives into over TCP). The backend provides it (`engine::Backend::allocate_cache`):
 //! a page-aligned, zeroed host allocation on the CPU, device (or pinned host) memory on a GPU. The arena
-//! knows which ([`MemoryKind`]); the host accessors refuse device memory with an error.
+//! knows which ([`MemoryKind`]); the host accessors refuse device memory with an error. A device arena
+//! built with a [`DeviceCopy`] can still be copied to and from host memory ([`KvArena::copy_out`],
+//! [`KvArena::copy_in`]): that is how transports stage it through the host.
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::any::Any;
 use std::ptr::NonNull;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Alignment of arenas this module allocates (a page, so RDMA registration covers whole pages).
@@ -48,6 +51,15 @@ impl std::fmt::Display for MemoryKind {
     }
 }
 
+/// Copies between an arena in device memory and host memory, for transports that stage through the host.
+pub trait DeviceCopy: Send + Sync {
+    /// Copies `dst.len()` bytes from `offset` of the arena into `dst`, after all device work queued
+    /// before the call (the caller already waited for the layer's `LayerReady`).
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), String>;
+    /// Copies `src` to `offset` of the arena; the bytes are visible to device work queued after it returns.
+    fn write(&self, offset: usize, src: &[u8]) -> Result<(), String>;
+}
+
 /// A contiguous byte range with a stable address for its whole life.
 ///
 /// Access goes through raw-pointer accessors because several parties write it at once (the backend
@@ -59,6 +71,8 @@ pub struct KvArena {
     len: usize,
     kind: MemoryKind,
     owner: Owner,
+    /// How the host reaches a device arena (`None`: it cannot).
+    copier: Option<Arc<dyn DeviceCopy>>,
 }
 
 enum Owner {
@@ -81,6 +95,9 @@ pub enum ArenaError {
     OutOfRange { offset: usize, len: usize, size: usize },
     #[error("the cache arena is in {0} memory, which the host cannot access")]
     NotHostAccessible(MemoryKind),
+    /// The backend's [`DeviceCopy`] failed.
+    #[error("copying {len} bytes at offset {offset} of the cache arena in {kind} memory: {reason}")]
+    DeviceCopy { kind: MemoryKind, offset: usize, len: usize, reason: String },
 }
 
 impl KvArena {
@@ -91,10 +108,12 @@ impl KvArena {
         let raw = unsafe { alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).ok_or(ArenaError::OutOfMemory(len))?;
         ARENAS_CREATED.fetch_add(1, Ordering::Relaxed);
-        Ok(KvArena { ptr, len, kind: MemoryKind::Host, owner: Owner::Host(layout) })
+        Ok(KvArena { ptr, len, kind: MemoryKind::Host, owner: Owner::Host(layout), copier: None })
     }
 
     /// Wraps memory a backend or caller owns (pinned host memory, device memory, a registered region).
+    /// Device memory wrapped here has no [`DeviceCopy`], so nothing on the host can reach it (transports
+    /// refuse it); [`KvArena::from_device`] adds one.
     ///
     /// # Safety
     /// `ptr..ptr+len` must be valid memory of `kind` for as long as `owner` lives, and `owner` must be
@@ -106,7 +125,23 @@ impl KvArena {
         owner: Box<dyn Any + Send + Sync>,
     ) -> Self {
         ARENAS_CREATED.fetch_add(1, Ordering::Relaxed);
-        KvArena { ptr, len, kind, owner: Owner::External(owner) }
+        KvArena { ptr, len, kind, owner: Owner::External(owner), copier: None }
+    }
+
+    /// Device memory at `ptr` (not dereferenceable here) that `copier` reads and writes; `owner` keeps it alive.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be memory of GPU `ordinal` for as long as `owner` lives, `owner` must be what
+    /// keeps it alive, and `copier` must copy exactly the requested `offset..offset+len` of it.
+    pub unsafe fn from_device(
+        ptr: NonNull<u8>,
+        len: usize,
+        ordinal: u32,
+        owner: Box<dyn Any + Send + Sync>,
+        copier: Arc<dyn DeviceCopy>,
+    ) -> Self {
+        ARENAS_CREATED.fetch_add(1, Ordering::Relaxed);
+        KvArena { ptr, len, kind: MemoryKind::Device { ordinal }, owner: Owner::External(owner), copier: Some(copier) }
     }
 
     #[inline]
@@ -117,6 +152,50 @@ impl KvArena {
     /// Ok when the host may dereference the arena's bytes.
     pub fn check_host(&self) -> Result<(), ArenaError> {
         if self.kind.host_accessible() { Ok(()) } else { Err(ArenaError::NotHostAccessible(self.kind)) }
+    }
+
+    /// Whether the host reaches the bytes only through copies (a device arena with a [`DeviceCopy`]).
+    pub fn stages_through_host(&self) -> bool {
+        !self.kind.host_accessible() && self.copier.is_some()
+    }
+
+    /// Copies `offset..offset+dst.len()` into `dst`: a `memcpy` for host kinds, the [`DeviceCopy`] for
+    /// device memory (an error for a device arena without one).
+    ///
+    /// # Safety
+    /// No one may write the range during the call: for host kinds a racing writer is a data race, as for
+    /// [`KvArena::slice`]. For device memory a race garbles the bytes rather than this process, but the
+    /// same discipline (block ownership, `LayerReady`) is what makes them meaningful.
+    pub unsafe fn copy_out(&self, offset: usize, dst: &mut [u8]) -> Result<(), ArenaError> {
+        self.check(offset, dst.len())?;
+        if self.kind.host_accessible() {
+            // SAFETY: host memory, in range (checked); absence of writers is the caller's contract.
+            dst.copy_from_slice(unsafe { self.host_slice(offset, dst.len()) });
+            return Ok(());
+        }
+        let copier = self.copier.as_ref().ok_or(ArenaError::NotHostAccessible(self.kind))?;
+        copier.read(offset, dst).map_err(|reason| self.copy_error(offset, dst.len(), reason))
+    }
+
+    /// Copies `src` to `offset..offset+src.len()`: a `memcpy` for host kinds, the [`DeviceCopy`] for
+    /// device memory (an error for a device arena without one).
+    ///
+    /// # Safety
+    /// The caller must be the only one accessing the range during the call (as for
+    /// [`KvArena::slice_mut`]; see [`KvArena::copy_out`] for device memory).
+    pub unsafe fn copy_in(&self, offset: usize, src: &[u8]) -> Result<(), ArenaError> {
+        self.check(offset, src.len())?;
+        if self.kind.host_accessible() {
+            // SAFETY: host memory, in range (checked); exclusivity is the caller's contract.
+            unsafe { self.host_slice_mut(offset, src.len()) }.copy_from_slice(src);
+            return Ok(());
+        }
+        let copier = self.copier.as_ref().ok_or(ArenaError::NotHostAccessible(self.kind))?;
+        copier.write(offset, src).map_err(|reason| self.copy_error(offset, src.len(), reason))
+    }
+
+    fn copy_error(&self, offset: usize, len: usize, reason: String) -> ArenaError {
+        ArenaError::DeviceCopy { kind: self.kind, offset, len, reason }
     }
 
     #[inline]
@@ -197,7 +276,12 @@ impl Drop for KvArena {
 
 impl std::fmt::Debug for KvArena {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KvArena").field("ptr", &self.ptr).field("len", &self.len).field("kind", &self.kind).finish()
+        f.debug_struct("KvArena")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .field("kind", &self.kind)
+            .field("staged", &self.stages_through_host())
+            .finish()
     }
 }
 
@@ -237,6 +321,76 @@ mod tests {
         assert!(matches!(e, ArenaError::NotHostAccessible(MemoryKind::Device { ordinal: 3 })), "{e}");
         assert!(e.to_string().contains("device 3"), "{e}");
         assert!(unsafe { arena.slice_mut(0, 16) }.is_err());
+    }
+
+    /// A device stand-in: the bytes live in a private buffer only the copier reaches.
+    struct FakeDevice {
+        mem: std::sync::Mutex<Vec<u8>>,
+        fail: bool,
+    }
+
+    impl DeviceCopy for FakeDevice {
+        fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), String> {
+            if self.fail {
+                return Err("device lost".into());
+            }
+            dst.copy_from_slice(&self.mem.lock().unwrap()[offset..offset + dst.len()]);
+            Ok(())
+        }
+        fn write(&self, offset: usize, src: &[u8]) -> Result<(), String> {
+            if self.fail {
+                return Err("device lost".into());
+            }
+            self.mem.lock().unwrap()[offset..offset + src.len()].copy_from_slice(src);
+            Ok(())
+        }
+    }
+
+    fn device_arena(len: usize, fail: bool) -> (KvArena, Arc<FakeDevice>) {
+        let dev = Arc::new(FakeDevice { mem: std::sync::Mutex::new(vec![0; len]), fail });
+        // A stand-in pointer that is never dereferenced: every access goes through the copier.
+        let arena = unsafe { KvArena::from_device(NonNull::dangling(), len, 0, Box::new(()), dev.clone()) };
+        (arena, dev)
+    }
+
+    #[test]
+    fn a_device_arena_is_reached_only_through_its_copier() {
+        let (arena, dev) = device_arena(1024, false);
+        assert_eq!(arena.kind(), MemoryKind::Device { ordinal: 0 });
+        assert!(arena.stages_through_host());
+        assert!(unsafe { arena.slice(0, 16) }.is_err(), "host accessors still refuse device memory");
+        unsafe { arena.copy_in(100, &[1, 2, 3]) }.unwrap();
+        assert_eq!(&dev.mem.lock().unwrap()[99..104], &[0, 1, 2, 3, 0]);
+        let mut out = [9u8; 5];
+        unsafe { arena.copy_out(99, &mut out) }.unwrap();
+        assert_eq!(out, [0, 1, 2, 3, 0]);
+        let e = unsafe { arena.copy_out(1020, &mut out) }.unwrap_err();
+        assert!(matches!(e, ArenaError::OutOfRange { offset: 1020, len: 5, size: 1024 }), "checked before the copier");
+    }
+
+    #[test]
+    fn copier_failures_and_missing_copiers_are_errors_that_name_the_memory() {
+        let (arena, _) = device_arena(64, true);
+        let e = unsafe { arena.copy_in(8, &[1; 8]) }.unwrap_err();
+        assert!(matches!(&e, ArenaError::DeviceCopy { offset: 8, len: 8, .. }), "{e}");
+        assert!(e.to_string().contains("device 0") && e.to_string().contains("device lost"), "{e}");
+        let raw = unsafe {
+            KvArena::from_raw_parts(NonNull::dangling(), 64, MemoryKind::Device { ordinal: 2 }, Box::new(()))
+        };
+        assert!(!raw.stages_through_host());
+        let e = unsafe { raw.copy_out(0, &mut [0; 4]) }.unwrap_err();
+        assert!(matches!(e, ArenaError::NotHostAccessible(MemoryKind::Device { ordinal: 2 })), "{e}");
+    }
+
+    #[test]
+    fn host_arenas_copy_with_memcpy() {
+        let a = KvArena::new_host(64).unwrap();
+        assert!(!a.stages_through_host());
+        unsafe { a.copy_in(60, &[4, 5, 6, 7]) }.unwrap();
+        let mut out = [0u8; 4];
+        unsafe { a.copy_out(60, &mut out) }.unwrap();
+        assert_eq!(out, [4, 5, 6, 7]);
+        assert!(unsafe { a.copy_in(61, &[0; 4]) }.is_err());
     }
 
     #[test]

@@ -12,13 +12,14 @@ pub mod pool;
 pub mod ready;
 
 pub use allocator::{AllocError, BlockAllocator, BlockRun, BlockTable, runs_of};
-pub use arena::{ArenaError, KvArena, MemoryKind, arenas_created};
+pub use arena::{ArenaError, DeviceCopy, KvArena, MemoryKind, arenas_created};
 pub use format::{BLOCK_SIZE, BlockId, CacheFormat, CacheGeometry, EntryDims, LayerIdx};
 pub use pool::{BlockPool, PoolError, PoolStats};
 pub use ready::{Fence, FenceError, LayerReady};
 
 /// A pool's memory with its geometry: where each layer's latent entries and indexer blocks live.
-/// The host reads and writes entries through [`KvCache::host`], which refuses device memory.
+/// The host reads and writes entries through [`KvCache::host`], which refuses device memory; a device
+/// pool built with [`KvArena::from_device`] is copied in and out through its [`DeviceCopy`].
 #[derive(Debug)]
 pub struct KvCache {
     geometry: CacheGeometry,
@@ -49,6 +50,12 @@ impl KvCache {
     /// Where the pool's bytes live.
     pub fn memory_kind(&self) -> MemoryKind {
         self.arena.kind()
+    }
+
+    /// Whether transports reach the pool only through [`KvArena::copy_out`] / [`KvArena::copy_in`] (device
+    /// memory with a [`DeviceCopy`]), staging it through host memory.
+    pub fn stages_through_host(&self) -> bool {
+        self.arena.stages_through_host()
     }
 
     /// Entry accessors for a pool the host can dereference; an error for device memory.

@@ -9,18 +9,32 @@ use kv_cache::{BLOCK_SIZE, BlockId, CacheGeometry, LayerIdx};
 use proto::v1::{CacheLayout, MemoryRegion};
 use xxhash_rust::xxh3::Xxh3;
 
-/// kv-transfer reads and writes the pool through host pointers (TCP and in-process copies, UCX over host
-/// registrations, checksums). A pool in device memory is refused here, by both sides, with the reason,
-/// until the device-memory data path exists.
-pub fn check_host_memory(cache: &kv_cache::KvCache) -> Result<(), crate::TransferError> {
+/// kv-transfer reads and writes host pools through host pointers (TCP and in-process copies, UCX host
+/// registrations, checksums), and device pools through their `DeviceCopy`, staged through host memory
+/// ([`crate::staging`]). A device pool without a copier cannot be reached at all: both sides refuse it,
+/// with the reason.
+pub fn check_reachable(cache: &kv_cache::KvCache) -> Result<(), crate::TransferError> {
     let kind = cache.memory_kind();
-    if kind.host_accessible() {
+    if kind.host_accessible() || cache.stages_through_host() {
         Ok(())
     } else {
         Err(crate::TransferError::Transport(format!(
-            "the cache pool is in {kind} memory: kv-transfer moves host memory only (TCP, in-process and \
-             UCX host registrations); device-memory transfers are not built yet"
+            "the cache pool is in {kind} memory without a DeviceCopy: kv-transfer moves host memory only, \
+             or device memory staged through host memory by the backend's copier (KvArena::from_device)"
         )))
+    }
+}
+
+/// Logs, once per sender or receiver, that its device pool moves through host staging buffers.
+pub(crate) fn log_staging(side: &str, cache: &kv_cache::KvCache) {
+    if cache.stages_through_host() {
+        tracing::info!(
+            side,
+            memory = %cache.memory_kind(),
+            buffer_bytes = crate::staging::STAGE_BYTES,
+            "kv-transfer: the cache pool is in device memory; transfers stage it through reused host buffers \
+             (GPUDirect not built yet)"
+        );
     }
 }
 
@@ -129,6 +143,11 @@ impl PutPlan {
 
     pub fn indexer_bytes_per_layer(&self) -> u64 {
         self.num_blocks as u64 * self.dst.indexer_bytes_per_block as u64
+    }
+
+    /// The size of one item a piece of a put must not split: a latent entry or an indexer block.
+    pub fn unit_bytes(&self, latent: bool) -> u64 {
+        if latent { self.dst.latent_bytes_per_token as u64 } else { self.dst.indexer_bytes_per_block as u64 }
     }
 
     pub fn bytes_per_layer(&self) -> u64 {

@@ -10,6 +10,9 @@
 //!   [`SendSession::complete`], [`SendSession::release`] or [`SendSession::abort`] end it.
 //! - [`transport`]: UCX (libucp loaded at run time, TCP fallback), TCP (tokio), in-process, one trait.
 //! - [`layout`]: the put plan (runs contiguous on both sides go as single puts) and checksums.
+//! - [`staging`]: a pool in GPU memory (`KvArena::from_device`) moves through bounded, reused host buffers
+//!   on every transport, with the same protocol and guarantees; host pools move without that copy. The
+//!   later GPUDirect work lets UCX register the device memory and drops the copy.
 //!
 //! See the crate README for the message sequence, failure semantics and the block-freeing policy.
 
@@ -20,6 +23,7 @@ pub mod layout;
 pub mod receiver;
 mod runtime;
 pub mod sender;
+pub mod staging;
 #[doc(hidden)]
 pub mod testkit;
 pub mod transport;

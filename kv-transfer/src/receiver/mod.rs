@@ -112,7 +112,8 @@ pub struct KvReceiver {
 
 impl KvReceiver {
     /// Registers `cache`'s arena with the configured transport and starts serving. `pool` is the pool
-    /// the decode worker reserves from; failed transfers free their blocks in it.
+    /// the decode worker reserves from; failed transfers free their blocks in it. A device pool is not
+    /// registered: writes land through host staging buffers and its `DeviceCopy`.
     pub fn start(
         config: ReceiverConfig,
         cache: Arc<KvCache>,
@@ -120,7 +121,8 @@ impl KvReceiver {
         fingerprint: ModelFingerprint,
     ) -> Result<KvReceiver, TransferError> {
         fingerprint::check_own_fingerprint(&fingerprint, cache.geometry())?;
-        crate::layout::check_host_memory(&cache)?;
+        crate::layout::check_reachable(&cache)?;
+        crate::layout::log_staging("receiver", &cache);
         let g = cache.geometry();
         let total = pool.stats().total_blocks;
         if total != g.num_blocks {

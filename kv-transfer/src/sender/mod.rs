@@ -22,6 +22,7 @@ use self::shipper::Shipper;
 use crate::fault::Fault;
 use crate::layout::{self, PutPlan};
 use crate::runtime::Runtime;
+use crate::staging::StagingPool;
 use crate::transport::{Inbound, Link, Transport, TransportKind};
 use crate::{TcpConfig, TransferError, TransportConfig, fingerprint};
 
@@ -74,6 +75,8 @@ pub(crate) struct SenderShared {
     links: Mutex<HashMap<(TransportKind, Vec<u8>), LinkSlot>>,
     pub router: Arc<Router>,
     pub shipper: Shipper,
+    /// Host buffers a device pool is shipped through (`None` for host pools, shipped in place).
+    pub staging: Option<Arc<StagingPool>>,
 }
 
 /// Routes receiver-initiated messages to sessions.
@@ -143,7 +146,12 @@ impl KvSender {
         fingerprint: ModelFingerprint,
     ) -> Result<KvSender, TransferError> {
         fingerprint::check_own_fingerprint(&fingerprint, cache.geometry())?;
-        crate::layout::check_host_memory(&cache)?;
+        crate::layout::check_reachable(&cache)?;
+        let staging = cache.stages_through_host().then(|| {
+            let buffers = crate::staging::sender_buffers(crate::transport::lanes::lanes_or_default(config.lanes));
+            crate::layout::log_staging("sender", &cache);
+            StagingPool::new(buffers)
+        });
         let fault = match config.fault {
             Some(f) => Some(f),
             None => Fault::from_env().map_err(TransferError::Transport)?,
@@ -161,6 +169,7 @@ impl KvSender {
                 links: Mutex::new(HashMap::new()),
                 router: Arc::new(Router::default()),
                 shipper: Shipper::start()?,
+                staging,
             }),
         })
     }

@@ -178,7 +178,7 @@ impl SessionState {
         }
     }
 
-    fn timeout_error(&self) -> TransferError {
+    pub(super) fn timeout_error(&self) -> TransferError {
         if self.link.is_alive() {
             TransferError::DeadlineExceeded(self.request_id.clone())
         } else {
@@ -264,7 +264,9 @@ impl SendSession {
             c.queued[layer.index()] = true;
         }
         self.st.add_job();
-        if !self.shared.shipper.submit(Job { st: self.st.clone(), layer, ready, fault: self.shared.fault }) {
+        let job =
+            Job { st: self.st.clone(), layer, ready, fault: self.shared.fault, staging: self.shared.staging.clone() };
+        if !self.shared.shipper.submit(job) {
             self.st.job_done();
             return Err(TransferError::Transport("the shipping thread is gone".into()));
         }

@@ -1,6 +1,8 @@
 //! The background thread that turns queued layers into puts, so `put_layer` never blocks compute. One per
 //! sender; puts themselves are asynchronous in every transport, so the thread waits for each layer's
 //! completion marker (a GPU event; complete at once on the CPU), plans, checksums and hands puts over.
+//! A device pool is copied out piece by piece into staging buffers first ([`crate::staging`]); the
+//! transport returns each buffer once its bytes left.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -9,11 +11,13 @@ use std::sync::mpsc;
 use kv_cache::LayerIdx;
 use kv_cache::LayerReady;
 use proto::v1::LayerManifest;
+use xxhash_rust::xxh3::Xxh3;
 
 use super::session::SessionState;
 use crate::TransferError;
 use crate::fault::Fault;
 use crate::layout::{self, checksum_segments};
+use crate::staging::{self, STAGE_BYTES, StagedBuf, StagingPool};
 use crate::transport::{PutOp, lanes};
 
 pub(crate) struct Job {
@@ -22,6 +26,8 @@ pub(crate) struct Job {
     /// Reached once the layer's bytes are written.
     pub ready: LayerReady,
     pub fault: Option<Fault>,
+    /// The sender's staging buffers when its pool is device memory.
+    pub staging: Option<Arc<StagingPool>>,
 }
 
 pub(crate) struct Shipper {
@@ -61,9 +67,15 @@ fn ship(job: &Job) {
     }
     let base = st.dst_regions.first().map(|r| r.remote_addr).unwrap_or(0);
     let src_base = st.cache.arena().as_ptr() as *const u8;
+    // A staged pool is hashed from the host copies as they go out (the arena is not host memory).
+    let mut staged_hash = (st.checksum && job.staging.is_some()).then(Xxh3::new);
+    // A device pool on either side: pieces must fit one staging buffer.
+    let own_limit = job.staging.as_ref().map(|_| STAGE_BYTES as u64);
+    let max_write = [own_limit, st.link.max_write()].into_iter().flatten().min();
     let (mut latent, mut indexer) = (0u64, 0u64);
     let latent_len = st.plan.latent_bytes_per_layer();
     for p in st.plan.layer_puts(layer) {
+        let is_latent = latent < latent_len;
         let dst_addr = base.wrapping_add(p.dst_offset);
         let Some(region) = layout::region_for(&st.dst_regions, dst_addr, p.len) else {
             st.set_error(TransferError::Transport(format!("request {}: put outside the regions", st.request_id())));
@@ -76,18 +88,31 @@ fn ship(job: &Job) {
         } else {
             1
         };
-        for (off, len) in lanes::pieces(p.len, lanes) {
+        // Staged pieces hold whole latent entries or indexer blocks, so the receiver admits each.
+        let piece = match max_write {
+            Some(max) => staging::piece_bytes(st.plan.unit_bytes(is_latent), max),
+            None => lanes::piece_bytes(lanes),
+        };
+        for (off, len) in lanes::split(p.len, piece) {
             let lane = if lanes > 1 { st.next_lane.fetch_add(1, Ordering::Relaxed) } else { 0 };
+            let (src, staged) = match &job.staging {
+                // SAFETY (of the transport's read): checked against the local geometry in begin().
+                None => (src_base.wrapping_add((p.src_offset + off) as usize), None),
+                Some(pool) => match stage(st, pool, layer, p.src_offset + off, len, staged_hash.as_mut()) {
+                    Some(buf) => (buf.as_ptr(), Some(buf)),
+                    None => return,
+                },
+            };
             let op = PutOp {
                 session_id: st.session_id,
                 token: st.token(),
-                // SAFETY (of the transport's read): checked against the local geometry in begin().
-                src: src_base.wrapping_add((p.src_offset + off) as usize),
+                src,
                 len,
                 dst_offset: p.dst_offset + off,
                 dst_addr: dst_addr.wrapping_add(off),
                 region,
                 lane,
+                staged,
             };
             // Holding the control lock while issuing makes "stopped" final: after stop_by_receiver
             // returns, no put of this session enters the transport.
@@ -101,17 +126,20 @@ fn ship(job: &Job) {
                 return;
             }
         }
-        if latent < latent_len {
+        if is_latent {
             latent += p.len;
         } else {
             indexer += p.len;
         }
         st.bytes.fetch_add(p.len, Ordering::Relaxed);
     }
-    let checksum = st.checksum.then(|| {
-        let segs = st.plan.layer_puts(layer).map(|p| (p.src_offset, p.len));
-        // SAFETY: the layer is complete (put_layer's contract) and inside the local arena.
-        unsafe { checksum_segments(src_base, segs) }
+    let checksum = st.checksum.then(|| match staged_hash {
+        Some(h) => h.digest(),
+        None => {
+            let segs = st.plan.layer_puts(layer).map(|p| (p.src_offset, p.len));
+            // SAFETY: the layer is complete (put_layer's contract) and inside the local host arena.
+            unsafe { checksum_segments(src_base, segs) }
+        }
     });
     st.manifests.lock().unwrap_or_else(|p| p.into_inner())[layer.index()] =
         Some(LayerManifest { layer: layer.0, latent_bytes: latent, indexer_bytes: indexer, checksum });
@@ -124,4 +152,37 @@ fn ship(job: &Job) {
         }
         f.fire(st.request_id());
     }
+}
+
+/// Copies `len` bytes at `offset` of the device pool into a staging buffer (waiting for one until the
+/// deadline) and feeds them to the layer's checksum. `None` after recording why the session cannot go on.
+fn stage(
+    st: &SessionState,
+    pool: &Arc<StagingPool>,
+    layer: LayerIdx,
+    offset: u64,
+    len: u64,
+    hash: Option<&mut Xxh3>,
+) -> Option<StagedBuf> {
+    if st.lock_ctl().stopped.is_some() {
+        return None;
+    }
+    let Some(mut buf) = pool.take_until(st.deadline) else {
+        st.set_error(st.timeout_error());
+        return None;
+    };
+    let dst = &mut buf[..len as usize];
+    // SAFETY: the layer is complete (its marker was reached) and unmodified until the session ends.
+    if let Err(e) = unsafe { st.cache.arena().copy_out(offset as usize, dst) } {
+        st.set_error(TransferError::Transport(format!(
+            "request {}: staging layer {} out of the cache pool: {e}",
+            st.request_id(),
+            layer.0
+        )));
+        return None;
+    }
+    if let Some(h) = hash {
+        h.update(dst);
+    }
+    Some(buf)
 }

@@ -160,8 +160,18 @@ impl Link for InProcLink {
         }
         let core = self.core.upgrade().ok_or_else(|| TransferError::Transport("link lost: receiver gone".into()))?;
         match core.admit_write(op.session_id, op.token, op.dst_offset, op.len) {
+            Ok(permit) if permit.staged() => {
+                // SAFETY: the source is host memory (the sender's live arena or its staging buffer in `op`).
+                let src = unsafe { std::slice::from_raw_parts(op.src, permit.len) };
+                match permit.copy_in(0, src) {
+                    Ok(()) => permit.commit(),
+                    Err(why) => permit.fail(&why),
+                }
+                Ok(())
+            }
             Ok(permit) => {
-                // SAFETY: the permit owns the destination range; the source is the sender's live arena.
+                // SAFETY: the permit owns the destination range; the source is the sender's live arena
+                // (or its staging buffer, which `op` holds).
                 unsafe { std::ptr::copy_nonoverlapping(op.src, permit.ptr, permit.len) };
                 permit.commit();
                 Ok(())

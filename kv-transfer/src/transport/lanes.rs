@@ -34,7 +34,17 @@ const CUT_UNIT: u64 = 346_368;
 /// Splits `len` bytes into pieces of about [`STRIPE_BYTES`], each a multiple of a whole latent entry and
 /// indexer block except the last; yields (offset, length) pairs.
 pub fn pieces(len: u64, lanes: usize) -> impl Iterator<Item = (u64, u64)> {
-    let piece = if lanes > 1 { STRIPE_BYTES.div_ceil(CUT_UNIT) * CUT_UNIT } else { u64::MAX };
+    split(len, piece_bytes(lanes))
+}
+
+/// The piece size [`pieces`] cuts at: whole puts on one lane.
+pub fn piece_bytes(lanes: usize) -> u64 {
+    if lanes > 1 { STRIPE_BYTES.div_ceil(CUT_UNIT) * CUT_UNIT } else { u64::MAX }
+}
+
+/// Splits `len` bytes into pieces of `piece` bytes (the last one shorter); yields (offset, length) pairs.
+pub fn split(len: u64, piece: u64) -> impl Iterator<Item = (u64, u64)> {
+    let piece = piece.max(1);
     let n = if len == 0 { 0 } else { len.div_ceil(piece.min(len)) };
     (0..n).map(move |i| {
         let off = i * piece.min(len);
@@ -165,6 +175,7 @@ mod tests {
             }
         }
         assert_eq!(pieces(5 << 20, 1).count(), 1);
+        assert_eq!(split(10, 4).collect::<Vec<_>>(), vec![(0, 4), (4, 4), (8, 2)]);
     }
 
     #[test]

@@ -6,6 +6,10 @@
 //! see writes and relies on the sender's flush-then-acknowledge; elsewhere (TCP, in-process, UCX active
 //! messages) every write passes through [`ReceiverCore::admit_write`], which refuses writes to transfers
 //! that are not active and to blocks the transfer does not own.
+//!
+//! A pool in device memory is staged through host memory ([`crate::staging`]): a sender's puts then point
+//! into host buffers they own ([`PutOp::staged`]), and a receiver's writes land through
+//! [`WritePermit::copy_in`](crate::receiver::core::WritePermit::copy_in). UCX never registers device memory.
 
 pub mod inproc;
 pub mod lanes;
@@ -20,6 +24,7 @@ use proto::v1::{MemoryRegion, TransferControl, TransportEndpoint, transfer_contr
 
 use crate::TransferError;
 use crate::receiver::core::ReceiverCore;
+use crate::staging::StagedBuf;
 use crate::wait::Cell;
 
 /// Which transport an endpoint speaks.
@@ -96,11 +101,10 @@ pub trait Inbound: Send + Sync {
 }
 
 /// A one-sided copy of `len` bytes from the sender's arena into the receiver's.
-#[derive(Debug, Clone, Copy)]
 pub struct PutOp {
     pub session_id: u64,
     pub token: u64,
-    /// Source address in the sender's arena.
+    /// Source address: in the sender's arena, or in `staged` when the arena is device memory.
     pub src: *const u8,
     pub len: u64,
     /// Destination offset from the receiver's pool base.
@@ -110,9 +114,13 @@ pub struct PutOp {
     pub region: usize,
     /// Which of the link's lanes carries it (taken modulo the lane count).
     pub lane: usize,
+    /// The host copy `src` points into, for a device pool staged through host memory. Transports hold the
+    /// op (or this buffer) until they are done reading `src`; dropping it lends the buffer out again.
+    pub staged: Option<StagedBuf>,
 }
 
-// SAFETY: `src` points into an arena the session keeps alive (Arc<KvCache>) until its puts are flushed.
+// SAFETY: `src` points into an arena the session keeps alive (Arc<KvCache>) until its puts are flushed,
+// or into `staged`, which the op owns.
 unsafe impl Send for PutOp {}
 unsafe impl Sync for PutOp {}
 
@@ -132,6 +140,11 @@ pub trait Link: Send + Sync {
     /// Independent streams the link spreads puts over; the shipper cuts puts into pieces when above 1.
     fn lanes(&self) -> usize {
         1
+    }
+    /// The largest write the receiver can place, where that is bounded: a receiver staging a device pool
+    /// lands each UCX active message whole in one staging buffer. The shipper cuts puts to fit.
+    fn max_write(&self) -> Option<u64> {
+        None
     }
     /// Makes `regions` (from a descriptor) usable by `put`; returns a handle for them.
     fn attach_regions(&self, regions: &[MemoryRegion]) -> Result<u64, TransferError>;

@@ -342,17 +342,16 @@ pub fn layers_wait_for_their_completion_marker(kind: &Kind) {
     for l in 1..4 {
         s.put_layer(LayerIdx(l)).unwrap();
     }
-    // Give a shipper that ignored the marker time to ship layer 0's old bytes, then "write" the layer.
+    // Give a shipper that ignored the marker time to ship layer 0's old bytes, then "write" the layer
+    // (through copy_in: the pool may be device memory).
     std::thread::sleep(Duration::from_millis(200));
-    let host = p.scache.host().unwrap();
+    let g = *p.scache.geometry();
+    let per = g.latent_bytes_per_token();
     for &b in &src.blocks {
-        for slot in 0..64 {
-            // SAFETY: the layer is ours to write until its marker is signalled.
-            for (i, x) in unsafe { host.latent_entry_mut(LayerIdx(0), b, slot) }.iter_mut().enumerate() {
-                *x = (i as u8).wrapping_mul(31).wrapping_add(slot as u8) ^ 0x5a;
-            }
-        }
-        unsafe { host.indexer_block_mut(LayerIdx(0), b) }.fill(0xc3);
+        let latent: Vec<u8> =
+            (0..64 * per).map(|i| ((i % per) as u8).wrapping_mul(31).wrapping_add((i / per) as u8) ^ 0x5a).collect();
+        write(&p.scache, g.latent_block_offset(LayerIdx(0), b), &latent);
+        write(&p.scache, g.indexer_block_offset(LayerIdx(0), b), &vec![0xc3; g.indexer_bytes_per_block()]);
     }
     *fence.done.lock().unwrap() = true;
     fence.cv.notify_all();
@@ -360,4 +359,102 @@ pub fn layers_wait_for_their_completion_marker(kind: &Kind) {
     let out = pending.wait_timeout(Duration::from_secs(10)).expect("outcome").unwrap();
     assert!(matches!(out, TransferOutcome::Completed(ref c) if c.checksum_verified), "{out:?}");
     assert_landed(&p, &desc, &src);
+}
+
+/// Layers ship as their markers are reached, not at completion: layer 0 is in the receiver while layer
+/// 1's marker is still pending and the later layers are not even queued. (Counted where writes pass
+/// through the receiver; one-sided puts into a host pool are invisible to it, so there the case checks
+/// only that every layer lands.)
+pub fn layers_stream_as_their_markers_are_reached(kind: &Kind) {
+    let Some(p) = pair(kind, Opts::default()) else { return };
+    let tokens = 64 * 3 + 7;
+    let layer_bytes = tokens as u64 * 656 + 4 * 8448;
+    let (dst, src) = reserve(&p, "stream", tokens);
+    let (desc, pending) = expect(&p, "stream", &dst, tokens, Duration::from_secs(20), true);
+    let s = p.sender.begin(&desc, &src).unwrap();
+    let fence = std::sync::Arc::new(TestFence { done: std::sync::Mutex::new(false), cv: std::sync::Condvar::new() });
+    s.put_layer(LayerIdx(0)).unwrap();
+    s.put_layer_when(LayerIdx(1), kv_cache::LayerReady::pending(fence.clone())).unwrap();
+    let one_sided = kind.data_path() == Some(kv_transfer::transport::ucx::DataPath::Put) && !kind.on_device().1;
+    if !one_sided {
+        let until = Instant::now() + Duration::from_secs(10);
+        while p.recv.stats().bytes_received < layer_bytes {
+            assert!(Instant::now() < until, "layer 0 did not arrive before layer 1's marker was reached");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(p.recv.stats().bytes_received, layer_bytes, "only layer 0 may ship while layer 1 waits");
+        assert_layer_landed(&p, &desc, &src, LayerIdx(0));
+    }
+    *fence.done.lock().unwrap() = true;
+    fence.cv.notify_all();
+    for l in 2..4 {
+        s.put_layer(LayerIdx(l)).unwrap();
+    }
+    s.complete(first_token(), None).unwrap();
+    let out = pending.wait_timeout(Duration::from_secs(10)).expect("outcome").unwrap();
+    assert!(matches!(out, TransferOutcome::Completed(ref c) if c.checksum_verified), "{out:?}");
+    assert_landed(&p, &desc, &src);
+}
+
+/// The sender's device copier fails mid-transfer: `complete` names the failure and the blocks go the way
+/// of any shipping failure (a layer whose marker failed): the sender skips its abort after a shipping
+/// error, so the receiver fails the transfer at its deadline and frees the blocks then. The next transfer
+/// from the same sender works (no staging buffer was lost).
+pub fn sender_copier_failure(kind: &Kind) {
+    let Some(p) = pair(kind, Opts::default()) else { return };
+    let dev = p.sdev.clone().expect("a device sender");
+    let tokens = 64 * 8 + 3;
+    let (dst, src) = reserve(&p, "bad-read", tokens);
+    let (desc, pending) = expect(&p, "bad-read", &dst, tokens, Duration::from_millis(1500), false);
+    let s = p.sender.begin(&desc, &src).unwrap();
+    dev.fail_reads_after(3); // layer 0's two puts, then one of layer 1's
+    put_all(&s, 4);
+    let e = s.complete(first_token(), None).unwrap_err();
+    let TransferError::Transport(msg) = &e else { panic!("{e:?}") };
+    assert!(msg.contains("bad-read") && msg.contains("device 0") && msg.contains("read failed"), "{msg}");
+    let e = pending.wait_timeout(Duration::from_secs(5)).expect("bounded").unwrap_err();
+    assert_eq!(e, TransferError::DeadlineExceeded("bad-read".into()));
+    wait_pool_used(&p.rpool, 0, Duration::from_secs(3));
+    assert_eq!(p.recv.stats().pending, 0);
+    dev.heal();
+    p.spool.release("bad-read").unwrap();
+    next_transfer_completes(&p, "after-bad-read");
+}
+
+/// The receiver's device copier fails mid-transfer: the receiver fails the transfer naming the failure,
+/// frees the blocks once writes in progress end, and the sender learns it; the next transfer works.
+pub fn receiver_copier_failure(kind: &Kind) {
+    let Some(p) = pair(kind, Opts::default()) else { return };
+    let dev = p.rdev.clone().expect("a device receiver");
+    let tokens = 64 * 8 + 3;
+    let (dst, src) = reserve(&p, "bad-write", tokens);
+    let (desc, pending) = expect(&p, "bad-write", &dst, tokens, Duration::from_secs(10), false);
+    let s = p.sender.begin(&desc, &src).unwrap();
+    dev.fail_writes_after(2);
+    put_all(&s, 4);
+    let r = s.complete(first_token(), None);
+    let e = pending.wait_timeout(Duration::from_secs(5)).expect("bounded").unwrap_err();
+    let TransferError::Transport(msg) = &e else { panic!("{e:?}") };
+    assert!(msg.contains("bad-write") && msg.contains("device 0") && msg.contains("write failed"), "{msg}");
+    let sent = r.expect_err("the sender must see the receiver's failure").to_string();
+    assert!(sent.contains("write failed"), "{sent}");
+    wait_pool_used(&p.rpool, 0, Duration::from_secs(3));
+    assert_eq!(p.recv.stats().pending, 0);
+    dev.heal();
+    p.spool.release("bad-write").unwrap();
+    next_transfer_completes(&p, "after-bad-write");
+}
+
+fn next_transfer_completes(p: &Pair, id: &str) {
+    let tokens = 64 * 20 + 1;
+    let (dst, src) = reserve(p, id, tokens);
+    let (desc, pending) = expect(p, id, &dst, tokens, Duration::from_secs(10), true);
+    let s = p.sender.begin(&desc, &src).unwrap();
+    put_all(&s, 4);
+    s.complete(first_token(), None).unwrap();
+    let out = pending.wait_timeout(Duration::from_secs(10)).expect("outcome").unwrap();
+    assert!(matches!(out, TransferOutcome::Completed(ref c) if c.checksum_verified), "{out:?}");
+    assert_landed(p, &desc, &src);
+    p.rpool.release(id).unwrap();
 }

@@ -1,14 +1,78 @@
 //! Shared set-up for the kv-transfer integration tests: a receiver and a sender over one transport, with
-//! random source caches and poisoned destination caches.
+//! random source caches and poisoned destination caches, in host memory or in a simulated device
+//! (`testkit::SimulatedDevice`: reachable only through its `DeviceCopy`).
 #![allow(dead_code)]
 
 pub mod cases;
+
+/// Every scenario of [`cases`] as one test each, in a module `$m`, over transport `$kind`.
+#[allow(unused_macros)]
+macro_rules! transport_tests {
+    ($m:ident, $kind:expr) => {
+        mod $m {
+            use super::*;
+            use $crate::common::cases;
+            #[test]
+            fn completes_with_partial_last_block() {
+                cases::completes_with_partial_last_block(&$kind)
+            }
+            #[test]
+            fn prompt_shorter_than_one_block() {
+                cases::prompt_shorter_than_one_block(&$kind)
+            }
+            #[test]
+            fn long_prompt_128k_tokens() {
+                cases::long_prompt_128k_tokens(&$kind)
+            }
+            #[test]
+            fn release_frees_the_reservation() {
+                cases::release_frees_the_reservation(&$kind)
+            }
+            #[test]
+            fn deadline_expires_without_a_sender() {
+                cases::deadline_expires_without_a_sender(&$kind)
+            }
+            #[test]
+            fn deadline_mid_transfer_and_no_late_write() {
+                cases::deadline_mid_transfer_and_no_late_write(&$kind)
+            }
+            #[test]
+            fn client_abort_mid_transfer() {
+                cases::client_abort_mid_transfer(&$kind)
+            }
+            #[test]
+            fn sender_abort() {
+                cases::sender_abort(&$kind)
+            }
+            #[test]
+            fn bad_descriptors_rejected_before_any_write() {
+                cases::bad_descriptors_rejected_before_any_write(&$kind)
+            }
+            #[test]
+            fn incomplete_sessions_are_refused() {
+                cases::incomplete_sessions_are_refused(&$kind)
+            }
+            #[test]
+            fn layers_wait_for_their_completion_marker() {
+                cases::layers_wait_for_their_completion_marker(&$kind)
+            }
+            #[test]
+            fn layers_stream_as_their_markers_are_reached() {
+                cases::layers_stream_as_their_markers_are_reached(&$kind)
+            }
+            #[test]
+            fn concurrent_requests() {
+                cases::concurrent_requests(&$kind)
+            }
+        }
+    };
+}
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_cache::{BlockPool, BlockTable, CacheGeometry, KvCache, LayerIdx};
-use kv_transfer::testkit;
+use kv_transfer::testkit::{self, SimulatedDevice};
 use kv_transfer::transport::ucx::DataPath;
 use kv_transfer::{KvReceiver, KvSender, ReceiverConfig, SenderConfig, TransportConfig, TransportKind};
 use proto::v1::TransferDescriptor;
@@ -24,12 +88,22 @@ pub enum Kind {
     UcxAm(&'static str),
     /// `.0` with `.1` lanes per link on both sides (the other variants use one).
     Striped(Box<Kind>, usize),
+    /// `.0` with the caches of `.1` in (simulated) device memory, staged through host memory.
+    Device(Box<Kind>, OnDevice),
+}
+
+/// Which side's pool is in device memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnDevice {
+    Sender,
+    Receiver,
+    Both,
 }
 
 impl Kind {
     pub fn base(&self) -> &Kind {
         match self {
-            Kind::Striped(k, _) => k.base(),
+            Kind::Striped(k, _) | Kind::Device(k, _) => k.base(),
             k => k,
         }
     }
@@ -37,7 +111,17 @@ impl Kind {
     pub fn lanes(&self) -> usize {
         match self {
             Kind::Striped(_, n) => *n,
+            Kind::Device(k, _) => k.lanes(),
             _ => 1,
+        }
+    }
+
+    /// (sender, receiver): whether each side's pool is in device memory.
+    pub fn on_device(&self) -> (bool, bool) {
+        match self {
+            Kind::Device(_, d) => (*d != OnDevice::Receiver, *d != OnDevice::Sender),
+            Kind::Striped(k, _) => k.on_device(),
+            _ => (false, false),
         }
     }
 
@@ -104,6 +188,9 @@ pub struct Pair {
     pub sender: KvSender,
     pub scache: Arc<KvCache>,
     pub spool: Arc<BlockPool>,
+    /// The simulated devices behind device pools.
+    pub sdev: Option<Arc<SimulatedDevice>>,
+    pub rdev: Option<Arc<SimulatedDevice>>,
 }
 
 pub struct Opts {
@@ -135,8 +222,9 @@ pub fn pair(kind: &Kind, o: Opts) -> Option<Pair> {
     let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
     let rg = testkit::geometry(o.layers, o.recv_blocks);
     let sg = testkit::geometry(o.layers, o.send_blocks);
-    let (rcache, rpool) = testkit::filled_cache(rg, seed ^ 0xdead);
-    let (scache, spool) = testkit::filled_cache(sg, seed);
+    let (send_dev, recv_dev) = kind.on_device();
+    let (rcache, rpool, rdev) = cache(rg, seed ^ 0xdead, recv_dev);
+    let (scache, spool, sdev) = cache(sg, seed, send_dev);
     let mut rc = kind.receiver_config();
     rc.quarantine = o.quarantine;
     rc.abort_ack_timeout = o.abort_ack_timeout;
@@ -144,13 +232,39 @@ pub fn pair(kind: &Kind, o: Opts) -> Option<Pair> {
     assert_eq!(recv.transport(), kind.transport_kind(), "the receiver must serve the transport under test");
     let scfg = o.sender.unwrap_or_else(|| kind.sender_config());
     let sender = KvSender::new(scfg, scache.clone(), testkit::fingerprint(&sg)).expect("sender");
-    Some(Pair { kind: kind.clone(), recv, rcache, rpool, sender, scache, spool })
+    Some(Pair { kind: kind.clone(), recv, rcache, rpool, sender, scache, spool, sdev, rdev })
+}
+
+/// A filled test cache in host memory, or in a simulated device.
+fn cache(g: CacheGeometry, seed: u64, device: bool) -> (Arc<KvCache>, Arc<BlockPool>, Option<Arc<SimulatedDevice>>) {
+    if device {
+        let (c, p, d) = testkit::device_cache(g, seed);
+        assert_eq!(c.memory_kind(), kv_cache::MemoryKind::Device { ordinal: 0 });
+        assert!(c.host().is_err(), "host accessors must refuse the simulated device");
+        (c, p, Some(d))
+    } else {
+        let (c, p) = testkit::filled_cache(g, seed);
+        (c, p, None)
+    }
+}
+
+/// `len` bytes at `offset` of a cache, host or device.
+pub fn read(c: &KvCache, offset: usize, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    // SAFETY: tests read only bytes no transfer writes at the time.
+    unsafe { c.arena().copy_out(offset, &mut v) }.expect("read the test cache");
+    v
+}
+
+/// Writes `bytes` at `offset` of a cache, host or device.
+pub fn write(c: &KvCache, offset: usize, bytes: &[u8]) {
+    // SAFETY: tests write only bytes nobody else touches at the time.
+    unsafe { c.arena().copy_in(offset, bytes) }.expect("write the test cache");
 }
 
 /// xxh3 of a whole arena (detects any write).
 pub fn arena_hash(c: &KvCache) -> u64 {
-    // SAFETY: tests read only when no transfer writes.
-    xxhash_rust_free_hash(unsafe { c.arena().slice(0, c.arena().len()) }.expect("a host arena"))
+    xxhash_rust_free_hash(&read(c, 0, c.arena().len()))
 }
 
 fn xxhash_rust_free_hash(b: &[u8]) -> u64 {
@@ -165,27 +279,39 @@ fn xxhash_rust_free_hash(b: &[u8]) -> u64 {
     h
 }
 
-/// Asserts every byte of the request landed: latent entries of tokens 0..n and whole indexer blocks.
+/// Asserts every byte of the request landed: latent entries of tokens 0..n and whole indexer blocks
+/// (read through `copy_out`, so host and device pools alike).
 pub fn assert_landed(p: &Pair, desc: &TransferDescriptor, src: &BlockTable) {
-    let g: &CacheGeometry = p.rcache.geometry();
-    let n = desc.num_tokens as usize;
-    for l in 0..g.num_layers {
-        let layer = LayerIdx(l as u32);
-        for t in 0..n {
-            let (sb, slot) = src.slot(t).unwrap();
-            let db = kv_cache::BlockId(desc.block_ids[t / 64]);
-            // SAFETY: the transfer finished; nobody writes.
-            let (sc, rc) = (p.scache.host().unwrap(), p.rcache.host().unwrap());
-            let (a, b) = unsafe { (sc.latent_entry(layer, sb, slot), rc.latent_entry(layer, db, slot)) };
-            assert!(a == b, "layer {l} token {t}: latent entry differs");
+    for l in 0..p.rcache.geometry().num_layers {
+        assert_layer_landed(p, desc, src, LayerIdx(l as u32));
+    }
+}
+
+/// `assert_landed` for one layer.
+pub fn assert_layer_landed(p: &Pair, desc: &TransferDescriptor, src: &BlockTable, layer: LayerIdx) {
+    assert!(layer_landed(p, desc, src, layer).is_ok(), "{}", layer_landed(p, desc, src, layer).unwrap_err());
+}
+
+/// Whether one layer of the request is byte-identical on both sides (else what differs).
+pub fn layer_landed(p: &Pair, desc: &TransferDescriptor, src: &BlockTable, layer: LayerIdx) -> Result<(), String> {
+    let (sg, rg) = (p.scache.geometry(), p.rcache.geometry());
+    let (n, per) = (desc.num_tokens as usize, rg.latent_bytes_per_token());
+    for (i, &d) in desc.block_ids.iter().enumerate() {
+        let (sb, db) = (src.blocks[i], kv_cache::BlockId(d));
+        let tokens = (n - i * 64).min(64);
+        let a = read(&p.scache, sg.latent_block_offset(layer, sb), tokens * per);
+        let b = read(&p.rcache, rg.latent_block_offset(layer, db), tokens * per);
+        if a != b {
+            return Err(format!("layer {} block {i}: latent entries differ", layer.0));
         }
-        for (i, &d) in desc.block_ids.iter().enumerate() {
-            let (sc, rc) = (p.scache.host().unwrap(), p.rcache.host().unwrap());
-            let (a, b) =
-                unsafe { (sc.indexer_block(layer, src.blocks[i]), rc.indexer_block(layer, kv_cache::BlockId(d))) };
-            assert!(a == b, "layer {l} block {i}: indexer block differs");
+        let ib = rg.indexer_bytes_per_block();
+        let a = read(&p.scache, sg.indexer_block_offset(layer, sb), ib);
+        let b = read(&p.rcache, rg.indexer_block_offset(layer, db), ib);
+        if a != b {
+            return Err(format!("layer {} block {i}: indexer block differs", layer.0));
         }
     }
+    Ok(())
 }
 
 /// Waits until the receiver pool holds exactly `used` blocks (freeing may trail the outcome a little).

@@ -17,12 +17,16 @@ pub enum Refusal {
 }
 
 /// Permission to write `len` bytes at `ptr`, inside one layer of one transfer's blocks. Dropping it ends
-/// the write; call `commit` first when the bytes arrived.
+/// the write; call `commit` first when the bytes arrived. For a pool staged through host memory
+/// (`staged()`), `ptr` is a device address: the bytes go in through [`WritePermit::copy_in`] instead.
 pub struct WritePermit {
     core: Arc<ReceiverCore>,
     t: Arc<Transfer>,
     pub ptr: *mut u8,
     pub len: usize,
+    /// Where `ptr` is, from the pool base.
+    offset: usize,
+    staged: bool,
     layer: usize,
     latent: bool,
     committed: bool,
@@ -32,14 +36,37 @@ pub struct WritePermit {
 unsafe impl Send for WritePermit {}
 
 impl WritePermit {
-    /// The destination bytes.
+    /// The destination bytes of a host pool.
     ///
     /// # Safety
     /// Only one slice per permit may be alive.
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn slice(&self) -> &mut [u8] {
-        // SAFETY: admitted range inside the arena, owned by this transfer, only this permit writes it.
+        assert!(!self.staged, "a staged pool is written with copy_in");
+        // SAFETY: admitted range inside the host arena, owned by this transfer, only this permit writes it.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// Whether the pool is device memory staged through host memory: write it with `copy_in`.
+    pub fn staged(&self) -> bool {
+        self.staged
+    }
+
+    /// Copies `src` to `at` bytes into the permit's range, through the arena's copier for a device pool
+    /// (a `memcpy` for host memory).
+    pub fn copy_in(&self, at: usize, src: &[u8]) -> Result<(), String> {
+        if at.checked_add(src.len()).is_none_or(|end| end > self.len) {
+            return Err(format!("{}+{} outside the {}-byte write", at, src.len(), self.len));
+        }
+        // SAFETY: admitted range inside the arena, owned by this transfer; only this permit writes it.
+        unsafe { self.core.cache.arena().copy_in(self.offset + at, src) }.map_err(|e| e.to_string())
+    }
+
+    /// The bytes could not be placed (the copier failed): fails the transfer with `why`. The sender is
+    /// told to stop, and the blocks are freed once writes in progress (this one included) end.
+    pub fn fail(self, why: &str) {
+        let why = format!("request {}: placing a write: {why}", self.t.request_id);
+        self.core.fail(&self.t, TransferError::Transport(why.clone()), &why);
     }
 
     /// Records that every byte of the permit was written.
@@ -81,6 +108,8 @@ impl ReceiverCore {
             // SAFETY (of later use): the range is checked below to lie inside the arena.
             ptr: self.cache.arena().as_ptr().wrapping_add(offset as usize),
             len: len as usize,
+            offset: offset as usize,
+            staged: self.staging.is_some(),
             layer,
             latent,
             committed: false,

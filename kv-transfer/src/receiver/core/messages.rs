@@ -14,6 +14,7 @@ use proto::v1::{
 use super::{Phase, ReceiverCore, Transfer, ack};
 use crate::layout::{self, checksum_segments};
 use crate::receiver::{CompletedTransfer, ReleasedTransfer, TransferOutcome};
+use crate::staging::checksum_copied;
 use crate::transport::{PeerLink, control};
 use crate::{TransferError, fingerprint};
 
@@ -240,8 +241,19 @@ impl ReceiverCore {
                 return Err((TransferStatus::ChecksumMismatch, format!("layer {} has no checksum", l.layer)));
             };
             let segs = plan.layer_puts(kv_cache::LayerIdx(l.layer)).map(|p| (p.dst_offset, p.len));
-            // SAFETY: the transfer owns these blocks and no write is admitted any more.
-            let got = unsafe { checksum_segments(self.cache.arena().as_ptr(), segs) };
+            let got = match &self.staging {
+                // SAFETY: the transfer owns these blocks and no write is admitted any more.
+                None => unsafe { checksum_segments(self.cache.arena().as_ptr(), segs) },
+                Some(pool) => {
+                    let cannot = |why: String| (TransferStatus::ChecksumMismatch, format!("layer {}: {why}", l.layer));
+                    // Verifications hold a buffer only while hashing: a wait means others are hashing.
+                    let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+                    let mut buf = pool.take_until(until).ok_or_else(|| cannot("no staging buffer".into()))?;
+                    // SAFETY: as above.
+                    unsafe { checksum_copied(self.cache.arena(), segs, &mut buf) }
+                        .map_err(|e| cannot(format!("cannot read the pool to verify it: {e}")))?
+                }
+            };
             if got != want {
                 return Err((
                     TransferStatus::ChecksumMismatch,

@@ -35,6 +35,7 @@ use proto::v1::{
 use super::TransferOutcome;
 use crate::TransferError;
 use crate::layout;
+use crate::staging::{self, StagingPool};
 use crate::transport::{PeerLink, control, next_id};
 use crate::wait::Cell;
 
@@ -129,6 +130,8 @@ pub struct ReceiverCore {
     rt: tokio::runtime::Handle,
     tables: Mutex<Tables>,
     pub(crate) counters: Counters,
+    /// Buffers checksums of a device pool are read through (`None` for host pools, hashed in place).
+    pub(crate) staging: Option<Arc<StagingPool>>,
 }
 
 impl ReceiverCore {
@@ -143,13 +146,14 @@ impl ReceiverCore {
         ReceiverCore {
             layout: layout::layout_of(&geometry),
             geometry,
-            cache,
             pool,
             fingerprint,
             timings,
             rt,
             tables: Mutex::new(Tables::default()),
             counters: Counters::default(),
+            staging: cache.stages_through_host().then(|| StagingPool::new(staging::VERIFY_BUFFERS)),
+            cache,
         }
     }
 

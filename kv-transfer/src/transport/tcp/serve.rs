@@ -1,5 +1,6 @@
 //! The receiver's side of one sender connection: control messages to the core, data frames read straight
-//! into admitted blocks, barriers answered once every frame before them was placed.
+//! into admitted blocks (through one reused staging buffer for a device pool), barriers answered once
+//! every frame before them was placed.
 //!
 //! A connection is trusted once it proved it knows a transfer's secret token: a handshake (`Begin`)
 //! carrying an expected request's token, or a data frame the core admitted. Before that only handshakes
@@ -16,7 +17,8 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
 use super::{IO_BUF, TAG_BARRIER, TAG_CONTROL, TAG_DATA, read_ctl, write_frame_ctl};
-use crate::receiver::core::{ReceiverCore, Refusal};
+use crate::receiver::core::{ReceiverCore, Refusal, WritePermit};
+use crate::staging::STAGE_BYTES;
 use crate::transport::{PeerLink, control, next_id};
 
 /// Replies queued for one connection. A sender reads its replies as they come; a full queue means the
@@ -155,6 +157,10 @@ async fn receiver_read_loop(
                 let word = |i: usize| u64::from_le_bytes(hdr[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
                 let (session, token, offset, len) = (word(0), word(1), word(2), word(3));
                 match core.admit_write(session, token, offset, len) {
+                    Ok(permit) if permit.staged() => {
+                        trusted = true;
+                        read_staged(&mut r, permit, &mut scratch).await?;
+                    }
                     Ok(permit) => {
                         trusted = true;
                         // SAFETY: the permit is the only writer of its range.
@@ -172,7 +178,9 @@ async fn receiver_read_loop(
                         // transfer that just ended, so the bytes are only dropped; nothing is answered.
                         // Drop the payload: the transfer is gone, aborted or was failed for this write.
                         let mut left = len;
-                        scratch.resize(IO_BUF, 0);
+                        if scratch.len() < IO_BUF {
+                            scratch.resize(IO_BUF, 0);
+                        }
                         while left > 0 {
                             let n = left.min(IO_BUF as u64) as usize;
                             r.read_exact(&mut scratch[..n]).await?;
@@ -186,4 +194,34 @@ async fn receiver_read_loop(
             }
         }
     }
+}
+
+/// Reads a data frame's payload for a device pool: through `scratch` (one staging buffer per connection,
+/// reused) into the pool with `copy_in`. A failed copy fails the transfer; the rest of the payload is
+/// still read so the connection stays in frame.
+async fn read_staged(
+    r: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
+    permit: WritePermit,
+    scratch: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    if scratch.len() < STAGE_BYTES {
+        scratch.resize(STAGE_BYTES, 0);
+    }
+    let mut failed = None;
+    let mut at = 0;
+    while at < permit.len {
+        let n = (permit.len - at).min(STAGE_BYTES);
+        r.read_exact(&mut scratch[..n]).await?;
+        if failed.is_none()
+            && let Err(why) = permit.copy_in(at, &scratch[..n])
+        {
+            failed = Some(why);
+        }
+        at += n;
+    }
+    match failed {
+        None => permit.commit(),
+        Some(why) => permit.fail(&why),
+    }
+    Ok(())
 }

@@ -11,6 +11,7 @@ use proto::v1::{MemoryRegion, TransferControl};
 use super::lock;
 use super::node::{Node, Sink};
 use crate::TransferError;
+use crate::staging::STAGE_BYTES;
 use crate::transport::lanes::{FlushJoin, LaneEpochs};
 use crate::transport::{Flushed, Inbound, Link, PendingCalls, PutOp, Reply, control, next_id};
 use crate::wait::Cell;
@@ -55,7 +56,11 @@ impl Sink for SenderSink {
 }
 
 pub(super) struct UcxLink {
-    pub receiver_mediated: bool,
+    /// Data goes as active messages the receiver places (configured, or the receiver's pool is not
+    /// registered); else as one-sided puts.
+    pub receiver_mediated: AtomicBool,
+    /// The receiver's regions carry no rkey: a device pool it stages through host memory.
+    pub unregistered: AtomicBool,
     pub id: u64,
     /// (node, endpoint) per lane; lane 0 carries control messages.
     pub lanes: Vec<(Arc<Node>, u64)>,
@@ -113,7 +118,7 @@ impl Link for UcxLink {
         let (node, ep) = self.control();
         if let Body::Begin(b) = &mut body {
             b.sender_address = node.address.clone();
-            b.receiver_mediated = self.receiver_mediated;
+            b.receiver_mediated = self.receiver_mediated.load(Ordering::SeqCst);
         }
         let (id, cell) = self.calls.register().ok_or_else(|| TransferError::Transport("link lost: closed".into()))?;
         node.send_control(*ep, &control(id, body))?;
@@ -135,7 +140,19 @@ impl Link for UcxLink {
         Some(Ok(cell))
     }
 
+    fn max_write(&self) -> Option<u64> {
+        self.unregistered.load(Ordering::SeqCst).then_some(STAGE_BYTES as u64)
+    }
+
     fn attach_regions(&self, regions: &[MemoryRegion]) -> Result<u64, TransferError> {
+        if regions.iter().any(|r| r.rkey.is_empty()) {
+            // Nothing to put into: the receiver lands active messages itself, each in one staging buffer.
+            if !self.unregistered.swap(true, Ordering::SeqCst) {
+                tracing::debug!(link = self.id, "UCX receiver pool is not registered; sending active messages");
+            }
+            self.receiver_mediated.store(true, Ordering::SeqCst);
+            return Ok(0);
+        }
         let packed: Vec<Vec<u8>> = regions.iter().map(|r| r.rkey.clone()).collect();
         if let Some(&h) = lock(&self.rkeys).get(&packed) {
             return Ok(h);
@@ -157,7 +174,7 @@ impl Link for UcxLink {
         let lane = op.lane % self.lanes.len();
         self.epochs.note_put(lane);
         let (node, ep) = &self.lanes[lane];
-        node.put(*ep, regions, op)
+        node.put(*ep, regions, op, self.receiver_mediated.load(Ordering::SeqCst))
     }
 
     fn flush(&self) -> Result<Flushed, TransferError> {

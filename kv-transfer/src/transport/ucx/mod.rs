@@ -2,7 +2,8 @@
 //! `scripts/gen-ucx-bindings.sh` ([`sys`]). The receiver registers its arena (`ucp_mem_map`) and publishes
 //! its worker address and packed rkey in descriptors; senders write with `ucp_put_nbx` and make the bytes
 //! visible with `ucp_ep_flush_nbx` before any completion, release or abort acknowledgement. Control
-//! messages are active messages. UCX picks the transport itself (`UCX_TLS` and every other `UCX_*`
+//! messages are active messages. A device pool is never registered: its region carries no rkey, and
+//! senders to it send active messages of at most one staging buffer ([`crate::staging`]). UCX picks the transport itself (`UCX_TLS` and every other `UCX_*`
 //! variable apply); this code names none.
 
 pub mod api;
@@ -143,17 +144,15 @@ impl Transport for UcxTransport {
         let mut owners = Vec::new();
         for _ in 0..self.lanes {
             let sink: Arc<dyn Sink> = sink.clone();
-            owners.push(NodeOwner(Node::start(
-                "kv-recv",
-                self.tls.as_deref(),
-                self.net_devices.as_deref(),
-                false,
-                sink,
-            )?));
+            owners.push(NodeOwner(Node::start("kv-recv", self.tls.as_deref(), self.net_devices.as_deref(), sink)?));
         }
         let node = owners[0].0.clone();
         let arena = core.cache.arena();
-        let rkey = node.mem_map(arena.as_ptr(), arena.len())?;
+        // A device pool is not registered (that needs a CUDA-capable libucp, the GPUDirect work): its
+        // region goes out without a key, so senders send active messages that lanes land through
+        // staging buffers.
+        let rkey =
+            if core.cache.stages_through_host() { Vec::new() } else { node.mem_map(arena.as_ptr(), arena.len())? };
         let workers: Vec<&[u8]> = owners.iter().map(|o| o.0.worker.as_slice()).collect();
         Ok(Served {
             endpoint: TransportEndpoint {
@@ -186,7 +185,6 @@ impl Transport for UcxTransport {
                         "kv-send",
                         self.tls.as_deref(),
                         self.net_devices.as_deref(),
-                        am,
                         s,
                     )?));
                 }
@@ -218,7 +216,8 @@ impl Transport for UcxTransport {
             return Err(e);
         }
         let link = Arc::new(UcxLink {
-            receiver_mediated: am,
+            receiver_mediated: AtomicBool::new(am),
+            unregistered: AtomicBool::new(false),
             id: next_id(),
             epochs: Arc::new(LaneEpochs::new(lanes.len())),
             lanes,

@@ -17,6 +17,7 @@ use super::api::{StatusPtr, classify, status_str};
 use super::sys::*;
 use crate::TransferError;
 use crate::receiver::core::{Refusal, WritePermit};
+use crate::staging::{RECEIVER_LANE_BUFFERS, STAGE_BYTES, StagedBuf, StagingPool};
 use crate::transport::lanes::{FlushJoin, encode_address};
 use crate::transport::{PutOp, next_id};
 use crate::wait::Cell;
@@ -45,13 +46,40 @@ pub(crate) trait Sink: Send + Sync {
 }
 
 enum Cmd {
-    Connect { ep: u64, addr: Vec<u8>, done: Option<Arc<Cell<Result<(), TransferError>>>> },
-    Control { ep: u64, data: Vec<u8> },
-    Put { ep: u64, rkeys: u64, op: PutOp },
-    Flush { ep: u64, join: Arc<FlushJoin> },
-    Rkeys { ep: u64, handle: u64, packed: Vec<Vec<u8>>, done: Arc<Cell<Result<(), TransferError>>> },
-    MemMap { addr: usize, len: usize, done: Arc<Cell<Result<Vec<u8>, TransferError>>> },
-    CloseEp { ep: u64 },
+    Connect {
+        ep: u64,
+        addr: Vec<u8>,
+        done: Option<Arc<Cell<Result<(), TransferError>>>>,
+    },
+    Control {
+        ep: u64,
+        data: Vec<u8>,
+    },
+    /// `am`: send as an active message the receiver places (else a one-sided put with `rkeys`).
+    Put {
+        ep: u64,
+        rkeys: u64,
+        op: PutOp,
+        am: bool,
+    },
+    Flush {
+        ep: u64,
+        join: Arc<FlushJoin>,
+    },
+    Rkeys {
+        ep: u64,
+        handle: u64,
+        packed: Vec<Vec<u8>>,
+        done: Arc<Cell<Result<(), TransferError>>>,
+    },
+    MemMap {
+        addr: usize,
+        len: usize,
+        done: Arc<Cell<Result<Vec<u8>, TransferError>>>,
+    },
+    CloseEp {
+        ep: u64,
+    },
     Shutdown,
 }
 
@@ -77,7 +105,6 @@ impl Node {
         name: &str,
         tls: Option<&str>,
         net_devices: Option<&str>,
-        am_data: bool,
         sink: Arc<dyn Sink>,
     ) -> Result<Arc<Node>, TransferError> {
         let lib = super::api::load().map_err(TransferError::Transport)?;
@@ -102,7 +129,6 @@ impl Node {
                         let id = next_id() ^ ((std::process::id() as u64) << 40);
                         let address = encode_address(id, &[&st.worker_address]);
                         st.origin = id;
-                        st.am_data = am_data;
                         let node = Arc::new(Node {
                             id,
                             address,
@@ -171,8 +197,8 @@ impl Node {
         self.cmd(Cmd::Control { ep, data: msg.encode_to_vec() })
     }
 
-    pub fn put(&self, ep: u64, rkeys: u64, op: PutOp) -> Result<(), TransferError> {
-        self.cmd(Cmd::Put { ep, rkeys, op })
+    pub fn put(&self, ep: u64, rkeys: u64, op: PutOp, am: bool) -> Result<(), TransferError> {
+        self.cmd(Cmd::Put { ep, rkeys, op, am })
     }
 
     /// Flushes `ep`; reports to `join` (also when the flush cannot start).
@@ -239,13 +265,14 @@ enum Payload {
     Copied(Vec<u8>),
 }
 
-/// Pending request actions, by token.
+/// Pending request actions, by token. A staging buffer a request reads or fills is held here until the
+/// request completes.
 enum Action {
-    Put(u64),
+    Put(u64, Option<StagedBuf>),
     /// An active-message data send on endpoint `.0`.
-    DataSend(u64),
-    /// Receiving a rendezvous payload into admitted memory.
-    Recv(WritePermit),
+    DataSend(u64, Option<StagedBuf>),
+    /// Receiving a rendezvous payload into admitted memory, or into a staging buffer for a device pool.
+    Recv(WritePermit, Option<StagedBuf>),
     Control,
     Flush(Arc<FlushJoin>),
     Close,
@@ -275,13 +302,33 @@ struct State {
     origin: u64,
     /// The selected transports cannot report peer failure: create endpoints without it.
     no_peer_errors: bool,
-    /// Send data as active messages (receiver-placed) instead of one-sided puts.
-    am_data: bool,
     /// Active-message data sends in flight per endpoint, and flushes waiting for them.
     data_inflight: HashMap<u64, usize>,
     flush_waiting: HashMap<u64, Vec<Arc<FlushJoin>>>,
     /// Puts that failed, per endpoint, reported by the next flush.
     put_errors: HashMap<u64, String>,
+    /// Buffers rendezvous writes into a device pool land in (created on the first one).
+    recv_staging: Option<Arc<StagingPool>>,
+    /// Rendezvous writes into a device pool waiting for a staging buffer to come back.
+    deferred: VecDeque<(*mut core::ffi::c_void, WritePermit)>,
+    /// `resume_staged` is running (an immediately completed receive must not re-enter it).
+    resuming: bool,
+}
+
+/// Lands a received payload: a `memcpy` into a host pool, `copy_in` for a device pool (where a failed copy
+/// fails the transfer).
+fn place(permit: WritePermit, src: &[u8]) {
+    let src = &src[..src.len().min(permit.len)];
+    if permit.staged() {
+        match permit.copy_in(0, src) {
+            Ok(()) => permit.commit(),
+            Err(why) => permit.fail(&why),
+        }
+    } else {
+        // SAFETY: the permit owns `permit.len` bytes at its pointer in the host arena.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), permit.ptr, src.len()) };
+        permit.commit();
+    }
 }
 
 fn err(lib: &UcpLib, what: &str, s: ucs_status_t) -> TransferError {

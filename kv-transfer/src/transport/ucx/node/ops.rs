@@ -27,7 +27,7 @@ impl State {
         self.issued(token, &p, r, Action::Control);
     }
 
-    pub(super) fn put(&mut self, ep: u64, rkeys: u64, op: PutOp) {
+    pub(super) fn put(&mut self, ep: u64, rkeys: u64, op: PutOp, am: bool) {
         let h = match self.ep(ep) {
             Ok(h) => h,
             Err(e) => {
@@ -35,12 +35,8 @@ impl State {
                 return;
             }
         };
-        let Some(rkey) = self.rkeys.get(&rkeys).and_then(|(_, v)| v.get(op.region).copied()) else {
-            self.put_errors.entry(ep).or_insert_with(|| "put without its remote key".into());
-            return;
-        };
         let token = next_id();
-        if self.am_data {
+        if am {
             let mut p = self.param(token);
             p.op_attr_mask |= ucp_op_attr_t_UCP_OP_ATTR_FIELD_FLAGS;
             p.flags = ucp_send_am_flags::UCP_AM_SEND_FLAG_RNDV.0;
@@ -50,8 +46,8 @@ impl State {
             }
             self.buffers.insert(token, (Box::new([0; 8]), hdr));
             let hdr = &self.buffers[&token].1;
-            // SAFETY: the header lives in self.buffers and the source in the session's arena until the
-            // send completes.
+            // SAFETY: the header lives in self.buffers and the source in the session's arena (or the staging
+            // buffer the action holds) until the send completes.
             let r = unsafe {
                 (self.lib.ucp_am_send_nbx)(
                     h,
@@ -64,16 +60,20 @@ impl State {
                 )
             };
             *self.data_inflight.entry(ep).or_insert(0) += 1;
-            self.issued(token, &p, r, Action::DataSend(ep));
+            self.issued(token, &p, r, Action::DataSend(ep, op.staged));
             return;
         }
+        let Some(rkey) = self.rkeys.get(&rkeys).and_then(|(_, v)| v.get(op.region).copied()) else {
+            self.put_errors.entry(ep).or_insert_with(|| "put without its remote key".into());
+            return;
+        };
         let p = self.param(token);
         // SAFETY: the source stays alive and unmodified until the put is flushed (session contract); the
         // remote range was checked against the descriptor's regions.
         let r = unsafe {
             (self.lib.ucp_put_nbx)(h, op.src as *const core::ffi::c_void, op.len as size_t, op.dst_addr, rkey, &p)
         };
-        self.issued(token, &p, r, Action::Put(ep));
+        self.issued(token, &p, r, Action::Put(ep, op.staged));
     }
 
     pub(super) fn flush(&mut self, ep: u64, join: Arc<FlushJoin>) {
@@ -257,27 +257,12 @@ impl State {
             _ => None,
         };
         match (payload, admitted) {
-            (Payload::Rndv(desc), Some(permit)) => {
-                let t = next_id();
-                let mut p = self.param(t);
-                p.cb.recv_am = Some(on_recv_done);
-                // SAFETY: the permit owns `len` bytes at its pointer until the receive completes.
-                let r = unsafe {
-                    (self.lib.ucp_am_recv_data_nbx)(
-                        self.worker,
-                        desc,
-                        permit.ptr as *mut core::ffi::c_void,
-                        len as size_t,
-                        &p,
-                    )
-                };
-                self.issued(t, &p, r, Action::Recv(permit));
-            }
+            (Payload::Rndv(desc), Some(permit)) if permit.staged() => self.recv_staged(desc, permit),
+            (Payload::Rndv(desc), Some(permit)) => self.recv(desc, permit, None),
             (Payload::Persistent(desc), permit) => {
                 if let Some(permit) = permit {
-                    // SAFETY: `len` payload bytes (checked in the callback) into the admitted range.
-                    unsafe { std::ptr::copy_nonoverlapping(desc as *const u8, permit.ptr, len as usize) };
-                    permit.commit();
+                    // SAFETY: `len` payload bytes (checked in the callback), valid until released below.
+                    place(permit, unsafe { std::slice::from_raw_parts(desc as *const u8, len as usize) });
                 }
                 // SAFETY: a descriptor kept by returning UCS_INPROGRESS.
                 unsafe { (self.lib.ucp_am_data_release)(self.worker, desc) };
@@ -286,13 +271,57 @@ impl State {
                 // SAFETY: releasing an unreceived rendezvous descriptor drops its data.
                 unsafe { (self.lib.ucp_am_data_release)(self.worker, desc) };
             }
-            (Payload::Copied(bytes), Some(permit)) => {
-                // SAFETY: the admitted range is `len` = bytes.len() bytes.
-                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), permit.ptr, bytes.len().min(permit.len)) };
-                permit.commit();
-            }
+            (Payload::Copied(bytes), Some(permit)) => place(permit, &bytes),
             (Payload::Copied(_), None) => {}
         }
+    }
+
+    /// Receives a rendezvous payload into `staged`, else straight into the admitted range.
+    fn recv(&mut self, desc: *mut core::ffi::c_void, permit: WritePermit, mut staged: Option<StagedBuf>) {
+        let dst = match staged.as_deref_mut() {
+            Some(buf) => buf.as_mut_ptr(),
+            None => permit.ptr,
+        };
+        let t = next_id();
+        let mut p = self.param(t);
+        p.cb.recv_am = Some(on_recv_done);
+        // SAFETY: `permit.len` bytes at `dst` (the admitted host range, or a staging buffer of at least that
+        // size) stay ours until the receive completes: the action holds the permit and the buffer.
+        let r = unsafe {
+            (self.lib.ucp_am_recv_data_nbx)(self.worker, desc, dst as *mut core::ffi::c_void, permit.len as size_t, &p)
+        };
+        self.issued(t, &p, r, Action::Recv(permit, staged));
+    }
+
+    /// A rendezvous write into a device pool: received into a staging buffer, then copied in. Without a
+    /// free buffer it waits (holding its permit, so the transfer's blocks stay put) for one to return.
+    fn recv_staged(&mut self, desc: *mut core::ffi::c_void, permit: WritePermit) {
+        if permit.len > STAGE_BYTES {
+            let why = format!("a {}-byte write exceeds the {STAGE_BYTES}-byte staging buffer", permit.len);
+            permit.fail(&why);
+            // SAFETY: releasing an unreceived rendezvous descriptor drops its data.
+            unsafe { (self.lib.ucp_am_data_release)(self.worker, desc) };
+            return;
+        }
+        let pool = self.recv_staging.get_or_insert_with(|| StagingPool::new(RECEIVER_LANE_BUFFERS)).clone();
+        self.deferred.push_back((desc, permit));
+        if pool.available() > 0 {
+            self.resume_staged();
+        }
+    }
+
+    /// Starts deferred staged receives while staging buffers are free.
+    pub(super) fn resume_staged(&mut self) {
+        if self.resuming {
+            return;
+        }
+        self.resuming = true;
+        while !self.deferred.is_empty() {
+            let Some(buf) = self.recv_staging.as_ref().and_then(|p| p.try_take()) else { break };
+            let Some((desc, permit)) = self.deferred.pop_front() else { break };
+            self.recv(desc, permit, Some(buf));
+        }
+        self.resuming = false;
     }
 
     pub(super) fn handle(&mut self, c: Cmd) {
@@ -307,7 +336,7 @@ impl State {
                 }
             }
             Cmd::Control { ep, data } => self.send_control(ep, data),
-            Cmd::Put { ep, rkeys, op } => self.put(ep, rkeys, op),
+            Cmd::Put { ep, rkeys, op, am } => self.put(ep, rkeys, op, am),
             Cmd::Flush { ep, join } => self.flush(ep, join),
             Cmd::Rkeys { ep, handle, packed, done } => {
                 // SAFETY: on the worker's thread.
@@ -350,10 +379,18 @@ impl State {
         for j in self.flush_waiting.drain().flat_map(|(_, v)| v) {
             j.part(lost());
         }
-        for a in self.actions.drain().map(|(_, a)| a) {
-            if let Action::Flush(j) = a {
-                j.part(lost());
-            }
+        for (desc, _permit) in std::mem::take(&mut self.deferred) {
+            // SAFETY: an unreceived rendezvous descriptor; releasing it drops its data.
+            unsafe { (self.lib.ucp_am_data_release)(self.worker, desc) };
         }
+        // Requests still in flight keep their memory (staging buffers, permits) until `destroy` has
+        // destroyed the worker: only then can UCX no longer touch it.
+        self.actions.retain(|_, a| match a {
+            Action::Flush(j) => {
+                j.part(lost());
+                false
+            }
+            _ => true,
+        });
     }
 }

@@ -115,10 +115,12 @@ impl State {
                 buffers: HashMap::new(),
                 origin: 0,
                 no_peer_errors: false,
-                am_data: false,
                 data_inflight: HashMap::new(),
                 flush_waiting: HashMap::new(),
                 put_errors: HashMap::new(),
+                recv_staging: None,
+                deferred: VecDeque::new(),
+                resuming: false,
             })
         }
     }
@@ -159,7 +161,7 @@ impl State {
     pub(super) fn complete(&mut self, token: u64, action: Action, s: ucs_status_t) {
         let ok = s == ucs_status_t::UCS_OK;
         match action {
-            Action::Put(ep) => {
+            Action::Put(ep, _source) => {
                 if !ok {
                     self.put_errors.entry(ep).or_insert_with(|| status_str(self.lib, s));
                 }
@@ -167,7 +169,7 @@ impl State {
             Action::Control => {
                 self.buffers.remove(&token);
             }
-            Action::DataSend(ep) => {
+            Action::DataSend(ep, _source) => {
                 self.buffers.remove(&token);
                 if !ok {
                     self.put_errors.entry(ep).or_insert_with(|| status_str(self.lib, s));
@@ -181,10 +183,17 @@ impl State {
                     }
                 }
             }
-            Action::Recv(permit) => {
-                if ok {
-                    permit.commit();
+            Action::Recv(permit, staged) => {
+                match (ok, staged) {
+                    (false, staged) => drop((permit, staged)),
+                    (true, None) => permit.commit(),
+                    (true, Some(buf)) => {
+                        let n = permit.len;
+                        place(permit, &buf[..n]);
+                    }
                 }
+                // The staging buffer is back: a deferred write may take it.
+                self.resume_staged();
             }
             Action::Flush(join) => {
                 join.part(if ok { Ok(()) } else { Err(err(self.lib, "link lost: flush", s)) });
