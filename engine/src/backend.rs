@@ -187,6 +187,56 @@ pub enum EngineError {
     Device(String),
 }
 
+/// The indexer's top-k selections of one call, recorded for diagnostics (GPU against CPU: how many positions
+/// selected different sets). Off unless a backend is asked to record; never on the serving path.
+#[derive(Debug, Default)]
+pub struct SelectionLog(std::sync::Mutex<Vec<(LayerIdx, usize, Vec<u32>)>>);
+
+impl SelectionLog {
+    /// Row `row` of the call selected `positions` (ascending) in layer `layer`.
+    pub fn push(&self, layer: LayerIdx, row: usize, positions: Vec<u32>) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).push((layer, row, positions));
+    }
+
+    /// Everything recorded since the last take, ordered by layer, then row.
+    pub fn take(&self) -> Vec<(LayerIdx, usize, Vec<u32>)> {
+        let mut v = std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()));
+        v.sort_by_key(|(l, r, _)| (l.0, *r));
+        v
+    }
+}
+
+/// Checks batch item `i` (`n` tokens from position `start`, block table `blocks`) against the model and a
+/// pool of `num_blocks` blocks: the rule every backend applies before touching memory.
+pub(crate) fn check_item(
+    cfg: &ModelConfig,
+    num_blocks: usize,
+    i: usize,
+    n: usize,
+    start: usize,
+    blocks: &[BlockId],
+) -> Result<(), EngineError> {
+    let bad = |msg: String| Err(EngineError::InvalidInput(format!("batch item {i}: {msg}")));
+    if n == 0 {
+        return bad("no tokens".into());
+    }
+    let end = start + n;
+    if end > cfg.max_position_embeddings {
+        return bad(format!("positions up to {end} exceed max_position_embeddings {}", cfg.max_position_embeddings));
+    }
+    if blocks.len() * crate::cache::BLOCK_SIZE < end {
+        return bad(format!(
+            "{} blocks hold {} tokens, {end} needed",
+            blocks.len(),
+            blocks.len() * crate::cache::BLOCK_SIZE
+        ));
+    }
+    if let Some(b) = blocks.iter().find(|b| b.index() >= num_blocks) {
+        return bad(format!("block {} outside the pool of {num_blocks}", b.0));
+    }
+    Ok(())
+}
+
 /// Called with each layer index as soon as that layer's caches are issued for the whole batch, with the
 /// marker of their completion, so the prefill worker can ship them while later layers compute.
 pub type LayerDone<'a> = &'a mut (dyn FnMut(LayerIdx, LayerReady) + Send);

@@ -50,23 +50,40 @@ pub struct BackendOptions {
     pub threads: Option<usize>,
 }
 
-/// Whether this build can run on `device` (checked before loading weights, so a command fails at once).
+/// Whether `device` can be used here (checked before loading weights, so a command fails at once): for a
+/// GPU, the driver, the device ordinal and NVRTC. Never a fall-back to the CPU.
 pub fn check_available(device: Device) -> Result<(), EngineError> {
     match device {
         Device::Cpu => Ok(()),
-        Device::Cuda(n) => Err(cuda_not_built(n)),
+        Device::Cuda(n) => {
+            let count = crate::cuda::device::device_count()
+                .map_err(|e| EngineError::Device(format!("--device cuda:{n}: {e}")))?;
+            if n as usize >= count {
+                return Err(EngineError::Device(format!(
+                    "--device cuda:{n}: this machine has {count} GPU{} (cuda:0{})",
+                    if count == 1 { "" } else { "s" },
+                    if count > 1 { format!("..cuda:{}", count - 1) } else { String::new() }
+                )));
+            }
+            if !crate::cuda::nvrtc::available() {
+                return Err(EngineError::Device(format!(
+                    "--device cuda:{n}: NVRTC (libnvrtc.so) is not installed; the kernels are compiled at start-up"
+                )));
+            }
+            Ok(())
+        }
     }
-}
-
-fn cuda_not_built(ordinal: u32) -> EngineError {
-    EngineError::Unsupported(format!("--device cuda:{ordinal}: the CUDA backend is not built yet; use --device cpu"))
 }
 
 /// Builds the backend for `opts.device` over an opened checkpoint.
 pub fn load_backend(ckpt: &Checkpoint, opts: BackendOptions) -> Result<Arc<dyn Backend>, EngineError> {
     match opts.device {
         Device::Cpu => Ok(Arc::new(CpuBackend::from_checkpoint(ckpt, opts.precision)?.with_threads(opts.threads)?)),
-        Device::Cuda(n) => Err(cuda_not_built(n)),
+        Device::Cuda(n) => {
+            check_available(opts.device)?;
+            let cache = crate::cuda::kernels::default_cache_dir();
+            Ok(Arc::new(crate::cuda::CudaBackend::load(ckpt, opts.precision, n as usize, &cache)?))
+        }
     }
 }
 
@@ -87,13 +104,16 @@ mod tests {
     }
 
     #[test]
-    fn cuda_answers_not_built_yet() {
+    fn a_missing_gpu_is_a_clear_error_never_the_cpu() {
         let dir = tempfile::tempdir().unwrap();
         crate::tiny::write(dir.path(), 0, 256).unwrap();
         let ckpt = Checkpoint::open(dir.path()).unwrap();
-        let opts = BackendOptions { device: Device::Cuda(1), precision: Precision::Fp8, threads: None };
-        let e = load_backend(&ckpt, opts).err().expect("cuda is refused");
-        assert!(e.to_string().contains("CUDA backend is not built yet"), "{e}");
+        // An ordinal no machine has: refused with the reason wherever the test runs.
+        let opts = BackendOptions { device: Device::Cuda(99), precision: Precision::Fp8, threads: None };
+        let e = load_backend(&ckpt, opts).err().expect("cuda:99 is refused");
+        let msg = e.to_string();
+        assert!(msg.contains("cuda:99"), "{msg}");
+        assert!(msg.contains("GPU") || msg.contains("CUDA") || msg.contains("driver"), "{msg}");
         let cpu = load_backend(&ckpt, BackendOptions { device: Device::Cpu, ..opts }).unwrap();
         assert_eq!(cpu.name(), "cpu");
     }

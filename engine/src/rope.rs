@@ -31,6 +31,16 @@ impl Rope {
         Rope { inv_freq, attn_factor }
     }
 
+    /// Rotary frequency of each pair, after YaRN (what a GPU kernel evaluates `cos_sin` from).
+    pub fn inv_freq(&self) -> &[f64] {
+        &self.inv_freq
+    }
+
+    /// The YaRN multiplier on cos and sin.
+    pub fn attn_factor(&self) -> f64 {
+        self.attn_factor
+    }
+
     pub fn dim(&self) -> usize {
         2 * self.inv_freq.len()
     }

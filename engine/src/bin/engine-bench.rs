@@ -2,7 +2,7 @@
 //! tokens/s at batch 1 and 16. Prints a table and, with --json, one JSON object per measurement.
 //!
 //! cargo run --release -p engine --bin engine-bench -- [--json] [--out FILE] [--precision fp8|full]
-//!     [--device cpu|cuda[:N]] [--threads N]
+//!     [--device cpu|cuda[:N]] [--threads N] [--decode-steps N] [--decode-only]
 
 use std::time::Instant;
 
@@ -20,6 +20,8 @@ struct Opts {
     device: Device,
     threads: Option<usize>,
     decode_steps: usize,
+    /// Only the decode measurements (for profilers).
+    decode_only: bool,
 }
 
 fn parse() -> Result<Opts, String> {
@@ -30,11 +32,13 @@ fn parse() -> Result<Opts, String> {
         device: Device::Cpu,
         threads: None,
         decode_steps: 32,
+        decode_only: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--json" => o.json = true,
+            "--decode-only" => o.decode_only = true,
             "--out" => o.out = Some(args.next().ok_or("--out needs a file")?),
             "--precision" => o.precision = args.next().ok_or("--precision needs a value")?.parse()?,
             "--device" => o.device = args.next().ok_or("--device needs a value")?.parse()?,
@@ -47,7 +51,7 @@ fn parse() -> Result<Opts, String> {
             "-h" | "--help" => {
                 println!(
                     "engine-bench [--json] [--out FILE] [--precision fp8|full] [--device cpu|cuda[:N]] [--threads N] \
-                     [--decode-steps N]"
+                     [--decode-steps N] [--decode-only]"
                 );
                 std::process::exit(0);
             }
@@ -101,7 +105,8 @@ fn main() {
         results.push(line);
     };
 
-    for len in [512usize, 2048] {
+    let prefill_lens: &[usize] = if o.decode_only { &[] } else { &[512, 2048] };
+    for &len in prefill_lens {
         let toks = prompt(len, len as u32, cfg.vocab_size as u32);
         let mut best = f64::MAX;
         for rep in 0..2 {

@@ -29,6 +29,8 @@ pub struct Ctx<'a> {
     pub prec: Precision,
     pub rope: &'a Rope,
     pub w: &'a Weights,
+    /// Where each row's top-k selection goes when a diagnostic asked for them (`CpuBackend::record_selections`).
+    pub selections: Option<&'a crate::backend::SelectionLog>,
 }
 
 /// Positions of every row of the batch, in row order.
@@ -112,6 +114,9 @@ pub fn layer_forward(
             } else {
                 topk::select(&indexer::scores(q_i, w_i, kv, ks, p + 1, idim), topk)
             };
+            if let Some(log) = ctx.selections {
+                log.push(li, r, sel.iter().map(|&s| s as u32).collect());
+            }
             let q_row = &pr.q[r * heads * qk..(r + 1) * heads * qk];
             match dec {
                 Some(d) => attention::mha_row(cfg, q_row, d, &sel, scale),

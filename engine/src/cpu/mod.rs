@@ -19,7 +19,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::backend::{AttnForm, Backend, DeviceRows, EngineError, LayerDone, MtpInput, SeqInput, SeqOutput};
-use crate::cache::{BlockId, CacheGeometry, HostCache, KvCache, LayerIdx};
+use crate::cache::{CacheGeometry, HostCache, KvCache, LayerIdx};
 use crate::checkpoint::Checkpoint;
 use crate::memory::{MemoryBudget, ServingLimits};
 use crate::rope::Rope;
@@ -36,6 +36,8 @@ pub struct CpuBackend {
     fingerprint: String,
     /// Its own compute threads (`--threads`); rayon's global pool when absent.
     pool: Option<Arc<rayon::ThreadPool>>,
+    /// Top-k selections being recorded (diagnostics only).
+    selections: Option<crate::backend::SelectionLog>,
 }
 
 impl CpuBackend {
@@ -54,6 +56,7 @@ impl CpuBackend {
             weights,
             fingerprint: ckpt.fingerprint().to_string(),
             pool: None,
+            selections: None,
         })
     }
 
@@ -81,13 +84,31 @@ impl CpuBackend {
         }
     }
 
+    /// Records every row's top-k selection from now on (diagnostics: GPU against CPU); read with
+    /// [`CpuBackend::take_selections`].
+    pub fn recording_selections(mut self) -> Self {
+        self.selections = Some(Default::default());
+        self
+    }
+
+    /// The selections recorded since the last call: (layer, row of the call, ascending positions).
+    pub fn take_selections(&self) -> Vec<(LayerIdx, usize, Vec<u32>)> {
+        self.selections.as_ref().map(|s| s.take()).unwrap_or_default()
+    }
+
     /// The checkpoint's fingerprint (see `Checkpoint::fingerprint`).
     pub fn checkpoint_fingerprint(&self) -> &str {
         &self.fingerprint
     }
 
     fn ctx(&self) -> Ctx<'_> {
-        Ctx { cfg: &self.cfg, prec: self.prec, rope: &self.rope, w: &self.weights }
+        Ctx {
+            cfg: &self.cfg,
+            prec: self.prec,
+            rope: &self.rope,
+            w: &self.weights,
+            selections: self.selections.as_ref(),
+        }
     }
 
     /// The pool as host memory, if it fits this model.
@@ -114,43 +135,11 @@ impl CpuBackend {
         Ok(host)
     }
 
-    fn check_item(
-        &self,
-        cache: &KvCache,
-        i: usize,
-        n: usize,
-        start: usize,
-        blocks: &[BlockId],
-    ) -> Result<(), EngineError> {
-        let bad = |msg: String| Err(EngineError::InvalidInput(format!("batch item {i}: {msg}")));
-        if n == 0 {
-            return bad("no tokens".into());
-        }
-        let end = start + n;
-        if end > self.cfg.max_position_embeddings {
-            return bad(format!(
-                "positions up to {end} exceed max_position_embeddings {}",
-                self.cfg.max_position_embeddings
-            ));
-        }
-        if blocks.len() * crate::cache::BLOCK_SIZE < end {
-            return bad(format!(
-                "{} blocks hold {} tokens, {end} needed",
-                blocks.len(),
-                blocks.len() * crate::cache::BLOCK_SIZE
-            ));
-        }
-        if let Some(b) = blocks.iter().find(|b| b.index() >= cache.geometry().num_blocks) {
-            return bad(format!("block {} outside the pool of {}", b.0, cache.geometry().num_blocks));
-        }
-        Ok(())
-    }
-
     fn items<'a>(&self, cache: &KvCache, batch: &[SeqInput<'a>]) -> Result<Vec<Item<'a>>, EngineError> {
         let mut row0 = 0;
         let mut items = Vec::with_capacity(batch.len());
         for (i, s) in batch.iter().enumerate() {
-            self.check_item(cache, i, s.tokens.len(), s.start, s.blocks)?;
+            crate::backend::check_item(&self.cfg, cache.geometry().num_blocks, i, s.tokens.len(), s.start, s.blocks)?;
             if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
                 return Err(EngineError::InvalidInput(format!(
                     "batch item {i}: token id {t} >= vocab_size {}",
@@ -203,7 +192,7 @@ impl CpuBackend {
         let mut row0 = 0;
         for (i, m) in batch.iter().enumerate() {
             let n = m.next_tokens.len();
-            self.check_item(cache, i, n, m.start, m.blocks)?;
+            crate::backend::check_item(&self.cfg, cache.geometry().num_blocks, i, n, m.start, m.blocks)?;
             let rows = m.hidden.host_values()?;
             if m.hidden.width() != hidden || m.hidden.rows() < n || rows.len() < n * hidden {
                 return Err(EngineError::InvalidInput(format!(

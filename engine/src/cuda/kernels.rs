@@ -138,6 +138,41 @@ pub const FAMILIES: &[Family] = &[
         // accumulation after an exact e4m3 -> f16 conversion (FP8 QMMA rates need wgmma).
         sass_expect: &["HMMA.16816.F32"],
     },
+    Family {
+        name: "sample",
+        source: include_str!("../../kernels/sample.cu"),
+        functions: &["tandem_sample_row", "tandem_draft_row"],
+        externals: &[],
+        // Butterfly reductions in a fixed order, stable radix-sort ranks from warp matches, Philox's
+        // 32x32 -> 64-bit products, and the race keys in f64.
+        sass_expect: &["SHFL.BFLY", "MATCH.ANY", "IMAD.HI.U32", "DADD"],
+    },
+    Family {
+        name: "model",
+        source: include_str!("../../kernels/model.cu"),
+        functions: &[
+            "tandem_embed",
+            "tandem_rms_norm",
+            "tandem_add",
+            "tandem_silu_mul",
+            "tandem_gather_rows",
+            "tandem_act_quant",
+            "tandem_gemm_fp8",
+            "tandem_gemm_f32",
+            "tandem_mla_post",
+            "tandem_indexer_post",
+            "tandem_write_cache_f32",
+            "tandem_read_latents",
+            "tandem_indexer_scores_f32",
+            "tandem_mla_decode",
+            "tandem_mla_prefill",
+            "tandem_route",
+            "tandem_moe_combine",
+        ],
+        externals: &[],
+        // e4m3 activation quantization and decoding, the warps' butterfly sums, double-precision RoPE angles.
+        sass_expect: &["F2FP.SATFINITE.E4M3.F32.PACK_AB", "SHFL.BFLY", "DMUL"],
+    },
 ];
 
 /// A real GPU architecture NVRTC compiles to, e.g. `sm_90a`.

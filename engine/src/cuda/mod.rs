@@ -5,16 +5,21 @@
 //! CUDA runs anywhere, and a missing library or GPU is a clear [`CudaError`], never a panic and never a
 //! silent fall-back to the CPU.
 
+pub mod backend;
 pub mod cache_quant;
 pub mod device;
 pub mod indexer;
 pub mod kernels;
 pub mod nvrtc;
+pub mod ops;
+pub mod sample;
 pub mod sass;
 pub mod topk;
+pub mod weights;
 
 use std::path::Path;
 
+pub use backend::CudaBackend;
 pub use device::{Gpu, GpuInfo};
 pub use kernels::{Arch, External, FAMILIES, Family};
 

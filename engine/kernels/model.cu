@@ -1,0 +1,645 @@
+// The CUDA backend's model kernels (docs/model.md §2): every op of the DeepSeek-V3.2 forward in a plain,
+// correct form. The fast kernels of the later issues (sparse MLA decode, the indexer, prefill attention,
+// FP8 GEMM/MoE) replace these one by one; until then these define what "correct on the GPU" means.
+//
+// Exactness rule (docs/model.md §2.6): every output element is computed by one warp or one thread in an
+// order fixed by the weight shapes and the row's own lengths, never by the batch: a row's values do not
+// depend on the other rows of the batch, where it sits in it, or how many there are.
+//
+// All activations are f32. Weight matrices are either f32 `[n, k]` or e4m3 codes `[n, kpad]` (K padded to
+// a multiple of 128 with zero codes) with f32 block scales `[ceil(n / b0), ceil(k / b1)]`. Several
+// matrices of one shape (the routed experts of a layer) sit back to back; a row picks its matrix through
+// `sel` (null: matrix 0).
+#include "common.cuh"
+
+#define WARPS 8
+#define ROWS_PER_CTA 8
+#define ACT_GROUP 128
+
+__device__ __forceinline__ float tandem_e4m3_val(u8 b) {
+    u32 h2;
+    const u16 in = b;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(in));
+    const u16 lo = (u16)(h2 & 0xffffu);
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(lo));
+    return f;
+}
+
+__device__ __forceinline__ u8 tandem_e4m3(float x) { return (u8)(tandem_e4m3x2(x, 0.0f) & 0xff); }
+
+__device__ __forceinline__ float tandem_bf16_val(u16 b) { return __uint_as_float(((u32)b) << 16); }
+
+// Sum over the warp by a fixed butterfly: the same lanes give the same bits.
+__device__ __forceinline__ float tandem_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float tandem_warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the CTA (blockDim.x a multiple of 32, at most 1024): warp sums, then warp 0 adds them in warp
+// order. `red` holds 32 floats. Every thread gets the result.
+__device__ __forceinline__ float tandem_block_sum(float v, float* red) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    v = tandem_warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float s = 0.0f;
+        for (int w = 0; w < warps; ++w) s = __fadd_rn(s, red[w]);
+        red[0] = s;
+    }
+    __syncthreads();
+    return red[0];
+}
+
+__device__ __forceinline__ float tandem_block_max(float v, float* red) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    v = tandem_warp_max(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float s = red[0];
+        for (int w = 1; w < warps; ++w) s = fmaxf(s, red[w]);
+        red[0] = s;
+    }
+    __syncthreads();
+    return red[0];
+}
+
+// The ue8m0 or plain group scale of engine::fp8::group_scale.
+__device__ __forceinline__ float tandem_group_scale(float amax, int ue8m0) {
+    if (ue8m0) return tandem_ue8m0_scale(amax);
+    return __fmul_rn(fmaxf(amax, TANDEM_AMAX_FLOOR), 1.0f / TANDEM_E4M3_MAX);
+}
+
+// e4m3 code of x / s (as engine::fp8::quantize_group: multiply by 1/s for power-of-two scales).
+__device__ __forceinline__ u8 tandem_quant(float x, float s, int ue8m0) {
+    const float q = ue8m0 ? __fmul_rn(x, __frcp_rn(s)) : __fdiv_rn(x, s);
+    return tandem_e4m3(fminf(fmaxf(q, -TANDEM_E4M3_MAX), TANDEM_E4M3_MAX));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Embedding, norms, elementwise.
+
+// out[r] = table[tokens[r]], or zeros where zero_rows[r] != 0 (the MTP input at position 0).
+extern "C" __global__ void tandem_embed(const float* __restrict__ table, const int* __restrict__ tokens,
+                                        const int* __restrict__ zero_rows, float* __restrict__ out, int hidden) {
+    const int r = blockIdx.x;
+    const bool zero = zero_rows != nullptr && zero_rows[r] != 0;
+    const float* src = table + (i64)tokens[r] * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[(i64)r * hidden + i] = zero ? 0.0f : src[i];
+}
+
+// RMSNorm of each row: x * (1 / sqrt(mean(x^2) + eps)) * w. One CTA per row; in_stride / out_stride in
+// floats (rows of a wider matrix, e.g. the latent part of kv_a's output).
+extern "C" __global__ void tandem_rms_norm(const float* __restrict__ x, i64 in_stride, const float* __restrict__ w,
+                                           float* __restrict__ out, i64 out_stride, int d, float eps) {
+    __shared__ float red[32];
+    const float* xr = x + (i64)blockIdx.x * in_stride;
+    float acc = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) acc = __fmaf_rn(xr[i], xr[i], acc);
+    const float ms = __fdiv_rn(tandem_block_sum(acc, red), (float)d);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms, eps)));
+    float* o = out + (i64)blockIdx.x * out_stride;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
+}
+
+// h += x
+extern "C" __global__ void tandem_add(float* __restrict__ h, const float* __restrict__ x, i64 n) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        h[i] = __fadd_rn(h[i], x[i]);
+}
+
+// out = silu(g) * u, silu(x) = x / (1 + exp(-x)).
+extern "C" __global__ void tandem_silu_mul(const float* __restrict__ g, const float* __restrict__ u,
+                                           float* __restrict__ out, i64 n) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const float a = g[i];
+        const float s = __fdiv_rn(a, __fadd_rn(1.0f, expf(-a)));
+        out[i] = __fmul_rn(s, u[i]);
+    }
+}
+
+// Copies rows: out[i] = x[rows[i]] (width floats each).
+extern "C" __global__ void tandem_gather_rows(const float* __restrict__ x, const int* __restrict__ rows,
+                                             float* __restrict__ out, int width) {
+    const float* src = x + (i64)rows[blockIdx.x] * width;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) out[(i64)blockIdx.x * width + i] = src[i];
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Linear layers.
+
+// Activation quantization per row per 128 channels (engine::fp8::quantize_group_values): codes
+// [rows, kpad] (zero past k) and scales [rows, kpad / 128]. One warp per (row, group).
+extern "C" __global__ void tandem_act_quant(const float* __restrict__ x, int k, int kpad, int ue8m0,
+                                            u8* __restrict__ codes, float* __restrict__ scales) {
+    const int g = blockIdx.x, r = blockIdx.y, lane = threadIdx.x;
+    const float* xr = x + (i64)r * k;
+    float v[4];
+    float amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int c = g * ACT_GROUP + j * 32 + lane;
+        v[j] = c < k ? xr[c] : 0.0f;
+        amax = fmaxf(amax, fabsf(v[j]));
+    }
+    amax = tandem_warp_amax(amax);
+    const float s = tandem_group_scale(amax, ue8m0);
+    u8* out = codes + (i64)r * kpad + g * ACT_GROUP;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int c = g * ACT_GROUP + j * 32 + lane;
+        out[j * 32 + lane] = c < k ? tandem_quant(v[j], s, ue8m0) : (u8)0;
+    }
+    if (lane == 0) scales[(i64)r * (kpad / ACT_GROUP) + g] = s;
+}
+
+// y[m, c] = sum over K segments of (qa[m] . w[c] over the segment) * sa[m, seg] * ws[c / b0, seg]
+// (docs/model.md §2.1), a segment being 128 channels or a weight block when that is smaller (64 or 32).
+// Activation row of output row m: m / a_div (the routed experts' (token, slot) rows share their token's
+// activations). A warp computes one column for ROWS_PER_CTA rows; lane l holds channels l, l + 32, ... of
+// each segment; each segment's products are summed by the warp's butterfly, then added in segment order.
+extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_fp8(
+    const u8* __restrict__ qa, const float* __restrict__ sa, int a_div,
+    const u8* __restrict__ w, const float* __restrict__ ws, const int* __restrict__ sel, i64 w_stride,
+    i64 ws_stride, float* __restrict__ y, int rows, int n, int k, int kpad, int b0, int b1) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int c = blockIdx.x * WARPS + warp;
+    if (c >= n) return;
+    const int r0 = blockIdx.y * ROWS_PER_CTA;
+    const int seg = b1 < ACT_GROUP ? b1 : ACT_GROUP;
+    const int per_lane = seg / 32;
+    const int scale_cols = (k + b1 - 1) / b1;
+    const int groups = kpad / ACT_GROUP;
+    for (int i = 0; i < ROWS_PER_CTA; ++i) {
+        const int m = r0 + i;
+        if (m >= rows) break;
+        const i64 mat = sel != nullptr ? (i64)sel[m] : 0;
+        const u8* wr = w + mat * w_stride + (i64)c * kpad;
+        const float* wsr = ws + mat * ws_stride + (i64)(c / b0) * scale_cols;
+        const int am = m / a_div;
+        const u8* ar = qa + (i64)am * kpad;
+        float acc = 0.0f;
+        for (int lo = 0; lo < k; lo += seg) {
+            float p = 0.0f;
+            for (int j = 0; j < per_lane; ++j) {
+                const int ch = lo + j * 32 + lane;
+                p = __fmaf_rn(tandem_e4m3_val(ar[ch]), tandem_e4m3_val(wr[ch]), p);
+            }
+            p = tandem_warp_sum(p);
+            const float scale = __fmul_rn(sa[(i64)am * groups + lo / ACT_GROUP], wsr[lo / b1]);
+            acc = __fadd_rn(acc, __fmul_rn(p, scale));
+        }
+        if (lane == 0) y[(i64)m * n + c] = acc;
+    }
+}
+
+// y[m, c] = x[m / a_div] . w[c] in f32: lane l sums channels l, l + 32, ... then the warp's butterfly.
+extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_f32(
+    const float* __restrict__ x, int a_div, const float* __restrict__ w, const int* __restrict__ sel, i64 w_stride,
+    float* __restrict__ y, int rows, int n, int k) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int c = blockIdx.x * WARPS + warp;
+    if (c >= n) return;
+    const int r0 = blockIdx.y * ROWS_PER_CTA;
+    for (int i = 0; i < ROWS_PER_CTA; ++i) {
+        const int m = r0 + i;
+        if (m >= rows) break;
+        const i64 mat = sel != nullptr ? (i64)sel[m] : 0;
+        const float* wr = w + mat * w_stride + (i64)c * k;
+        const float* xr = x + (i64)(m / a_div) * k;
+        float p = 0.0f;
+        for (int ch = lane; ch < k; ch += 32) p = __fmaf_rn(xr[ch], wr[ch], p);
+        p = tandem_warp_sum(p);
+        if (lane == 0) y[(i64)m * n + c] = p;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Rotary embeddings (engine::rope): cos and sin of pair i at position p, computed in double as the CPU
+// does, then scaled by the YaRN attention factor and rounded to f32.
+
+__device__ __forceinline__ void tandem_cos_sin(int pos, const double* __restrict__ inv_freq, double attn_factor,
+                                               int pairs, float* cs, float* sn) {
+    for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+        double s, c;
+        sincos((double)pos * inv_freq[i], &s, &c);
+        cs[i] = (float)(c * attn_factor);
+        sn[i] = (float)(s * attn_factor);
+    }
+}
+
+__device__ __forceinline__ void tandem_rotate(float* a, float* b, float c, float s) {
+    const float x = *a, y = *b;
+    *a = __fsub_rn(__fmul_rn(x, c), __fmul_rn(y, s));
+    *b = __fadd_rn(__fmul_rn(x, s), __fmul_rn(y, c));
+}
+
+// MLA after its projections, one CTA per row: interleaved RoPE on the last `rd` dims of every query head
+// (in place in q [rows, heads, nope + rd]); the cached latent c = RMSNorm(kv[:rank]) * kv_norm_w and the
+// rotated shared key k_pe = rope(kv[rank:]) from kv_a's output kv [rows, rank + rd].
+extern "C" __global__ void tandem_mla_post(float* __restrict__ q, const float* __restrict__ kv,
+                                           const float* __restrict__ kv_norm_w, const int* __restrict__ positions,
+                                           const double* __restrict__ inv_freq, double attn_factor,
+                                           float* __restrict__ c, float* __restrict__ k_pe, int heads, int nope,
+                                           int rd, int rank, float eps) {
+    __shared__ float cs[64], sn[64], red[32];
+    const int r = blockIdx.x, pairs = rd / 2;
+    tandem_cos_sin(positions[r], inv_freq, attn_factor, pairs, cs, sn);
+    __syncthreads();
+    const int qk = nope + rd;
+    for (int t = threadIdx.x; t < heads * pairs; t += blockDim.x) {
+        const int h = t / pairs, i = t % pairs;
+        float* base = q + ((i64)r * heads + h) * qk + nope;
+        tandem_rotate(base + 2 * i, base + 2 * i + 1, cs[i], sn[i]);
+    }
+    const float* row = kv + (i64)r * (rank + rd);
+    float acc = 0.0f;
+    for (int i = threadIdx.x; i < rank; i += blockDim.x) acc = __fmaf_rn(row[i], row[i], acc);
+    const float ms = __fdiv_rn(tandem_block_sum(acc, red), (float)rank);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms, eps)));
+    for (int i = threadIdx.x; i < rank; i += blockDim.x)
+        c[(i64)r * rank + i] = __fmul_rn(__fmul_rn(row[i], inv), kv_norm_w[i]);
+    for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+        float a = row[rank + 2 * i], b = row[rank + 2 * i + 1];
+        tandem_rotate(&a, &b, cs[i], sn[i]);
+        k_pe[(i64)r * rd + 2 * i] = a;
+        k_pe[(i64)r * rd + 2 * i + 1] = b;
+    }
+}
+
+// Orthonormal Walsh-Hadamard transform of 128 values in shared memory by 128 threads (Sylvester order).
+__device__ __forceinline__ void tandem_hadamard128(float* v) {
+    const int t = threadIdx.x;
+    for (int h = 1; h < 128; h <<= 1) {
+        __syncthreads();
+        float mine = 0.0f;
+        if (t < 128) {
+            const bool low = (t & h) == 0;
+            const float a = v[low ? t : t - h], b = v[low ? t + h : t];
+            mine = low ? __fadd_rn(a, b) : __fsub_rn(a, b);
+        }
+        __syncthreads();
+        if (t < 128) v[t] = mine;
+    }
+    __syncthreads();
+    if (t < 128) v[t] = __fmul_rn(v[t], 0.08838834764831845f);  // 128^-0.5
+    __syncthreads();
+}
+
+// The lightning indexer after its projections (docs/model.md §2.3), one CTA of 128 threads per row:
+// the key = Hadamard(NeoX-rope(LayerNorm(k))) on the FIRST rd dims, written to keys [rows, 128]; each
+// head's query = Hadamard(NeoX-rope(q)), then (fp8) quantized to e4m3 codes with a ue8m0 scale folded
+// into its head weight, w = weights_proj * head_scale (* q scale). Heads past `heads` up to `heads_pad`
+// get zero codes and weights. Outputs: q_codes [rows, heads_pad, 128] (fp8) or q_f32 [rows, heads, 128].
+extern "C" __global__ void __launch_bounds__(128) tandem_indexer_post(
+    const float* __restrict__ q, float* __restrict__ k, const float* __restrict__ wts,
+    const float* __restrict__ norm_w, const float* __restrict__ norm_b, const int* __restrict__ positions,
+    const double* __restrict__ inv_freq, double attn_factor, float head_scale, float norm_eps, int heads,
+    int heads_pad, int rd, int fp8, u8* __restrict__ q_codes, float* __restrict__ q_f32,
+    float* __restrict__ w_out) {
+    __shared__ float v[128], cs[64], sn[64], red[32];
+    const int r = blockIdx.x, t = threadIdx.x, half = rd / 2;
+    tandem_cos_sin(positions[r], inv_freq, attn_factor, half, cs, sn);
+    // Key: LayerNorm with weight and bias.
+    float* kr = k + (i64)r * 128;
+    const float x = kr[t];
+    const float mean = __fdiv_rn(tandem_block_sum(x, red), 128.0f);
+    const float d = __fsub_rn(x, mean);
+    const float var = __fdiv_rn(tandem_block_sum(__fmul_rn(d, d), red), 128.0f);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, norm_eps)));
+    v[t] = __fadd_rn(__fmul_rn(__fmul_rn(d, inv), norm_w[t]), norm_b[t]);
+    __syncthreads();
+    if (t < half) tandem_rotate(&v[t], &v[t + half], cs[t], sn[t]);
+    tandem_hadamard128(v);
+    kr[t] = v[t];
+    for (int h = 0; h < heads_pad; ++h) {
+        const i64 qi = ((i64)r * heads_pad + h) * 128 + t;
+        if (h >= heads) {
+            if (fp8) q_codes[qi] = 0;
+            if (t == 0) w_out[(i64)r * heads_pad + h] = 0.0f;
+            continue;
+        }
+        __syncthreads();
+        v[t] = q[((i64)r * heads + h) * 128 + t];
+        __syncthreads();
+        if (t < half) tandem_rotate(&v[t], &v[t + half], cs[t], sn[t]);
+        tandem_hadamard128(v);
+        float wh = __fmul_rn(wts[(i64)r * heads + h], head_scale);
+        if (fp8) {
+            // One 128-wide group per head: amax over the CTA (max is order-free).
+            const float amax = tandem_block_max(fabsf(v[t]), red);
+            const float s = tandem_ue8m0_scale(amax);
+            q_codes[qi] = tandem_quant(v[t], s, 1);
+            wh = __fmul_rn(wh, s);
+        } else {
+            q_f32[((i64)r * heads + h) * 128 + t] = v[t];
+        }
+        if (t == 0) w_out[(i64)r * heads_pad + h] = wh;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Caches in the f32 format (the FP8 encoders are the cache_quant family): the latent entry is c then
+// k_pe as f32; an indexer block is 64 keys of `dim` f32.
+extern "C" __global__ void tandem_write_cache_f32(const float* __restrict__ c, const float* __restrict__ k_pe,
+                                                  const float* __restrict__ keys, const i64* __restrict__ slots,
+                                                  float* __restrict__ latent, float* __restrict__ index_blocks,
+                                                  int rank, int rd, int dim, i64 num_slots) {
+    const int t = blockIdx.x;
+    const i64 slot = slots[t];
+    if (slot < 0 || slot >= num_slots) return;
+    float* e = latent + slot * (rank + rd);
+    for (int i = threadIdx.x; i < rank; i += blockDim.x) e[i] = c[(i64)t * rank + i];
+    for (int i = threadIdx.x; i < rd; i += blockDim.x) e[rank + i] = k_pe[(i64)t * rd + i];
+    // Block b holds slots b*64 .. b*64+63 at b * 64 * dim: the same offset as slot * dim.
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) index_blocks[slot * dim + i] = keys[(i64)t * dim + i];
+}
+
+// Dequantized latent of one cache slot into shared or global memory: c [rank], k_pe [rd].
+__device__ __forceinline__ const u8* tandem_latent_entry(const u8* latent, i64 slot, int fp8, int rank, int rd) {
+    const i64 bytes = fp8 ? (i64)rank + 4 * (rank / 128) + 2 * rd : 4 * (i64)(rank + rd);
+    return latent + slot * bytes;
+}
+
+__device__ __forceinline__ float tandem_latent_c(const u8* e, int i, int fp8, int rank) {
+    if (!fp8) return reinterpret_cast<const float*>(e)[i];
+    const float s = reinterpret_cast<const float*>(e + rank)[i / 128];
+    return __fmul_rn(tandem_e4m3_val(e[i]), s);
+}
+
+__device__ __forceinline__ float tandem_latent_kpe(const u8* e, int i, int fp8, int rank) {
+    if (!fp8) return reinterpret_cast<const float*>(e)[rank + i];
+    return tandem_bf16_val(reinterpret_cast<const u16*>(e + rank + 4 * (rank / 128))[i]);
+}
+
+// Reads cache slots back (dequantized): c [n, rank], k_pe [n, rd] for slots[j] (the MHA form's context).
+extern "C" __global__ void tandem_read_latents(const u8* __restrict__ latent, const i64* __restrict__ slots, int fp8,
+                                               int rank, int rd, float* __restrict__ c, float* __restrict__ k_pe) {
+    const int j = blockIdx.x;
+    const u8* e = tandem_latent_entry(latent, slots[j], fp8, rank, rd);
+    for (int i = threadIdx.x; i < rank; i += blockDim.x) c[(i64)j * rank + i] = tandem_latent_c(e, i, fp8, rank);
+    for (int i = threadIdx.x; i < rd; i += blockDim.x) k_pe[(i64)j * rd + i] = tandem_latent_kpe(e, i, fp8, rank);
+}
+
+// Indexer scores over f32 keys (the `full` precision): I[r, s] = sum_h w[r, h] * relu(q[r, h] . k[s]) for
+// s < lengths[r], keys found through the row's block table. One thread per key, heads in order. `w` is
+// [rows, w_stride] (the head weights padded to the FP8 scorer's tiles).
+extern "C" __global__ void tandem_indexer_scores_f32(const float* __restrict__ q, const float* __restrict__ w,
+                                                     int heads, int w_stride, const float* __restrict__ index_blocks,
+                                                     const int* __restrict__ block_table, int max_blocks,
+                                                     const int* __restrict__ lengths, float* __restrict__ scores,
+                                                     i64 score_stride) {
+    const int row = blockIdx.y, s = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= lengths[row]) return;
+    const int phys = block_table[(i64)row * max_blocks + s / 64];
+    const float* key = index_blocks + ((i64)phys * 64 + s % 64) * 128;
+    float acc = 0.0f;
+    for (int h = 0; h < heads; ++h) {
+        const float* qh = q + ((i64)row * heads + h) * 128;
+        float d = 0.0f;
+        for (int i = 0; i < 128; ++i) d = __fmaf_rn(qh[i], key[i], d);
+        acc = __fadd_rn(acc, __fmul_rn(fmaxf(d, 0.0f), w[(i64)row * w_stride + h]));
+    }
+    scores[(i64)row * score_stride + s] = acc;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Attention over the selected tokens (docs/model.md §2.2). One CTA per (head, row); `sel` holds each row's
+// selected positions ascending, then -1. Scores are summed by a warp per token, the softmax runs over the
+// CTA in a fixed order, and each output element is a sequential sum over the selected tokens.
+
+// Softmax of p[0..n) in place (max-subtracted), by the CTA.
+__device__ __forceinline__ void tandem_softmax(float* p, int n, float* red) {
+    float m = -__int_as_float(0x7f800000);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, p[i]);
+    m = tandem_block_max(m, red);
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float e = expf(__fsub_rn(p[i], m));
+        p[i] = e;
+        sum = __fadd_rn(sum, e);
+    }
+    const float inv = __fdiv_rn(1.0f, tandem_block_sum(sum, red));
+    for (int i = threadIdx.x; i < n; i += blockDim.x) p[i] = __fmul_rn(p[i], inv);
+    __syncthreads();
+}
+
+__device__ __forceinline__ int tandem_selected(const int* sel, int topk) {
+    int n = 0;
+    while (n < topk && sel[n] >= 0) ++n;
+    return n;
+}
+
+// Absorbed MQA over the FP8 (or f32) latent cache: q_abs = W_UK^T q_nope, p = softmax((q_abs . c +
+// q_pe . k_pe) * scale) over the selected tokens, lat = sum p c, out = W_UV lat.
+// Dynamic shared memory: (2 * rank + rd + topk) floats.
+extern "C" __global__ void __launch_bounds__(256) tandem_mla_decode(
+    const float* __restrict__ q, const float* __restrict__ w_uk_t, const float* __restrict__ w_uv,
+    const int* __restrict__ sel_all, int topk, const int* __restrict__ block_table, int max_blocks,
+    const u8* __restrict__ latent, int fp8, float* __restrict__ out, int heads, int nope, int rd, int rank,
+    int vd, float scale) {
+    extern __shared__ float sm[];
+    __shared__ float red[32];
+    float* q_abs = sm;
+    float* q_pe = q_abs + rank;
+    float* lat = q_pe + rd;
+    float* p = lat + rank;
+    const int h = blockIdx.x, r = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int qk = nope + rd;
+    const float* qh = q + ((i64)r * heads + h) * qk;
+    const float* wk = w_uk_t + (i64)h * rank * nope;
+    for (int c = threadIdx.x; c < rank; c += blockDim.x) {
+        float a = 0.0f;
+        for (int d = 0; d < nope; ++d) a = __fmaf_rn(wk[(i64)c * nope + d], qh[d], a);
+        q_abs[c] = a;
+    }
+    for (int i = threadIdx.x; i < rd; i += blockDim.x) q_pe[i] = qh[nope + i];
+    const int* sel = sel_all + (i64)r * topk;
+    const int n = tandem_selected(sel, topk);
+    const int* table = block_table + (i64)r * max_blocks;
+    __syncthreads();
+    for (int i = warp; i < n; i += warps) {
+        const int pos = sel[i];
+        const i64 slot = (i64)table[pos / 64] * 64 + pos % 64;
+        const u8* e = tandem_latent_entry(latent, slot, fp8, rank, rd);
+        float a = 0.0f;
+        for (int c = lane; c < rank; c += 32) a = __fmaf_rn(q_abs[c], tandem_latent_c(e, c, fp8, rank), a);
+        for (int c = lane; c < rd; c += 32) a = __fmaf_rn(q_pe[c], tandem_latent_kpe(e, c, fp8, rank), a);
+        a = tandem_warp_sum(a);
+        if (lane == 0) p[i] = __fmul_rn(a, scale);
+    }
+    __syncthreads();
+    tandem_softmax(p, n, red);
+    for (int c = threadIdx.x; c < rank; c += blockDim.x) {
+        float a = 0.0f;
+        for (int i = 0; i < n; ++i) {
+            const int pos = sel[i];
+            const i64 slot = (i64)table[pos / 64] * 64 + pos % 64;
+            a = __fmaf_rn(p[i], tandem_latent_c(tandem_latent_entry(latent, slot, fp8, rank, rd), c, fp8, rank), a);
+        }
+        lat[c] = a;
+    }
+    __syncthreads();
+    const float* wv = w_uv + (i64)h * vd * rank;
+    for (int d = warp; d < vd; d += warps) {
+        float a = 0.0f;
+        for (int c = lane; c < rank; c += 32) a = __fmaf_rn(wv[(i64)d * rank + c], lat[c], a);
+        a = tandem_warp_sum(a);
+        if (lane == 0) out[((i64)r * heads + h) * vd + d] = a;
+    }
+}
+
+// MHA over decompressed keys and values: kv [ctx rows, heads, nope + vd] (kv_b of the cached latents),
+// k_pe [ctx rows, rd]; row r's context starts at ctx row ctx0[r]. Dynamic shared memory: topk floats.
+extern "C" __global__ void __launch_bounds__(256) tandem_mla_prefill(
+    const float* __restrict__ q, const float* __restrict__ kv, const float* __restrict__ k_pe,
+    const int* __restrict__ ctx0, const int* __restrict__ sel_all, int topk, float* __restrict__ out, int heads,
+    int nope, int rd, int vd, float scale) {
+    extern __shared__ float p[];
+    __shared__ float red[32];
+    const int h = blockIdx.x, r = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int qk = nope + rd, kvw = nope + vd;
+    const float* qh = q + ((i64)r * heads + h) * qk;
+    const int* sel = sel_all + (i64)r * topk;
+    const int n = tandem_selected(sel, topk);
+    const i64 base = ctx0[r];
+    for (int i = warp; i < n; i += warps) {
+        const i64 s = base + sel[i];
+        const float* kr = kv + (s * heads + h) * kvw;
+        const float* kp = k_pe + s * rd;
+        float a = 0.0f;
+        for (int d = lane; d < nope; d += 32) a = __fmaf_rn(qh[d], kr[d], a);
+        for (int d = lane; d < rd; d += 32) a = __fmaf_rn(qh[nope + d], kp[d], a);
+        a = tandem_warp_sum(a);
+        if (lane == 0) p[i] = __fmul_rn(a, scale);
+    }
+    __syncthreads();
+    tandem_softmax(p, n, red);
+    for (int d = threadIdx.x; d < vd; d += blockDim.x) {
+        float a = 0.0f;
+        for (int i = 0; i < n; ++i) a = __fmaf_rn(p[i], kv[((base + sel[i]) * heads + h) * kvw + nope + d], a);
+        out[((i64)r * heads + h) * vd + d] = a;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// MoE (docs/model.md §2.4).
+
+// engine::cpu::moe::ranks_before: a before b when larger (IEEE, -0 == +0, NaN last), ties lower index.
+__device__ __forceinline__ bool tandem_ranks_before(float va, int a, float vb, int b) {
+    const bool na = va != va, nb = vb != vb;
+    if (na || nb) return !na && nb ? true : (na && nb ? a < b : false);
+    if (va != vb) return va > vb;
+    return a < b;
+}
+
+#define MAX_EXPERTS 512
+#define MAX_GROUPS 64
+
+// Routing of one token per thread: scores (sigmoid or softmax of the gate logits); selection scores add
+// the correction bias; group-limited choice of topk_group groups, then the top k experts; ids ascending,
+// weights from the unbiased scores, normalized (in ascending id order) when `norm`, times `scaling`.
+extern "C" __global__ void tandem_route(const float* __restrict__ logits, const float* __restrict__ bias, int tokens,
+                                        int experts, int n_group, int topk_group, int k, int sigmoid_scores,
+                                        int norm, float scaling, int* __restrict__ ids, float* __restrict__ weights) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= tokens) return;
+    const float* l = logits + (i64)t * experts;
+    float score[MAX_EXPERTS];
+    float selv[MAX_EXPERTS];
+    bool allowed[MAX_EXPERTS];
+    bool taken[MAX_EXPERTS];
+    if (sigmoid_scores) {
+        for (int e = 0; e < experts; ++e) score[e] = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-l[e])));
+    } else {
+        float m = -__int_as_float(0x7f800000);
+        for (int e = 0; e < experts; ++e) m = fmaxf(m, l[e]);
+        float sum = 0.0f;
+        for (int e = 0; e < experts; ++e) {
+            score[e] = expf(__fsub_rn(l[e], m));
+            sum = __fadd_rn(sum, score[e]);
+        }
+        const float inv = __fdiv_rn(1.0f, sum);
+        for (int e = 0; e < experts; ++e) score[e] = __fmul_rn(score[e], inv);
+    }
+    for (int e = 0; e < experts; ++e) {
+        selv[e] = bias != nullptr ? __fadd_rn(score[e], bias[e]) : score[e];
+        allowed[e] = true;
+        taken[e] = false;
+    }
+    if (n_group > 1) {
+        const int per = experts / n_group;
+        float gscore[MAX_GROUPS];
+        bool gtaken[MAX_GROUPS];
+        for (int g = 0; g < n_group; ++g) {
+            // Best and second best of the group by the ranking rule.
+            int b1 = -1, b2 = -1;
+            for (int e = g * per; e < (g + 1) * per; ++e) {
+                if (b1 < 0 || tandem_ranks_before(selv[e], e, selv[b1], b1)) {
+                    b2 = b1;
+                    b1 = e;
+                } else if (b2 < 0 || tandem_ranks_before(selv[e], e, selv[b2], b2)) {
+                    b2 = e;
+                }
+            }
+            gscore[g] = bias != nullptr ? __fadd_rn(selv[b1], selv[b2]) : selv[b1];
+            gtaken[g] = false;
+        }
+        for (int e = 0; e < experts; ++e) allowed[e] = false;
+        for (int j = 0; j < topk_group; ++j) {
+            int best = -1;
+            for (int g = 0; g < n_group; ++g)
+                if (!gtaken[g] && (best < 0 || tandem_ranks_before(gscore[g], g, gscore[best], best))) best = g;
+            gtaken[best] = true;
+            for (int e = best * per; e < (best + 1) * per; ++e) allowed[e] = true;
+        }
+    }
+    for (int j = 0; j < k; ++j) {
+        int best = -1;
+        for (int e = 0; e < experts; ++e)
+            if (allowed[e] && !taken[e] && (best < 0 || tandem_ranks_before(selv[e], e, selv[best], best))) best = e;
+        if (best >= 0) taken[best] = true;
+    }
+    // Ascending ids, their unbiased scores.
+    int j = 0;
+    float sum = 0.0f;
+    for (int e = 0; e < experts && j < k; ++e) {
+        if (!taken[e]) continue;
+        ids[(i64)t * k + j] = e;
+        weights[(i64)t * k + j] = score[e];
+        sum = __fadd_rn(sum, score[e]);
+        ++j;
+    }
+    for (int i = 0; i < k; ++i) {
+        float w = weights[(i64)t * k + i];
+        if (norm && sum > 0.0f) w = __fdiv_rn(w, sum);
+        weights[(i64)t * k + i] = __fmul_rn(w, scaling);
+    }
+}
+
+// out[t] = sum_j y[t * k + j] * w[t, j] (experts in ascending id order) + shared[t].
+extern "C" __global__ void tandem_moe_combine(const float* __restrict__ y, const float* __restrict__ w,
+                                              const float* __restrict__ shared, float* __restrict__ out, int k,
+                                              int hidden) {
+    const int t = blockIdx.x;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        float a = 0.0f;
+        for (int j = 0; j < k; ++j)
+            a = __fadd_rn(a, __fmul_rn(y[((i64)t * k + j) * hidden + i], w[(i64)t * k + j]));
+        if (shared != nullptr) a = __fadd_rn(a, shared[(i64)t * hidden + i]);
+        out[(i64)t * hidden + i] = a;
+    }
+}

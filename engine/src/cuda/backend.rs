@@ -1,0 +1,1141 @@
+//! The CUDA backend: the whole DeepSeek-V3.2 forward of docs/model.md §2 on one GPU, with the weights, the
+//! cache pool and every activation in device memory. A call uploads its inputs (tokens, positions, block
+//! tables), queues every layer's kernels on one stream and returns without waiting; only sampling brings
+//! anything back (a token and its logprobs). Each layer's cache writes are announced with an event, so a
+//! prefill worker ships layer `l` while later layers compute.
+//!
+//! The kernels are the plain, correct forms of `engine/kernels/model.cu` (plus the cache quantizers,
+//! the FP8 indexer scorer and the top-k rule of the other families); the fast kernels of the later issues
+//! replace them one by one behind this same backend.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaEvent, DevicePtr, sys};
+
+use super::ops::{Arg, DBuf, Workspace, elementwise_grid, launch};
+use super::weights::{DFfn, DLayer, DLinear, DMlp, DWeights, LoadError};
+use super::{CudaError, Gpu};
+use crate::backend::{
+    AttnForm, Backend, DeviceRows, EngineError, Fence, LayerDone, LayerReady, Logits, MtpInput, SeqInput, SeqOutput,
+    check_item,
+};
+use crate::cache::{BLOCK_SIZE, BlockId, CacheFormat, CacheGeometry, KvArena, KvCache, LayerIdx, MemoryKind};
+use crate::checkpoint::Checkpoint;
+use crate::config::ScoringFunc;
+use crate::memory::{MemoryBudget, ServingLimits};
+use crate::rope::Rope;
+use crate::sampling::{History, Sampled, SamplingParams};
+use crate::{ModelConfig, Precision};
+
+/// Indexer heads go through the FP8 scorer's MMA tiles 8 at a time: fewer heads are padded with zeros.
+const INDEX_HEAD_TILE: usize = 8;
+
+/// Device memory the CUDA context, the loaded kernels and the library handles take outside any
+/// allocation of ours (measured ~300-500 MiB on an H100 with CUDA 13).
+const CONTEXT_RESERVE: u64 = 512 << 20;
+
+/// Rows this backend returned: a range of one device buffer of the call that made them.
+pub struct GpuRows {
+    buf: Arc<DBuf<f32>>,
+    /// First value of row 0.
+    offset: usize,
+    /// The context that made them (rows of another GPU are refused).
+    ordinal: usize,
+}
+
+impl GpuRows {
+    fn addr(&self, row: usize, width: usize) -> u64 {
+        self.buf.at(self.offset + row * width)
+    }
+}
+
+impl From<CudaError> for EngineError {
+    fn from(e: CudaError) -> Self {
+        match e {
+            CudaError::Shape(m) => EngineError::InvalidInput(m),
+            other => EngineError::Device(other.to_string()),
+        }
+    }
+}
+
+fn dev(e: cudarc::driver::DriverError) -> EngineError {
+    EngineError::Device(e.to_string())
+}
+
+/// A point on the backend's stream.
+struct EventFence(CudaEvent);
+
+impl Fence for EventFence {
+    fn wait(&self) -> Result<(), String> {
+        self.0.synchronize().map_err(|e| e.to_string())
+    }
+
+    fn is_complete(&self) -> bool {
+        self.0.is_complete()
+    }
+}
+
+/// Copies between the device pool and host memory for transports that stage through the host.
+struct PoolOwner {
+    _mem: DBuf<u8>,
+}
+
+pub struct CudaBackend {
+    gpu: Gpu,
+    cfg: ModelConfig,
+    prec: Precision,
+    w: DWeights,
+    inv_freq: DBuf<f64>,
+    attn_factor: f64,
+    ws: Mutex<Workspace>,
+    /// What `memory_budget` was last asked about: the workspace reserved with the pool.
+    limits: Mutex<Option<ServingLimits>>,
+    fingerprint: String,
+    /// Top-k selections being recorded (diagnostics only: it waits for the GPU after every layer).
+    selections: Option<crate::backend::SelectionLog>,
+}
+
+/// One request of a call, in rows of the batch.
+#[derive(Debug, Clone, Copy)]
+struct Item<'a> {
+    start: usize,
+    n: usize,
+    row0: usize,
+    blocks: &'a [BlockId],
+    logits: Logits,
+}
+
+/// A call's inputs on the device, shared by every layer.
+struct Inputs {
+    rows: usize,
+    positions: u64,
+    lengths: u64,
+    slots: u64,
+    /// `[rows, table_width]` block ids of each row's request.
+    tables: u64,
+    table_width: usize,
+    /// Score columns: the longest context of any row.
+    score_stride: usize,
+    /// MHA form: every item's context slots, and each row's first context row.
+    ctx: Option<(u64, usize, u64)>,
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal`, compiles (or finds cached) every kernel and loads the checkpoint's weights.
+    pub fn load(ckpt: &Checkpoint, prec: Precision, ordinal: usize, kernel_cache: &Path) -> Result<Self, EngineError> {
+        let gpu = Gpu::open(ordinal, kernel_cache)?;
+        let cfg = ckpt.config().clone();
+        Self::check_config(&cfg)?;
+        // One stream carries all work; buffers are ordered by it, so cudarc's per-buffer events are not needed.
+        // SAFETY: no buffer of this context is used on another stream.
+        unsafe { gpu.context().disable_event_tracking() };
+        keep_freed_memory(&gpu)?;
+        let stream = gpu.stream().clone();
+        let w = DWeights::load(&stream, ckpt, prec).map_err(|e| match e {
+            LoadError::Checkpoint(c) => EngineError::Checkpoint(c),
+            LoadError::Cuda(c) => EngineError::Device(format!(
+                "loading the weights onto GPU {ordinal} ({}, {} MiB): {c}",
+                gpu.info().name,
+                gpu.info().total_memory >> 20
+            )),
+        })?;
+        let rope = Rope::new(&cfg);
+        let inv_freq = DBuf::upload(&stream, rope.inv_freq())?;
+        stream.synchronize().map_err(dev)?;
+        Ok(CudaBackend {
+            attn_factor: rope.attn_factor(),
+            inv_freq,
+            gpu,
+            cfg,
+            prec,
+            w,
+            ws: Mutex::new(Workspace::new()),
+            limits: Mutex::new(None),
+            fingerprint: ckpt.fingerprint().to_string(),
+            selections: None,
+        })
+    }
+
+    /// Records every row's top-k selection from now on (diagnostics: it copies them to the host after every
+    /// layer); read with [`CudaBackend::take_selections`].
+    pub fn recording_selections(mut self) -> Self {
+        self.selections = Some(Default::default());
+        self
+    }
+
+    /// The selections recorded since the last call: (layer, row of the call, ascending positions).
+    pub fn take_selections(&self) -> Vec<(LayerIdx, usize, Vec<u32>)> {
+        self.selections.as_ref().map(|s| s.take()).unwrap_or_default()
+    }
+
+    /// Shapes the kernels support, refused at load with the reason.
+    fn check_config(cfg: &ModelConfig) -> Result<(), EngineError> {
+        let bad = |m: String| Err(EngineError::Unsupported(m));
+        if cfg.index_head_dim != 128 {
+            return bad(format!("index_head_dim {}: the GPU indexer kernels take 128", cfg.index_head_dim));
+        }
+        if cfg.index_n_heads > 64 {
+            return bad(format!("{} indexer heads: the GPU scorer takes up to 64", cfg.index_n_heads));
+        }
+        if cfg.qk_rope_head_dim > 128 || !cfg.qk_rope_head_dim.is_multiple_of(2) {
+            return bad(format!("qk_rope_head_dim {}: an even number up to 128", cfg.qk_rope_head_dim));
+        }
+        if !cfg.kv_lora_rank.is_multiple_of(128) || cfg.kv_lora_rank > 4096 {
+            return bad(format!("kv_lora_rank {}: a multiple of 128 up to 4096", cfg.kv_lora_rank));
+        }
+        if cfg.n_routed_experts > 512 || cfg.n_group > 64 {
+            return bad(format!("{} experts in {} groups: at most 512 in 64", cfg.n_routed_experts, cfg.n_group));
+        }
+        Ok(())
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    pub fn checkpoint_fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    fn rows_of<'r>(&self, rows: &'r DeviceRows) -> Result<&'r GpuRows, EngineError> {
+        let g = rows
+            .downcast_ref::<GpuRows>()
+            .ok_or_else(|| EngineError::InvalidInput("rows from another backend (not this GPU's)".into()))?;
+        if g.ordinal != self.gpu.info().ordinal {
+            return Err(EngineError::InvalidInput(format!(
+                "rows of GPU {} on GPU {}",
+                g.ordinal,
+                self.gpu.info().ordinal
+            )));
+        }
+        Ok(g)
+    }
+
+    /// The pool as this backend's device memory, if it fits this model.
+    fn check_cache(&self, cache: &KvCache) -> Result<u64, EngineError> {
+        let g = cache.geometry();
+        let ordinal = self.gpu.info().ordinal as u32;
+        if cache.memory_kind() != (MemoryKind::Device { ordinal }) {
+            return Err(EngineError::InvalidInput(format!(
+                "the CUDA backend on GPU {ordinal} cannot use a pool in {} memory",
+                cache.memory_kind()
+            )));
+        }
+        if g.format != self.prec.cache_format()
+            || g.dims != self.entry_dims()
+            || g.num_layers < self.cfg.num_cache_layers()
+        {
+            return Err(EngineError::InvalidInput(format!(
+                "cache pool {:?} {:?} with {} layers does not fit this model ({} precision)",
+                g.format,
+                g.dims,
+                g.num_layers,
+                self.prec.name()
+            )));
+        }
+        Ok(cache.arena().as_ptr() as u64)
+    }
+
+    fn stream(&self) -> &Arc<cudarc::driver::CudaStream> {
+        self.gpu.stream()
+    }
+
+    fn fence_now(&self) -> Result<LayerReady, EngineError> {
+        let ev = self.gpu.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)).map_err(dev)?;
+        ev.record(self.stream()).map_err(dev)?;
+        Ok(LayerReady::pending(Arc::new(EventFence(ev))))
+    }
+
+    /// Uploads a call's positions, lengths, slots and block tables.
+    fn inputs(&self, ws: &mut Workspace, items: &[Item<'_>], form: AttnForm) -> Result<Inputs, EngineError> {
+        let s = self.stream();
+        let rows: usize = items.iter().map(|it| it.n).sum();
+        let table_width = items.iter().map(|it| (it.start + it.n).div_ceil(BLOCK_SIZE)).max().unwrap_or(1);
+        let mut positions = Vec::with_capacity(rows);
+        let mut slots = Vec::with_capacity(rows);
+        let mut tables = vec![-1i32; rows * table_width];
+        for it in items {
+            for i in 0..it.n {
+                let p = it.start + i;
+                let r = it.row0 + i;
+                positions.push(p as i32);
+                slots.push(it.blocks[p / BLOCK_SIZE].0 as i64 * BLOCK_SIZE as i64 + (p % BLOCK_SIZE) as i64);
+                let need = (p + 1).div_ceil(BLOCK_SIZE);
+                for (b, id) in it.blocks[..need].iter().enumerate() {
+                    tables[r * table_width + b] = id.0 as i32;
+                }
+            }
+        }
+        let lengths: Vec<i32> = positions.iter().map(|p| p + 1).collect();
+        let score_stride = lengths.iter().copied().max().unwrap_or(1) as usize;
+        let ctx = if form == AttnForm::Prefill {
+            let mut ctx_slots = Vec::new();
+            let mut ctx0 = Vec::with_capacity(rows);
+            for it in items {
+                let first = ctx_slots.len() as i32;
+                let end = it.start + it.n;
+                for p in 0..end {
+                    ctx_slots.push(it.blocks[p / BLOCK_SIZE].0 as i64 * BLOCK_SIZE as i64 + (p % BLOCK_SIZE) as i64);
+                }
+                ctx0.extend(std::iter::repeat_n(first, it.n));
+            }
+            let n = ctx_slots.len();
+            Some((ws.upload(s, &ctx_slots)?, n, ws.upload(s, &ctx0)?))
+        } else {
+            None
+        };
+        Ok(Inputs {
+            rows,
+            positions: ws.upload(s, &positions)?,
+            lengths: ws.upload(s, &lengths)?,
+            slots: ws.upload(s, &slots)?,
+            tables: ws.upload(s, &tables)?,
+            table_width,
+            score_stride,
+            ctx,
+        })
+    }
+
+    fn rms_norm(
+        &self,
+        x: u64,
+        in_stride: usize,
+        w: &DBuf<f32>,
+        out: u64,
+        out_stride: usize,
+        rows: usize,
+    ) -> Result<(), CudaError> {
+        launch(
+            &self.gpu,
+            "tandem_rms_norm",
+            (rows as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(x),
+                Arg::L(in_stride as i64),
+                Arg::P(w.ptr()),
+                Arg::P(out),
+                Arg::L(out_stride as i64),
+                Arg::I(w.len() as i32),
+                Arg::F(self.cfg.rms_norm_eps),
+            ],
+        )
+    }
+
+    fn add(&self, h: u64, x: u64, n: usize) -> Result<(), CudaError> {
+        launch(&self.gpu, "tandem_add", elementwise_grid(n), 256, 0, &[Arg::P(h), Arg::P(x), Arg::L(n as i64)])
+    }
+
+    /// `down(silu(gate(x)) * up(x))`, rows through matrix `sel[m]` of stacked experts (`a_div` rows per x row).
+    #[allow(clippy::too_many_arguments)]
+    fn mlp(
+        &self,
+        ws: &mut Workspace,
+        m: &DMlp,
+        x: u64,
+        x_rows: usize,
+        a_div: usize,
+        sel: u64,
+        y: u64,
+    ) -> Result<(), CudaError> {
+        let s = self.stream();
+        let rows = x_rows * a_div;
+        let inter = m.gate.out_features();
+        let g = ws.take::<f32>(s, rows * inter)?;
+        let u = ws.take::<f32>(s, rows * inter)?;
+        m.gate.forward(&self.gpu, ws, x, x_rows, a_div, sel, g)?;
+        m.up.forward(&self.gpu, ws, x, x_rows, a_div, sel, u)?;
+        let n = rows * inter;
+        launch(
+            &self.gpu,
+            "tandem_silu_mul",
+            elementwise_grid(n),
+            256,
+            0,
+            &[Arg::P(g), Arg::P(u), Arg::P(g), Arg::L(n as i64)],
+        )?;
+        m.down.forward(&self.gpu, ws, g, rows, 1, sel, y)
+    }
+
+    fn ffn(&self, ws: &mut Workspace, f: &DFfn, x: u64, rows: usize, y: u64) -> Result<(), CudaError> {
+        let m = match f {
+            DFfn::Dense(m) => return self.mlp(ws, m, x, rows, 1, 0, y),
+            DFfn::Moe(m) => m,
+        };
+        let c = &self.cfg;
+        let (s, hidden, e, k) = (self.stream(), c.hidden_size, c.n_routed_experts, c.num_experts_per_tok);
+        let logits = ws.take::<f32>(s, rows * e)?;
+        m.gate.forward(&self.gpu, ws, x, rows, 1, 0, logits)?;
+        let ids = ws.take::<i32>(s, rows * k)?;
+        let weights = ws.take::<f32>(s, rows * k)?;
+        launch(
+            &self.gpu,
+            "tandem_route",
+            (rows.div_ceil(64) as u32, 1, 1),
+            64,
+            0,
+            &[
+                Arg::P(logits),
+                Arg::P(m.bias.as_ref().map_or(0, DBuf::ptr)),
+                Arg::I(rows as i32),
+                Arg::I(e as i32),
+                Arg::I(c.n_group as i32),
+                Arg::I(c.topk_group as i32),
+                Arg::I(k as i32),
+                Arg::I((c.scoring_func == ScoringFunc::Sigmoid) as i32),
+                Arg::I(c.norm_topk_prob as i32),
+                Arg::F(c.routed_scaling_factor),
+                Arg::P(ids),
+                Arg::P(weights),
+            ],
+        )?;
+        let pairs = ws.take::<f32>(s, rows * k * hidden)?;
+        self.mlp(ws, &m.experts, x, rows, k, ids, pairs)?;
+        let shared = match &m.shared {
+            Some(sh) => {
+                let out = ws.take::<f32>(s, rows * hidden)?;
+                self.mlp(ws, sh, x, rows, 1, 0, out)?;
+                out
+            }
+            None => 0,
+        };
+        launch(
+            &self.gpu,
+            "tandem_moe_combine",
+            (rows as u32, 1, 1),
+            256,
+            0,
+            &[Arg::P(pairs), Arg::P(weights), Arg::P(shared), Arg::P(y), Arg::I(k as i32), Arg::I(hidden as i32)],
+        )
+    }
+
+    /// One decoder layer (cache layer `li`) over the batch, updating the residual stream `h` in place.
+    #[allow(clippy::too_many_arguments)]
+    fn layer(
+        &self,
+        ws: &mut Workspace,
+        inp: &Inputs,
+        layer: &DLayer,
+        li: LayerIdx,
+        geometry: &CacheGeometry,
+        pool: u64,
+        form: AttnForm,
+        h: u64,
+        on_layer: LayerDone<'_>,
+    ) -> Result<(), EngineError> {
+        let c = &self.cfg;
+        let s = self.stream().clone();
+        let g = &self.gpu;
+        let rows = inp.rows;
+        let (hidden, rank, rd, heads) = (c.hidden_size, c.kv_lora_rank, c.qk_rope_head_dim, c.num_attention_heads);
+        let (nope, vd, qk, ih) = (c.qk_nope_head_dim, c.v_head_dim, c.qk_head_dim(), c.index_n_heads);
+        let ih_pad = ih.next_multiple_of(INDEX_HEAD_TILE);
+        let fp8 = geometry.format == CacheFormat::Fp8;
+        let a = &layer.attn;
+
+        let x = ws.take::<f32>(&s, rows * hidden)?;
+        self.rms_norm(h, hidden, &layer.attn_norm, x, hidden, rows)?;
+        let q_lora = a.q_a.out_features();
+        let qa = ws.take::<f32>(&s, rows * q_lora)?;
+        a.q_a.forward(g, ws, x, rows, 1, 0, qa)?;
+        let qr = ws.take::<f32>(&s, rows * q_lora)?;
+        self.rms_norm(qa, q_lora, &a.q_a_norm, qr, q_lora, rows)?;
+        let q = ws.take::<f32>(&s, rows * heads * qk)?;
+        a.q_b.forward(g, ws, qr, rows, 1, 0, q)?;
+        let kv = ws.take::<f32>(&s, rows * (rank + rd))?;
+        a.kv_a.forward(g, ws, x, rows, 1, 0, kv)?;
+        let lat = ws.take::<f32>(&s, rows * rank)?;
+        let kpe = ws.take::<f32>(&s, rows * rd)?;
+        launch(
+            g,
+            "tandem_mla_post",
+            (rows as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(q),
+                Arg::P(kv),
+                Arg::P(a.kv_a_norm.ptr()),
+                Arg::P(inp.positions),
+                Arg::P(self.inv_freq.ptr()),
+                Arg::D(self.attn_factor),
+                Arg::P(lat),
+                Arg::P(kpe),
+                Arg::I(heads as i32),
+                Arg::I(nope as i32),
+                Arg::I(rd as i32),
+                Arg::I(rank as i32),
+                Arg::F(c.rms_norm_eps),
+            ],
+        )?;
+
+        // The indexer's queries and keys.
+        let ix = &layer.indexer;
+        let iq = ws.take::<f32>(&s, rows * ih * 128)?;
+        ix.wq_b.forward(g, ws, qr, rows, 1, 0, iq)?;
+        let keys = ws.take::<f32>(&s, rows * 128)?;
+        ix.wk.forward(g, ws, x, rows, 1, 0, keys)?;
+        let wts = ws.take::<f32>(&s, rows * ih)?;
+        ix.weights_proj.forward(g, ws, x, rows, 1, 0, wts)?;
+        let q_codes = if fp8 { ws.take::<u8>(&s, rows * ih_pad * 128)? } else { 0 };
+        let q_f32 = if fp8 { 0 } else { ws.take::<f32>(&s, rows * ih * 128)? };
+        let w_heads = ws.take::<f32>(&s, rows * ih_pad)?;
+        let head_scale = (ih as f32).powf(-0.5) * c.index_softmax_scale();
+        launch(
+            g,
+            "tandem_indexer_post",
+            (rows as u32, 1, 1),
+            128,
+            0,
+            &[
+                Arg::P(iq),
+                Arg::P(keys),
+                Arg::P(wts),
+                Arg::P(ix.k_norm_w.ptr()),
+                Arg::P(ix.k_norm_b.ptr()),
+                Arg::P(inp.positions),
+                Arg::P(self.inv_freq.ptr()),
+                Arg::D(self.attn_factor),
+                Arg::F(head_scale),
+                Arg::F(crate::cpu::indexer::K_NORM_EPS),
+                Arg::I(ih as i32),
+                Arg::I(ih_pad as i32),
+                Arg::I(rd as i32),
+                Arg::I(fp8 as i32),
+                Arg::P(q_codes),
+                Arg::P(q_f32),
+                Arg::P(w_heads),
+            ],
+        )?;
+
+        // Caches first: attention reads every position (this call's too) back from the cache.
+        let latent_region = pool + (li.index() * geometry.latent_layer_stride()) as u64;
+        let index_region =
+            pool + (geometry.indexer_region_offset() + li.index() * geometry.indexer_layer_stride()) as u64;
+        let num_slots = (geometry.num_blocks * BLOCK_SIZE) as i64;
+        if fp8 {
+            launch(
+                g,
+                "tandem_quantize_latent_fp8",
+                (rows as u32, 1, 1),
+                32 * (rank / 128) as u32,
+                0,
+                &[
+                    Arg::P(lat),
+                    Arg::P(kpe),
+                    Arg::P(inp.slots),
+                    Arg::P(latent_region),
+                    Arg::I(rows as i32),
+                    Arg::I(rank as i32),
+                    Arg::I(rd as i32),
+                    Arg::L(num_slots),
+                ],
+            )?;
+            launch(
+                g,
+                "tandem_quantize_index_keys_fp8",
+                (rows.div_ceil(4) as u32, 1, 1),
+                128,
+                0,
+                &[Arg::P(keys), Arg::P(inp.slots), Arg::P(index_region), Arg::I(rows as i32), Arg::L(num_slots)],
+            )?;
+        } else {
+            launch(
+                g,
+                "tandem_write_cache_f32",
+                (rows as u32, 1, 1),
+                128,
+                0,
+                &[
+                    Arg::P(lat),
+                    Arg::P(kpe),
+                    Arg::P(keys),
+                    Arg::P(inp.slots),
+                    Arg::P(latent_region),
+                    Arg::P(index_region),
+                    Arg::I(rank as i32),
+                    Arg::I(rd as i32),
+                    Arg::I(128),
+                    Arg::L(num_slots),
+                ],
+            )?;
+        }
+        on_layer(li, self.fence_now()?);
+
+        // Scores over each row's causal context, then the top-k rule.
+        let stride = inp.score_stride;
+        let scores = ws.take::<f32>(&s, rows * stride)?;
+        if fp8 {
+            launch(
+                g,
+                "tandem_indexer_scores",
+                (inp.table_width.div_ceil(8) as u32, rows as u32, 1),
+                128,
+                0,
+                &[
+                    Arg::P(q_codes),
+                    Arg::P(w_heads),
+                    Arg::I(ih_pad as i32),
+                    Arg::P(index_region),
+                    Arg::P(inp.tables),
+                    Arg::I(inp.table_width as i32),
+                    Arg::I(geometry.num_blocks as i32),
+                    Arg::P(inp.lengths),
+                    Arg::P(scores),
+                    Arg::L(stride as i64),
+                ],
+            )?;
+        } else {
+            launch(
+                g,
+                "tandem_indexer_scores_f32",
+                (stride.div_ceil(64) as u32, rows as u32, 1),
+                64,
+                0,
+                &[
+                    Arg::P(q_f32),
+                    Arg::P(w_heads),
+                    Arg::I(ih as i32),
+                    Arg::I(ih_pad as i32),
+                    Arg::P(index_region),
+                    Arg::P(inp.tables),
+                    Arg::I(inp.table_width as i32),
+                    Arg::P(inp.lengths),
+                    Arg::P(scores),
+                    Arg::L(stride as i64),
+                ],
+            )?;
+        }
+        let topk = c.index_topk;
+        let sel = ws.take::<i32>(&s, rows * topk)?;
+        let counts = ws.take::<i32>(&s, rows)?;
+        let nans = ws.take::<i32>(&s, rows)?;
+        launch(
+            g,
+            "tandem_topk_rule",
+            (rows as u32, 1, 1),
+            1024,
+            0,
+            &[
+                Arg::P(scores),
+                Arg::L(stride as i64),
+                Arg::P(inp.lengths),
+                Arg::I(topk as i32),
+                Arg::P(sel),
+                Arg::P(counts),
+                Arg::P(nans),
+            ],
+        )?;
+
+        if let Some(log) = &self.selections {
+            let mut host = vec![0i32; rows * topk];
+            // SAFETY: `sel` holds rows x topk i32 written by the launch above; the copy is synchronous.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut host, sel, s.cu_stream()) }.map_err(dev)?;
+            s.synchronize().map_err(dev)?;
+            for (r, row) in host.chunks(topk).enumerate() {
+                log.push(li, r, row.iter().take_while(|&&p| p >= 0).map(|&p| p as u32).collect());
+            }
+        }
+
+        // Attention over the selected tokens.
+        let o = ws.take::<f32>(&s, rows * heads * vd)?;
+        let scale = c.softmax_scale();
+        match (form, inp.ctx) {
+            (AttnForm::Prefill, Some((ctx_slots, ctx_rows, ctx0))) => {
+                let cc = ws.take::<f32>(&s, ctx_rows * rank)?;
+                let ck = ws.take::<f32>(&s, ctx_rows * rd)?;
+                launch(
+                    g,
+                    "tandem_read_latents",
+                    (ctx_rows as u32, 1, 1),
+                    256,
+                    0,
+                    &[
+                        Arg::P(latent_region),
+                        Arg::P(ctx_slots),
+                        Arg::I(fp8 as i32),
+                        Arg::I(rank as i32),
+                        Arg::I(rd as i32),
+                        Arg::P(cc),
+                        Arg::P(ck),
+                    ],
+                )?;
+                let dec = ws.take::<f32>(&s, ctx_rows * heads * (nope + vd))?;
+                a.kv_b.forward(g, ws, cc, ctx_rows, 1, 0, dec)?;
+                launch(
+                    g,
+                    "tandem_mla_prefill",
+                    (heads as u32, rows as u32, 1),
+                    256,
+                    (topk * 4) as u32,
+                    &[
+                        Arg::P(q),
+                        Arg::P(dec),
+                        Arg::P(ck),
+                        Arg::P(ctx0),
+                        Arg::P(sel),
+                        Arg::I(topk as i32),
+                        Arg::P(o),
+                        Arg::I(heads as i32),
+                        Arg::I(nope as i32),
+                        Arg::I(rd as i32),
+                        Arg::I(vd as i32),
+                        Arg::F(scale),
+                    ],
+                )?;
+            }
+            _ => {
+                let smem = ((2 * rank + rd + topk) * 4) as u32;
+                launch(
+                    g,
+                    "tandem_mla_decode",
+                    (heads as u32, rows as u32, 1),
+                    256,
+                    smem,
+                    &[
+                        Arg::P(q),
+                        Arg::P(a.w_uk_t.ptr()),
+                        Arg::P(a.w_uv.ptr()),
+                        Arg::P(sel),
+                        Arg::I(topk as i32),
+                        Arg::P(inp.tables),
+                        Arg::I(inp.table_width as i32),
+                        Arg::P(latent_region),
+                        Arg::I(fp8 as i32),
+                        Arg::P(o),
+                        Arg::I(heads as i32),
+                        Arg::I(nope as i32),
+                        Arg::I(rd as i32),
+                        Arg::I(rank as i32),
+                        Arg::I(vd as i32),
+                        Arg::F(scale),
+                    ],
+                )?;
+            }
+        }
+        let attn_out = ws.take::<f32>(&s, rows * hidden)?;
+        a.o.forward(g, ws, o, rows, 1, 0, attn_out)?;
+        self.add(h, attn_out, rows * hidden)?;
+        let x2 = ws.take::<f32>(&s, rows * hidden)?;
+        self.rms_norm(h, hidden, &layer.ffn_norm, x2, hidden, rows)?;
+        let f = ws.take::<f32>(&s, rows * hidden)?;
+        self.ffn(ws, &layer.ffn, x2, rows, f)?;
+        self.add(h, f, rows * hidden)?;
+        Ok(())
+    }
+
+    /// Final norm of every row (the hidden output) and logits of the rows each item asks for.
+    fn finish(
+        &self,
+        ws: &mut Workspace,
+        items: &[Item<'_>],
+        h: u64,
+        norm: &DBuf<f32>,
+        head: &DLinear,
+    ) -> Result<Vec<SeqOutput>, EngineError> {
+        let s = self.stream();
+        let hidden = self.cfg.hidden_size;
+        let rows: usize = items.iter().map(|it| it.n).sum();
+        let normed = Arc::new(DBuf::<f32>::zeros(s, rows * hidden)?);
+        self.rms_norm(h, hidden, norm, normed.ptr(), hidden, rows)?;
+        let mut want = Vec::new();
+        for it in items {
+            match it.logits {
+                Logits::None => {}
+                Logits::Last => want.push((it.row0 + it.n - 1) as i32),
+                Logits::All => want.extend((it.row0..it.row0 + it.n).map(|r| r as i32)),
+            }
+        }
+        let vocab = head.out_features();
+        let logits = Arc::new(DBuf::<f32>::zeros(s, want.len() * vocab)?);
+        if !want.is_empty() {
+            let idx = ws.upload(s, &want)?;
+            let gathered = ws.take::<f32>(s, want.len() * hidden)?;
+            launch(
+                &self.gpu,
+                "tandem_gather_rows",
+                (want.len() as u32, 1, 1),
+                256,
+                0,
+                &[Arg::P(normed.ptr()), Arg::P(idx), Arg::P(gathered), Arg::I(hidden as i32)],
+            )?;
+            head.forward(&self.gpu, ws, gathered, want.len(), 1, 0, logits.ptr())?;
+        }
+        let ordinal = self.gpu.info().ordinal;
+        let mut at = 0;
+        Ok(items
+            .iter()
+            .map(|it| {
+                let n_logits = match it.logits {
+                    Logits::None => 0,
+                    Logits::Last => 1,
+                    Logits::All => it.n,
+                };
+                let l = GpuRows { buf: logits.clone(), offset: at * vocab, ordinal };
+                at += n_logits;
+                let hr = GpuRows { buf: normed.clone(), offset: it.row0 * hidden, ordinal };
+                SeqOutput { logits: DeviceRows::new(n_logits, vocab, l), hidden: DeviceRows::new(it.n, hidden, hr) }
+            })
+            .collect())
+    }
+
+    fn tokens_in_vocab(&self, i: usize, tokens: &[u32]) -> Result<(), EngineError> {
+        match tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            Some(t) => Err(EngineError::InvalidInput(format!(
+                "batch item {i}: token id {t} >= vocab_size {}",
+                self.cfg.vocab_size
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    fn run_main(
+        &self,
+        cache: &KvCache,
+        batch: &[SeqInput<'_>],
+        form: AttnForm,
+        on_layer: LayerDone<'_>,
+    ) -> Result<Vec<SeqOutput>, EngineError> {
+        let pool = self.check_cache(cache)?;
+        let g = cache.geometry();
+        let mut items = Vec::with_capacity(batch.len());
+        let mut row0 = 0;
+        for (i, b) in batch.iter().enumerate() {
+            check_item(&self.cfg, g.num_blocks, i, b.tokens.len(), b.start, b.blocks)?;
+            self.tokens_in_vocab(i, b.tokens)?;
+            items.push(Item { start: b.start, n: b.tokens.len(), row0, blocks: b.blocks, logits: b.logits });
+            row0 += b.tokens.len();
+        }
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.gpu.context().bind_to_thread().map_err(dev)?;
+        let mut ws = self.ws.lock().unwrap_or_else(|p| p.into_inner());
+        ws.reset();
+        let s = self.stream().clone();
+        let inp = self.inputs(&mut ws, &items, form)?;
+        let hidden = self.cfg.hidden_size;
+        let tokens: Vec<i32> = batch.iter().flat_map(|b| b.tokens.iter().map(|&t| t as i32)).collect();
+        let tok = ws.upload(&s, &tokens)?;
+        let h = ws.take::<f32>(&s, row0 * hidden)?;
+        launch(
+            &self.gpu,
+            "tandem_embed",
+            (row0 as u32, 1, 1),
+            256,
+            0,
+            &[Arg::P(self.w.embed.ptr()), Arg::P(tok), Arg::P(0), Arg::P(h), Arg::I(hidden as i32)],
+        )?;
+        for (l, layer) in self.w.layers.iter().enumerate() {
+            self.layer(&mut ws, &inp, layer, LayerIdx(l as u32), g, pool, form, h, on_layer)?;
+        }
+        self.finish(&mut ws, &items, h, &self.w.norm, &self.w.lm_head)
+    }
+
+    fn run_mtp(
+        &self,
+        cache: &KvCache,
+        batch: &[MtpInput<'_>],
+        form: AttnForm,
+        on_layer: LayerDone<'_>,
+    ) -> Result<Vec<SeqOutput>, EngineError> {
+        let Some(mtp) = self.w.mtp.as_ref() else {
+            return Err(EngineError::Unsupported(
+                "this checkpoint has no MTP layer (num_nextn_predict_layers = 0)".into(),
+            ));
+        };
+        let pool = self.check_cache(cache)?;
+        let g = cache.geometry();
+        let hidden = self.cfg.hidden_size;
+        let mut items = Vec::with_capacity(batch.len());
+        let mut row0 = 0;
+        for (i, m) in batch.iter().enumerate() {
+            let n = m.next_tokens.len();
+            check_item(&self.cfg, g.num_blocks, i, n, m.start, m.blocks)?;
+            self.rows_of(m.hidden)?;
+            if m.hidden.width() != hidden || m.hidden.rows() < n {
+                return Err(EngineError::InvalidInput(format!(
+                    "batch item {i}: {} hidden rows of width {} for {n} positions of width {hidden}",
+                    m.hidden.rows(),
+                    m.hidden.width()
+                )));
+            }
+            self.tokens_in_vocab(i, m.next_tokens)?;
+            items.push(Item { start: m.start, n, row0, blocks: m.blocks, logits: m.logits });
+            row0 += n;
+        }
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.gpu.context().bind_to_thread().map_err(dev)?;
+        let mut ws = self.ws.lock().unwrap_or_else(|p| p.into_inner());
+        ws.reset();
+        let s = self.stream().clone();
+        let inp = self.inputs(&mut ws, &items, form)?;
+        let tokens: Vec<i32> = batch.iter().flat_map(|m| m.next_tokens.iter().map(|&t| t as i32)).collect();
+        // The MTP input embedding at position 0 is zeroed (docs/model.md §2.5).
+        let zero: Vec<i32> =
+            items.iter().flat_map(|it| (0..it.n).map(move |i| (it.start == 0 && i == 0) as i32)).collect();
+        let tok = ws.upload(&s, &tokens)?;
+        let zero = ws.upload(&s, &zero)?;
+        let emb = ws.take::<f32>(&s, row0 * hidden)?;
+        let table = mtp.embed.as_ref().unwrap_or(&self.w.embed);
+        launch(
+            &self.gpu,
+            "tandem_embed",
+            (row0 as u32, 1, 1),
+            256,
+            0,
+            &[Arg::P(table.ptr()), Arg::P(tok), Arg::P(zero), Arg::P(emb), Arg::I(hidden as i32)],
+        )?;
+        // [enorm(emb) | hnorm(hidden)] per row.
+        let cat = ws.take::<f32>(&s, row0 * 2 * hidden)?;
+        self.rms_norm(emb, hidden, &mtp.enorm, cat, 2 * hidden, row0)?;
+        for (m, it) in batch.iter().zip(&items) {
+            let rows = self.rows_of(m.hidden)?;
+            self.rms_norm(
+                rows.addr(0, hidden),
+                hidden,
+                &mtp.hnorm,
+                cat + ((it.row0 * 2 + 1) * hidden * 4) as u64,
+                2 * hidden,
+                it.n,
+            )?;
+        }
+        let h = ws.take::<f32>(&s, row0 * hidden)?;
+        mtp.eh_proj.forward(&self.gpu, &mut ws, cat, row0, 1, 0, h)?;
+        let li = LayerIdx(self.cfg.num_hidden_layers as u32);
+        self.layer(&mut ws, &inp, &mtp.layer, li, g, pool, form, h, on_layer)?;
+        let head = mtp.head.as_ref().unwrap_or(&self.w.lm_head);
+        self.finish(&mut ws, &items, h, &mtp.head_norm, head)
+    }
+
+    /// One logits row as a device view.
+    fn logits_row<'r>(
+        &self,
+        logits: &'r DeviceRows,
+        row: usize,
+    ) -> Result<cudarc::driver::CudaView<'r, f32>, EngineError> {
+        let g = self.rows_of(logits)?;
+        if row >= logits.rows() {
+            return Err(EngineError::InvalidInput(format!("row {row} of {} rows", logits.rows())));
+        }
+        let w = logits.width();
+        let at = g.offset + row * w;
+        Ok(g.buf.slice().slice(at..at + w))
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn precision(&self) -> Precision {
+        self.prec
+    }
+
+    fn allocate_cache(&self, geometry: CacheGeometry) -> Result<KvCache, EngineError> {
+        let s = self.stream();
+        let bytes = geometry.total_bytes();
+        let ordinal = self.gpu.info().ordinal as u32;
+        // The workspace for the serving limits the pool was sized with, reserved with it.
+        if let Some(l) = *self.limits.lock().unwrap_or_else(|p| p.into_inner()) {
+            let need = self.activation_bytes(&l) as usize;
+            self.ws.lock().unwrap_or_else(|p| p.into_inner()).reserve(s, need)?;
+        }
+        let mem = DBuf::<u8>::zeros(s, bytes).map_err(|e| {
+            EngineError::Unsupported(format!(
+                "cannot allocate a {} MiB cache pool on GPU {ordinal} ({} blocks of {} layers): {e}",
+                bytes >> 20,
+                geometry.num_blocks,
+                geometry.num_layers
+            ))
+        })?;
+        s.synchronize().map_err(dev)?;
+        let ptr = std::ptr::NonNull::new(mem.ptr() as *mut u8)
+            .ok_or_else(|| EngineError::Device("the cache pool has a null device address".into()))?;
+        let copier =
+            Arc::new(PoolCopier { stream: self.gpu.context().new_stream().map_err(dev)?, base: mem.ptr(), len: bytes });
+        // SAFETY: `ptr..ptr + bytes` is the device allocation `mem`, which the arena owns and frees on drop.
+        let arena = unsafe { KvArena::from_device(ptr, bytes, ordinal, Box::new(PoolOwner { _mem: mem }), copier) };
+        KvCache::with_arena(geometry, arena).map_err(|e| EngineError::Unsupported(e.to_string()))
+    }
+
+    fn memory_budget(&self, limits: &ServingLimits) -> MemoryBudget {
+        *self.limits.lock().unwrap_or_else(|p| p.into_inner()) = Some(*limits);
+        MemoryBudget {
+            weights: self.w.bytes(),
+            activations: self.activation_bytes(limits),
+            graphs: 0,
+            communication: 0,
+        }
+    }
+
+    fn memory_capacity(&self) -> Option<u64> {
+        // A fraction of the whole device (`--gpu-memory-utilization`), as vLLM: workers sharing a GPU each
+        // take their own fraction.
+        Some(self.gpu.info().total_memory as u64)
+    }
+
+    fn fence(&self) -> LayerReady {
+        self.fence_now().unwrap_or_else(|_| LayerReady::complete())
+    }
+
+    fn sample(
+        &self,
+        logits: &DeviceRows,
+        row: usize,
+        params: &SamplingParams,
+        history: History<'_>,
+        eos: &[u32],
+    ) -> Result<Sampled, EngineError> {
+        let view = self.logits_row(logits, row)?;
+        self.gpu.context().bind_to_thread().map_err(dev)?;
+        Ok(super::sample::sample_row(&self.gpu, &view, params, history, eos)?)
+    }
+
+    fn draft(&self, logits: &DeviceRows, row: usize) -> Result<(u32, f32), EngineError> {
+        let view = self.logits_row(logits, row)?;
+        self.gpu.context().bind_to_thread().map_err(dev)?;
+        Ok(super::sample::draft_row(&self.gpu, &view)?)
+    }
+
+    fn rows_to_host(&self, rows: &DeviceRows) -> Result<Vec<f32>, EngineError> {
+        let g = self.rows_of(rows)?;
+        let n = rows.rows() * rows.width();
+        let mut out = vec![0f32; n];
+        if n > 0 {
+            let s = self.stream();
+            s.memcpy_dtoh(&g.buf.slice().slice(g.offset..g.offset + n), &mut out).map_err(dev)?;
+            s.synchronize().map_err(dev)?;
+        }
+        Ok(out)
+    }
+
+    fn prefill(
+        &self,
+        cache: &KvCache,
+        batch: &[SeqInput<'_>],
+        on_layer: LayerDone<'_>,
+    ) -> Result<Vec<SeqOutput>, EngineError> {
+        self.run_main(cache, batch, AttnForm::Prefill, on_layer)
+    }
+
+    fn decode(&self, cache: &KvCache, batch: &[SeqInput<'_>]) -> Result<Vec<SeqOutput>, EngineError> {
+        self.run_main(cache, batch, AttnForm::Decode, &mut |_, _| {})
+    }
+
+    fn mtp(
+        &self,
+        cache: &KvCache,
+        batch: &[MtpInput<'_>],
+        form: AttnForm,
+        on_layer: LayerDone<'_>,
+    ) -> Result<Vec<SeqOutput>, EngineError> {
+        self.run_mtp(cache, batch, form, on_layer)
+    }
+}
+
+impl CudaBackend {
+    /// Workspace bytes of a `max_num_batched_tokens` forward: every per-layer buffer of `layer` at once (the
+    /// bump workspace frees nothing within a call) for the largest of the main and MTP passes, the scores
+    /// of the longest context a row may have (bounded by the batch: a chunk attends to at most
+    /// `max_position_embeddings` positions), and the logits rows.
+    fn activation_bytes(&self, l: &ServingLimits) -> u64 {
+        let c = &self.cfg;
+        let rows = l.max_num_batched_tokens as u64;
+        let ih_pad = c.index_n_heads.next_multiple_of(INDEX_HEAD_TILE) as u64;
+        let (hidden, rank, rd, heads) =
+            (c.hidden_size as u64, c.kv_lora_rank as u64, c.qk_rope_head_dim as u64, c.num_attention_heads as u64);
+        let (qk, vd, q_lora) = (c.qk_head_dim() as u64, c.v_head_dim as u64, c.q_lora_rank.max(1) as u64);
+        let inter = c.moe_intermediate_size.max(c.intermediate_size) as u64;
+        let k = c.num_experts_per_tok.max(1) as u64;
+        let per_row = 8 * hidden
+            + 2 * q_lora
+            + heads * qk
+            + 2 * rank
+            + 2 * rd
+            + c.index_n_heads as u64 * 128 * 2
+            + 128
+            + 2 * ih_pad
+            + heads * vd
+            + 2 * k * inter
+            + k * hidden
+            + 2 * c.n_routed_experts as u64
+            + c.index_topk as u64;
+        let ctx = rows.min(c.max_position_embeddings as u64);
+        let scores = rows * ctx;
+        let mha = ctx * (rank + rd + heads * (c.qk_nope_head_dim as u64 + vd));
+        let logits = 2 * l.max_num_seqs as u64 * c.vocab_size as u64;
+        4 * (rows * per_row + scores + mha + logits) + CONTEXT_RESERVE
+    }
+}
+
+/// Call outputs (logits, hidden rows) are stream-ordered allocations from the device's default pool: keeping
+/// what is freed in the pool (release threshold: never) means that once the first calls at the serving
+/// limits have run, no call asks the driver for memory.
+fn keep_freed_memory(gpu: &Gpu) -> Result<(), EngineError> {
+    let ctx = gpu.context();
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    ctx.bind_to_thread().map_err(dev)?;
+    let mut pool = std::mem::MaybeUninit::uninit();
+    let mut threshold: u64 = u64::MAX;
+    // SAFETY: plain driver calls on this context's device with valid out-pointers.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), ctx.cu_device())
+            .result()
+            .map_err(|e| EngineError::Device(format!("cuDeviceGetDefaultMemPool: {e}")))?;
+        sys::cuMemPoolSetAttribute(
+            pool.assume_init(),
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut std::ffi::c_void,
+        )
+        .result()
+        .map_err(|e| EngineError::Device(format!("cuMemPoolSetAttribute: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Host staging copies of the pool for transports (its own stream, so a copy never waits behind a forward).
+struct PoolCopier {
+    stream: Arc<cudarc::driver::CudaStream>,
+    base: u64,
+    len: usize,
+}
+
+impl crate::cache::DeviceCopy for PoolCopier {
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), String> {
+        if offset.checked_add(dst.len()).is_none_or(|e| e > self.len) {
+            return Err(format!("pool read {offset}+{} outside {} bytes", dst.len(), self.len));
+        }
+        self.stream.context().bind_to_thread().map_err(|e| e.to_string())?;
+        // SAFETY: in range (checked); `dst` outlives the synchronous copy.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, self.base + offset as u64, self.stream.cu_stream()) }
+            .map_err(|e| e.to_string())?;
+        self.stream.synchronize().map_err(|e| e.to_string())
+    }
+
+    fn write(&self, offset: usize, src: &[u8]) -> Result<(), String> {
+        if offset.checked_add(src.len()).is_none_or(|e| e > self.len) {
+            return Err(format!("pool write {offset}+{} outside {} bytes", src.len(), self.len));
+        }
+        self.stream.context().bind_to_thread().map_err(|e| e.to_string())?;
+        // SAFETY: in range (checked); the copy completes before returning.
+        unsafe { cudarc::driver::result::memcpy_htod_async(self.base + offset as u64, src, self.stream.cu_stream()) }
+            .map_err(|e| e.to_string())?;
+        self.stream.synchronize().map_err(|e| e.to_string())
+    }
+}
+
+// The `DevicePtr` import keeps `device_ptr` in scope for DBuf's address.
+#[allow(unused_imports)]
+use DevicePtr as _;

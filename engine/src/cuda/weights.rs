@@ -1,0 +1,465 @@
+//! The CUDA backend's weights on the device, loaded by HF name (docs/model.md §3): FP8 projections stay
+//! e4m3 codes with their block scales (`Precision::Fp8`), everything else is f32. The routed experts of a
+//! layer sit back to back in one buffer per projection, so one launch runs every (token, expert) pair.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+use safetensors::Dtype;
+
+use super::CudaError;
+use super::ops::{Arg, DBuf, Workspace, launch};
+use crate::checkpoint::names::{layer_prefix, scale_name};
+use crate::checkpoint::{Checkpoint, CheckpointError};
+use crate::config::Fp8Quant;
+use crate::cpu::linear::ACT_GROUP;
+use crate::{ModelConfig, Precision};
+
+use super::Gpu;
+
+/// Why loading failed: the checkpoint, or the device (out of memory).
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+}
+
+/// `mats` matrices `[out, in]` of one shape.
+pub enum DLinear {
+    Dense {
+        w: DBuf<f32>,
+        out: usize,
+        inp: usize,
+    },
+    Fp8 {
+        /// `[mats, out, kpad]` e4m3 codes, K padded with zero codes to a multiple of 128.
+        codes: DBuf<u8>,
+        /// `[mats, ceil(out / b0), ceil(in / b1)]`.
+        scales: DBuf<f32>,
+        out: usize,
+        inp: usize,
+        kpad: usize,
+        block: [usize; 2],
+        ue8m0: bool,
+    },
+}
+
+/// An FP8 matrix's block shape and scale format.
+type Fp8Kind = ([usize; 2], bool);
+
+/// Host-side form of one matrix before upload.
+enum HostLinear {
+    Dense(Vec<f32>),
+    Fp8 { codes: Vec<u8>, scales: Vec<f32>, block: [usize; 2], ue8m0: bool },
+}
+
+fn quant_config(ckpt: &Checkpoint) -> Fp8Quant {
+    ckpt.config().quantization.clone().unwrap_or(Fp8Quant { weight_block_size: [128, 128], ue8m0: true })
+}
+
+/// Reads `name` ([out, in]) as the backend keeps it.
+fn read_linear(ckpt: &Checkpoint, name: &str, prec: Precision) -> Result<(HostLinear, usize, usize), CheckpointError> {
+    let t = ckpt.tensor(name)?;
+    let (out, inp) = (t.shape[0], t.shape[1]);
+    if t.dtype != Dtype::F8_E4M3 || prec == Precision::Full {
+        return Ok((HostLinear::Dense(ckpt.dequantized(name)?), out, inp));
+    }
+    let q = quant_config(ckpt);
+    let block = q.weight_block_size;
+    let seg = ACT_GROUP.min(block[1]);
+    if !(ACT_GROUP.is_multiple_of(block[1]) || block[1].is_multiple_of(ACT_GROUP)) || !seg.is_multiple_of(32) {
+        return Err(CheckpointError::Tensor {
+            name: name.into(),
+            file: t.file.into(),
+            msg: format!(
+                "weight block {block:?}: the GPU's FP8 GEMM needs K blocks of 32, 64, 128 or a multiple of 128; use \
+                 --precision full"
+            ),
+        });
+    }
+    let kpad = inp.div_ceil(ACT_GROUP) * ACT_GROUP;
+    let mut codes = vec![0u8; out * kpad];
+    for r in 0..out {
+        codes[r * kpad..r * kpad + inp].copy_from_slice(&t.data[r * inp..(r + 1) * inp]);
+    }
+    let scales = ckpt.tensor(&scale_name(name))?.to_f32()?;
+    Ok((HostLinear::Fp8 { codes, scales, block, ue8m0: q.ue8m0 }, out, inp))
+}
+
+impl DLinear {
+    /// One matrix.
+    pub fn load(stream: &Arc<CudaStream>, ckpt: &Checkpoint, name: &str, prec: Precision) -> Result<Self, LoadError> {
+        Self::load_stacked(stream, ckpt, &[name.to_string()], prec)
+    }
+
+    /// Several matrices of one shape and kind, back to back (a layer's routed experts).
+    pub fn load_stacked(
+        stream: &Arc<CudaStream>,
+        ckpt: &Checkpoint,
+        names: &[String],
+        prec: Precision,
+    ) -> Result<Self, LoadError> {
+        let mut dense = Vec::new();
+        let (mut codes, mut scales) = (Vec::new(), Vec::new());
+        let mut first: Option<(usize, usize, Option<Fp8Kind>)> = None;
+        for name in names {
+            let (h, out, inp) = read_linear(ckpt, name, prec)?;
+            let kind = match &h {
+                HostLinear::Dense(_) => None,
+                HostLinear::Fp8 { block, ue8m0, .. } => Some((*block, *ue8m0)),
+            };
+            if first.is_some_and(|f| f != (out, inp, kind)) {
+                return Err(CheckpointError::Tensor {
+                    name: name.clone(),
+                    file: String::new(),
+                    msg: format!("shape or dtype differs from {} (stacked experts must match)", names[0]),
+                }
+                .into());
+            }
+            first = Some((out, inp, kind));
+            match h {
+                HostLinear::Dense(w) => dense.extend_from_slice(&w),
+                HostLinear::Fp8 { codes: c, scales: s, .. } => {
+                    codes.extend_from_slice(&c);
+                    scales.extend_from_slice(&s);
+                }
+            }
+        }
+        match first {
+            None => Err(CudaError::Shape("no matrices to load".into()).into()),
+            Some((out, inp, None)) => Ok(DLinear::Dense { w: DBuf::upload(stream, &dense)?, out, inp }),
+            Some((out, inp, Some((block, ue8m0)))) => Ok(DLinear::Fp8 {
+                codes: DBuf::upload(stream, &codes)?,
+                scales: DBuf::upload(stream, &scales)?,
+                out,
+                inp,
+                kpad: inp.div_ceil(ACT_GROUP) * ACT_GROUP,
+                block,
+                ue8m0,
+            }),
+        }
+    }
+
+    /// A dense matrix from values already in memory (`[out, in]`).
+    pub fn dense(stream: &Arc<CudaStream>, w: &[f32], out: usize, inp: usize) -> Result<Self, CudaError> {
+        Ok(DLinear::Dense { w: DBuf::upload(stream, w)?, out, inp })
+    }
+
+    pub fn out_features(&self) -> usize {
+        match self {
+            DLinear::Dense { out, .. } | DLinear::Fp8 { out, .. } => *out,
+        }
+    }
+
+    pub fn in_features(&self) -> usize {
+        match self {
+            DLinear::Dense { inp, .. } | DLinear::Fp8 { inp, .. } => *inp,
+        }
+    }
+
+    pub fn bytes(&self) -> u64 {
+        match self {
+            DLinear::Dense { w, .. } => w.bytes(),
+            DLinear::Fp8 { codes, scales, .. } => codes.bytes() + scales.bytes(),
+        }
+    }
+
+    /// `y [rows, out] = x [rows / a_div, in] . W^T`, row `m` through matrix `sel[m]` (`sel`: a device array
+    /// of `rows` i32, 0 for matrix 0 only).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        gpu: &Gpu,
+        ws: &mut Workspace,
+        x: u64,
+        x_rows: usize,
+        a_div: usize,
+        sel: u64,
+        y: u64,
+    ) -> Result<(), CudaError> {
+        let rows = x_rows * a_div;
+        if rows == 0 {
+            return Ok(());
+        }
+        let out = self.out_features();
+        let grid = (out.div_ceil(8) as u32, rows.div_ceil(8) as u32, 1);
+        match self {
+            DLinear::Dense { w, out, inp } => launch(
+                gpu,
+                "tandem_gemm_f32",
+                grid,
+                256,
+                0,
+                &[
+                    Arg::P(x),
+                    Arg::I(a_div as i32),
+                    Arg::P(w.ptr()),
+                    Arg::P(sel),
+                    Arg::L((out * inp) as i64),
+                    Arg::P(y),
+                    Arg::I(rows as i32),
+                    Arg::I(*out as i32),
+                    Arg::I(*inp as i32),
+                ],
+            ),
+            DLinear::Fp8 { codes, scales, out, inp, kpad, block, ue8m0 } => {
+                let groups = kpad / ACT_GROUP;
+                let qa = ws.take::<u8>(gpu.stream(), x_rows * kpad)?;
+                let sa = ws.take::<f32>(gpu.stream(), x_rows * groups)?;
+                launch(
+                    gpu,
+                    "tandem_act_quant",
+                    (groups as u32, x_rows as u32, 1),
+                    32,
+                    0,
+                    &[
+                        Arg::P(x),
+                        Arg::I(*inp as i32),
+                        Arg::I(*kpad as i32),
+                        Arg::I(*ue8m0 as i32),
+                        Arg::P(qa),
+                        Arg::P(sa),
+                    ],
+                )?;
+                let scale_len = out.div_ceil(block[0]) * inp.div_ceil(block[1]);
+                launch(
+                    gpu,
+                    "tandem_gemm_fp8",
+                    grid,
+                    256,
+                    0,
+                    &[
+                        Arg::P(qa),
+                        Arg::P(sa),
+                        Arg::I(a_div as i32),
+                        Arg::P(codes.ptr()),
+                        Arg::P(scales.ptr()),
+                        Arg::P(sel),
+                        Arg::L((out * kpad) as i64),
+                        Arg::L(scale_len as i64),
+                        Arg::P(y),
+                        Arg::I(rows as i32),
+                        Arg::I(*out as i32),
+                        Arg::I(*inp as i32),
+                        Arg::I(*kpad as i32),
+                        Arg::I(block[0] as i32),
+                        Arg::I(block[1] as i32),
+                    ],
+                )
+            }
+        }
+    }
+}
+
+pub struct DMlp {
+    pub gate: DLinear,
+    pub up: DLinear,
+    pub down: DLinear,
+}
+
+pub struct DMoe {
+    /// Router weights `[experts, hidden]` (f32 logits).
+    pub gate: DLinear,
+    pub bias: Option<DBuf<f32>>,
+    /// Every routed expert, stacked.
+    pub experts: DMlp,
+    pub shared: Option<DMlp>,
+}
+
+pub enum DFfn {
+    Dense(Box<DMlp>),
+    Moe(Box<DMoe>),
+}
+
+pub struct DMla {
+    pub q_a: DLinear,
+    pub q_a_norm: DBuf<f32>,
+    pub q_b: DLinear,
+    pub kv_a: DLinear,
+    pub kv_a_norm: DBuf<f32>,
+    pub kv_b: DLinear,
+    pub o: DLinear,
+    /// `[heads, rank, nope]` and `[heads, v, rank]` from the dequantized kv_b (the absorbed form).
+    pub w_uk_t: DBuf<f32>,
+    pub w_uv: DBuf<f32>,
+}
+
+pub struct DIndexer {
+    pub wq_b: DLinear,
+    pub wk: DLinear,
+    pub k_norm_w: DBuf<f32>,
+    pub k_norm_b: DBuf<f32>,
+    pub weights_proj: DLinear,
+}
+
+pub struct DLayer {
+    pub attn_norm: DBuf<f32>,
+    pub ffn_norm: DBuf<f32>,
+    pub attn: DMla,
+    pub indexer: DIndexer,
+    pub ffn: DFfn,
+}
+
+pub struct DMtp {
+    pub enorm: DBuf<f32>,
+    pub hnorm: DBuf<f32>,
+    pub eh_proj: DLinear,
+    pub head_norm: DBuf<f32>,
+    pub head: Option<DLinear>,
+    pub embed: Option<DBuf<f32>>,
+    pub layer: DLayer,
+}
+
+pub struct DWeights {
+    pub embed: DBuf<f32>,
+    pub layers: Vec<DLayer>,
+    pub norm: DBuf<f32>,
+    pub lm_head: DLinear,
+    /// The one MTP layer served (the first of the checkpoint's).
+    pub mtp: Option<DMtp>,
+}
+
+fn f32s(stream: &Arc<CudaStream>, ckpt: &Checkpoint, name: &str) -> Result<DBuf<f32>, LoadError> {
+    Ok(DBuf::upload(stream, &ckpt.f32(name)?)?)
+}
+
+fn mlp(stream: &Arc<CudaStream>, ckpt: &Checkpoint, prefixes: &[String], prec: Precision) -> Result<DMlp, LoadError> {
+    let names = |p: &str| prefixes.iter().map(|x| format!("{x}{p}_proj.weight")).collect::<Vec<_>>();
+    Ok(DMlp {
+        gate: DLinear::load_stacked(stream, ckpt, &names("gate"), prec)?,
+        up: DLinear::load_stacked(stream, ckpt, &names("up"), prec)?,
+        down: DLinear::load_stacked(stream, ckpt, &names("down"), prec)?,
+    })
+}
+
+fn layer(stream: &Arc<CudaStream>, ckpt: &Checkpoint, index: usize, prec: Precision) -> Result<DLayer, LoadError> {
+    let cfg = ckpt.config();
+    let p = layer_prefix(index);
+    let a = format!("{p}self_attn.");
+    let ix = format!("{a}indexer.");
+    let kv_b_name = format!("{a}kv_b_proj.weight");
+    let (w_uk_t, w_uv) = crate::cpu::weights::absorb(&ckpt.dequantized(&kv_b_name)?, cfg);
+    let ffn = if cfg.is_moe_layer(index) {
+        let m = format!("{p}mlp.");
+        let bias_name = format!("{m}gate.e_score_correction_bias");
+        let gate = ckpt.f32(&format!("{m}gate.weight"))?;
+        let experts: Vec<String> = (0..cfg.n_routed_experts).map(|e| format!("{m}experts.{e}.")).collect();
+        DFfn::Moe(Box::new(DMoe {
+            gate: DLinear::dense(stream, &gate, cfg.n_routed_experts, cfg.hidden_size)?,
+            bias: if ckpt.contains(&bias_name) { Some(f32s(stream, ckpt, &bias_name)?) } else { None },
+            experts: mlp(stream, ckpt, &experts, prec)?,
+            shared: if cfg.n_shared_experts > 0 {
+                Some(mlp(stream, ckpt, &[format!("{m}shared_experts.")], prec)?)
+            } else {
+                None
+            },
+        }))
+    } else {
+        DFfn::Dense(Box::new(mlp(stream, ckpt, &[format!("{p}mlp.")], prec)?))
+    };
+    let flat = |v: Vec<Vec<f32>>| v.into_iter().flatten().collect::<Vec<f32>>();
+    Ok(DLayer {
+        attn_norm: f32s(stream, ckpt, &format!("{p}input_layernorm.weight"))?,
+        ffn_norm: f32s(stream, ckpt, &format!("{p}post_attention_layernorm.weight"))?,
+        attn: DMla {
+            q_a: DLinear::load(stream, ckpt, &format!("{a}q_a_proj.weight"), prec)?,
+            q_a_norm: f32s(stream, ckpt, &format!("{a}q_a_layernorm.weight"))?,
+            q_b: DLinear::load(stream, ckpt, &format!("{a}q_b_proj.weight"), prec)?,
+            kv_a: DLinear::load(stream, ckpt, &format!("{a}kv_a_proj_with_mqa.weight"), prec)?,
+            kv_a_norm: f32s(stream, ckpt, &format!("{a}kv_a_layernorm.weight"))?,
+            kv_b: DLinear::load(stream, ckpt, &kv_b_name, prec)?,
+            o: DLinear::load(stream, ckpt, &format!("{a}o_proj.weight"), prec)?,
+            w_uk_t: DBuf::upload(stream, &flat(w_uk_t))?,
+            w_uv: DBuf::upload(stream, &flat(w_uv))?,
+        },
+        indexer: DIndexer {
+            wq_b: DLinear::load(stream, ckpt, &format!("{ix}wq_b.weight"), prec)?,
+            wk: DLinear::load(stream, ckpt, &format!("{ix}wk.weight"), prec)?,
+            k_norm_w: f32s(stream, ckpt, &format!("{ix}k_norm.weight"))?,
+            k_norm_b: f32s(stream, ckpt, &format!("{ix}k_norm.bias"))?,
+            weights_proj: DLinear::load(stream, ckpt, &format!("{ix}weights_proj.weight"), prec)?,
+        },
+        ffn,
+    })
+}
+
+impl DWeights {
+    pub fn load(stream: &Arc<CudaStream>, ckpt: &Checkpoint, prec: Precision) -> Result<Self, LoadError> {
+        let cfg: &ModelConfig = ckpt.config();
+        let embed_host = ckpt.f32("model.embed_tokens.weight")?;
+        let embed = DBuf::upload(stream, &embed_host)?;
+        let lm_head = if ckpt.contains("lm_head.weight") {
+            DLinear::load(stream, ckpt, "lm_head.weight", prec)?
+        } else {
+            DLinear::dense(stream, &embed_host, cfg.vocab_size, cfg.hidden_size)?
+        };
+        drop(embed_host);
+        let norm = f32s(stream, ckpt, "model.norm.weight")?;
+        let layers = (0..cfg.num_hidden_layers).map(|i| layer(stream, ckpt, i, prec)).collect::<Result<_, _>>()?;
+        let mtp = if cfg.num_served_mtp_layers() > 0 {
+            let i = cfg.num_hidden_layers;
+            let p = layer_prefix(i);
+            let head_name = format!("{p}shared_head.head.weight");
+            let embed_name = format!("{p}embed_tokens.weight");
+            Some(DMtp {
+                enorm: f32s(stream, ckpt, &format!("{p}enorm.weight"))?,
+                hnorm: f32s(stream, ckpt, &format!("{p}hnorm.weight"))?,
+                eh_proj: DLinear::load(stream, ckpt, &format!("{p}eh_proj.weight"), prec)?,
+                head_norm: f32s(stream, ckpt, &format!("{p}shared_head.norm.weight"))?,
+                head: if ckpt.contains(&head_name) {
+                    Some(DLinear::load(stream, ckpt, &head_name, prec)?)
+                } else {
+                    None
+                },
+                embed: if ckpt.contains(&embed_name) { Some(f32s(stream, ckpt, &embed_name)?) } else { None },
+                layer: layer(stream, ckpt, i, prec)?,
+            })
+        } else {
+            None
+        };
+        Ok(DWeights { embed, layers, norm, lm_head, mtp })
+    }
+
+    /// Device bytes of every weight.
+    pub fn bytes(&self) -> u64 {
+        let mlp = |m: &DMlp| m.gate.bytes() + m.up.bytes() + m.down.bytes();
+        let layer = |l: &DLayer| {
+            let a = &l.attn;
+            let i = &l.indexer;
+            let ffn = match &l.ffn {
+                DFfn::Dense(m) => mlp(m),
+                DFfn::Moe(m) => {
+                    m.gate.bytes()
+                        + m.bias.as_ref().map_or(0, DBuf::bytes)
+                        + mlp(&m.experts)
+                        + m.shared.as_ref().map_or(0, mlp)
+                }
+            };
+            l.attn_norm.bytes()
+                + l.ffn_norm.bytes()
+                + [&a.q_a, &a.q_b, &a.kv_a, &a.kv_b, &a.o].iter().map(|x| x.bytes()).sum::<u64>()
+                + a.q_a_norm.bytes()
+                + a.kv_a_norm.bytes()
+                + a.w_uk_t.bytes()
+                + a.w_uv.bytes()
+                + i.wq_b.bytes()
+                + i.wk.bytes()
+                + i.weights_proj.bytes()
+                + i.k_norm_w.bytes()
+                + i.k_norm_b.bytes()
+                + ffn
+        };
+        let mtp = self.mtp.as_ref().map_or(0, |m| {
+            m.enorm.bytes()
+                + m.hnorm.bytes()
+                + m.eh_proj.bytes()
+                + m.head_norm.bytes()
+                + m.head.as_ref().map_or(0, DLinear::bytes)
+                + m.embed.as_ref().map_or(0, DBuf::bytes)
+                + layer(&m.layer)
+        });
+        self.embed.bytes() + self.norm.bytes() + self.lm_head.bytes() + self.layers.iter().map(layer).sum::<u64>() + mtp
+    }
+}
