@@ -10,15 +10,20 @@ use std::sync::OnceLock;
 
 use engine::cache::{BlockPool, CacheGeometry, KvCache};
 use engine::checkpoint::Checkpoint;
-use engine::cpu::CpuBackend;
+use engine::device::{BackendOptions, Device, load_backend};
 use engine::{Backend, Logits, Precision, SeqInput};
 
 /// `tandem gen-tiny --seed 0`'s weights (vocab 1280) have this fingerprint; the golden file was computed
 /// from exactly those bytes.
 const TANDEM_TINY_FINGERPRINT: &str = "e4c13f067f1073753bd5430178b1d6329b79f41f2b0be20d1b0bd6bb4ee47418";
 
+/// `tests/golden` of the source tree (`TANDEM_GOLDEN_ROOT` where the binary runs elsewhere, e.g. the GPU
+/// machine).
 fn golden_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/golden")
+    match std::env::var("TANDEM_GOLDEN_ROOT") {
+        Ok(d) => PathBuf::from(d),
+        Err(_) => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/golden"),
+    }
 }
 
 fn hf_tiny_dir() -> PathBuf {
@@ -111,8 +116,15 @@ fn diff(a: &[f32], b: &[f32]) -> f64 {
     1.0 - 2.0 * ab / aa
 }
 
+/// `TANDEM_TEST_DEVICE` (cpu when unset): `scripts/gpu-test.sh run model` runs these on the GPU.
+fn device() -> Device {
+    std::env::var("TANDEM_TEST_DEVICE")
+        .map(|d| d.parse().expect("TANDEM_TEST_DEVICE: cpu, cuda or cuda:N"))
+        .unwrap_or_default()
+}
+
 struct Run {
-    backend: CpuBackend,
+    backend: std::sync::Arc<dyn Backend>,
     cache: KvCache,
     pool: BlockPool,
 }
@@ -127,11 +139,13 @@ fn setup(set: &Set, prec: Precision) -> Run {
             "engine::tiny's weights changed: regenerate tests/golden/tandem-tiny (tests/golden/README.md)"
         );
     }
-    let backend = CpuBackend::from_checkpoint(&ckpt, prec).unwrap();
+    let backend = load_backend(&ckpt, BackendOptions { device: device(), precision: prec, threads: None })
+        .unwrap_or_else(|e| panic!("backend on {}: {e}", device()));
     let blocks = 16;
     let geo =
         CacheGeometry::new(prec.cache_format(), backend.entry_dims(), backend.config().num_cache_layers(), blocks);
-    Run { backend, cache: KvCache::new_host(geo).unwrap(), pool: BlockPool::new(blocks) }
+    let cache = backend.allocate_cache(geo).unwrap();
+    Run { backend, cache, pool: BlockPool::new(blocks) }
 }
 
 /// One-shot prefill of `tokens` with logits at every position.

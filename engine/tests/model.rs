@@ -1,11 +1,14 @@
 //! Whole-model properties on the generated tiny checkpoint (4 layers + MTP, index_topk 32, the real
 //! cache formats): prefill == token-by-token decode, chunked == one-shot, batch invariance, speculative
 //! greedy == plain greedy, FP8 against full precision, clean errors for bad input.
+//!
+//! They run on the CPU backend, or on a GPU with `TANDEM_TEST_DEVICE=cuda` (what `scripts/gpu-test.sh run
+//! model` does): every property holds on both backends.
 
 use std::sync::OnceLock;
 
 use engine::cache::{BlockPool, CacheGeometry, KvCache};
-use engine::cpu::CpuBackend;
+use engine::device::{BackendOptions, Device, load_backend};
 use engine::generate::{self, SeqState};
 use engine::sampling::{SamplingParams, argmax};
 use engine::{Backend, Logits, Precision, SeqInput};
@@ -23,15 +26,27 @@ fn checkpoint() -> &'static std::path::Path {
     .path()
 }
 
-fn backend(prec: Precision) -> &'static CpuBackend {
-    static FP8: OnceLock<CpuBackend> = OnceLock::new();
-    static FULL: OnceLock<CpuBackend> = OnceLock::new();
+/// `TANDEM_TEST_DEVICE` (cpu when unset).
+fn device() -> Device {
+    std::env::var("TANDEM_TEST_DEVICE")
+        .map(|d| d.parse().expect("TANDEM_TEST_DEVICE: cpu, cuda or cuda:N"))
+        .unwrap_or_default()
+}
+
+fn backend(prec: Precision) -> &'static dyn Backend {
+    static FP8: OnceLock<std::sync::Arc<dyn Backend>> = OnceLock::new();
+    static FULL: OnceLock<std::sync::Arc<dyn Backend>> = OnceLock::new();
     let cell = if prec == Precision::Fp8 { &FP8 } else { &FULL };
-    cell.get_or_init(|| CpuBackend::load(checkpoint(), prec).unwrap())
+    cell.get_or_init(|| {
+        let ckpt = engine::checkpoint::Checkpoint::open(checkpoint()).unwrap();
+        load_backend(&ckpt, BackendOptions { device: device(), precision: prec, threads: None })
+            .unwrap_or_else(|e| panic!("backend on {}: {e}", device()))
+    })
+    .as_ref()
 }
 
 struct Env {
-    b: &'static CpuBackend,
+    b: &'static dyn Backend,
     cache: KvCache,
     pool: BlockPool,
 }
@@ -39,7 +54,7 @@ struct Env {
 fn env(prec: Precision) -> Env {
     let b = backend(prec);
     let geo = CacheGeometry::new(prec.cache_format(), b.entry_dims(), b.config().num_cache_layers(), BLOCKS);
-    Env { b, cache: KvCache::new_host(geo).unwrap(), pool: BlockPool::new(BLOCKS) }
+    Env { b, cache: b.allocate_cache(geo).unwrap(), pool: BlockPool::new(BLOCKS) }
 }
 
 /// Fresh random prompt tokens (avoiding the special ids 0..7).
@@ -414,7 +429,9 @@ fn layer_notifications_cover_every_cache_layer_in_order() {
     let mut s = SeqState::new(toks, SamplingParams::greedy(4), t.blocks, 0);
     let mut seen = Vec::new();
     generate::prefill(e.b, &e.cache, &mut [&mut s], &[4096], &mut |l, ready: engine::LayerReady| {
-        assert!(ready.is_complete(), "the CPU writes synchronously");
+        // A GPU announces a layer before its writes finish; the marker is reached.
+        ready.wait().unwrap();
+        assert!(ready.is_complete());
         seen.push(l.0)
     })
     .unwrap();
@@ -510,11 +527,15 @@ fn re_prefill_after_preemption_writes_the_same_cache_bytes() {
     for l in 0..layers {
         for p in 0..toks.len() + k {
             let at = |blocks: &[engine::cache::BlockId]| {
+                // Through the arena's staging copy, so the check reads a GPU's pool as well as host memory.
+                let g = e.cache.geometry();
+                let len = g.latent_bytes_per_token();
+                let at = g.latent_block_offset(engine::cache::LayerIdx(l as u32), blocks[p / 64]) + (p % 64) * len;
+                let mut bytes = vec![0u8; len];
+                e.b.fence().wait().unwrap();
                 // SAFETY: both reservations are held and no computation runs while we read.
-                unsafe {
-                    e.cache.host().unwrap().latent_entry(engine::cache::LayerIdx(l as u32), blocks[p / 64], p % 64)
-                }
-                .to_vec()
+                unsafe { e.cache.arena().copy_out(at, &mut bytes) }.unwrap();
+                bytes
             };
             if at(&a.blocks) != at(&b.blocks) {
                 differing.push((l, p));
