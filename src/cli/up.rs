@@ -47,10 +47,12 @@ pub struct Args {
     /// fp8 or full.
     #[arg(long, default_value = "fp8")]
     pub precision: String,
-    /// Where the workers run the model: cpu, or cuda[:N] (the CUDA backend is not built yet).
+    /// Where the workers run the model: cpu; cuda (workers spread over every GPU, sharing GPUs when there
+    /// are more workers than GPUs); cuda:N (every worker on GPU N).
     #[arg(long, default_value = "cpu")]
     pub device: engine::Device,
-    /// Fraction of the GPU's memory each worker uses (GPU only).
+    /// Fraction of its GPU's memory each worker uses (GPU only; default 0.9 split evenly between the workers
+    /// that share a GPU). Workers sharing a GPU must not ask for more than 1 in total.
     #[arg(long)]
     pub gpu_memory_utilization: Option<f64>,
     #[arg(long)]
@@ -273,7 +275,37 @@ fn terminate(procs: &mut [Proc], grace: Duration) {
     }
 }
 
-fn worker_args(a: &Args, role: &str, model: &Path, port: u16) -> Vec<String> {
+/// Where each worker runs (prefill workers first, then decode) and the memory fraction it takes: one
+/// GPU each while there are enough, shared round-robin otherwise (each worker then takes its share of
+/// 0.9 of the GPU unless `--gpu-memory-utilization` says otherwise). On the CPU: the CPU, no fraction.
+pub fn placements(a: &Args, gpus: usize) -> anyhow::Result<Vec<(engine::Device, Option<f64>)>> {
+    let workers = a.prefill + a.decode;
+    let ordinals: Vec<u32> = match a.device {
+        engine::Device::Cpu => return Ok(vec![(engine::Device::Cpu, a.gpu_memory_utilization); workers]),
+        // `cuda` spreads over every GPU; `cuda:N` pins every worker to GPU N.
+        engine::Device::Cuda(0) if gpus > 1 => (0..workers).map(|i| (i % gpus) as u32).collect(),
+        engine::Device::Cuda(n) => vec![n; workers],
+    };
+    let mut sharing = std::collections::HashMap::<u32, usize>::new();
+    for &o in &ordinals {
+        *sharing.entry(o).or_default() += 1;
+    }
+    if let Some(u) = a.gpu_memory_utilization
+        && let Some((o, n)) = sharing.iter().find(|(_, n)| **n as f64 * u > 1.0 + 1e-9)
+    {
+        bail!(
+            "{n} workers share GPU {o}: --gpu-memory-utilization {u} each would take {:.2} of it (at most 1); \
+             lower it or run fewer workers",
+            *n as f64 * u
+        );
+    }
+    Ok(ordinals
+        .into_iter()
+        .map(|o| (engine::Device::Cuda(o), Some(a.gpu_memory_utilization.unwrap_or(0.9 / sharing[&o] as f64))))
+        .collect())
+}
+
+fn worker_args(a: &Args, role: &str, model: &Path, port: u16, place: (engine::Device, Option<f64>)) -> Vec<String> {
     let mut v = vec![
         role.to_string(),
         "--model".into(),
@@ -285,7 +317,7 @@ fn worker_args(a: &Args, role: &str, model: &Path, port: u16) -> Vec<String> {
         "--precision".into(),
         a.precision.clone(),
         "--device".into(),
-        a.device.to_string(),
+        place.0.to_string(),
     ];
     let mut opt = |flag: &str, val: Option<String>| {
         if let Some(x) = val {
@@ -297,7 +329,7 @@ fn worker_args(a: &Args, role: &str, model: &Path, port: u16) -> Vec<String> {
     opt("--max-num-seqs", a.max_num_seqs.map(|x| x.to_string()));
     opt("--max-num-batched-tokens", a.max_num_batched_tokens.map(|x| x.to_string()));
     opt("--kv-blocks", a.kv_blocks.map(|x| x.to_string()));
-    opt("--gpu-memory-utilization", a.gpu_memory_utilization.map(|x| x.to_string()));
+    opt("--gpu-memory-utilization", place.1.map(|x| x.to_string()));
     opt("--served-model-name", a.served_model_name.clone());
     if let Some(e) = &a.etcd {
         v.extend(["--discovery".into(), "etcd".into(), "--etcd".into(), e.clone()]);
@@ -313,6 +345,17 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
         bail!("--prefill and --decode must each be at least 1");
     }
     engine::device::check_available(a.device)?;
+    let gpus = match a.device {
+        engine::Device::Cpu => 0,
+        engine::Device::Cuda(_) => engine::cuda::device::device_count()?,
+    };
+    let place = placements(&a, gpus)?;
+    if a.device != engine::Device::Cpu {
+        for (i, (d, u)) in place.iter().enumerate() {
+            let role = if i < a.prefill { format!("prefill-{i}") } else { format!("decode-{}", i - a.prefill) };
+            eprintln!("{role}: {d}, --gpu-memory-utilization {:.3}", u.unwrap_or(0.9));
+        }
+    }
     let mut a = a;
     let model = match &a.model {
         Some(m) => m.clone(),
@@ -331,13 +374,13 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     let result = (|| -> anyhow::Result<()> {
         let timeout = Duration::from_secs(a.ready_timeout);
         let (tx, rx) = mpsc::channel();
-        for i in 0..a.prefill {
-            let args = worker_args(&a, "prefill-worker", &model, free_port()?);
+        for (i, &p) in place[..a.prefill].iter().enumerate() {
+            let args = worker_args(&a, "prefill-worker", &model, free_port()?, p);
             procs.push(spawn(&format!("prefill-{i}"), &args, Some(tx.clone()))?);
         }
         let prefill = wait_ready(&rx, a.prefill, timeout)?;
-        for i in 0..a.decode {
-            let args = worker_args(&a, "decode-worker", &model, free_port()?);
+        for (i, &p) in place[a.prefill..].iter().enumerate() {
+            let args = worker_args(&a, "decode-worker", &model, free_port()?, p);
             procs.push(spawn(&format!("decode-{i}"), &args, Some(tx.clone()))?);
         }
         let decode = wait_ready(&rx, a.decode, timeout)?;
@@ -415,4 +458,38 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     procs.reverse();
     terminate(&mut procs, Duration::from_secs(20));
     result.map(|()| ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: Args,
+    }
+
+    fn args(extra: &[&str]) -> Args {
+        Cli::try_parse_from(std::iter::once("up").chain(extra.iter().copied())).unwrap().a
+    }
+
+    #[test]
+    fn workers_get_a_gpu_each_or_share_with_split_memory() {
+        use engine::Device::{Cpu, Cuda};
+        let p = placements(&args(&["--device", "cuda"]), 1).unwrap();
+        assert_eq!(p, vec![(Cuda(0), Some(0.45)), (Cuda(0), Some(0.45))], "one GPU: prefill and decode share it");
+        let p = placements(&args(&["--device", "cuda", "--decode", "3"]), 2).unwrap();
+        assert_eq!(p.iter().map(|x| x.0).collect::<Vec<_>>(), vec![Cuda(0), Cuda(1), Cuda(0), Cuda(1)]);
+        assert!(p.iter().all(|x| x.1 == Some(0.45)));
+        let p = placements(&args(&["--device", "cuda", "--decode", "3"]), 8).unwrap();
+        assert_eq!(p.iter().map(|x| x.0).collect::<Vec<_>>(), vec![Cuda(0), Cuda(1), Cuda(2), Cuda(3)]);
+        assert!(p.iter().all(|x| x.1 == Some(0.9)));
+        let p = placements(&args(&["--device", "cuda:3", "--gpu-memory-utilization", "0.3"]), 8).unwrap();
+        assert_eq!(p, vec![(Cuda(3), Some(0.3)), (Cuda(3), Some(0.3))]);
+        let e = placements(&args(&["--device", "cuda", "--gpu-memory-utilization", "0.6"]), 1).unwrap_err();
+        assert!(e.to_string().contains("2 workers share GPU 0"), "{e}");
+        assert_eq!(placements(&args(&[]), 0).unwrap(), vec![(Cpu, None), (Cpu, None)]);
+    }
 }
