@@ -11,10 +11,16 @@
 #       every test by name with pass/fail, skipped count) to $OUT (or bench/out/), exiting non-zero on
 #       any failure. PHASE:
 #         kernels   the GPU tests of the engine (test names containing `cuda::`)
+#         model     the CUDA backend: the engine's model and golden tests on the GPU (TANDEM_TEST_DEVICE=cuda)
+#                   and engine/tests/gpu.rs (GPU against CPU), then `tandem generate --device cuda`
 #         sass      `tandem compile-kernels --check-sass`: NVRTC on the device, cuobjdump on every CUBIN
 #         loop      scripts/kernel-loop.py: every kernel through CuPy's NVRTC against a NumPy reference
 #         sanitize  the GPU tests under compute-sanitizer memcheck and racecheck
-#         all       kernels, sass, loop, sanitize
+#         bench     engine-bench on the GPU (tiny model, both precisions, JSON) and an Nsight Compute
+#                   per-kernel time breakdown of a decode step
+#         serve     `tandem up --device cuda` (prefill and decode workers sharing the GPU, caches over TCP
+#                   through host staging) checked by scripts/serve-check.py against `tandem generate --device cuda`
+#         all       kernels, sass, loop, sanitize, model, serve
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUNDLE=gpu-carry
@@ -23,17 +29,25 @@ LIMIT=$((64 * 1024 * 1024))
 pack() {
     command -v xz >/dev/null || { echo "gpu-test.sh: xz is needed to compress the bundle" >&2; exit 1; }
     cargo build --release --bin tandem
-    local tests
-    tests=$(cargo test --release -p engine --lib --no-run --message-format=json 2>/dev/null |
+    cargo build --release -p engine --bin engine-bench
+    # The engine's unit tests (engine-tests) and the integration tests that run on the GPU.
+    local built pairs=("tandem:target/release/tandem" "engine-bench:target/release/engine-bench")
+    built=$(cargo test --release -p engine --lib --test model --test golden --test gpu --no-run \
+        --message-format=json 2>/dev/null |
         python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "engine" and m["profile"]["test"]:
-        print(m["executable"])' | tail -n 1)
-    [[ -x "$tests" ]] || { echo "gpu-test.sh: engine test binary not found" >&2; exit 1; }
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        t = m["target"]
+        name = "engine-tests" if t["name"] == "engine" and "lib" in t["kind"] else "engine-" + t["name"]
+        print(name + ":" + m["executable"])')
+    for want in engine-tests engine-model engine-golden engine-gpu; do
+        grep -q "^$want:" <<<"$built" || { echo "gpu-test.sh: test binary $want not built" >&2; exit 1; }
+    done
+    mapfile -t -O 2 pairs <<<"$built"
     rm -rf "$BUNDLE" && mkdir -p "$BUNDLE"
     local name src
-    for pair in "tandem:target/release/tandem" "engine-tests:$tests"; do
+    for pair in "${pairs[@]}"; do
         name=${pair%%:*}
         src=${pair#*:}
         strip -o "$BUNDLE/$name" "$src"
@@ -89,6 +103,35 @@ run_tests() {
 
 phase_kernels() { run_tests kernels; }
 
+# One integration-test binary on the GPU, its rows appended to $SUMMARY.
+run_binary() {
+    local label=$1 bin=$2
+    shift 2
+    local log="$OUTDIR/$label.log" rc=0
+    TANDEM_TEST_DEVICE=cuda TANDEM_GOLDEN_ROOT="$PWD/tests/golden" "/tmp/tandem-gpu/$bin" --test-threads=1 --nocapture "$@" \
+        >"$log" 2>&1 || rc=$?
+    grep -E '^test .* \.\.\. ' "$log" | sed -E 's/^test (.*) \.\.\. (.*)$/| '"$label"' | \1 | \2 |/' >>"$SUMMARY" || true
+    if ((rc != 0)); then
+        FAILED+=("$label")
+        tail -n 40 "$log"
+    fi
+}
+
+phase_model() {
+    run_binary gpu-vs-cpu engine-gpu
+    run_binary model engine-model
+    run_binary golden engine-golden
+    # The CLI end to end on the GPU: a checkpoint, greedy generation, JSON out.
+    local rc=0 dir=/tmp/tandem-gpu/tiny
+    {
+        tandem gen-tiny "$dir" &&
+            tandem generate --model "$dir" --device cuda --prompt-ids 11,12,13,14,15 --max-tokens 16 --json
+    } >"$OUTDIR/generate.log" 2>&1 || rc=$?
+    tail -n 5 "$OUTDIR/generate.log"
+    echo "| generate | tandem generate --device cuda | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+    ((rc == 0)) || FAILED+=(generate)
+}
+
 phase_sanitize() {
     run_tests memcheck compute-sanitizer --tool memcheck --error-exitcode 1
     run_tests racecheck compute-sanitizer --tool racecheck --error-exitcode 1
@@ -110,8 +153,69 @@ phase_loop() {
     ((rc == 0)) || FAILED+=(loop)
 }
 
+phase_serve() {
+    local rc=0 dir=/tmp/tandem-gpu/tiny up
+    [[ -f "$dir/tokenizer.json" ]] || tandem gen-tiny "$dir" >/dev/null
+    tandem generate --model "$dir" --device cuda --prompt "The quick brown fox" --max-tokens 12 --ignore-eos --json \
+        >"$OUTDIR/generate-cuda.json" 2>"$OUTDIR/generate-cuda.log" || rc=$?
+    if ((rc == 0)); then
+        tandem up --model "$dir" --served-model-name tandem-tiny --device cuda --kv-transport tcp --port 18000 \
+            --grpc-port 18001 >"$OUTDIR/up.log" 2>&1 &
+        up=$!
+        for _ in $(seq 1 120); do
+            curl -sf http://127.0.0.1:18000/ready >/dev/null 2>&1 && break
+            kill -0 "$up" 2>/dev/null || break
+            sleep 1
+        done
+        python3 scripts/serve-check.py http://127.0.0.1:18000 tandem-tiny "$OUTDIR/generate-cuda.json" \
+            >"$OUTDIR/serve-check.log" 2>&1 || rc=$?
+        cat "$OUTDIR/serve-check.log"
+        kill -INT "$up" 2>/dev/null || true
+        wait "$up" 2>/dev/null || true
+        tail -n 20 "$OUTDIR/up.log"
+    else
+        cat "$OUTDIR/generate-cuda.log"
+    fi
+    echo "| serve | tandem up --device cuda + scripts/serve-check.py | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+    ((rc == 0)) || FAILED+=(serve)
+}
+
+phase_bench() {
+    local rc=0
+    for prec in fp8 full; do
+        engine-bench --device cuda --precision "$prec" --json --out "$OUTDIR/engine-bench-cuda-$prec.json" \
+            >"$OUTDIR/engine-bench-$prec.log" 2>&1 || rc=$?
+        cat "$OUTDIR/engine-bench-$prec.log"
+    done
+    echo "| bench | engine-bench --device cuda | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+    ((rc == 0)) || FAILED+=(bench)
+    # Where a decode step's time goes: every kernel of a few steps, timed by Nsight Compute.
+    if command -v ncu >/dev/null; then
+        ncu --csv --metrics gpu__time_duration.sum --launch-skip 2000 --launch-count 400 \
+            engine-bench --device cuda --decode-only >"$OUTDIR/ncu-decode.csv" 2>"$OUTDIR/ncu-decode.log" || true
+        python3 - "$OUTDIR/ncu-decode.csv" <<'PY' || true
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+if not rows:
+    sys.exit("no ncu rows")
+head = rows[0]
+k, v = head.index("Kernel Name"), head.index("Metric Value")
+t = collections.Counter()
+for r in rows[1:]:
+    try:
+        t[r[k]] += float(r[v].replace(",", ""))
+    except ValueError:
+        pass
+total = sum(t.values())
+print("kernel time share over %d launches (%.1f us):" % (len(rows) - 1, total / 1e3))
+for name, ns in t.most_common(12):
+    print("  %-40s %6.1f%%  %9.1f us" % (name[:40], 100 * ns / total, ns / 1e3))
+PY
+    fi
+}
+
 run() {
-    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|all}
+    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|serve|all}
     [[ -d "$BUNDLE" ]] || { echo "gpu-test.sh: $BUNDLE/ is missing: run 'scripts/gpu-test.sh pack' here and carry it" >&2; exit 1; }
     unpack
     OUTDIR=${OUT:-bench/out}
@@ -134,7 +238,10 @@ run() {
         sass) phase_sass ;;
         loop) phase_loop ;;
         sanitize) phase_sanitize ;;
-        all) phase_sass; phase_kernels; phase_loop; phase_sanitize ;;
+        model) phase_model ;;
+        bench) phase_bench ;;
+        serve) phase_serve ;;
+        all) phase_sass; phase_kernels; phase_loop; phase_sanitize; phase_model; phase_serve ;;
         *) echo "gpu-test.sh: unknown phase $phase" >&2; exit 2 ;;
     esac
     local passed failed
