@@ -138,6 +138,15 @@ pub const FAMILIES: &[Family] = &[
         // accumulation after an exact e4m3 -> f16 conversion (FP8 QMMA rates need wgmma).
         sass_expect: &["HMMA.16816.F32"],
     },
+    Family {
+        name: "sample",
+        source: include_str!("../../kernels/sample.cu"),
+        functions: &["tandem_sample_row", "tandem_draft_row"],
+        externals: &[],
+        // Butterfly reductions in a fixed order, stable radix-sort ranks from warp matches, Philox's
+        // 32x32 -> 64-bit products, and the race keys in f64.
+        sass_expect: &["SHFL.BFLY", "MATCH.ANY", "IMAD.HI.U32", "DADD"],
+    },
 ];
 
 /// A real GPU architecture NVRTC compiles to, e.g. `sm_90a`.

@@ -1,0 +1,552 @@
+//! The sampler on the GPU (`engine/kernels/sample.cu`): one logits row that lives on the device to the
+//! token [`crate::sampling::sample`] picks from the same values, with the raw logprobs; and the MTP draft.
+//! Everything vocabulary-sized runs on the device (one CTA per row); the host sends the request's edits
+//! (the few tokens that min_tokens, logit_bias and the penalties touch) and reads back the token, its
+//! logprob and the top-n.
+//!
+//! What is guaranteed, against the CPU on the same values:
+//! - greedy: the same token always (the argmax of the processed logits, NaN never, equal: lower id);
+//! - seeded sampling: the same token, with one exception: the device's `exp`/`log` may differ from the
+//!   host libm's in the last bit, so where the CPU's top-p running sum lands within a few ulp of `top_p`,
+//!   a probability within an ulp of the min-p floor or of underflow to 0, or two race keys within an f64
+//!   ulp of each other, the cut (and then possibly the token) can differ. Everything else is the CPU's
+//!   arithmetic: the edits and `z = l / T` rounded as the CPU rounds them, the same Philox counters, the
+//!   top-p sum added in f32 one term at a time in rank order, and the same tie rules;
+//! - logprobs within 1e-4 (both sides compute `l - lse` in f32 from an f64 sum), the same top-n ids. A
+//!   NaN logit makes every logprob NaN (as on the CPU) and the top-n the lowest ids; a `+inf` logit is
+//!   outside the guarantee (the CPU's softmax is NaN there).
+
+use std::collections::BTreeMap;
+
+use cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
+
+use super::{CudaError, Gpu};
+use crate::sampling::{History, PURPOSE_TOKEN, Sampled, SamplingParams};
+
+/// Threads of the one CTA per row; must match `SAMPLE_THREADS` in the kernel.
+const THREADS: u32 = 1024;
+/// The most top logprobs a call returns (`SAMPLE_MAX_TOP`: one per thread in the kernel's final sort).
+pub const MAX_TOP_LOGPROBS: u32 = 1024;
+/// `out` words: the kernel's `OUT_*` header, then (id, logprob bits) pairs.
+const OUT_TOKEN: usize = 0;
+const OUT_LOGPROB: usize = 1;
+const OUT_KEPT: usize = 2;
+const OUT_FLAGS: usize = 3;
+const OUT_TOP_COUNT: usize = 4;
+const OUT_HEADER: usize = 8;
+/// Edit flags (`EDIT_*` in the kernel).
+const EDIT_MASK: u32 = 1;
+const EDIT_SEEN: u32 = 2;
+
+/// The tokens a request's processing touches, in token order, each with what happens to it in the CPU's
+/// order ([`crate::sampling::processed_logits`]): masked (min_tokens), its logit_bias values in request
+/// order, the repetition penalty (seen in prompt or output), the frequency/presence penalty (its output
+/// count). `words` holds `[token, flags, count, end of its biases]` per token.
+#[derive(Debug, Default, PartialEq)]
+struct Edits {
+    words: Vec<u32>,
+    bias: Vec<f32>,
+}
+
+#[derive(Default)]
+struct Edit {
+    flags: u32,
+    count: u32,
+    bias: Vec<f32>,
+}
+
+impl Edits {
+    fn new(vocab: usize, params: &SamplingParams, history: History<'_>, eos: &[u32]) -> Self {
+        let mut touched = BTreeMap::<u32, Edit>::new();
+        // Ids outside the vocabulary are skipped, as the CPU does.
+        fn at(touched: &mut BTreeMap<u32, Edit>, vocab: usize, t: u32) -> Option<&mut Edit> {
+            ((t as usize) < vocab).then(|| touched.entry(t).or_default())
+        }
+        if (history.output.len() as u32) < params.min_tokens {
+            for &t in eos.iter().chain(&params.stop_token_ids) {
+                if let Some(e) = at(&mut touched, vocab, t) {
+                    e.flags |= EDIT_MASK;
+                }
+            }
+        }
+        for &(t, b) in &params.logit_bias {
+            if let Some(e) = at(&mut touched, vocab, t) {
+                e.bias.push(b);
+            }
+        }
+        let rep = params.repetition_penalty;
+        if rep > 0.0 && rep != 1.0 {
+            for &t in history.prompt.iter().chain(history.output) {
+                if let Some(e) = at(&mut touched, vocab, t) {
+                    e.flags |= EDIT_SEEN;
+                }
+            }
+        }
+        if params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 {
+            for &t in history.output {
+                if let Some(e) = at(&mut touched, vocab, t) {
+                    e.count += 1;
+                }
+            }
+        }
+        let mut out = Edits::default();
+        for (t, e) in touched {
+            out.bias.extend(&e.bias);
+            out.words.extend([t, e.flags, e.count, out.bias.len() as u32]);
+        }
+        out
+    }
+}
+
+fn shape(cond: bool, what: impl FnOnce() -> String) -> Result<(), CudaError> {
+    if cond { Ok(()) } else { Err(CudaError::Shape(what())) }
+}
+
+/// Samples output position `history.output.len()` of one request from one logits row that lives on the
+/// device (`row` is a view of `vocab` f32). Same result as [`crate::sampling::sample`] on the same values
+/// (the module documentation says exactly what is guaranteed): the same token for greedy and seeded
+/// sampling, logprob within 1e-4 absolute, the same top-n ids. `params.logprobs` above
+/// [`MAX_TOP_LOGPROBS`] is refused.
+pub fn sample_row(
+    gpu: &Gpu,
+    row: &CudaView<'_, f32>,
+    params: &SamplingParams,
+    history: History<'_>,
+    eos: &[u32],
+) -> Result<Sampled, CudaError> {
+    let o = run(gpu, row, params, history, eos)?;
+    if o.flags != 0 {
+        // Diagnostics only: the token is still the CPU's.
+        tracing::warn!(flags = o.flags, kept = o.kept, "sampler kernel took a fallback path");
+    }
+    Ok(o.sampled)
+}
+
+/// What one launch returns: the sample, how many candidates the race saw (the CPU's
+/// `candidates(..).len()`), and the kernel's diagnostic flags (`FLAG_*`: 0 unless a fallback ran).
+struct Outcome {
+    sampled: Sampled,
+    kept: u32,
+    flags: u32,
+}
+
+fn run(
+    gpu: &Gpu,
+    row: &CudaView<'_, f32>,
+    params: &SamplingParams,
+    history: History<'_>,
+    eos: &[u32],
+) -> Result<Outcome, CudaError> {
+    let n = row.len();
+    shape(n > 0 && n <= i32::MAX as usize, || format!("a logits row of {n} values"))?;
+    let top_n = match params.logprobs {
+        None => -1i32,
+        Some(k) => {
+            shape(k <= MAX_TOP_LOGPROBS, || format!("logprobs {k}: at most {MAX_TOP_LOGPROBS}"))?;
+            k as i32
+        }
+    };
+    let edits = Edits::new(n, params, history, eos);
+    let n_edits = (edits.words.len() / 4) as i32;
+    let st = gpu.stream();
+    // cudarc cannot upload an empty slice: a placeholder word the kernel never reads.
+    let words = st.clone_htod(if edits.words.is_empty() { &[0u32][..] } else { &edits.words })?;
+    let bias = st.clone_htod(if edits.bias.is_empty() { &[0f32][..] } else { &edits.bias })?;
+    // Greedy rows use no probabilities and no sort: placeholders keep the argument list fixed.
+    let scratch = if params.is_greedy() { 1 } else { n };
+    let z = st.alloc_zeros::<f32>(n)?;
+    let prob = st.alloc_zeros::<f32>(scratch)?;
+    let sort_a = st.alloc_zeros::<u32>(scratch)?;
+    let sort_b = st.alloc_zeros::<u32>(scratch)?;
+    let mut out = st.alloc_zeros::<u32>(OUT_HEADER + 2 * MAX_TOP_LOGPROBS as usize)?;
+
+    let f = gpu.function("tandem_sample_row")?;
+    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    let (n_i, greedy) = (n as i32, params.is_greedy() as i32);
+    let position = history.output.len() as u32;
+    let mut b = st.launch_builder(f);
+    b.arg(row).arg(&n_i).arg(&words).arg(&n_edits).arg(&bias);
+    b.arg(&params.repetition_penalty).arg(&params.frequency_penalty).arg(&params.presence_penalty);
+    b.arg(&greedy).arg(&params.temperature).arg(&params.top_k).arg(&params.top_p).arg(&params.min_p);
+    b.arg(&params.seed).arg(&position).arg(&PURPOSE_TOKEN).arg(&top_n);
+    b.arg(&z).arg(&prob).arg(&sort_a).arg(&sort_b).arg(&mut out);
+    // SAFETY: argument types and order match the kernel; `z` holds `n` values and the other scratch `n`
+    // unless greedy (then the kernel does not touch them); every edit's token is below `n` and its bias
+    // range inside `bias`; `out` holds the header and MAX_TOP_LOGPROBS pairs.
+    unsafe { b.launch(cfg) }?;
+    let words_back = OUT_HEADER + 2 * top_n.max(0) as usize;
+    let got = st.clone_dtoh(&out.slice(..words_back))?;
+    st.synchronize()?;
+    let top_count = got[OUT_TOP_COUNT] as usize;
+    let top = (0..top_count).map(|i| (got[OUT_HEADER + 2 * i], f32::from_bits(got[OUT_HEADER + 2 * i + 1]))).collect();
+    let logprob = if params.logprobs.is_some() { f32::from_bits(got[OUT_LOGPROB]) } else { 0.0 };
+    Ok(Outcome { sampled: Sampled { token: got[OUT_TOKEN], logprob, top }, kept: got[OUT_KEPT], flags: got[OUT_FLAGS] })
+}
+
+/// The MTP draft: argmax (ties: lowest id, NaN never) and its softmax probability (as `CpuBackend::draft`).
+pub fn draft_row(gpu: &Gpu, row: &CudaView<'_, f32>) -> Result<(u32, f32), CudaError> {
+    let n = row.len();
+    shape(n > 0 && n <= i32::MAX as usize, || format!("a logits row of {n} values"))?;
+    let st = gpu.stream();
+    let mut out = st.alloc_zeros::<u32>(2)?;
+    let f = gpu.function("tandem_draft_row")?;
+    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    let n_i = n as i32;
+    let mut b = st.launch_builder(f);
+    b.arg(row).arg(&n_i).arg(&mut out);
+    // SAFETY: argument types and order match the kernel; `row` holds `n` values, `out` two words.
+    unsafe { b.launch(cfg) }?;
+    let got = st.clone_dtoh(&out)?;
+    st.synchronize()?;
+    Ok((got[0], f32::from_bits(got[1])))
+}
+
+#[cfg(test)]
+mod tests {
+    use cudarc::driver::CudaSlice;
+    use rand::RngExt;
+    use rand_chacha::ChaCha8Rng;
+
+    use super::*;
+    use crate::sampling::{argmax, candidates, log_softmax, sample};
+
+    const EOS: &[u32] = &[1, 7];
+    const BIG: usize = 129_280;
+
+    /// Rows as a model and the tests' corner cases make them.
+    #[derive(Debug, Clone, Copy)]
+    enum Style {
+        /// Uniform in [-s, s]: s = 0.2 is nearly flat (top-p keeps most of the vocabulary), 12 is peaked.
+        Uniform(f32),
+        /// Values from a set of four (and -0.0 next to 0.0): ties everywhere.
+        FewValues,
+        AllEqual,
+        /// 30% -inf.
+        NegInf,
+        /// 5% NaN: every raw logprob is NaN.
+        Nan,
+        AllNegInf,
+        AllNan,
+    }
+
+    fn row(rng: &mut ChaCha8Rng, n: usize, style: Style) -> Vec<f32> {
+        let u = |rng: &mut ChaCha8Rng, s: f32| (rng.random::<f32>() * 2.0 - 1.0) * s;
+        (0..n)
+            .map(|_| match style {
+                Style::Uniform(s) => u(rng, s),
+                Style::FewValues => [0.0f32, -0.0, 0.5, 1.0, 1.5][rng.random_range(0..5)],
+                Style::AllEqual => 0.25,
+                Style::NegInf => {
+                    if rng.random_range(0..10) < 3 {
+                        f32::NEG_INFINITY
+                    } else {
+                        u(rng, 3.0)
+                    }
+                }
+                Style::Nan => {
+                    if rng.random_range(0..20) == 0 {
+                        f32::NAN
+                    } else {
+                        u(rng, 3.0)
+                    }
+                }
+                Style::AllNegInf => f32::NEG_INFINITY,
+                Style::AllNan => f32::NAN,
+            })
+            .collect()
+    }
+
+    fn base(temperature: f32) -> SamplingParams {
+        SamplingParams { temperature, max_tokens: 1000, ..Default::default() }
+    }
+
+    /// Every filter alone and together, at a few strengths; logprobs None / 0 / 5 / 20 in turn.
+    fn combos() -> Vec<(&'static str, SamplingParams)> {
+        let t = base;
+        let list = vec![
+            ("greedy", SamplingParams::greedy(1000)),
+            ("temperature 0.7", t(0.7)),
+            ("temperature 1.5", t(1.5)),
+            ("top_k 1", SamplingParams { top_k: 1, ..t(1.0) }),
+            ("top_k 5", SamplingParams { top_k: 5, ..t(1.0) }),
+            ("top_k 50", SamplingParams { top_k: 50, ..t(0.9) }),
+            ("top_k 1000", SamplingParams { top_k: 1000, ..t(1.1) }),
+            ("top_p 0.5", SamplingParams { top_p: 0.5, ..t(1.0) }),
+            ("top_p 0.9", SamplingParams { top_p: 0.9, ..t(0.8) }),
+            ("top_p 0.95", SamplingParams { top_p: 0.95, ..t(1.3) }),
+            ("min_p 0.05", SamplingParams { min_p: 0.05, ..t(1.0) }),
+            ("min_p 0.3", SamplingParams { min_p: 0.3, ..t(0.7) }),
+            ("all filters", SamplingParams { top_k: 40, top_p: 0.9, min_p: 0.05, ..t(0.8) }),
+            ("all filters, wide", SamplingParams { top_k: 20_000, top_p: 0.97, min_p: 0.001, ..t(1.2) }),
+        ];
+        let logprobs = [None, Some(0), Some(5), Some(20)];
+        list.into_iter()
+            .enumerate()
+            .map(|(i, (name, p))| (name, SamplingParams { logprobs: logprobs[i % 4], ..p }))
+            .collect()
+    }
+
+    fn close(a: f32, b: f32) -> bool {
+        (a.is_nan() && b.is_nan()) || a == b || (a - b).abs() <= 1e-4
+    }
+
+    /// The GPU against [`sample`] on the same values: token, logprob, top-n ids and values, and (with
+    /// `kept_too`) the number of candidates the race saw against the CPU's `candidates`.
+    fn check(
+        gpu: &Gpu,
+        dev: &CudaSlice<f32>,
+        host: &[f32],
+        p: &SamplingParams,
+        h: History<'_>,
+        kept_too: bool,
+        what: &str,
+    ) {
+        let want = sample(host, p, h, EOS);
+        let got = run(gpu, &dev.slice(..), p, h, EOS).unwrap();
+        let cpu_kept = || candidates(host, p, h, EOS).len();
+        assert_eq!(got.flags, 0, "{what}: fallback flags");
+        assert_eq!(got.sampled.token, want.token, "{what}: token (gpu kept {}, cpu kept {})", got.kept, cpu_kept());
+        if kept_too {
+            assert_eq!(got.kept as usize, cpu_kept(), "{what}: candidates");
+        }
+        assert!(
+            close(got.sampled.logprob, want.logprob),
+            "{what}: logprob {} vs {}",
+            got.sampled.logprob,
+            want.logprob
+        );
+        let ids = |s: &Sampled| s.top.iter().map(|t| t.0).collect::<Vec<_>>();
+        assert_eq!(ids(&got.sampled), ids(&want), "{what}: top ids");
+        for (g, w) in got.sampled.top.iter().zip(&want.top) {
+            assert!(close(g.1, w.1), "{what}: top logprob of {}: {} vs {}", g.0, g.1, w.1);
+        }
+    }
+
+    /// Every combination over `rows`, at several seeds and output positions.
+    fn check_rows(gpu: &Gpu, rng: &mut ChaCha8Rng, test_seed: u64, rows: &[(usize, Style)], draws: usize) {
+        for &(n, style) in rows {
+            let host = row(rng, n, style);
+            let dev = gpu.stream().clone_htod(&host).unwrap();
+            for (name, p) in combos() {
+                for d in 0..draws {
+                    let p = SamplingParams { seed: rng.random(), ..p.clone() };
+                    let out = vec![3u32; [0, 1, 17, 1000][d % 4]];
+                    let h = History { prompt: &[2, 4], output: &out };
+                    let what = format!("{name}, vocab {n}, {style:?}, draw {d}, test seed {test_seed}");
+                    check(gpu, &dev, &host, &p, h, d == 0, &what);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tokens_and_logprobs_equal_the_cpu_on_random_rows() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        let rows = [
+            (BIG, Style::Uniform(0.2)),
+            (BIG, Style::Uniform(4.0)),
+            (BIG, Style::Uniform(12.0)),
+            (50, Style::Uniform(1.0)),
+            (50, Style::Uniform(3.0)),
+            (1000, Style::Uniform(2.0)),
+        ];
+        check_rows(&gpu, &mut rng, seed, &rows, 6);
+    }
+
+    #[test]
+    fn rows_with_ties_neg_inf_and_nan_follow_the_cpu() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        let mut rows = Vec::new();
+        for n in [BIG, 50] {
+            for style in [Style::FewValues, Style::AllEqual, Style::NegInf, Style::Nan, Style::AllNegInf, Style::AllNan]
+            {
+                rows.push((n, style));
+            }
+        }
+        check_rows(&gpu, &mut rng, seed, &rows, 3);
+    }
+
+    #[test]
+    fn penalties_bias_and_min_tokens_follow_the_cpu() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        for n in [BIG, 50] {
+            let host = row(&mut rng, n, Style::Uniform(3.0));
+            let dev = gpu.stream().clone_htod(&host).unwrap();
+            let prompt: Vec<u32> = (0..2000).map(|_| rng.random_range(0..n as u32)).collect();
+            // Repeats (frequency counts above 1) and the eos / stop ids themselves.
+            let output: Vec<u32> =
+                (0..40).map(|i| [1, 3, 7, 11, i % 9, rng.random_range(0..n as u32)][i as usize % 6]).collect();
+            let hot =
+                (host.iter().enumerate().fold((0, f32::MIN), |b, (i, &v)| if v > b.1 { (i, v) } else { b })).0 as u32;
+            let bias =
+                vec![(5, 2.5), (5, -1.0), (9, 100.0), (12 % n as u32, -100.0), (hot, -7.5), (n as u32 + 3, 50.0)];
+            let processing = [
+                SamplingParams { repetition_penalty: 1.3, ..Default::default() },
+                SamplingParams { repetition_penalty: 0.7, ..Default::default() },
+                SamplingParams { presence_penalty: 0.5, frequency_penalty: 0.25, ..Default::default() },
+                SamplingParams { presence_penalty: -1.5, frequency_penalty: -0.4, ..Default::default() },
+                SamplingParams { logit_bias: bias.clone(), ..Default::default() },
+                SamplingParams { min_tokens: 60, stop_token_ids: vec![3, 11], ..Default::default() },
+                SamplingParams { min_tokens: 30, stop_token_ids: vec![3, 11], ..Default::default() },
+                SamplingParams {
+                    repetition_penalty: 1.2,
+                    presence_penalty: 0.3,
+                    frequency_penalty: 0.6,
+                    logit_bias: bias.clone(),
+                    min_tokens: 100,
+                    stop_token_ids: vec![hot],
+                    ..Default::default()
+                },
+            ];
+            for (i, proc_) in processing.iter().enumerate() {
+                for (name, filters) in combos() {
+                    let p = SamplingParams {
+                        temperature: filters.temperature,
+                        top_k: filters.top_k,
+                        top_p: filters.top_p,
+                        min_p: filters.min_p,
+                        logprobs: filters.logprobs,
+                        seed: rng.random(),
+                        max_tokens: 1000,
+                        ..proc_.clone()
+                    };
+                    for len in [0, 1, 40] {
+                        let h = History { prompt: &prompt, output: &output[..len] };
+                        let what = format!("processing {i}, {name}, vocab {n}, output {len}, test seed {seed}");
+                        check(&gpu, &dev, &host, &p, h, true, &what);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn many_seeds_and_positions_draw_the_cpus_token() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        let host = row(&mut rng, 50, Style::Uniform(1.5));
+        let dev = gpu.stream().clone_htod(&host).unwrap();
+        let out = vec![0u32; 300];
+        for params in [base(1.0), SamplingParams { top_k: 10, top_p: 0.8, min_p: 0.02, ..base(0.9) }] {
+            let mut seen = std::collections::HashSet::new();
+            for pos in 0..300 {
+                let p = SamplingParams { seed: u64::MAX - pos as u64 * 0x9E37_79B9_7F4A_7C15, ..params.clone() };
+                let h = History { prompt: &[], output: &out[..pos] };
+                let want = sample(&host, &p, h, EOS).token;
+                let got = sample_row(&gpu, &dev.slice(..), &p, h, EOS).unwrap().token;
+                assert_eq!(got, want, "position {pos}, seed {:#x}, test seed {seed}", p.seed);
+                seen.insert(got);
+            }
+            assert!(seen.len() > 5, "draws vary with seed and position");
+        }
+    }
+
+    #[test]
+    fn top_logprobs_up_to_the_limit_are_ranked_as_on_the_cpu() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        for (n, style) in
+            [(BIG, Style::FewValues), (BIG, Style::Uniform(5.0)), (700, Style::Uniform(1.0)), (3, Style::FewValues)]
+        {
+            let host = row(&mut rng, n, style);
+            let dev = gpu.stream().clone_htod(&host).unwrap();
+            for k in [1, 2, 64, 1000, MAX_TOP_LOGPROBS] {
+                let p = SamplingParams { logprobs: Some(k), ..SamplingParams::greedy(4) };
+                check(
+                    &gpu,
+                    &dev,
+                    &host,
+                    &p,
+                    History { prompt: &[], output: &[] },
+                    true,
+                    &format!("top {k}, vocab {n}, {style:?}, test seed {seed}"),
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn results_depend_only_on_the_rows_values() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, _) = crate::cpu::test_support::rng();
+        let host = row(&mut rng, BIG, Style::Uniform(0.5));
+        // The row at three places of one buffer, after other rows' garbage.
+        let mut buf = row(&mut rng, 3 * BIG + 1000, Style::Uniform(9.0));
+        for at in [0, BIG + 7, 2 * BIG + 1000] {
+            buf[at..at + BIG].copy_from_slice(&host);
+        }
+        let dev = gpu.stream().clone_htod(&buf).unwrap();
+        let p = SamplingParams { top_p: 0.93, min_p: 0.0001, logprobs: Some(20), seed: 77, ..base(1.1) };
+        let bits =
+            |s: Sampled| (s.token, s.logprob.to_bits(), s.top.iter().map(|t| (t.0, t.1.to_bits())).collect::<Vec<_>>());
+        let mut first = None;
+        for at in [0, BIG + 7, 2 * BIG + 1000, 0] {
+            let view = dev.slice(at..at + BIG);
+            let got = bits(sample_row(&gpu, &view, &p, History { prompt: &[], output: &[5] }, EOS).unwrap());
+            match &first {
+                None => first = Some(got),
+                Some(f) => assert_eq!(&got, f, "row at {at}"),
+            }
+        }
+    }
+
+    #[test]
+    fn the_draft_is_the_cpu_draft() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        for n in [BIG, 50, 1] {
+            for style in
+                [Style::Uniform(4.0), Style::FewValues, Style::NegInf, Style::Nan, Style::AllNegInf, Style::AllNan]
+            {
+                let host = row(&mut rng, n, style);
+                let dev = gpu.stream().clone_htod(&host).unwrap();
+                let (token, prob) = draft_row(&gpu, &dev.slice(..)).unwrap();
+                let want = argmax(&host);
+                let want_prob = log_softmax(&host)[want as usize].exp();
+                assert_eq!(token, want, "vocab {n}, {style:?}, test seed {seed}");
+                assert!(
+                    close(prob, want_prob) && (prob - want_prob).abs() <= 1e-6 || prob.is_nan() && want_prob.is_nan(),
+                    "vocab {n}, {style:?}: {prob} vs {want_prob}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_refused_before_launch() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let dev = gpu.stream().clone_htod(&[0.5f32, 1.0]).unwrap();
+        let h = History { prompt: &[], output: &[] };
+        let e = sample_row(&gpu, &dev.slice(0..0), &base(1.0), h, EOS).unwrap_err().to_string();
+        assert!(e.contains("0 values"), "{e}");
+        let p = SamplingParams { logprobs: Some(MAX_TOP_LOGPROBS + 1), ..base(1.0) };
+        let e = sample_row(&gpu, &dev.slice(..), &p, h, EOS).unwrap_err().to_string();
+        assert!(e.contains("logprobs"), "{e}");
+        assert!(draft_row(&gpu, &dev.slice(1..1)).is_err());
+    }
+
+    #[test]
+    fn edits_group_biases_in_request_order_and_skip_ids_outside_the_vocabulary() {
+        let p = SamplingParams {
+            logit_bias: vec![(9, 1.0), (4, 2.0), (9, -3.0), (50, 1.0)],
+            repetition_penalty: 1.5,
+            frequency_penalty: 0.5,
+            min_tokens: 4,
+            stop_token_ids: vec![4, 60],
+            ..base(1.0)
+        };
+        let e = Edits::new(10, &p, History { prompt: &[2, 70], output: &[2, 9, 2] }, &[1]);
+        let want_words = vec![
+            1, EDIT_MASK, 0, 0, // eos, masked (3 outputs < min_tokens 4)
+            2, EDIT_SEEN, 2, 0, // seen, twice in the output
+            4, EDIT_MASK, 0, 1, // a stop id with one bias
+            9, EDIT_SEEN, 1, 3, // two biases in request order, seen once
+        ];
+        assert_eq!(e, Edits { words: want_words, bias: vec![2.0, 1.0, -3.0] });
+        // Neutral parameters touch nothing.
+        assert_eq!(Edits::new(10, &base(1.0), History { prompt: &[1, 2], output: &[3] }, &[1]), Edits::default());
+    }
+}
