@@ -15,6 +15,11 @@
 //! - logprobs within 1e-4 (both sides compute `l - lse` in f32 from an f64 sum), the same top-n ids. A
 //!   NaN logit makes every logprob NaN (as on the CPU) and the top-n the lowest ids; a `+inf` logit is
 //!   outside the guarantee (the CPU's softmax is NaN there).
+//!
+//! Cost: one CTA of 1024 threads makes a few dozen passes over the row (L2-resident). Top-p sorts only the
+//! candidates its bound admits, so a peaked distribution sorts a handful; a near-flat one (the nucleus most
+//! of the vocabulary) sorts and adds up to the whole row in that one CTA, the slow case. Rows of a batch
+//! would take one CTA each (later work), and the edits are rebuilt on the host per call.
 
 use std::collections::BTreeMap;
 
