@@ -90,7 +90,7 @@ run_tests() {
     local label=$1
     shift
     local log="$OUTDIR/$label.log" rc=0
-    "$@" /tmp/tandem-gpu/engine-tests cuda:: --test-threads=1 >"$log" 2>&1 || rc=$?
+    "$@" /tmp/tandem-gpu/engine-tests ${TEST_FILTER:-cuda::} --test-threads=1 ${TEST_SKIP:-} >"$log" 2>&1 || rc=$?
     grep -E '^test .* \.\.\. ' "$log" | sed -E 's/^test (.*) \.\.\. (.*)$/| '"$label"' | \1 | \2 |/' >>"$SUMMARY" || true
     local skipped
     skipped=$(grep -c '^skipped:' "$log" || true)
@@ -134,7 +134,12 @@ phase_model() {
 
 phase_sanitize() {
     run_tests memcheck compute-sanitizer --tool memcheck --error-exitcode 1
-    run_tests racecheck compute-sanitizer --tool racecheck --error-exitcode 1
+    # racecheck tracks every shared-memory access: the sampler's 1024-thread CTAs over 129K-entry rows take
+    # minutes per test under it, so it checks the sampler on its tie-heavy and small-vocabulary cases only.
+    TEST_SKIP="--skip cuda::sample::tests::many_seeds --skip cuda::sample::tests::tokens_and_logprobs \
+--skip cuda::sample::tests::top_logprobs --skip cuda::sample::tests::results_depend \
+--skip cuda::sample::tests::penalties_bias" \
+        run_tests racecheck compute-sanitizer --tool racecheck --error-exitcode 1
 }
 
 phase_sass() {
@@ -241,7 +246,7 @@ run() {
         model) phase_model ;;
         bench) phase_bench ;;
         serve) phase_serve ;;
-        all) phase_sass; phase_kernels; phase_loop; phase_sanitize; phase_model; phase_serve ;;
+        all) phase_sass; phase_kernels; phase_loop; phase_model; phase_serve; phase_sanitize ;;
         *) echo "gpu-test.sh: unknown phase $phase" >&2; exit 2 ;;
     esac
     local passed failed

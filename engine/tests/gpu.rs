@@ -104,16 +104,18 @@ fn margin(row: &[f32]) -> f32 {
 }
 
 /// The two backends sum in different orders, so a score within rounding of the k-th largest can make the
-/// indexers select different sets at some (layer, position), and in FP8 a value within rounding of an e4m3
-/// boundary can take the other code (a 6-12% step of that element) and lead to such a split. Before the first
-/// position whose selections differ, only rounding separates the backends: logits within FULL_MAX_DIFF /
-/// FP8_MAX_DIFF and greedy tokens equal wherever the CPU's top-2 margin is above MARGIN. From there on
-/// different tokens are attended to and the logits may differ by the scale of the model's own FP8 noise:
-/// the mean diff over those positions stays under the CPU's own FP8-vs-full diff on the same prompt. A
-/// wrong kernel fails the first part at once (measured on an H100: bench/gpu/summary-model.md).
+/// indexers select different sets at some (layer, position) (a "split"); from there on different tokens are
+/// attended to. In full precision only rounding separates the backends before the first split: logits within
+/// FULL_MAX_DIFF and greedy tokens equal wherever the CPU's top-2 margin is above FULL_MARGIN; splits stay
+/// rare and what follows them close. In FP8 a value within rounding of an e4m3 boundary also takes the other
+/// code on one backend (a 6-12% step of that element), which can flip an expert choice or a selection: on
+/// the random tiny checkpoint whole rows then move by the scale of FP8 itself. The FP8 bounds are therefore
+/// statistical, against the same prompt's CPU FP8-vs-full diff. Measured on an H100 over 12 fresh prompts
+/// (bench/gpu/): full precision never split, worst diff 2e-13; FP8 split at 0-35% of the sparse rows, mean
+/// diff after the first split 0-9e-3 against an FP8-vs-full diff near 5e-2, greedy equal at 87-100%.
 const FULL_MAX_DIFF: f64 = 1e-8;
-const FP8_MAX_DIFF: f64 = 1e-3;
-const MARGIN: f32 = 0.01;
+const FULL_MARGIN: f32 = 0.01;
+const FP8_NOISE_SHARE: f64 = 0.25;
 
 #[test]
 fn teacher_forced_logits_match_the_cpu_backend() {
@@ -131,59 +133,60 @@ fn teacher_forced_logits_match_the_cpu_backend() {
         let split: Vec<usize> = sa.iter().zip(&sb).filter(|(x, y)| x.2 != y.2).map(|(x, _)| x.1).collect();
         let first_split = split.iter().copied().min().unwrap_or(toks.len());
         let sparse = sa.iter().filter(|x| x.2.len() == checkpoint().config().index_topk).count();
-        let (max_diff, full) = match prec {
-            Precision::Full => (FULL_MAX_DIFF, None),
-            Precision::Fp8 => (
-                FP8_MAX_DIFF,
-                Some(prefill_all(
-                    &side(
-                        Arc::new(CpuBackend::from_checkpoint(checkpoint(), Precision::Full).unwrap()),
-                        Precision::Full,
-                    ),
-                    "f",
-                    &toks,
-                )),
-            ),
-        };
+        let full = (prec == Precision::Fp8).then(|| {
+            let cpu_full = Arc::new(CpuBackend::from_checkpoint(checkpoint(), Precision::Full).unwrap());
+            prefill_all(&side(cpu_full, Precision::Full), "f", &toks)
+        });
         let row = |v: &[f32], p: usize| v[p * VOCAB..(p + 1) * VOCAB].to_vec();
         let (mut worst_before, mut clear, mut clear_agree, mut agree) = (0f64, 0, 0, 0);
-        let (mut after, mut noise) = (Vec::new(), Vec::new());
+        let (mut diffs, mut after, mut noise) = (Vec::new(), Vec::new(), Vec::new());
         for p in 0..toks.len() {
             let (ra, rb) = (row(&a, p), row(&b, p));
             let same = argmax(&ra) == argmax(&rb);
+            let d = diff(&ra, &rb);
             agree += same as usize;
+            diffs.push(d);
+            noise.push(full.as_ref().map_or(0.0, |f| diff(&ra, &row(f, p))));
             if p < first_split {
-                worst_before = worst_before.max(diff(&ra, &rb));
-                if margin(&ra) > MARGIN {
+                worst_before = worst_before.max(d);
+                if margin(&ra) > FULL_MARGIN {
                     clear += 1;
                     clear_agree += same as usize;
                 }
             } else {
-                after.push(diff(&ra, &rb));
-                noise.push(full.as_ref().map_or(0.0, |f| diff(&ra, &row(f, p))));
+                after.push(d);
             }
         }
         let mean = |v: &[f64]| if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 };
+        let n = toks.len();
         eprintln!(
             "{prec:?}: selections differ at {} of {} (layer, position) pairs ({sparse} sparse), first at position \
-             {first_split} of {}; before it: worst diff {worst_before:.3e}, greedy equal {clear_agree}/{clear} where the \
-             margin > {MARGIN}; after it: mean diff {:.3e} (the CPU's FP8-vs-full: {:.3e}); greedy equal {agree}/{} \
-             overall",
+             {first_split} of {n}; before it: worst diff {worst_before:.3e}, greedy equal {clear_agree}/{clear} where the \
+             margin > {FULL_MARGIN}; after it: mean diff {:.3e}; overall mean diff {:.3e} (the CPU's FP8-vs-full: \
+             {:.3e}), greedy equal {agree}/{n}",
             split.len(),
             sa.len(),
-            toks.len(),
             mean(&after),
+            mean(&diffs),
             mean(&noise),
-            toks.len()
         );
-        assert!(worst_before < max_diff, "{prec:?}: diff {worst_before} before any selection differs");
-        assert_eq!(clear_agree, clear, "{prec:?}: greedy tokens differ where the margin is clear and selections agree");
         assert!(split.len() * 2 <= sparse, "{prec:?}: selections differ at {} of {sparse} sparse rows", split.len());
-        if prec == Precision::Fp8 {
-            assert!(
-                mean(&after) <= mean(&noise),
-                "Fp8: after the first split the backends differ more than FP8 from full"
-            );
+        match prec {
+            Precision::Full => {
+                assert!(worst_before < FULL_MAX_DIFF, "Full: diff {worst_before} before any selection differs");
+                assert_eq!(clear_agree, clear, "Full: greedy tokens differ where the margin is clear");
+                assert!(split.len() * 100 <= sparse, "Full: selections differ at {} rows", split.len());
+                assert!(mean(&after) < 1e-3, "Full: mean diff {} after the first split", mean(&after));
+            }
+            Precision::Fp8 => {
+                assert!(
+                    mean(&diffs) < FP8_NOISE_SHARE * mean(&noise),
+                    "Fp8: mean diff {} against the FP8-vs-full diff {}",
+                    mean(&diffs),
+                    mean(&noise)
+                );
+                assert!(agree * 4 >= 3 * n, "Fp8: greedy equal at only {agree}/{n} positions");
+            }
         }
     }
 }
@@ -285,7 +288,10 @@ fn generation_case(prec: Precision) {
         eprintln!("{prec:?}: they split where the CPU's margin is {m}");
         // Full precision differs only by rounding; FP8 outputs split where a code flips (measured, not asserted).
         if prec == Precision::Full {
-            assert!(m < MARGIN, "Full: the GPU's greedy output left the CPU's at token {same} with a clear margin {m}");
+            assert!(
+                m < FULL_MARGIN,
+                "Full: the GPU's greedy output left the CPU's at token {same} with a clear margin {m}"
+            );
         }
     }
 }
