@@ -110,7 +110,17 @@ run_binary() {
     local log="$OUTDIR/$label.log" rc=0
     TANDEM_TEST_DEVICE=cuda TANDEM_GOLDEN_ROOT="$PWD/tests/golden" "/tmp/tandem-gpu/$bin" --test-threads=1 --nocapture "$@" \
         >"$log" 2>&1 || rc=$?
-    grep -E '^test .* \.\.\. ' "$log" | sed -E 's/^test (.*) \.\.\. (.*)$/| '"$label"' | \1 | \2 |/' >>"$SUMMARY" || true
+    # --nocapture interleaves the tests' measurements with libtest's lines: a test failed when it is listed
+    # under "failures:" at the end, passed otherwise (the binary's exit status agrees).
+    local failed_tests name
+    failed_tests=$(sed -n '/^failures:$/,/^test result/p' "$log" | grep -E '^    [a-z_:0-9]+$' | tr -d ' ' || true)
+    for name in $(grep -oE '^test [a-z_:0-9]+ \.\.\.' "$log" | awk '{print $2}'); do
+        if grep -qx "$name" <<<"$failed_tests"; then
+            echo "| $label | $name | FAILED |" >>"$SUMMARY"
+        else
+            echo "| $label | $name | ok |" >>"$SUMMARY"
+        fi
+    done
     if ((rc != 0)); then
         FAILED+=("$label")
         tail -n 40 "$log"
