@@ -30,12 +30,6 @@ pub enum DecodePolicyKind {
     RoundRobin,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    Text,
-    Json,
-}
-
 /// The router's flags. Embed in another clap parser with `#[command(flatten)]`.
 #[derive(Debug, Clone, ClapArgs)]
 pub struct Args {
@@ -140,9 +134,8 @@ pub struct Args {
     #[arg(long, env = "TANDEM_WORKER_CONNECTIONS", default_value_t = 1)]
     pub worker_connections: usize,
 
-    /// Log format on stderr (RUST_LOG sets the level).
-    #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value = "text")]
-    pub log_format: LogFormat,
+    #[command(flatten)]
+    pub log: logging::LogArgs,
     /// Validate every argument, print the result and exit (0 when valid) without reading the model files
     /// or binding anything.
     #[arg(long, env = "TANDEM_CHECK_CONFIG")]

@@ -11,7 +11,7 @@ use tokio::task::JoinHandle;
 use tracing::info;
 
 use crate::admission::Admission;
-use crate::config::{Args, LogFormat};
+use crate::config::Args;
 use crate::flow::{CapacityWait, Dispatcher, Limits};
 use crate::metrics::Metrics;
 use crate::model::{ModelError, ServedModel};
@@ -63,20 +63,6 @@ impl RouterHandle {
             Err(e) => Err(RouterError::Serve(e.to_string())),
         }
     }
-}
-
-/// Sets up `tracing` on stderr; the level comes from RUST_LOG (default info).
-pub fn init_tracing(format: LogFormat) {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let b = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    let _ = match format {
-        LogFormat::Text => b.try_init(),
-        LogFormat::Json => b.json().try_init(),
-    };
 }
 
 async fn bind(addr: &str) -> Result<TcpListener, RouterError> {

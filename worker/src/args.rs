@@ -74,6 +74,8 @@ pub struct ServeArgs {
     /// CPU backend compute threads (default: one per core).
     #[arg(long, env = "TANDEM_THREADS")]
     pub threads: Option<usize>,
+    #[command(flatten)]
+    pub log: logging::LogArgs,
     /// Validate every argument, print the result and exit (0 when valid) without loading the model or
     /// binding anything. The model directory itself is checked by `tandem verify`.
     #[arg(long, env = "TANDEM_CHECK_CONFIG")]
