@@ -144,8 +144,8 @@ impl Discovery for EtcdDiscovery {
         })
     }
 
-    fn backend(&self) -> &'static str {
-        "etcd"
+    fn kind(&self) -> crate::DiscoveryKind {
+        crate::DiscoveryKind::Etcd
     }
 }
 

@@ -24,7 +24,7 @@ mod static_list;
 mod view;
 mod worker;
 
-pub use args::{Backend, DiscoveryArgs};
+pub use args::{DiscoveryArgs, DiscoveryKind};
 pub use discovery::{Discovery, DiscoveryConfig, Registration, RegistrationState, connect};
 pub use error::DiscoveryError;
 pub use etcd::{EtcdDiscovery, EtcdOptions};

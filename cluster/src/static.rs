@@ -42,8 +42,8 @@ impl Discovery for StaticDiscovery {
         Box::pin(async move { Ok(Registration::fixed(format!("static:{}/{}", record.role, record.id))) })
     }
 
-    fn backend(&self) -> &'static str {
-        "static"
+    fn kind(&self) -> crate::DiscoveryKind {
+        crate::DiscoveryKind::Static
     }
 }
 

@@ -184,7 +184,7 @@ impl Args {
 
     /// Checks what clap cannot. Messages name the flag.
     pub fn validate(&self) -> Result<(), String> {
-        if self.registry.backend == cluster::Backend::Static && (self.prefill.is_empty() || self.decode.is_empty()) {
+        if self.registry.kind == cluster::DiscoveryKind::Static && (self.prefill.is_empty() || self.decode.is_empty()) {
             return Err("--discovery static needs at least one --prefill ADDR and one --decode ADDR".into());
         }
         if self.max_running_requests == 0 {

@@ -153,7 +153,7 @@ pub async fn start_with_listeners(
         }
         None => None,
     };
-    info!(%http_addr, ?grpc_addr, discovery = ?args.registry.backend, prefill_policy = ?args.prefill_policy, decode_policy = ?args.decode_policy, "router listening");
+    info!(%http_addr, ?grpc_addr, discovery = %args.registry.kind, prefill_policy = ?args.prefill_policy, decode_policy = ?args.decode_policy, "router listening");
     Ok(RouterHandle { http_addr, grpc_addr, shutdown: shutdown_tx, tasks })
 }
 
@@ -165,7 +165,7 @@ pub async fn run(args: Args) -> Result<(), RouterError> {
             "{}",
             serde_json::json!({"event": "config-ok", "role": "router", "model": args.model.display().to_string(),
                 "http": args.http_addr(), "grpc": args.grpc_addr(),
-                "discovery": format!("{:?}", args.registry.backend).to_lowercase()})
+                "discovery": args.registry.kind.as_str()})
         );
         return Ok(());
     }

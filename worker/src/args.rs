@@ -140,7 +140,7 @@ impl ServeArgs {
             "{}",
             serde_json::json!({"event": "config-ok", "role": role, "model": self.model.display().to_string(),
                 "listen": self.listen.to_string(), "advertise": self.advertise,
-                "discovery": format!("{:?}", self.discovery.backend).to_lowercase()})
+                "discovery": self.discovery.kind.as_str()})
         );
     }
 

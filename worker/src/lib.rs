@@ -50,7 +50,7 @@ pub async fn register(
     args: &ServeArgs,
     record: cluster::WorkerRecord,
 ) -> anyhow::Result<Option<cluster::Registration>> {
-    if args.discovery.backend == cluster::Backend::Static {
+    if args.discovery.kind == cluster::DiscoveryKind::Static {
         return Ok(None);
     }
     let discovery = cluster::connect(args.discovery.config(Vec::new(), Vec::new())).await?;
