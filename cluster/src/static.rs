@@ -7,7 +7,9 @@ use std::sync::Arc;
 use futures::future::BoxFuture;
 use tokio::sync::watch;
 
-use crate::{ClusterView, Discovery, DiscoveryError, Registration, WorkerRecord, WorkerRole};
+use proto::v1::WorkerRole;
+
+use crate::{ClusterView, Discovery, DiscoveryError, Registration, WorkerRecord};
 
 pub struct StaticDiscovery {
     view: watch::Sender<Arc<ClusterView>>,

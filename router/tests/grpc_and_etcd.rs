@@ -7,7 +7,8 @@ mod etcd;
 
 use std::time::Duration;
 
-use cluster::{Capacity, Discovery, EtcdDiscovery, EtcdOptions, WorkerRecord, WorkerRole as Role};
+use cluster::{Capacity, Discovery, EtcdDiscovery, EtcdOptions, WorkerRecord};
+use proto::v1::WorkerRole as Role;
 use proto::v1::generate_client::GenerateClient;
 use proto::v1::generate_request::Input;
 use proto::v1::{ChatMessage, ChatMessages, FinishReason, GenerateRequest, ListModelsRequest, SamplingParams};
