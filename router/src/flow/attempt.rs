@@ -11,13 +11,13 @@ use tracing::{debug, warn};
 use super::abort::AbortGuard;
 use super::output::{Control, FinishReason, Output};
 use super::select::Pair;
-use super::{Event, Job, Limits};
+use super::{Event, Limits, TokenizedRequest};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::workers::is_worker_fault;
 
 pub struct AttemptInput<'a> {
-    pub job: &'a Job,
+    pub request: &'a TokenizedRequest,
     /// 0 for the first attempt; retries and re-prefills count up.
     pub attempt: u32,
     pub hashes: &'a [u64],
@@ -131,14 +131,15 @@ async fn next(
 }
 
 pub async fn run(input: AttemptInput<'_>, out: &mut Output, tx: &mpsc::UnboundedSender<Event>) -> AttemptEnd {
-    let AttemptInput { job, attempt, hashes, pair, limits, metrics } = input;
+    let AttemptInput { request, attempt, hashes, pair, limits, metrics } = input;
     // Workers key reservations, transfers and aborts by request id. A retry gets its own id
     // (`<id>.<attempt>`), so the previous attempt's late abort or cleanup can never hit it.
-    let attempt_id = if attempt == 0 { job.request_id.clone() } else { format!("{}.{attempt}", job.request_id) };
+    let attempt_id =
+        if attempt == 0 { request.request_id.clone() } else { format!("{}.{attempt}", request.request_id) };
     let rid = attempt_id.as_str();
     let num_generated = out.generated().len();
-    let mut seq = Vec::with_capacity(job.prompt.len() + num_generated);
-    seq.extend_from_slice(&job.prompt);
+    let mut seq = Vec::with_capacity(request.prompt.len() + num_generated);
+    seq.extend_from_slice(&request.prompt);
     seq.extend_from_slice(out.generated());
     let tokens = seq.len() as u64;
     let mut guard = AbortGuard::new(rid);
@@ -148,9 +149,9 @@ pub async fn run(input: AttemptInput<'_>, out: &mut Output, tx: &mpsc::Unbounded
     let mut dreq = tonic::Request::new(DecodeRequest {
         request_id: rid.to_owned(),
         token_ids: seq.clone(),
-        sampling: Some(job.sampling.clone()),
+        sampling: Some(request.sampling.clone()),
         num_generated: num_generated as u32,
-        num_prompt_tokens: job.prompt.len() as u32,
+        num_prompt_tokens: request.prompt.len() as u32,
         transfer_timeout_ms: limits.prefill_timeout.as_millis().min(u32::MAX as u128) as u32,
     });
     tag(&mut dreq, rid);
@@ -199,10 +200,10 @@ pub async fn run(input: AttemptInput<'_>, out: &mut Output, tx: &mpsc::Unbounded
     let mut preq = tonic::Request::new(PrefillRequest {
         request_id: rid.to_owned(),
         token_ids: seq,
-        sampling: Some(job.sampling.clone()),
+        sampling: Some(request.sampling.clone()),
         transfer,
         num_generated: num_generated as u32,
-        num_prompt_tokens: job.prompt.len() as u32,
+        num_prompt_tokens: request.prompt.len() as u32,
     });
     tag(&mut preq, rid);
     preq.set_timeout(limits.prefill_timeout);

@@ -9,7 +9,7 @@ use text::{IncrementalDetokenizer, StopMatcher};
 use tokio::sync::mpsc;
 use tracing::info;
 
-use super::{Event, Job};
+use super::{Event, TokenizedRequest};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::model::ServedModel;
@@ -83,20 +83,25 @@ pub struct Output {
 }
 
 impl Output {
-    pub fn new(job: &Job, model: Arc<ServedModel>, metrics: Arc<Metrics>, tx: mpsc::UnboundedSender<Event>) -> Self {
+    pub fn new(
+        request: &TokenizedRequest,
+        model: Arc<ServedModel>,
+        metrics: Arc<Metrics>,
+        tx: mpsc::UnboundedSender<Event>,
+    ) -> Self {
         Self {
-            detok: IncrementalDetokenizer::new(&job.prompt, job.skip_special_tokens),
-            stop: StopMatcher::new(&job.stop, job.include_stop_str),
+            detok: IncrementalDetokenizer::new(&request.prompt, request.skip_special_tokens),
+            stop: StopMatcher::new(&request.stop, request.include_stop_str),
             model,
             metrics,
             tx,
-            endpoint: job.endpoint,
+            endpoint: request.endpoint,
             generated: Vec::new(),
-            max_tokens: job.sampling.max_tokens.max(1) as usize,
-            stop_token_ids: job.sampling.stop_token_ids.clone(),
-            prompt_tokens: job.prompt.len() as u32,
+            max_tokens: request.sampling.max_tokens.max(1) as usize,
+            stop_token_ids: request.sampling.stop_token_ids.clone(),
+            prompt_tokens: request.prompt.len() as u32,
             cached_tokens: 0,
-            arrived: job.arrived,
+            arrived: request.arrived,
             last_token: None,
             first_token: None,
             finished: false,
