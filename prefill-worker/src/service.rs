@@ -21,7 +21,7 @@ pub(crate) fn status(e: &PrefillError) -> Status {
     let msg = e.to_string();
     match e {
         PrefillError::Aborted | PrefillError::CallerGone => Status::cancelled(msg),
-        PrefillError::NoBlocks(_) => Status::resource_exhausted(msg),
+        PrefillError::NoBlocks(_) => proto::refusal::no_room(msg),
         PrefillError::Compute(_) | PrefillError::NoToken => Status::internal(msg),
         // Another prefill worker can serve it.
         PrefillError::Device(_) => Status::unavailable(msg),

@@ -7,10 +7,13 @@
 //!   and kv-transfer all use: the fingerprint carries the one compatibility rule
 //!   ([`check_compatible`](v1::ModelFingerprint::check_compatible)), the role its name ("prefill",
 //!   "decode"); both are stored as JSON in discovery records.
+//! - [`refusal`]: the typed reason a worker attaches to its error status (`no_room`), which the router reads
+//!   instead of the status message.
 //!
 //! The `.proto` files under `proto/tandem/v1/` document every field.
 
 mod fingerprint;
+pub mod refusal;
 mod role;
 
 pub use fingerprint::FingerprintMismatch;

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use proto::v1::decode_event::Event as DecodeEv;
-use proto::v1::{DecodeRequest, PrefillRequest, StageTimings};
+use proto::v1::{DecodeRequest, PrefillRequest, RefusalReason, StageTimings};
 use tokio::sync::mpsc;
 use tonic::Code;
 use tracing::{debug, warn};
@@ -89,10 +89,10 @@ fn observe_timings(m: &Metrics, t: &StageTimings) {
     }
 }
 
-/// RESOURCE_EXHAUSTED from the worker means "no free blocks"; the same code produced by the HTTP/2 layer
-/// (GOAWAY ENHANCE_YOUR_CALM, "h2 protocol error") is a connection failure instead.
+/// The worker said it has no room (its typed refusal). RESOURCE_EXHAUSTED without it comes from the
+/// HTTP/2 layer (GOAWAY ENHANCE_YOUR_CALM) and is a connection failure instead.
 fn is_full(status: &tonic::Status) -> bool {
-    status.code() == Code::ResourceExhausted && !status.message().contains("h2 protocol error")
+    status.code() == Code::ResourceExhausted && proto::refusal::reason(status) == Some(RefusalReason::NoRoom)
 }
 
 fn decode_refused(status: &tonic::Status, pair: &Pair) -> AttemptEnd {
