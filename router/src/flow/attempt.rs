@@ -215,7 +215,6 @@ pub async fn run(input: AttemptInput<'_>, out: &mut Output, tx: &mpsc::Unbounded
     let mut decode_open = true;
     // A Finished that overtook the prefill reply (the request ended in prefill): applied after it.
     let mut early_finish: Option<FinishReason> = None;
-    let mut decode_pos = num_generated;
     loop {
         tokio::select! {
             _ = tx.closed() => return AttemptEnd::ClientGone,
@@ -254,8 +253,10 @@ pub async fn run(input: AttemptInput<'_>, out: &mut Output, tx: &mpsc::Unbounded
                     observe_timings(metrics, t);
                     out.set_cached_tokens(t.cached_tokens);
                 }
-                if let Some(tok) = resp.first_token {
-                    match out.push_at(num_generated, std::slice::from_ref(&tok)).await {
+                // The first token's one source: the decode stream, unless prefill ended the request
+                // (then the reservation was released and no decode stream carries it).
+                if resp.finished && let Some(tok) = resp.first_token {
+                    match out.push(std::slice::from_ref(&tok)).await {
                         Control::Continue => {}
                         Control::Stop => { guard.reason = "stop string matched"; return AttemptEnd::Done; }
                         Control::ClientGone => return AttemptEnd::ClientGone,
@@ -304,9 +305,7 @@ pub async fn run(input: AttemptInput<'_>, out: &mut Output, tx: &mpsc::Unbounded
                 };
                 match ev {
                     Some(DecodeEv::Tokens(t)) => {
-                        let start = decode_pos;
-                        decode_pos += t.tokens.len();
-                        match out.push_at(start, &t.tokens).await {
+                        match out.push(&t.tokens).await {
                             Control::Continue => {}
                             Control::Stop => { guard.reason = "stop string matched"; return AttemptEnd::Done; }
                             Control::ClientGone => return AttemptEnd::ClientGone,

@@ -120,17 +120,16 @@ impl Output {
         if self.tx.send(ev).is_err() { Control::ClientGone } else { Control::Continue }
     }
 
-    /// Tokens at output positions `start..`; positions already seen are skipped (the prefill worker's
-    /// first token also opens the decode stream).
-    pub async fn push_at(&mut self, start: usize, tokens: &[GeneratedToken]) -> Control {
+    /// The tokens that follow those already pushed (every token of an attempt has one source; see
+    /// `flow::attempt`).
+    pub async fn push(&mut self, tokens: &[GeneratedToken]) -> Control {
         if self.finished {
             return Control::Continue;
         }
-        let skip = self.generated.len().saturating_sub(start);
         let mut text = String::new();
         let mut emitted = Vec::new();
         let mut matched = None;
-        for t in tokens.iter().skip(skip) {
+        for t in tokens {
             if self.generated.len() >= self.max_tokens {
                 break;
             }
