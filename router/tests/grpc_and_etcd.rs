@@ -99,7 +99,7 @@ fn record(d: &support::double::Double, role: Role) -> WorkerRecord {
         role,
         grpc_address: d.grpc_address(),
         capacity: Capacity { max_num_seqs: 8, kv_blocks_total: 1000, max_model_len: 4096 },
-        fingerprint: Some(d.fingerprint.clone().into()),
+        fingerprint: Some(d.fingerprint.clone()),
     }
 }
 
