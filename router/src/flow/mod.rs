@@ -1,8 +1,9 @@
 //! A request's flow through the cluster, in named stages:
 //!
 //! 1. [`select`]: pick a compatible prefill/decode pair with the configured policies.
-//! 2. [`attempt`]: open `DecodeWorker.Decode` (the decode worker reserves blocks and answers `Reserved`),
-//!    call `PrefillWorker.Prefill` with the descriptor, then relay tokens from the Decode stream.
+//! 2. [`attempt`]: a state machine over one pair: open `DecodeWorker.Decode` (the decode worker reserves
+//!    blocks and answers `Reserved`), call `PrefillWorker.Prefill` with the descriptor, then relay tokens
+//!    from the Decode stream ([`worker_replies`] reads what the workers answer).
 //! 3. [`output`]: incremental detokenization, stop strings, logprobs, usage -> [`Event`]s.
 //!
 //! [`Dispatcher::start`] runs these in a task per request and retries: another prefill worker when
@@ -15,6 +16,7 @@ mod attempt;
 mod capacity;
 mod output;
 mod select;
+mod worker_replies;
 
 use std::collections::HashSet;
 use std::sync::Arc;
