@@ -12,6 +12,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // SAFETY: build scripts are single-threaded here; nothing else reads the environment concurrently.
         unsafe { std::env::set_var("PROTOC", protoc) };
     }
-    tonic_prost_build::configure().build_client(true).build_server(true).compile_protos(&protos, &["."])?;
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        // Discovery stores fingerprints in its JSON worker records (roles: src/role.rs).
+        .type_attribute("tandem.v1.ModelFingerprint", "#[derive(serde::Serialize, serde::Deserialize)]")
+        .compile_protos(&protos, &["."])?;
     Ok(())
 }

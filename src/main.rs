@@ -48,19 +48,19 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Router(a) => {
-            router::init_tracing(a.log_format);
+            a.log.init();
             serve(|| async move { router::run(a).await.map_err(anyhow::Error::from) })
         }
         Command::PrefillWorker(a) => {
-            worker::init_logging();
+            a.serve.log.init();
             serve(|| prefill_worker::run(a))
         }
         Command::DecodeWorker(a) => {
-            worker::init_logging();
+            a.serve.log.init();
             serve(|| decode_worker::run(a))
         }
         command => {
-            cli::init_logging();
+            logging::init(logging::LogFormat::Text);
             match command {
                 Command::GenTiny(a) => cli::gen_tiny::run(a),
                 Command::Verify(a) => cli::verify::run(a),

@@ -6,19 +6,36 @@ use clap::{Args, ValueEnum};
 
 use crate::{DiscoveryConfig, EtcdOptions};
 
+/// Which discovery backend (`--discovery`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Backend {
+pub enum DiscoveryKind {
     /// Fixed addresses (router: --prefill/--decode); workers do not register anywhere.
     Static,
     /// etcd: workers register under /tandem/<cluster>/workers/, routers watch that prefix.
     Etcd,
 }
 
+impl DiscoveryKind {
+    /// The flag value ("static", "etcd").
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Static => "static",
+            Self::Etcd => "etcd",
+        }
+    }
+}
+
+impl std::fmt::Display for DiscoveryKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 #[derive(Debug, Clone, Args)]
 pub struct DiscoveryArgs {
     /// How workers are found.
     #[arg(long = "discovery", env = "TANDEM_DISCOVERY", value_enum, default_value = "static")]
-    pub backend: Backend,
+    pub kind: DiscoveryKind,
     /// etcd endpoints (etcd discovery; repeat or comma-separate).
     #[arg(long, env = "TANDEM_ETCD", value_delimiter = ',', default_value = "http://127.0.0.1:2379")]
     pub etcd: Vec<String>,
@@ -39,7 +56,7 @@ impl DiscoveryArgs {
         if self.lease_ttl_secs == 0 {
             return Err("--lease-ttl-secs must be at least 1".into());
         }
-        if self.backend == Backend::Etcd {
+        if self.kind == DiscoveryKind::Etcd {
             if self.etcd.is_empty() {
                 return Err("--discovery etcd needs at least one --etcd URL".into());
             }
@@ -58,9 +75,9 @@ impl DiscoveryArgs {
 
     /// The backend configuration. `prefill` / `decode` are the static address lists (empty for workers).
     pub fn config(&self, prefill: Vec<String>, decode: Vec<String>) -> DiscoveryConfig {
-        match self.backend {
-            Backend::Static => DiscoveryConfig::Static { prefill, decode },
-            Backend::Etcd => DiscoveryConfig::Etcd {
+        match self.kind {
+            DiscoveryKind::Static => DiscoveryConfig::Static { prefill, decode },
+            DiscoveryKind::Etcd => DiscoveryConfig::Etcd {
                 endpoints: self.etcd.clone(),
                 cluster: self.cluster.clone(),
                 options: EtcdOptions {

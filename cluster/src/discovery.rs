@@ -18,8 +18,8 @@ pub trait Discovery: Send + Sync + 'static {
     /// re-registration after registry outages) until it is dropped or [`Registration::deregister`]ed.
     fn register(&self, record: WorkerRecord) -> BoxFuture<'_, Result<Registration, DiscoveryError>>;
 
-    /// Backend name for logs ("etcd", "static").
-    fn backend(&self) -> &'static str;
+    /// Which backend this is (for logs).
+    fn kind(&self) -> crate::DiscoveryKind;
 }
 
 /// Which backend to use; built from the router's and workers' flags.

@@ -127,6 +127,12 @@ impl Discovery for EtcdDiscovery {
                     record.id
                 )));
             }
+            if record.role == proto::v1::WorkerRole::Unspecified {
+                return Err(DiscoveryError::InvalidRecord(format!(
+                    "worker {}: role must be prefill or decode",
+                    record.id
+                )));
+            }
             let key = worker_key(&self.cluster, record.role, &record.id);
             let value = serde_json::to_vec(&record).map_err(|e| DiscoveryError::InvalidRecord(e.to_string()))?;
             let (state_tx, state_rx) = watch::channel(RegistrationState::Registering);
@@ -144,8 +150,8 @@ impl Discovery for EtcdDiscovery {
         })
     }
 
-    fn backend(&self) -> &'static str {
-        "etcd"
+    fn kind(&self) -> crate::DiscoveryKind {
+        crate::DiscoveryKind::Etcd
     }
 }
 

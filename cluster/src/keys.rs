@@ -1,6 +1,6 @@
 //! The discovery key layout: `/tandem/<cluster>/workers/<role>/<id>`.
 
-use crate::WorkerRole;
+use proto::v1::WorkerRole;
 
 /// `/tandem/<cluster>/workers/`: the router watches this prefix.
 pub fn workers_prefix(cluster: &str) -> String {
@@ -9,7 +9,7 @@ pub fn workers_prefix(cluster: &str) -> String {
 
 /// `/tandem/<cluster>/workers/<role>/`.
 pub fn role_prefix(cluster: &str, role: WorkerRole) -> String {
-    format!("{}{}/", workers_prefix(cluster), role.as_str())
+    format!("{}{}/", workers_prefix(cluster), role.name())
 }
 
 /// The key one worker registers under.
@@ -24,7 +24,7 @@ pub(crate) fn parse_key(prefix: &str, key: &str) -> Option<(WorkerRole, String)>
     if id.is_empty() || id.contains('/') {
         return None;
     }
-    Some((WorkerRole::parse(role)?, id.to_owned()))
+    Some((WorkerRole::from_name(role)?, id.to_owned()))
 }
 
 #[cfg(test)]

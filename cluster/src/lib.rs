@@ -11,7 +11,8 @@
 //!
 //! Flags: [`DiscoveryArgs`] (`--discovery static|etcd --etcd URL --cluster NAME --lease-ttl-secs N`).
 //!
-//! Key layout: `/tandem/<cluster>/workers/{prefill,decode}/<worker id>` -> JSON [`WorkerRecord`].
+//! Key layout: `/tandem/<cluster>/workers/{prefill,decode}/<worker id>` -> JSON [`WorkerRecord`]. Roles and
+//! fingerprints are `proto::v1::WorkerRole` and `proto::v1::ModelFingerprint`.
 
 mod args;
 mod discovery;
@@ -24,11 +25,11 @@ mod static_list;
 mod view;
 mod worker;
 
-pub use args::{Backend, DiscoveryArgs};
+pub use args::{DiscoveryArgs, DiscoveryKind};
 pub use discovery::{Discovery, DiscoveryConfig, Registration, RegistrationState, connect};
 pub use error::DiscoveryError;
 pub use etcd::{EtcdDiscovery, EtcdOptions};
 pub use keys::{role_prefix, worker_key, workers_prefix};
 pub use static_list::StaticDiscovery;
 pub use view::ClusterView;
-pub use worker::{Capacity, Fingerprint, WorkerRecord, WorkerRole};
+pub use worker::{Capacity, WorkerRecord};

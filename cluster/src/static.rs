@@ -7,7 +7,9 @@ use std::sync::Arc;
 use futures::future::BoxFuture;
 use tokio::sync::watch;
 
-use crate::{ClusterView, Discovery, DiscoveryError, Registration, WorkerRecord, WorkerRole};
+use proto::v1::WorkerRole;
+
+use crate::{ClusterView, Discovery, DiscoveryError, Registration, WorkerRecord};
 
 pub struct StaticDiscovery {
     view: watch::Sender<Arc<ClusterView>>,
@@ -42,8 +44,8 @@ impl Discovery for StaticDiscovery {
         Box::pin(async move { Ok(Registration::fixed(format!("static:{}/{}", record.role, record.id))) })
     }
 
-    fn backend(&self) -> &'static str {
-        "static"
+    fn kind(&self) -> crate::DiscoveryKind {
+        crate::DiscoveryKind::Static
     }
 }
 

@@ -2,7 +2,9 @@
 
 use std::collections::BTreeMap;
 
-use crate::{WorkerRecord, WorkerRole};
+use proto::v1::WorkerRole;
+
+use crate::WorkerRecord;
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ClusterView {

@@ -1,87 +1,9 @@
-//! What a worker registers: role, address, capacity, model and model fingerprint.
+//! What a worker registers: role, address, capacity, model and model fingerprint. The role and the
+//! fingerprint are the `tandem.v1` types themselves (the proto crate gives them their JSON form and the
+//! fingerprint its compatibility rule).
 
+use proto::v1::{ModelFingerprint, WorkerRole};
 use serde::{Deserialize, Serialize};
-
-/// Which side of a prefill/decode pair a worker is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum WorkerRole {
-    Prefill,
-    Decode,
-}
-
-impl WorkerRole {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Prefill => "prefill",
-            Self::Decode => "decode",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "prefill" => Some(Self::Prefill),
-            "decode" => Some(Self::Decode),
-            _ => None,
-        }
-    }
-
-    pub fn to_proto(self) -> proto::v1::WorkerRole {
-        match self {
-            Self::Prefill => proto::v1::WorkerRole::Prefill,
-            Self::Decode => proto::v1::WorkerRole::Decode,
-        }
-    }
-
-    pub fn from_proto(r: proto::v1::WorkerRole) -> Option<Self> {
-        match r {
-            proto::v1::WorkerRole::Prefill => Some(Self::Prefill),
-            proto::v1::WorkerRole::Decode => Some(Self::Decode),
-            proto::v1::WorkerRole::Unspecified => None,
-        }
-    }
-}
-
-impl std::fmt::Display for WorkerRole {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// The exact model a worker serves (mirrors `tandem.v1.ModelFingerprint`). Workers are paired only
-/// when their fingerprints are equal.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct Fingerprint {
-    pub model_name: String,
-    pub checkpoint_hash: String,
-    pub precision: String,
-    pub block_size: u32,
-    pub num_layers: u32,
-}
-
-impl From<proto::v1::ModelFingerprint> for Fingerprint {
-    fn from(f: proto::v1::ModelFingerprint) -> Self {
-        Self {
-            model_name: f.model_name,
-            checkpoint_hash: f.checkpoint_hash,
-            precision: f.precision,
-            block_size: f.block_size,
-            num_layers: f.num_layers,
-        }
-    }
-}
-
-impl From<Fingerprint> for proto::v1::ModelFingerprint {
-    fn from(f: Fingerprint) -> Self {
-        Self {
-            model_name: f.model_name,
-            checkpoint_hash: f.checkpoint_hash,
-            precision: f.precision,
-            block_size: f.block_size,
-            num_layers: f.num_layers,
-        }
-    }
-}
 
 /// How much work a worker takes.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -98,6 +20,7 @@ pub struct Capacity {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkerRecord {
     pub id: String,
+    /// Prefill or decode: reading a record, a key or a GetInfo answer refuses `Unspecified`.
     pub role: WorkerRole,
     /// gRPC address the router dials ("host:port" or "http://host:port").
     pub grpc_address: String,
@@ -105,7 +28,7 @@ pub struct WorkerRecord {
     pub capacity: Capacity,
     /// None with static discovery until the router has asked the worker (GetInfo).
     #[serde(default)]
-    pub fingerprint: Option<Fingerprint>,
+    pub fingerprint: Option<ModelFingerprint>,
 }
 
 impl WorkerRecord {
@@ -118,8 +41,8 @@ impl WorkerRecord {
     pub fn to_info(&self) -> proto::v1::WorkerInfo {
         proto::v1::WorkerInfo {
             worker_id: self.id.clone(),
-            role: self.role.to_proto() as i32,
-            fingerprint: self.fingerprint.clone().map(Into::into),
+            role: self.role as i32,
+            fingerprint: self.fingerprint.clone(),
             max_num_seqs: self.capacity.max_num_seqs,
             kv_blocks_total: self.capacity.kv_blocks_total,
             max_model_len: self.capacity.max_model_len,
@@ -129,9 +52,9 @@ impl WorkerRecord {
 
     /// Reads a GetInfo answer; `address` is where the router reached the worker.
     pub fn from_info(info: proto::v1::WorkerInfo, address: &str) -> Result<Self, crate::DiscoveryError> {
-        let role = proto::v1::WorkerRole::try_from(info.role)
+        let role = WorkerRole::try_from(info.role)
             .ok()
-            .and_then(WorkerRole::from_proto)
+            .filter(|r| *r != WorkerRole::Unspecified)
             .ok_or_else(|| crate::DiscoveryError::InvalidRecord(format!("{address}: role {} unknown", info.role)))?;
         Ok(Self {
             id: if info.worker_id.is_empty() { address.to_owned() } else { info.worker_id },
@@ -142,7 +65,7 @@ impl WorkerRecord {
                 kv_blocks_total: info.kv_blocks_total,
                 max_model_len: info.max_model_len,
             },
-            fingerprint: info.fingerprint.map(Into::into),
+            fingerprint: info.fingerprint,
         })
     }
 }
@@ -158,7 +81,7 @@ mod tests {
             role: WorkerRole::Prefill,
             grpc_address: "127.0.0.1:7001".into(),
             capacity: Capacity { max_num_seqs: 8, kv_blocks_total: 100, max_model_len: 4096 },
-            fingerprint: Some(Fingerprint {
+            fingerprint: Some(ModelFingerprint {
                 model_name: "tiny".into(),
                 checkpoint_hash: "ab".into(),
                 precision: "fp8".into(),
@@ -170,5 +93,9 @@ mod tests {
         assert!(json.contains("\"role\":\"prefill\""));
         assert_eq!(serde_json::from_str::<WorkerRecord>(&json).unwrap(), r);
         assert_eq!(WorkerRecord::from_info(r.to_info(), "127.0.0.1:7001").unwrap(), r);
+        let unspecified = json.replace("\"prefill\"", "\"unspecified\"");
+        assert!(serde_json::from_str::<WorkerRecord>(&unspecified).is_err());
+        let info = proto::v1::WorkerInfo { role: WorkerRole::Unspecified as i32, ..r.to_info() };
+        assert!(WorkerRecord::from_info(info, "127.0.0.1:7001").is_err());
     }
 }

@@ -7,10 +7,8 @@ mod support {
 use std::sync::Arc;
 use std::time::Duration;
 
-use cluster::{
-    Capacity, ClusterView, Discovery, EtcdDiscovery, EtcdOptions, Fingerprint, RegistrationState, WorkerRecord,
-    WorkerRole,
-};
+use cluster::{Capacity, ClusterView, Discovery, EtcdDiscovery, EtcdOptions, RegistrationState, WorkerRecord};
+use proto::v1::{ModelFingerprint, WorkerRole};
 use support::etcd::Etcd;
 use tokio::sync::watch;
 
@@ -20,7 +18,7 @@ fn record(role: WorkerRole, id: &str, port: u16) -> WorkerRecord {
         role,
         grpc_address: format!("127.0.0.1:{port}"),
         capacity: Capacity { max_num_seqs: 16, kv_blocks_total: 512, max_model_len: 4096 },
-        fingerprint: Some(Fingerprint {
+        fingerprint: Some(ModelFingerprint {
             model_name: "tiny".into(),
             checkpoint_hash: "c0ffee".into(),
             precision: "full".into(),

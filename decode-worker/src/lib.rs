@@ -79,8 +79,13 @@ pub async fn serve(args: Args, model: Arc<LoadedModel>) -> anyhow::Result<()> {
     )
     .context("starting the decode loop")?;
     let (listener, advertise) = worker::server::bind(&args.serve).await?;
-    let record =
-        worker::server::record(&args.serve, &model, cluster::WorkerRole::Decode, worker_id.clone(), advertise.clone());
+    let record = worker::server::record(
+        &args.serve,
+        &model,
+        proto::v1::WorkerRole::Decode,
+        worker_id.clone(),
+        advertise.clone(),
+    );
     let svc = service::DecodeService::new(service::Shared {
         model: model.clone(),
         receiver,

@@ -108,7 +108,7 @@ struct Decode {
 }
 
 impl Batcher for Decode {
-    type Job = Box<Admitted>;
+    type Work = Box<Admitted>;
     type Event = ();
 
     fn submit(&mut self, a: Box<Admitted>) {

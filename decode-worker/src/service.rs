@@ -77,12 +77,12 @@ impl DecodeWorker for DecodeService {
         // Reserve, then hand out the descriptor.
         let holding = self.holding.fetch_add(1, Ordering::SeqCst);
         let hold = Holding(self.holding.clone());
-        sh.admission.admit(&sh.model.pool.stats(), holding, r.token_ids.len()).map_err(Status::resource_exhausted)?;
+        sh.admission.admit(&sh.model.pool.stats(), holding, r.token_ids.len()).map_err(proto::refusal::no_room)?;
         let table = sh.model.pool.reserve(&id, admission::initial_tokens(r.token_ids.len())).map_err(|e| match e {
             engine::cache::PoolError::DuplicateRequest(_) => {
                 Status::already_exists(format!("request {id} is already running here"))
             }
-            other => Status::resource_exhausted(other.to_string()),
+            other => proto::refusal::no_room(other.to_string()),
         })?;
         let timeout = if r.transfer_timeout_ms > 0 {
             Duration::from_millis(r.transfer_timeout_ms as u64)

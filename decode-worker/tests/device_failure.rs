@@ -10,13 +10,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use cluster::{ClusterView, WorkerRole};
+use cluster::ClusterView;
 use engine::cache::{BlockPool, KvCache, LayerIdx};
 use kv_transfer::{KvSender, SenderConfig, TransportKind};
 use proto::v1::decode_event::Event;
 use proto::v1::decode_worker_client::DecodeWorkerClient;
 use proto::v1::{
-    DecodeEvent, DecodeRequest, FinishReason, Finished, GeneratedToken, SamplingParams, TransferDescriptor,
+    DecodeEvent, DecodeRequest, FinishReason, Finished, GeneratedToken, SamplingParams, TransferDescriptor, WorkerRole,
 };
 use tokio::sync::watch;
 use worker::LoadedModel;

@@ -1,6 +1,7 @@
 //! Typed errors of both sides. Each wire status (`TransferStatus`) maps to one variant, so a rejection on
 //! the receiver surfaces as the same error on the sender.
 
+use proto::FingerprintMismatch;
 use proto::v1::TransferStatus;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -48,6 +49,12 @@ pub enum RejectStatus {
     ChecksumMismatch,
     AlreadyStarted,
     Protocol,
+}
+
+impl From<FingerprintMismatch> for TransferError {
+    fn from(e: FingerprintMismatch) -> Self {
+        TransferError::FingerprintMismatch(e.to_string())
+    }
 }
 
 impl RejectStatus {

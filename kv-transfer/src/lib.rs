@@ -35,7 +35,6 @@ use std::sync::Arc;
 
 pub use error::{RejectStatus, TransferError};
 pub use fault::Fault;
-pub use fingerprint::check_fingerprint;
 pub use receiver::{
     CompletedTransfer, ExpectRequest, KvReceiver, PendingTransfer, ReceiverConfig, ReceiverStats, ReleasedTransfer,
     TransferOutcome,

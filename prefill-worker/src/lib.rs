@@ -74,8 +74,13 @@ pub async fn serve(args: Args, model: Arc<LoadedModel>) -> anyhow::Result<()> {
     .context("starting the prefill loop")?;
     let worker_id = args.serve.worker_id("prefill");
     let (listener, advertise) = worker::server::bind(&args.serve).await?;
-    let record =
-        worker::server::record(&args.serve, &model, cluster::WorkerRole::Prefill, worker_id.clone(), advertise.clone());
+    let record = worker::server::record(
+        &args.serve,
+        &model,
+        proto::v1::WorkerRole::Prefill,
+        worker_id.clone(),
+        advertise.clone(),
+    );
     let svc = service::PrefillService { model: model.clone(), scheduler, drain: drain.clone(), record: record.clone() };
     worker::server::serve_until_drained(
         PrefillWorkerServer::new(svc),

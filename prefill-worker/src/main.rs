@@ -3,7 +3,7 @@ use clap::Parser;
 fn main() -> std::process::ExitCode {
     worker::ucx_logs_to_stderr();
     let args = prefill_worker::Args::parse();
-    worker::init_logging();
+    args.serve.log.init();
     let run = tokio::runtime::Runtime::new()
         .map_err(anyhow::Error::from)
         .and_then(|rt| rt.block_on(prefill_worker::run(args)));

@@ -75,7 +75,7 @@ impl PrefillError {
 
 pub type Outcome = Result<PrefillResponse, PrefillError>;
 
-/// Where a job's outcome goes (once).
+/// Where a request's outcome goes (once).
 pub struct Reply(Option<oneshot::Sender<Outcome>>);
 
 impl Reply {
@@ -95,7 +95,8 @@ impl Reply {
     }
 }
 
-pub struct Job {
+/// A prefill the service admitted, as the loop queues and runs it.
+pub struct Admitted {
     pub id: String,
     /// Tokens to prefill (prompt, plus output generated before a preemption).
     pub tokens: Vec<u32>,
@@ -131,7 +132,7 @@ pub enum Event {
 }
 
 pub struct Scheduler {
-    handle: LoopHandle<Box<Job>, Event>,
+    handle: LoopHandle<Box<Admitted>, Event>,
     load: Arc<Mutex<Load>>,
 }
 
@@ -167,9 +168,9 @@ impl Scheduler {
         Ok(Arc::new(Scheduler { handle, load }))
     }
 
-    /// Queues a prefill; gives the job back if the loop is gone.
-    pub fn submit(&self, job: Job) -> Result<(), Box<Job>> {
-        self.handle.submit(Box::new(job))
+    /// Queues a prefill; gives it back if the loop is gone.
+    pub fn submit(&self, req: Admitted) -> Result<(), Box<Admitted>> {
+        self.handle.submit(Box::new(req))
     }
 
     pub fn abort(&self, id: &str) {
@@ -182,7 +183,7 @@ impl Scheduler {
 }
 
 struct Active {
-    job: Job,
+    req: Admitted,
     state: SeqState,
     /// None while the handshake runs.
     session: Option<SendSession>,
@@ -199,8 +200,8 @@ struct Active {
 /// What starting a queued request led to.
 enum Started {
     Handshaking(Box<Active>),
-    /// The pool is short; the job goes back to the queue or is refused.
-    NoBlocks(Box<Job>, PoolError),
+    /// The pool is short; the request goes back to the queue or is refused.
+    NoBlocks(Box<Admitted>, PoolError),
 }
 
 struct Prefill {
@@ -209,9 +210,9 @@ struct Prefill {
     metrics: Arc<PrefillMetrics>,
     drain: Arc<Drain>,
     config: Config,
-    events: Events<Box<Job>, Event>,
+    events: Events<Box<Admitted>, Event>,
     runtime: tokio::runtime::Handle,
-    waiting: VecDeque<Job>,
+    waiting: VecDeque<Admitted>,
     /// Reserved, waiting for the handshake.
     handshaking: Vec<Active>,
     /// Handshake done: these compute.
@@ -225,17 +226,17 @@ struct Prefill {
 }
 
 impl Batcher for Prefill {
-    type Job = Box<Job>;
+    type Work = Box<Admitted>;
     type Event = Event;
 
-    fn submit(&mut self, mut job: Box<Job>) {
+    fn submit(&mut self, mut req: Box<Admitted>) {
         if let Some(err) = &self.failed {
             // Admitted just before the device failed.
             self.metrics.requests.with_label_values(&[err.outcome()]).inc();
-            return job.reply.send(Err(err.clone()));
+            return req.reply.send(Err(err.clone()));
         }
         self.metrics.queued.inc();
-        self.waiting.push_back(*job);
+        self.waiting.push_back(*req);
     }
 
     fn abort(&mut self, id: &str) {
@@ -245,11 +246,11 @@ impl Batcher for Prefill {
             self.metrics.requests.with_label_values(&["aborted"]).inc();
             j.reply.send(Err(PrefillError::Aborted));
         }
-        if let Some(a) = self.handshaking.iter_mut().find(|a| a.job.id == id && a.cancelled.is_none()) {
-            a.job.reply.send(Err(PrefillError::Aborted));
+        if let Some(a) = self.handshaking.iter_mut().find(|a| a.req.id == id && a.cancelled.is_none()) {
+            a.req.reply.send(Err(PrefillError::Aborted));
             a.cancelled = Some(PrefillError::Aborted);
         }
-        if let Some(i) = self.active.iter().position(|a| a.job.id == id) {
+        if let Some(i) = self.active.iter().position(|a| a.req.id == id) {
             let a = self.active.remove(i);
             self.fail(a, PrefillError::Aborted);
         }
@@ -297,7 +298,7 @@ impl Prefill {
     /// Ends an active request with an error: on a helper thread, aborts its transfer (the decode side
     /// frees its blocks), then releases this side's blocks and answers.
     fn fail(&mut self, mut a: Active, err: PrefillError) {
-        tracing::warn!(request_id = %a.job.id, error = %err, "prefill failed");
+        tracing::warn!(request_id = %a.req.id, error = %err, "prefill failed");
         self.metrics.requests.with_label_values(&[err.outcome()]).inc();
         let session = a.session.take();
         self.settle(a, move |_| {
@@ -316,16 +317,16 @@ impl Prefill {
         let (pool, metrics, events) = (self.model.pool.clone(), self.metrics.clone(), self.events.clone());
         self.runtime.spawn_blocking(move || {
             let outcome = end(&mut a);
-            compute_loop::release(&pool, &a.job.id);
+            compute_loop::release(&pool, &a.req.id);
             metrics.running.dec();
-            a.job.reply.send(outcome);
+            a.req.reply.send(outcome);
             events.send(Event::Settled);
         });
     }
 
     /// A handshake returned: the request starts computing, or ends.
     fn handshaken(&mut self, id: &str, result: Result<SendSession, TransferError>) {
-        let Some(i) = self.handshaking.iter().position(|a| a.job.id == id) else {
+        let Some(i) = self.handshaking.iter().position(|a| a.req.id == id) else {
             tracing::error!(request_id = %id, "a handshake returned for an unknown request");
             return;
         };
@@ -362,13 +363,13 @@ impl Prefill {
             self.metrics.requests.with_label_values(&["cancelled"]).inc();
         }
         for a in &mut self.handshaking {
-            if a.cancelled.is_none() && a.job.reply.is_closed() {
+            if a.cancelled.is_none() && a.req.reply.is_closed() {
                 a.cancelled = Some(PrefillError::CallerGone);
             }
         }
         let mut i = 0;
         while i < self.active.len() {
-            if self.active[i].job.reply.is_closed() {
+            if self.active[i].req.reply.is_closed() {
                 let a = self.active.remove(i);
                 self.fail(a, PrefillError::CallerGone);
             } else {
@@ -379,24 +380,24 @@ impl Prefill {
 
     fn start_waiting(&mut self) {
         while self.active.len() + self.handshaking.len() < self.config.max_num_seqs {
-            let Some(job) = self.waiting.pop_front() else { break };
-            match self.start(job) {
+            let Some(req) = self.waiting.pop_front() else { break };
+            match self.start(req) {
                 Started::Handshaking(a) => {
                     self.metrics.queued.dec();
                     self.metrics.running.inc();
                     self.handshaking.push(*a);
                 }
-                Started::NoBlocks(job, _)
+                Started::NoBlocks(req, _)
                     if !self.active.is_empty() || !self.handshaking.is_empty() || self.settling > 0 =>
                 {
                     // Blocks come back when running prefills finish: wait for them.
-                    self.waiting.push_front(*job);
+                    self.waiting.push_front(*req);
                     break;
                 }
-                Started::NoBlocks(mut job, e) => {
+                Started::NoBlocks(mut req, e) => {
                     self.metrics.queued.dec();
                     self.metrics.requests.with_label_values(&["no_blocks"]).inc();
-                    job.reply.send(Err(PrefillError::NoBlocks(e)));
+                    req.reply.send(Err(PrefillError::NoBlocks(e)));
                 }
             }
         }
@@ -413,36 +414,36 @@ impl Prefill {
     }
 
     /// Prefix lookup, reservation, and the handshake's start.
-    fn start(&mut self, job: Job) -> Started {
+    fn start(&mut self, req: Admitted) -> Started {
         let pool = &self.model.pool;
-        let needed = CacheGeometry::blocks_for(job.tokens.len());
+        let needed = CacheGeometry::blocks_for(req.tokens.len());
         if pool.stats().free_blocks < needed {
             self.cache.evict_until(pool, needed);
         }
-        let hashes = prefix_hashes(&job.tokens);
+        let hashes = prefix_hashes(&req.tokens);
         let hit = if self.config.prefix_caching {
             // Cached blocks hold prefill-form caches: a continuation reuses them for its prompt only (its
             // generated tokens are replayed in the decode form, see engine::generate::prefill).
-            let limit = ((job.tokens.len() - 1) / BLOCK_SIZE).min(job.prompt_len / BLOCK_SIZE);
-            self.cache.lookup(&hashes, &job.tokens, limit)
+            let limit = ((req.tokens.len() - 1) / BLOCK_SIZE).min(req.prompt_len / BLOCK_SIZE);
+            self.cache.lookup(&hashes, &req.tokens, limit)
         } else {
             Vec::new()
         };
-        let table = match pool.reserve_with_prefix(&job.id, &hit, job.tokens.len()) {
+        let table = match pool.reserve_with_prefix(&req.id, &hit, req.tokens.len()) {
             Ok(t) => t,
-            Err(e) => return Started::NoBlocks(Box::new(job), e),
+            Err(e) => return Started::NoBlocks(Box::new(req), e),
         };
         let cached_tokens = hit.len() * BLOCK_SIZE;
         let started = Instant::now();
-        self.metrics.queue_seconds.observe(job.arrived.elapsed().as_secs_f64());
-        self.begin(&job.id, &job.descriptor, table.clone());
-        let mut state = SeqState::continuing(job.tokens.clone(), job.prompt_len, job.params.clone(), table.blocks);
+        self.metrics.queue_seconds.observe(req.arrived.elapsed().as_secs_f64());
+        self.begin(&req.id, &req.descriptor, table.clone());
+        let mut state = SeqState::continuing(req.tokens.clone(), req.prompt_len, req.params.clone(), table.blocks);
         state.fed = cached_tokens;
-        self.metrics.prompt_tokens.inc_by(job.tokens.len() as u64);
+        self.metrics.prompt_tokens.inc_by(req.tokens.len() as u64);
         self.metrics.cached_tokens.inc_by(cached_tokens as u64);
-        tracing::info!(request_id = %job.id, tokens = job.tokens.len(), cached_tokens, "prefill started");
+        tracing::info!(request_id = %req.id, tokens = req.tokens.len(), cached_tokens, "prefill started");
         Started::Handshaking(Box::new(Active {
-            job,
+            req,
             state,
             session: None,
             cancelled: None,
@@ -537,13 +538,13 @@ impl Prefill {
         }
         // Their handshakes still return; the requests settle then.
         for a in self.handshaking.iter_mut().filter(|a| a.cancelled.is_none()) {
-            a.job.reply.send(Err(err.clone()));
+            a.req.reply.send(Err(err.clone()));
             a.cancelled = Some(err.clone());
         }
-        for mut job in std::mem::take(&mut self.waiting) {
+        for mut req in std::mem::take(&mut self.waiting) {
             self.metrics.queued.dec();
             self.metrics.requests.with_label_values(&[err.outcome()]).inc();
-            job.reply.send(Err(err.clone()));
+            req.reply.send(Err(err.clone()));
         }
         self.failed = Some(err);
     }
@@ -574,7 +575,7 @@ impl Prefill {
 /// request) and builds the answer.
 fn deliver(a: &mut Active, session: SendSession, first_token: GeneratedToken, metrics: &PrefillMetrics) -> Outcome {
     let mut timings = StageTimings {
-        prefill_queue_us: a.started.duration_since(a.job.arrived).as_micros() as u64,
+        prefill_queue_us: a.started.duration_since(a.req.arrived).as_micros() as u64,
         prefill_us: a.compute.as_micros() as u64,
         cached_tokens: a.cached_tokens as u32,
         ..Default::default()
@@ -599,7 +600,7 @@ fn deliver(a: &mut Active, session: SendSession, first_token: GeneratedToken, me
             metrics.transfer_seconds.observe(a.transfer_started.elapsed().as_secs_f64());
             metrics.requests.with_label_values(&[if finished { "finished" } else { "shipped" }]).inc();
             tracing::info!(
-                request_id = %a.job.id, prefill_us = timings.prefill_us, transfer_us = timings.transfer_us,
+                request_id = %a.req.id, prefill_us = timings.prefill_us, transfer_us = timings.transfer_us,
                 bytes = timings.transfer_bytes, finished, "prefill done"
             );
             Ok(PrefillResponse {
@@ -611,7 +612,7 @@ fn deliver(a: &mut Active, session: SendSession, first_token: GeneratedToken, me
         }
         Err(e) => {
             metrics.requests.with_label_values(&["transfer_failed"]).inc();
-            tracing::warn!(request_id = %a.job.id, error = %e, "transfer failed at completion");
+            tracing::warn!(request_id = %a.req.id, error = %e, "transfer failed at completion");
             Err(PrefillError::Transfer(e))
         }
     }
@@ -700,7 +701,7 @@ mod tests {
             })
             .unwrap();
         let (tx, rx) = oneshot::channel();
-        let job = Job {
+        let req = Admitted {
             id: id.into(),
             tokens: tokens.to_vec(),
             prompt_len: tokens.len(),
@@ -710,7 +711,7 @@ mod tests {
             guard,
             arrived: Instant::now(),
         };
-        assert!(e.sched.submit(job).is_ok());
+        assert!(e.sched.submit(req).is_ok());
         (rx, pending, dst)
     }
 

@@ -14,14 +14,14 @@ use proto::v1::{
 use tonic::{Request, Response, Status};
 use worker::{Drain, LoadedModel};
 
-use crate::scheduler::{Job, PrefillError, Reply, Scheduler};
+use crate::scheduler::{Admitted, PrefillError, Reply, Scheduler};
 
 /// The gRPC status of a prefill that did not deliver.
 pub(crate) fn status(e: &PrefillError) -> Status {
     let msg = e.to_string();
     match e {
         PrefillError::Aborted | PrefillError::CallerGone => Status::cancelled(msg),
-        PrefillError::NoBlocks(_) => Status::resource_exhausted(msg),
+        PrefillError::NoBlocks(_) => proto::refusal::no_room(msg),
         PrefillError::Compute(_) | PrefillError::NoToken => Status::internal(msg),
         // Another prefill worker can serve it.
         PrefillError::Device(_) => Status::unavailable(msg),
@@ -75,7 +75,7 @@ impl PrefillWorker for PrefillService {
             )));
         }
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let job = Job {
+        let admitted = Admitted {
             id: id.clone(),
             tokens: r.token_ids,
             prompt_len,
@@ -85,7 +85,7 @@ impl PrefillWorker for PrefillService {
             guard,
             arrived: Instant::now(),
         };
-        if self.scheduler.submit(job).is_err() {
+        if self.scheduler.submit(admitted).is_err() {
             return Err(Status::internal("the prefill loop is not running"));
         }
         match rx.await {

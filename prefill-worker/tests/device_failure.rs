@@ -11,11 +11,11 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use clap::Parser;
-use cluster::{ClusterView, WorkerRole};
+use cluster::ClusterView;
 use engine::cache::{BlockPool, KvCache};
 use kv_transfer::{ExpectRequest, KvReceiver, PendingTransfer, ReceiverConfig, TcpConfig, TransportConfig};
 use proto::v1::prefill_worker_client::PrefillWorkerClient;
-use proto::v1::{PrefillRequest, PrefillResponse, SamplingParams};
+use proto::v1::{PrefillRequest, PrefillResponse, SamplingParams, WorkerRole};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;

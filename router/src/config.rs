@@ -30,12 +30,6 @@ pub enum DecodePolicyKind {
     RoundRobin,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    Text,
-    Json,
-}
-
 /// The router's flags. Embed in another clap parser with `#[command(flatten)]`.
 #[derive(Debug, Clone, ClapArgs)]
 pub struct Args {
@@ -140,9 +134,8 @@ pub struct Args {
     #[arg(long, env = "TANDEM_WORKER_CONNECTIONS", default_value_t = 1)]
     pub worker_connections: usize,
 
-    /// Log format on stderr (RUST_LOG sets the level).
-    #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value = "text")]
-    pub log_format: LogFormat,
+    #[command(flatten)]
+    pub log: logging::LogArgs,
     /// Validate every argument, print the result and exit (0 when valid) without reading the model files
     /// or binding anything.
     #[arg(long, env = "TANDEM_CHECK_CONFIG")]
@@ -191,7 +184,7 @@ impl Args {
 
     /// Checks what clap cannot. Messages name the flag.
     pub fn validate(&self) -> Result<(), String> {
-        if self.registry.backend == cluster::Backend::Static && (self.prefill.is_empty() || self.decode.is_empty()) {
+        if self.registry.kind == cluster::DiscoveryKind::Static && (self.prefill.is_empty() || self.decode.is_empty()) {
             return Err("--discovery static needs at least one --prefill ADDR and one --decode ADDR".into());
         }
         if self.max_running_requests == 0 {

@@ -16,7 +16,7 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::error::ApiError;
-use crate::flow::{Event, Job};
+use crate::flow::{Event, TokenizedRequest};
 use crate::http::{AppState, tokenize};
 use crate::request_id;
 
@@ -74,7 +74,8 @@ fn authorize<T>(st: &AppState, req: &Request<T>) -> Result<(), Status> {
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>> + Send>>;
 
 impl GenerateService {
-    async fn job(&self, rid: &str, req: GenerateRequest) -> Result<Job, ApiError> {
+    /// Validates, templates and tokenizes a Generate request.
+    async fn prepare(&self, rid: &str, req: GenerateRequest) -> Result<TokenizedRequest, ApiError> {
         let st = &self.st;
         if !req.model.is_empty() && req.model != st.model.name {
             return Err(ApiError::model_not_found(&req.model, &st.model.name));
@@ -141,7 +142,7 @@ impl GenerateService {
             ));
         }
         crate::http::check_sampling(&sampling, st.model.tokenizer.vocab_size())?;
-        Ok(Job {
+        Ok(TokenizedRequest {
             request_id: rid.to_owned(),
             endpoint: "grpc",
             prompt,
@@ -165,10 +166,10 @@ impl Generate for GenerateService {
         let rid = request_id::accept(&req.request_id).unwrap_or_else(|| request_id::from_header(from_meta.as_deref()));
         let span = tracing::info_span!("grpc", request_id = %rid);
         let started = async {
-            let job = self.job(&rid, req).await?;
-            let prompt_tokens = job.prompt.len() as u32;
+            let tokenized = self.prepare(&rid, req).await?;
+            let prompt_tokens = tokenized.prompt.len() as u32;
             let permit = self.st.admission.admit().await?;
-            Ok::<_, ApiError>((self.st.dispatcher.start(job, permit).await?, prompt_tokens))
+            Ok::<_, ApiError>((self.st.dispatcher.start(tokenized, permit).await?, prompt_tokens))
         }
         .instrument(span)
         .await;

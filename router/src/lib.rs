@@ -29,4 +29,4 @@ mod workers;
 
 pub use config::Args;
 pub use error::ApiError;
-pub use server::{RouterError, RouterHandle, init_tracing, run, start, start_with_listeners};
+pub use server::{RouterError, RouterHandle, run, start, start_with_listeners};

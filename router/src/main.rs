@@ -19,7 +19,7 @@ struct Cli {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    router::init_tracing(cli.router.log_format);
+    cli.router.log.init();
     router::run(cli.router).await?;
     Ok(())
 }

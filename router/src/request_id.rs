@@ -21,6 +21,13 @@ pub fn from_header(value: Option<&str>) -> String {
     value.and_then(accept).unwrap_or_else(make)
 }
 
+/// Adds the id as gRPC metadata to a worker call, so worker logs carry it even before the body is parsed.
+pub fn tag<T>(req: &mut tonic::Request<T>, id: &str) {
+    if let Ok(v) = id.parse() {
+        req.metadata_mut().insert(HEADER, v);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

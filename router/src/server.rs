@@ -11,7 +11,7 @@ use tokio::task::JoinHandle;
 use tracing::info;
 
 use crate::admission::Admission;
-use crate::config::{Args, LogFormat};
+use crate::config::Args;
 use crate::flow::{CapacityWait, Dispatcher, Limits};
 use crate::metrics::Metrics;
 use crate::model::{ModelError, ServedModel};
@@ -63,20 +63,6 @@ impl RouterHandle {
             Err(e) => Err(RouterError::Serve(e.to_string())),
         }
     }
-}
-
-/// Sets up `tracing` on stderr; the level comes from RUST_LOG (default info).
-pub fn init_tracing(format: LogFormat) {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let b = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    let _ = match format {
-        LogFormat::Text => b.try_init(),
-        LogFormat::Json => b.json().try_init(),
-    };
 }
 
 async fn bind(addr: &str) -> Result<TcpListener, RouterError> {
@@ -167,7 +153,7 @@ pub async fn start_with_listeners(
         }
         None => None,
     };
-    info!(%http_addr, ?grpc_addr, discovery = ?args.registry.backend, prefill_policy = ?args.prefill_policy, decode_policy = ?args.decode_policy, "router listening");
+    info!(%http_addr, ?grpc_addr, discovery = %args.registry.kind, prefill_policy = ?args.prefill_policy, decode_policy = ?args.decode_policy, "router listening");
     Ok(RouterHandle { http_addr, grpc_addr, shutdown: shutdown_tx, tasks })
 }
 
@@ -179,7 +165,7 @@ pub async fn run(args: Args) -> Result<(), RouterError> {
             "{}",
             serde_json::json!({"event": "config-ok", "role": "router", "model": args.model.display().to_string(),
                 "http": args.http_addr(), "grpc": args.grpc_addr(),
-                "discovery": format!("{:?}", args.registry.backend).to_lowercase()})
+                "discovery": args.registry.kind.as_str()})
         );
         return Ok(());
     }

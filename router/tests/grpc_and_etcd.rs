@@ -7,7 +7,8 @@ mod etcd;
 
 use std::time::Duration;
 
-use cluster::{Capacity, Discovery, EtcdDiscovery, EtcdOptions, WorkerRecord, WorkerRole as Role};
+use cluster::{Capacity, Discovery, EtcdDiscovery, EtcdOptions, WorkerRecord};
+use proto::v1::WorkerRole as Role;
 use proto::v1::generate_client::GenerateClient;
 use proto::v1::generate_request::Input;
 use proto::v1::{ChatMessage, ChatMessages, FinishReason, GenerateRequest, ListModelsRequest, SamplingParams};
@@ -98,7 +99,7 @@ fn record(d: &support::double::Double, role: Role) -> WorkerRecord {
         role,
         grpc_address: d.grpc_address(),
         capacity: Capacity { max_num_seqs: 8, kv_blocks_total: 1000, max_model_len: 4096 },
-        fingerprint: Some(d.fingerprint.clone().into()),
+        fingerprint: Some(d.fingerprint.clone()),
     }
 }
 

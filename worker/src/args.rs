@@ -74,6 +74,8 @@ pub struct ServeArgs {
     /// CPU backend compute threads (default: one per core).
     #[arg(long, env = "TANDEM_THREADS")]
     pub threads: Option<usize>,
+    #[command(flatten)]
+    pub log: logging::LogArgs,
     /// Validate every argument, print the result and exit (0 when valid) without loading the model or
     /// binding anything. The model directory itself is checked by `tandem verify`.
     #[arg(long, env = "TANDEM_CHECK_CONFIG")]
@@ -138,7 +140,7 @@ impl ServeArgs {
             "{}",
             serde_json::json!({"event": "config-ok", "role": role, "model": self.model.display().to_string(),
                 "listen": self.listen.to_string(), "advertise": self.advertise,
-                "discovery": format!("{:?}", self.discovery.backend).to_lowercase()})
+                "discovery": self.discovery.kind.as_str()})
         );
     }
 

@@ -22,12 +22,12 @@ pub enum Turn {
 
 /// A role's side of the loop.
 pub trait Batcher: Send + 'static {
-    /// New work (a prefill job, an admitted decode request).
-    type Job: Send + 'static;
+    /// New work the service admitted (a prefill to run, a decode request whose caches arrived).
+    type Work: Send + 'static;
     /// What helper threads report back (a finished handshake, blocks returned).
     type Event: Send + 'static;
 
-    fn submit(&mut self, job: Self::Job);
+    fn submit(&mut self, work: Self::Work);
     /// Ends request `id` wherever it is; unknown ids are ignored.
     fn abort(&mut self, id: &str);
     fn event(&mut self, event: Self::Event);
@@ -37,8 +37,8 @@ pub trait Batcher: Send + 'static {
     fn publish(&mut self);
 }
 
-enum Command<J, E> {
-    Submit(J),
+enum Command<W, E> {
+    Submit(W),
     Abort(String),
     Event(E),
     /// The last handle is gone.
@@ -47,32 +47,32 @@ enum Command<J, E> {
 
 /// Stops the loop when the last handle goes away (event senders held by the batcher and its helper
 /// threads do not keep it running).
-struct Owner<J, E> {
-    tx: mpsc::Sender<Command<J, E>>,
+struct Owner<W, E> {
+    tx: mpsc::Sender<Command<W, E>>,
 }
 
-impl<J, E> Drop for Owner<J, E> {
+impl<W, E> Drop for Owner<W, E> {
     fn drop(&mut self) {
         let _ = self.tx.send(Command::Stop);
     }
 }
 
 /// Sends commands to a running loop. Dropping every handle stops it.
-pub struct LoopHandle<J, E> {
-    owner: std::sync::Arc<Owner<J, E>>,
+pub struct LoopHandle<W, E> {
+    owner: std::sync::Arc<Owner<W, E>>,
 }
 
-impl<J, E> Clone for LoopHandle<J, E> {
+impl<W, E> Clone for LoopHandle<W, E> {
     fn clone(&self) -> Self {
         LoopHandle { owner: self.owner.clone() }
     }
 }
 
-impl<J, E> LoopHandle<J, E> {
+impl<W, E> LoopHandle<W, E> {
     /// Queues new work; gives it back if the loop is gone.
-    pub fn submit(&self, job: J) -> Result<(), J> {
-        self.owner.tx.send(Command::Submit(job)).map_err(|e| match e.0 {
-            Command::Submit(j) => j,
+    pub fn submit(&self, work: W) -> Result<(), W> {
+        self.owner.tx.send(Command::Submit(work)).map_err(|e| match e.0 {
+            Command::Submit(w) => w,
             _ => unreachable!("sent a Submit"),
         })
     }
@@ -83,17 +83,17 @@ impl<J, E> LoopHandle<J, E> {
 }
 
 /// Reports helper threads' results to the loop (the batcher keeps one and clones it into its tasks).
-pub struct Events<J, E> {
-    tx: mpsc::Sender<Command<J, E>>,
+pub struct Events<W, E> {
+    tx: mpsc::Sender<Command<W, E>>,
 }
 
-impl<J, E> Clone for Events<J, E> {
+impl<W, E> Clone for Events<W, E> {
     fn clone(&self) -> Self {
         Events { tx: self.tx.clone() }
     }
 }
 
-impl<J, E> Events<J, E> {
+impl<W, E> Events<W, E> {
     /// False if the loop is gone.
     pub fn send(&self, event: E) -> bool {
         self.tx.send(Command::Event(event)).is_ok()
@@ -103,19 +103,19 @@ impl<J, E> Events<J, E> {
 /// Builds the batcher with its event sender and starts it on its own thread named `name`.
 pub fn spawn<B: Batcher>(
     name: &str,
-    make: impl FnOnce(Events<B::Job, B::Event>) -> B,
-) -> std::io::Result<LoopHandle<B::Job, B::Event>> {
+    make: impl FnOnce(Events<B::Work, B::Event>) -> B,
+) -> std::io::Result<LoopHandle<B::Work, B::Event>> {
     let (tx, rx) = mpsc::channel();
     let batcher = make(Events { tx: tx.clone() });
     std::thread::Builder::new().name(name.to_string()).spawn(move || run(batcher, rx))?;
     Ok(LoopHandle { owner: std::sync::Arc::new(Owner { tx }) })
 }
 
-fn run<B: Batcher>(mut b: B, rx: mpsc::Receiver<Command<B::Job, B::Event>>) {
+fn run<B: Batcher>(mut b: B, rx: mpsc::Receiver<Command<B::Work, B::Event>>) {
     // False once the loop must stop.
-    let handle = |b: &mut B, cmd: Command<B::Job, B::Event>| {
+    let handle = |b: &mut B, cmd: Command<B::Work, B::Event>| {
         match cmd {
-            Command::Submit(j) => b.submit(j),
+            Command::Submit(w) => b.submit(w),
             Command::Abort(id) => b.abort(&id),
             Command::Event(e) => b.event(e),
             Command::Stop => return false,
@@ -164,7 +164,7 @@ mod tests {
 
     use super::*;
 
-    /// Records what the loop did; each job needs `steps` busy turns.
+    /// Records what the loop did; each piece of work needs `steps` busy turns.
     #[derive(Default)]
     struct Log {
         calls: Vec<String>,
@@ -182,17 +182,17 @@ mod tests {
     }
 
     impl Batcher for Fake {
-        type Job = (String, usize);
+        type Work = (String, usize);
         type Event = String;
-        fn submit(&mut self, job: (String, usize)) {
-            self.log.lock().unwrap().calls.push(format!("submit {}", job.0));
-            if job.1 == 0 {
+        fn submit(&mut self, work: (String, usize)) {
+            self.log.lock().unwrap().calls.push(format!("submit {}", work.0));
+            if work.1 == 0 {
                 // As a helper thread would: report back through the event sender.
                 let events = self.events.clone();
-                std::thread::spawn(move || events.send(format!("helper {}", job.0)));
+                std::thread::spawn(move || events.send(format!("helper {}", work.0)));
                 return;
             }
-            self.running.push(job);
+            self.running.push(work);
         }
         fn abort(&mut self, id: &str) {
             self.log.lock().unwrap().calls.push(format!("abort {id}"));
@@ -239,7 +239,7 @@ mod tests {
         let pos = |c: &str| calls.iter().position(|x| x == c).unwrap();
         assert!(pos("submit a") < pos("done a") && pos("submit b") < pos("abort b"));
         assert!(pos("abort b") < pos("submit c") && pos("submit c") < pos("event helper c"));
-        assert!(!calls.iter().any(|c| c == "done b"), "an aborted job does not finish");
+        assert!(!calls.iter().any(|c| c == "done b"), "aborted work does not finish");
     }
 
     #[test]

@@ -44,27 +44,13 @@ pub fn ucx_logs_to_stderr() {
     }
 }
 
-/// Logs to stderr with `RUST_LOG` filtering (default info); `TANDEM_LOG_JSON=1` for JSON lines.
-pub fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    let _ = if std::env::var("TANDEM_LOG_JSON").is_ok_and(|v| v == "1") {
-        builder.json().try_init()
-    } else {
-        builder.try_init()
-    };
-}
-
 /// Registers the worker with `--discovery etcd` (the handle keeps the lease alive); `None` with static
 /// discovery, where the router learns about the worker from its own flags and `GetInfo`.
 pub async fn register(
     args: &ServeArgs,
     record: cluster::WorkerRecord,
 ) -> anyhow::Result<Option<cluster::Registration>> {
-    if args.discovery.backend == cluster::Backend::Static {
+    if args.discovery.kind == cluster::DiscoveryKind::Static {
         return Ok(None);
     }
     let discovery = cluster::connect(args.discovery.config(Vec::new(), Vec::new())).await?;

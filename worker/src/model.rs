@@ -113,8 +113,4 @@ impl LoadedModel {
     pub fn config(&self) -> &ModelConfig {
         self.backend.config()
     }
-
-    pub fn cluster_fingerprint(&self) -> cluster::Fingerprint {
-        self.fingerprint.clone().into()
-    }
 }

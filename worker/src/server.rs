@@ -26,7 +26,7 @@ pub async fn bind(args: &ServeArgs) -> anyhow::Result<(tokio::net::TcpListener, 
 pub fn record(
     args: &ServeArgs,
     model: &LoadedModel,
-    role: cluster::WorkerRole,
+    role: proto::v1::WorkerRole,
     id: String,
     grpc_address: String,
 ) -> cluster::WorkerRecord {
@@ -39,7 +39,7 @@ pub fn record(
             kv_blocks_total: model.pool.stats().total_blocks as u32,
             max_model_len: model.max_model_len as u32,
         },
-        fingerprint: Some(model.cluster_fingerprint()),
+        fingerprint: Some(model.fingerprint.clone()),
     }
 }
 
@@ -91,7 +91,7 @@ where
                 let _ = stop_rx.await;
             }),
     );
-    let (role, id, grpc) = (record.role.as_str(), record.id.clone(), record.grpc_address.clone());
+    let (role, id, grpc) = (record.role.name(), record.id.clone(), record.grpc_address.clone());
     let registration = crate::register(args, record).await?;
     // The machine-readable ready line (`tandem up` and the tests read it).
     println!(

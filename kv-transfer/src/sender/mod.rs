@@ -188,7 +188,7 @@ impl KvSender {
         }
         let deadline = deadline.min(now + sh.config.max_wait);
         let fp = desc.fingerprint.as_ref().ok_or_else(|| bad("no fingerprint".into()))?;
-        fingerprint::check_fingerprint(&sh.fingerprint, fp)?;
+        sh.fingerprint.check_compatible(fp)?;
         let dst_layout = desc.layout.ok_or_else(|| bad("no cache layout".into()))?;
         layout::check_layout(sh.cache.geometry(), &dst_layout).map_err(|e| bad(format!("layout: {e}")))?;
         layout::check_blocks(&dst_layout, &desc.block_ids, desc.num_tokens).map_err(|(_, e)| bad(e))?;

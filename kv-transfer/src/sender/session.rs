@@ -13,7 +13,7 @@ use proto::v1::{
     TransferRelease, TransferStatus,
 };
 
-use super::shipper::Job;
+use super::shipper::LayerShipment;
 use super::{SenderShared, map_link_error};
 use crate::TransferError;
 use crate::layout::PutPlan;
@@ -55,8 +55,9 @@ pub(crate) struct SessionState {
     pub cache: Arc<KvCache>,
     pub ctl: Mutex<Ctl>,
     pub manifests: Mutex<Vec<Option<LayerManifest>>>,
-    jobs: Mutex<usize>,
-    jobs_cv: Condvar,
+    /// Layers queued for the shipper and not yet shipped (or skipped).
+    shipments: Mutex<usize>,
+    shipments_cv: Condvar,
     error: Mutex<Option<TransferError>>,
     pub bytes: AtomicU64,
     /// Round-robin position over the link's lanes (starts at the session id so sessions interleave).
@@ -95,8 +96,8 @@ impl SessionState {
             cache,
             ctl: Mutex::new(Ctl { stopped: None, queued: vec![false; num_layers] }),
             manifests: Mutex::new(vec![None; num_layers]),
-            jobs: Mutex::new(0),
-            jobs_cv: Condvar::new(),
+            shipments: Mutex::new(0),
+            shipments_cv: Condvar::new(),
             error: Mutex::new(None),
             bytes: AtomicU64::new(0),
             next_lane: std::sync::atomic::AtomicUsize::new(session_id as usize),
@@ -135,27 +136,27 @@ impl SessionState {
         self.error.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    pub fn job_done(&self) {
-        let mut j = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
-        *j -= 1;
-        if *j == 0 {
-            self.jobs_cv.notify_all();
+    pub fn shipment_done(&self) {
+        let mut n = self.shipments.lock().unwrap_or_else(|p| p.into_inner());
+        *n -= 1;
+        if *n == 0 {
+            self.shipments_cv.notify_all();
         }
     }
 
-    fn add_job(&self) {
-        *self.jobs.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+    fn add_shipment(&self) {
+        *self.shipments.lock().unwrap_or_else(|p| p.into_inner()) += 1;
     }
 
     /// Waits until every queued layer was shipped (or skipped). False on timeout.
-    fn wait_jobs(&self, until: Instant) -> bool {
-        let mut j = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
-        while *j > 0 {
+    fn wait_shipments(&self, until: Instant) -> bool {
+        let mut n = self.shipments.lock().unwrap_or_else(|p| p.into_inner());
+        while *n > 0 {
             let now = Instant::now();
             if now >= until {
                 return false;
             }
-            j = self.jobs_cv.wait_timeout(j, until - now).unwrap_or_else(|p| p.into_inner()).0;
+            n = self.shipments_cv.wait_timeout(n, until - now).unwrap_or_else(|p| p.into_inner()).0;
         }
         true
     }
@@ -263,11 +264,16 @@ impl SendSession {
             }
             c.queued[layer.index()] = true;
         }
-        self.st.add_job();
-        let job =
-            Job { st: self.st.clone(), layer, ready, fault: self.shared.fault, staging: self.shared.staging.clone() };
-        if !self.shared.shipper.submit(job) {
-            self.st.job_done();
+        self.st.add_shipment();
+        let shipment = LayerShipment {
+            st: self.st.clone(),
+            layer,
+            ready,
+            fault: self.shared.fault,
+            staging: self.shared.staging.clone(),
+        };
+        if !self.shared.shipper.submit(shipment) {
+            self.st.shipment_done();
             return Err(TransferError::Transport("the shipping thread is gone".into()));
         }
         Ok(())
@@ -372,7 +378,7 @@ impl SendSession {
             // The receiver already aborted and (after our ack) freed the blocks.
             return Err(e);
         }
-        if !st.wait_jobs(st.deadline) {
+        if !st.wait_shipments(st.deadline) {
             return Err(st.timeout_error());
         }
         if let Some(e) = st.error() {
@@ -384,7 +390,7 @@ impl SendSession {
     /// Waits until the shipper shipped every queued layer; reports aborts and link errors.
     fn drain(&self, until: Instant) -> Result<(), TransferError> {
         let st = &self.st;
-        let ok = st.wait_jobs(until);
+        let ok = st.wait_shipments(until);
         if let Some(e) = st.stop_error().or_else(|| st.error()) {
             return Err(e);
         }

@@ -20,7 +20,8 @@ use crate::layout::{self, checksum_segments};
 use crate::staging::{self, STAGE_BYTES, StagedBuf, StagingPool};
 use crate::transport::{PutOp, lanes};
 
-pub(crate) struct Job {
+/// One finished layer to turn into puts.
+pub(crate) struct LayerShipment {
     pub st: Arc<SessionState>,
     pub layer: LayerIdx,
     /// Reached once the layer's bytes are written.
@@ -31,33 +32,33 @@ pub(crate) struct Job {
 }
 
 pub(crate) struct Shipper {
-    tx: std::sync::Mutex<mpsc::Sender<Job>>,
+    tx: std::sync::Mutex<mpsc::Sender<LayerShipment>>,
 }
 
 impl Shipper {
     pub fn start() -> Result<Shipper, TransferError> {
-        let (tx, rx) = mpsc::channel::<Job>();
+        let (tx, rx) = mpsc::channel::<LayerShipment>();
         std::thread::Builder::new()
             .name("kv-ship".into())
             .spawn(move || {
-                while let Ok(job) = rx.recv() {
-                    ship(&job);
-                    job.st.job_done();
+                while let Ok(shipment) = rx.recv() {
+                    ship(&shipment);
+                    shipment.st.shipment_done();
                 }
             })
             .map_err(|e| TransferError::Transport(format!("cannot start the shipping thread: {e}")))?;
         Ok(Shipper { tx: std::sync::Mutex::new(tx) })
     }
 
-    pub fn submit(&self, job: Job) -> bool {
-        self.tx.lock().unwrap_or_else(|p| p.into_inner()).send(job).is_ok()
+    pub fn submit(&self, shipment: LayerShipment) -> bool {
+        self.tx.lock().unwrap_or_else(|p| p.into_inner()).send(shipment).is_ok()
     }
 }
 
-fn ship(job: &Job) {
-    let st = &job.st;
-    let layer = job.layer;
-    if let Err(e) = job.ready.wait() {
+fn ship(shipment: &LayerShipment) {
+    let st = &shipment.st;
+    let layer = shipment.layer;
+    if let Err(e) = shipment.ready.wait() {
         st.set_error(TransferError::Transport(format!(
             "request {}: layer {} was never written: {e}",
             st.request_id(),
@@ -68,9 +69,9 @@ fn ship(job: &Job) {
     let base = st.dst_regions.first().map(|r| r.remote_addr).unwrap_or(0);
     let src_base = st.cache.arena().as_ptr() as *const u8;
     // A staged pool is hashed from the host copies as they go out (the arena is not host memory).
-    let mut staged_hash = (st.checksum && job.staging.is_some()).then(Xxh3::new);
+    let mut staged_hash = (st.checksum && shipment.staging.is_some()).then(Xxh3::new);
     // A device pool on either side: pieces must fit one staging buffer.
-    let own_limit = job.staging.as_ref().map(|_| STAGE_BYTES as u64);
+    let own_limit = shipment.staging.as_ref().map(|_| STAGE_BYTES as u64);
     let max_write = [own_limit, st.link.max_write()].into_iter().flatten().min();
     let (mut latent, mut indexer) = (0u64, 0u64);
     let latent_len = st.plan.latent_bytes_per_layer();
@@ -95,7 +96,7 @@ fn ship(job: &Job) {
         };
         for (off, len) in lanes::split(p.len, piece) {
             let lane = if lanes > 1 { st.next_lane.fetch_add(1, Ordering::Relaxed) } else { 0 };
-            let (src, staged) = match &job.staging {
+            let (src, staged) = match &shipment.staging {
                 // SAFETY (of the transport's read): checked against the local geometry in begin().
                 None => (src_base.wrapping_add((p.src_offset + off) as usize), None),
                 Some(pool) => match stage(st, pool, layer, p.src_offset + off, len, staged_hash.as_mut()) {
@@ -143,7 +144,7 @@ fn ship(job: &Job) {
     });
     st.manifests.lock().unwrap_or_else(|p| p.into_inner())[layer.index()] =
         Some(LayerManifest { layer: layer.0, latent_bytes: latent, indexer_bytes: indexer, checksum });
-    if let Some(f) = job.fault
+    if let Some(f) = shipment.fault
         && f.layer() == layer.0
     {
         // Make the fault deterministic: the layer has landed before the process dies or stalls.

@@ -33,7 +33,7 @@ impl Drop for AbortGuard {
         rt.spawn(async move {
             let req = || {
                 let mut r = tonic::Request::new(AbortRequest { request_id: id.clone(), reason: reason.into() });
-                crate::flow::attempt::tag(&mut r, &id);
+                crate::request_id::tag(&mut r, &id);
                 r.set_timeout(Duration::from_secs(2));
                 r
             };

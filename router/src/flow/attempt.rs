@@ -1,9 +1,28 @@
-//! Stage 2: one try on one pair. Decode reserves -> prefill ships the caches -> tokens stream from decode.
+//! Stage 2: one try on one pair, as a state machine.
+//!
+//! ```text
+//! Reserve --Reserved--> Prefill --reply, not finished--> Decode --Finished--> done
+//!                          |   (Tokens may arrive first)
+//!                          +--decode ended first--> AwaitPrefill --reply--> done
+//! ```
+//!
+//! - [`State::Reserve`]: open `DecodeWorker.Decode`; its first event is `Reserved` (the descriptor).
+//! - [`State::Prefill`]: `PrefillWorker.Prefill` with the descriptor, while the Decode stream is read.
+//! - [`State::Decode`]: prefill answered; the Decode stream runs until `Finished` or `Preempted`.
+//! - [`State::AwaitPrefill`]: the decode side ended before the prefill reply; the reply decides.
+//!
+//! The first token has one source: the Decode stream, whose first `Tokens` event starts with the token the
+//! prefill worker sampled. `PrefillResponse.first_token` is emitted only when the response says
+//! `finished`: the request ended in prefill, the reservation was released and no Decode stream carries it.
+//! Every state ends the attempt when the client goes away; [`AbortGuard`] aborts what is still running.
 
+use std::future::Future;
+use std::ops::ControlFlow;
+use std::pin::Pin;
 use std::time::Duration;
 
 use proto::v1::decode_event::Event as DecodeEv;
-use proto::v1::{DecodeRequest, PrefillRequest, StageTimings};
+use proto::v1::{DecodeEvent, DecodeRequest, GeneratedToken, PrefillRequest, PrefillResponse, TransferDescriptor};
 use tokio::sync::mpsc;
 use tonic::Code;
 use tracing::{debug, warn};
@@ -11,13 +30,15 @@ use tracing::{debug, warn};
 use super::abort::AbortGuard;
 use super::output::{Control, FinishReason, Output};
 use super::select::Pair;
-use super::{Event, Job, Limits};
+use super::worker_replies::{decode_refused, drain, finish_reason, is_full, observe_timings};
+use super::{Event, Limits, TokenizedRequest};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
-use crate::workers::is_worker_fault;
+use crate::request_id;
+use crate::workers::{InFlight, is_worker_fault};
 
 pub struct AttemptInput<'a> {
-    pub job: &'a Job,
+    pub request: &'a TokenizedRequest,
     /// 0 for the first attempt; retries and re-prefills count up.
     pub attempt: u32,
     pub hashes: &'a [u64],
@@ -42,306 +63,356 @@ pub enum AttemptEnd {
     },
 }
 
-/// Adds the request id as gRPC metadata, so worker logs carry it even before the body is parsed.
-pub fn tag<T>(req: &mut tonic::Request<T>, request_id: &str) {
-    if let Ok(v) = request_id.parse() {
-        req.metadata_mut().insert(crate::request_id::HEADER, v);
-    }
+type DecodeStream = tonic::Streaming<DecodeEvent>;
+/// The Prefill call, bounded by the prefill timeout (plus a second for the reply to travel).
+type PrefillCall =
+    Pin<Box<dyn Future<Output = Result<Result<tonic::Response<PrefillResponse>, tonic::Status>, Elapsed>> + Send>>;
+type Elapsed = tokio::time::error::Elapsed;
+
+/// Where an attempt stands between two worker messages.
+enum State {
+    /// Open the Decode stream; its first event must be `Reserved`.
+    Reserve,
+    /// Prefill runs with the descriptor; decode events may arrive before its reply.
+    Prefill { call: PrefillCall, stream: DecodeStream },
+    /// Prefill answered without ending the request: the Decode stream carries every token.
+    Decode { stream: DecodeStream },
+    /// The decode side ended before the prefill reply: with its `Finished` reason, or `None` when the
+    /// stream closed (the prefill worker released the reservation).
+    AwaitPrefill { call: PrefillCall, finish: Option<FinishReason> },
 }
 
-fn finish_reason(code: i32) -> FinishReason {
-    match proto::v1::FinishReason::try_from(code) {
-        Ok(proto::v1::FinishReason::Length) => FinishReason::Length,
-        Ok(proto::v1::FinishReason::Abort) => FinishReason::Abort,
-        _ => FinishReason::Stop,
-    }
-}
-
-/// Records the workers' per-request stage timings in the metrics and in the request's log span.
-fn observe_timings(m: &Metrics, t: &StageTimings) {
-    let s = |us: u64| us as f64 / 1e6;
-    let ms = |us: u64| us as f64 / 1e3;
-    if t.prefill_us > 0 {
-        m.stage.with_label_values(&["prefill_queue"]).observe(s(t.prefill_queue_us));
-        m.stage.with_label_values(&["prefill"]).observe(s(t.prefill_us));
-        // Both workers report the transfer; the prefill side's figure is counted (the decode side's is
-        // the same transfer, seen from the other end, and only logged).
-        if t.transfer_us > 0 {
-            m.stage.with_label_values(&["kv_transfer"]).observe(s(t.transfer_us));
-            m.kv_transfer_bytes.inc_by(t.transfer_bytes);
-        }
-        tracing::info!(
-            queue_ms = ms(t.prefill_queue_us),
-            prefill_ms = ms(t.prefill_us),
-            cached_tokens = t.cached_tokens,
-            transfer_ms = ms(t.transfer_us),
-            transfer_bytes = t.transfer_bytes,
-            "prefill stages"
-        );
-    }
-    if t.first_decode_step_us > 0 {
-        m.stage.with_label_values(&["first_decode_step"]).observe(s(t.first_decode_step_us));
-        tracing::info!(
-            transfer_ms = ms(t.transfer_us),
-            first_decode_step_ms = ms(t.first_decode_step_us),
-            "decode stages"
-        );
-    }
-}
-
-/// RESOURCE_EXHAUSTED from the worker means "no free blocks"; the same code produced by the HTTP/2 layer
-/// (GOAWAY ENHANCE_YOUR_CALM, "h2 protocol error") is a connection failure instead.
-fn is_full(status: &tonic::Status) -> bool {
-    status.code() == Code::ResourceExhausted && !status.message().contains("h2 protocol error")
-}
-
-fn decode_refused(status: &tonic::Status, pair: &Pair) -> AttemptEnd {
-    let full = is_full(status);
-    if is_worker_fault(status) {
-        pair.decode.breaker.failure();
-    }
-    if full || is_worker_fault(status) || status.code() == Code::ResourceExhausted {
-        AttemptEnd::RetryDecode { why: format!("{:?}: {}", status.code(), status.message()), full }
-    } else if status.code() == Code::InvalidArgument {
-        AttemptEnd::Failed(ApiError::invalid(format!("decode worker rejected the request: {}", status.message())))
-    } else {
-        AttemptEnd::Failed(ApiError::upstream(format!("decode worker {}: {}", pair.decode.id, status.message())))
-    }
-}
-
-/// Reads the rest of a finished Decode stream (its trailers) in the background. Dropping it unread
-/// would reset the HTTP/2 stream, and servers treat many resets as abuse (hyper answers a burst of them
-/// with GOAWAY ENHANCE_YOUR_CALM, failing every request on the connection).
-fn drain(mut stream: tonic::Streaming<proto::v1::DecodeEvent>) {
-    tokio::spawn(async move {
-        let _ =
-            tokio::time::timeout(Duration::from_secs(5), async { while let Ok(Some(_)) = stream.message().await {} })
-                .await;
-    });
-}
-
-/// The next Decode event; never resolves once the stream was handed to [`drain`].
-async fn next(
-    stream: &mut Option<tonic::Streaming<proto::v1::DecodeEvent>>,
-) -> Result<Option<proto::v1::DecodeEvent>, tonic::Status> {
-    match stream {
-        Some(s) => s.message().await,
-        None => std::future::pending().await,
-    }
-}
+/// What a state leads to: the next state, or the attempt's end.
+type Step = ControlFlow<AttemptEnd, State>;
 
 pub async fn run(input: AttemptInput<'_>, out: &mut Output, tx: &mpsc::UnboundedSender<Event>) -> AttemptEnd {
-    let AttemptInput { job, attempt, hashes, pair, limits, metrics } = input;
-    // Workers key reservations, transfers and aborts by request id. A retry gets its own id
-    // (`<id>.<attempt>`), so the previous attempt's late abort or cleanup can never hit it.
-    let attempt_id = if attempt == 0 { job.request_id.clone() } else { format!("{}.{attempt}", job.request_id) };
-    let rid = attempt_id.as_str();
-    let num_generated = out.generated().len();
-    let mut seq = Vec::with_capacity(job.prompt.len() + num_generated);
-    seq.extend_from_slice(&job.prompt);
-    seq.extend_from_slice(out.generated());
-    let tokens = seq.len() as u64;
-    let mut guard = AbortGuard::new(rid);
-
-    // Reserve on the decode worker.
-    let _decode_flight = pair.decode.begin(tokens);
-    let mut dreq = tonic::Request::new(DecodeRequest {
-        request_id: rid.to_owned(),
-        token_ids: seq.clone(),
-        sampling: Some(job.sampling.clone()),
-        num_generated: num_generated as u32,
-        num_prompt_tokens: job.prompt.len() as u32,
-        transfer_timeout_ms: limits.prefill_timeout.as_millis().min(u32::MAX as u128) as u32,
-    });
-    tag(&mut dreq, rid);
-    guard.decode = Some(pair.decode.clone());
-    let mut dclient = pair.decode.decode_client();
-    let opened = tokio::select! {
-        r = dclient.decode(dreq) => r,
-        _ = tx.closed() => return AttemptEnd::ClientGone,
-    };
-    let mut stream = match opened {
-        Ok(s) => Some(s.into_inner()),
-        Err(status) => {
-            guard.decode = None;
-            return decode_refused(&status, pair);
-        }
-    };
-    let first = tokio::select! {
-        m = next(&mut stream) => m,
-        _ = tx.closed() => return AttemptEnd::ClientGone,
-        _ = tokio::time::sleep(limits.prefill_timeout) => {
-            guard.reason = "reservation timed out";
-            pair.decode.breaker.failure();
-            return AttemptEnd::RetryDecode { why: "no reservation answer in time".into(), full: false };
-        }
-    };
-    let transfer = match first {
-        Ok(Some(proto::v1::DecodeEvent { event: Some(DecodeEv::Reserved(r)) })) => r.transfer,
-        Ok(Some(other)) => {
-            guard.reason = "protocol error";
-            return AttemptEnd::Failed(ApiError::upstream(format!(
-                "decode worker {} sent {:?} before Reserved",
-                pair.decode.id, other.event
-            )));
-        }
-        Ok(None) => {
-            pair.decode.breaker.failure();
-            return AttemptEnd::RetryDecode { why: "stream closed before Reserved".into(), full: false };
-        }
-        Err(status) => return decode_refused(&status, pair),
-    };
-    debug!(decode = %pair.decode.id, prefill = %pair.prefill.id, "reserved");
-
-    // Prefill with the descriptor, while reading the decode stream.
-    let _prefill_flight = pair.prefill.begin(tokens);
-    pair.prefill.note_routed(hashes);
-    let mut preq = tonic::Request::new(PrefillRequest {
-        request_id: rid.to_owned(),
-        token_ids: seq,
-        sampling: Some(job.sampling.clone()),
-        transfer,
-        num_generated: num_generated as u32,
-        num_prompt_tokens: job.prompt.len() as u32,
-    });
-    tag(&mut preq, rid);
-    preq.set_timeout(limits.prefill_timeout);
-    guard.prefill = Some(pair.prefill.clone());
-    let mut pclient = pair.prefill.prefill_client();
-    let prefill = tokio::time::timeout(limits.prefill_timeout + Duration::from_secs(1), pclient.prefill(preq));
-    tokio::pin!(prefill);
-    let mut prefill_pending = true;
-    let mut decode_open = true;
-    // A Finished that overtook the prefill reply (the request ended in prefill): applied after it.
-    let mut early_finish: Option<FinishReason> = None;
-    let mut decode_pos = num_generated;
+    let mut attempt = Attempt::new(input, out);
+    let mut state = State::Reserve;
     loop {
-        tokio::select! {
+        let step = tokio::select! {
+            step = attempt.step(state) => step,
             _ = tx.closed() => return AttemptEnd::ClientGone,
-            r = &mut prefill, if prefill_pending => {
-                prefill_pending = false;
-                guard.prefill = None;
-                let progressed = out.generated().len() > num_generated;
-                let resp = match r {
-                    Ok(Ok(resp)) => resp.into_inner(),
-                    Ok(Err(status)) if !progressed => {
-                        if is_worker_fault(&status) {
-                            pair.prefill.breaker.failure();
-                        }
-                        guard.prefill = Some(pair.prefill.clone());
-                        guard.reason = "prefill failed; retrying elsewhere";
-                        return match status.code() {
-                            Code::InvalidArgument => AttemptEnd::Failed(ApiError::invalid(format!(
-                                "prefill worker rejected the request: {}", status.message()))),
-                            _ => AttemptEnd::RetryPrefill(format!("{:?}: {}", status.code(), status.message())),
-                        };
-                    }
-                    Err(_) if !progressed => {
-                        pair.prefill.breaker.failure();
-                        guard.prefill = Some(pair.prefill.clone());
-                        guard.reason = "prefill timed out; retrying elsewhere";
-                        return AttemptEnd::RetryPrefill("prefill timed out".into());
-                    }
-                    // Tokens are already flowing from decode, so the caches arrived: a lost reply is harmless.
-                    Ok(Err(_)) | Err(_) => {
-                        warn!(worker = %pair.prefill.id, "prefill reply lost after decoding started; continuing");
-                        continue;
-                    }
-                };
-                pair.prefill.breaker.success();
-                if let Some(t) = &resp.timings {
-                    observe_timings(metrics, t);
-                    out.set_cached_tokens(t.cached_tokens);
-                }
-                if let Some(tok) = resp.first_token {
-                    match out.push_at(num_generated, std::slice::from_ref(&tok)).await {
-                        Control::Continue => {}
-                        Control::Stop => { guard.reason = "stop string matched"; return AttemptEnd::Done; }
-                        Control::ClientGone => return AttemptEnd::ClientGone,
-                    }
-                }
-                let end = if resp.finished { Some(finish_reason(resp.finish_reason)) } else { early_finish };
-                if let Some(reason) = end {
-                    // The prefill worker already released the decode reservation.
-                    guard.decode = None;
-                    return match out.finish(reason).await {
-                        Control::ClientGone => AttemptEnd::ClientGone,
-                        _ => AttemptEnd::Done,
-                    };
-                }
-                if !decode_open {
-                    guard.reason = "decode stream ended early";
-                    return AttemptEnd::Failed(ApiError::upstream(format!(
-                        "decode worker {} closed the stream without finishing the request", pair.decode.id)));
-                }
+        };
+        state = match step {
+            ControlFlow::Continue(next) => next,
+            ControlFlow::Break(end) => return end,
+        };
+    }
+}
+
+/// One attempt's context. Dropping it aborts what still runs on the workers (the guard) and ends the
+/// router's in-flight counts.
+struct Attempt<'a> {
+    request: &'a TokenizedRequest,
+    pair: &'a Pair,
+    hashes: &'a [u64],
+    limits: &'a Limits,
+    metrics: &'a Metrics,
+    out: &'a mut Output,
+    /// The id the workers see: the request's for the first attempt, `<id>.<attempt>` for later ones, so a
+    /// previous attempt's late abort or cleanup can never hit this one.
+    id: String,
+    /// Prompt plus the tokens generated by earlier attempts: what this attempt prefills (handed to the
+    /// Prefill call once it starts).
+    seq: Vec<u32>,
+    /// Output tokens before this attempt (the output position of its first token).
+    num_generated: usize,
+    guard: AbortGuard,
+    decode_flight: Option<InFlight>,
+    prefill_flight: Option<InFlight>,
+}
+
+impl<'a> Attempt<'a> {
+    fn new(input: AttemptInput<'a>, out: &'a mut Output) -> Self {
+        let AttemptInput { request, attempt, hashes, pair, limits, metrics } = input;
+        let id = if attempt == 0 { request.request_id.clone() } else { format!("{}.{attempt}", request.request_id) };
+        let num_generated = out.generated().len();
+        let mut seq = Vec::with_capacity(request.prompt.len() + num_generated);
+        seq.extend_from_slice(&request.prompt);
+        seq.extend_from_slice(out.generated());
+        let guard = AbortGuard::new(&id);
+        Self {
+            request,
+            pair,
+            hashes,
+            limits,
+            metrics,
+            out,
+            id,
+            seq,
+            num_generated,
+            guard,
+            decode_flight: None,
+            prefill_flight: None,
+        }
+    }
+
+    async fn step(&mut self, state: State) -> Step {
+        match state {
+            State::Reserve => self.reserve().await,
+            State::Prefill { call, stream } => self.prefill(call, stream).await,
+            State::Decode { mut stream } => {
+                let ev = stream.message().await;
+                self.on_decode_event(ev, stream, None).await
             }
-            m = next(&mut stream), if decode_open && early_finish.is_none() => {
-                let ev = match m {
-                    Ok(Some(ev)) => ev.event,
-                    // Released because prefill ended the request: its reply says so.
-                    Ok(None) if prefill_pending => {
-                        decode_open = false;
-                        continue;
-                    }
-                    Ok(None) => {
-                        pair.decode.breaker.failure();
-                        guard.reason = "decode stream ended early";
-                        return AttemptEnd::Failed(ApiError::upstream(format!(
-                            "decode worker {} closed the stream without finishing the request", pair.decode.id)));
-                    }
-                    Err(status) => {
-                        if is_worker_fault(&status) {
-                            pair.decode.breaker.failure();
-                        }
-                        guard.reason = "decode failed";
-                        if prefill_pending && out.generated().len() == num_generated && is_full(&status) {
-                            return AttemptEnd::RetryDecode { why: status.message().to_owned(), full: true };
-                        }
-                        return AttemptEnd::Failed(ApiError::upstream(format!(
-                            "decode worker {} failed: {}", pair.decode.id, status.message())));
-                    }
-                };
-                match ev {
-                    Some(DecodeEv::Tokens(t)) => {
-                        let start = decode_pos;
-                        decode_pos += t.tokens.len();
-                        match out.push_at(start, &t.tokens).await {
-                            Control::Continue => {}
-                            Control::Stop => { guard.reason = "stop string matched"; return AttemptEnd::Done; }
-                            Control::ClientGone => return AttemptEnd::ClientGone,
-                        }
-                    }
-                    Some(DecodeEv::Finished(f)) => {
-                        guard.decode = None;
-                        pair.decode.breaker.success();
-                        if let Some(s) = stream.take() {
-                            drain(s);
-                        }
-                        if let Some(t) = &f.timings {
-                            observe_timings(metrics, t);
-                        }
-                        let reason = finish_reason(f.reason);
-                        if prefill_pending && f.reason != proto::v1::FinishReason::Error as i32 {
-                            early_finish = Some(reason);
-                            continue;
-                        }
-                        guard.prefill = None;
-                        if f.reason == proto::v1::FinishReason::Error as i32 {
-                            return AttemptEnd::Failed(ApiError::upstream(format!(
-                                "decode worker {} failed the request: {}", pair.decode.id, f.error)));
-                        }
-                        return match out.finish(reason).await {
-                            Control::ClientGone => AttemptEnd::ClientGone,
-                            _ => AttemptEnd::Done,
-                        };
-                    }
-                    Some(DecodeEv::Preempted(p)) => {
-                        guard.decode = None;
-                        return AttemptEnd::Preempted(p.reason);
-                    }
-                    Some(DecodeEv::Reserved(_)) | None => warn!(worker = %pair.decode.id, "unexpected decode event ignored"),
-                }
+            State::AwaitPrefill { call, finish } => {
+                self.on_prefill_reply(call.await).await?;
+                self.decode_ended(finish).await
             }
         }
+    }
+
+    /// Whether this attempt has produced output tokens yet (then the caches arrived).
+    fn progressed(&self) -> bool {
+        self.out.generated().len() > self.num_generated
+    }
+
+    async fn reserve(&mut self) -> Step {
+        let decode = &self.pair.decode;
+        self.decode_flight = Some(decode.begin(self.seq.len() as u64));
+        let mut req = tonic::Request::new(DecodeRequest {
+            request_id: self.id.clone(),
+            token_ids: self.seq.clone(),
+            sampling: Some(self.request.sampling.clone()),
+            num_generated: self.num_generated as u32,
+            num_prompt_tokens: self.request.prompt.len() as u32,
+            transfer_timeout_ms: self.limits.prefill_timeout.as_millis().min(u32::MAX as u128) as u32,
+        });
+        request_id::tag(&mut req, &self.id);
+        self.guard.decode = Some(decode.clone());
+        let mut stream = match decode.decode_client().decode(req).await {
+            Ok(s) => s.into_inner(),
+            Err(status) => {
+                self.guard.decode = None;
+                return ControlFlow::Break(decode_refused(&status, self.pair));
+            }
+        };
+        let first = tokio::select! {
+            m = stream.message() => m,
+            _ = tokio::time::sleep(self.limits.prefill_timeout) => {
+                self.guard.reason = "reservation timed out";
+                decode.breaker.failure();
+                return ControlFlow::Break(AttemptEnd::RetryDecode {
+                    why: "no reservation answer in time".into(),
+                    full: false,
+                });
+            }
+        };
+        let transfer = match first {
+            Ok(Some(DecodeEvent { event: Some(DecodeEv::Reserved(r)) })) => r.transfer,
+            Ok(Some(other)) => {
+                self.guard.reason = "protocol error";
+                return ControlFlow::Break(AttemptEnd::Failed(ApiError::upstream(format!(
+                    "decode worker {} sent {:?} before Reserved",
+                    decode.id, other.event
+                ))));
+            }
+            Ok(None) => {
+                decode.breaker.failure();
+                return ControlFlow::Break(AttemptEnd::RetryDecode {
+                    why: "stream closed before Reserved".into(),
+                    full: false,
+                });
+            }
+            Err(status) => return ControlFlow::Break(decode_refused(&status, self.pair)),
+        };
+        debug!(decode = %decode.id, prefill = %self.pair.prefill.id, "reserved");
+        ControlFlow::Continue(State::Prefill { call: self.call_prefill(transfer), stream })
+    }
+
+    /// Starts `PrefillWorker.Prefill` with the decode worker's descriptor.
+    fn call_prefill(&mut self, transfer: Option<TransferDescriptor>) -> PrefillCall {
+        let prefill = &self.pair.prefill;
+        self.prefill_flight = Some(prefill.begin(self.seq.len() as u64));
+        prefill.note_routed(self.hashes);
+        let mut req = tonic::Request::new(PrefillRequest {
+            request_id: self.id.clone(),
+            token_ids: std::mem::take(&mut self.seq),
+            sampling: Some(self.request.sampling.clone()),
+            transfer,
+            num_generated: self.num_generated as u32,
+            num_prompt_tokens: self.request.prompt.len() as u32,
+        });
+        request_id::tag(&mut req, &self.id);
+        req.set_timeout(self.limits.prefill_timeout);
+        self.guard.prefill = Some(prefill.clone());
+        let mut client = prefill.prefill_client();
+        let call = async move { client.prefill(req).await };
+        Box::pin(tokio::time::timeout(self.limits.prefill_timeout + Duration::from_secs(1), call))
+    }
+
+    async fn prefill(&mut self, mut call: PrefillCall, mut stream: DecodeStream) -> Step {
+        tokio::select! {
+            reply = &mut call => {
+                self.on_prefill_reply(reply).await?;
+                ControlFlow::Continue(State::Decode { stream })
+            }
+            ev = stream.message() => self.on_decode_event(ev, stream, Some(call)).await,
+        }
+    }
+
+    /// The Prefill reply: Continue when decoding goes on (or already ended: the decode side decides),
+    /// Break when the request ended in prefill or this attempt failed.
+    async fn on_prefill_reply(
+        &mut self,
+        reply: Result<Result<tonic::Response<PrefillResponse>, tonic::Status>, Elapsed>,
+    ) -> ControlFlow<AttemptEnd> {
+        let prefill = &self.pair.prefill;
+        self.guard.prefill = None;
+        let resp = match reply {
+            Ok(Ok(resp)) => resp.into_inner(),
+            Ok(Err(status)) if !self.progressed() => {
+                if is_worker_fault(&status) {
+                    prefill.breaker.failure();
+                }
+                self.guard.prefill = Some(prefill.clone());
+                self.guard.reason = "prefill failed; retrying elsewhere";
+                return ControlFlow::Break(match status.code() {
+                    Code::InvalidArgument => AttemptEnd::Failed(ApiError::invalid(format!(
+                        "prefill worker rejected the request: {}",
+                        status.message()
+                    ))),
+                    _ => AttemptEnd::RetryPrefill(format!("{:?}: {}", status.code(), status.message())),
+                });
+            }
+            Err(_) if !self.progressed() => {
+                prefill.breaker.failure();
+                self.guard.prefill = Some(prefill.clone());
+                self.guard.reason = "prefill timed out; retrying elsewhere";
+                return ControlFlow::Break(AttemptEnd::RetryPrefill("prefill timed out".into()));
+            }
+            // Tokens are already flowing from decode, so the caches arrived: a lost reply is harmless.
+            Ok(Err(_)) | Err(_) => {
+                warn!(worker = %prefill.id, "prefill reply lost after decoding started; continuing");
+                return ControlFlow::Continue(());
+            }
+        };
+        prefill.breaker.success();
+        if let Some(t) = &resp.timings {
+            observe_timings(self.metrics, t);
+            self.out.set_cached_tokens(t.cached_tokens);
+        }
+        if resp.finished {
+            // The request ended in prefill, which released the reservation: the reply carries the one token.
+            if let Some(first) = resp.first_token {
+                self.emit(std::slice::from_ref(&first)).await?;
+            }
+            self.guard.decode = None;
+            return ControlFlow::Break(self.finish(finish_reason(resp.finish_reason)).await);
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// Prefill is done without ending the request, and the decode side already ended: with its
+    /// `Finished` reason, or closed without one.
+    async fn decode_ended(&mut self, finish: Option<FinishReason>) -> Step {
+        match finish {
+            Some(reason) => ControlFlow::Break(self.finish(reason).await),
+            None => {
+                self.guard.reason = "decode stream ended early";
+                ControlFlow::Break(self.closed_early())
+            }
+        }
+    }
+
+    /// One Decode stream message. `call` is the Prefill call while it has not answered.
+    async fn on_decode_event(
+        &mut self,
+        ev: Result<Option<DecodeEvent>, tonic::Status>,
+        stream: DecodeStream,
+        call: Option<PrefillCall>,
+    ) -> Step {
+        let decode = &self.pair.decode;
+        let ev = match ev {
+            Ok(Some(ev)) => ev.event,
+            Ok(None) => {
+                // Released because prefill ended the request: its reply says so.
+                if let Some(call) = call {
+                    return ControlFlow::Continue(State::AwaitPrefill { call, finish: None });
+                }
+                decode.breaker.failure();
+                self.guard.reason = "decode stream ended early";
+                return ControlFlow::Break(self.closed_early());
+            }
+            Err(status) => {
+                if is_worker_fault(&status) {
+                    decode.breaker.failure();
+                }
+                self.guard.reason = "decode failed";
+                if call.is_some() && !self.progressed() && is_full(&status) {
+                    return ControlFlow::Break(AttemptEnd::RetryDecode {
+                        why: status.message().to_owned(),
+                        full: true,
+                    });
+                }
+                return ControlFlow::Break(AttemptEnd::Failed(ApiError::upstream(format!(
+                    "decode worker {} failed: {}",
+                    decode.id,
+                    status.message()
+                ))));
+            }
+        };
+        match ev {
+            Some(DecodeEv::Tokens(t)) => self.emit(&t.tokens).await?,
+            Some(DecodeEv::Finished(f)) => {
+                self.guard.decode = None;
+                decode.breaker.success();
+                drain(stream);
+                if let Some(t) = &f.timings {
+                    observe_timings(self.metrics, t);
+                }
+                let failed = f.reason == proto::v1::FinishReason::Error as i32;
+                let reason = finish_reason(f.reason);
+                if let Some(call) = call
+                    && !failed
+                {
+                    return ControlFlow::Continue(State::AwaitPrefill { call, finish: Some(reason) });
+                }
+                self.guard.prefill = None;
+                if failed {
+                    return ControlFlow::Break(AttemptEnd::Failed(ApiError::upstream(format!(
+                        "decode worker {} failed the request: {}",
+                        decode.id, f.error
+                    ))));
+                }
+                return ControlFlow::Break(self.finish(reason).await);
+            }
+            Some(DecodeEv::Preempted(p)) => {
+                self.guard.decode = None;
+                return ControlFlow::Break(AttemptEnd::Preempted(p.reason));
+            }
+            Some(DecodeEv::Reserved(_)) | None => warn!(worker = %decode.id, "unexpected decode event ignored"),
+        }
+        ControlFlow::Continue(match call {
+            Some(call) => State::Prefill { call, stream },
+            None => State::Decode { stream },
+        })
+    }
+
+    /// Hands tokens to the output; a matched stop string or a departed client ends the attempt.
+    async fn emit(&mut self, tokens: &[GeneratedToken]) -> ControlFlow<AttemptEnd> {
+        match self.out.push(tokens).await {
+            Control::Continue => ControlFlow::Continue(()),
+            Control::Stop => {
+                self.guard.reason = "stop string matched";
+                ControlFlow::Break(AttemptEnd::Done)
+            }
+            Control::ClientGone => ControlFlow::Break(AttemptEnd::ClientGone),
+        }
+    }
+
+    /// The workers ended the request.
+    async fn finish(&mut self, reason: FinishReason) -> AttemptEnd {
+        match self.out.finish(reason).await {
+            Control::ClientGone => AttemptEnd::ClientGone,
+            _ => AttemptEnd::Done,
+        }
+    }
+
+    fn closed_early(&self) -> AttemptEnd {
+        AttemptEnd::Failed(ApiError::upstream(format!(
+            "decode worker {} closed the stream without finishing the request",
+            self.pair.decode.id
+        )))
     }
 }

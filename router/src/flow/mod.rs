@@ -1,8 +1,9 @@
 //! A request's flow through the cluster, in named stages:
 //!
 //! 1. [`select`]: pick a compatible prefill/decode pair with the configured policies.
-//! 2. [`attempt`]: open `DecodeWorker.Decode` (the decode worker reserves blocks and answers `Reserved`),
-//!    call `PrefillWorker.Prefill` with the descriptor, then relay tokens from the Decode stream.
+//! 2. [`attempt`]: a state machine over one pair: open `DecodeWorker.Decode` (the decode worker reserves
+//!    blocks and answers `Reserved`), call `PrefillWorker.Prefill` with the descriptor, then relay tokens
+//!    from the Decode stream ([`worker_replies`] reads what the workers answer).
 //! 3. [`output`]: incremental detokenization, stop strings, logprobs, usage -> [`Event`]s.
 //!
 //! [`Dispatcher::start`] runs these in a task per request and retries: another prefill worker when
@@ -15,6 +16,7 @@ mod attempt;
 mod capacity;
 mod output;
 mod select;
+mod worker_replies;
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -36,7 +38,7 @@ pub use output::{StopReason, Summary};
 
 /// One generation request after validation, templating and tokenization.
 #[derive(Debug, Clone)]
-pub struct Job {
+pub struct TokenizedRequest {
     pub request_id: String,
     /// Metrics label: "completions", "chat" or "grpc".
     pub endpoint: &'static str,
@@ -135,28 +137,32 @@ impl EventStream {
 const MAX_PREEMPTIONS: u32 = 16;
 
 impl Dispatcher {
-    /// Starts `job` and waits for its first event: a failure before any output is returned as Err, so
+    /// Starts `request` and waits for its first event: a failure before any output is returned as Err, so
     /// the front door can answer with a proper status (400/429/503...). `permit` is the admission slot,
     /// held until the request ends.
-    pub async fn start(self: &Arc<Self>, mut job: Job, permit: OwnedSemaphorePermit) -> Result<EventStream, ApiError> {
+    pub async fn start(
+        self: &Arc<Self>,
+        mut request: TokenizedRequest,
+        permit: OwnedSemaphorePermit,
+    ) -> Result<EventStream, ApiError> {
         // One seed for the request's whole life: every attempt (retry, re-prefill after preemption) and
         // both workers of each attempt sample from the same (seed, output position) stream.
-        job.sampling.seed.get_or_insert_with(rand::random);
+        request.sampling.seed.get_or_insert_with(rand::random);
         // Workers key reservations and aborts by request id; a client may reuse its `x-request-id` while
         // the first request runs, so the second gets a distinct worker-side id.
-        let key = self.ids.claim(&job.request_id);
-        job.request_id = key.id().to_owned();
+        let key = self.ids.claim(&request.request_id);
+        request.request_id = key.id().to_owned();
         // Unbounded on purpose: the worker's token stream must always be read promptly. Blocking on
         // a slow client would leave frames unread in the shared HTTP/2 connection to the worker and
         // stall every other request on it (flow-control windows). Memory is bounded by max_tokens.
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let span = info_span!("request", request_id = %job.request_id);
+        let span = info_span!("request", request_id = %request.request_id);
         let me = self.clone();
         tokio::spawn(
             async move {
                 let _permit = permit;
                 let _key = key;
-                me.run(job, tx).await;
+                me.run(request, tx).await;
             }
             .instrument(span),
         );
@@ -167,10 +173,10 @@ impl Dispatcher {
         }
     }
 
-    async fn run(&self, job: Job, tx: mpsc::UnboundedSender<Event>) {
-        let deadline = self.limits.request_timeout.map(|t| job.arrived + t);
-        let mut out = Output::new(&job, self.model.clone(), self.metrics.clone(), tx.clone());
-        let work = self.drive(&job, &mut out, &tx);
+    async fn run(&self, request: TokenizedRequest, tx: mpsc::UnboundedSender<Event>) {
+        let deadline = self.limits.request_timeout.map(|t| request.arrived + t);
+        let mut out = Output::new(&request, self.model.clone(), self.metrics.clone(), tx.clone());
+        let work = self.drive(&request, &mut out, &tx);
         let result = match deadline {
             Some(d) => tokio::time::timeout_at(d.into(), work).await,
             None => Ok(work.await),
@@ -190,9 +196,14 @@ impl Dispatcher {
 
     /// The retry loop around attempts. Returns Err for failures to report; Ok when the request ended
     /// (finished, or the client left).
-    async fn drive(&self, job: &Job, out: &mut Output, tx: &mpsc::UnboundedSender<Event>) -> Result<(), ApiError> {
+    async fn drive(
+        &self,
+        request: &TokenizedRequest,
+        out: &mut Output,
+        tx: &mpsc::UnboundedSender<Event>,
+    ) -> Result<(), ApiError> {
         let hashes = if self.prefill_policy.wants_prefix_hashes() {
-            cluster::prefix_hash::prefix_hashes(&job.prompt)
+            cluster::prefix_hash::prefix_hashes(&request.prompt)
         } else {
             Vec::new()
         };
@@ -210,9 +221,15 @@ impl Dispatcher {
         let mut waiter = None;
         let mut wait_deadline = None;
         loop {
-            let seq_len = job.prompt.len() + job.sampling.max_tokens as usize;
-            let pair = match select::pair(self, &hashes, job.prompt.len(), seq_len, &excluded_prefill, &excluded_decode)
-            {
+            let seq_len = request.prompt.len() + request.sampling.max_tokens as usize;
+            let pair = match select::pair(
+                self,
+                &hashes,
+                request.prompt.len(),
+                seq_len,
+                &excluded_prefill,
+                &excluded_decode,
+            ) {
                 Ok(p) => p,
                 Err(_) if !decode_full.is_empty() => {
                     // Every decode worker is full: wait for room (bounded), then try them all again.
@@ -261,7 +278,7 @@ impl Dispatcher {
                 wait_deadline = Some(w.deadline);
             }
             let input = AttemptInput {
-                job,
+                request,
                 attempt,
                 hashes: &hashes,
                 pair: &pair,

@@ -9,7 +9,7 @@ use text::{IncrementalDetokenizer, StopMatcher};
 use tokio::sync::mpsc;
 use tracing::info;
 
-use super::{Event, Job};
+use super::{Event, TokenizedRequest};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::model::ServedModel;
@@ -83,20 +83,25 @@ pub struct Output {
 }
 
 impl Output {
-    pub fn new(job: &Job, model: Arc<ServedModel>, metrics: Arc<Metrics>, tx: mpsc::UnboundedSender<Event>) -> Self {
+    pub fn new(
+        request: &TokenizedRequest,
+        model: Arc<ServedModel>,
+        metrics: Arc<Metrics>,
+        tx: mpsc::UnboundedSender<Event>,
+    ) -> Self {
         Self {
-            detok: IncrementalDetokenizer::new(&job.prompt, job.skip_special_tokens),
-            stop: StopMatcher::new(&job.stop, job.include_stop_str),
+            detok: IncrementalDetokenizer::new(&request.prompt, request.skip_special_tokens),
+            stop: StopMatcher::new(&request.stop, request.include_stop_str),
             model,
             metrics,
             tx,
-            endpoint: job.endpoint,
+            endpoint: request.endpoint,
             generated: Vec::new(),
-            max_tokens: job.sampling.max_tokens.max(1) as usize,
-            stop_token_ids: job.sampling.stop_token_ids.clone(),
-            prompt_tokens: job.prompt.len() as u32,
+            max_tokens: request.sampling.max_tokens.max(1) as usize,
+            stop_token_ids: request.sampling.stop_token_ids.clone(),
+            prompt_tokens: request.prompt.len() as u32,
             cached_tokens: 0,
-            arrived: job.arrived,
+            arrived: request.arrived,
             last_token: None,
             first_token: None,
             finished: false,
@@ -115,17 +120,16 @@ impl Output {
         if self.tx.send(ev).is_err() { Control::ClientGone } else { Control::Continue }
     }
 
-    /// Tokens at output positions `start..`; positions already seen are skipped (the prefill worker's
-    /// first token also opens the decode stream).
-    pub async fn push_at(&mut self, start: usize, tokens: &[GeneratedToken]) -> Control {
+    /// The tokens that follow those already pushed (every token of an attempt has one source; see
+    /// `flow::attempt`).
+    pub async fn push(&mut self, tokens: &[GeneratedToken]) -> Control {
         if self.finished {
             return Control::Continue;
         }
-        let skip = self.generated.len().saturating_sub(start);
         let mut text = String::new();
         let mut emitted = Vec::new();
         let mut matched = None;
-        for t in tokens.iter().skip(skip) {
+        for t in tokens {
             if self.generated.len() >= self.max_tokens {
                 break;
             }

@@ -1,10 +1,11 @@
 //! Stage 1: pick a prefill/decode pair. Both must be healthy, not draining, breaker closed (or half-open
-//! with its trial free), serve the router's model, and have equal fingerprints.
+//! with its trial free), serve the router's model (the fingerprint's served name), and have compatible
+//! fingerprints (`ModelFingerprint::check_compatible`, the rule kv-transfer enforces).
 
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use cluster::WorkerRole;
+use proto::v1::WorkerRole;
 
 use super::Dispatcher;
 use crate::policies::{Candidate, Request};
@@ -20,6 +21,11 @@ fn eligible(w: &WorkerHandle, model: &str) -> bool {
         && !w.is_draining()
         && w.fingerprint().is_some_and(|f| f.model_name == model)
         && w.breaker.available()
+}
+
+/// Whether the two workers' caches are interchangeable bytes (both fingerprints known and compatible).
+fn compatible(a: &WorkerHandle, b: &WorkerHandle) -> bool {
+    a.fingerprint().zip(b.fingerprint()).is_some_and(|(a, b)| a.is_compatible(&b))
 }
 
 /// Whether the worker accepts a sequence of `len` tokens (unknown limits accept: the worker decides).
@@ -68,12 +74,11 @@ pub fn pair(
     if usable == 0 || decodes.is_empty() {
         return Err(explain(&all, model, usable, decodes.len()));
     }
-    let decode_fps: Vec<cluster::Fingerprint> = decodes.iter().filter_map(|w| w.fingerprint()).collect();
     let prefills: Vec<&Arc<WorkerHandle>> =
-        usable_prefills.into_iter().filter(|w| w.fingerprint().is_some_and(|f| decode_fps.contains(&f))).collect();
+        usable_prefills.into_iter().filter(|p| decodes.iter().any(|d| compatible(p, d))).collect();
     if prefills.is_empty() {
         return Err(format!(
-            "No prefill/decode pair can serve model `{model}` now: {usable} prefill and {} decode workers are usable, but no prefill worker has the same model fingerprint as a decode worker (checkpoint or precision differ)",
+            "No prefill/decode pair can serve model `{model}` now: {usable} prefill and {} decode workers are usable, but no prefill worker has the same model fingerprint as a decode worker (checkpoint, precision, block size or layer count differ)",
             decodes.len()
         ));
     }
@@ -81,8 +86,7 @@ pub fn pair(
     let cands: Vec<&dyn Candidate> = prefills.iter().map(|w| w.as_ref() as &dyn Candidate).collect();
     let p =
         d.prefill_policy.select(&cands, &req).and_then(|i| prefills.get(i)).ok_or("prefill policy chose nothing")?;
-    let fp = p.fingerprint();
-    let matching: Vec<&Arc<WorkerHandle>> = decodes.into_iter().filter(|w| w.fingerprint() == fp).collect();
+    let matching: Vec<&Arc<WorkerHandle>> = decodes.into_iter().filter(|d| compatible(p, d)).collect();
     let cands: Vec<&dyn Candidate> = matching.iter().map(|w| w.as_ref() as &dyn Candidate).collect();
     let dec =
         d.decode_policy.select(&cands, &req).and_then(|i| matching.get(i)).ok_or("decode policy chose nothing")?;

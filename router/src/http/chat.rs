@@ -137,7 +137,7 @@ pub async fn handle(st: &Arc<AppState>, request_id: &str, body: &[u8]) -> Result
         model: st.model.clone(),
         top_logprobs: top_logprobs.map(|n| n as usize),
     };
-    super::serve_job(st, request_id, "chat", prompt, v, fmt).await
+    super::serve_tokenized(st, request_id, "chat", prompt, v, fmt).await
 }
 
 pub struct ChatFormat {

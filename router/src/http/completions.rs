@@ -93,7 +93,7 @@ pub async fn handle(st: &Arc<AppState>, request_id: &str, body: &[u8]) -> Result
         echo: echo.then_some(prompt_text),
         logprobs: logprobs.map(|_| CompletionLogprobs::default()),
     };
-    super::serve_job(st, request_id, "completions", prompt, v, fmt).await
+    super::serve_tokenized(st, request_id, "completions", prompt, v, fmt).await
 }
 
 pub struct CompletionFormat {

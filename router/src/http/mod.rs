@@ -26,7 +26,7 @@ use tracing::{Instrument, info_span};
 
 use crate::admission::Admission;
 use crate::error::ApiError;
-use crate::flow::{Dispatcher, Job};
+use crate::flow::{Dispatcher, TokenizedRequest};
 use crate::metrics::Metrics;
 use crate::model::ServedModel;
 use crate::request_id;
@@ -210,7 +210,7 @@ fn is_length_limit(e: &(dyn std::error::Error + 'static)) -> bool {
 }
 
 /// Admits the request, starts it, and answers as a stream or a JSON body.
-pub(crate) async fn serve_job<F: Format>(
+pub(crate) async fn serve_tokenized<F: Format>(
     st: &Arc<AppState>,
     request_id: &str,
     endpoint: &'static str,
@@ -219,7 +219,7 @@ pub(crate) async fn serve_job<F: Format>(
     fmt: F,
 ) -> Result<Response, ApiError> {
     let prompt_tokens = prompt.len() as u32;
-    let job = Job {
+    let tokenized = TokenizedRequest {
         request_id: request_id.to_owned(),
         endpoint,
         prompt,
@@ -230,7 +230,7 @@ pub(crate) async fn serve_job<F: Format>(
         arrived: Instant::now(),
     };
     let permit = st.admission.admit().await?;
-    let events = st.dispatcher.start(job, permit).await?;
+    let events = st.dispatcher.start(tokenized, permit).await?;
     if v.stream {
         let opts = StreamOpts { include_usage: v.include_usage, continuous_usage: v.continuous_usage };
         Ok(stream::sse(events, fmt, opts, prompt_tokens))

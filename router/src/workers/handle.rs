@@ -6,10 +6,10 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use cluster::{WorkerRecord, WorkerRole};
-use proto::v1::LoadReport;
+use cluster::WorkerRecord;
 use proto::v1::decode_worker_client::DecodeWorkerClient;
 use proto::v1::prefill_worker_client::PrefillWorkerClient;
+use proto::v1::{LoadReport, ModelFingerprint, WorkerRole};
 use tonic::transport::{Channel, Endpoint};
 
 use super::Breaker;
@@ -115,7 +115,7 @@ impl WorkerHandle {
         *cur = r;
     }
 
-    pub fn fingerprint(&self) -> Option<cluster::Fingerprint> {
+    pub fn fingerprint(&self) -> Option<ModelFingerprint> {
         self.record.read().unwrap_or_else(|p| p.into_inner()).fingerprint.clone()
     }
 

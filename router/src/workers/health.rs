@@ -8,7 +8,8 @@ use tokio::sync::watch;
 use tracing::{info, warn};
 
 use super::{WorkerHandle, WorkerPool};
-use cluster::{WorkerRecord, WorkerRole};
+use cluster::WorkerRecord;
+use proto::v1::WorkerRole;
 
 pub(super) async fn run(pool: Arc<WorkerPool>, mut shutdown: watch::Receiver<bool>) {
     let mut tick = tokio::time::interval(pool.settings.health_interval);
@@ -25,7 +26,7 @@ pub(super) async fn run(pool: Arc<WorkerPool>, mut shutdown: watch::Receiver<boo
 
 pub(super) async fn poll_once(pool: Arc<WorkerPool>, w: Arc<WorkerHandle>) {
     let timeout = pool.settings.health_timeout;
-    let role = w.role.as_str();
+    let role = w.role.name();
     if w.fingerprint().is_none() && !learn_info(&w, timeout).await {
         w.on_poll_failure(pool.settings.health_failures);
         pool.metrics.worker_healthy.with_label_values(&[role, &w.id]).set(0);
@@ -40,6 +41,8 @@ pub(super) async fn poll_once(pool: Arc<WorkerPool>, w: Arc<WorkerHandle>) {
             let mut c = w.decode_client();
             tokio::time::timeout(timeout, c.get_load(LoadRequest {})).await
         }
+        // Discovery never yields a record without a role.
+        WorkerRole::Unspecified => return,
     };
     match result {
         Ok(Ok(r)) => {
@@ -68,7 +71,7 @@ fn fail(pool: &WorkerPool, w: &WorkerHandle, why: &str) {
     if w.on_poll_failure(pool.settings.health_failures) && was {
         warn!(worker = %w.id, role = %w.role, reason = why, "worker unhealthy");
     }
-    pool.metrics.worker_healthy.with_label_values(&[w.role.as_str(), &w.id]).set(i64::from(w.is_healthy()));
+    pool.metrics.worker_healthy.with_label_values(&[w.role.name(), &w.id]).set(i64::from(w.is_healthy()));
 }
 
 /// GetInfo: learns id, fingerprint and capacity of a statically configured worker.
@@ -76,6 +79,7 @@ async fn learn_info(w: &WorkerHandle, timeout: std::time::Duration) -> bool {
     let res = match w.role {
         WorkerRole::Prefill => tokio::time::timeout(timeout, w.prefill_client().get_info(InfoRequest {})).await,
         WorkerRole::Decode => tokio::time::timeout(timeout, w.decode_client().get_info(InfoRequest {})).await,
+        WorkerRole::Unspecified => return false,
     };
     let info = match res {
         Ok(Ok(i)) => i.into_inner(),

@@ -6,7 +6,7 @@ mod health;
 mod pool;
 
 pub use breaker::Breaker;
-pub use handle::{HandleSettings, WorkerHandle};
+pub use handle::{HandleSettings, InFlight, WorkerHandle};
 pub use pool::{PoolSettings, WorkerPool};
 
 /// Whether a gRPC failure points at the worker (counts toward its circuit breaker) rather than at the

@@ -4,7 +4,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use cluster::{ClusterView, Discovery, WorkerRole};
+use cluster::{ClusterView, Discovery};
+use proto::v1::WorkerRole;
 use tokio::sync::watch;
 use tracing::{info, warn};
 
@@ -86,7 +87,7 @@ impl WorkerPool {
         for w in current.iter() {
             if !next.iter().any(|n| Arc::ptr_eq(n, w)) {
                 info!(worker = %w.id, role = %w.role, "worker removed");
-                self.metrics.remove_worker(w.role.as_str(), &w.id);
+                self.metrics.remove_worker(w.role.name(), &w.id);
             }
         }
         *self.workers.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(next);

@@ -271,7 +271,7 @@ impl DecodeWorker for DecodeDouble {
         s.log.lock().unwrap().decodes.push((req.request_id.clone(), meta, req.token_ids.clone(), sampling.clone()));
         if s.knobs.decode_full.load(Ordering::Relaxed) {
             let why = s.knobs.full_reason.lock().unwrap().clone();
-            return Err(Status::resource_exhausted(format!("{}: {why}", s.id)));
+            return Err(proto::refusal::no_room(format!("{}: {why}", s.id)));
         }
         let transfer_token: u64 = rand::random();
         let (done_tx, done_rx) = oneshot::channel();

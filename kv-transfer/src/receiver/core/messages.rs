@@ -12,11 +12,11 @@ use proto::v1::{
 };
 
 use super::{Phase, ReceiverCore, Transfer, ack};
+use crate::TransferError;
 use crate::layout::{self, checksum_segments};
 use crate::receiver::{CompletedTransfer, ReleasedTransfer, TransferOutcome};
 use crate::staging::checksum_copied;
 use crate::transport::{PeerLink, control};
-use crate::{TransferError, fingerprint};
 
 impl ReceiverCore {
     /// A control message from `peer`.
@@ -48,10 +48,8 @@ impl ReceiverCore {
             return reject(TransferStatus::BadToken, "transfer token does not match".into());
         }
         // The paired sender with a mismatching view: the transfer cannot succeed, fail it now.
-        let mismatch = if let Err(e) =
-            fingerprint::check_fingerprint(&self.fingerprint, &b.fingerprint.clone().unwrap_or_default())
-        {
-            Some((TransferStatus::FingerprintMismatch, e.to_string()))
+        let mismatch = if let Err(e) = self.fingerprint.check_compatible(&b.fingerprint.clone().unwrap_or_default()) {
+            Some((TransferStatus::FingerprintMismatch, TransferError::from(e).to_string()))
         } else if let Err(e) = b.layout.as_ref().ok_or("no layout".to_string()).and_then(|l| {
             if *l == self.layout {
                 Ok(())
