@@ -129,7 +129,16 @@ impl Workspace {
                 self.used = 0;
                 continue;
             }
-            self.chunks.push(DBuf::zeros(stream, bytes.max(CHUNK))?);
+            let chunk = DBuf::zeros(stream, bytes.max(CHUNK))?;
+            if !self.chunks.is_empty() {
+                // Past what was reserved at start: the serving limits' estimate was short for this batch.
+                tracing::warn!(
+                    held_bytes = self.bytes(),
+                    added_bytes = chunk.bytes(),
+                    "the GPU workspace grows beyond its start-up reservation"
+                );
+            }
+            self.chunks.push(chunk);
         }
     }
 
