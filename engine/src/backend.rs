@@ -206,9 +206,72 @@ impl SelectionLog {
     }
 }
 
+/// One request of a checked batch, in rows of the batch: positions `start .. start + n` are rows
+/// `row0 .. row0 + n`.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchItem<'a> {
+    pub start: usize,
+    pub n: usize,
+    pub row0: usize,
+    pub blocks: &'a [BlockId],
+    pub logits: Logits,
+}
+
+/// A main-model batch checked against the model and a pool of `num_blocks` blocks (the rule every backend
+/// applies before touching memory), as rows.
+pub(crate) fn main_items<'a>(
+    cfg: &ModelConfig,
+    num_blocks: usize,
+    batch: &[SeqInput<'a>],
+) -> Result<Vec<BatchItem<'a>>, EngineError> {
+    items(cfg, num_blocks, batch.iter().map(|s| (s.tokens, s.start, s.blocks, s.logits)))
+}
+
+/// An MTP batch checked as [`main_items`] does, and each item's hidden rows for their shape (that they are
+/// the calling backend's rows is the backend's check).
+pub(crate) fn mtp_items<'a>(
+    cfg: &ModelConfig,
+    num_blocks: usize,
+    batch: &[MtpInput<'a>],
+) -> Result<Vec<BatchItem<'a>>, EngineError> {
+    let hidden = cfg.hidden_size;
+    for (i, m) in batch.iter().enumerate() {
+        let n = m.next_tokens.len();
+        if m.hidden.width() != hidden || m.hidden.rows() < n {
+            return Err(EngineError::InvalidInput(format!(
+                "batch item {i}: {} hidden rows of width {} for {n} positions of width {hidden}",
+                m.hidden.rows(),
+                m.hidden.width()
+            )));
+        }
+    }
+    items(cfg, num_blocks, batch.iter().map(|m| (m.next_tokens, m.start, m.blocks, m.logits)))
+}
+
+fn items<'a>(
+    cfg: &ModelConfig,
+    num_blocks: usize,
+    batch: impl Iterator<Item = (&'a [u32], usize, &'a [BlockId], Logits)>,
+) -> Result<Vec<BatchItem<'a>>, EngineError> {
+    let mut row0 = 0;
+    let mut items = Vec::new();
+    for (i, (tokens, start, blocks, logits)) in batch.enumerate() {
+        check_item(cfg, num_blocks, i, tokens.len(), start, blocks)?;
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            return Err(EngineError::InvalidInput(format!(
+                "batch item {i}: token id {t} >= vocab_size {}",
+                cfg.vocab_size
+            )));
+        }
+        items.push(BatchItem { start, n: tokens.len(), row0, blocks, logits });
+        row0 += tokens.len();
+    }
+    Ok(items)
+}
+
 /// Checks batch item `i` (`n` tokens from position `start`, block table `blocks`) against the model and a
-/// pool of `num_blocks` blocks: the rule every backend applies before touching memory.
-pub(crate) fn check_item(
+/// pool of `num_blocks` blocks.
+fn check_item(
     cfg: &ModelConfig,
     num_blocks: usize,
     i: usize,

@@ -10,19 +10,12 @@ use super::moe::ffn_forward;
 use super::topk;
 use super::weights::{Layer, Weights};
 use crate::backend::{AttnForm, DeviceRows, LayerDone, LayerReady, Logits, SeqOutput};
-use crate::cache::{BlockId, HostCache, LayerIdx};
+use crate::cache::{HostCache, LayerIdx};
 use crate::rope::Rope;
 use crate::{ModelConfig, Precision};
 
 /// A batch item's rows: positions `start .. start + n`, rows `row0 .. row0 + n` of the batch matrices.
-#[derive(Debug, Clone, Copy)]
-pub struct Item<'a> {
-    pub start: usize,
-    pub n: usize,
-    pub row0: usize,
-    pub blocks: &'a [BlockId],
-    pub logits: Logits,
-}
+pub use crate::backend::BatchItem as Item;
 
 pub struct Ctx<'a> {
     pub cfg: &'a ModelConfig,

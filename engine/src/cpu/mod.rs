@@ -25,7 +25,7 @@ use crate::memory::{MemoryBudget, ServingLimits};
 use crate::rope::Rope;
 use crate::sampling::{self, History, Sampled, SamplingParams};
 use crate::{ModelConfig, Precision};
-use forward::{Ctx, Item, Pass};
+use forward::{Ctx, Pass};
 use weights::Weights;
 
 pub struct CpuBackend {
@@ -135,23 +135,6 @@ impl CpuBackend {
         Ok(host)
     }
 
-    fn items<'a>(&self, cache: &KvCache, batch: &[SeqInput<'a>]) -> Result<Vec<Item<'a>>, EngineError> {
-        let mut row0 = 0;
-        let mut items = Vec::with_capacity(batch.len());
-        for (i, s) in batch.iter().enumerate() {
-            crate::backend::check_item(&self.cfg, cache.geometry().num_blocks, i, s.tokens.len(), s.start, s.blocks)?;
-            if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
-                return Err(EngineError::InvalidInput(format!(
-                    "batch item {i}: token id {t} >= vocab_size {}",
-                    self.cfg.vocab_size
-                )));
-            }
-            items.push(Item { start: s.start, n: s.tokens.len(), row0, blocks: s.blocks, logits: s.logits });
-            row0 += s.tokens.len();
-        }
-        Ok(items)
-    }
-
     fn run_main(
         &self,
         cache: &KvCache,
@@ -160,7 +143,7 @@ impl CpuBackend {
         on_layer: LayerDone<'_>,
     ) -> Result<Vec<SeqOutput>, EngineError> {
         let host = self.check_cache(cache)?;
-        let items = self.items(cache, batch)?;
+        let items = crate::backend::main_items(&self.cfg, cache.geometry().num_blocks, batch)?;
         if items.is_empty() {
             return Ok(Vec::new());
         }
@@ -188,28 +171,17 @@ impl CpuBackend {
         };
         let host = self.check_cache(cache)?;
         let hidden = self.cfg.hidden_size;
-        let mut items = Vec::with_capacity(batch.len());
-        let mut row0 = 0;
-        for (i, m) in batch.iter().enumerate() {
-            let n = m.next_tokens.len();
-            crate::backend::check_item(&self.cfg, cache.geometry().num_blocks, i, n, m.start, m.blocks)?;
-            let rows = m.hidden.host_values()?;
-            if m.hidden.width() != hidden || m.hidden.rows() < n || rows.len() < n * hidden {
+        let items = crate::backend::mtp_items(&self.cfg, cache.geometry().num_blocks, batch)?;
+        for (m, it) in batch.iter().zip(&items) {
+            if m.hidden.host_values()?.len() < it.n * hidden {
                 return Err(EngineError::InvalidInput(format!(
-                    "batch item {i}: {} hidden rows of width {} for {n} positions of width {hidden}",
-                    m.hidden.rows(),
-                    m.hidden.width()
+                    "{} hidden values for {} rows of {hidden}",
+                    m.hidden.host_values()?.len(),
+                    it.n
                 )));
             }
-            if let Some(t) = m.next_tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
-                return Err(EngineError::InvalidInput(format!(
-                    "batch item {i}: token id {t} >= vocab_size {}",
-                    self.cfg.vocab_size
-                )));
-            }
-            items.push(Item { start: m.start, n, row0, blocks: m.blocks, logits: m.logits });
-            row0 += n;
         }
+        let row0: usize = items.iter().map(|it| it.n).sum();
         if items.is_empty() {
             return Ok(Vec::new());
         }

@@ -18,9 +18,9 @@ use super::weights::{DFfn, DLayer, DLinear, DMlp, DWeights, LoadError};
 use super::{CudaError, Gpu};
 use crate::backend::{
     AttnForm, Backend, DeviceRows, EngineError, Fence, LayerDone, LayerReady, Logits, MtpInput, SeqInput, SeqOutput,
-    check_item,
+    main_items, mtp_items,
 };
-use crate::cache::{BLOCK_SIZE, BlockId, CacheFormat, CacheGeometry, KvArena, KvCache, LayerIdx, MemoryKind};
+use crate::cache::{BLOCK_SIZE, CacheFormat, CacheGeometry, KvArena, KvCache, LayerIdx, MemoryKind};
 use crate::checkpoint::Checkpoint;
 use crate::config::ScoringFunc;
 use crate::memory::{MemoryBudget, ServingLimits};
@@ -96,15 +96,7 @@ pub struct CudaBackend {
     selections: Option<crate::backend::SelectionLog>,
 }
 
-/// One request of a call, in rows of the batch.
-#[derive(Debug, Clone, Copy)]
-struct Item<'a> {
-    start: usize,
-    n: usize,
-    row0: usize,
-    blocks: &'a [BlockId],
-    logits: Logits,
-}
+use crate::backend::BatchItem as Item;
 
 /// A call's inputs on the device, shared by every layer.
 struct Inputs {
@@ -781,16 +773,6 @@ impl CudaBackend {
             .collect())
     }
 
-    fn tokens_in_vocab(&self, i: usize, tokens: &[u32]) -> Result<(), EngineError> {
-        match tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
-            Some(t) => Err(EngineError::InvalidInput(format!(
-                "batch item {i}: token id {t} >= vocab_size {}",
-                self.cfg.vocab_size
-            ))),
-            None => Ok(()),
-        }
-    }
-
     fn run_main(
         &self,
         cache: &KvCache,
@@ -800,14 +782,8 @@ impl CudaBackend {
     ) -> Result<Vec<SeqOutput>, EngineError> {
         let pool = self.check_cache(cache)?;
         let g = cache.geometry();
-        let mut items = Vec::with_capacity(batch.len());
-        let mut row0 = 0;
-        for (i, b) in batch.iter().enumerate() {
-            check_item(&self.cfg, g.num_blocks, i, b.tokens.len(), b.start, b.blocks)?;
-            self.tokens_in_vocab(i, b.tokens)?;
-            items.push(Item { start: b.start, n: b.tokens.len(), row0, blocks: b.blocks, logits: b.logits });
-            row0 += b.tokens.len();
-        }
+        let items = main_items(&self.cfg, g.num_blocks, batch)?;
+        let row0: usize = items.iter().map(|it| it.n).sum();
         if items.is_empty() {
             return Ok(Vec::new());
         }
@@ -849,23 +825,11 @@ impl CudaBackend {
         let pool = self.check_cache(cache)?;
         let g = cache.geometry();
         let hidden = self.cfg.hidden_size;
-        let mut items = Vec::with_capacity(batch.len());
-        let mut row0 = 0;
-        for (i, m) in batch.iter().enumerate() {
-            let n = m.next_tokens.len();
-            check_item(&self.cfg, g.num_blocks, i, n, m.start, m.blocks)?;
+        let items = mtp_items(&self.cfg, g.num_blocks, batch)?;
+        for m in batch {
             self.rows_of(m.hidden)?;
-            if m.hidden.width() != hidden || m.hidden.rows() < n {
-                return Err(EngineError::InvalidInput(format!(
-                    "batch item {i}: {} hidden rows of width {} for {n} positions of width {hidden}",
-                    m.hidden.rows(),
-                    m.hidden.width()
-                )));
-            }
-            self.tokens_in_vocab(i, m.next_tokens)?;
-            items.push(Item { start: m.start, n, row0, blocks: m.blocks, logits: m.logits });
-            row0 += n;
         }
+        let row0: usize = items.iter().map(|it| it.n).sum();
         if items.is_empty() {
             return Ok(Vec::new());
         }
