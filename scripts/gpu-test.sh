@@ -18,6 +18,8 @@
 #         sanitize  the GPU tests under compute-sanitizer memcheck and racecheck
 #         bench     engine-bench on the GPU (tiny model, both precisions, JSON) and an Nsight Compute
 #                   per-kernel time breakdown of a decode step
+#         indexer   bench/gpu/indexer_bench.py: the indexer's scorer + top-k, decode and prefill shapes, next to
+#                   the same-run copy bandwidth and a naive PyTorch version (INDEXER_BENCH_ARGS=--quick: fewer)
 #         serve     `tandem up --device cuda` (prefill and decode workers sharing the GPU, caches over TCP
 #                   through host staging) checked by scripts/serve-check.py against `tandem generate --device cuda`
 #         all       kernels, sass, loop, sanitize, model, serve
@@ -168,6 +170,14 @@ phase_loop() {
     ((rc == 0)) || FAILED+=(loop)
 }
 
+phase_indexer() {
+    local rc=0
+    python3 bench/gpu/indexer_bench.py ${INDEXER_BENCH_ARGS:-} --json "$OUTDIR/indexer.json" >"$OUTDIR/indexer.log" 2>&1 || rc=$?
+    cat "$OUTDIR/indexer.log"
+    echo "| indexer | bench/gpu/indexer_bench.py | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+    ((rc == 0)) || FAILED+=(indexer)
+}
+
 phase_serve() {
     local rc=0 dir=/tmp/tandem-gpu/tiny up
     [[ -f "$dir/tokenizer.json" ]] || tandem gen-tiny "$dir" >/dev/null
@@ -230,7 +240,7 @@ PY
 }
 
 run() {
-    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|serve|all}
+    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|serve|all}
     [[ -d "$BUNDLE" ]] || { echo "gpu-test.sh: $BUNDLE/ is missing: run 'scripts/gpu-test.sh pack' here and carry it" >&2; exit 1; }
     unpack
     OUTDIR=${OUT:-bench/out}
@@ -255,6 +265,7 @@ run() {
         sanitize) phase_sanitize ;;
         model) phase_model ;;
         bench) phase_bench ;;
+        indexer) phase_indexer ;;
         serve) phase_serve ;;
         all) phase_sass; phase_kernels; phase_loop; phase_model; phase_serve; phase_sanitize ;;
         *) echo "gpu-test.sh: unknown phase $phase" >&2; exit 2 ;;

@@ -9,7 +9,10 @@ scripts/gpu-test.sh) stay the reference: this loop is for iterating quickly on o
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 
 import numpy as np
 
@@ -24,9 +27,28 @@ E4M3_MAX = 448.0
 
 
 def module(family):
-    src = open(os.path.join(ROOT, family + ".cu")).read()
-    opts = ("-std=c++17", "-I" + os.path.abspath(ROOT), "-lineinfo")
-    return cp.RawModule(code=src, options=opts, backend="nvrtc")
+    """The family compiled for sm_90a (wgmma needs the `a` target): by nvcc where the machine has it, else
+    by NVRTC through CuPy."""
+    src = os.path.join(ROOT, family + ".cu")
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+    if nvcc:
+        out = os.path.join(tempfile.gettempdir(), f"tandem-loop-{family}.cubin")
+        subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-std=c++17", "-lineinfo", "-I", os.path.abspath(ROOT), src,
+                        "-o", out], check=True)
+        return cp.RawModule(path=out)
+    opts = ("-std=c++17", "-I" + os.path.abspath(ROOT), "-lineinfo", "--gpu-architecture=sm_90a")
+    return cp.RawModule(code=open(src).read(), options=opts, backend="nvrtc")
+
+
+TOPK_SMEM = (8 * 2048 + 8192) * 4  # engine::cuda::topk::SHARED_BYTES
+
+
+def set_smem(fn, nbytes):
+    """Allows `nbytes` of dynamic shared memory (above the 48 KiB default)."""
+    try:
+        fn.max_dynamic_shared_size_bytes = nbytes
+    except AttributeError:
+        cp.cuda.driver.funcSetAttribute(fn.ptr, 8, nbytes)  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
 def e4m3_codes(x):
@@ -142,6 +164,7 @@ def topk(tokens, rng):
     out = []
     m = module("topk")
     fn = m.get_function("tandem_topk_rule")
+    set_smem(fn, TOPK_SMEM)
     for n in (max(tokens // 2, k + 1), tokens * 2):
         scores = rng.random((rows, n), dtype=np.float32) * 4 - 1
         scores[rng.random((rows, n)) < 0.25] = 0.0
@@ -154,7 +177,7 @@ def topk(tokens, rng):
         counts, nans = cp.zeros(rows, dtype=cp.int32), cp.zeros(rows, dtype=cp.int32)
 
         def run():
-            fn((rows,), (1024,), (d_scores, np.int64(n), d_len, np.int32(k), pos, counts, nans))
+            fn((rows,), (1024,), (d_scores, np.int64(n), d_len, np.int32(k), pos, counts, nans), shared_mem=TOPK_SMEM)
 
         run()
         cp.cuda.runtime.deviceSynchronize()
@@ -197,6 +220,8 @@ def indexer(tokens, rng):
     out = []
     m_idx, m_topk = module("indexer"), module("topk")
     f_scores, f_topk = m_idx.get_function("tandem_indexer_scores"), m_topk.get_function("tandem_topk_rule")
+    set_smem(f_scores, 9 * BLOCK * dim + 4 * BLOCK * 4 + 4 * heads * 4 + 1024)
+    set_smem(f_topk, TOPK_SMEM)
     for ctx in (tokens // 2, tokens * 2):
         nblk = ctx // BLOCK
         num_blocks = rows * nblk
@@ -215,10 +240,13 @@ def indexer(tokens, rng):
         pos = cp.zeros((rows, k), dtype=cp.int32)
         counts, nans = cp.zeros(rows, dtype=cp.int32), cp.zeros(rows, dtype=cp.int32)
 
+        groups = cp.asarray(np.array([[r, 1] for r in range(rows)], dtype=np.int32).reshape(-1))
+        smem = 5 * BLOCK * dim + 4 * BLOCK * 4 + heads * 4 + 1024  # engine::cuda::indexer::shared_bytes(1)
+
         def run():
-            f_scores((-(-nblk // 8), rows), (128,), (q, w, np.int32(heads), pool, table, np.int32(nblk), np.int32(num_blocks), lens, scores,
-                                                      np.int64(ctx)))
-            f_topk((rows,), (1024,), (scores, np.int64(ctx), lens, np.int32(k), pos, counts, nans))
+            f_scores((-(-nblk // 8), rows), (128,), (q, w, np.int32(heads), pool, table, np.int32(nblk), np.int32(num_blocks), lens,
+                                                      groups, np.int32(1), scores, np.int64(ctx)), shared_mem=smem)
+            f_topk((rows,), (1024,), (scores, np.int64(ctx), lens, np.int32(k), pos, counts, nans), shared_mem=TOPK_SMEM)
 
         run()
         cp.cuda.runtime.deviceSynchronize()

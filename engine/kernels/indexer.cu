@@ -1,155 +1,212 @@
-// Lightning-indexer decode scores over the paged FP8 key cache (docs/model.md §2.3, §4):
-//   I[r, s] = k_scale[s] * sum_h w[r, h] * relu(q[r, h] . k[s])     for s in 0..lengths[r]
+// Lightning-indexer scores over the paged FP8 key cache (docs/model.md §2.3, §4), decode and prefill alike:
+//   I[r, s] = k_scale[s] * head_sum_h(w[r, h] * relu(q[r, h] . k[s]))      for s in 0..lengths[r]
 // q: e4m3 codes [rows, heads, 128]; w: f32 head weights with every scale folded in; keys: the 8448-byte
-// indexer blocks ([64 x 128 e4m3][64 x f32 scale]) found through each row's block table.
+// indexer blocks ([64 x 128 e4m3][64 x f32 scale]) found through a block table.
 //
-// Each key block is copied into shared memory with cp.async, two blocks in flight (the next while the
-// current one computes). The q . k products run on the tensor cores (mma.sync m16n8k32 e4m3, f32
-// accumulate; sm_90 executes it as two f16 HMMA.16816 after an exact e4m3 -> f16 conversion, the FP8 rate
-// being wgmma's): a CTA of 4 warps takes one 64-token block at a time, warp w its 16 tokens against all
-// heads (8 heads per MMA tile). The
-// head sum then runs in the CPU backend's order (h = 0, 1, ...; multiply, then add, no FMA) from shared
-// memory, so wherever the dot products are exact the scores equal the CPU's bit for bit.
+// Rows come in groups: up to IDX_MAX_Q consecutive rows that share one block table (a decode token and its
+// MTP draft, or up to four prompt tokens of one prefill chunk), so a key block read from memory serves every
+// query of the group. A CTA is one warpgroup; it owns IDX_BLOCKS_PER_CTA consecutive key blocks of one
+// group, which it streams into shared memory with 16-byte cp.async, IDX_STAGES blocks in flight, stored in
+// the 128-byte-swizzled K-major layout wgmma reads. Each query's q tile (64 heads x 128, zero heads past
+// `heads`) is staged the same way. Per key block and query, four wgmma m64n64k32 e4m3 (f32 accumulators:
+// 64 tokens x 64 heads) give every q . k product; the epilogue applies ReLU and the head weights in
+// registers and sums the heads in the fixed order of docs/model.md §2.3 (four interleaved partial sums, then
+// a two-level butterfly), which the CPU backend's `engine::cpu::indexer::head_sum` repeats.
 //
-// Work split: a CTA covers BLOCKS_PER_CTA consecutive blocks of one row, so the split depends only on the
-// row's own length; no score is combined across CTAs (batch-invariant).
+// Batch invariance: a query's products come from the same instruction sequence whichever group or batch it
+// is in (one wgmma chain per query, N = its own 64 heads); the CTA split depends only on the group's
+// lengths; no score is combined across CTAs.
 #include "common.cuh"
 
 #define IDX_DIM 128
 #define IDX_BLOCK 64
-#define IDX_MAX_HEADS 64
-#define IDX_WARPS 4
-// Blocks of one row per CTA: enough to amortize loading q (8 KB) against 8.4 KB of keys per block.
+#define IDX_HEADS 64
+#define IDX_MAX_Q 4
 #define IDX_BLOCKS_PER_CTA 8
-// Shared-memory row of one key: 128 bytes + 16 of padding, so the MMA fragment reads (8 rows x 4 words
-// per instruction) hit 32 distinct banks.
-#define IDX_ROW 144
-#define IDX_STAGES 2
+#define IDX_STAGES 4
+#define IDX_THREADS 128
+#define IDX_TILE (IDX_BLOCK * IDX_DIM)  // 8 KB: one key block or one query's q tile
 
-__device__ __forceinline__ void tandem_mma_e4m3(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+__device__ __forceinline__ void tandem_cp_async16(u32 smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem), "l"(gmem));
+}
+
+// Byte offset of (row, 16-byte chunk) in a 128-byte-swizzled tile of 128-byte rows (1024-byte aligned).
+__device__ __forceinline__ u32 tandem_sw128(int row, int chunk) {
+    return (u32)(row * 128 + ((chunk ^ (row & 7)) << 4));
+}
+
+// wgmma shared-memory descriptor of a K-major, 128-byte-swizzled tile whose 8-row groups are 1024 bytes apart.
+__device__ __forceinline__ unsigned long long tandem_desc_sw128(u32 smem) {
+    unsigned long long d = (unsigned long long)((smem & 0x3FFFF) >> 4);
+    d |= (unsigned long long)1 << 16;            // leading byte offset (unused with this swizzle)
+    d |= (unsigned long long)(1024 >> 4) << 32;  // stride byte offset: 8 rows x 128 bytes
+    d |= (unsigned long long)1 << 62;            // 128-byte swizzle
+    return d;
+}
+
+// d[64 x 64] (+)= A[64 x 32] . B[64 x 32]^T, both e4m3 K-major in shared memory.
+__device__ __forceinline__ void tandem_wgmma_64x64x32(float (&d)[32], unsigned long long a, unsigned long long b,
+                                                      int accumulate) {
     asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(a), "l"(b), "r"(accumulate));
 }
 
-__device__ __forceinline__ void tandem_cp_async16(void* smem, const void* gmem) {
-    const u32 s = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
-}
+// Dynamic shared memory: IDX_STAGES key tiles, then `max_q` q tiles (all 1024-byte aligned), then the
+// stages' k scales and the queries' head weights.
+__device__ __forceinline__ u32 tandem_idx_keys(u32 base, int stage) { return base + stage * IDX_TILE; }
+__device__ __forceinline__ u32 tandem_idx_q(u32 base, int j) { return base + (IDX_STAGES + j) * IDX_TILE; }
 
-struct IdxStage {
-    u8 keys[IDX_BLOCK * IDX_ROW];
-    float scales[IDX_BLOCK];
-};
-
-// Copies one 8448-byte indexer block into a stage: 528 16-byte pieces over the CTA's 128 threads.
-__device__ __forceinline__ void tandem_load_block(IdxStage& st, const u8* blk) {
-    for (int c = threadIdx.x; c < IDX_BLOCK * IDX_DIM / 16; c += IDX_WARPS * 32)
-        tandem_cp_async16(st.keys + (c >> 3) * IDX_ROW + (c & 7) * 16, blk + c * 16);
+// Queues one 8448-byte block into `stage`: 512 swizzled 16-byte pieces of keys, 16 of scales.
+__device__ __forceinline__ void tandem_idx_load(u32 keys, float* scales, const u8* blk) {
+#pragma unroll
+    for (int i = 0; i < IDX_TILE / 16 / IDX_THREADS; ++i) {
+        const int c = threadIdx.x + i * IDX_THREADS;
+        tandem_cp_async16(keys + tandem_sw128(c >> 3, c & 7), blk + c * 16);
+    }
     if (threadIdx.x < IDX_BLOCK * 4 / 16)
-        tandem_cp_async16(reinterpret_cast<u8*>(st.scales) + threadIdx.x * 16, blk + IDX_BLOCK * IDX_DIM + threadIdx.x * 16);
-    asm volatile("cp.async.commit_group;");
+        tandem_cp_async16((u32)__cvta_generic_to_shared(scales) + threadIdx.x * 16, blk + IDX_TILE + threadIdx.x * 16);
 }
 
-extern "C" __global__ void __launch_bounds__(IDX_WARPS * 32) tandem_indexer_scores(
+// One query's scores of one key block from its accumulators. d[4n + 0/1]: token tok, heads 8n + 2 t4 + 0/1;
+// d[4n + 2/3]: token tok + 8, the same heads. ReLU and the head weights, each lane's partial sum in
+// ascending head order, then (P0 + P1) + (P2 + P3) across the token's four lanes (IEEE addition commutes
+// exactly, so every lane gets the same bits), times the key's scale.
+__device__ __forceinline__ void tandem_idx_epilogue(const float (&d)[32], const float* wj, int row, int lb, bool valid,
+                                                    int tok, int t4, float ks0, float ks1, const int* lengths,
+                                                    float* scores, i64 score_stride) {
+    float p0 = 0.0f, p1 = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+        const float w0 = wj[8 * n + 2 * t4], w1 = wj[8 * n + 2 * t4 + 1];
+        p0 = __fadd_rn(p0, __fmul_rn(fmaxf(d[4 * n + 0], 0.0f), w0));
+        p0 = __fadd_rn(p0, __fmul_rn(fmaxf(d[4 * n + 1], 0.0f), w1));
+        p1 = __fadd_rn(p1, __fmul_rn(fmaxf(d[4 * n + 2], 0.0f), w0));
+        p1 = __fadd_rn(p1, __fmul_rn(fmaxf(d[4 * n + 3], 0.0f), w1));
+    }
+    p0 = __fadd_rn(p0, __shfl_xor_sync(0xffffffffu, p0, 1));
+    p1 = __fadd_rn(p1, __shfl_xor_sync(0xffffffffu, p1, 1));
+    p0 = __fadd_rn(p0, __shfl_xor_sync(0xffffffffu, p0, 2));
+    p1 = __fadd_rn(p1, __shfl_xor_sync(0xffffffffu, p1, 2));
+    const int len = (int)min((i64)lengths[row], score_stride);
+    if (t4 < 2) {
+        const int s = lb * IDX_BLOCK + tok + 8 * t4;
+        const float v = __fmul_rn(t4 == 0 ? p0 : p1, t4 == 0 ? ks0 : ks1);
+        if (s < len) scores[(i64)row * score_stride + s] = valid ? v : __int_as_float(0x7fc00000);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(IDX_THREADS) tandem_indexer_scores(
     const u8* __restrict__ q,            // [rows, heads, 128] e4m3
     const float* __restrict__ w,         // [rows, heads]
-    int heads,                           // multiple of 8, at most 64
+    int heads,                           // at most 64
     const u8* __restrict__ index_blocks, // this layer's indexer region
     const int* __restrict__ block_table, // [rows, max_blocks]
     int max_blocks,
     int num_blocks,                      // blocks in the region: a table entry outside it is not read
     const int* __restrict__ lengths,     // [rows]
+    const int* __restrict__ groups,      // [grid.y][2]: first row, rows (1..max_q) sharing the last row's table
+    int max_q,                           // the largest group of the launch (sizes the shared memory)
     float* __restrict__ scores,          // [rows, score_stride]
     i64 score_stride) {
-    __shared__ __align__(16) IdxStage stages[IDX_STAGES];
-    __shared__ float dots[IDX_BLOCK][IDX_MAX_HEADS + 1];
-    __shared__ float ws[IDX_MAX_HEADS];
-    const int row = blockIdx.y;
-    const int len = (int)min((i64)lengths[row], score_stride);
-    const int first = blockIdx.x * IDX_BLOCKS_PER_CTA;
-    if (first * IDX_BLOCK >= len) return;
-    const int last = min(first + IDX_BLOCKS_PER_CTA, (len + IDX_BLOCK - 1) / IDX_BLOCK);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int g = lane >> 2, t4 = lane & 3;
-    const int tiles = heads >> 3;
-    const int* table = block_table + (i64)row * max_blocks;
-    const i64 block_bytes = IDX_BLOCK * (IDX_DIM + 4);
+    extern __shared__ __align__(1024) u8 smem_raw[];
+    const u32 raw = (u32)__cvta_generic_to_shared(smem_raw);
+    const u32 base = (raw + 1023u) & ~1023u;
+    u8* const gbase = smem_raw + (base - raw);
+    float* const kscales = reinterpret_cast<float*>(gbase + (IDX_STAGES + max_q) * IDX_TILE);  // [STAGES][64]
+    float* const wsm = kscales + IDX_STAGES * IDX_BLOCK;                                        // [max_q][64]
 
+    const int row0 = groups[2 * blockIdx.y], nq = groups[2 * blockIdx.y + 1];
+    int glen = 0;
+    for (int j = 0; j < nq; ++j) glen = max(glen, (int)min((i64)lengths[row0 + j], score_stride));
+    const int first = blockIdx.x * IDX_BLOCKS_PER_CTA;
+    const int last = min(min(first + IDX_BLOCKS_PER_CTA, (glen + IDX_BLOCK - 1) / IDX_BLOCK), max_blocks);
+    if (first >= last) return;
+    const int nblk = last - first;
+    const int* table = block_table + (i64)(row0 + nq - 1) * max_blocks;
+    const i64 block_bytes = IDX_BLOCK * (IDX_DIM + 4);
     // A table entry outside the region (a caller's bug) reads block 0 instead and its scores become NaN,
     // which the top-k never selects and counts.
     auto block_at = [&](int lb) -> const u8* {
         const int phys = table[lb];
         return index_blocks + (i64)((phys >= 0 && phys < num_blocks) ? phys : 0) * block_bytes;
     };
-    tandem_load_block(stages[0], block_at(first));
 
-    // q as B fragments (k = dim, n = head; q is [head][dim], i.e. column-major B), kept in registers.
-    u32 bq[8][4][2];
-    const u8* qr = q + (i64)row * heads * IDX_DIM;
+    // Prologue: the first IDX_STAGES - 1 blocks in flight, one commit group each (empty past the end).
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-            const bool live = nt < tiles;
-            const u8* p = qr + (nt * 8 + g) * IDX_DIM + ks * 32 + t4 * 4;
-            bq[nt][ks][0] = live ? *reinterpret_cast<const u32*>(p) : 0u;
-            bq[nt][ks][1] = live ? *reinterpret_cast<const u32*>(p + 16) : 0u;
-        }
+    for (int i = 0; i < IDX_STAGES - 1; ++i) {
+        if (i < nblk) tandem_idx_load(tandem_idx_keys(base, i), kscales + i * IDX_BLOCK, block_at(first + i));
+        asm volatile("cp.async.commit_group;");
     }
-    for (int h = threadIdx.x; h < heads; h += blockDim.x) ws[h] = w[(i64)row * heads + h];
+    // The group's q tiles (zero heads past `heads`) and head weights.
+    for (int j = 0; j < nq; ++j) {
+        const u8* qr = q + (i64)(row0 + j) * heads * IDX_DIM;
+        u8* qt = gbase + (IDX_STAGES + j) * IDX_TILE;
+        for (int c = threadIdx.x; c < IDX_TILE / 16; c += IDX_THREADS) {
+            const int h = c >> 3;
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (h < heads) v = *reinterpret_cast<const uint4*>(qr + h * IDX_DIM + (c & 7) * 16);
+            *reinterpret_cast<uint4*>(qt + tandem_sw128(h, c & 7)) = v;
+        }
+        for (int h = threadIdx.x; h < IDX_HEADS; h += IDX_THREADS)
+            wsm[j * IDX_HEADS + h] = h < heads ? w[(i64)(row0 + j) * heads + h] : 0.0f;
+    }
 
-    for (int lb = first; lb < last; ++lb) {
-        IdxStage& st = stages[(lb - first) & 1];
-        if (lb + 1 < last) {
-            // The other stage was last read by block lb - 1's MMAs and scale reads, which the barrier
-            // before its epilogue has seen finish.
-            tandem_load_block(stages[(lb + 1 - first) & 1], block_at(lb + 1));
-            asm volatile("cp.async.wait_group 1;");
-        } else {
-            asm volatile("cp.async.wait_group 0;");
-        }
-        __syncthreads();  // block lb's bytes are visible to every thread; `dots` is free again
-        // Read out of the stage before the barrier below: after it, the next iteration refills this stage.
-        const float kscale = threadIdx.x < IDX_BLOCK ? st.scales[threadIdx.x] : 0.0f;
-
-        const u8* k0 = st.keys + (warp * 16 + g) * IDX_ROW + t4 * 4;  // token warp*16+g
-        const u8* k1 = k0 + 8 * IDX_ROW;                                 // token warp*16+g+8
-        float acc[8][4];
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-            const u32 a[4] = {
-                *reinterpret_cast<const u32*>(k0 + ks * 32),
-                *reinterpret_cast<const u32*>(k1 + ks * 32),
-                *reinterpret_cast<const u32*>(k0 + ks * 32 + 16),
-                *reinterpret_cast<const u32*>(k1 + ks * 32 + 16),
-            };
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt)
-                if (nt < tiles) tandem_mma_e4m3(acc[nt], a, bq[nt][ks][0], bq[nt][ks][1]);
-        }
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-            if (nt >= tiles) continue;
-            const int h = nt * 8 + t4 * 2;
-            dots[warp * 16 + g][h] = acc[nt][0];
-            dots[warp * 16 + g][h + 1] = acc[nt][1];
-            dots[warp * 16 + g + 8][h] = acc[nt][2];
-            dots[warp * 16 + g + 8][h + 1] = acc[nt][3];
-        }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    for (int it = 0; it < nblk; ++it) {
+        const int stage = it % IDX_STAGES;
+        asm volatile("cp.async.wait_group %0;" ::"n"(IDX_STAGES - 2));
+        // cp.async and the q stores are generic-proxy writes; wgmma reads through the async proxy.
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        // Block `it` is visible to all; every thread is done with iteration it - 1 (its stage is free).
         __syncthreads();
-        if (threadIdx.x < IDX_BLOCK) {
-            const int s = lb * IDX_BLOCK + threadIdx.x;
-            if (s < len) {
-                float sum = 0.0f;
-                for (int h = 0; h < heads; ++h) sum = __fadd_rn(sum, __fmul_rn(fmaxf(dots[threadIdx.x][h], 0.0f), ws[h]));
-                const bool valid = table[lb] >= 0 && table[lb] < num_blocks;
-                scores[(i64)row * score_stride + s] = valid ? __fmul_rn(sum, kscale) : __int_as_float(0x7fc00000);
+        {
+            const int nxt = it + IDX_STAGES - 1;
+            const int ns = nxt % IDX_STAGES;
+            if (nxt < nblk) tandem_idx_load(tandem_idx_keys(base, ns), kscales + ns * IDX_BLOCK, block_at(first + nxt));
+            asm volatile("cp.async.commit_group;");
+        }
+        const int lb = first + it;
+        const bool valid = table[lb] >= 0 && table[lb] < num_blocks;
+        const int tok = warp * 16 + g;  // this thread's tokens: tok and tok + 8
+        const float ks0 = kscales[stage * IDX_BLOCK + tok], ks1 = kscales[stage * IDX_BLOCK + tok + 8];
+        const u32 ka = tandem_idx_keys(base, stage);
+        // Queries two at a time: both wgmma chains in flight before one wait.
+        for (int j = 0; j < nq; j += 2) {
+            const bool two = j + 1 < nq;
+            // No initial values: the first wgmma of a chain does not read its accumulators (scale-d 0), and
+            // writing them here would make ptxas serialize the chain.
+            float d0[32], d1[32];
+            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+            {
+                const u32 qb = tandem_idx_q(base, j);
+#pragma unroll
+                for (int ks = 0; ks < IDX_DIM / 32; ++ks)
+                    tandem_wgmma_64x64x32(d0, tandem_desc_sw128(ka + ks * 32), tandem_desc_sw128(qb + ks * 32), ks);
             }
+            if (two) {
+                const u32 qb = tandem_idx_q(base, j + 1);
+#pragma unroll
+                for (int ks = 0; ks < IDX_DIM / 32; ++ks)
+                    tandem_wgmma_64x64x32(d1, tandem_desc_sw128(ka + ks * 32), tandem_desc_sw128(qb + ks * 32), ks);
+            }
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+            tandem_idx_epilogue(d0, wsm + j * IDX_HEADS, row0 + j, lb, valid, tok, t4, ks0, ks1, lengths, scores, score_stride);
+            if (two)
+                tandem_idx_epilogue(d1, wsm + (j + 1) * IDX_HEADS, row0 + j + 1, lb, valid, tok, t4, ks0, ks1, lengths, scores,
+                                    score_stride);
         }
     }
+    asm volatile("cp.async.wait_group 0;");
 }

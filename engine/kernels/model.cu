@@ -393,7 +393,7 @@ extern "C" __global__ void tandem_read_latents(const u8* __restrict__ latent, co
 }
 
 // Indexer scores over f32 keys (the `full` precision): I[r, s] = sum_h w[r, h] * relu(q[r, h] . k[s]) for
-// s < lengths[r], keys found through the row's block table. One thread per key, heads in order. `w` is
+// s < lengths[r], keys found through the row's block table. One thread per key. `w` is
 // [rows, w_stride] (the head weights padded to the FP8 scorer's tiles).
 extern "C" __global__ void tandem_indexer_scores_f32(const float* __restrict__ q, const float* __restrict__ w,
                                                      int heads, int w_stride, const float* __restrict__ index_blocks,
@@ -404,14 +404,15 @@ extern "C" __global__ void tandem_indexer_scores_f32(const float* __restrict__ q
     if (s >= lengths[row]) return;
     const int phys = block_table[(i64)row * max_blocks + s / 64];
     const float* key = index_blocks + ((i64)phys * 64 + s % 64) * 128;
-    float acc = 0.0f;
+    // The heads in engine::cpu::indexer::head_sum's order: partial (h / 2) % 4, then (P0 + P1) + (P2 + P3).
+    float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int h = 0; h < heads; ++h) {
         const float* qh = q + ((i64)row * heads + h) * 128;
         float d = 0.0f;
         for (int i = 0; i < 128; ++i) d = __fmaf_rn(qh[i], key[i], d);
-        acc = __fadd_rn(acc, __fmul_rn(fmaxf(d, 0.0f), w[(i64)row * w_stride + h]));
+        p[(h >> 1) & 3] = __fadd_rn(p[(h >> 1) & 3], __fmul_rn(fmaxf(d, 0.0f), w[(i64)row * w_stride + h]));
     }
-    scores[(i64)row * score_stride + s] = acc;
+    scores[(i64)row * score_stride + s] = __fadd_rn(__fadd_rn(p[0], p[1]), __fadd_rn(p[2], p[3]));
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -249,6 +249,38 @@ fn decode_steps_batches_and_chunks_on_the_gpu_are_bitwise_prefill() {
 }
 
 #[test]
+fn prefill_scored_in_many_small_chunks_is_bitwise_the_one_chunk_prefill() {
+    // The indexer scores rows in chunks bounded by bytes; 600 bytes at a stride of ~130 positions is one
+    // scorer group (4 rows) per chunk, so chunks cut through requests and through the batch.
+    for prec in [Precision::Full, Precision::Fp8] {
+        let Some(g) = gpu_backend(prec) else { return };
+        let cache = std::env::temp_dir().join("tandem-test-kernels");
+        let small = Arc::new(CudaBackend::load(checkpoint(), prec, 0, &cache).unwrap().with_score_chunk_bytes(600));
+        let (a, b) = (prompt(130, 11), prompt(37, 12));
+        let run = |s: &Side| {
+            let (ta, tb) = (s.pool.reserve("a", a.len()).unwrap(), s.pool.reserve("b", b.len()).unwrap());
+            let out =
+                s.b.prefill(
+                    &s.cache,
+                    &[
+                        SeqInput { tokens: &a, start: 0, blocks: &ta.blocks, logits: Logits::All },
+                        SeqInput { tokens: &b, start: 0, blocks: &tb.blocks, logits: Logits::All },
+                    ],
+                    &mut |_, _| {},
+                )
+                .unwrap();
+            let l = (s.b.rows_to_host(&out[0].logits).unwrap(), s.b.rows_to_host(&out[1].logits).unwrap());
+            s.pool.release("a").unwrap();
+            s.pool.release("b").unwrap();
+            l
+        };
+        let whole = run(&side(g, prec));
+        let chunked = run(&side(small, prec));
+        assert!(whole == chunked, "{prec:?}: scoring in small chunks changed the logits");
+    }
+}
+
+#[test]
 fn generation_on_the_gpu_is_plain_equals_speculative_and_follows_the_cpu() {
     for prec in [Precision::Fp8, Precision::Full] {
         generation_case(prec);

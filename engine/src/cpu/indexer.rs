@@ -59,18 +59,27 @@ pub fn project(
     (Queries { q, w }, k)
 }
 
-/// `I[s] = k_scale[s] * sum_h w[h] * relu(q[h] . k[s])` for `s in 0..ctx`.
+/// `I[s] = k_scale[s] * sum_h w[h] * relu(q[h] . k[s])` for `s in 0..ctx`, the heads summed in [`head_sum`]'s order.
 pub fn scores(q: &[f32], w: &[f32], keys: &[f32], k_scale: &[f32], ctx: usize, dim: usize) -> Vec<f32> {
     (0..ctx)
         .map(|s| {
             let ks = &keys[s * dim..(s + 1) * dim];
-            let mut acc = 0f32;
-            for (h, wh) in w.iter().enumerate() {
-                acc += dot(&q[h * dim..(h + 1) * dim], ks).max(0.0) * wh;
-            }
-            acc * k_scale[s]
+            head_sum(w.iter().enumerate().map(|(h, wh)| dot(&q[h * dim..(h + 1) * dim], ks).max(0.0) * wh)) * k_scale[s]
         })
         .collect()
+}
+
+/// The indexer's sum over heads of `w[h] * ReLU(q_h . k)` (docs/model.md §2.3): four partial sums, partial `c`
+/// taking heads `h` with `(h / 2) % 4 == c` in ascending order, then `(P0 + P1) + (P2 + P3)`. This is the
+/// order in which the GPU scorer's wgmma accumulator fragments lie (a thread holds heads `8j + 2c` and
+/// `8j + 2c + 1`, four threads a token), so both backends give the same bits for the same products.
+#[inline]
+pub fn head_sum(terms: impl IntoIterator<Item = f32>) -> f32 {
+    let mut p = [0f32; 4];
+    for (h, t) in terms.into_iter().enumerate() {
+        p[(h / 2) % 4] += t;
+    }
+    (p[0] + p[1]) + (p[2] + p[3])
 }
 
 /// The selection as a fixed-width list padded with -1 (the form attention kernels take).

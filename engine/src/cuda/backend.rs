@@ -14,8 +14,9 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaEvent, DevicePtr, sys};
 
 use super::ops::{Arg, DBuf, Workspace, elementwise_grid, launch};
+use super::topk::{RawTopk, launch_topk};
 use super::weights::{DFfn, DLayer, DLinear, DMlp, DWeights, LoadError};
-use super::{CudaError, Gpu};
+use super::{CudaError, Gpu, indexer};
 use crate::backend::{
     AttnForm, Backend, DeviceRows, EngineError, Fence, LayerDone, LayerReady, Logits, MtpInput, SeqInput, SeqOutput,
     main_items, mtp_items,
@@ -28,8 +29,17 @@ use crate::rope::Rope;
 use crate::sampling::{History, Sampled, SamplingParams};
 use crate::{ModelConfig, Precision};
 
-/// Indexer heads go through the FP8 scorer's MMA tiles 8 at a time: fewer heads are padded with zeros.
+/// Indexer q and head-weight rows are padded to a multiple of 8 heads with zeros (the scorer pads to 64 itself).
 const INDEX_HEAD_TILE: usize = 8;
+
+/// Bytes of indexer scores one chunk of rows may hold: the scorer and the top-k run over rows in chunks of
+/// [`score_rows`] so that a long prefill's workspace stays bounded.
+const SCORE_BYTES: usize = 64 << 20;
+
+/// Rows per scoring chunk at a score stride of `stride` positions (at least one scorer group).
+fn score_rows(stride: usize, score_bytes: usize) -> usize {
+    (score_bytes / (4 * stride.max(1))).max(indexer::MAX_GROUP)
+}
 
 /// Device memory the CUDA context, the loaded kernels and the library handles take outside any
 /// allocation of ours (measured ~300-500 MiB on an H100 with CUDA 13).
@@ -94,6 +104,8 @@ pub struct CudaBackend {
     fingerprint: String,
     /// Top-k selections being recorded (diagnostics only: it waits for the GPU after every layer).
     selections: Option<crate::backend::SelectionLog>,
+    /// Bytes of scores one indexer chunk may hold ([`SCORE_BYTES`] unless a test sets it).
+    score_bytes: usize,
 }
 
 use crate::backend::BatchItem as Item;
@@ -106,6 +118,8 @@ struct Inputs {
     slots: u64,
     /// `[rows, table_width]` block ids of each row's request.
     tables: u64,
+    /// Each item's rows (first row, rows): they share the item's blocks.
+    runs: Vec<(usize, usize)>,
     table_width: usize,
     /// Score columns: the longest context of any row.
     score_stride: usize,
@@ -146,6 +160,7 @@ impl CudaBackend {
             limits: Mutex::new(None),
             fingerprint: ckpt.fingerprint().to_string(),
             selections: None,
+            score_bytes: SCORE_BYTES,
         })
     }
 
@@ -153,6 +168,13 @@ impl CudaBackend {
     /// layer); read with [`CudaBackend::take_selections`].
     pub fn recording_selections(mut self) -> Self {
         self.selections = Some(Default::default());
+        self
+    }
+
+    /// Bounds one chunk of indexer scores to `bytes` (at least one scorer group of rows per chunk), instead
+    /// of [`SCORE_BYTES`]: tests use it to cut a short prefill into many chunks. Results do not depend on it.
+    pub fn with_score_chunk_bytes(mut self, bytes: usize) -> Self {
+        self.score_bytes = bytes.min(SCORE_BYTES);
         self
     }
 
@@ -260,7 +282,8 @@ impl CudaBackend {
             }
         }
         let lengths: Vec<i32> = positions.iter().map(|p| p + 1).collect();
-        let score_stride = lengths.iter().copied().max().unwrap_or(1) as usize;
+        // A multiple of 4, so every row of scores starts 16-byte aligned (the top-k reads them in vectors).
+        let score_stride = (lengths.iter().copied().max().unwrap_or(1) as usize).next_multiple_of(4);
         let ctx = if form == AttnForm::Prefill {
             let mut ctx_slots = Vec::new();
             let mut ctx0 = Vec::with_capacity(rows);
@@ -283,6 +306,7 @@ impl CudaBackend {
             lengths: ws.upload(s, &lengths)?,
             slots: ws.upload(s, &slots)?,
             tables: ws.upload(s, &tables)?,
+            runs: items.iter().map(|it| (it.row0, it.n)).collect(),
             table_width,
             score_stride,
             ctx,
@@ -556,70 +580,83 @@ impl CudaBackend {
         }
         on_layer(li, self.fence_now()?);
 
-        // Scores over each row's causal context, then the top-k rule.
+        // Scores over each row's causal context, then the top-k rule, in chunks of rows that bound the
+        // score buffer (a long prefill never holds a [tokens x context] matrix).
         let stride = inp.score_stride;
-        let scores = ws.take::<f32>(&s, rows * stride)?;
-        if fp8 {
-            launch(
-                g,
-                "tandem_indexer_scores",
-                (inp.table_width.div_ceil(8) as u32, rows as u32, 1),
-                128,
-                0,
-                &[
-                    Arg::P(q_codes),
-                    Arg::P(w_heads),
-                    Arg::I(ih_pad as i32),
-                    Arg::P(index_region),
-                    Arg::P(inp.tables),
-                    Arg::I(inp.table_width as i32),
-                    Arg::I(geometry.num_blocks as i32),
-                    Arg::P(inp.lengths),
-                    Arg::P(scores),
-                    Arg::L(stride as i64),
-                ],
-            )?;
-        } else {
-            launch(
-                g,
-                "tandem_indexer_scores_f32",
-                (stride.div_ceil(64) as u32, rows as u32, 1),
-                64,
-                0,
-                &[
-                    Arg::P(q_f32),
-                    Arg::P(w_heads),
-                    Arg::I(ih as i32),
-                    Arg::I(ih_pad as i32),
-                    Arg::P(index_region),
-                    Arg::P(inp.tables),
-                    Arg::I(inp.table_width as i32),
-                    Arg::P(inp.lengths),
-                    Arg::P(scores),
-                    Arg::L(stride as i64),
-                ],
-            )?;
-        }
         let topk = c.index_topk;
         let sel = ws.take::<i32>(&s, rows * topk)?;
         let counts = ws.take::<i32>(&s, rows)?;
         let nans = ws.take::<i32>(&s, rows)?;
-        launch(
-            g,
-            "tandem_topk_rule",
-            (rows as u32, 1, 1),
-            1024,
-            0,
-            &[
-                Arg::P(scores),
-                Arg::L(stride as i64),
-                Arg::P(inp.lengths),
-                Arg::I(topk as i32),
-                Arg::P(sel),
-                Arg::P(counts),
-                Arg::P(nans),
-            ],
-        )?;
+        let chunk_rows = score_rows(stride, self.score_bytes).min(rows);
+        let scores = ws.take::<f32>(&s, chunk_rows * stride)?;
+        let mut r0 = 0;
+        while r0 < rows {
+            let r1 = (r0 + chunk_rows).min(rows);
+            let n = r1 - r0;
+            let tables = inp.tables + (r0 * inp.table_width * 4) as u64;
+            let lengths = inp.lengths + (r0 * 4) as u64;
+            if fp8 {
+                // The chunk's part of each item's rows, as runs relative to the chunk.
+                let runs = inp.runs.iter().filter_map(|&(first, len)| {
+                    let (a, b) = (first.max(r0), (first + len).min(r1));
+                    (a < b).then(|| (a - r0, b - a))
+                });
+                let grouping = indexer::groups(runs);
+                let max_q = grouping.chunks(2).map(|g| g[1] as usize).max().unwrap_or(1);
+                indexer::launch_scores(
+                    g,
+                    &indexer::RawScoreArgs {
+                        q: q_codes + (r0 * ih_pad * 128) as u64,
+                        w: w_heads + (r0 * ih_pad * 4) as u64,
+                        heads: ih_pad,
+                        index_blocks: index_region,
+                        num_blocks: geometry.num_blocks,
+                        block_table: tables,
+                        max_blocks: inp.table_width,
+                        lengths,
+                        groups: ws.upload(&s, &grouping)?,
+                        ngroups: grouping.len() / 2,
+                        max_q,
+                        scores,
+                        score_stride: stride,
+                    },
+                )?;
+            } else {
+                launch(
+                    g,
+                    "tandem_indexer_scores_f32",
+                    (stride.div_ceil(64) as u32, n as u32, 1),
+                    64,
+                    0,
+                    &[
+                        Arg::P(q_f32 + (r0 * ih * 128 * 4) as u64),
+                        Arg::P(w_heads + (r0 * ih_pad * 4) as u64),
+                        Arg::I(ih as i32),
+                        Arg::I(ih_pad as i32),
+                        Arg::P(index_region),
+                        Arg::P(tables),
+                        Arg::I(inp.table_width as i32),
+                        Arg::P(lengths),
+                        Arg::P(scores),
+                        Arg::L(stride as i64),
+                    ],
+                )?;
+            }
+            launch_topk(
+                g,
+                &RawTopk {
+                    scores,
+                    row_stride: stride,
+                    lengths,
+                    rows: n,
+                    k: topk,
+                    positions: sel + (r0 * topk * 4) as u64,
+                    counts: counts + (r0 * 4) as u64,
+                    nan_counts: nans + (r0 * 4) as u64,
+                },
+            )?;
+            r0 = r1;
+        }
 
         if let Some(log) = &self.selections {
             let mut host = vec![0i32; rows * topk];
@@ -1035,7 +1072,7 @@ impl CudaBackend {
             + 2 * c.n_routed_experts as u64
             + c.index_topk as u64;
         let ctx = rows.min(c.max_position_embeddings as u64);
-        let scores = rows * ctx;
+        let scores = (score_rows(ctx as usize, SCORE_BYTES) as u64).min(rows) * ctx;
         let mha = ctx * (rank + rd + heads * (c.qk_nope_head_dim as u64 + vd));
         let logits = 2 * l.max_num_seqs as u64 * c.vocab_size as u64;
         4 * (rows * per_row + scores + mha + logits) + CONTEXT_RESERVE

@@ -67,6 +67,14 @@ impl Gpu {
                 functions.insert(f, module.load_function(f)?);
             }
         }
+        // Kernels whose dynamic shared memory passes the 48 KiB default.
+        for (name, bytes) in [
+            ("tandem_indexer_scores", super::indexer::MAX_SHARED_BYTES),
+            ("tandem_topk_rule", super::topk::SHARED_BYTES),
+        ] {
+            let f = functions.get(name).ok_or_else(|| CudaError::Driver(format!("kernel `{name}` is not loaded")))?;
+            f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
+        }
         let stream = ctx.new_stream()?;
         Ok(Gpu { ctx, stream, info, arch, functions })
     }

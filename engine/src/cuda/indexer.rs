@@ -1,29 +1,129 @@
-//! Lightning-indexer decode scores on the GPU (`engine/kernels/indexer.cu`): FP8 queries against the paged
-//! FP8 key blocks through each row's block table, the products on the tensor cores, summed over heads in
-//! the CPU backend's order ([`crate::cpu::indexer::scores`]). Key blocks are staged in shared memory by
-//! `cp.async`, two in flight; what would make it memory-bound (wgmma with q in shared memory, a register
-//! head sum, a fused or split top-k) is the indexer issue's (bench/RESULTS.md has the profile).
+//! Lightning-indexer scores on the GPU (`engine/kernels/indexer.cu`), decode and prefill: FP8 queries
+//! against the paged FP8 key blocks through a block table, the products as FP8 wgmma on the tensor cores,
+//! the heads summed in [`crate::cpu::indexer::head_sum`]'s order. Rows that share a block table (a token and
+//! its MTP draft, the tokens of a prefill chunk) are scored in groups of up to [`MAX_GROUP`], so each key
+//! block read from memory serves all of them.
 
-use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 
+use super::ops::{Arg, launch};
 use super::{CudaError, Gpu};
 use crate::cache::BLOCK_SIZE;
 
-/// Must match `IDX_BLOCKS_PER_CTA` / `IDX_WARPS` in the kernel.
+/// Must match `IDX_BLOCKS_PER_CTA`, `IDX_STAGES`, `IDX_THREADS` and `IDX_MAX_Q` in the kernel.
 const BLOCKS_PER_CTA: usize = 8;
+const STAGES: usize = 4;
 const THREADS: u32 = 128;
-/// The FP8 indexer block holds 128-wide keys; heads go through the MMA 8 at a time.
+/// The FP8 indexer block holds 128-wide keys; the MMA takes 64 heads (fewer are padded in the kernel).
 pub const DIM: usize = 128;
 pub const MAX_HEADS: usize = 64;
+/// Rows of one request a CTA scores together.
+pub const MAX_GROUP: usize = 4;
 
-/// One batch of decode rows (a query token each; an MTP step has two rows per request, the draft's row
-/// one position longer).
+/// Dynamic shared memory of a launch whose largest group has `max_q` rows: key stages and q tiles of 8 KiB,
+/// the stages' key scales, the head weights, and slack to align the tiles to 1024 bytes.
+pub const fn shared_bytes(max_q: usize) -> usize {
+    (STAGES + max_q) * BLOCK_SIZE * DIM + STAGES * BLOCK_SIZE * 4 + max_q * MAX_HEADS * 4 + 1024
+}
+
+/// What the kernel may ask for (set on the function when the GPU is opened).
+pub const MAX_SHARED_BYTES: usize = shared_bytes(MAX_GROUP);
+
+/// The scorer's groups, flattened `(first row, rows)` pairs, of `runs`: each run is a request's consecutive
+/// rows in position order (`first`, `rows`), all reading the block table of the run's last row. Every
+/// group is at most [`MAX_GROUP`] rows of one run, so a row's group depends only on its own request.
+pub fn groups(runs: impl IntoIterator<Item = (usize, usize)>) -> Vec<i32> {
+    let mut out = Vec::new();
+    for (first, rows) in runs {
+        let mut r = 0;
+        while r < rows {
+            let n = MAX_GROUP.min(rows - r);
+            out.extend([(first + r) as i32, n as i32]);
+            r += n;
+        }
+    }
+    out
+}
+
+/// One launch's device buffers as raw addresses (the backend's workspace hands out addresses).
+#[derive(Debug, Clone, Copy)]
+pub struct RawScoreArgs {
+    /// e4m3 codes `[rows, heads, 128]`.
+    pub q: u64,
+    /// Head weights `[rows, heads]`, every scale folded in (`weights_proj * heads^-0.5 * q_scale * 128^-0.5`).
+    pub w: u64,
+    /// At most 64; the kernel pads to 64 with zero heads (a zero head adds +0.0).
+    pub heads: usize,
+    /// One layer's indexer region: `num_blocks` blocks of 8448 bytes.
+    pub index_blocks: u64,
+    pub num_blocks: usize,
+    /// Physical block ids `[rows, max_blocks]`, logical block order.
+    pub block_table: u64,
+    pub max_blocks: usize,
+    /// Causal context length of each row.
+    pub lengths: u64,
+    /// [`groups`]' output on the device, `ngroups` pairs whose largest group has `max_q` rows.
+    pub groups: u64,
+    pub ngroups: usize,
+    pub max_q: usize,
+    /// `[rows, score_stride]`: row `r`'s scores at `r * score_stride`.
+    pub scores: u64,
+    pub score_stride: usize,
+}
+
+/// Queues the scores of every row of `a.groups`: `scores[r * score_stride + s]` for `s < lengths[r]` (lengths
+/// are clamped to `score_stride`). A table entry outside `0..num_blocks` (a caller's bug) gives NaN scores
+/// for its 64 positions; whatever the table holds, no block outside the region is read.
+pub fn launch_scores(gpu: &Gpu, a: &RawScoreArgs) -> Result<(), CudaError> {
+    let bad = |m: String| Err(CudaError::Shape(m));
+    if a.heads == 0 || a.heads > MAX_HEADS {
+        return bad(format!("{} indexer heads: 1 to {MAX_HEADS}", a.heads));
+    }
+    if a.max_q == 0 || a.max_q > MAX_GROUP {
+        return bad(format!("groups of {} rows: 1 to {MAX_GROUP}", a.max_q));
+    }
+    if a.ngroups > 65_535 || a.num_blocks > i32::MAX as usize || a.max_blocks > i32::MAX as usize {
+        return bad(format!("{} groups (at most 65535 per launch), {} blocks", a.ngroups, a.num_blocks));
+    }
+    if a.score_stride > a.max_blocks * BLOCK_SIZE {
+        return bad(format!(
+            "score stride {}: at most max_blocks x 64 = {}",
+            a.score_stride,
+            a.max_blocks * BLOCK_SIZE
+        ));
+    }
+    if a.ngroups == 0 || a.score_stride == 0 {
+        return Ok(());
+    }
+    launch(
+        gpu,
+        "tandem_indexer_scores",
+        (a.max_blocks.div_ceil(BLOCKS_PER_CTA) as u32, a.ngroups as u32, 1),
+        THREADS,
+        shared_bytes(a.max_q) as u32,
+        &[
+            Arg::P(a.q),
+            Arg::P(a.w),
+            Arg::I(a.heads as i32),
+            Arg::P(a.index_blocks),
+            Arg::P(a.block_table),
+            Arg::I(a.max_blocks as i32),
+            Arg::I(a.num_blocks as i32),
+            Arg::P(a.lengths),
+            Arg::P(a.groups),
+            Arg::I(a.max_q as i32),
+            Arg::P(a.scores),
+            Arg::L(a.score_stride as i64),
+        ],
+    )
+}
+
+/// One batch of rows for [`decode_scores`], in device slices.
 pub struct ScoreArgs<'a> {
     /// e4m3 codes `[rows, heads, 128]`.
     pub q: &'a CudaSlice<u8>,
-    /// Head weights `[rows, heads]`, every scale folded in (`weights_proj * heads^-0.5 * q_scale * 128^-0.5`).
+    /// Head weights `[rows, heads]`.
     pub w: &'a CudaSlice<f32>,
-    /// A multiple of 8 up to 64; models with fewer heads pad q and w with zeros (a zero head adds +0.0).
     pub heads: usize,
     /// One layer's indexer region: `num_blocks` blocks of 8448 bytes.
     pub index_blocks: &'a CudaView<'a, u8>,
@@ -34,10 +134,11 @@ pub struct ScoreArgs<'a> {
     /// Causal context length of each row.
     pub lengths: &'a CudaSlice<i32>,
     pub rows: usize,
+    /// [`groups`]' output: pairs of (first row, rows) over `0..rows`.
+    pub groups: &'a CudaSlice<i32>,
 }
 
-/// Writes `scores[r * score_stride + s]` for `s < lengths[r]` (lengths are clamped to `score_stride`). A
-/// table entry outside `0..num_blocks` (a caller's bug) gives NaN scores for its 64 positions.
+/// [`launch_scores`] over checked device slices.
 pub fn decode_scores(
     gpu: &Gpu,
     a: &ScoreArgs<'_>,
@@ -45,9 +146,6 @@ pub fn decode_scores(
     score_stride: usize,
 ) -> Result<(), CudaError> {
     let bad = |m: String| Err(CudaError::Shape(m));
-    if a.heads == 0 || !a.heads.is_multiple_of(8) || a.heads > MAX_HEADS {
-        return bad(format!("{} indexer heads: a multiple of 8 up to {MAX_HEADS} (pad with zero heads)", a.heads));
-    }
     if a.q.len() < a.rows * a.heads * DIM || a.w.len() < a.rows * a.heads {
         return bad(format!("q/w hold {}/{} values, {} rows x {} heads needed", a.q.len(), a.w.len(), a.rows, a.heads));
     }
@@ -57,31 +155,38 @@ pub fn decode_scores(
     if a.block_table.len() < a.rows * a.max_blocks || a.lengths.len() < a.rows {
         return bad(format!("block table/lengths shorter than {} rows x {} blocks", a.rows, a.max_blocks));
     }
-    if score_stride > a.max_blocks * BLOCK_SIZE || scores.len() < a.rows * score_stride {
-        return bad(format!(
-            "{} scores, stride {score_stride}: at most max_blocks x 64 per row, rows x stride in all",
-            scores.len()
-        ));
+    if scores.len() < a.rows * score_stride {
+        return bad(format!("{} scores for {} rows of stride {score_stride}", scores.len(), a.rows));
     }
-    if a.rows > 65_535 || a.num_blocks > i32::MAX as usize || a.max_blocks > i32::MAX as usize {
-        return bad(format!("{} rows (at most 65535 per launch), {} blocks", a.rows, a.num_blocks));
+    let st = gpu.stream();
+    let host_groups = st.clone_dtoh(a.groups)?;
+    if host_groups.len() % 2 != 0 {
+        return bad("groups are (first row, rows) pairs".into());
     }
-    if a.rows == 0 || score_stride == 0 {
-        return Ok(());
+    let mut max_q = 1;
+    for p in host_groups.chunks(2) {
+        let (first, n) = (p[0] as usize, p[1] as usize);
+        if p[0] < 0 || n == 0 || n > MAX_GROUP || first + n > a.rows {
+            return bad(format!("group ({}, {}) outside {} rows or over {MAX_GROUP}", p[0], p[1], a.rows));
+        }
+        max_q = max_q.max(n);
     }
-    let f = gpu.function("tandem_indexer_scores")?;
-    let grid_x = a.max_blocks.div_ceil(BLOCKS_PER_CTA) as u32;
-    let cfg = LaunchConfig { grid_dim: (grid_x, a.rows as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-    let (heads, max_blocks, num_blocks, stride) =
-        (a.heads as i32, a.max_blocks as i32, a.num_blocks as i32, score_stride as i64);
-    let mut b = gpu.stream().launch_builder(f);
-    b.arg(a.q).arg(a.w).arg(&heads).arg(a.index_blocks).arg(a.block_table).arg(&max_blocks).arg(&num_blocks);
-    b.arg(a.lengths);
-    b.arg(scores).arg(&stride);
-    // SAFETY: argument types and order match the kernel; every buffer was checked above, and the kernel
-    // reads no block outside the region whatever the table holds (such a block's scores are NaN).
-    unsafe { b.launch(cfg) }?;
-    Ok(())
+    let raw = RawScoreArgs {
+        q: a.q.device_ptr(st).0,
+        w: a.w.device_ptr(st).0,
+        heads: a.heads,
+        index_blocks: a.index_blocks.device_ptr(st).0,
+        num_blocks: a.num_blocks,
+        block_table: a.block_table.device_ptr(st).0,
+        max_blocks: a.max_blocks,
+        lengths: a.lengths.device_ptr(st).0,
+        groups: a.groups.device_ptr(st).0,
+        ngroups: host_groups.len() / 2,
+        max_q,
+        scores: scores.device_ptr(st).0,
+        score_stride,
+    };
+    launch_scores(gpu, &raw)
 }
 
 #[cfg(test)]
@@ -96,11 +201,12 @@ mod tests {
 
     const BLOCK_BYTES: usize = BLOCK_SIZE * (DIM + 4);
 
-    /// An e4m3 code: any finite one, or (exact) one of +-1.0..1.875, whose products and 128-term sums are
-    /// exact in f32 in any order, so tensor cores and the CPU must agree bit for bit.
+    /// An e4m3 code: any finite one, or (exact) one of +-1.0, +-1.5, whose products (1, 1.5, 2.25) and
+    /// 128-term sums need at most 11 significant bits: exact in any order and within the FP8 tensor cores'
+    /// accumulator precision, so the GPU and the CPU must agree bit for bit.
     fn code(rng: &mut ChaCha8Rng, exact: bool) -> u8 {
         if exact {
-            (rng.random::<u8>() & 0x80) | (7 << 3) | (rng.random::<u8>() & 7)
+            (rng.random::<u8>() & 0x80) | (7 << 3) | (rng.random::<u8>() & 4)
         } else {
             loop {
                 let c = rng.random::<u8>();
@@ -171,7 +277,12 @@ mod tests {
         cpu_scores(&q, &r.w[..real_heads], &keys, &scales, r.len, DIM)
     }
 
+    /// Every row its own group (each row of these cases has its own block table).
     fn gpu_scores(gpu: &Gpu, c: &Case) -> Vec<Vec<f32>> {
+        gpu_scores_grouped(gpu, c, &groups((0..c.rows.len()).map(|r| (r, 1))))
+    }
+
+    fn gpu_scores_grouped(gpu: &Gpu, c: &Case, grouping: &[i32]) -> Vec<Vec<f32>> {
         let st = gpu.stream();
         let rows = c.rows.len();
         let max_blocks = c.rows[0].table.len();
@@ -194,6 +305,7 @@ mod tests {
             max_blocks,
             lengths: &lens,
             rows,
+            groups: &st.clone_htod(grouping).unwrap(),
         };
         decode_scores(gpu, &args, &mut out, stride).unwrap();
         let host = st.clone_dtoh(&out).unwrap();
@@ -205,7 +317,7 @@ mod tests {
     fn exact_products_give_the_cpu_scores_bit_for_bit() {
         let Some(gpu) = Gpu::for_test() else { return };
         let (mut rng, seed) = crate::cpu::test_support::rng();
-        for heads in [64usize, 8] {
+        for heads in [64usize, 8, 4] {
             let c = case(&mut rng, heads, &[1, 63, 64, 65, 700, 2049], true);
             for (r, got) in c.rows.iter().zip(gpu_scores(&gpu, &c)) {
                 let want = cpu_row(&c, r, heads);
@@ -283,6 +395,33 @@ mod tests {
                 Some(f) => assert_eq!(&got, f, "batch of {rows} (seed {seed})"),
             }
         }
+    }
+
+    #[test]
+    fn rows_of_one_request_score_the_same_in_any_grouping() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        for exact in [true, false] {
+            // A prefill chunk: 11 consecutive causal rows of one request (one table), then a decode pair.
+            let lens: Vec<usize> = (0..11).map(|i| 1990 + 7 * i).chain([300, 301]).collect();
+            let mut c = case(&mut rng, 64, &lens, exact);
+            let shared = c.rows[10].table.clone();
+            for r in &mut c.rows[..11] {
+                r.table = shared.clone();
+            }
+            let pair = c.rows[12].table.clone();
+            c.rows[11].table = pair;
+            let single = gpu_scores(&gpu, &c);
+            let grouped = gpu_scores_grouped(&gpu, &c, &groups([(0, 11), (11, 2)]));
+            for (r, (a, b)) in single.iter().zip(&grouped).enumerate() {
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(a), bits(b), "row {r} exact {exact} (seed {seed})");
+                if exact {
+                    assert_eq!(bits(a), bits(&cpu_row(&c, &c.rows[r], 64)), "row {r} vs the CPU (seed {seed})");
+                }
+            }
+        }
+        assert_eq!(groups([(0, 11), (11, 2)]), vec![0, 4, 4, 4, 8, 3, 11, 2]);
     }
 
     #[test]

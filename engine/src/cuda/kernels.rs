@@ -126,17 +126,16 @@ pub const FAMILIES: &[Family] = &[
         source: include_str!("../../kernels/topk.cu"),
         functions: &["tandem_topk_rule"],
         externals: &[],
-        // Shared-memory histogram atomics and warp scans.
-        sass_expect: &["ATOMS.", "SHFL.UP"],
+        // Warp-aggregated shared-memory histogram atomics and warp scans.
+        sass_expect: &["MATCH.ANY", "ATOMS.ADD", "SHFL.UP"],
     },
     Family {
         name: "indexer",
         source: include_str!("../../kernels/indexer.cu"),
         functions: &["tandem_indexer_scores"],
         externals: &[],
-        // The q . k products on the tensor cores: sm_90 runs e4m3 mma.sync as f16 HMMA with f32
-        // accumulation after an exact e4m3 -> f16 conversion (FP8 QMMA rates need wgmma).
-        sass_expect: &["HMMA.16816.F32"],
+        // The q . k products as FP8 wgmma on the tensor cores, keys streamed in by 16-byte cp.async.
+        sass_expect: &["QGMMA.64x64x32.F32.E4M3.E4M3", "LDGSTS.E.BYPASS.128"],
     },
     Family {
         name: "sample",

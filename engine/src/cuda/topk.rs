@@ -1,12 +1,15 @@
 //! The indexer's top-k rule on the GPU (`engine/kernels/topk.cu`): rows of scores to ascending selected
 //! positions, identical to [`crate::cpu::topk::select`] on the same scores.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr};
 
+use super::ops::{Arg, launch};
 use super::{CudaError, Gpu};
 
 /// Threads per CTA (one CTA per row); must match `TOPK_THREADS` in the kernel.
 const THREADS: u32 = 1024;
+/// Dynamic shared memory: `TOPK_COPIES` (8) histograms of 2048 counts and `TOPK_CAND` (8192) candidate keys.
+pub const SHARED_BYTES: usize = (8 * 2048 + 8192) * 4;
 
 /// Where a batch of selections goes: `positions [rows, k]` (ascending, then -1), how many positions each
 /// row selected, and how many NaN scores each row left out.
@@ -14,6 +17,47 @@ pub struct Selections<'a> {
     pub positions: &'a mut CudaSlice<i32>,
     pub counts: &'a mut CudaSlice<i32>,
     pub nan_counts: &'a mut CudaSlice<i32>,
+}
+
+/// One launch as raw device addresses: `scores [rows, row_stride]`, `lengths [rows]`, `positions [rows, k]`,
+/// `counts` and `nan_counts [rows]`.
+#[derive(Debug, Clone, Copy)]
+pub struct RawTopk {
+    pub scores: u64,
+    pub row_stride: usize,
+    pub lengths: u64,
+    pub rows: usize,
+    pub k: usize,
+    pub positions: u64,
+    pub counts: u64,
+    pub nan_counts: u64,
+}
+
+/// Queues the selection of up to `k` positions of each row: row `r`'s candidates are positions
+/// `0..lengths[r]` (clamped to `row_stride`).
+pub fn launch_topk(gpu: &Gpu, a: &RawTopk) -> Result<(), CudaError> {
+    if a.k == 0 || a.k > i32::MAX as usize {
+        return Err(CudaError::Shape(format!("k = {}: must be in 1..=2^31-1", a.k)));
+    }
+    if a.rows > i32::MAX as usize {
+        return Err(CudaError::Shape(format!("{} rows: at most 2^31-1 per launch", a.rows)));
+    }
+    launch(
+        gpu,
+        "tandem_topk_rule",
+        (a.rows as u32, 1, 1),
+        THREADS,
+        SHARED_BYTES as u32,
+        &[
+            Arg::P(a.scores),
+            Arg::L(a.row_stride as i64),
+            Arg::P(a.lengths),
+            Arg::I(a.k as i32),
+            Arg::P(a.positions),
+            Arg::P(a.counts),
+            Arg::P(a.nan_counts),
+        ],
+    )
 }
 
 /// Selects up to `k` positions of each of `rows` rows: row `r`'s candidates are positions
@@ -43,14 +87,18 @@ pub fn select_rows(
     if rows == 0 {
         return Ok(());
     }
-    let (stride, k_i) = (row_stride as i64, k as i32);
-    let f = gpu.function("tandem_topk_rule")?;
-    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-    let mut b = gpu.stream().launch_builder(f);
-    b.arg(scores).arg(&stride).arg(lengths).arg(&k_i).arg(out.positions).arg(out.counts).arg(out.nan_counts);
-    // SAFETY: argument types and order match the kernel; every buffer was checked to hold `rows` rows.
-    unsafe { b.launch(cfg) }?;
-    Ok(())
+    let st = gpu.stream();
+    let raw = RawTopk {
+        scores: scores.device_ptr(st).0,
+        row_stride,
+        lengths: lengths.device_ptr(st).0,
+        rows,
+        k,
+        positions: out.positions.device_ptr(st).0,
+        counts: out.counts.device_ptr(st).0,
+        nan_counts: out.nan_counts.device_ptr(st).0,
+    };
+    launch_topk(gpu, &raw)
 }
 
 #[cfg(test)]
@@ -114,10 +162,18 @@ mod tests {
         let Some(gpu) = Gpu::for_test() else { return };
         let (mut rng, seed) = crate::cpu::test_support::rng();
         for k in [16usize, 2048] {
-            let mut lens = vec![0, 1, k - 1, k, k + 1, 2 * k + 3, 5000, 70_001];
-            lens.retain(|&n| n <= 70_001);
-            let rows: Vec<Vec<f32>> = lens.iter().enumerate().map(|(i, &n)| row(&mut rng, n, i as u32 % 3)).collect();
-            let stride = *lens.iter().max().unwrap();
+            let lens = [0, 1, k - 1, k, k + 1, 2 * k + 3, 5000, 70_001, 131_072];
+            let mut rows: Vec<Vec<f32>> =
+                lens.iter().enumerate().map(|(i, &n)| row(&mut rng, n, i as u32 % 3)).collect();
+            // One value everywhere: the latest k positions win. The first row's threshold bucket fits the
+            // kernel's shared-memory candidates, the second's does not (the select runs over the row).
+            rows.push(vec![0.25; 3 * k + 5]);
+            rows.push(vec![0.25; 9000]);
+            // The best scores all in the first quarter, ties at the threshold in the last.
+            let mut skew: Vec<f32> = (0..4 * k + 8).map(|i| if i < k / 2 { 9.0 } else { 1.0 }).collect();
+            skew[4 * k..].fill(2.0);
+            rows.push(skew);
+            let stride = rows.iter().map(Vec::len).max().unwrap();
             let got = run(&gpu, &Batch { rows: rows.clone(), stride }, k);
             for (r, v) in rows.iter().enumerate() {
                 let want = select_counting_nan(v, k);
