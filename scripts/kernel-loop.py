@@ -87,16 +87,31 @@ def random_values(rng, shape):
     return v.astype(np.float32)
 
 
-def time_ms(fn, reps=20):
-    fn()
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
+def time_ms(fn, reps=20, flush=None, graph=True):
+    """Median ms of `reps` runs of `fn` (after `flush()` each time, untimed). With `graph`, `fn`'s launches are
+    captured once into a CUDA graph and replayed, so the time is the GPU's and not Python's launch overhead
+    (what the engine sees once its decode step is graphed). `graph=False` times eager launches on the
+    default stream (PyTorch baselines, which launch on it)."""
+    stream = cp.cuda.Stream(non_blocking=True) if graph else cp.cuda.Stream.null
+    with stream:
+        fn()  # allocations and first-use setup happen outside the capture
+        stream.synchronize()
+        run = fn
+        if graph:
+            stream.begin_capture()
+            fn()
+            g = stream.end_capture()
+            run = lambda: g.launch(stream)  # noqa: E731
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        times = []
+        for _ in range(reps):
+            if flush:
+                flush()
+            start.record(stream)
+            run()
+            stop.record(stream)
+            stop.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, stop))
     return float(np.median(times))
 
 
@@ -192,7 +207,7 @@ def topk(tokens, rng):
         try:
             import torch
             t = torch.as_tensor(scores, device="cuda")
-            row["torch_topk_ms"] = time_ms(lambda: torch.topk(t, k, dim=1))
+            row["torch_topk_ms"] = time_ms(lambda: torch.topk(t, k, dim=1), graph=False)
         except Exception as e:  # noqa: BLE001 - the baseline is optional
             row["torch_topk_ms"] = None
             print("torch baseline unavailable:", e)
@@ -283,7 +298,7 @@ def indexer(tokens, rng):
                 s_ = (logits * tw[:, None, :]).sum(-1) * ks_
                 return torch.topk(s_, k, dim=1)
 
-            row["torch_naive_ms"] = time_ms(naive, reps=5)
+            row["torch_naive_ms"] = time_ms(naive, reps=5, graph=False)
         except Exception as e:  # noqa: BLE001 - the baseline is optional
             row["torch_naive_ms"] = None
             print("torch baseline unavailable:", e)

@@ -6,7 +6,8 @@ same-run copy bandwidth and a naive PyTorch version.
 
 Decode: batch b of requests, s_q query rows each (1, or 2 with an MTP draft that sees one more token), every
 request's context over its own random block table in a paged pool of 8448-byte FP8 key blocks; time = scorer
-+ top-k, L2 flushed (a 256 MiB write) before every timed run; bytes = sum of contexts x 132 + q + weights.
++ top-k, replayed as a CUDA graph (the launches' GPU time, as in a graphed decode step), L2 flushed (a 256 MiB
+write) before every timed run; bytes = sum of contexts x 132 + q + weights.
 Prefill: a chunk of T tokens at the end of a C-token context, scored and selected in row chunks of at most
 64 MiB of scores (as the CUDA backend does), groups of 4 rows sharing the request's block table.
 
@@ -46,29 +47,20 @@ def shared_bytes(max_q):
 FLUSH = None
 
 
-def timed(fn, reps):
-    """Median ms of `reps` runs, each after the L2 is overwritten."""
+def timed(fn, reps, graph=True):
+    """Median ms of `reps` replays of `fn` captured as a CUDA graph, each after the L2 is overwritten (a 256 MiB
+    write, untimed); `graph=False` times eager launches (the copy and the naive PyTorch baseline)."""
     global FLUSH
     if FLUSH is None:
         FLUSH = cp.empty(256 << 20, dtype=cp.uint8)
-    fn()
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for i in range(reps):
-        FLUSH.fill(i & 0xFF)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
+    return kl.time_ms(fn, reps, flush=lambda: FLUSH.fill(0x5A), graph=graph)
 
 
 def copy_bandwidth():
     """Device-to-device copy of 1 GiB: (read + written bytes) / time."""
     n = 1 << 30
     a, b = cp.ones(n, dtype=cp.uint8), cp.empty(n, dtype=cp.uint8)
-    ms = timed(lambda: cp.copyto(b, a), 10)
+    ms = timed(lambda: cp.copyto(b, a), 10, graph=False)
     return 2 * n / ms / 1e6
 
 
@@ -171,7 +163,7 @@ def naive_torch(pool, table, q, w, rows, nblk, stride):
         return torch.topk(s, min(K, stride), dim=1).indices.sort(dim=1)
 
     try:
-        return timed(run, 3)
+        return timed(run, 3, graph=False)
     except Exception as e:  # noqa: BLE001 - out of memory at the largest shapes
         print("naive torch:", e)
         return None
