@@ -192,7 +192,8 @@ def topk(tokens, rng):
         counts, nans = cp.zeros(rows, dtype=cp.int32), cp.zeros(rows, dtype=cp.int32)
 
         def run():
-            fn((rows,), (1024,), (d_scores, np.int64(n), d_len, np.int32(k), pos, counts, nans), shared_mem=TOPK_SMEM)
+            fn((rows,), (1024,), (d_scores, np.int64(n), d_len, np.int32(k), pos, counts, nans, np.uint64(0)),
+               shared_mem=TOPK_SMEM)
 
         run()
         cp.cuda.runtime.deviceSynchronize()
@@ -235,7 +236,7 @@ def indexer(tokens, rng):
     out = []
     m_idx, m_topk = module("indexer"), module("topk")
     f_scores, f_topk = m_idx.get_function("tandem_indexer_scores"), m_topk.get_function("tandem_topk_rule")
-    set_smem(f_scores, 9 * BLOCK * dim + 4 * BLOCK * 4 + 4 * heads * 4 + 1024)
+    set_smem(f_scores, 7 * BLOCK * dim + 3 * BLOCK * 4 + 4 * heads * 4 + 4 * 1025 * 4 + 1024)
     set_smem(f_topk, TOPK_SMEM)
     for ctx in (tokens // 2, tokens * 2):
         nblk = ctx // BLOCK
@@ -256,12 +257,15 @@ def indexer(tokens, rng):
         counts, nans = cp.zeros(rows, dtype=cp.int32), cp.zeros(rows, dtype=cp.int32)
 
         groups = cp.asarray(np.array([[r, 1] for r in range(rows)], dtype=np.int32).reshape(-1))
-        smem = 5 * BLOCK * dim + 4 * BLOCK * 4 + heads * 4 + 1024  # engine::cuda::indexer::shared_bytes(1)
+        smem = 4 * BLOCK * dim + 3 * BLOCK * 4 + heads * 4 + 1025 * 4 + 1024  # engine::cuda::indexer::shared_bytes(1)
+
+        hist = cp.zeros((rows, 2049), dtype=cp.uint32)  # the top-k's first digit, counted by the scorer
 
         def run():
+            hist.fill(0)
             f_scores((-(-nblk // 8), rows), (128,), (q, w, np.int32(heads), pool, table, np.int32(nblk), np.int32(num_blocks), lens,
-                                                      groups, np.int32(1), scores, np.int64(ctx)), shared_mem=smem)
-            f_topk((rows,), (1024,), (scores, np.int64(ctx), lens, np.int32(k), pos, counts, nans), shared_mem=TOPK_SMEM)
+                                                      groups, np.int32(1), scores, np.int64(ctx), hist), shared_mem=smem)
+            f_topk((rows,), (1024,), (scores, np.int64(ctx), lens, np.int32(k), pos, counts, nans, hist), shared_mem=TOPK_SMEM)
 
         run()
         cp.cuda.runtime.deviceSynchronize()

@@ -36,12 +36,13 @@ _spec.loader.exec_module(kl)
 
 BLOCK, DIM, HEADS, K = 64, 128, 64, 2048
 BLOCK_BYTES = BLOCK * (DIM + 4)
-STAGES, MAX_Q = 4, 4
+STAGES, MAX_Q = 3, 4
 SCORE_BYTES = 64 << 20
+HIST_WORDS = 2049  # the top-k's first-digit histogram per row, filled by the scorer
 
 
 def shared_bytes(max_q):
-    return (STAGES + max_q) * BLOCK * DIM + STAGES * BLOCK * 4 + max_q * HEADS * 4 + 1024
+    return (STAGES + max_q) * BLOCK * DIM + STAGES * BLOCK * 4 + max_q * HEADS * 4 + max_q * 1025 * 4 + 1024
 
 
 FLUSH = None
@@ -71,14 +72,17 @@ class Kernels:
         self.topk = kl.module("topk").get_function("tandem_topk_rule")
         kl.set_smem(self.topk, kl.TOPK_SMEM)
 
-    def score(self, q, w, pool, num_blocks, table, max_blocks, lens, groups, max_q, scores, stride):
+    def score(self, q, w, pool, num_blocks, table, max_blocks, lens, groups, max_q, scores, stride, hist):
+        """The scorer; `hist` ([rows, 2049] u32) is zeroed and gets the top-k's first-digit counts."""
         ngroups = groups.size // 2
+        hist.fill(0)
         self.scores((-(-max_blocks // 8), ngroups), (128,),
                     (q, w, np.int32(HEADS), pool, table, np.int32(max_blocks), np.int32(num_blocks), lens, groups,
-                     np.int32(max_q), scores, np.int64(stride)), shared_mem=shared_bytes(max_q))
+                     np.int32(max_q), scores, np.int64(stride), hist), shared_mem=shared_bytes(max_q))
 
-    def select(self, scores, stride, lens, rows, pos, counts, nans):
-        self.topk((rows,), (1024,), (scores, np.int64(stride), lens, np.int32(K), pos, counts, nans), shared_mem=kl.TOPK_SMEM)
+    def select(self, scores, stride, lens, rows, pos, counts, nans, hist):
+        self.topk((rows,), (1024,), (scores, np.int64(stride), lens, np.int32(K), pos, counts, nans, hist),
+                  shared_mem=kl.TOPK_SMEM)
 
 
 def random_pool(num_blocks):
@@ -111,9 +115,11 @@ def decode_case(kern, rng, b, ctx, s_q, check=False, naive=False, reps=10):
     pos = cp.zeros((rows, K), dtype=cp.int32)
     counts, nans = cp.zeros(rows, dtype=cp.int32), cp.zeros(rows, dtype=cp.int32)
 
+    hist = cp.zeros((rows, HIST_WORDS), dtype=cp.uint32)
+
     def run():
-        kern.score(q, w, pool, num_blocks, table, nblk, lens, groups, s_q, scores, stride)
-        kern.select(scores, stride, lens, rows, pos, counts, nans)
+        kern.score(q, w, pool, num_blocks, table, nblk, lens, groups, s_q, scores, stride, hist)
+        kern.select(scores, stride, lens, rows, pos, counts, nans, hist)
 
     run()
     cp.cuda.runtime.deviceSynchronize()
@@ -134,8 +140,9 @@ def decode_case(kern, rng, b, ctx, s_q, check=False, naive=False, reps=10):
             ok &= bool((cp.asnumpy(pos[r])[:min(n, K)] == kl.topk_reference(cp.asnumpy(scores[r, :n]), K)).all())
         res.update(score_diff=float(worst), selections_equal_rule=bool(ok), ok=bool(ok and worst < 1e-6))
     ms = timed(run, reps)
-    res["scores_ms"] = timed(lambda: kern.score(q, w, pool, num_blocks, table, nblk, lens, groups, s_q, scores, stride), reps)
-    res["topk_ms"] = timed(lambda: kern.select(scores, stride, lens, rows, pos, counts, nans), reps)
+    res["scores_ms"] = timed(lambda: kern.score(q, w, pool, num_blocks, table, nblk, lens, groups, s_q, scores, stride, hist),
+                             reps)
+    res["topk_ms"] = timed(lambda: kern.select(scores, stride, lens, rows, pos, counts, nans, hist), reps)
     # A request's rows share its keys: each key is read once per request.
     read = b * (ctx + s_q - 1) * (DIM + 4) + q.nbytes + w.nbytes
     flops = 2 * HEADS * DIM * float(cp.asnumpy(lens).astype(np.float64).sum())
@@ -188,10 +195,12 @@ def prefill_case(kern, rng, tokens, ctx, reps=3):
         g = np.array([[i, min(MAX_Q, n - i)] for i in range(0, n, MAX_Q)], dtype=np.int32).reshape(-1)
         plans.append((r0, n, cp.asarray(g)))
 
+    hist = cp.zeros((chunk, HIST_WORDS), dtype=cp.uint32)
+
     def run():
         for r0, n, g in plans:
-            kern.score(q[r0:], w[r0:], pool, nblk, table, nblk, lens[r0:], g, MAX_Q, scores, ctx)
-            kern.select(scores, ctx, lens[r0:], n, pos[r0:], counts[r0:], nans[r0:])
+            kern.score(q[r0:], w[r0:], pool, nblk, table, nblk, lens[r0:], g, MAX_Q, scores, ctx, hist)
+            kern.select(scores, ctx, lens[r0:], n, pos[r0:], counts[r0:], nans[r0:], hist)
 
     run()
     cp.cuda.runtime.deviceSynchronize()

@@ -16,16 +16,23 @@
 // Batch invariance: a query's products come from the same instruction sequence whichever group or batch it
 // is in (one wgmma chain per query, N = its own 64 heads); the CTA split depends only on the group's
 // lengths; no score is combined across CTAs.
+//
+// Given a histogram buffer, the epilogue also counts each score's first radix digit (the top 11 bits of its
+// order-preserving key, topk_key.cuh) for the top-k rule, which then skips its own first pass over the row:
+// that pass is bound by shared-memory atomics, here it hides under the key blocks' memory time.
 #include "common.cuh"
+#include "topk_key.cuh"
 
 #define IDX_DIM 128
 #define IDX_BLOCK 64
 #define IDX_HEADS 64
 #define IDX_MAX_Q 4
 #define IDX_BLOCKS_PER_CTA 8
-#define IDX_STAGES 4
+#define IDX_STAGES 3
 #define IDX_THREADS 128
 #define IDX_TILE (IDX_BLOCK * IDX_DIM)  // 8 KB: one key block or one query's q tile
+// A query's first-digit counts in shared memory: TOPK_HIST_WORDS (2048 digits + NaN) 16-bit counts, two a word.
+#define IDX_HIST_WORDS ((TOPK_HIST_WORDS + 1) / 2)
 
 __device__ __forceinline__ void tandem_cp_async16(u32 smem, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem), "l"(gmem));
@@ -62,7 +69,7 @@ __device__ __forceinline__ void tandem_wgmma_64x64x32(float (&d)[32], unsigned l
 }
 
 // Dynamic shared memory: IDX_STAGES key tiles, then `max_q` q tiles (all 1024-byte aligned), then the
-// stages' k scales and the queries' head weights.
+// stages' k scales, the queries' head weights and the queries' first-digit counts.
 __device__ __forceinline__ u32 tandem_idx_keys(u32 base, int stage) { return base + stage * IDX_TILE; }
 __device__ __forceinline__ u32 tandem_idx_q(u32 base, int j) { return base + (IDX_STAGES + j) * IDX_TILE; }
 
@@ -83,7 +90,7 @@ __device__ __forceinline__ void tandem_idx_load(u32 keys, float* scales, const u
 // exactly, so every lane gets the same bits), times the key's scale.
 __device__ __forceinline__ void tandem_idx_epilogue(const float (&d)[32], const float* wj, int row, int lb, bool valid,
                                                     int tok, int t4, float ks0, float ks1, const int* lengths,
-                                                    float* scores, i64 score_stride) {
+                                                    float* scores, i64 score_stride, u32* shist) {
     float p0 = 0.0f, p1 = 0.0f;
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
@@ -98,10 +105,19 @@ __device__ __forceinline__ void tandem_idx_epilogue(const float (&d)[32], const 
     p0 = __fadd_rn(p0, __shfl_xor_sync(0xffffffffu, p0, 2));
     p1 = __fadd_rn(p1, __shfl_xor_sync(0xffffffffu, p1, 2));
     const int len = (int)min((i64)lengths[row], score_stride);
-    if (t4 < 2) {
-        const int s = lb * IDX_BLOCK + tok + 8 * t4;
-        const float v = __fmul_rn(t4 == 0 ? p0 : p1, t4 == 0 ? ks0 : ks1);
-        if (s < len) scores[(i64)row * score_stride + s] = valid ? v : __int_as_float(0x7fc00000);
+    const int s = lb * IDX_BLOCK + tok + 8 * t4;
+    const bool writes = t4 < 2 && s < len;
+    const float v = valid ? __fmul_rn(t4 == 0 ? p0 : p1, t4 == 0 ? ks0 : ks1) : __int_as_float(0x7fc00000);
+    if (writes) scores[(i64)row * score_stride + s] = v;
+    if (shist) {
+        // The top-k's first radix digit of this score (or its NaN), counted in the CTA's histogram of this
+        // query: one atomic per distinct digit of the warp, two 16-bit counts per word (a CTA counts at most
+        // 512 scores of a query). Integer sums: the order of arrival does not matter.
+        const u32 key = tandem_topk_key(v);
+        const u32 d = !writes ? 0xffffffffu : key == 0 ? TOPK_HIST_NAN : key >> 21;
+        const u32 peers = __match_any_sync(0xffffffffu, d);
+        if (d != 0xffffffffu && (threadIdx.x & 31) == __ffs(peers) - 1)
+            atomicAdd(&shist[d >> 1], (u32)__popc(peers) << ((d & 1) * 16));
     }
 }
 
@@ -117,13 +133,15 @@ extern "C" __global__ void __launch_bounds__(IDX_THREADS) tandem_indexer_scores(
     const int* __restrict__ groups,      // [grid.y][2]: first row, rows (1..max_q) sharing the last row's table
     int max_q,                           // the largest group of the launch (sizes the shared memory)
     float* __restrict__ scores,          // [rows, score_stride]
-    i64 score_stride) {
+    i64 score_stride,
+    u32* __restrict__ hist) {            // null, or [rows][TOPK_HIST_WORDS] zeroed: the top-k's first pass
     extern __shared__ __align__(1024) u8 smem_raw[];
     const u32 raw = (u32)__cvta_generic_to_shared(smem_raw);
     const u32 base = (raw + 1023u) & ~1023u;
     u8* const gbase = smem_raw + (base - raw);
     float* const kscales = reinterpret_cast<float*>(gbase + (IDX_STAGES + max_q) * IDX_TILE);  // [STAGES][64]
     float* const wsm = kscales + IDX_STAGES * IDX_BLOCK;                                        // [max_q][64]
+    u32* const shist = reinterpret_cast<u32*>(wsm + max_q * IDX_HEADS);  // [max_q][IDX_HIST_WORDS] if hist
 
     const int row0 = groups[2 * blockIdx.y], nq = groups[2 * blockIdx.y + 1];
     int glen = 0;
@@ -159,6 +177,8 @@ extern "C" __global__ void __launch_bounds__(IDX_THREADS) tandem_indexer_scores(
         }
         for (int h = threadIdx.x; h < IDX_HEADS; h += IDX_THREADS)
             wsm[j * IDX_HEADS + h] = h < heads ? w[(i64)(row0 + j) * heads + h] : 0.0f;
+        if (hist)
+            for (int b = threadIdx.x; b < IDX_HIST_WORDS; b += IDX_THREADS) shist[j * IDX_HIST_WORDS + b] = 0;
     }
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -202,11 +222,26 @@ extern "C" __global__ void __launch_bounds__(IDX_THREADS) tandem_indexer_scores(
             }
             asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-            tandem_idx_epilogue(d0, wsm + j * IDX_HEADS, row0 + j, lb, valid, tok, t4, ks0, ks1, lengths, scores, score_stride);
+            tandem_idx_epilogue(d0, wsm + j * IDX_HEADS, row0 + j, lb, valid, tok, t4, ks0, ks1, lengths, scores, score_stride,
+                                hist ? shist + j * IDX_HIST_WORDS : nullptr);
             if (two)
                 tandem_idx_epilogue(d1, wsm + (j + 1) * IDX_HEADS, row0 + j + 1, lb, valid, tok, t4, ks0, ks1, lengths, scores,
-                                    score_stride);
+                                    score_stride, hist ? shist + (j + 1) * IDX_HIST_WORDS : nullptr);
         }
     }
     asm volatile("cp.async.wait_group 0;");
+    if (hist) {
+        // The CTA's counts into the rows' histograms: one atomic per digit present, so a hot digit takes one
+        // atomic per CTA rather than one per warp and key block.
+        __syncthreads();
+        for (int j = 0; j < nq; ++j) {
+            u32* h = hist + (i64)(row0 + j) * TOPK_HIST_WORDS;
+            const u32* sh = shist + j * IDX_HIST_WORDS;
+            for (int b = threadIdx.x; b < IDX_HIST_WORDS; b += IDX_THREADS) {
+                const u32 v = sh[b];
+                if (v & 0xffffu) atomicAdd(&h[2 * b], v & 0xffffu);
+                if (v >> 16) atomicAdd(&h[2 * b + 1], v >> 16);
+            }
+        }
+    }
 }

@@ -3,7 +3,8 @@
 // of at most k positions selects all of them without reading the scores, the selection written in
 // ascending position and padded with -1.
 //
-// One CTA per row, so a row's result depends on nothing else in the batch. Each score becomes an
+// One CTA per row, so a row's result depends on nothing else in the batch. (The indexer scorer can count
+// pass A's digits as it writes the scores; the kernel then starts from its counts.) Each score becomes an
 // order-preserving 32-bit key (0 for NaN: no score maps to it). A radix select over 11 + 11 + 10 bits finds
 // the k-th largest key T and how many keys equal to T are taken (`need`):
 //   pass A (global) counts the top 11 bits of every key (warp-aggregated shared-memory atomics) and NaNs;
@@ -15,6 +16,7 @@
 // positions); a CTA scan of the threads' counts gives every selected position its output index, so the
 // output comes out ascending. Every pass over the row issues TOPK_UNROLL loads per thread before using any.
 #include "common.cuh"
+#include "topk_key.cuh"
 
 #define TOPK_THREADS 1024
 #define TOPK_WARPS (TOPK_THREADS / 32)
@@ -26,13 +28,7 @@
 #endif
 #define TOPK_NONE 0xffffffffu
 
-// Order-preserving key of a score; 0 for NaN. -0.0 maps to +0.0's key.
-__device__ __forceinline__ u32 tandem_score_key(float s) {
-    u32 b = __float_as_uint(s);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return 0;  // NaN
-    if (b == 0x80000000u) b = 0;                   // -0.0 == +0.0
-    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
+#define tandem_score_key tandem_topk_key
 
 // The keys of positions base + j * TOPK_THREADS + tid (j < TOPK_UNROLL) of a row of n >= 1 scores, `none`
 // past its end. The loads are unconditional (clamped into the row) and all issued before any is used: a
@@ -104,7 +100,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_rule(
     int k,
     int* __restrict__ out,             // [rows, k]: ascending positions, then -1
     int* __restrict__ counts,          // [rows]: positions selected
-    int* __restrict__ nan_counts) {    // [rows]: NaN scores left out
+    int* __restrict__ nan_counts,      // [rows]: NaN scores left out
+    const u32* __restrict__ pre_hist) {// null, or [rows][TOPK_HIST_WORDS]: pass A's counts, from the scorer
     // Dynamic shared memory: TOPK_COPIES histograms (pass A spreads its atomics over them; the first is the
     // histogram of every later step), then the candidates.
     extern __shared__ __align__(16) u32 dyn[];
@@ -130,11 +127,17 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_rule(
     if (tid == 0) n_cand = 0;
     __syncthreads();
 
-    // Pass A: the top 11 bits of every key, and the NaNs. A few bins take most keys (scores cluster in a
-    // few binades, ReLU zeros in one), so warps count into TOPK_COPIES histograms to spread the atomics.
+    // Pass A: the top 11 bits of every key, and the NaNs (or the scorer's counts of them). A few bins take
+    // most keys (scores cluster in a few binades, ReLU zeros in one), so warps count into TOPK_COPIES
+    // histograms to spread the atomics.
     u32* const my_hist = hist + ((tid >> 5) % TOPK_COPIES) * TOPK_BINS;
     u32 nan_here = 0;
-    for (int base = 0; base < n; base += TOPK_THREADS * TOPK_UNROLL) {
+    const u32* pre = pre_hist ? pre_hist + (i64)row * TOPK_HIST_WORDS : nullptr;
+    if (pre) {
+        for (int b = tid; b < TOPK_BINS; b += TOPK_THREADS) hist[b] = pre[b];
+        nan_here = tid == 0 ? pre[TOPK_HIST_NAN] : 0;
+    }
+    for (int base = 0; base < (pre ? 0 : n); base += TOPK_THREADS * TOPK_UNROLL) {
         u32 kv[TOPK_UNROLL];
         tandem_load_keys(sc, n, base, kv, TOPK_NONE);
 #pragma unroll
@@ -144,7 +147,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_rule(
         }
     }
     __syncthreads();
-    for (int b = tid; b < TOPK_BINS; b += TOPK_THREADS) {
+    for (int b = tid; b < (pre ? 0 : TOPK_BINS); b += TOPK_THREADS) {
         u32 sum = hist[b];
 #pragma unroll
         for (int c = 1; c < TOPK_COPIES; ++c) sum += hist[c * TOPK_BINS + b];

@@ -589,6 +589,9 @@ impl CudaBackend {
         let nans = ws.take::<i32>(&s, rows)?;
         let chunk_rows = score_rows(stride, self.score_bytes).min(rows);
         let scores = ws.take::<f32>(&s, chunk_rows * stride)?;
+        // The scorer counts the top-k's first radix digit as it writes (FP8 only).
+        let hist_bytes = 4 * chunk_rows * indexer::TOPK_HIST_WORDS;
+        let hist = if fp8 { ws.take::<u8>(&s, hist_bytes)? } else { 0 };
         let mut r0 = 0;
         while r0 < rows {
             let r1 = (r0 + chunk_rows).min(rows);
@@ -603,6 +606,12 @@ impl CudaBackend {
                 });
                 let grouping = indexer::groups(runs);
                 let max_q = grouping.chunks(2).map(|g| g[1] as usize).max().unwrap_or(1);
+                s.context().bind_to_thread().map_err(dev)?;
+                // SAFETY: `hist` holds `hist_bytes` (taken above); stream-ordered before the scorer.
+                unsafe {
+                    cudarc::driver::result::memset_d8_async(hist, 0, 4 * n * indexer::TOPK_HIST_WORDS, s.cu_stream())
+                }
+                .map_err(dev)?;
                 indexer::launch_scores(
                     g,
                     &indexer::RawScoreArgs {
@@ -619,6 +628,7 @@ impl CudaBackend {
                         max_q,
                         scores,
                         score_stride: stride,
+                        hist,
                     },
                 )?;
             } else {
@@ -653,6 +663,7 @@ impl CudaBackend {
                     positions: sel + (r0 * topk * 4) as u64,
                     counts: counts + (r0 * 4) as u64,
                     nan_counts: nans + (r0 * 4) as u64,
+                    pre_hist: hist,
                 },
             )?;
             r0 = r1;
@@ -1072,7 +1083,9 @@ impl CudaBackend {
             + 2 * c.n_routed_experts as u64
             + c.index_topk as u64;
         let ctx = rows.min(c.max_position_embeddings as u64);
-        let scores = (score_rows(ctx as usize, SCORE_BYTES) as u64).min(rows) * ctx;
+        let score_rows = (score_rows(ctx as usize, SCORE_BYTES) as u64).min(rows);
+        // The scores and the top-k's first-digit histograms.
+        let scores = score_rows * (ctx + indexer::TOPK_HIST_WORDS as u64);
         let mha = ctx * (rank + rd + heads * (c.qk_nope_head_dim as u64 + vd));
         let logits = 2 * l.max_num_seqs as u64 * c.vocab_size as u64;
         4 * (rows * per_row + scores + mha + logits) + CONTEXT_RESERVE

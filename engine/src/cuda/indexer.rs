@@ -12,7 +12,7 @@ use crate::cache::BLOCK_SIZE;
 
 /// Must match `IDX_BLOCKS_PER_CTA`, `IDX_STAGES`, `IDX_THREADS` and `IDX_MAX_Q` in the kernel.
 const BLOCKS_PER_CTA: usize = 8;
-const STAGES: usize = 4;
+const STAGES: usize = 3;
 const THREADS: u32 = 128;
 /// The FP8 indexer block holds 128-wide keys; the MMA takes 64 heads (fewer are padded in the kernel).
 pub const DIM: usize = 128;
@@ -21,9 +21,14 @@ pub const MAX_HEADS: usize = 64;
 pub const MAX_GROUP: usize = 4;
 
 /// Dynamic shared memory of a launch whose largest group has `max_q` rows: key stages and q tiles of 8 KiB,
-/// the stages' key scales, the head weights, and slack to align the tiles to 1024 bytes.
+/// the stages' key scales, the head weights, each row's first-digit counts (16-bit, two a word), and slack
+/// to align the tiles to 1024 bytes.
 pub const fn shared_bytes(max_q: usize) -> usize {
-    (STAGES + max_q) * BLOCK_SIZE * DIM + STAGES * BLOCK_SIZE * 4 + max_q * MAX_HEADS * 4 + 1024
+    (STAGES + max_q) * BLOCK_SIZE * DIM
+        + STAGES * BLOCK_SIZE * 4
+        + max_q * MAX_HEADS * 4
+        + max_q * TOPK_HIST_WORDS.div_ceil(2) * 4
+        + 1024
 }
 
 /// What the kernel may ask for (set on the function when the GPU is opened).
@@ -69,7 +74,13 @@ pub struct RawScoreArgs {
     /// `[rows, score_stride]`: row `r`'s scores at `r * score_stride`.
     pub scores: u64,
     pub score_stride: usize,
+    /// 0, or [`TOPK_HIST_WORDS`] zeroed words per row: the scorer counts each score's first radix digit of
+    /// the top-k rule there (the top-k's [`super::topk::RawTopk::pre_hist`]).
+    pub hist: u64,
 }
+
+/// Words per row of the first-digit histogram the scorer can fill for the top-k (`TOPK_HIST_WORDS`).
+pub const TOPK_HIST_WORDS: usize = 2049;
 
 /// Queues the scores of every row of `a.groups`: `scores[r * score_stride + s]` for `s < lengths[r]` (lengths
 /// are clamped to `score_stride`). A table entry outside `0..num_blocks` (a caller's bug) gives NaN scores
@@ -114,6 +125,7 @@ pub fn launch_scores(gpu: &Gpu, a: &RawScoreArgs) -> Result<(), CudaError> {
             Arg::I(a.max_q as i32),
             Arg::P(a.scores),
             Arg::L(a.score_stride as i64),
+            Arg::P(a.hist),
         ],
     )
 }
@@ -136,6 +148,8 @@ pub struct ScoreArgs<'a> {
     pub rows: usize,
     /// [`groups`]' output: pairs of (first row, rows) over `0..rows`.
     pub groups: &'a CudaSlice<i32>,
+    /// Where to count the top-k's first digit ([`RawScoreArgs::hist`]), zeroed, `rows x TOPK_HIST_WORDS`.
+    pub hist: Option<&'a CudaSlice<u32>>,
 }
 
 /// [`launch_scores`] over checked device slices.
@@ -157,6 +171,9 @@ pub fn decode_scores(
     }
     if scores.len() < a.rows * score_stride {
         return bad(format!("{} scores for {} rows of stride {score_stride}", scores.len(), a.rows));
+    }
+    if a.hist.is_some_and(|h| h.len() < a.rows * TOPK_HIST_WORDS) {
+        return bad(format!("a first-digit histogram needs {} words per row", TOPK_HIST_WORDS));
     }
     let st = gpu.stream();
     let host_groups = st.clone_dtoh(a.groups)?;
@@ -185,6 +202,7 @@ pub fn decode_scores(
         max_q,
         scores: scores.device_ptr(st).0,
         score_stride,
+        hist: a.hist.map_or(0, |h| h.device_ptr(st).0),
     };
     launch_scores(gpu, &raw)
 }
@@ -306,6 +324,7 @@ mod tests {
             lengths: &lens,
             rows,
             groups: &st.clone_htod(grouping).unwrap(),
+            hist: None,
         };
         decode_scores(gpu, &args, &mut out, stride).unwrap();
         let host = st.clone_dtoh(&out).unwrap();
@@ -422,6 +441,86 @@ mod tests {
             }
         }
         assert_eq!(groups([(0, 11), (11, 2)]), vec![0, 4, 4, 4, 8, 3, 11, 2]);
+    }
+
+    /// The top-k rule's first radix digit of a score (`topk_key.cuh`), or `TOPK_HIST_WORDS - 1` for NaN.
+    fn first_digit(v: f32) -> usize {
+        if v.is_nan() {
+            return TOPK_HIST_WORDS - 1;
+        }
+        let b = if v == 0.0 { 0 } else { v.to_bits() };
+        let key = if b & 0x8000_0000 != 0 { !b } else { b | 0x8000_0000 };
+        (key >> 21) as usize
+    }
+
+    #[test]
+    fn the_scorer_counts_the_topk_first_digit_and_the_topk_starts_from_it() {
+        use super::super::topk::{RawTopk, launch_topk};
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        let st = gpu.stream();
+        // Long rows (the top-k has work to do), one with a table entry outside the region (NaN scores).
+        let mut c = case(&mut rng, 64, &[5000, 2049, 3100, 64], false);
+        c.rows[2].table[3] = c.num_blocks as i32 + 9;
+        let rows = c.rows.len();
+        let max_blocks = c.rows[0].table.len();
+        let stride = max_blocks * BLOCK_SIZE;
+        let q = st.clone_htod(&c.rows.iter().flat_map(|r| r.q.clone()).collect::<Vec<u8>>()).unwrap();
+        let w = st.clone_htod(&c.rows.iter().flat_map(|r| r.w.clone()).collect::<Vec<f32>>()).unwrap();
+        let table = st.clone_htod(&c.rows.iter().flat_map(|r| r.table.clone()).collect::<Vec<i32>>()).unwrap();
+        let lens = st.clone_htod(&c.rows.iter().map(|r| r.len as i32).collect::<Vec<i32>>()).unwrap();
+        let pool = st.clone_htod(&c.pool).unwrap();
+        let view = pool.slice(..);
+        let grouping = st.clone_htod(&groups((0..rows).map(|r| (r, 1)))).unwrap();
+        let hist = st.alloc_zeros::<u32>(rows * TOPK_HIST_WORDS).unwrap();
+        let mut scores = st.alloc_zeros::<f32>(rows * stride).unwrap();
+        let args = ScoreArgs {
+            q: &q,
+            w: &w,
+            heads: 64,
+            index_blocks: &view,
+            num_blocks: c.num_blocks,
+            block_table: &table,
+            max_blocks,
+            lengths: &lens,
+            rows,
+            groups: &grouping,
+            hist: Some(&hist),
+        };
+        decode_scores(&gpu, &args, &mut scores, stride).unwrap();
+        let (got_hist, host) = (st.clone_dtoh(&hist).unwrap(), st.clone_dtoh(&scores).unwrap());
+        for (r, row) in c.rows.iter().enumerate() {
+            let mut want = vec![0u32; TOPK_HIST_WORDS];
+            for &v in &host[r * stride..r * stride + row.len] {
+                want[first_digit(v)] += 1;
+            }
+            assert_eq!(&got_hist[r * TOPK_HIST_WORDS..(r + 1) * TOPK_HIST_WORDS], &want[..], "row {r} (seed {seed})");
+        }
+        // The top-k from the scorer's counts selects what it selects from its own pass.
+        let k = 2048;
+        let select = |pre: u64| {
+            let (pos, counts, nans) = (
+                st.alloc_zeros::<i32>(rows * k).unwrap(),
+                st.alloc_zeros::<i32>(rows).unwrap(),
+                st.alloc_zeros::<i32>(rows).unwrap(),
+            );
+            let raw = RawTopk {
+                scores: scores.device_ptr(st).0,
+                row_stride: stride,
+                lengths: lens.device_ptr(st).0,
+                rows,
+                k,
+                positions: pos.device_ptr(st).0,
+                counts: counts.device_ptr(st).0,
+                nan_counts: nans.device_ptr(st).0,
+                pre_hist: pre,
+            };
+            launch_topk(&gpu, &raw).unwrap();
+            (st.clone_dtoh(&pos).unwrap(), st.clone_dtoh(&counts).unwrap(), st.clone_dtoh(&nans).unwrap())
+        };
+        let (own, from_scorer) = (select(0), select(hist.device_ptr(st).0));
+        assert!(own == from_scorer, "seed {seed}");
+        assert_eq!(own.2[2], 64, "the bad block's 64 NaN scores are counted (seed {seed})");
     }
 
     #[test]

@@ -18,7 +18,10 @@ use super::CudaError;
 use super::nvrtc::{self, Unit};
 
 /// Headers of our own, passed to NVRTC in memory.
-const HEADERS: &[(&str, &str)] = &[("common.cuh", include_str!("../../kernels/common.cuh"))];
+const HEADERS: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("../../kernels/common.cuh")),
+    ("topk_key.cuh", include_str!("../../kernels/topk_key.cuh")),
+];
 
 /// Header sets outside the repository a family may include. Their versions join the cache key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -31,6 +31,9 @@ pub struct RawTopk {
     pub positions: u64,
     pub counts: u64,
     pub nan_counts: u64,
+    /// 0, or the scorer's counts of these rows' first radix digit ([`super::indexer::RawScoreArgs::hist`]):
+    /// the kernel then starts from them instead of its own pass over each row.
+    pub pre_hist: u64,
 }
 
 /// Queues the selection of up to `k` positions of each row: row `r`'s candidates are positions
@@ -56,6 +59,7 @@ pub fn launch_topk(gpu: &Gpu, a: &RawTopk) -> Result<(), CudaError> {
             Arg::P(a.positions),
             Arg::P(a.counts),
             Arg::P(a.nan_counts),
+            Arg::P(a.pre_hist),
         ],
     )
 }
@@ -97,6 +101,7 @@ pub fn select_rows(
         positions: out.positions.device_ptr(st).0,
         counts: out.counts.device_ptr(st).0,
         nan_counts: out.nan_counts.device_ptr(st).0,
+        pre_hist: 0,
     };
     launch_topk(gpu, &raw)
 }
