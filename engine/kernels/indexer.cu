@@ -13,9 +13,10 @@
 // registers and sums the heads in the fixed order of docs/model.md §2.3 (four interleaved partial sums, then
 // a two-level butterfly), which the CPU backend's `engine::cpu::indexer::head_sum` repeats.
 //
-// Batch invariance: a query's products come from the same instruction sequence whichever group or batch it
-// is in (one wgmma chain per query, N = its own 64 heads); the CTA split depends only on the group's
-// lengths; no score is combined across CTAs.
+// Batch invariance: a query's products are per-element dot products of its q row and the key over the
+// same four k-steps whichever group or batch it is in (pairs of queries share one m64n128 instruction, a
+// single query takes m64n64: the tests check both give the same bits); the CTA split depends only on the
+// group's lengths; no score is combined across CTAs.
 //
 // Given a histogram buffer, the epilogue also counts each score's first radix digit (the top 11 bits of its
 // order-preserving key, topk_key.cuh) for the top-k rule, which then skips its own first pass over the row:
@@ -65,6 +66,18 @@ __device__ __forceinline__ void tandem_wgmma_64x64x32(float (&d)[32], unsigned l
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// d[64 x 128] = A[64 x 32] . B[128 x 32]^T (two queries' q tiles, adjacent in shared memory, as one B).
+__device__ __forceinline__ void tandem_wgmma_64x128x32(float (&d)[64], unsigned long long a, unsigned long long b,
+                                                       int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
@@ -201,32 +214,39 @@ extern "C" __global__ void __launch_bounds__(IDX_THREADS) tandem_indexer_scores(
         const int tok = warp * 16 + g;  // this thread's tokens: tok and tok + 8
         const float ks0 = kscales[stage * IDX_BLOCK + tok], ks1 = kscales[stage * IDX_BLOCK + tok + 8];
         const u32 ka = tandem_idx_keys(base, stage);
-        // Queries two at a time: both wgmma chains in flight before one wait.
+        // Queries two at a time: one m64n128 chain over both q tiles (adjacent in shared memory, so they form
+        // one 128-row B operand), or one m64n64 chain for the last odd query. A score's products come from
+        // the same per-element dot product either way (tested: any grouping gives the same bits).
         for (int j = 0; j < nq; j += 2) {
-            const bool two = j + 1 < nq;
-            // No initial values: the first wgmma of a chain does not read its accumulators (scale-d 0), and
-            // writing them here would make ptxas serialize the chain.
-            float d0[32], d1[32];
-            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-            {
-                const u32 qb = tandem_idx_q(base, j);
+            const u32 qb = tandem_idx_q(base, j);
+            if (j + 1 < nq) {
+                // No initial values: the first wgmma of a chain does not read its accumulators (scale-d 0),
+                // and writing them here would make ptxas serialize the chain.
+                float d[64];
+                asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+                for (int ks = 0; ks < IDX_DIM / 32; ++ks)
+                    tandem_wgmma_64x128x32(d, tandem_desc_sw128(ka + ks * 32), tandem_desc_sw128(qb + ks * 32), ks);
+                asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+                asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+                float d0[32], d1[32];
+#pragma unroll
+                for (int i = 0; i < 32; ++i) d0[i] = d[i], d1[i] = d[32 + i];
+                tandem_idx_epilogue(d0, wsm + j * IDX_HEADS, row0 + j, lb, valid, tok, t4, ks0, ks1, lengths, scores,
+                                    score_stride, hist ? shist + j * IDX_HIST_WORDS : nullptr);
+                tandem_idx_epilogue(d1, wsm + (j + 1) * IDX_HEADS, row0 + j + 1, lb, valid, tok, t4, ks0, ks1, lengths,
+                                    scores, score_stride, hist ? shist + (j + 1) * IDX_HIST_WORDS : nullptr);
+            } else {
+                float d0[32];
+                asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
                 for (int ks = 0; ks < IDX_DIM / 32; ++ks)
                     tandem_wgmma_64x64x32(d0, tandem_desc_sw128(ka + ks * 32), tandem_desc_sw128(qb + ks * 32), ks);
+                asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+                asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+                tandem_idx_epilogue(d0, wsm + j * IDX_HEADS, row0 + j, lb, valid, tok, t4, ks0, ks1, lengths, scores,
+                                    score_stride, hist ? shist + j * IDX_HIST_WORDS : nullptr);
             }
-            if (two) {
-                const u32 qb = tandem_idx_q(base, j + 1);
-#pragma unroll
-                for (int ks = 0; ks < IDX_DIM / 32; ++ks)
-                    tandem_wgmma_64x64x32(d1, tandem_desc_sw128(ka + ks * 32), tandem_desc_sw128(qb + ks * 32), ks);
-            }
-            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-            tandem_idx_epilogue(d0, wsm + j * IDX_HEADS, row0 + j, lb, valid, tok, t4, ks0, ks1, lengths, scores, score_stride,
-                                hist ? shist + j * IDX_HIST_WORDS : nullptr);
-            if (two)
-                tandem_idx_epilogue(d1, wsm + (j + 1) * IDX_HEADS, row0 + j + 1, lb, valid, tok, t4, ks0, ks1, lengths, scores,
-                                    score_stride, hist ? shist + (j + 1) * IDX_HIST_WORDS : nullptr);
         }
     }
     asm volatile("cp.async.wait_group 0;");
