@@ -301,35 +301,64 @@ mod tests {
     }
 
     fn gpu_scores_grouped(gpu: &Gpu, c: &Case, grouping: &[i32]) -> Vec<Vec<f32>> {
-        let st = gpu.stream();
-        let rows = c.rows.len();
-        let max_blocks = c.rows[0].table.len();
-        let stride = max_blocks * BLOCK_SIZE;
-        let cat = |f: &dyn Fn(&Row) -> Vec<u8>| c.rows.iter().flat_map(f).collect::<Vec<u8>>();
-        let q = st.clone_htod(&cat(&|r| r.q.clone())).unwrap();
-        let w = st.clone_htod(&c.rows.iter().flat_map(|r| r.w.clone()).collect::<Vec<f32>>()).unwrap();
-        let table = st.clone_htod(&c.rows.iter().flat_map(|r| r.table.clone()).collect::<Vec<i32>>()).unwrap();
-        let lens = st.clone_htod(&c.rows.iter().map(|r| r.len as i32).collect::<Vec<i32>>()).unwrap();
-        let pool = st.clone_htod(&c.pool).unwrap();
-        let view = pool.slice(..);
-        let mut out = st.clone_htod(&vec![f32::NAN; rows * stride]).unwrap();
-        let args = ScoreArgs {
-            q: &q,
-            w: &w,
-            heads: c.heads,
-            index_blocks: &view,
-            num_blocks: c.num_blocks,
-            block_table: &table,
-            max_blocks,
-            lengths: &lens,
-            rows,
-            groups: &st.clone_htod(grouping).unwrap(),
-            hist: None,
-        };
-        decode_scores(gpu, &args, &mut out, stride).unwrap();
-        let host = st.clone_dtoh(&out).unwrap();
-        st.synchronize().unwrap();
-        c.rows.iter().enumerate().map(|(i, r)| host[i * stride..i * stride + r.len].to_vec()).collect()
+        let d = OnDevice::new(gpu, c);
+        let host = gpu.stream().clone_dtoh(&d.score(gpu, grouping, None)).unwrap();
+        c.rows.iter().enumerate().map(|(i, r)| host[i * d.stride..i * d.stride + r.len].to_vec()).collect()
+    }
+
+    /// A case's buffers on the device.
+    struct OnDevice {
+        q: CudaSlice<u8>,
+        w: CudaSlice<f32>,
+        table: CudaSlice<i32>,
+        lens: CudaSlice<i32>,
+        pool: CudaSlice<u8>,
+        heads: usize,
+        num_blocks: usize,
+        rows: usize,
+        max_blocks: usize,
+        stride: usize,
+    }
+
+    impl OnDevice {
+        fn new(gpu: &Gpu, c: &Case) -> Self {
+            let st = gpu.stream();
+            let max_blocks = c.rows[0].table.len();
+            OnDevice {
+                q: st.clone_htod(&c.rows.iter().flat_map(|r| r.q.clone()).collect::<Vec<u8>>()).unwrap(),
+                w: st.clone_htod(&c.rows.iter().flat_map(|r| r.w.clone()).collect::<Vec<f32>>()).unwrap(),
+                table: st.clone_htod(&c.rows.iter().flat_map(|r| r.table.clone()).collect::<Vec<i32>>()).unwrap(),
+                lens: st.clone_htod(&c.rows.iter().map(|r| r.len as i32).collect::<Vec<i32>>()).unwrap(),
+                pool: st.clone_htod(&c.pool).unwrap(),
+                heads: c.heads,
+                num_blocks: c.num_blocks,
+                rows: c.rows.len(),
+                max_blocks,
+                stride: max_blocks * BLOCK_SIZE,
+            }
+        }
+
+        /// Scores `[rows, stride]` (NaN where a row is shorter), the first digits counted into `hist`.
+        fn score(&self, gpu: &Gpu, grouping: &[i32], hist: Option<&CudaSlice<u32>>) -> CudaSlice<f32> {
+            let st = gpu.stream();
+            let view = self.pool.slice(..);
+            let mut out = st.clone_htod(&vec![f32::NAN; self.rows * self.stride]).unwrap();
+            let args = ScoreArgs {
+                q: &self.q,
+                w: &self.w,
+                heads: self.heads,
+                index_blocks: &view,
+                num_blocks: self.num_blocks,
+                block_table: &self.table,
+                max_blocks: self.max_blocks,
+                lengths: &self.lens,
+                rows: self.rows,
+                groups: &st.clone_htod(grouping).unwrap(),
+                hist,
+            };
+            decode_scores(gpu, &args, &mut out, self.stride).unwrap();
+            out
+        }
     }
 
     #[test]
@@ -462,32 +491,10 @@ mod tests {
         // Long rows (the top-k has work to do), one with a table entry outside the region (NaN scores).
         let mut c = case(&mut rng, 64, &[5000, 2049, 3100, 64], false);
         c.rows[2].table[3] = c.num_blocks as i32 + 9;
-        let rows = c.rows.len();
-        let max_blocks = c.rows[0].table.len();
-        let stride = max_blocks * BLOCK_SIZE;
-        let q = st.clone_htod(&c.rows.iter().flat_map(|r| r.q.clone()).collect::<Vec<u8>>()).unwrap();
-        let w = st.clone_htod(&c.rows.iter().flat_map(|r| r.w.clone()).collect::<Vec<f32>>()).unwrap();
-        let table = st.clone_htod(&c.rows.iter().flat_map(|r| r.table.clone()).collect::<Vec<i32>>()).unwrap();
-        let lens = st.clone_htod(&c.rows.iter().map(|r| r.len as i32).collect::<Vec<i32>>()).unwrap();
-        let pool = st.clone_htod(&c.pool).unwrap();
-        let view = pool.slice(..);
-        let grouping = st.clone_htod(&groups((0..rows).map(|r| (r, 1)))).unwrap();
+        let d = OnDevice::new(&gpu, &c);
+        let (rows, stride) = (d.rows, d.stride);
         let hist = st.alloc_zeros::<u32>(rows * TOPK_HIST_WORDS).unwrap();
-        let mut scores = st.alloc_zeros::<f32>(rows * stride).unwrap();
-        let args = ScoreArgs {
-            q: &q,
-            w: &w,
-            heads: 64,
-            index_blocks: &view,
-            num_blocks: c.num_blocks,
-            block_table: &table,
-            max_blocks,
-            lengths: &lens,
-            rows,
-            groups: &grouping,
-            hist: Some(&hist),
-        };
-        decode_scores(&gpu, &args, &mut scores, stride).unwrap();
+        let scores = d.score(&gpu, &groups((0..rows).map(|r| (r, 1))), Some(&hist));
         let (got_hist, host) = (st.clone_dtoh(&hist).unwrap(), st.clone_dtoh(&scores).unwrap());
         for (r, row) in c.rows.iter().enumerate() {
             let mut want = vec![0u32; TOPK_HIST_WORDS];
@@ -507,7 +514,7 @@ mod tests {
             let raw = RawTopk {
                 scores: scores.device_ptr(st).0,
                 row_stride: stride,
-                lengths: lens.device_ptr(st).0,
+                lengths: d.lens.device_ptr(st).0,
                 rows,
                 k,
                 positions: pos.device_ptr(st).0,
