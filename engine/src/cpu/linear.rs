@@ -172,17 +172,8 @@ impl Tiles for Fp8Tiles<'_> {
 mod tests {
     use super::*;
     use crate::checkpoint::quant;
+    use crate::tolerance::diff;
     use rand::{RngExt, SeedableRng};
-
-    /// docs/model.md §6: `1 - 2 sum(ab) / sum(a^2 + b^2)`.
-    fn diff(a: &[f32], b: &[f32]) -> f64 {
-        let (mut ab, mut aa) = (0f64, 0f64);
-        for (x, y) in a.iter().zip(b) {
-            ab += *x as f64 * *y as f64;
-            aa += (*x as f64).powi(2) + (*y as f64).powi(2);
-        }
-        1.0 - 2.0 * ab / aa
-    }
 
     #[test]
     fn fp8_linear_matches_f32_linear_on_dequantized_weights() {
