@@ -51,6 +51,14 @@ pub async fn serve(addr: SocketAddr, registry: Registry) -> anyhow::Result<Socke
     Ok(bound)
 }
 
+/// [`serve`] on `--metrics-listen` when it is given; `None` (no endpoint) otherwise.
+pub async fn serve_if_listening(addr: Option<SocketAddr>, registry: &Registry) -> anyhow::Result<Option<SocketAddr>> {
+    match addr {
+        Some(a) => Ok(Some(serve(a, registry.clone()).await?)),
+        None => Ok(None),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

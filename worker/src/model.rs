@@ -83,6 +83,18 @@ impl LoadedModel {
         })
     }
 
+    /// Validates the flags; with `--check-config` reports them valid for `role` and returns `None`, otherwise
+    /// loads the model (off the async runtime).
+    pub async fn load_unless_checking(args: &ServeArgs, role: &str) -> anyhow::Result<Option<LoadedModel>> {
+        args.validate()?;
+        if args.check_config {
+            args.report_config_ok(role);
+            return Ok(None);
+        }
+        let args = args.clone();
+        Ok(Some(tokio::task::spawn_blocking(move || LoadedModel::load(&args)).await??))
+    }
+
     /// A model over an already-built backend with a pool of `blocks` blocks (tests: a fake backend).
     pub fn from_backend(backend: Arc<dyn Backend>, blocks: usize, name: &str) -> anyhow::Result<LoadedModel> {
         let geometry = CacheGeometry::new(
