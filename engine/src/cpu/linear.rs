@@ -3,7 +3,7 @@
 
 use safetensors::Dtype;
 
-use super::kernels::{Tiles, matmul_t, run_tiles, tile_bf16};
+use super::kernels::{Tiles, matmul_t, run_tiles, tile};
 use crate::Precision;
 use crate::checkpoint::{Checkpoint, CheckpointError, names::scale_name};
 use crate::fp8;
@@ -151,7 +151,7 @@ impl Tiles for Fp8Tiles<'_> {
         let mut s = 0;
         while s * seg < l.inp {
             let lo = s * seg;
-            let p = tile_bf16::<R, C>(
+            let p = tile::<u16, R, C>(
                 std::array::from_fn(|i| &self.qa[(r + i) * kpad + lo..(r + i) * kpad + lo + seg]),
                 std::array::from_fn(|j| &l.q[(c + j) * kpad + lo..(c + j) * kpad + lo + seg]),
             );
