@@ -116,7 +116,7 @@ impl CpuBackend {
         let host = cache
             .host()
             .map_err(|e| EngineError::InvalidInput(format!("the CPU backend cannot use this pool: {e}")))?;
-        crate::backend::check_pool_fits(&self.cfg, self.prec, &cache.geometry())?;
+        crate::backend::check_pool_fits(&self.cfg, self.prec, cache.geometry())?;
         Ok(host)
     }
 }

@@ -236,7 +236,7 @@ impl CudaBackend {
                 cache.memory_kind()
             )));
         }
-        check_pool_fits(&self.cfg, self.prec, &g)?;
+        check_pool_fits(&self.cfg, self.prec, g)?;
         Ok(cache.arena().as_ptr() as u64)
     }
 
