@@ -48,9 +48,9 @@ pub async fn serve(args: Args, model: Arc<LoadedModel>) -> anyhow::Result<()> {
         model.fingerprint.clone(),
     )
     .context("starting the kv-transfer sender")?;
-    let registry = prometheus::Registry::new();
-    let metrics = Arc::new(metrics::PrefillMetrics::new(&registry)?);
-    let metrics_addr = worker::metrics::serve_if_listening(args.serve.metrics_listen, &registry).await?;
+    let (metrics, metrics_addr) =
+        worker::metrics::start(args.serve.metrics_listen, metrics::PrefillMetrics::new).await?;
+    let metrics = Arc::new(metrics);
     let drain = Drain::new();
     let scheduler = scheduler::Scheduler::start(
         model.clone(),

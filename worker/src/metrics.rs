@@ -51,12 +51,19 @@ pub async fn serve(addr: SocketAddr, registry: Registry) -> anyhow::Result<Socke
     Ok(bound)
 }
 
-/// [`serve`] on `--metrics-listen` when it is given; `None` (no endpoint) otherwise.
-pub async fn serve_if_listening(addr: Option<SocketAddr>, registry: &Registry) -> anyhow::Result<Option<SocketAddr>> {
-    match addr {
-        Some(a) => Ok(Some(serve(a, registry.clone()).await?)),
-        None => Ok(None),
-    }
+/// A role's metrics, made by `register` in a fresh registry and [`serve`]d on `addr` (`--metrics-listen`)
+/// when it is given; with the bound address.
+pub async fn start<M>(
+    addr: Option<SocketAddr>,
+    register: impl FnOnce(&Registry) -> prometheus::Result<M>,
+) -> anyhow::Result<(M, Option<SocketAddr>)> {
+    let registry = Registry::new();
+    let metrics = register(&registry)?;
+    let bound = match addr {
+        Some(a) => Some(serve(a, registry).await?),
+        None => None,
+    };
+    Ok((metrics, bound))
 }
 
 #[cfg(test)]
