@@ -320,17 +320,9 @@ fn bad_input_is_an_error_on_the_gpu() {
     assert!(s.b.rows_to_host(&out[0].logits).unwrap().iter().all(|v| v.is_finite()));
 }
 
-/// Random values from a seed (xorshift).
+/// Random values from a seed.
 fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 11) as f64 / (1u64 << 53) as f64 - 0.5) as f32 * scale
-        })
-        .collect()
+    support::xorshift(seed).take(n).map(|s| ((s >> 11) as f64 / (1u64 << 53) as f64 - 0.5) as f32 * scale).collect()
 }
 
 #[test]

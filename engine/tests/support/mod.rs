@@ -50,13 +50,16 @@ impl Served {
 pub fn prompt(n: usize, salt: u64) -> Vec<u32> {
     let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 ^ salt;
     eprintln!("prompt seed {seed}");
+    xorshift(seed).take(n).map(|s| 7 + (s % (VOCAB as u64 - 7)) as u32).collect()
+}
+
+/// The xorshift64 stream from `seed` (0 is taken as 1).
+pub fn xorshift(seed: u64) -> impl Iterator<Item = u64> {
     let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            7 + (s % (VOCAB as u64 - 7)) as u32
-        })
-        .collect()
+    std::iter::repeat_with(move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    })
 }
