@@ -144,28 +144,42 @@ __device__ __forceinline__ void tandem_pick_better(float& v, int& i, float ov, i
     }
 }
 
-__device__ __forceinline__ void tandem_warp_argmax(float& v, int& i) {
+// A (key, id) pair reduced over the warp by a butterfly, keeping the pair `pick` prefers: every lane gets it.
+template <class T, class Pick>
+__device__ __forceinline__ void tandem_warp_pick(T& k, int& i, Pick pick) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(FULL_MASK, v, o);
+        const T ok = __shfl_xor_sync(FULL_MASK, k, o);
         const int oi = __shfl_xor_sync(FULL_MASK, i, o);
-        tandem_pick_better(v, i, ov, oi);
+        pick(k, i, ok, oi);
     }
 }
 
-// The argmax of `v` over the block: its id (NO_ID when every value is NaN) and value.
-__device__ int tandem_block_argmax(float& v, int i, SampleSmem& sh) {
-    tandem_warp_argmax(v, i);
+// The same over the block, through the per-warp partials `kred` and `ired`; returns the id.
+template <class T, class Pick>
+__device__ int tandem_block_pick(T& k, int i, T* kred, int* ired, Pick pick) {
+    tandem_warp_pick(k, i, pick);
     __syncthreads();
     if ((threadIdx.x & 31) == 0) {
-        sh.fred[threadIdx.x >> 5] = v;
-        sh.ired[threadIdx.x >> 5] = i;
+        kred[threadIdx.x >> 5] = k;
+        ired[threadIdx.x >> 5] = i;
     }
     __syncthreads();
-    v = sh.fred[threadIdx.x & 31];
-    i = sh.ired[threadIdx.x & 31];
-    tandem_warp_argmax(v, i);
+    k = kred[threadIdx.x & 31];
+    i = ired[threadIdx.x & 31];
+    tandem_warp_pick(k, i, pick);
     return i;
+}
+
+struct TandemPickBetter {
+    __device__ __forceinline__ void operator()(float& v, int& i, float ov, int oi) const {
+        tandem_pick_better(v, i, ov, oi);
+    }
+};
+
+// The argmax of `v` over the block: its id (NO_ID when every value is NaN) and value.
+__device__ int tandem_block_argmax(float& v, int i, SampleSmem& sh) {
+    return tandem_block_pick(v, i, sh.fred, sh.ired, TandemPickBetter());
 }
 
 // The race's order: the larger key, equal keys: the lower id.
@@ -176,28 +190,14 @@ __device__ __forceinline__ void tandem_pick_race(double& k, int& i, double ok, i
     }
 }
 
+struct TandemPickRace {
+    __device__ __forceinline__ void operator()(double& k, int& i, double ok, int oi) const {
+        tandem_pick_race(k, i, ok, oi);
+    }
+};
+
 __device__ int tandem_block_race(double k, int i, SampleSmem& sh) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const double ok = __shfl_xor_sync(FULL_MASK, k, o);
-        const int oi = __shfl_xor_sync(FULL_MASK, i, o);
-        tandem_pick_race(k, i, ok, oi);
-    }
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) {
-        sh.dred[threadIdx.x >> 5] = k;
-        sh.ired[threadIdx.x >> 5] = i;
-    }
-    __syncthreads();
-    k = sh.dred[threadIdx.x & 31];
-    i = sh.ired[threadIdx.x & 31];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const double ok = __shfl_xor_sync(FULL_MASK, k, o);
-        const int oi = __shfl_xor_sync(FULL_MASK, i, o);
-        tandem_pick_race(k, i, ok, oi);
-    }
-    return i;
+    return tandem_block_pick(k, i, sh.dred, sh.ired, TandemPickRace());
 }
 
 // Exclusive scan of one value per thread in thread order; `total` gets the sum.
