@@ -14,7 +14,7 @@ use engine::checkpoint::Checkpoint;
 use engine::device::{BackendOptions, load_backend};
 use engine::tolerance::diff;
 use engine::{Logits, Precision, SeqInput};
-use support::{Served, device};
+use support::{Served, device, golden};
 
 /// `tandem gen-tiny --seed 0`'s weights (vocab 1280) have this fingerprint; the golden file was computed
 /// from exactly those bytes.
@@ -63,40 +63,6 @@ fn sets() -> Vec<Set> {
             golden: golden_root().join("tandem-tiny/golden.safetensors"),
         },
     ]
-}
-
-struct Case {
-    ids: Vec<u32>,
-    logits: Vec<f32>,
-    greedy: Vec<u32>,
-}
-
-fn cases(set: &Set) -> Vec<Case> {
-    let bytes = std::fs::read(&set.golden).unwrap_or_else(|e| panic!("{}: {e}", set.golden.display()));
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let ints = |name: &str| -> Vec<u32> {
-        st.tensor(name)
-            .unwrap()
-            .data()
-            .chunks_exact(8)
-            .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
-            .collect()
-    };
-    let n = st.names().iter().filter(|n| n.starts_with("input_ids_")).count();
-    assert!(n > 0, "{}: no sequences", set.golden.display());
-    (0..n)
-        .map(|i| Case {
-            ids: ints(&format!("input_ids_{i}")),
-            logits: st
-                .tensor(&format!("logits_{i}"))
-                .unwrap()
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                .collect(),
-            greedy: ints(&format!("greedy_{i}")),
-        })
-        .collect()
 }
 
 fn argmax(x: &[f32]) -> u32 {
@@ -169,7 +135,7 @@ fn max_abs(a: &[f32], b: &[f32]) -> f32 {
 fn full_precision_reproduces_golden_logits() {
     for set in sets() {
         let r = setup(&set, Precision::Full);
-        for (i, c) in cases(&set).iter().enumerate() {
+        for (i, c) in golden::cases(&set.golden).iter().enumerate() {
             let logits = r.prefill_all("oneshot", &c.ids);
             assert_eq!(logits.len(), c.logits.len());
             let m = max_abs(&logits, &c.logits);
@@ -185,7 +151,7 @@ fn full_precision_reproduces_golden_logits() {
 fn full_precision_reproduces_golden_greedy_by_prefill_and_decode_steps() {
     for set in sets() {
         let r = setup(&set, Precision::Full);
-        for (i, c) in cases(&set).iter().enumerate() {
+        for (i, c) in golden::cases(&set.golden).iter().enumerate() {
             assert_eq!(greedy_by_decode(&r, &c.ids, c.greedy.len()), c.greedy, "{} seq {i}", set.name);
             assert_eq!(r.pool.stats().used_blocks, 0);
         }
@@ -196,7 +162,7 @@ fn full_precision_reproduces_golden_greedy_by_prefill_and_decode_steps() {
 fn full_precision_reproduces_golden_greedy_by_one_shot_prefill() {
     for set in sets() {
         let r = setup(&set, Precision::Full);
-        for (i, c) in cases(&set).iter().enumerate() {
+        for (i, c) in golden::cases(&set.golden).iter().enumerate() {
             assert_eq!(greedy_by_one_shot(&r, &c.ids, &c.greedy), c.greedy, "{} seq {i}", set.name);
         }
     }
@@ -207,7 +173,7 @@ fn fp8_path_agreement_with_golden_is_reported() {
     for set in sets() {
         let (mut agree_total, mut total) = (0, 0);
         let r = setup(&set, Precision::Fp8);
-        for (i, c) in cases(&set).iter().enumerate() {
+        for (i, c) in golden::cases(&set.golden).iter().enumerate() {
             let logits = r.prefill_all("oneshot", &c.ids);
             let d = diff(&logits, &c.logits);
             let decoded = greedy_by_decode(&r, &c.ids, c.greedy.len());

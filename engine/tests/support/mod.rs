@@ -4,6 +4,8 @@
 // Each test binary uses its own part of this module.
 #![allow(dead_code)]
 
+pub mod golden;
+
 use std::sync::Arc;
 
 use engine::cache::{BlockPool, CacheGeometry, KvCache};
