@@ -60,7 +60,6 @@ pub async fn serve(args: Args, model: Arc<LoadedModel>) -> anyhow::Result<()> {
     .context("starting the kv-transfer receiver")?;
     let (metrics, metrics_addr) =
         worker::metrics::start(args.serve.metrics_listen, metrics::DecodeMetrics::new).await?;
-    let metrics = Arc::new(metrics);
     let drain = Drain::new();
     let sched = scheduler::Scheduler::start(
         model.clone(),

@@ -50,7 +50,6 @@ pub async fn serve(args: Args, model: Arc<LoadedModel>) -> anyhow::Result<()> {
     .context("starting the kv-transfer sender")?;
     let (metrics, metrics_addr) =
         worker::metrics::start(args.serve.metrics_listen, metrics::PrefillMetrics::new).await?;
-    let metrics = Arc::new(metrics);
     let drain = Drain::new();
     let scheduler = scheduler::Scheduler::start(
         model.clone(),

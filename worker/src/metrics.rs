@@ -56,14 +56,14 @@ pub async fn serve(addr: SocketAddr, registry: Registry) -> anyhow::Result<Socke
 pub async fn start<M>(
     addr: Option<SocketAddr>,
     register: impl FnOnce(&Registry) -> prometheus::Result<M>,
-) -> anyhow::Result<(M, Option<SocketAddr>)> {
+) -> anyhow::Result<(std::sync::Arc<M>, Option<SocketAddr>)> {
     let registry = Registry::new();
     let metrics = register(&registry)?;
     let bound = match addr {
         Some(a) => Some(serve(a, registry).await?),
         None => None,
     };
-    Ok((metrics, bound))
+    Ok((std::sync::Arc::new(metrics), bound))
 }
 
 #[cfg(test)]
