@@ -177,8 +177,7 @@ mod tests {
 
     #[test]
     fn fp8_linear_matches_f32_linear_on_dequantized_weights() {
-        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let (mut rng, seed) = crate::cpu::test_support::rng();
         // Partial blocks: 200 = 128 + 72 inputs, 300 outputs.
         let (rows, inp, out) = (9, 200, 300);
         let w: Vec<f32> = (0..out * inp).map(|_| rng.random::<f32>() - 0.5).collect();
