@@ -398,31 +398,17 @@ pub trait Backend: Send + Sync {
         Ok(rows.host_values()?.to_vec())
     }
 
-    /// The main model over `batch` in attention form `form`: [`Backend::prefill`] and [`Backend::decode`]
-    /// are its two uses. Writes every layer's caches for the new positions.
-    fn forward(
-        &self,
-        cache: &KvCache,
-        batch: &[SeqInput<'_>],
-        form: AttnForm,
-        on_layer: LayerDone<'_>,
-    ) -> Result<Vec<SeqOutput>, EngineError>;
-
     /// Main model, prefill form (MHA over the selected tokens). Writes every layer's caches.
     fn prefill(
         &self,
         cache: &KvCache,
         batch: &[SeqInput<'_>],
         on_layer: LayerDone<'_>,
-    ) -> Result<Vec<SeqOutput>, EngineError> {
-        self.forward(cache, batch, AttnForm::Prefill, on_layer)
-    }
+    ) -> Result<Vec<SeqOutput>, EngineError>;
 
     /// Main model, decode form (absorbed MQA over the cache); items may carry several query tokens (MTP
     /// verification). Writes every layer's caches for the new positions.
-    fn decode(&self, cache: &KvCache, batch: &[SeqInput<'_>]) -> Result<Vec<SeqOutput>, EngineError> {
-        self.forward(cache, batch, AttnForm::Decode, &mut |_, _| {})
-    }
+    fn decode(&self, cache: &KvCache, batch: &[SeqInput<'_>]) -> Result<Vec<SeqOutput>, EngineError>;
 
     /// The first MTP layer (cache layer num_hidden_layers) over `batch`, in the given form; logits are the
     /// draft distribution for the token after each position's next token. Further MTP layers of a

@@ -126,6 +126,27 @@ impl FakeBackend {
             hidden: DeviceRows::new(tokens.len(), 1, hidden),
         })
     }
+
+    fn main(
+        &self,
+        cache: &KvCache,
+        batch: &[SeqInput<'_>],
+        on_layer: LayerDone<'_>,
+    ) -> Result<Vec<SeqOutput>, EngineError> {
+        self.begin_call()?;
+        let layers = 0..self.cfg.num_hidden_layers;
+        let outs = batch
+            .iter()
+            .map(|s| {
+                let item = (s.tokens, s.start, s.blocks, s.logits);
+                self.run_item(cache, layers.clone(), item, |i| self.next(s.tokens[i], s.start + i))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        for l in layers {
+            on_layer(LayerIdx(l as u32), LayerReady::complete());
+        }
+        Ok(outs)
+    }
 }
 
 impl Backend for FakeBackend {
@@ -153,26 +174,17 @@ impl Backend for FakeBackend {
         Ok((sampling::argmax(logits.host_row(row)?), 1.0))
     }
 
-    fn forward(
+    fn prefill(
         &self,
         cache: &KvCache,
         batch: &[SeqInput<'_>],
-        _form: AttnForm,
         on_layer: LayerDone<'_>,
     ) -> Result<Vec<SeqOutput>, EngineError> {
-        self.begin_call()?;
-        let layers = 0..self.cfg.num_hidden_layers;
-        let outs = batch
-            .iter()
-            .map(|s| {
-                let item = (s.tokens, s.start, s.blocks, s.logits);
-                self.run_item(cache, layers.clone(), item, |i| self.next(s.tokens[i], s.start + i))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        for l in layers {
-            on_layer(LayerIdx(l as u32), LayerReady::complete());
-        }
-        Ok(outs)
+        self.main(cache, batch, on_layer)
+    }
+
+    fn decode(&self, cache: &KvCache, batch: &[SeqInput<'_>]) -> Result<Vec<SeqOutput>, EngineError> {
+        self.main(cache, batch, &mut |_, _| {})
     }
 
     fn mtp(

@@ -119,6 +119,28 @@ impl CpuBackend {
         crate::backend::check_pool_fits(&self.cfg, self.prec, cache.geometry())?;
         Ok(host)
     }
+
+    fn run_main(
+        &self,
+        cache: &KvCache,
+        batch: &[SeqInput<'_>],
+        form: AttnForm,
+        on_layer: LayerDone<'_>,
+    ) -> Result<Vec<SeqOutput>, EngineError> {
+        let host = self.check_cache(cache)?;
+        let items = crate::backend::main_items(&self.cfg, cache.geometry().num_blocks, batch)?;
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ctx = self.ctx();
+        let hidden = self.cfg.hidden_size;
+        let mut h = forward::embed(&self.weights.embed, batch.iter().flat_map(|s| s.tokens.iter().copied()), hidden);
+        let pass = Pass { items: &items, form, cache: host };
+        for (l, layer) in self.weights.layers.iter().enumerate() {
+            forward::layer_forward(&ctx, &pass, layer, LayerIdx(l as u32), &mut h, on_layer);
+        }
+        Ok(forward::finish(&ctx, &items, &h, &self.weights.norm, &self.weights.lm_head))
+    }
 }
 
 impl Backend for CpuBackend {
@@ -161,29 +183,17 @@ impl Backend for CpuBackend {
         Ok((d, sampling::log_softmax(r)[d as usize].exp()))
     }
 
-    fn forward(
+    fn prefill(
         &self,
         cache: &KvCache,
         batch: &[SeqInput<'_>],
-        form: AttnForm,
         on_layer: LayerDone<'_>,
     ) -> Result<Vec<SeqOutput>, EngineError> {
-        let host = self.check_cache(cache)?;
-        let items = crate::backend::main_items(&self.cfg, cache.geometry().num_blocks, batch)?;
-        if items.is_empty() {
-            return Ok(Vec::new());
-        }
-        self.on_threads(|| {
-            let ctx = self.ctx();
-            let hidden = self.cfg.hidden_size;
-            let tokens = batch.iter().flat_map(|s| s.tokens.iter().copied());
-            let mut h = forward::embed(&self.weights.embed, tokens, hidden);
-            let pass = Pass { items: &items, form, cache: host };
-            for (l, layer) in self.weights.layers.iter().enumerate() {
-                forward::layer_forward(&ctx, &pass, layer, LayerIdx(l as u32), &mut h, on_layer);
-            }
-            Ok(forward::finish(&ctx, &items, &h, &self.weights.norm, &self.weights.lm_head))
-        })
+        self.on_threads(|| self.run_main(cache, batch, AttnForm::Prefill, on_layer))
+    }
+
+    fn decode(&self, cache: &KvCache, batch: &[SeqInput<'_>]) -> Result<Vec<SeqOutput>, EngineError> {
+        self.on_threads(|| self.run_main(cache, batch, AttnForm::Decode, &mut |_, _| {}))
     }
 
     fn mtp(

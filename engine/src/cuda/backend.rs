@@ -788,6 +788,28 @@ impl CudaBackend {
             .collect())
     }
 
+    fn run_main(
+        &self,
+        cache: &KvCache,
+        batch: &[SeqInput<'_>],
+        form: AttnForm,
+        on_layer: LayerDone<'_>,
+    ) -> Result<Vec<SeqOutput>, EngineError> {
+        let pool = self.check_cache(cache)?;
+        let g = cache.geometry();
+        let items = main_items(&self.cfg, g.num_blocks, batch)?;
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (mut ws, inp) = self.begin(&items, form)?;
+        let tokens: Vec<i32> = batch.iter().flat_map(|b| b.tokens.iter().map(|&t| t as i32)).collect();
+        let h = self.embed(&mut ws, &self.w.embed, &tokens, None)?;
+        for (l, layer) in self.w.layers.iter().enumerate() {
+            self.layer(&mut ws, &inp, layer, LayerIdx(l as u32), g, pool, form, h, on_layer)?;
+        }
+        self.finish(&mut ws, &items, h, &self.w.norm, &self.w.lm_head)
+    }
+
     /// Starts a call over `items` (not empty): the context bound to this thread, the workspace reset, the
     /// call's inputs uploaded.
     fn begin(&self, items: &[Item<'_>], form: AttnForm) -> Result<(MutexGuard<'_, Workspace>, Inputs), EngineError> {
@@ -932,26 +954,17 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
-    fn forward(
+    fn prefill(
         &self,
         cache: &KvCache,
         batch: &[SeqInput<'_>],
-        form: AttnForm,
         on_layer: LayerDone<'_>,
     ) -> Result<Vec<SeqOutput>, EngineError> {
-        let pool = self.check_cache(cache)?;
-        let g = cache.geometry();
-        let items = main_items(&self.cfg, g.num_blocks, batch)?;
-        if items.is_empty() {
-            return Ok(Vec::new());
-        }
-        let (mut ws, inp) = self.begin(&items, form)?;
-        let tokens: Vec<i32> = batch.iter().flat_map(|b| b.tokens.iter().map(|&t| t as i32)).collect();
-        let h = self.embed(&mut ws, &self.w.embed, &tokens, None)?;
-        for (l, layer) in self.w.layers.iter().enumerate() {
-            self.layer(&mut ws, &inp, layer, LayerIdx(l as u32), g, pool, form, h, on_layer)?;
-        }
-        self.finish(&mut ws, &items, h, &self.w.norm, &self.w.lm_head)
+        self.run_main(cache, batch, AttnForm::Prefill, on_layer)
+    }
+
+    fn decode(&self, cache: &KvCache, batch: &[SeqInput<'_>]) -> Result<Vec<SeqOutput>, EngineError> {
+        self.run_main(cache, batch, AttnForm::Decode, &mut |_, _| {})
     }
 
     fn mtp(
