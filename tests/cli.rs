@@ -1,5 +1,9 @@
 //! The `tandem` binary's single-process subcommands: gen-tiny, verify, generate.
 
+// The golden files' reader, shared with the engine's golden tests.
+#[path = "../engine/tests/support/golden.rs"]
+mod golden;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -108,18 +112,8 @@ fn verify_checks_sizes_and_a_sha256_manifest() {
 
 #[test]
 fn generate_reproduces_the_golden_greedy_tokens_in_full_precision() {
-    let bytes = std::fs::read(golden().join("golden.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let ints = |name: &str| -> Vec<u32> {
-        st.tensor(name)
-            .unwrap()
-            .data()
-            .chunks_exact(8)
-            .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
-            .collect()
-    };
-    let ids = ints("input_ids_0");
-    let want = ints("greedy_0");
+    let case = golden::cases(&golden().join("golden.safetensors")).swap_remove(0);
+    let (ids, want) = (case.ids, case.greedy);
     let ids_arg: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
     let o = tandem(&[
         "generate",

@@ -42,15 +42,11 @@ pub struct Args {
 /// Runs the decode worker until SIGTERM/SIGINT, then drains (with `--check-config`: validates and returns).
 /// A device failure ends it at once with an error naming the failure.
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    args.serve.validate()?;
     anyhow::ensure!(args.transfer_timeout_ms > 0, "--transfer-timeout-ms must be at least 1");
-    if args.serve.check_config {
-        args.serve.report_config_ok("decode-worker");
-        return Ok(());
+    match LoadedModel::load_unless_checking(&args.serve, "decode-worker").await? {
+        Some(model) => serve(args, Arc::new(model)).await,
+        None => Ok(()),
     }
-    let serve_args = args.serve.clone();
-    let model = tokio::task::spawn_blocking(move || LoadedModel::load(&serve_args)).await??;
-    serve(args, Arc::new(model)).await
 }
 
 /// Serves an already loaded model (`run` after loading; tests pass a fake backend's).
@@ -62,14 +58,9 @@ pub async fn serve(args: Args, model: Arc<LoadedModel>) -> anyhow::Result<()> {
         model.fingerprint.clone(),
     )
     .context("starting the kv-transfer receiver")?;
-    let registry = prometheus::Registry::new();
-    let metrics = Arc::new(metrics::DecodeMetrics::new(&registry)?);
-    let metrics_addr = match args.serve.metrics_listen {
-        Some(a) => Some(worker::metrics::serve(a, registry.clone()).await?),
-        None => None,
-    };
+    let (metrics, metrics_addr) =
+        worker::metrics::start(args.serve.metrics_listen, metrics::DecodeMetrics::new).await?;
     let drain = Drain::new();
-    let worker_id = args.serve.worker_id("decode");
     let sched = scheduler::Scheduler::start(
         model.clone(),
         metrics.clone(),
@@ -78,14 +69,7 @@ pub async fn serve(args: Args, model: Arc<LoadedModel>) -> anyhow::Result<()> {
         args.serve.max_num_seqs,
     )
     .context("starting the decode loop")?;
-    let (listener, advertise) = worker::server::bind(&args.serve).await?;
-    let record = worker::server::record(
-        &args.serve,
-        &model,
-        proto::v1::WorkerRole::Decode,
-        worker_id.clone(),
-        advertise.clone(),
-    );
+    let (listener, record) = worker::server::bind(&args.serve, &model, proto::v1::WorkerRole::Decode).await?;
     let svc = service::DecodeService::new(service::Shared {
         model: model.clone(),
         receiver,

@@ -30,50 +30,52 @@ __device__ __forceinline__ u8 tandem_e4m3(float x) { return (u8)(tandem_e4m3x2(x
 
 __device__ __forceinline__ float tandem_bf16_val(u16 b) { return __uint_as_float(((u32)b) << 16); }
 
-// Sum over the warp by a fixed butterfly: the same lanes give the same bits.
-__device__ __forceinline__ float tandem_warp_sum(float v) {
+// Reductions over a warp and over the CTA, by `op`: a sum in round-to-nearest (never contracted into an
+// FMA) or a max. An ordered reduction of `n` values starts from `start(v)` and combines `v[FROM..n]` into
+// it: a sum starts from 0, a max from the first value.
+struct TandemAdd {
+    enum { FROM = 0 };
+    __device__ __forceinline__ float operator()(float a, float b) const { return __fadd_rn(a, b); }
+    __device__ __forceinline__ float start(const float*) const { return 0.0f; }
+};
+
+struct TandemMax {
+    enum { FROM = 1 };
+    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+    __device__ __forceinline__ float start(const float* v) const { return v[0]; }
+};
+
+// Over the warp by a fixed butterfly: the same lanes give the same bits.
+template <class Op>
+__device__ __forceinline__ float tandem_warp_reduce(float v, Op op) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
-__device__ __forceinline__ float tandem_warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
+__device__ __forceinline__ float tandem_warp_sum(float v) { return tandem_warp_reduce(v, TandemAdd()); }
 
-// Sum over the CTA (blockDim.x a multiple of 32, at most 1024): warp sums, then warp 0 adds them in warp
-// order. `red` holds 32 floats. Every thread gets the result.
-__device__ __forceinline__ float tandem_block_sum(float v, float* red) {
+// Over the CTA (blockDim.x a multiple of 32, at most 1024): warp results, then thread 0 combines them in
+// warp order. `red` holds 32 floats. Every thread gets the result.
+template <class Op>
+__device__ __forceinline__ float tandem_block_reduce(float v, float* red, Op op) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    v = tandem_warp_sum(v);
+    v = tandem_warp_reduce(v, op);
     __syncthreads();
     if (lane == 0) red[warp] = v;
     __syncthreads();
     if (threadIdx.x == 0) {
-        float s = 0.0f;
-        for (int w = 0; w < warps; ++w) s = __fadd_rn(s, red[w]);
+        float s = op.start(red);
+        for (int w = Op::FROM; w < warps; ++w) s = op(s, red[w]);
         red[0] = s;
     }
     __syncthreads();
     return red[0];
 }
 
-__device__ __forceinline__ float tandem_block_max(float v, float* red) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    v = tandem_warp_max(v);
-    __syncthreads();
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float s = red[0];
-        for (int w = 1; w < warps; ++w) s = fmaxf(s, red[w]);
-        red[0] = s;
-    }
-    __syncthreads();
-    return red[0];
-}
+__device__ __forceinline__ float tandem_block_sum(float v, float* red) { return tandem_block_reduce(v, red, TandemAdd()); }
+
+__device__ __forceinline__ float tandem_block_max(float v, float* red) { return tandem_block_reduce(v, red, TandemMax()); }
 
 // The ue8m0 or plain group scale of engine::fp8::group_scale.
 __device__ __forceinline__ float tandem_group_scale(float amax, int ue8m0) {

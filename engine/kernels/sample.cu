@@ -100,48 +100,41 @@ struct SampleSmem {
 // ---- Block reductions. Every thread gets the same bits: a warp butterfly is symmetric, and every warp
 // ---- reduces the 32 partials in the same order. The leading barrier lets a reduction follow another.
 
-__device__ __forceinline__ double tandem_warp_sum(double v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float tandem_warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
-    return v;
-}
-
-__device__ __forceinline__ u32 tandem_warp_sum_u(u32 v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
-    return v;
-}
-
-__device__ double tandem_block_sum(double v, SampleSmem& sh) {
-    v = tandem_warp_sum(v);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) sh.dred[threadIdx.x >> 5] = v;
-    __syncthreads();
-    return tandem_warp_sum(sh.dred[threadIdx.x & 31]);
-}
-
-__device__ u32 tandem_block_sum_u(u32 v, SampleSmem& sh) {
-    v = tandem_warp_sum_u(v);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) sh.ured[threadIdx.x >> 5] = v;
-    __syncthreads();
-    return tandem_warp_sum_u(sh.ured[threadIdx.x & 31]);
-}
+struct TandemSum {
+    template <class T>
+    __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
 
 // fmaxf ignores NaN, as f32::max does.
-__device__ float tandem_block_max(float v, SampleSmem& sh) {
-    v = tandem_warp_max(v);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) sh.fred[threadIdx.x >> 5] = v;
-    __syncthreads();
-    return tandem_warp_max(sh.fred[threadIdx.x & 31]);
+struct TandemMax {
+    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+// A warp butterfly: `v = op(v, the partner lane's v)` for partners 16, 8, 4, 2, 1.
+template <class T, class Op>
+__device__ __forceinline__ T tandem_warp_reduce(T v, Op op) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
 }
+
+__device__ __forceinline__ u32 tandem_warp_sum_u(u32 v) { return tandem_warp_reduce(v, TandemSum()); }
+
+// Each warp reduces its lanes, then every warp reduces the per-warp partials in `red` (one per warp).
+template <class T, class Op>
+__device__ T tandem_block_reduce(T v, T* red, Op op) {
+    v = tandem_warp_reduce(v, op);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    return tandem_warp_reduce(red[threadIdx.x & 31], op);
+}
+
+__device__ double tandem_block_sum(double v, SampleSmem& sh) { return tandem_block_reduce(v, sh.dred, TandemSum()); }
+
+__device__ u32 tandem_block_sum_u(u32 v, SampleSmem& sh) { return tandem_block_reduce(v, sh.ured, TandemSum()); }
+
+__device__ float tandem_block_max(float v, SampleSmem& sh) { return tandem_block_reduce(v, sh.fred, TandemMax()); }
 
 // engine::sampling::argmax's order: NaN never wins, then the larger value, equal values: the lower id.
 __device__ __forceinline__ void tandem_pick_better(float& v, int& i, float ov, int oi) {
@@ -151,28 +144,42 @@ __device__ __forceinline__ void tandem_pick_better(float& v, int& i, float ov, i
     }
 }
 
-__device__ __forceinline__ void tandem_warp_argmax(float& v, int& i) {
+// A (key, id) pair reduced over the warp by a butterfly, keeping the pair `pick` prefers: every lane gets it.
+template <class T, class Pick>
+__device__ __forceinline__ void tandem_warp_pick(T& k, int& i, Pick pick) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(FULL_MASK, v, o);
+        const T ok = __shfl_xor_sync(FULL_MASK, k, o);
         const int oi = __shfl_xor_sync(FULL_MASK, i, o);
-        tandem_pick_better(v, i, ov, oi);
+        pick(k, i, ok, oi);
     }
 }
 
-// The argmax of `v` over the block: its id (NO_ID when every value is NaN) and value.
-__device__ int tandem_block_argmax(float& v, int i, SampleSmem& sh) {
-    tandem_warp_argmax(v, i);
+// The same over the block, through the per-warp partials `kred` and `ired`; returns the id.
+template <class T, class Pick>
+__device__ int tandem_block_pick(T& k, int i, T* kred, int* ired, Pick pick) {
+    tandem_warp_pick(k, i, pick);
     __syncthreads();
     if ((threadIdx.x & 31) == 0) {
-        sh.fred[threadIdx.x >> 5] = v;
-        sh.ired[threadIdx.x >> 5] = i;
+        kred[threadIdx.x >> 5] = k;
+        ired[threadIdx.x >> 5] = i;
     }
     __syncthreads();
-    v = sh.fred[threadIdx.x & 31];
-    i = sh.ired[threadIdx.x & 31];
-    tandem_warp_argmax(v, i);
+    k = kred[threadIdx.x & 31];
+    i = ired[threadIdx.x & 31];
+    tandem_warp_pick(k, i, pick);
     return i;
+}
+
+struct TandemPickBetter {
+    __device__ __forceinline__ void operator()(float& v, int& i, float ov, int oi) const {
+        tandem_pick_better(v, i, ov, oi);
+    }
+};
+
+// The argmax of `v` over the block: its id (NO_ID when every value is NaN) and value.
+__device__ int tandem_block_argmax(float& v, int i, SampleSmem& sh) {
+    return tandem_block_pick(v, i, sh.fred, sh.ired, TandemPickBetter());
 }
 
 // The race's order: the larger key, equal keys: the lower id.
@@ -183,28 +190,14 @@ __device__ __forceinline__ void tandem_pick_race(double& k, int& i, double ok, i
     }
 }
 
+struct TandemPickRace {
+    __device__ __forceinline__ void operator()(double& k, int& i, double ok, int oi) const {
+        tandem_pick_race(k, i, ok, oi);
+    }
+};
+
 __device__ int tandem_block_race(double k, int i, SampleSmem& sh) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const double ok = __shfl_xor_sync(FULL_MASK, k, o);
-        const int oi = __shfl_xor_sync(FULL_MASK, i, o);
-        tandem_pick_race(k, i, ok, oi);
-    }
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) {
-        sh.dred[threadIdx.x >> 5] = k;
-        sh.ired[threadIdx.x >> 5] = i;
-    }
-    __syncthreads();
-    k = sh.dred[threadIdx.x & 31];
-    i = sh.ired[threadIdx.x & 31];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const double ok = __shfl_xor_sync(FULL_MASK, k, o);
-        const int oi = __shfl_xor_sync(FULL_MASK, i, o);
-        tandem_pick_race(k, i, ok, oi);
-    }
-    return i;
+    return tandem_block_pick(k, i, sh.dred, sh.ired, TandemPickRace());
 }
 
 // Exclusive scan of one value per thread in thread order; `total` gets the sum.

@@ -67,6 +67,17 @@ pub enum Logits {
     All,
 }
 
+impl Logits {
+    /// The positions of an `n`-position item that get a logits row, counted from its first position.
+    pub fn rows(self, n: usize) -> std::ops::Range<usize> {
+        match self {
+            Logits::None => n..n,
+            Logits::Last => n.saturating_sub(1)..n,
+            Logits::All => 0..n,
+        }
+    }
+}
+
 /// One request's slice of a main-model batch.
 #[derive(Debug, Clone, Copy)]
 pub struct SeqInput<'a> {
@@ -217,6 +228,14 @@ pub struct BatchItem<'a> {
     pub logits: Logits,
 }
 
+impl BatchItem<'_> {
+    /// The rows of the batch whose logits this item asks for.
+    pub fn logits_rows(&self) -> std::ops::Range<usize> {
+        let r = self.logits.rows(self.n);
+        self.row0 + r.start..self.row0 + r.end
+    }
+}
+
 /// A main-model batch checked against the model and a pool of `num_blocks` blocks (the rule every backend
 /// applies before touching memory), as rows.
 pub(crate) fn main_items<'a>(
@@ -300,6 +319,24 @@ fn check_item(
     Ok(())
 }
 
+/// Checks that a pool of geometry `g` holds this model's caches at precision `prec` (the rule every backend
+/// applies before computing into a pool).
+pub(crate) fn check_pool_fits(cfg: &ModelConfig, prec: Precision, g: &CacheGeometry) -> Result<(), EngineError> {
+    if g.format != prec.cache_format() || g.dims != cfg.entry_dims() || g.num_layers < cfg.num_cache_layers() {
+        return Err(EngineError::InvalidInput(format!(
+            "cache pool {:?} {:?} with {} layers does not fit this model ({} precision needs {:?} {:?}, {} layers)",
+            g.format,
+            g.dims,
+            g.num_layers,
+            prec.name(),
+            prec.cache_format(),
+            cfg.entry_dims(),
+            cfg.num_cache_layers()
+        )));
+    }
+    Ok(())
+}
+
 /// Called with each layer index as soon as that layer's caches are issued for the whole batch, with the
 /// marker of their completion, so the prefill worker can ship them while later layers compute.
 pub type LayerDone<'a> = &'a mut (dyn FnMut(LayerIdx, LayerReady) + Send);
@@ -340,7 +377,8 @@ pub trait Backend: Send + Sync {
     }
 
     /// Samples from row `row` of `logits` (this backend's rows) for one request; only the token and
-    /// its requested logprobs come back.
+    /// its requested logprobs come back. The default samples rows a backend keeps in host memory
+    /// ([`DeviceRows::host_row`]); a device backend samples where its rows are.
     fn sample(
         &self,
         logits: &DeviceRows,
@@ -348,13 +386,17 @@ pub trait Backend: Send + Sync {
         params: &SamplingParams,
         history: History<'_>,
         eos: &[u32],
-    ) -> Result<Sampled, EngineError>;
+    ) -> Result<Sampled, EngineError> {
+        Ok(crate::sampling::sample(logits.host_row(row)?, params, history, eos))
+    }
 
     /// The MTP draft of row `row`: its argmax token and that token's probability.
     fn draft(&self, logits: &DeviceRows, row: usize) -> Result<(u32, f32), EngineError>;
 
-    /// Copies rows to the host (tests, diagnostics).
-    fn rows_to_host(&self, rows: &DeviceRows) -> Result<Vec<f32>, EngineError>;
+    /// Copies rows to the host (tests, diagnostics). The default copies rows a backend keeps in host memory.
+    fn rows_to_host(&self, rows: &DeviceRows) -> Result<Vec<f32>, EngineError> {
+        Ok(rows.host_values()?.to_vec())
+    }
 
     /// Main model, prefill form (MHA over the selected tokens). Writes every layer's caches.
     fn prefill(

@@ -93,22 +93,11 @@ impl SeqState {
         blocks: Vec<BlockId>,
     ) -> Self {
         let prefill_len = prefilled.len();
-        let mut tokens = prefilled;
-        tokens.push(first);
-        SeqState {
-            prompt_len: prompt_len.min(prefill_len),
-            prefill_len,
-            tokens,
-            fed: prefill_len,
-            draft,
-            draft_prob: 0.0,
-            blocks,
-            params,
-            finished: None,
-            drafts_proposed: 0,
-            drafts_accepted: 0,
-            speculate: true,
-        }
+        let mut s = SeqState::new(prefilled, params, blocks, prefill_len);
+        s.tokens.push(first);
+        s.prompt_len = prompt_len.min(prefill_len);
+        s.draft = draft;
+        s
     }
 
     pub fn generated(&self) -> &[u32] {

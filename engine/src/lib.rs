@@ -8,7 +8,7 @@
 //!   [`device`]: `--device cpu|cuda[:N]` and the factory, the one place a backend is constructed.
 //! - [`memory`]: the backend's memory budget and the pool size it leaves.
 //! - [`cuda`]: the GPU side: NVRTC-compiled kernels with an on-disk cache, the device, launch wrappers.
-//! - [`rope`], [`fp8`]: shared numerics.
+//! - [`rope`], [`fp8`]: shared numerics; [`tolerance`]: how results are compared.
 
 #![recursion_limit = "256"]
 
@@ -26,6 +26,7 @@ pub mod memory;
 pub mod rope;
 pub mod sampling;
 pub mod tiny;
+pub mod tolerance;
 
 pub use backend::{
     AttnForm, Backend, DeviceRows, EngineError, Fence, LayerReady, Logits, MtpInput, Precision, SeqInput, SeqOutput,

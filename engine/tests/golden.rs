@@ -5,13 +5,16 @@
 //! reproduce every sequence: logits to 1e-4 and the greedy tokens exactly, both by one-shot prefill and by
 //! prefill + decode steps. For the FP8 path the agreement is reported (see tests/golden/README.md).
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use engine::cache::{BlockPool, CacheGeometry, KvCache};
 use engine::checkpoint::Checkpoint;
-use engine::device::{BackendOptions, Device, load_backend};
-use engine::{Backend, Logits, Precision, SeqInput};
+use engine::device::{BackendOptions, load_backend};
+use engine::tolerance::diff;
+use engine::{Logits, Precision, SeqInput};
+use support::{Served, device, golden};
 
 /// `tandem gen-tiny --seed 0`'s weights (vocab 1280) have this fingerprint; the golden file was computed
 /// from exactly those bytes.
@@ -62,40 +65,6 @@ fn sets() -> Vec<Set> {
     ]
 }
 
-struct Case {
-    ids: Vec<u32>,
-    logits: Vec<f32>,
-    greedy: Vec<u32>,
-}
-
-fn cases(set: &Set) -> Vec<Case> {
-    let bytes = std::fs::read(&set.golden).unwrap_or_else(|e| panic!("{}: {e}", set.golden.display()));
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let ints = |name: &str| -> Vec<u32> {
-        st.tensor(name)
-            .unwrap()
-            .data()
-            .chunks_exact(8)
-            .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
-            .collect()
-    };
-    let n = st.names().iter().filter(|n| n.starts_with("input_ids_")).count();
-    assert!(n > 0, "{}: no sequences", set.golden.display());
-    (0..n)
-        .map(|i| Case {
-            ids: ints(&format!("input_ids_{i}")),
-            logits: st
-                .tensor(&format!("logits_{i}"))
-                .unwrap()
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                .collect(),
-            greedy: ints(&format!("greedy_{i}")),
-        })
-        .collect()
-}
-
 fn argmax(x: &[f32]) -> u32 {
     let mut best = 0;
     for (i, v) in x.iter().enumerate() {
@@ -106,31 +75,8 @@ fn argmax(x: &[f32]) -> u32 {
     best as u32
 }
 
-/// docs/model.md §6: `1 - 2 sum(ab) / sum(a^2 + b^2)`.
-fn diff(a: &[f32], b: &[f32]) -> f64 {
-    let (mut ab, mut aa) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        ab += *x as f64 * *y as f64;
-        aa += (*x as f64).powi(2) + (*y as f64).powi(2);
-    }
-    1.0 - 2.0 * ab / aa
-}
-
-/// `TANDEM_TEST_DEVICE` (cpu when unset): `scripts/gpu-test.sh run model` runs these on the GPU.
-fn device() -> Device {
-    std::env::var("TANDEM_TEST_DEVICE")
-        .map(|d| d.parse().expect("TANDEM_TEST_DEVICE: cpu, cuda or cuda:N"))
-        .unwrap_or_default()
-}
-
-struct Run {
-    backend: std::sync::Arc<dyn Backend>,
-    cache: KvCache,
-    pool: BlockPool,
-}
-
 /// The default backend (no emulation of anything: the rule of docs/model.md §2.6 is the model's).
-fn setup(set: &Set, prec: Precision) -> Run {
+fn setup(set: &Set, prec: Precision) -> Served {
     let ckpt = Checkpoint::open(&set.checkpoint).expect("golden checkpoint opens");
     if set.name == "tandem-tiny" {
         assert_eq!(
@@ -141,56 +87,40 @@ fn setup(set: &Set, prec: Precision) -> Run {
     }
     let backend = load_backend(&ckpt, BackendOptions { device: device(), precision: prec, threads: None })
         .unwrap_or_else(|e| panic!("backend on {}: {e}", device()));
-    let blocks = 16;
-    let geo =
-        CacheGeometry::new(prec.cache_format(), backend.entry_dims(), backend.config().num_cache_layers(), blocks);
-    let cache = backend.allocate_cache(geo).unwrap();
-    Run { backend, cache, pool: BlockPool::new(blocks) }
-}
-
-/// One-shot prefill of `tokens` with logits at every position.
-fn prefill_all(r: &Run, tokens: &[u32]) -> Vec<f32> {
-    let table = r.pool.reserve("oneshot", tokens.len()).unwrap();
-    let out = r
-        .backend
-        .prefill(&r.cache, &[SeqInput { tokens, start: 0, blocks: &table.blocks, logits: Logits::All }], &mut |_, _| {})
-        .unwrap();
-    r.pool.release("oneshot").unwrap();
-    r.backend.rows_to_host(&out[0].logits).unwrap()
+    Served::new(backend, 16)
 }
 
 /// Prefill the prompt, then greedy decode steps (one token each) through the paged cache.
-fn greedy_by_decode(r: &Run, prompt: &[u32], n: usize) -> Vec<u32> {
+fn greedy_by_decode(r: &Served, prompt: &[u32], n: usize) -> Vec<u32> {
     let table = r.pool.reserve("decode", prompt.len() + n).unwrap();
-    let vocab = r.backend.config().vocab_size;
-    let out = r
-        .backend
-        .prefill(
+    let vocab = r.b.config().vocab_size;
+    let out =
+        r.b.prefill(
             &r.cache,
             &[SeqInput { tokens: prompt, start: 0, blocks: &table.blocks, logits: Logits::Last }],
             &mut |_, _| {},
         )
         .unwrap();
-    let mut toks = vec![argmax(&r.backend.rows_to_host(&out[0].logits).unwrap()[..vocab])];
+    let mut toks = vec![argmax(&r.b.rows_to_host(&out[0].logits).unwrap()[..vocab])];
     while toks.len() < n {
         let pos = prompt.len() + toks.len() - 1;
         let last = [*toks.last().unwrap()];
         let out = r
-            .backend
+            .b
             .decode(&r.cache, &[SeqInput { tokens: &last, start: pos, blocks: &table.blocks, logits: Logits::Last }])
             .unwrap();
-        toks.push(argmax(&r.backend.rows_to_host(&out[0].logits).unwrap()));
+        toks.push(argmax(&r.b.rows_to_host(&out[0].logits).unwrap()));
     }
     r.pool.release("decode").unwrap();
     toks
 }
 
 /// Greedy tokens read off one prefill of prompt + greedy[..n-1]: the argmax after each prefix.
-fn greedy_by_one_shot(r: &Run, prompt: &[u32], greedy: &[u32]) -> Vec<u32> {
-    let vocab = r.backend.config().vocab_size;
+fn greedy_by_one_shot(r: &Served, prompt: &[u32], greedy: &[u32]) -> Vec<u32> {
+    let vocab = r.b.config().vocab_size;
     let mut seq = prompt.to_vec();
     seq.extend_from_slice(&greedy[..greedy.len() - 1]);
-    let all = prefill_all(r, &seq);
+    let all = r.prefill_all("oneshot", &seq);
     (prompt.len() - 1..seq.len()).map(|p| argmax(&all[p * vocab..(p + 1) * vocab])).collect()
 }
 
@@ -205,8 +135,8 @@ fn max_abs(a: &[f32], b: &[f32]) -> f32 {
 fn full_precision_reproduces_golden_logits() {
     for set in sets() {
         let r = setup(&set, Precision::Full);
-        for (i, c) in cases(&set).iter().enumerate() {
-            let logits = prefill_all(&r, &c.ids);
+        for (i, c) in golden::cases(&set.golden).iter().enumerate() {
+            let logits = r.prefill_all("oneshot", &c.ids);
             assert_eq!(logits.len(), c.logits.len());
             let m = max_abs(&logits, &c.logits);
             let d = diff(&logits, &c.logits);
@@ -221,7 +151,7 @@ fn full_precision_reproduces_golden_logits() {
 fn full_precision_reproduces_golden_greedy_by_prefill_and_decode_steps() {
     for set in sets() {
         let r = setup(&set, Precision::Full);
-        for (i, c) in cases(&set).iter().enumerate() {
+        for (i, c) in golden::cases(&set.golden).iter().enumerate() {
             assert_eq!(greedy_by_decode(&r, &c.ids, c.greedy.len()), c.greedy, "{} seq {i}", set.name);
             assert_eq!(r.pool.stats().used_blocks, 0);
         }
@@ -232,7 +162,7 @@ fn full_precision_reproduces_golden_greedy_by_prefill_and_decode_steps() {
 fn full_precision_reproduces_golden_greedy_by_one_shot_prefill() {
     for set in sets() {
         let r = setup(&set, Precision::Full);
-        for (i, c) in cases(&set).iter().enumerate() {
+        for (i, c) in golden::cases(&set.golden).iter().enumerate() {
             assert_eq!(greedy_by_one_shot(&r, &c.ids, &c.greedy), c.greedy, "{} seq {i}", set.name);
         }
     }
@@ -243,8 +173,8 @@ fn fp8_path_agreement_with_golden_is_reported() {
     for set in sets() {
         let (mut agree_total, mut total) = (0, 0);
         let r = setup(&set, Precision::Fp8);
-        for (i, c) in cases(&set).iter().enumerate() {
-            let logits = prefill_all(&r, &c.ids);
+        for (i, c) in golden::cases(&set.golden).iter().enumerate() {
+            let logits = r.prefill_all("oneshot", &c.ids);
             let d = diff(&logits, &c.logits);
             let decoded = greedy_by_decode(&r, &c.ids, c.greedy.len());
             // Agreement = length of the common prefix: after the first divergence the contexts differ.

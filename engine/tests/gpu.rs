@@ -4,17 +4,20 @@
 //! fed the same values, and generation (plain and speculative) on the GPU. Skipped without a GPU, a failure
 //! under `TANDEM_REQUIRE_GPU=1` (`scripts/gpu-test.sh run model`).
 
+mod support;
+
 use std::sync::{Arc, OnceLock};
 
-use engine::cache::{BlockPool, CacheGeometry, KvCache};
+use engine::cache::{CacheGeometry, KvCache};
 use engine::checkpoint::Checkpoint;
 use engine::cpu::CpuBackend;
 use engine::cuda::CudaBackend;
 use engine::generate;
 use engine::sampling::{SamplingParams, argmax};
+use engine::tolerance::diff;
 use engine::{Backend, Logits, Precision, SeqInput};
+use support::{Served, VOCAB, prompt};
 
-const VOCAB: usize = 1280;
 const BLOCKS: usize = 96;
 
 fn checkpoint() -> &'static Checkpoint {
@@ -44,56 +47,14 @@ fn gpu_backend_with(prec: Precision, record: bool) -> Option<Arc<CudaBackend>> {
     }
 }
 
-struct Side {
-    b: Arc<dyn Backend>,
-    cache: KvCache,
-    pool: BlockPool,
+fn side(b: Arc<dyn Backend>) -> Served {
+    Served::new(b, BLOCKS)
 }
 
-fn side(b: Arc<dyn Backend>, prec: Precision) -> Side {
-    let geo = CacheGeometry::new(prec.cache_format(), b.entry_dims(), b.config().num_cache_layers(), BLOCKS);
-    let cache = b.allocate_cache(geo).unwrap();
-    Side { b, cache, pool: BlockPool::new(BLOCKS) }
-}
-
-fn both(prec: Precision) -> Option<(Side, Side)> {
+fn both(prec: Precision) -> Option<(Served, Served)> {
     let gpu = gpu_backend(prec)?;
     let cpu = Arc::new(CpuBackend::from_checkpoint(checkpoint(), prec).unwrap());
-    Some((side(cpu, prec), side(gpu, prec)))
-}
-
-fn prompt(n: usize, salt: u64) -> Vec<u32> {
-    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 ^ salt;
-    eprintln!("prompt seed {seed}");
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            7 + (s % (VOCAB as u64 - 7)) as u32
-        })
-        .collect()
-}
-
-fn prefill_all(s: &Side, id: &str, tokens: &[u32]) -> Vec<f32> {
-    let t = s.pool.reserve(id, tokens.len()).unwrap();
-    let out =
-        s.b.prefill(&s.cache, &[SeqInput { tokens, start: 0, blocks: &t.blocks, logits: Logits::All }], &mut |_, _| {})
-            .unwrap();
-    let l = s.b.rows_to_host(&out[0].logits).unwrap();
-    s.pool.release(id).unwrap();
-    l
-}
-
-/// docs/model.md §6: `1 - 2 sum(ab) / sum(a^2 + b^2)`.
-fn diff(a: &[f32], b: &[f32]) -> f64 {
-    let (mut ab, mut aa) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        ab += *x as f64 * *y as f64;
-        aa += (*x as f64).powi(2) + (*y as f64).powi(2);
-    }
-    1.0 - 2.0 * ab / aa
+    Some((side(cpu), side(gpu)))
 }
 
 /// Top-1 minus top-2 logit.
@@ -122,11 +83,11 @@ fn teacher_forced_logits_match_the_cpu_backend() {
     for prec in [Precision::Full, Precision::Fp8] {
         let Some(g) = gpu_backend_with(prec, true) else { return };
         let c = Arc::new(CpuBackend::from_checkpoint(checkpoint(), prec).unwrap().recording_selections());
-        let (cpu, gpu) = (side(c.clone(), prec), side(g.clone(), prec));
+        let (cpu, gpu) = (side(c.clone()), side(g.clone()));
         // Longer than index_topk (32), so the sparse selection matters.
         let toks = prompt(300, 1);
-        let a = prefill_all(&cpu, "p", &toks);
-        let b = prefill_all(&gpu, "p", &toks);
+        let a = cpu.prefill_all("p", &toks);
+        let b = gpu.prefill_all("p", &toks);
         // Where the two backends' indexers picked different sets (scores within rounding of the k-th).
         let (sa, sb) = (c.take_selections(), g.take_selections());
         assert_eq!(sa.len(), sb.len(), "one selection per layer and row on both");
@@ -135,7 +96,7 @@ fn teacher_forced_logits_match_the_cpu_backend() {
         let sparse = sa.iter().filter(|x| x.2.len() == checkpoint().config().index_topk).count();
         let full = (prec == Precision::Fp8).then(|| {
             let cpu_full = Arc::new(CpuBackend::from_checkpoint(checkpoint(), Precision::Full).unwrap());
-            prefill_all(&side(cpu_full, Precision::Full), "f", &toks)
+            side(cpu_full).prefill_all("f", &toks)
         });
         let row = |v: &[f32], p: usize| v[p * VOCAB..(p + 1) * VOCAB].to_vec();
         let (mut worst_before, mut clear, mut clear_agree, mut agree) = (0f64, 0, 0, 0);
@@ -195,9 +156,9 @@ fn teacher_forced_logits_match_the_cpu_backend() {
 fn decode_steps_batches_and_chunks_on_the_gpu_are_bitwise_prefill() {
     for prec in [Precision::Full, Precision::Fp8] {
         let Some(g) = gpu_backend(prec) else { return };
-        let s = side(g, prec);
+        let s = side(g);
         let toks = prompt(130, 2);
-        let one = prefill_all(&s, "one", &toks);
+        let one = s.prefill_all("one", &toks);
         // Chunked prefill, then token-by-token decode over the same positions.
         let t = s.pool.reserve("c", toks.len()).unwrap();
         let mut got = Vec::new();
@@ -257,7 +218,7 @@ fn prefill_scored_in_many_small_chunks_is_bitwise_the_one_chunk_prefill() {
         let cache = std::env::temp_dir().join("tandem-test-kernels");
         let small = Arc::new(CudaBackend::load(checkpoint(), prec, 0, &cache).unwrap().with_score_chunk_bytes(600));
         let (a, b) = (prompt(130, 11), prompt(37, 12));
-        let run = |s: &Side| {
+        let run = |s: &Served| {
             let (ta, tb) = (s.pool.reserve("a", a.len()).unwrap(), s.pool.reserve("b", b.len()).unwrap());
             let out =
                 s.b.prefill(
@@ -274,8 +235,8 @@ fn prefill_scored_in_many_small_chunks_is_bitwise_the_one_chunk_prefill() {
             s.pool.release("b").unwrap();
             l
         };
-        let whole = run(&side(g, prec));
-        let chunked = run(&side(small, prec));
+        let whole = run(&side(g));
+        let chunked = run(&side(small));
         assert!(whole == chunked, "{prec:?}: scoring in small chunks changed the logits");
     }
 }
@@ -290,7 +251,7 @@ fn generation_on_the_gpu_is_plain_equals_speculative_and_follows_the_cpu() {
 fn generation_case(prec: Precision) {
     let Some((cpu, gpu)) = both(prec) else { return };
     let toks = prompt(60, 4);
-    let run = |s: &Side, id: &str, speculate: bool, params: SamplingParams| {
+    let run = |s: &Served, id: &str, speculate: bool, params: SamplingParams| {
         let t = s.pool.reserve(id, toks.len() + params.max_tokens as usize + 2).unwrap();
         let g =
             generate::generate(s.b.as_ref(), &s.cache, toks.clone(), params, t.blocks.clone(), 48, speculate).unwrap();
@@ -315,7 +276,7 @@ fn generation_case(prec: Precision) {
         // Teacher-force the CPU on the common prefix to see how close the call was where they split.
         let mut ctx = toks.clone();
         ctx.extend_from_slice(&a[..same]);
-        let l = prefill_all(&cpu, "split", &ctx);
+        let l = cpu.prefill_all("split", &ctx);
         let m = margin(&l[(ctx.len() - 1) * VOCAB..]);
         eprintln!("{prec:?}: they split where the CPU's margin is {m}");
         // Full precision differs only by rounding; FP8 outputs split where a code flips (measured, not asserted).
@@ -332,7 +293,7 @@ fn generation_case(prec: Precision) {
 fn bad_input_is_an_error_on_the_gpu() {
     let prec = Precision::Fp8;
     let Some(g) = gpu_backend(prec) else { return };
-    let s = side(g, prec);
+    let s = side(g);
     let t = s.pool.reserve("x", 10).unwrap();
     let call = |tokens: &[u32], start: usize, blocks: &[engine::cache::BlockId]| {
         s.b.prefill(&s.cache, &[SeqInput { tokens, start, blocks, logits: Logits::Last }], &mut |_, _| {})
@@ -359,17 +320,9 @@ fn bad_input_is_an_error_on_the_gpu() {
     assert!(s.b.rows_to_host(&out[0].logits).unwrap().iter().all(|v| v.is_finite()));
 }
 
-/// Random values from a seed (xorshift).
+/// Random values from a seed.
 fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 11) as f64 / (1u64 << 53) as f64 - 0.5) as f32 * scale
-        })
-        .collect()
+    support::xorshift(seed).take(n).map(|s| ((s >> 11) as f64 / (1u64 << 53) as f64 - 0.5) as f32 * scale).collect()
 }
 
 #[test]

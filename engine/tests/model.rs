@@ -5,15 +5,18 @@
 //! They run on the CPU backend, or on a GPU with `TANDEM_TEST_DEVICE=cuda` (what `scripts/gpu-test.sh run
 //! model` does): every property holds on both backends.
 
-use std::sync::OnceLock;
+mod support;
 
-use engine::cache::{BlockPool, CacheGeometry, KvCache};
-use engine::device::{BackendOptions, Device, load_backend};
+use std::sync::{Arc, OnceLock};
+
+use engine::cache::{CacheGeometry, KvCache};
+use engine::device::{BackendOptions, load_backend};
 use engine::generate::{self, SeqState};
 use engine::sampling::{SamplingParams, argmax};
+use engine::tolerance::diff;
 use engine::{Backend, Logits, Precision, SeqInput};
+use support::{Served, VOCAB, device, prompt};
 
-const VOCAB: usize = 1280;
 const BLOCKS: usize = 64;
 
 fn checkpoint() -> &'static std::path::Path {
@@ -26,58 +29,20 @@ fn checkpoint() -> &'static std::path::Path {
     .path()
 }
 
-/// `TANDEM_TEST_DEVICE` (cpu when unset).
-fn device() -> Device {
-    std::env::var("TANDEM_TEST_DEVICE")
-        .map(|d| d.parse().expect("TANDEM_TEST_DEVICE: cpu, cuda or cuda:N"))
-        .unwrap_or_default()
-}
-
-fn backend(prec: Precision) -> &'static dyn Backend {
-    static FP8: OnceLock<std::sync::Arc<dyn Backend>> = OnceLock::new();
-    static FULL: OnceLock<std::sync::Arc<dyn Backend>> = OnceLock::new();
+fn backend(prec: Precision) -> Arc<dyn Backend> {
+    static FP8: OnceLock<Arc<dyn Backend>> = OnceLock::new();
+    static FULL: OnceLock<Arc<dyn Backend>> = OnceLock::new();
     let cell = if prec == Precision::Fp8 { &FP8 } else { &FULL };
     cell.get_or_init(|| {
         let ckpt = engine::checkpoint::Checkpoint::open(checkpoint()).unwrap();
         load_backend(&ckpt, BackendOptions { device: device(), precision: prec, threads: None })
             .unwrap_or_else(|e| panic!("backend on {}: {e}", device()))
     })
-    .as_ref()
+    .clone()
 }
 
-struct Env {
-    b: &'static dyn Backend,
-    cache: KvCache,
-    pool: BlockPool,
-}
-
-fn env(prec: Precision) -> Env {
-    let b = backend(prec);
-    let geo = CacheGeometry::new(prec.cache_format(), b.entry_dims(), b.config().num_cache_layers(), BLOCKS);
-    Env { b, cache: b.allocate_cache(geo).unwrap(), pool: BlockPool::new(BLOCKS) }
-}
-
-/// Fresh random prompt tokens (avoiding the special ids 0..7).
-fn prompt(n: usize, salt: u64) -> Vec<u32> {
-    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 ^ salt;
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            7 + (s % (VOCAB as u64 - 7)) as u32
-        })
-        .collect()
-}
-
-fn prefill_all(e: &Env, id: &str, tokens: &[u32]) -> Vec<f32> {
-    let t = e.pool.reserve(id, tokens.len()).unwrap();
-    let out =
-        e.b.prefill(&e.cache, &[SeqInput { tokens, start: 0, blocks: &t.blocks, logits: Logits::All }], &mut |_, _| {})
-            .unwrap();
-    e.pool.release(id).unwrap();
-    e.b.rows_to_host(&out[0].logits).unwrap()
+fn env(prec: Precision) -> Served {
+    Served::new(backend(prec), BLOCKS)
 }
 
 fn max_rel(a: &[f32], b: &[f32]) -> f32 {
@@ -90,7 +55,7 @@ fn prefill_logits_equal_decode_logits_fed_token_by_token() {
     for prec in [Precision::Full, Precision::Fp8] {
         let e = env(prec);
         let toks = prompt(70, 1); // beyond index_topk 32: sparse selection in both forms
-        let pre = prefill_all(&e, "pre", &toks);
+        let pre = e.prefill_all("pre", &toks);
 
         // Token by token from an empty cache: the decode path end to end.
         let t = e.pool.reserve("dec", toks.len()).unwrap();
@@ -153,7 +118,7 @@ fn chunked_prefill_is_bitwise_one_shot_prefill() {
     for prec in [Precision::Full, Precision::Fp8] {
         let e = env(prec);
         let toks = prompt(150, 2);
-        let one = prefill_all(&e, "one", &toks);
+        let one = e.prefill_all("one", &toks);
         let t = e.pool.reserve("chunks", toks.len()).unwrap();
         let mut chunked = Vec::new();
         for (a, b) in [(0, 37), (37, 64), (64, 65), (65, 150)] {
@@ -175,7 +140,7 @@ fn chunked_prefill_is_bitwise_one_shot_prefill() {
 fn a_requests_logits_do_not_depend_on_its_batch() {
     let e = env(Precision::Fp8);
     let (a, b, c) = (prompt(90, 3), prompt(17, 4), prompt(200, 5));
-    let alone = prefill_all(&e, "alone", &a);
+    let alone = e.prefill_all("alone", &a);
     let ta = e.pool.reserve("a", a.len() + 2).unwrap();
     let tb = e.pool.reserve("b", b.len() + 2).unwrap();
     let tc = e.pool.reserve("c", c.len() + 2).unwrap();
@@ -221,9 +186,10 @@ fn a_requests_logits_do_not_depend_on_its_batch() {
     assert_eq!(e.pool.stats().used_blocks, 0);
 }
 
-fn run(e: &Env, toks: &[u32], params: &SamplingParams, speculate: bool, chunk: usize) -> generate::Generation {
+fn run(e: &Served, toks: &[u32], params: &SamplingParams, speculate: bool, chunk: usize) -> generate::Generation {
     let t = e.pool.reserve("gen", toks.len() + params.max_tokens as usize + 2).unwrap();
-    let g = generate::generate(e.b, &e.cache, toks.to_vec(), params.clone(), t.blocks, chunk, speculate).unwrap();
+    let g =
+        generate::generate(e.b.as_ref(), &e.cache, toks.to_vec(), params.clone(), t.blocks, chunk, speculate).unwrap();
     e.pool.release("gen").unwrap();
     g
 }
@@ -251,12 +217,14 @@ fn speculative_greedy_output_equals_plain_greedy_output() {
         for force_accept in [true, false] {
             let t = e.pool.reserve("forced", toks.len() + 30).unwrap();
             let mut s = SeqState::new(toks.clone(), params.clone(), t.blocks, 0);
-            let mut out =
-                generate::prefill(e.b, &e.cache, &mut [&mut s], &[4096], &mut |_, _| {}).unwrap().remove(0).tokens;
+            let mut out = generate::prefill(e.b.as_ref(), &e.cache, &mut [&mut s], &[4096], &mut |_, _| {})
+                .unwrap()
+                .remove(0)
+                .tokens;
             while s.finished.is_none() {
                 let next = target.get(s.generated().len()).copied().unwrap_or(0);
                 s.draft = Some(if force_accept { next } else { (next + 1) % VOCAB as u32 });
-                out.extend(generate::decode_step(e.b, &e.cache, &mut [&mut s]).unwrap().remove(0).tokens);
+                out.extend(generate::decode_step(e.b.as_ref(), &e.cache, &mut [&mut s]).unwrap().remove(0).tokens);
             }
             let got: Vec<u32> = out.iter().map(|t| t.token).collect();
             assert_eq!(got, target, "forced {}", if force_accept { "accept" } else { "reject" });
@@ -328,12 +296,12 @@ fn seeded_sampling_is_the_same_alone_and_in_any_batch_after_a_hand_off() {
                     chunks.push(chunk);
                 }
             }
-            let out = generate::prefill(e.b, &e.cache, &mut batch, &chunks, &mut |_, _| {}).unwrap();
+            let out = generate::prefill(e.b.as_ref(), &e.cache, &mut batch, &chunks, &mut |_, _| {}).unwrap();
             first.extend(out[at].tokens.iter().map(|t| t.token));
         }
         for (s, chunk) in [(&mut sb, 16), (&mut sc, 50)] {
             while !s.prefill_done() {
-                generate::prefill(e.b, &e.cache, &mut [&mut *s], &[chunk], &mut |_, _| {}).unwrap();
+                generate::prefill(e.b.as_ref(), &e.cache, &mut [&mut *s], &[chunk], &mut |_, _| {}).unwrap();
             }
         }
         assert_eq!(first.len(), 1, "a's first token comes from its last prefill chunk");
@@ -350,7 +318,7 @@ fn seeded_sampling_is_the_same_alone_and_in_any_batch_after_a_hand_off() {
             if sc.finished.is_none() {
                 batch.push(&mut sc);
             }
-            let out = generate::decode_step(e.b, &e.cache, &mut batch).unwrap();
+            let out = generate::decode_step(e.b.as_ref(), &e.cache, &mut batch).unwrap();
             got.extend(out[at].tokens.iter().map(|t| t.token));
         }
         assert_eq!(got, alone, "speculate {speculate}");
@@ -363,14 +331,9 @@ fn seeded_sampling_is_the_same_alone_and_in_any_batch_after_a_hand_off() {
 #[test]
 fn fp8_path_stays_close_to_full_precision() {
     let toks = prompt(80, 9);
-    let fp8 = prefill_all(&env(Precision::Fp8), "fp8", &toks);
-    let full = prefill_all(&env(Precision::Full), "full", &toks);
-    let (mut ab, mut aa) = (0f64, 0f64);
-    for (x, y) in fp8.iter().zip(&full) {
-        ab += *x as f64 * *y as f64;
-        aa += (*x as f64).powi(2) + (*y as f64).powi(2);
-    }
-    let d = 1.0 - 2.0 * ab / aa;
+    let fp8 = env(Precision::Fp8).prefill_all("fp8", &toks);
+    let full = env(Precision::Full).prefill_all("full", &toks);
+    let d = diff(&fp8, &full);
     let agree = (0..toks.len())
         .filter(|&p| argmax(&fp8[p * VOCAB..(p + 1) * VOCAB]) == argmax(&full[p * VOCAB..(p + 1) * VOCAB]))
         .count();
@@ -428,7 +391,7 @@ fn layer_notifications_cover_every_cache_layer_in_order() {
     let t = e.pool.reserve("notify", 16).unwrap();
     let mut s = SeqState::new(toks, SamplingParams::greedy(4), t.blocks, 0);
     let mut seen = Vec::new();
-    generate::prefill(e.b, &e.cache, &mut [&mut s], &[4096], &mut |l, ready: engine::LayerReady| {
+    generate::prefill(e.b.as_ref(), &e.cache, &mut [&mut s], &[4096], &mut |l, ready: engine::LayerReady| {
         // A GPU announces a layer before its writes finish; the marker is reached.
         ready.wait().unwrap();
         assert!(ready.is_complete());
@@ -467,7 +430,8 @@ fn re_prefill_after_preemption_continues_the_same_output() {
                 let mut out: Vec<u32> = Vec::new();
                 while !s.prefill_done() {
                     let mut layers = Vec::new();
-                    let step = generate::prefill(e.b, &e.cache, &mut [&mut s], &[16], &mut |l, _| layers.push(l.0));
+                    let step =
+                        generate::prefill(e.b.as_ref(), &e.cache, &mut [&mut s], &[16], &mut |l, _| layers.push(l.0));
                     out.extend(step.unwrap().remove(0).tokens.iter().map(|t| t.token));
                     let main = e.b.config().num_hidden_layers as u32;
                     assert_eq!(
@@ -477,7 +441,7 @@ fn re_prefill_after_preemption_continues_the_same_output() {
                     );
                 }
                 while s.finished.is_none() {
-                    let step = generate::decode_step(e.b, &e.cache, &mut [&mut s]).unwrap();
+                    let step = generate::decode_step(e.b.as_ref(), &e.cache, &mut [&mut s]).unwrap();
                     out.extend(step[0].tokens.iter().map(|t| t.token));
                 }
                 assert_eq!(
@@ -506,10 +470,10 @@ fn re_prefill_after_preemption_writes_the_same_cache_bytes() {
     let a = e.pool.reserve("whole", toks.len() + 64).unwrap();
     let mut s = SeqState::new(toks.clone(), params.clone(), a.blocks.clone(), 0);
     while !s.prefill_done() {
-        generate::prefill(e.b, &e.cache, &mut [&mut s], &[64], &mut |_, _| {}).unwrap();
+        generate::prefill(e.b.as_ref(), &e.cache, &mut [&mut s], &[64], &mut |_, _| {}).unwrap();
     }
     while s.fed < toks.len() + k {
-        generate::decode_step(e.b, &e.cache, &mut [&mut s]).unwrap();
+        generate::decode_step(e.b.as_ref(), &e.cache, &mut [&mut s]).unwrap();
     }
     let generated = s.generated()[..k].to_vec();
 
@@ -519,7 +483,7 @@ fn re_prefill_after_preemption_writes_the_same_cache_bytes() {
     let b = e.pool.reserve("again", seq.len() + 2).unwrap();
     let mut c = SeqState::continuing(seq, toks.len(), params, b.blocks.clone());
     while !c.prefill_done() {
-        generate::prefill(e.b, &e.cache, &mut [&mut c], &[16], &mut |_, _| {}).unwrap();
+        generate::prefill(e.b.as_ref(), &e.cache, &mut [&mut c], &[16], &mut |_, _| {}).unwrap();
     }
     assert_eq!(c.generated()[k], s.generated()[k], "the next sample");
 

@@ -29,25 +29,18 @@ pub fn check_own_fingerprint(fp: &ModelFingerprint, geometry: &CacheGeometry) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testkit;
     use kv_cache::{CacheFormat, EntryDims};
-
-    fn fp() -> ModelFingerprint {
-        ModelFingerprint {
-            model_name: "m".into(),
-            checkpoint_hash: "abcdef0123456789".into(),
-            precision: "fp8".into(),
-            block_size: 64,
-            num_layers: 62,
-        }
-    }
 
     #[test]
     fn own_fingerprint_must_describe_the_cache() {
-        let g = CacheGeometry::new(CacheFormat::Fp8, EntryDims::DEEPSEEK_V32, 62, 4);
-        check_own_fingerprint(&fp(), &g).unwrap();
+        let g = testkit::geometry(62, 4);
+        let fp = testkit::fingerprint(&g);
+        check_own_fingerprint(&fp, &g).unwrap();
         let g32 = CacheGeometry::new(CacheFormat::F32, EntryDims::DEEPSEEK_V32, 62, 4);
-        assert!(check_own_fingerprint(&fp(), &g32).is_err());
-        let g61 = CacheGeometry::new(CacheFormat::Fp8, EntryDims::DEEPSEEK_V32, 61, 4);
-        assert!(check_own_fingerprint(&fp(), &g61).is_err());
+        assert!(check_own_fingerprint(&fp, &g32).is_err());
+        assert!(check_own_fingerprint(&fp, &testkit::geometry(61, 4)).is_err());
+        let unhashed = ModelFingerprint { checkpoint_hash: String::new(), ..fp };
+        assert!(check_own_fingerprint(&unhashed, &g).is_err());
     }
 }

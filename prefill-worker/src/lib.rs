@@ -34,14 +34,10 @@ pub struct Args {
 /// Runs the prefill worker until SIGTERM/SIGINT, then drains (with `--check-config`: validates and returns).
 /// A device failure ends it at once with an error naming the failure.
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    args.serve.validate()?;
-    if args.serve.check_config {
-        args.serve.report_config_ok("prefill-worker");
-        return Ok(());
+    match LoadedModel::load_unless_checking(&args.serve, "prefill-worker").await? {
+        Some(model) => serve(args, Arc::new(model)).await,
+        None => Ok(()),
     }
-    let serve_args = args.serve.clone();
-    let model = tokio::task::spawn_blocking(move || LoadedModel::load(&serve_args)).await??;
-    serve(args, Arc::new(model)).await
 }
 
 /// Serves an already loaded model (`run` after loading; tests pass a fake backend's).
@@ -52,12 +48,8 @@ pub async fn serve(args: Args, model: Arc<LoadedModel>) -> anyhow::Result<()> {
         model.fingerprint.clone(),
     )
     .context("starting the kv-transfer sender")?;
-    let registry = prometheus::Registry::new();
-    let metrics = Arc::new(metrics::PrefillMetrics::new(&registry)?);
-    let metrics_addr = match args.serve.metrics_listen {
-        Some(a) => Some(worker::metrics::serve(a, registry.clone()).await?),
-        None => None,
-    };
+    let (metrics, metrics_addr) =
+        worker::metrics::start(args.serve.metrics_listen, metrics::PrefillMetrics::new).await?;
     let drain = Drain::new();
     let scheduler = scheduler::Scheduler::start(
         model.clone(),
@@ -72,15 +64,7 @@ pub async fn serve(args: Args, model: Arc<LoadedModel>) -> anyhow::Result<()> {
         tokio::runtime::Handle::current(),
     )
     .context("starting the prefill loop")?;
-    let worker_id = args.serve.worker_id("prefill");
-    let (listener, advertise) = worker::server::bind(&args.serve).await?;
-    let record = worker::server::record(
-        &args.serve,
-        &model,
-        proto::v1::WorkerRole::Prefill,
-        worker_id.clone(),
-        advertise.clone(),
-    );
+    let (listener, record) = worker::server::bind(&args.serve, &model, proto::v1::WorkerRole::Prefill).await?;
     let svc = service::PrefillService { model: model.clone(), scheduler, drain: drain.clone(), record: record.clone() };
     worker::server::serve_until_drained(
         PrefillWorkerServer::new(svc),

@@ -4,14 +4,5 @@ fn main() -> std::process::ExitCode {
     worker::ucx_logs_to_stderr();
     let args = prefill_worker::Args::parse();
     args.serve.log.init();
-    let run = tokio::runtime::Runtime::new()
-        .map_err(anyhow::Error::from)
-        .and_then(|rt| rt.block_on(prefill_worker::run(args)));
-    match run {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("prefill-worker: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    worker::run_main("prefill-worker", prefill_worker::run(args))
 }

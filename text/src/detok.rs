@@ -76,16 +76,11 @@ impl IncrementalDetokenizer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::TokenizerConfig;
-
-    fn tiny() -> Tokenizer {
-        let cfg = TokenizerConfig::from_value(crate::tiny::tokenizer_config_json()).unwrap();
-        Tokenizer::from_parts(crate::tiny::tokenizer().unwrap(), cfg)
-    }
+    use crate::tiny::test_tokenizer;
 
     #[test]
     fn deltas_concatenate_to_the_full_text_and_never_split_a_character() {
-        let t = tiny();
+        let t = test_tokenizer();
         let text = "Grüße, 世界! 🦀 crab emoji and ✓ marks: café.";
         let prompt = t.encode_prompt("Say it:").unwrap();
         let ids = t.encode(text, false).unwrap();
@@ -104,7 +99,7 @@ mod tests {
 
     #[test]
     fn output_text_equals_decoding_the_output_even_after_a_prompt_ending_mid_character() {
-        let t = tiny();
+        let t = test_tokenizer();
         let euro = t.encode("€uro", false).unwrap();
         assert!(euro.len() > 2, "the tiny vocabulary splits € into byte tokens");
         // The prompt ends with the first byte of €; the output starts with its remaining bytes.
@@ -122,7 +117,7 @@ mod tests {
 
     #[test]
     fn special_tokens_are_skipped_or_kept_on_request() {
-        let t = tiny();
+        let t = test_tokenizer();
         let mut ids = t.encode("done", false).unwrap();
         ids.push(1);
         let run = |skip| {
@@ -135,7 +130,7 @@ mod tests {
 
     #[test]
     fn a_lone_continuation_byte_is_flushed_lossily_at_the_end() {
-        let t = tiny();
+        let t = test_tokenizer();
         let ids = t.encode("é", false).unwrap();
         let mut d = IncrementalDetokenizer::new(&[], true);
         let first = d.push(&t, ids[0]).unwrap();

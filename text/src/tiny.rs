@@ -74,6 +74,13 @@ pub fn tokenizer_config_json() -> Value {
     })
 }
 
+/// The tiny tokenizer with its config, as the crate's [`crate::Tokenizer`] (the crate's unit tests).
+#[cfg(test)]
+pub(crate) fn test_tokenizer() -> crate::Tokenizer {
+    let cfg = crate::TokenizerConfig::from_value(tokenizer_config_json()).unwrap();
+    crate::Tokenizer::from_parts(tokenizer().unwrap(), cfg)
+}
+
 /// Writes `tokenizer.json` and `tokenizer_config.json` into `dir` (which must exist).
 pub fn write_files(dir: &Path) -> Result<(), TextError> {
     let tok = tokenizer()?;

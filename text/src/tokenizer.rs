@@ -162,11 +162,7 @@ impl Tokenizer {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn tiny() -> Tokenizer {
-        let cfg = TokenizerConfig::from_value(crate::tiny::tokenizer_config_json()).unwrap();
-        Tokenizer::from_parts(crate::tiny::tokenizer().unwrap(), cfg)
-    }
+    use crate::tiny::test_tokenizer;
 
     #[test]
     fn byte_level_table_covers_all_bytes() {
@@ -178,7 +174,7 @@ mod tests {
 
     #[test]
     fn plain_prompts_start_with_bos_and_round_trip() {
-        let t = tiny();
+        let t = test_tokenizer();
         let ids = t.encode_prompt("Hello world, héllo ✓").unwrap();
         assert_eq!(ids[0], 0, "BOS has id 0");
         assert_eq!(t.decode(&ids, true).unwrap(), "Hello world, héllo ✓");
@@ -186,7 +182,7 @@ mod tests {
 
     #[test]
     fn token_bytes_concatenate_to_the_text() {
-        let t = tiny();
+        let t = test_tokenizer();
         let text = "naïve café ✓ 日本";
         let ids = t.encode(text, false).unwrap();
         let bytes: Vec<u8> = ids.iter().flat_map(|&i| t.token_bytes(i)).collect();

@@ -12,7 +12,7 @@ use engine::backend::{
 };
 use engine::cache::{BLOCK_SIZE, CacheGeometry, KvCache, LayerIdx};
 use engine::memory::{MemoryBudget, ServingLimits};
-use engine::sampling::{self, History, Sampled, SamplingParams};
+use engine::sampling;
 use engine::{Logits, ModelConfig, Precision};
 
 /// What an injected failure returns.
@@ -119,15 +119,10 @@ impl FakeBackend {
                 unsafe { host.latent_entry_mut(LayerIdx(l as u32), b, s) }.fill(Self::cache_byte(l, pos, t));
             }
         }
-        let rows: Vec<usize> = match logits {
-            Logits::None => Vec::new(),
-            Logits::Last => vec![tokens.len() - 1],
-            Logits::All => (0..tokens.len()).collect(),
-        };
-        let predicted: Vec<u32> = rows.iter().map(|&i| predict(i)).collect();
+        let predicted: Vec<u32> = logits.rows(tokens.len()).map(predict).collect();
         let hidden: Vec<f32> = tokens.iter().map(|&t| t as f32).collect();
         Ok(SeqOutput {
-            logits: DeviceRows::new(rows.len(), self.cfg.vocab_size, self.one_hot(&predicted)),
+            logits: DeviceRows::new(predicted.len(), self.cfg.vocab_size, self.one_hot(&predicted)),
             hidden: DeviceRows::new(tokens.len(), 1, hidden),
         })
     }
@@ -175,23 +170,8 @@ impl Backend for FakeBackend {
         MemoryBudget::default()
     }
 
-    fn sample(
-        &self,
-        logits: &DeviceRows,
-        row: usize,
-        params: &SamplingParams,
-        history: History<'_>,
-        eos: &[u32],
-    ) -> Result<Sampled, EngineError> {
-        Ok(sampling::sample(logits.host_row(row)?, params, history, eos))
-    }
-
     fn draft(&self, logits: &DeviceRows, row: usize) -> Result<(u32, f32), EngineError> {
         Ok((sampling::argmax(logits.host_row(row)?), 1.0))
-    }
-
-    fn rows_to_host(&self, rows: &DeviceRows) -> Result<Vec<f32>, EngineError> {
-        Ok(rows.host_values()?.to_vec())
     }
 
     fn prefill(

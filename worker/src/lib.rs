@@ -44,6 +44,18 @@ pub fn ucx_logs_to_stderr() {
     }
 }
 
+/// A worker binary's `main` once its flags are parsed and its logging is on: runs `serve` on a tokio
+/// runtime; an error is printed as `binary: error` and the exit code is a failure.
+pub fn run_main(binary: &str, serve: impl std::future::Future<Output = anyhow::Result<()>>) -> std::process::ExitCode {
+    match tokio::runtime::Runtime::new().map_err(anyhow::Error::from).and_then(|rt| rt.block_on(serve)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{binary}: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// Registers the worker with `--discovery etcd` (the handle keeps the lease alive); `None` with static
 /// discovery, where the router learns about the worker from its own flags and `GetInfo`.
 pub async fn register(

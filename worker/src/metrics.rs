@@ -51,6 +51,21 @@ pub async fn serve(addr: SocketAddr, registry: Registry) -> anyhow::Result<Socke
     Ok(bound)
 }
 
+/// A role's metrics, made by `register` in a fresh registry and [`serve`]d on `addr` (`--metrics-listen`)
+/// when it is given; with the bound address.
+pub async fn start<M>(
+    addr: Option<SocketAddr>,
+    register: impl FnOnce(&Registry) -> prometheus::Result<M>,
+) -> anyhow::Result<(std::sync::Arc<M>, Option<SocketAddr>)> {
+    let registry = Registry::new();
+    let metrics = register(&registry)?;
+    let bound = match addr {
+        Some(a) => Some(serve(a, registry).await?),
+        None => None,
+    };
+    Ok((std::sync::Arc::new(metrics), bound))
+}
+
 #[cfg(test)]
 mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -9,7 +9,7 @@ use anyhow::Context;
 use engine::cache::{BLOCK_SIZE, BlockPool, CacheGeometry, KvCache};
 use engine::checkpoint::Checkpoint;
 use engine::memory::{PoolSizing, ServingLimits};
-use engine::{Backend, ModelConfig};
+use engine::{Backend, ModelConfig, Precision};
 use proto::v1::ModelFingerprint;
 
 use crate::ServeArgs;
@@ -52,13 +52,7 @@ impl LoadedModel {
             cfg.max_position_embeddings
         );
         let name = args.served_name();
-        let fingerprint = ModelFingerprint {
-            model_name: name.clone(),
-            checkpoint_hash: ckpt.fingerprint().to_string(),
-            precision: args.precision.name().to_string(),
-            block_size: BLOCK_SIZE as u32,
-            num_layers: geometry.num_layers as u32,
-        };
+        let fingerprint = fingerprint(&name, ckpt.fingerprint().to_string(), args.precision, &geometry);
         if cfg.num_nextn_predict_layers > cfg.num_served_mtp_layers() {
             tracing::info!(
                 mtp_layers = cfg.num_nextn_predict_layers,
@@ -83,6 +77,18 @@ impl LoadedModel {
         })
     }
 
+    /// Validates the flags; with `--check-config` reports them valid for `role` and returns `None`, otherwise
+    /// loads the model (off the async runtime).
+    pub async fn load_unless_checking(args: &ServeArgs, role: &str) -> anyhow::Result<Option<LoadedModel>> {
+        args.validate()?;
+        if args.check_config {
+            args.report_config_ok(role);
+            return Ok(None);
+        }
+        let args = args.clone();
+        Ok(Some(tokio::task::spawn_blocking(move || LoadedModel::load(&args)).await??))
+    }
+
     /// A model over an already-built backend with a pool of `blocks` blocks (tests: a fake backend).
     pub fn from_backend(backend: Arc<dyn Backend>, blocks: usize, name: &str) -> anyhow::Result<LoadedModel> {
         let geometry = CacheGeometry::new(
@@ -93,13 +99,8 @@ impl LoadedModel {
         );
         let cache = backend.allocate_cache(geometry)?;
         let cfg = backend.config();
-        let fingerprint = ModelFingerprint {
-            model_name: name.to_string(),
-            checkpoint_hash: format!("{}-{}", backend.name(), cfg.vocab_size),
-            precision: backend.precision().name().to_string(),
-            block_size: BLOCK_SIZE as u32,
-            num_layers: geometry.num_layers as u32,
-        };
+        let hash = format!("{}-{}", backend.name(), cfg.vocab_size);
+        let fingerprint = fingerprint(name, hash, backend.precision(), &geometry);
         Ok(LoadedModel {
             max_model_len: cfg.max_position_embeddings.min(blocks * BLOCK_SIZE),
             backend,
@@ -112,5 +113,22 @@ impl LoadedModel {
 
     pub fn config(&self) -> &ModelConfig {
         self.backend.config()
+    }
+}
+
+/// The fingerprint a worker serving `name` from a checkpoint with this hash, at `precision`, into a pool of
+/// `geometry` publishes (workers are paired by `ModelFingerprint::check_compatible`).
+fn fingerprint(
+    name: &str,
+    checkpoint_hash: String,
+    precision: Precision,
+    geometry: &CacheGeometry,
+) -> ModelFingerprint {
+    ModelFingerprint {
+        model_name: name.to_string(),
+        checkpoint_hash,
+        precision: precision.name().to_string(),
+        block_size: BLOCK_SIZE as u32,
+        num_layers: geometry.num_layers as u32,
     }
 }

@@ -13,25 +13,28 @@ use tonic::server::NamedService;
 
 use crate::{Drain, LoadedModel, ServeArgs};
 
-/// Binds `args.listen` and returns the listener with the address to advertise.
-pub async fn bind(args: &ServeArgs) -> anyhow::Result<(tokio::net::TcpListener, String)> {
-    let listener =
-        tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding gRPC on {}", args.listen))?;
-    let bound = listener.local_addr()?;
-    let advertise = args.advertise.clone().unwrap_or_else(|| bound.to_string());
-    Ok((listener, advertise))
-}
-
-/// What this worker registers in discovery and reports from GetInfo.
-pub fn record(
+/// Binds `args.listen` and returns the listener with what this worker registers in discovery and reports
+/// from GetInfo (advertising `--advertise`, or the bound address).
+pub async fn bind(
     args: &ServeArgs,
     model: &LoadedModel,
     role: proto::v1::WorkerRole,
-    id: String,
+) -> anyhow::Result<(tokio::net::TcpListener, cluster::WorkerRecord)> {
+    let listener =
+        tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding gRPC on {}", args.listen))?;
+    let bound = listener.local_addr()?;
+    let grpc_address = args.advertise.clone().unwrap_or_else(|| bound.to_string());
+    Ok((listener, record(args, model, role, grpc_address)))
+}
+
+fn record(
+    args: &ServeArgs,
+    model: &LoadedModel,
+    role: proto::v1::WorkerRole,
     grpc_address: String,
 ) -> cluster::WorkerRecord {
     cluster::WorkerRecord {
-        id,
+        id: args.worker_id(role.name()),
         role,
         grpc_address,
         capacity: cluster::Capacity {

@@ -9,7 +9,7 @@ use super::kernels::rms_norm;
 use super::moe::ffn_forward;
 use super::topk;
 use super::weights::{Layer, Weights};
-use crate::backend::{AttnForm, DeviceRows, LayerDone, LayerReady, Logits, SeqOutput};
+use crate::backend::{AttnForm, DeviceRows, LayerDone, LayerReady, SeqOutput};
 use crate::cache::{HostCache, LayerIdx};
 use crate::rope::Rope;
 use crate::{ModelConfig, Precision};
@@ -144,14 +144,7 @@ pub fn finish(
     let cfg = ctx.cfg;
     let hidden = cfg.hidden_size;
     let normed = rms_norm(h, norm, cfg.rms_norm_eps);
-    let mut want_rows = Vec::new();
-    for it in items {
-        match it.logits {
-            Logits::None => {}
-            Logits::Last => want_rows.push(it.row0 + it.n - 1),
-            Logits::All => want_rows.extend(it.row0..it.row0 + it.n),
-        }
-    }
+    let want_rows: Vec<usize> = items.iter().flat_map(|it| it.logits_rows()).collect();
     let mut gathered = Vec::with_capacity(want_rows.len() * hidden);
     for &r in &want_rows {
         gathered.extend_from_slice(&normed[r * hidden..(r + 1) * hidden]);
@@ -162,11 +155,7 @@ pub fn finish(
     items
         .iter()
         .map(|it| {
-            let n_logits = match it.logits {
-                Logits::None => 0,
-                Logits::Last => 1,
-                Logits::All => it.n,
-            };
+            let n_logits = it.logits_rows().len();
             let l = logits[at * vocab..(at + n_logits) * vocab].to_vec();
             at += n_logits;
             let h = normed[it.row0 * hidden..(it.row0 + it.n) * hidden].to_vec();

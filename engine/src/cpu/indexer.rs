@@ -96,8 +96,7 @@ mod tests {
 
     #[test]
     fn topk_equals_brute_force_ranking_with_padding() {
-        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let (mut rng, seed) = crate::cpu::test_support::rng();
         let (heads, dim) = (4, 128);
         for ctx in [1usize, 5, 16, 17, 100, 1500] {
             // Real indexer scores from random queries and keys (distinct almost surely).

@@ -20,20 +20,67 @@ fn reduce(acc: &[f32; LANES]) -> f32 {
     (s4[0] + s4[2]) + (s4[1] + s4[3])
 }
 
+/// A weight element the tiles read: f32, or bf16 as raw bits. A bf16 value widens to f32 exactly, so a tile
+/// over bf16 weights equals the tile over the widened weights bit for bit, while reading half the bytes (FP8
+/// weights' decoded values are exact in bf16).
+pub trait Weight: Copy {
+    fn widen(self) -> f32;
+
+    /// `LANES` weights from `p`, widened, as one AVX register.
+    ///
+    /// # Safety
+    /// `p..p + LANES` is readable, and the CPU supports AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load_lanes(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl Weight for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn load_lanes(p: *const f32) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller guarantees LANES readable values.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+}
+
+/// bf16 as its raw bits.
+impl Weight for u16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from_bits((self as u32) << 16)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn load_lanes(p: *const u16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller guarantees LANES readable values.
+        let raw = unsafe { _mm_loadu_si128(p as *const __m128i) };
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))
+    }
+}
+
 /// `R x C` dot products of `x[r]` with `w[c]` (all the same length), each in the fixed order.
 #[inline(always)]
-fn tile_impl<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C]) -> [[f32; C]; R] {
+fn tile_impl<W: Weight, const R: usize, const C: usize>(x: [&[f32]; R], w: [&[W]; C]) -> [[f32; C]; R] {
     let n = x[0].len();
     let body = n / LANES * LANES;
     let mut acc = [[[0f32; LANES]; C]; R];
     let mut i = 0;
     while i < body {
         let xs: [&[f32; LANES]; R] = std::array::from_fn(|r| x[r][i..i + LANES].try_into().expect("lane chunk"));
-        let ws: [&[f32; LANES]; C] = std::array::from_fn(|c| w[c][i..i + LANES].try_into().expect("lane chunk"));
+        let ws: [&[W; LANES]; C] = std::array::from_fn(|c| w[c][i..i + LANES].try_into().expect("lane chunk"));
         for r in 0..R {
             for c in 0..C {
                 for j in 0..LANES {
-                    acc[r][c][j] = xs[r][j].mul_add(ws[c][j], acc[r][c][j]);
+                    acc[r][c][j] = xs[r][j].mul_add(ws[c][j].widen(), acc[r][c][j]);
                 }
             }
         }
@@ -44,7 +91,7 @@ fn tile_impl<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C]) -> 
         for c in 0..C {
             let mut s = reduce(&acc[r][c]);
             for t in body..n {
-                s = x[r][t].mul_add(w[c][t], s);
+                s = x[r][t].mul_add(w[c][t].widen(), s);
             }
             out[r][c] = s;
         }
@@ -56,7 +103,7 @@ fn tile_impl<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C]) -> 
 /// the same reduction tree as `tile_impl`, so the bits are identical.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn tile_fma<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C]) -> [[f32; C]; R] {
+unsafe fn tile_fma<W: Weight, const R: usize, const C: usize>(x: [&[f32]; R], w: [&[W]; C]) -> [[f32; C]; R] {
     use std::arch::x86_64::*;
     let n = x[0].len();
     assert!(x.iter().all(|s| s.len() == n) && w.iter().all(|s| s.len() == n), "tile operands differ in length");
@@ -64,11 +111,11 @@ unsafe fn tile_fma<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C
     let mut acc = [[_mm256_setzero_ps(); C]; R];
     let mut i = 0;
     while i < body {
-        // SAFETY: i + 8 <= body <= n = every operand's length (asserted above).
+        // SAFETY: i + 8 <= body <= n = every operand's length (asserted above); the caller checked AVX2+FMA.
         unsafe {
             let xv: [__m256; R] = std::array::from_fn(|r| _mm256_loadu_ps(x[r].as_ptr().add(i)));
             for c in 0..C {
-                let wv = _mm256_loadu_ps(w[c].as_ptr().add(i));
+                let wv = W::load_lanes(w[c].as_ptr().add(i));
                 for r in 0..R {
                     acc[r][c] = _mm256_fmadd_ps(xv[r], wv, acc[r][c]);
                 }
@@ -85,7 +132,7 @@ unsafe fn tile_fma<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C
             let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
             let mut s = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
             for t in body..n {
-                s = x[r][t].mul_add(w[c][t], s);
+                s = x[r][t].mul_add(w[c][t].widen(), s);
             }
             out[r][c] = s;
         }
@@ -105,9 +152,9 @@ fn has_fma() -> bool {
     }
 }
 
-/// `R x C` dot products in the engine's fixed order.
+/// `R x C` dot products in the engine's fixed order, over f32 or bf16 weights ([`Weight`]).
 #[inline]
-pub fn tile<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C]) -> [[f32; C]; R] {
+pub fn tile<W: Weight, const R: usize, const C: usize>(x: [&[f32]; R], w: [&[W]; C]) -> [[f32; C]; R] {
     #[cfg(target_arch = "x86_64")]
     if has_fma() {
         // SAFETY: the CPU supports AVX2 and FMA (checked).
@@ -120,90 +167,7 @@ pub fn tile<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C]) -> [
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
-    tile::<1, 1>([a], [b])[0][0]
-}
-
-/// `R x C` dot products of f32 rows with bf16 rows (raw bits), each in the same fixed order as [`tile`]:
-/// a bf16 value widens to f32 exactly, so this equals `tile` on the widened weights bit for bit, while
-/// reading half the bytes (FP8 weights' decoded values are exact in bf16).
-#[inline(always)]
-fn tile_bf16_impl<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[u16]; C]) -> [[f32; C]; R] {
-    let n = x[0].len();
-    let body = n / LANES * LANES;
-    let widen = |b: u16| f32::from_bits((b as u32) << 16);
-    let mut acc = [[[0f32; LANES]; C]; R];
-    let mut i = 0;
-    while i < body {
-        for r in 0..R {
-            for c in 0..C {
-                for j in 0..LANES {
-                    acc[r][c][j] = x[r][i + j].mul_add(widen(w[c][i + j]), acc[r][c][j]);
-                }
-            }
-        }
-        i += LANES;
-    }
-    let mut out = [[0f32; C]; R];
-    for r in 0..R {
-        for c in 0..C {
-            let mut s = reduce(&acc[r][c]);
-            for t in body..n {
-                s = x[r][t].mul_add(widen(w[c][t]), s);
-            }
-            out[r][c] = s;
-        }
-    }
-    out
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn tile_bf16_fma<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[u16]; C]) -> [[f32; C]; R] {
-    use std::arch::x86_64::*;
-    let n = x[0].len();
-    assert!(x.iter().all(|s| s.len() == n) && w.iter().all(|s| s.len() == n), "tile operands differ in length");
-    let body = n / LANES * LANES;
-    let mut acc = [[_mm256_setzero_ps(); C]; R];
-    let mut i = 0;
-    while i < body {
-        // SAFETY: i + 8 <= body <= n = every operand's length (asserted above).
-        unsafe {
-            let xv: [__m256; R] = std::array::from_fn(|r| _mm256_loadu_ps(x[r].as_ptr().add(i)));
-            for c in 0..C {
-                let raw = _mm_loadu_si128(w[c].as_ptr().add(i) as *const __m128i);
-                let wv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-                for r in 0..R {
-                    acc[r][c] = _mm256_fmadd_ps(xv[r], wv, acc[r][c]);
-                }
-            }
-        }
-        i += LANES;
-    }
-    let mut out = [[0f32; C]; R];
-    for r in 0..R {
-        for c in 0..C {
-            let v = acc[r][c];
-            let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-            let mut s = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-            for t in body..n {
-                s = x[r][t].mul_add(f32::from_bits((w[c][t] as u32) << 16), s);
-            }
-            out[r][c] = s;
-        }
-    }
-    out
-}
-
-/// [`tile`] with bf16 weights.
-#[inline]
-pub fn tile_bf16<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[u16]; C]) -> [[f32; C]; R] {
-    #[cfg(target_arch = "x86_64")]
-    if has_fma() {
-        // SAFETY: the CPU supports AVX2 and FMA (checked).
-        return unsafe { tile_bf16_fma(x, w) };
-    }
-    tile_bf16_impl(x, w)
+    tile::<f32, 1, 1>([a], [b])[0][0]
 }
 
 /// A GEMM-shaped problem: `y[r, c]` for `rows x cols`, computed by register tiles.
@@ -389,11 +353,11 @@ mod tests {
         for n in [1, 7, 8, 9, 128, 200, 513] {
             let x: Vec<Vec<f32>> = (0..2).map(|r| data(n, 1 + r)).collect();
             let ws: Vec<Vec<f32>> = (0..4).map(|k| data(n, 10 + k)).collect();
-            let t = tile::<2, 4>([&x[0], &x[1]], [&ws[0], &ws[1], &ws[2], &ws[3]]);
+            let t = tile::<f32, 2, 4>([&x[0], &x[1]], [&ws[0], &ws[1], &ws[2], &ws[3]]);
             for r in 0..2 {
                 for k in 0..4 {
                     assert_eq!(t[r][k].to_bits(), dot(&x[r], &ws[k]).to_bits(), "n={n} r={r} k={k}");
-                    assert_eq!(tile_impl::<1, 1>([&x[r]], [&ws[k]])[0][0].to_bits(), dot(&x[r], &ws[k]).to_bits());
+                    assert_eq!(tile_impl::<f32, 1, 1>([&x[r]], [&ws[k]])[0][0].to_bits(), dot(&x[r], &ws[k]).to_bits());
                 }
             }
         }
@@ -407,10 +371,10 @@ mod tests {
                 (0..4).map(|k| data(n, 30 + k).iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect()).collect();
             let w32: Vec<Vec<f32>> =
                 w16.iter().map(|r| r.iter().map(|b| f32::from_bits((*b as u32) << 16)).collect()).collect();
-            let a = tile_bf16::<2, 4>([&x[0], &x[1]], [&w16[0], &w16[1], &w16[2], &w16[3]]);
-            let b = tile::<2, 4>([&x[0], &x[1]], [&w32[0], &w32[1], &w32[2], &w32[3]]);
+            let a = tile::<u16, 2, 4>([&x[0], &x[1]], [&w16[0], &w16[1], &w16[2], &w16[3]]);
+            let b = tile::<f32, 2, 4>([&x[0], &x[1]], [&w32[0], &w32[1], &w32[2], &w32[3]]);
             assert_eq!(a.map(|r| r.map(f32::to_bits)), b.map(|r| r.map(f32::to_bits)), "n={n}");
-            let p = tile_bf16_impl::<2, 4>([&x[0], &x[1]], [&w16[0], &w16[1], &w16[2], &w16[3]]);
+            let p = tile_impl::<u16, 2, 4>([&x[0], &x[1]], [&w16[0], &w16[1], &w16[2], &w16[3]]);
             assert_eq!(p.map(|r| r.map(f32::to_bits)), b.map(|r| r.map(f32::to_bits)), "portable n={n}");
         }
     }

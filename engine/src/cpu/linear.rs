@@ -3,7 +3,7 @@
 
 use safetensors::Dtype;
 
-use super::kernels::{Tiles, matmul_t, run_tiles, tile_bf16};
+use super::kernels::{Tiles, matmul_t, run_tiles, tile};
 use crate::Precision;
 use crate::checkpoint::{Checkpoint, CheckpointError, names::scale_name};
 use crate::fp8;
@@ -151,7 +151,7 @@ impl Tiles for Fp8Tiles<'_> {
         let mut s = 0;
         while s * seg < l.inp {
             let lo = s * seg;
-            let p = tile_bf16::<R, C>(
+            let p = tile::<u16, R, C>(
                 std::array::from_fn(|i| &self.qa[(r + i) * kpad + lo..(r + i) * kpad + lo + seg]),
                 std::array::from_fn(|j| &l.q[(c + j) * kpad + lo..(c + j) * kpad + lo + seg]),
             );
@@ -172,22 +172,12 @@ impl Tiles for Fp8Tiles<'_> {
 mod tests {
     use super::*;
     use crate::checkpoint::quant;
+    use crate::tolerance::diff;
     use rand::{RngExt, SeedableRng};
-
-    /// docs/model.md §6: `1 - 2 sum(ab) / sum(a^2 + b^2)`.
-    fn diff(a: &[f32], b: &[f32]) -> f64 {
-        let (mut ab, mut aa) = (0f64, 0f64);
-        for (x, y) in a.iter().zip(b) {
-            ab += *x as f64 * *y as f64;
-            aa += (*x as f64).powi(2) + (*y as f64).powi(2);
-        }
-        1.0 - 2.0 * ab / aa
-    }
 
     #[test]
     fn fp8_linear_matches_f32_linear_on_dequantized_weights() {
-        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let (mut rng, seed) = crate::cpu::test_support::rng();
         // Partial blocks: 200 = 128 + 72 inputs, 300 outputs.
         let (rows, inp, out) = (9, 200, 300);
         let w: Vec<f32> = (0..out * inp).map(|_| rng.random::<f32>() - 0.5).collect();

@@ -23,7 +23,7 @@ use crate::cache::{CacheGeometry, HostCache, KvCache, LayerIdx};
 use crate::checkpoint::Checkpoint;
 use crate::memory::{MemoryBudget, ServingLimits};
 use crate::rope::Rope;
-use crate::sampling::{self, History, Sampled, SamplingParams};
+use crate::sampling;
 use crate::{ModelConfig, Precision};
 use forward::{Ctx, Pass};
 use weights::Weights;
@@ -116,22 +116,7 @@ impl CpuBackend {
         let host = cache
             .host()
             .map_err(|e| EngineError::InvalidInput(format!("the CPU backend cannot use this pool: {e}")))?;
-        let g = cache.geometry();
-        if g.format != self.prec.cache_format()
-            || g.dims != self.entry_dims()
-            || g.num_layers < self.cfg.num_cache_layers()
-        {
-            return Err(EngineError::InvalidInput(format!(
-                "cache pool {:?} {:?} with {} layers does not fit this model ({} precision needs {:?} {:?}, {} layers)",
-                g.format,
-                g.dims,
-                g.num_layers,
-                self.prec.name(),
-                self.prec.cache_format(),
-                self.entry_dims(),
-                self.cfg.num_cache_layers()
-            )));
-        }
+        crate::backend::check_pool_fits(&self.cfg, self.prec, cache.geometry())?;
         Ok(host)
     }
 
@@ -155,63 +140,6 @@ impl CpuBackend {
             forward::layer_forward(&ctx, &pass, layer, LayerIdx(l as u32), &mut h, on_layer);
         }
         Ok(forward::finish(&ctx, &items, &h, &self.weights.norm, &self.weights.lm_head))
-    }
-
-    fn run_mtp(
-        &self,
-        cache: &KvCache,
-        batch: &[MtpInput<'_>],
-        form: AttnForm,
-        on_layer: LayerDone<'_>,
-    ) -> Result<Vec<SeqOutput>, EngineError> {
-        let Some(mtp) = self.weights.mtp.first() else {
-            return Err(EngineError::Unsupported(
-                "this checkpoint has no MTP layer (num_nextn_predict_layers = 0)".into(),
-            ));
-        };
-        let host = self.check_cache(cache)?;
-        let hidden = self.cfg.hidden_size;
-        let items = crate::backend::mtp_items(&self.cfg, cache.geometry().num_blocks, batch)?;
-        for (m, it) in batch.iter().zip(&items) {
-            if m.hidden.host_values()?.len() < it.n * hidden {
-                return Err(EngineError::InvalidInput(format!(
-                    "{} hidden values for {} rows of {hidden}",
-                    m.hidden.host_values()?.len(),
-                    it.n
-                )));
-            }
-        }
-        let row0: usize = items.iter().map(|it| it.n).sum();
-        if items.is_empty() {
-            return Ok(Vec::new());
-        }
-        let table = mtp.embed.as_ref().unwrap_or(&self.weights.embed);
-        let mut emb = forward::embed(table, batch.iter().flat_map(|m| m.next_tokens.iter().copied()), hidden);
-        // The MTP input embedding at position 0 is zeroed (docs/model.md §2.5).
-        for it in &items {
-            if it.start == 0 {
-                emb[it.row0 * hidden..(it.row0 + 1) * hidden].fill(0.0);
-            }
-        }
-        let eps = self.cfg.rms_norm_eps;
-        let e = kernels::rms_norm(&emb, &mtp.enorm, eps);
-        let mut prev: Vec<f32> = Vec::with_capacity(row0 * hidden);
-        for (m, it) in batch.iter().zip(&items) {
-            prev.extend_from_slice(&m.hidden.host_values()?[..it.n * hidden]);
-        }
-        let hh = kernels::rms_norm(&prev, &mtp.hnorm, eps);
-        let mut cat = Vec::with_capacity(row0 * 2 * hidden);
-        for r in 0..row0 {
-            cat.extend_from_slice(&e[r * hidden..(r + 1) * hidden]);
-            cat.extend_from_slice(&hh[r * hidden..(r + 1) * hidden]);
-        }
-        let mut h = mtp.eh_proj.forward(&cat, row0);
-        let ctx = self.ctx();
-        let li = LayerIdx(self.cfg.num_hidden_layers as u32);
-        let pass = Pass { items: &items, form, cache: host };
-        forward::layer_forward(&ctx, &pass, &mtp.layer, li, &mut h, on_layer);
-        let head = mtp.head.as_ref().unwrap_or(&self.weights.lm_head);
-        Ok(forward::finish(&ctx, &items, &h, &mtp.head_norm, head))
     }
 }
 
@@ -249,25 +177,10 @@ impl Backend for CpuBackend {
         MemoryBudget { weights: self.weights.bytes(), activations: 4 * floats as u64, graphs: 0, communication: 0 }
     }
 
-    fn sample(
-        &self,
-        logits: &DeviceRows,
-        row: usize,
-        params: &SamplingParams,
-        history: History<'_>,
-        eos: &[u32],
-    ) -> Result<Sampled, EngineError> {
-        Ok(sampling::sample(logits.host_row(row)?, params, history, eos))
-    }
-
     fn draft(&self, logits: &DeviceRows, row: usize) -> Result<(u32, f32), EngineError> {
         let r = logits.host_row(row)?;
         let d = sampling::argmax(r);
         Ok((d, sampling::log_softmax(r)[d as usize].exp()))
-    }
-
-    fn rows_to_host(&self, rows: &DeviceRows) -> Result<Vec<f32>, EngineError> {
-        Ok(rows.host_values()?.to_vec())
     }
 
     fn prefill(
@@ -290,6 +203,55 @@ impl Backend for CpuBackend {
         form: AttnForm,
         on_layer: LayerDone<'_>,
     ) -> Result<Vec<SeqOutput>, EngineError> {
-        self.on_threads(|| self.run_mtp(cache, batch, form, on_layer))
+        self.on_threads(|| {
+            let Some(mtp) = self.weights.mtp.first() else {
+                return Err(EngineError::Unsupported(
+                    "this checkpoint has no MTP layer (num_nextn_predict_layers = 0)".into(),
+                ));
+            };
+            let host = self.check_cache(cache)?;
+            let hidden = self.cfg.hidden_size;
+            let items = crate::backend::mtp_items(&self.cfg, cache.geometry().num_blocks, batch)?;
+            for (m, it) in batch.iter().zip(&items) {
+                if m.hidden.host_values()?.len() < it.n * hidden {
+                    return Err(EngineError::InvalidInput(format!(
+                        "{} hidden values for {} rows of {hidden}",
+                        m.hidden.host_values()?.len(),
+                        it.n
+                    )));
+                }
+            }
+            let row0: usize = items.iter().map(|it| it.n).sum();
+            if items.is_empty() {
+                return Ok(Vec::new());
+            }
+            let table = mtp.embed.as_ref().unwrap_or(&self.weights.embed);
+            let mut emb = forward::embed(table, batch.iter().flat_map(|m| m.next_tokens.iter().copied()), hidden);
+            // The MTP input embedding at position 0 is zeroed (docs/model.md §2.5).
+            for it in &items {
+                if it.start == 0 {
+                    emb[it.row0 * hidden..(it.row0 + 1) * hidden].fill(0.0);
+                }
+            }
+            let eps = self.cfg.rms_norm_eps;
+            let e = kernels::rms_norm(&emb, &mtp.enorm, eps);
+            let mut prev: Vec<f32> = Vec::with_capacity(row0 * hidden);
+            for (m, it) in batch.iter().zip(&items) {
+                prev.extend_from_slice(&m.hidden.host_values()?[..it.n * hidden]);
+            }
+            let hh = kernels::rms_norm(&prev, &mtp.hnorm, eps);
+            let mut cat = Vec::with_capacity(row0 * 2 * hidden);
+            for r in 0..row0 {
+                cat.extend_from_slice(&e[r * hidden..(r + 1) * hidden]);
+                cat.extend_from_slice(&hh[r * hidden..(r + 1) * hidden]);
+            }
+            let mut h = mtp.eh_proj.forward(&cat, row0);
+            let ctx = self.ctx();
+            let li = LayerIdx(self.cfg.num_hidden_layers as u32);
+            let pass = Pass { items: &items, form, cache: host };
+            forward::layer_forward(&ctx, &pass, &mtp.layer, li, &mut h, on_layer);
+            let head = mtp.head.as_ref().unwrap_or(&self.weights.lm_head);
+            Ok(forward::finish(&ctx, &items, &h, &mtp.head_norm, head))
+        })
     }
 }

@@ -144,7 +144,7 @@ pub fn ffn_forward(f: &Ffn, cfg: &ModelConfig, x: &[f32], rows: usize) -> Vec<f3
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::{RngExt, SeedableRng};
+    use rand::RngExt;
 
     fn cfg() -> ModelConfig {
         ModelConfig::from_json_str(
@@ -192,8 +192,7 @@ mod tests {
     #[test]
     fn routing_equals_brute_force_and_bias_only_selects() {
         let c = cfg();
-        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let (mut rng, seed) = crate::cpu::test_support::rng();
         for _ in 0..200 {
             let logits: Vec<f32> = (0..16).map(|_| rng.random::<f32>() * 6.0 - 3.0).collect();
             let bias: Vec<f32> = (0..16).map(|_| rng.random::<f32>() * 0.6 - 0.3).collect();

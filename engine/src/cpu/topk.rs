@@ -68,7 +68,7 @@ pub fn select(scores: &[f32], k: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::{RngExt, SeedableRng};
+    use rand::RngExt;
 
     /// The rule written as a full sort: score descending (-0.0 == +0.0), position descending, NaN out.
     fn by_full_sort(scores: &[f32], k: usize) -> Vec<usize> {
@@ -93,8 +93,7 @@ mod tests {
 
     #[test]
     fn equals_a_full_sort_on_rows_full_of_ties() {
-        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let (mut rng, seed) = crate::cpu::test_support::rng();
         for &(n, k) in &[(5usize, 16usize), (17, 16), (96, 16), (1023, 16), (5000, 16), (300, 2), (70, 1), (40, 0)] {
             for _ in 0..20 {
                 // Coarse values: many exact ties; some -0.0 and NaN.

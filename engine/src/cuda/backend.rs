@@ -9,7 +9,7 @@
 //! replace them one by one behind this same backend.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{CudaEvent, DevicePtr, sys};
 
@@ -18,8 +18,8 @@ use super::topk::{RawTopk, launch_topk};
 use super::weights::{DFfn, DLayer, DLinear, DMlp, DWeights, LoadError};
 use super::{CudaError, Gpu, indexer};
 use crate::backend::{
-    AttnForm, Backend, DeviceRows, EngineError, Fence, LayerDone, LayerReady, Logits, MtpInput, SeqInput, SeqOutput,
-    main_items, mtp_items,
+    AttnForm, Backend, DeviceRows, EngineError, Fence, LayerDone, LayerReady, MtpInput, SeqInput, SeqOutput,
+    check_pool_fits, main_items, mtp_items,
 };
 use crate::cache::{BLOCK_SIZE, CacheFormat, CacheGeometry, KvArena, KvCache, LayerIdx, MemoryKind};
 use crate::checkpoint::Checkpoint;
@@ -236,18 +236,7 @@ impl CudaBackend {
                 cache.memory_kind()
             )));
         }
-        if g.format != self.prec.cache_format()
-            || g.dims != self.entry_dims()
-            || g.num_layers < self.cfg.num_cache_layers()
-        {
-            return Err(EngineError::InvalidInput(format!(
-                "cache pool {:?} {:?} with {} layers does not fit this model ({} precision)",
-                g.format,
-                g.dims,
-                g.num_layers,
-                self.prec.name()
-            )));
-        }
+        check_pool_fits(&self.cfg, self.prec, g)?;
         Ok(cache.arena().as_ptr() as u64)
     }
 
@@ -780,14 +769,7 @@ impl CudaBackend {
         let rows: usize = items.iter().map(|it| it.n).sum();
         let normed = Arc::new(DBuf::<f32>::zeros(s, rows * hidden)?);
         self.rms_norm(h, hidden, norm, normed.ptr(), hidden, rows)?;
-        let mut want = Vec::new();
-        for it in items {
-            match it.logits {
-                Logits::None => {}
-                Logits::Last => want.push((it.row0 + it.n - 1) as i32),
-                Logits::All => want.extend((it.row0..it.row0 + it.n).map(|r| r as i32)),
-            }
-        }
+        let want: Vec<i32> = items.iter().flat_map(|it| it.logits_rows()).map(|r| r as i32).collect();
         let vocab = head.out_features();
         let logits = Arc::new(DBuf::<f32>::zeros(s, want.len() * vocab)?);
         if !want.is_empty() {
@@ -808,11 +790,7 @@ impl CudaBackend {
         Ok(items
             .iter()
             .map(|it| {
-                let n_logits = match it.logits {
-                    Logits::None => 0,
-                    Logits::Last => 1,
-                    Logits::All => it.n,
-                };
+                let n_logits = it.logits_rows().len();
                 let l = GpuRows { buf: logits.clone(), offset: at * vocab, ordinal };
                 at += n_logits;
                 let hr = GpuRows { buf: normed.clone(), offset: it.row0 * hidden, ordinal };
@@ -831,97 +809,53 @@ impl CudaBackend {
         let pool = self.check_cache(cache)?;
         let g = cache.geometry();
         let items = main_items(&self.cfg, g.num_blocks, batch)?;
-        let row0: usize = items.iter().map(|it| it.n).sum();
         if items.is_empty() {
             return Ok(Vec::new());
         }
-        self.gpu.context().bind_to_thread().map_err(dev)?;
-        let mut ws = self.ws.lock().unwrap_or_else(|p| p.into_inner());
-        ws.reset();
-        let s = self.stream().clone();
-        let inp = self.inputs(&mut ws, &items, form)?;
-        let hidden = self.cfg.hidden_size;
+        let (mut ws, inp) = self.begin(&items, form)?;
         let tokens: Vec<i32> = batch.iter().flat_map(|b| b.tokens.iter().map(|&t| t as i32)).collect();
-        let tok = ws.upload(&s, &tokens)?;
-        let h = ws.take::<f32>(&s, row0 * hidden)?;
-        launch(
-            &self.gpu,
-            "tandem_embed",
-            (row0 as u32, 1, 1),
-            256,
-            0,
-            &[Arg::P(self.w.embed.ptr()), Arg::P(tok), Arg::P(0), Arg::P(h), Arg::I(hidden as i32)],
-        )?;
+        let h = self.embed(&mut ws, &self.w.embed, &tokens, None)?;
         for (l, layer) in self.w.layers.iter().enumerate() {
             self.layer(&mut ws, &inp, layer, LayerIdx(l as u32), g, pool, form, h, on_layer)?;
         }
         self.finish(&mut ws, &items, h, &self.w.norm, &self.w.lm_head)
     }
 
-    fn run_mtp(
-        &self,
-        cache: &KvCache,
-        batch: &[MtpInput<'_>],
-        form: AttnForm,
-        on_layer: LayerDone<'_>,
-    ) -> Result<Vec<SeqOutput>, EngineError> {
-        let Some(mtp) = self.w.mtp.as_ref() else {
-            return Err(EngineError::Unsupported(
-                "this checkpoint has no MTP layer (num_nextn_predict_layers = 0)".into(),
-            ));
-        };
-        let pool = self.check_cache(cache)?;
-        let g = cache.geometry();
-        let hidden = self.cfg.hidden_size;
-        let items = mtp_items(&self.cfg, g.num_blocks, batch)?;
-        for m in batch {
-            self.rows_of(m.hidden)?;
-        }
-        let row0: usize = items.iter().map(|it| it.n).sum();
-        if items.is_empty() {
-            return Ok(Vec::new());
-        }
+    /// Starts a call over `items` (not empty): the context bound to this thread, the workspace reset, the
+    /// call's inputs uploaded.
+    fn begin(&self, items: &[Item<'_>], form: AttnForm) -> Result<(MutexGuard<'_, Workspace>, Inputs), EngineError> {
         self.gpu.context().bind_to_thread().map_err(dev)?;
         let mut ws = self.ws.lock().unwrap_or_else(|p| p.into_inner());
         ws.reset();
-        let s = self.stream().clone();
-        let inp = self.inputs(&mut ws, &items, form)?;
-        let tokens: Vec<i32> = batch.iter().flat_map(|m| m.next_tokens.iter().map(|&t| t as i32)).collect();
-        // The MTP input embedding at position 0 is zeroed (docs/model.md §2.5).
-        let zero: Vec<i32> =
-            items.iter().flat_map(|it| (0..it.n).map(move |i| (it.start == 0 && i == 0) as i32)).collect();
-        let tok = ws.upload(&s, &tokens)?;
-        let zero = ws.upload(&s, &zero)?;
-        let emb = ws.take::<f32>(&s, row0 * hidden)?;
-        let table = mtp.embed.as_ref().unwrap_or(&self.w.embed);
+        let inp = self.inputs(&mut ws, items, form)?;
+        Ok((ws, inp))
+    }
+
+    /// The rows of embedding `table` for `tokens`; the rows that `zero` (one flag per row) marks are zeros.
+    fn embed(
+        &self,
+        ws: &mut Workspace,
+        table: &DBuf<f32>,
+        tokens: &[i32],
+        zero: Option<&[i32]>,
+    ) -> Result<u64, EngineError> {
+        let s = self.stream();
+        let (rows, hidden) = (tokens.len(), self.cfg.hidden_size);
+        let tok = ws.upload(s, tokens)?;
+        let zero = match zero {
+            Some(z) => ws.upload(s, z)?,
+            None => 0,
+        };
+        let h = ws.take::<f32>(s, rows * hidden)?;
         launch(
             &self.gpu,
             "tandem_embed",
-            (row0 as u32, 1, 1),
+            (rows as u32, 1, 1),
             256,
             0,
-            &[Arg::P(table.ptr()), Arg::P(tok), Arg::P(zero), Arg::P(emb), Arg::I(hidden as i32)],
+            &[Arg::P(table.ptr()), Arg::P(tok), Arg::P(zero), Arg::P(h), Arg::I(hidden as i32)],
         )?;
-        // [enorm(emb) | hnorm(hidden)] per row.
-        let cat = ws.take::<f32>(&s, row0 * 2 * hidden)?;
-        self.rms_norm(emb, hidden, &mtp.enorm, cat, 2 * hidden, row0)?;
-        for (m, it) in batch.iter().zip(&items) {
-            let rows = self.rows_of(m.hidden)?;
-            self.rms_norm(
-                rows.addr(0, hidden),
-                hidden,
-                &mtp.hnorm,
-                cat + ((it.row0 * 2 + 1) * hidden * 4) as u64,
-                2 * hidden,
-                it.n,
-            )?;
-        }
-        let h = ws.take::<f32>(&s, row0 * hidden)?;
-        mtp.eh_proj.forward(&self.gpu, &mut ws, cat, row0, 1, 0, h)?;
-        let li = LayerIdx(self.cfg.num_hidden_layers as u32);
-        self.layer(&mut ws, &inp, &mtp.layer, li, g, pool, form, h, on_layer)?;
-        let head = mtp.head.as_ref().unwrap_or(&self.w.lm_head);
-        self.finish(&mut ws, &items, h, &mtp.head_norm, head)
+        Ok(h)
     }
 
     /// One logits row as a device view.
@@ -1051,7 +985,50 @@ impl Backend for CudaBackend {
         form: AttnForm,
         on_layer: LayerDone<'_>,
     ) -> Result<Vec<SeqOutput>, EngineError> {
-        self.run_mtp(cache, batch, form, on_layer)
+        let Some(mtp) = self.w.mtp.as_ref() else {
+            return Err(EngineError::Unsupported(
+                "this checkpoint has no MTP layer (num_nextn_predict_layers = 0)".into(),
+            ));
+        };
+        let pool = self.check_cache(cache)?;
+        let g = cache.geometry();
+        let hidden = self.cfg.hidden_size;
+        let items = mtp_items(&self.cfg, g.num_blocks, batch)?;
+        for m in batch {
+            self.rows_of(m.hidden)?;
+        }
+        let row0: usize = items.iter().map(|it| it.n).sum();
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (mut ws, inp) = self.begin(&items, form)?;
+        let s = self.stream().clone();
+        let tokens: Vec<i32> = batch.iter().flat_map(|m| m.next_tokens.iter().map(|&t| t as i32)).collect();
+        // The MTP input embedding at position 0 is zeroed (docs/model.md §2.5).
+        let zero: Vec<i32> =
+            items.iter().flat_map(|it| (0..it.n).map(move |i| (it.start == 0 && i == 0) as i32)).collect();
+        let table = mtp.embed.as_ref().unwrap_or(&self.w.embed);
+        let emb = self.embed(&mut ws, table, &tokens, Some(&zero))?;
+        // [enorm(emb) | hnorm(hidden)] per row.
+        let cat = ws.take::<f32>(&s, row0 * 2 * hidden)?;
+        self.rms_norm(emb, hidden, &mtp.enorm, cat, 2 * hidden, row0)?;
+        for (m, it) in batch.iter().zip(&items) {
+            let rows = self.rows_of(m.hidden)?;
+            self.rms_norm(
+                rows.addr(0, hidden),
+                hidden,
+                &mtp.hnorm,
+                cat + ((it.row0 * 2 + 1) * hidden * 4) as u64,
+                2 * hidden,
+                it.n,
+            )?;
+        }
+        let h = ws.take::<f32>(&s, row0 * hidden)?;
+        mtp.eh_proj.forward(&self.gpu, &mut ws, cat, row0, 1, 0, h)?;
+        let li = LayerIdx(self.cfg.num_hidden_layers as u32);
+        self.layer(&mut ws, &inp, &mtp.layer, li, g, pool, form, h, on_layer)?;
+        let head = mtp.head.as_ref().unwrap_or(&self.w.lm_head);
+        self.finish(&mut ws, &items, h, &mtp.head_norm, head)
     }
 }
 

@@ -34,10 +34,8 @@ enum Role {
         /// UCX_TLS override for the UCX context.
         #[arg(long)]
         tls: Option<String>,
-        #[arg(long, default_value_t = 4)]
-        layers: usize,
-        #[arg(long, default_value_t = 64)]
-        blocks: usize,
+        #[command(flatten)]
+        cache: CacheShape,
         #[arg(long, default_value_t = 300)]
         tokens: usize,
         #[arg(long, default_value_t = 1)]
@@ -52,10 +50,8 @@ enum Role {
     Send {
         #[arg(long)]
         tls: Option<String>,
-        #[arg(long, default_value_t = 4)]
-        layers: usize,
-        #[arg(long, default_value_t = 64)]
-        blocks: usize,
+        #[command(flatten)]
+        cache: CacheShape,
         /// UCX data path: auto, put or am (default: TANDEM_UCX_DATA_PATH, else auto).
         #[arg(long)]
         data_path: Option<DataPath>,
@@ -63,6 +59,15 @@ enum Role {
         #[arg(long)]
         lanes: Option<usize>,
     },
+}
+
+/// The cache each peer builds: the two must agree, as a descriptor names blocks and layers of the receiver's.
+#[derive(clap::Args)]
+struct CacheShape {
+    #[arg(long, default_value_t = 4)]
+    layers: usize,
+    #[arg(long, default_value_t = 64)]
+    blocks: usize,
 }
 
 fn say(line: String) {
@@ -82,8 +87,8 @@ fn main() -> anyhow::Result<()> {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .init();
     match Args::parse().role {
-        Role::Recv { transport, tls, layers, blocks, tokens, requests, timeout_ms, lanes } => {
-            let g = testkit::geometry(layers, blocks);
+        Role::Recv { transport, tls, cache, tokens, requests, timeout_ms, lanes } => {
+            let g = testkit::geometry(cache.layers, cache.blocks);
             let (cache, pool) = testkit::filled_cache(g, 1);
             let tc = match transport {
                 TransportKind::Ucx => TransportConfig::Ucx { tls, tcp_fallback: None },
@@ -116,8 +121,8 @@ fn main() -> anyhow::Result<()> {
                 say(format!("OUTCOME {json}"));
             }
         }
-        Role::Send { tls, layers, blocks, data_path, lanes } => {
-            let g = testkit::geometry(layers, blocks);
+        Role::Send { tls, cache, data_path, lanes } => {
+            let g = testkit::geometry(cache.layers, cache.blocks);
             let (cache, pool) = testkit::filled_cache(g, 2);
             let cfg = SenderConfig { ucx_tls: tls, ucx_data_path: data_path, lanes, ..Default::default() };
             let sender = KvSender::new(cfg, cache, testkit::fingerprint(&g))?;
@@ -129,7 +134,7 @@ fn main() -> anyhow::Result<()> {
                 let src = pool.reserve(&desc.request_id, desc.num_tokens as usize)?;
                 let r = (|| {
                     let s = sender.begin(&desc, &src)?;
-                    for l in 0..layers {
+                    for l in 0..g.num_layers {
                         s.put_layer(LayerIdx(l as u32))?;
                     }
                     s.complete(GeneratedToken { token_id: 1, logprobs: None }, None)

@@ -50,19 +50,8 @@ impl Transport for InProcTransport {
     fn serve(&self, core: Arc<ReceiverCore>) -> Result<Served, TransferError> {
         let name = format!("inproc-{}-{}", std::process::id(), next_id());
         registry().lock().unwrap_or_else(|p| p.into_inner()).insert(name.clone(), Arc::downgrade(&core));
-        let arena = core.cache.arena();
-        Ok(Served {
-            endpoint: TransportEndpoint {
-                kind: TransportKind::InProc.as_str().into(),
-                address: name.clone().into_bytes(),
-            },
-            regions: vec![MemoryRegion {
-                remote_addr: arena.as_ptr() as u64,
-                length: arena.len() as u64,
-                rkey: Vec::new(),
-            }],
-            guard: Box::new(Registration(name)),
-        })
+        let address = name.clone().into_bytes();
+        Ok(Served::new(TransportKind::InProc, address, core.cache.arena(), Vec::new(), Registration(name)))
     }
 
     fn connect(
@@ -107,16 +96,7 @@ impl Transport for InProcTransport {
         self.rt.spawn(async move {
             while let Some(msg) = send_rx.recv().await {
                 let Some(link) = weak_link.upgrade() else { break };
-                if link
-                    .calls
-                    .complete(msg.correlation_id, Ok(msg.body.clone().unwrap_or(Body::Ack(Default::default()))))
-                {
-                    continue;
-                }
-                if let Some(Body::Abort(a)) = msg.body {
-                    let dl: Arc<dyn Link> = link.clone();
-                    inbound.on_abort(&dl, msg.correlation_id, a);
-                }
+                link.calls.deliver(&link, inbound.as_ref(), msg);
             }
             if let Some(link) = weak_link.upgrade() {
                 link.calls.fail_all("in-process receiver closed the link");

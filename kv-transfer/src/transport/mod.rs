@@ -19,7 +19,7 @@ pub mod ucx;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kv_cache::KvCache;
+use kv_cache::{KvArena, KvCache};
 use proto::v1::{MemoryRegion, TransferControl, TransportEndpoint, transfer_control::Body};
 
 use crate::TransferError;
@@ -72,6 +72,24 @@ pub struct Served {
     pub regions: Vec<MemoryRegion>,
     /// Keeps the listener (and registrations) alive; dropping it stops serving.
     pub guard: Box<dyn Send + Sync>,
+}
+
+impl Served {
+    /// A `kind` endpoint at `address` publishing the whole of `arena`, with the remote key that one-sided
+    /// writes into it need (empty where there are none), kept alive by `guard`.
+    pub fn new(
+        kind: TransportKind,
+        address: Vec<u8>,
+        arena: &KvArena,
+        rkey: Vec<u8>,
+        guard: impl Send + Sync + 'static,
+    ) -> Self {
+        Served {
+            endpoint: TransportEndpoint { kind: kind.as_str().into(), address },
+            regions: vec![MemoryRegion { remote_addr: arena.as_ptr() as u64, length: arena.len() as u64, rkey }],
+            guard: Box::new(guard),
+        }
+    }
 }
 
 /// One transport implementation. `serve` is the receiver side, `connect` the sender side.
@@ -204,6 +222,19 @@ impl PendingCalls {
                 true
             }
             None => false,
+        }
+    }
+
+    /// A message from the receiver on the sender's link `link`: the reply to one of its pending calls, else an
+    /// abort for `inbound` (anything else is dropped).
+    pub fn deliver<L: Link + 'static>(&self, link: &Arc<L>, inbound: &dyn Inbound, msg: TransferControl) {
+        let body = msg.body.clone().unwrap_or(Body::Ack(Default::default()));
+        if self.complete(msg.correlation_id, Ok(body)) {
+            return;
+        }
+        if let Some(Body::Abort(a)) = msg.body {
+            let dl: Arc<dyn Link> = link.clone();
+            inbound.on_abort(&dl, msg.correlation_id, a);
         }
     }
 

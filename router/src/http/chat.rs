@@ -9,7 +9,7 @@ use serde_json::{Map, Value, json};
 
 use super::logprobs::chat_content;
 use super::params::Common;
-use super::stream::{Format, UsageField, usage_json};
+use super::stream::{self, Format, UsageField, usage_json};
 use super::{AppState, stop_reason};
 use crate::error::ApiError;
 use crate::flow::Summary;
@@ -187,10 +187,7 @@ impl Format for ChatFormat {
     }
 
     fn usage_chunk(&mut self, s: &Summary) -> Value {
-        json!({
-            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model.name,
-            "choices": [], "usage": usage_json(s.prompt_tokens, s.completion_tokens, s.cached_tokens),
-        })
+        stream::usage_chunk(&self.id, "chat.completion.chunk", self.created, &self.model.name, s)
     }
 
     fn complete(&mut self, text: String, tokens: &[GeneratedToken], s: &Summary) -> Value {

@@ -8,7 +8,7 @@ use serde_json::{Value, json};
 
 use super::logprobs::CompletionLogprobs;
 use super::params::Common;
-use super::stream::{Format, UsageField, usage_json};
+use super::stream::{self, Format, UsageField, usage_json};
 use super::{AppState, stop_reason};
 use crate::error::ApiError;
 use crate::flow::Summary;
@@ -150,10 +150,7 @@ impl Format for CompletionFormat {
     }
 
     fn usage_chunk(&mut self, s: &Summary) -> Value {
-        json!({
-            "id": self.id, "object": "text_completion", "created": self.created, "model": self.model.name,
-            "choices": [], "usage": usage_json(s.prompt_tokens, s.completion_tokens, s.cached_tokens),
-        })
+        stream::usage_chunk(&self.id, "text_completion", self.created, &self.model.name, s)
     }
 
     fn complete(&mut self, text: String, tokens: &[GeneratedToken], s: &Summary) -> Value {

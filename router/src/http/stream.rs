@@ -42,6 +42,14 @@ pub fn usage_json(prompt: u32, completion: u32, cached: u32) -> Value {
     })
 }
 
+/// The include_usage chunk of a stream of `object`s: no choices, the request's usage.
+pub fn usage_chunk(id: &str, object: &str, created: u64, model: &str, s: &Summary) -> Value {
+    json!({
+        "id": id, "object": object, "created": created, "model": model,
+        "choices": [], "usage": usage_json(s.prompt_tokens, s.completion_tokens, s.cached_tokens),
+    })
+}
+
 /// Endpoint-specific JSON shapes.
 pub trait Format: Send + 'static {
     /// First chunk before any text (chat sends the assistant role).

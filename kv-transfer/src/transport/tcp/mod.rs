@@ -127,16 +127,8 @@ impl Transport for TcpTransport {
                 }
             })
         };
-        let arena = core.cache.arena();
-        Ok(Served {
-            endpoint: TransportEndpoint { kind: TransportKind::Tcp.as_str().into(), address: address.into_bytes() },
-            regions: vec![MemoryRegion {
-                remote_addr: arena.as_ptr() as u64,
-                length: arena.len() as u64,
-                rkey: Vec::new(),
-            }],
-            guard: Box::new(ListenerGuard(task.abort_handle())),
-        })
+        let guard = ListenerGuard(task.abort_handle());
+        Ok(Served::new(TransportKind::Tcp, address.into_bytes(), core.cache.arena(), Vec::new(), guard))
     }
 
     fn connect(
@@ -306,14 +298,7 @@ async fn sender_read_loop(
             j.part(Ok(()));
             continue;
         }
-        let body = msg.body.clone().unwrap_or(Body::Ack(Default::default()));
-        if l.calls.complete(msg.correlation_id, Ok(body)) {
-            continue;
-        }
-        if let Some(Body::Abort(a)) = msg.body {
-            let dl: Arc<dyn Link> = l.clone();
-            inbound.on_abort(&dl, msg.correlation_id, a);
-        }
+        l.calls.deliver(&l, inbound.as_ref(), msg);
     }
 }
 

@@ -29,14 +29,7 @@ impl Sink for SenderSink {
             tracing::debug!(origin, "control message from an unknown UCX peer");
             return;
         };
-        let body = msg.body.clone().unwrap_or(Body::Ack(Default::default()));
-        if link.calls.complete(msg.correlation_id, Ok(body)) {
-            return;
-        }
-        if let Some(Body::Abort(a)) = msg.body {
-            let dl: Arc<dyn Link> = link.clone();
-            self.inbound.on_abort(&dl, msg.correlation_id, a);
-        }
+        link.calls.deliver(&link, self.inbound.as_ref(), msg);
     }
 
     fn on_ep_error(&self, ep: u64, reason: &str) {

@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use kv_cache::KvCache;
 use proto::v1::transfer_control::Body;
-use proto::v1::{MemoryRegion, TransferControl, TransportEndpoint};
+use proto::v1::{TransferControl, TransportEndpoint};
 
 use self::link::{SenderSink, UcxLink};
 use self::node::{Node, NodeOwner, Sink};
@@ -154,14 +154,8 @@ impl Transport for UcxTransport {
         let rkey =
             if core.cache.stages_through_host() { Vec::new() } else { node.mem_map(arena.as_ptr(), arena.len())? };
         let workers: Vec<&[u8]> = owners.iter().map(|o| o.0.worker.as_slice()).collect();
-        Ok(Served {
-            endpoint: TransportEndpoint {
-                kind: TransportKind::Ucx.as_str().into(),
-                address: encode_address(node.id, &workers),
-            },
-            regions: vec![MemoryRegion { remote_addr: arena.as_ptr() as u64, length: arena.len() as u64, rkey }],
-            guard: Box::new(owners),
-        })
+        let address = encode_address(node.id, &workers);
+        Ok(Served::new(TransportKind::Ucx, address, arena, rkey, owners))
     }
 
     fn connect(

@@ -3,6 +3,15 @@
 
 use super::*;
 
+/// The event queue behind a callback's address.
+///
+/// # Safety
+/// `p` is the address of a node's [`Events`], alive for the returned lifetime.
+unsafe fn events<'a, T>(p: *const T) -> &'a Events {
+    // SAFETY: the caller's contract.
+    unsafe { &*(p as *const Events) }
+}
+
 pub(super) unsafe extern "C" fn on_request_done(
     request: *mut core::ffi::c_void,
     status: ucs_status_t,
@@ -10,8 +19,8 @@ pub(super) unsafe extern "C" fn on_request_done(
 ) {
     // SAFETY: `user` is the (events, token) pair registered with the request; the lib is loaded.
     unsafe {
-        let (events, token) = *(user as *const (usize, u64));
-        let q = &*(events as *const std::cell::RefCell<VecDeque<Event>>);
+        let (events_at, token) = *(user as *const (usize, u64));
+        let q = events(events_at as *const u8);
         q.borrow_mut().push_back(Event::Done(token, status));
         drop(Box::from_raw(user as *mut (usize, u64)));
         if let Ok(lib) = crate::transport::ucx::api::load() {
@@ -23,8 +32,8 @@ pub(super) unsafe extern "C" fn on_request_done(
 pub(super) unsafe extern "C" fn on_ep_error(arg: *mut core::ffi::c_void, _ep: ucp_ep_h, status: ucs_status_t) {
     // SAFETY: `arg` is the endpoint's (events, id) pair, alive while the endpoint exists.
     unsafe {
-        let (events, id) = *(arg as *const (usize, u64));
-        let q = &*(events as *const std::cell::RefCell<VecDeque<Event>>);
+        let (events_at, id) = *(arg as *const (usize, u64));
+        let q = events(events_at as *const u8);
         q.borrow_mut().push_back(Event::EpError(id, status));
     }
 }
@@ -39,7 +48,7 @@ pub(super) unsafe extern "C" fn on_am(
 ) -> ucs_status_t {
     // SAFETY: `arg` is the node's event queue; header/data are valid for the call (eager, whole message).
     unsafe {
-        let q = &*(arg as *const std::cell::RefCell<VecDeque<Event>>);
+        let q = events(arg);
         if header_length != 8 || (*param).recv_attr & ucp_am_recv_attr_t_UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0 {
             return ucs_status_t::UCS_OK;
         }
@@ -62,7 +71,7 @@ pub(super) unsafe extern "C" fn on_am_data(
     // SAFETY: `arg` is the node's event queue; header/data are valid for the call, and beyond it when we
     // return UCS_INPROGRESS for rendezvous and persistent payloads (released or received later).
     unsafe {
-        let q = &*(arg as *const std::cell::RefCell<VecDeque<Event>>);
+        let q = events(arg);
         if header_length != 32 {
             return ucs_status_t::UCS_OK;
         }

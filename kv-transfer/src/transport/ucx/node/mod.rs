@@ -249,6 +249,10 @@ impl Drop for NodeOwner {
     }
 }
 
+/// The queue UCX callbacks record into: a node's progress thread owns it and drains it after each progress
+/// call (callbacks run inside progress, on that thread).
+type Events = std::cell::RefCell<VecDeque<Event>>;
+
 /// What UCX callbacks record.
 enum Event {
     Done(u64, ucs_status_t),
@@ -291,7 +295,7 @@ struct State {
     worker: ucp_worker_h,
     efd: i32,
     worker_address: Vec<u8>,
-    events: Box<std::cell::RefCell<VecDeque<Event>>>,
+    events: Box<Events>,
     eps: HashMap<u64, Ep>,
     rkeys: HashMap<u64, (u64, Vec<ucp_rkey_h>)>,
     memhs: Vec<ucp_mem_h>,

@@ -79,7 +79,7 @@ impl State {
             }
             let worker_address = std::slice::from_raw_parts(addr as *const u8, addr_len as usize).to_vec();
             (lib.ucp_worker_release_address)(worker, addr);
-            let events: Box<std::cell::RefCell<VecDeque<Event>>> = Box::new(std::cell::RefCell::new(VecDeque::new()));
+            let events: Box<Events> = Box::new(std::cell::RefCell::new(VecDeque::new()));
             let mut hp: ucp_am_handler_param_t = std::mem::zeroed();
             hp.field_mask = (ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ID.0
                 | ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_FLAGS.0
