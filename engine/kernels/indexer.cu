@@ -99,8 +99,8 @@ __device__ __forceinline__ void tandem_idx_load(u32 keys, float* scales, const u
 
 // One query's scores of one key block from its accumulators. d[4n + 0/1]: token tok, heads 8n + 2 t4 + 0/1;
 // d[4n + 2/3]: token tok + 8, the same heads. ReLU and the head weights, each lane's partial sum in
-// ascending head order, then (P0 + P1) + (P2 + P3) across the token's four lanes (IEEE addition commutes
-// exactly, so every lane gets the same bits), times the key's scale.
+// ascending head order (a fused multiply-add a term), then (P0 + P1) + (P2 + P3) across the token's four
+// lanes (IEEE addition commutes exactly, so every lane gets the same bits), times the key's scale.
 __device__ __forceinline__ void tandem_idx_epilogue(const float (&d)[32], const float* wj, int row, int lb, bool valid,
                                                     int tok, int t4, float ks0, float ks1, const int* lengths,
                                                     float* scores, i64 score_stride, u32* shist) {
@@ -108,10 +108,10 @@ __device__ __forceinline__ void tandem_idx_epilogue(const float (&d)[32], const 
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
         const float w0 = wj[8 * n + 2 * t4], w1 = wj[8 * n + 2 * t4 + 1];
-        p0 = __fadd_rn(p0, __fmul_rn(fmaxf(d[4 * n + 0], 0.0f), w0));
-        p0 = __fadd_rn(p0, __fmul_rn(fmaxf(d[4 * n + 1], 0.0f), w1));
-        p1 = __fadd_rn(p1, __fmul_rn(fmaxf(d[4 * n + 2], 0.0f), w0));
-        p1 = __fadd_rn(p1, __fmul_rn(fmaxf(d[4 * n + 3], 0.0f), w1));
+        p0 = __fmaf_rn(fmaxf(d[4 * n + 0], 0.0f), w0, p0);
+        p0 = __fmaf_rn(fmaxf(d[4 * n + 1], 0.0f), w1, p0);
+        p1 = __fmaf_rn(fmaxf(d[4 * n + 2], 0.0f), w0, p1);
+        p1 = __fmaf_rn(fmaxf(d[4 * n + 3], 0.0f), w1, p1);
     }
     p0 = __fadd_rn(p0, __shfl_xor_sync(0xffffffffu, p0, 1));
     p1 = __fadd_rn(p1, __shfl_xor_sync(0xffffffffu, p1, 1));

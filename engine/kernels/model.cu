@@ -412,7 +412,7 @@ extern "C" __global__ void tandem_indexer_scores_f32(const float* __restrict__ q
         const float* qh = q + ((i64)row * heads + h) * 128;
         float d = 0.0f;
         for (int i = 0; i < 128; ++i) d = __fmaf_rn(qh[i], key[i], d);
-        p[(h >> 1) & 3] = __fadd_rn(p[(h >> 1) & 3], __fmul_rn(fmaxf(d, 0.0f), w[(i64)row * w_stride + h]));
+        p[(h >> 1) & 3] = __fmaf_rn(fmaxf(d, 0.0f), w[(i64)row * w_stride + h], p[(h >> 1) & 3]);
     }
     scores[(i64)row * score_stride + s] = __fadd_rn(__fadd_rn(p[0], p[1]), __fadd_rn(p[2], p[3]));
 }

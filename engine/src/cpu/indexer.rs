@@ -64,20 +64,22 @@ pub fn scores(q: &[f32], w: &[f32], keys: &[f32], k_scale: &[f32], ctx: usize, d
     (0..ctx)
         .map(|s| {
             let ks = &keys[s * dim..(s + 1) * dim];
-            head_sum(w.iter().enumerate().map(|(h, wh)| dot(&q[h * dim..(h + 1) * dim], ks).max(0.0) * wh)) * k_scale[s]
+            head_sum(w.iter().enumerate().map(|(h, &wh)| (dot(&q[h * dim..(h + 1) * dim], ks), wh))) * k_scale[s]
         })
         .collect()
 }
 
-/// The indexer's sum over heads of `w[h] * ReLU(q_h . k)` (docs/model.md §2.3): four partial sums, partial `c`
-/// taking heads `h` with `(h / 2) % 4 == c` in ascending order, then `(P0 + P1) + (P2 + P3)`. This is the
+/// The indexer's sum over heads of `w[h] * ReLU(q_h . k)` from `(q_h . k, w[h])` pairs (docs/model.md §2.3):
+/// four partial sums, partial `c` taking heads `h` with `(h / 2) % 4 == c` in ascending order, each term added
+/// by a fused multiply-add (`p = fma(ReLU(d), w, p)`, one rounding), then `(P0 + P1) + (P2 + P3)`. This is the
 /// order in which the GPU scorer's wgmma accumulator fragments lie (a thread holds heads `8j + 2c` and
 /// `8j + 2c + 1`, four threads a token), so both backends give the same bits for the same products.
 #[inline]
-pub fn head_sum(terms: impl IntoIterator<Item = f32>) -> f32 {
+pub fn head_sum(terms: impl IntoIterator<Item = (f32, f32)>) -> f32 {
     let mut p = [0f32; 4];
-    for (h, t) in terms.into_iter().enumerate() {
-        p[(h / 2) % 4] += t;
+    for (h, (d, wh)) in terms.into_iter().enumerate() {
+        let c = (h / 2) % 4;
+        p[c] = d.max(0.0).mul_add(wh, p[c]);
     }
     (p[0] + p[1]) + (p[2] + p[3])
 }
