@@ -236,7 +236,7 @@ def indexer(tokens, rng):
     out = []
     m_idx, m_topk = module("indexer"), module("topk")
     f_scores, f_topk = m_idx.get_function("tandem_indexer_scores"), m_topk.get_function("tandem_topk_rule")
-    set_smem(f_scores, 7 * BLOCK * dim + 3 * BLOCK * 4 + 4 * heads * 4 + 4 * 1025 * 4 + 1024)
+    set_smem(f_scores, 7 * BLOCK * dim + 3 * BLOCK * 4 + 4 * 64 * 4 + 4 * 1025 * 4 + 1024)  # shared_bytes(4)
     set_smem(f_topk, TOPK_SMEM)
     for ctx in (tokens // 2, tokens * 2):
         nblk = ctx // BLOCK
@@ -257,7 +257,7 @@ def indexer(tokens, rng):
         counts, nans = cp.zeros(rows, dtype=cp.int32), cp.zeros(rows, dtype=cp.int32)
 
         groups = cp.asarray(np.array([[r, 1] for r in range(rows)], dtype=np.int32).reshape(-1))
-        smem = 4 * BLOCK * dim + 3 * BLOCK * 4 + heads * 4 + 1025 * 4 + 1024  # engine::cuda::indexer::shared_bytes(1)
+        smem = 4 * BLOCK * dim + 3 * BLOCK * 4 + 64 * 4 + 1025 * 4 + 1024  # engine::cuda::indexer::shared_bytes(1)
 
         hist = cp.zeros((rows, 2049), dtype=cp.uint32)  # the top-k's first digit, counted by the scorer
 

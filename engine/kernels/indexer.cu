@@ -8,7 +8,8 @@
 // query of the group. A CTA is one warpgroup; it owns IDX_BLOCKS_PER_CTA consecutive key blocks of one
 // group, which it streams into shared memory with 16-byte cp.async, IDX_STAGES blocks in flight, stored in
 // the 128-byte-swizzled K-major layout wgmma reads. Each query's q tile (64 heads x 128, zero heads past
-// `heads`) is staged the same way. Per key block and query, four wgmma m64n64k32 e4m3 (f32 accumulators:
+// `heads`) is staged the same way. Per key block, four wgmma k-steps of m64n128k32 e4m3 for a pair of queries
+// (their q tiles adjacent) or m64n64k32 for a single one (f32 accumulators:
 // 64 tokens x 64 heads) give every q . k product; the epilogue applies ReLU and the head weights in
 // registers and sums the heads in the fixed order of docs/model.md §2.3 (four interleaved partial sums, then
 // a two-level butterfly), which the CPU backend's `engine::cpu::indexer::head_sum` repeats.
@@ -165,8 +166,8 @@ extern "C" __global__ void __launch_bounds__(IDX_THREADS) tandem_indexer_scores(
     const int nblk = last - first;
     const int* table = block_table + (i64)(row0 + nq - 1) * max_blocks;
     const i64 block_bytes = IDX_BLOCK * (IDX_DIM + 4);
-    // A table entry outside the region (a caller's bug) reads block 0 instead and its scores become NaN,
-    // which the top-k never selects and counts.
+    // A table entry outside the region (a caller's bug) reads block 0 instead (the region holds at least one
+    // block) and its scores become NaN, which the top-k counts and, past k positions, never selects.
     auto block_at = [&](int lb) -> const u8* {
         const int phys = table[lb];
         return index_blocks + (i64)((phys >= 0 && phys < num_blocks) ? phys : 0) * block_bytes;

@@ -395,8 +395,8 @@ extern "C" __global__ void tandem_read_latents(const u8* __restrict__ latent, co
 }
 
 // Indexer scores over f32 keys (the `full` precision): I[r, s] = sum_h w[r, h] * relu(q[r, h] . k[s]) for
-// s < lengths[r], keys found through the row's block table. One thread per key. `w` is
-// [rows, w_stride] (the head weights padded to the FP8 scorer's tiles).
+// s < lengths[r], keys found through the row's block table. One thread per key, the heads summed in
+// engine::cpu::indexer::head_sum's order. `w` is [rows, w_stride] (rows padded to a multiple of 8 heads).
 extern "C" __global__ void tandem_indexer_scores_f32(const float* __restrict__ q, const float* __restrict__ w,
                                                      int heads, int w_stride, const float* __restrict__ index_blocks,
                                                      const int* __restrict__ block_table, int max_blocks,

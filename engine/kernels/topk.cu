@@ -20,15 +20,12 @@
 
 #define TOPK_THREADS 1024
 #define TOPK_WARPS (TOPK_THREADS / 32)
-#define TOPK_BINS 2048
+#define TOPK_BINS TOPK_HIST_BINS
 #define TOPK_UNROLL 8  // the emission's vector loads assume 8
 #define TOPK_CAND 8192
-#ifndef TOPK_COPIES
-#define TOPK_COPIES 8
-#endif
+#define TOPK_COPIES 8  // engine::cuda::topk::SHARED_BYTES counts 8
 #define TOPK_NONE 0xffffffffu
 
-#define tandem_score_key tandem_topk_key
 
 // The keys of positions base + j * TOPK_THREADS + tid (j < TOPK_UNROLL) of a row of n >= 1 scores, `none`
 // past its end. The loads are unconditional (clamped into the row) and all issued before any is used: a
@@ -39,7 +36,7 @@ __device__ __forceinline__ void tandem_load_keys(const float* sc, int n, int bas
     for (int j = 0; j < TOPK_UNROLL; ++j) v[j] = sc[min(base + j * TOPK_THREADS + (int)threadIdx.x, n - 1)];
 #pragma unroll
     for (int j = 0; j < TOPK_UNROLL; ++j)
-        kv[j] = base + j * TOPK_THREADS + (int)threadIdx.x < n ? tandem_score_key(v[j]) : none;
+        kv[j] = base + j * TOPK_THREADS + (int)threadIdx.x < n ? tandem_topk_key(v[j]) : none;
 }
 
 // Counts `d` (TOPK_NONE: nothing) into `hist`, one atomic per distinct digit of the warp.
@@ -75,6 +72,12 @@ __device__ __forceinline__ u32 tandem_cta_scan(u32 v, u32* warps, u32& total) {
 // below `need` and reaches it with d's. Every thread gets d and the new need (need minus the keys above).
 __device__ __forceinline__ u32 tandem_find_digit(const u32* hist, u32 digits, u32& need, u32* warps, u32* result) {
     // Thread t holds digits from the top: digits - 1 - 2t and digits - 2 - 2t.
+    // Digit 0 and the need unchanged unless a thread finds the digit (always, when the counts hold `need`
+    // keys; a histogram that does not is a caller's bug, and stays inside the arrays).
+    if (threadIdx.x == 0) {
+        result[0] = 0;
+        result[1] = need;
+    }
     const int d0 = (int)digits - 1 - 2 * (int)threadIdx.x, d1 = d0 - 1;
     const u32 h0 = d0 >= 0 ? hist[d0] : 0, h1 = d1 >= 0 ? hist[d1] : 0;
     u32 total;
@@ -186,7 +189,10 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_rule(
                 const u32 lt = (1u << (tid & 31)) - 1u;
 #pragma unroll
                 for (int j = 0; j < TOPK_UNROLL; ++j) {
-                    if ((ballots[j] >> (tid & 31)) & 1u) cand[at + __popc(ballots[j] & lt)] = kv[j];
+                    // Bounded: a histogram that disagrees with the scores (a caller's bug) must not write
+                    // past the candidates.
+                    const u32 c = at + __popc(ballots[j] & lt);
+                    if (((ballots[j] >> (tid & 31)) & 1u) && c < TOPK_CAND) cand[c] = kv[j];
                     at += (u32)__popc(ballots[j]);
                 }
             }
@@ -241,7 +247,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_rule(
         }
         u32 kv[TOPK_UNROLL];
 #pragma unroll
-        for (int j = 0; j < TOPK_UNROLL; ++j) kv[j] = i0 + j < n ? tandem_score_key(v[j]) : 0;
+        for (int j = 0; j < TOPK_UNROLL; ++j) kv[j] = i0 + j < n ? tandem_topk_key(v[j]) : 0;
         u32 fa = 0, fe = 0;
 #pragma unroll
         for (int j = 0; j < TOPK_UNROLL; ++j) {

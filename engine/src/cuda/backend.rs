@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use cudarc::driver::{CudaEvent, DevicePtr, sys};
 
 use super::ops::{Arg, DBuf, Workspace, elementwise_grid, launch};
-use super::topk::{RawTopk, launch_topk};
+use super::topk::{HIST_WORDS, RawTopk, launch_topk};
 use super::weights::{DFfn, DLayer, DLinear, DMlp, DWeights, LoadError};
 use super::{CudaError, Gpu, indexer};
 use crate::backend::{
@@ -576,11 +576,14 @@ impl CudaBackend {
         let sel = ws.take::<i32>(&s, rows * topk)?;
         let counts = ws.take::<i32>(&s, rows)?;
         let nans = ws.take::<i32>(&s, rows)?;
-        let chunk_rows = score_rows(stride, self.score_bytes).min(rows);
+        // The scorer counts the top-k's first radix digit as it writes (FP8 only; rows of at most index_topk
+        // positions select everything and never read it). The budget covers scores and counts; a launch
+        // takes at most 65535 rows (grid y).
+        let with_hist = fp8 && stride > topk;
+        let row_words = stride + if with_hist { HIST_WORDS } else { 0 };
+        let chunk_rows = score_rows(row_words, self.score_bytes).min(rows).min(65_535);
         let scores = ws.take::<f32>(&s, chunk_rows * stride)?;
-        // The scorer counts the top-k's first radix digit as it writes (FP8 only).
-        let hist_bytes = 4 * chunk_rows * indexer::TOPK_HIST_WORDS;
-        let hist = if fp8 { ws.take::<u8>(&s, hist_bytes)? } else { 0 };
+        let hist = if with_hist { ws.take::<u32>(&s, chunk_rows * HIST_WORDS)? } else { 0 };
         let mut r0 = 0;
         while r0 < rows {
             let r1 = (r0 + chunk_rows).min(rows);
@@ -595,12 +598,13 @@ impl CudaBackend {
                 });
                 let grouping = indexer::groups(runs);
                 let max_q = grouping.chunks(2).map(|g| g[1] as usize).max().unwrap_or(1);
-                s.context().bind_to_thread().map_err(dev)?;
-                // SAFETY: `hist` holds `hist_bytes` (taken above); stream-ordered before the scorer.
-                unsafe {
-                    cudarc::driver::result::memset_d8_async(hist, 0, 4 * n * indexer::TOPK_HIST_WORDS, s.cu_stream())
+                if with_hist {
+                    s.context().bind_to_thread().map_err(dev)?;
+                    // SAFETY: `hist` holds chunk_rows >= n rows of counts (taken above); stream-ordered before
+                    // the scorer.
+                    unsafe { cudarc::driver::result::memset_d8_async(hist, 0, 4 * n * HIST_WORDS, s.cu_stream()) }
+                        .map_err(dev)?;
                 }
-                .map_err(dev)?;
                 indexer::launch_scores(
                     g,
                     &indexer::RawScoreArgs {
@@ -1034,9 +1038,10 @@ impl Backend for CudaBackend {
 
 impl CudaBackend {
     /// Workspace bytes of a `max_num_batched_tokens` forward: every per-layer buffer of `layer` at once (the
-    /// bump workspace frees nothing within a call) for the largest of the main and MTP passes, the scores
-    /// of the longest context a row may have (bounded by the batch: a chunk attends to at most
-    /// `max_position_embeddings` positions), and the logits rows.
+    /// bump workspace frees nothing within a call) for the largest of the main and MTP passes, one chunk of
+    /// indexer scores and first-digit counts (at most [`SCORE_BYTES`], or one scorer group of rows at
+    /// `max_position_embeddings`), the MHA form's decompressed context (bounded by the batch), and the logits
+    /// rows.
     fn activation_bytes(&self, l: &ServingLimits) -> u64 {
         let c = &self.cfg;
         let rows = l.max_num_batched_tokens as u64;
@@ -1060,9 +1065,10 @@ impl CudaBackend {
             + 2 * c.n_routed_experts as u64
             + c.index_topk as u64;
         let ctx = rows.min(c.max_position_embeddings as u64);
-        let score_rows = (score_rows(ctx as usize, SCORE_BYTES) as u64).min(rows);
-        // The scores and the top-k's first-digit histograms.
-        let scores = score_rows * (ctx + indexer::TOPK_HIST_WORDS as u64);
+        // The indexer's scores and first-digit counts: a decode row may have any context up to
+        // max_position_embeddings, so the chunk is bounded by SCORE_BYTES or one scorer group of such rows.
+        let row_words = c.max_position_embeddings as u64 + HIST_WORDS as u64;
+        let scores = (rows * row_words).min((SCORE_BYTES as u64 / 4).max(indexer::MAX_GROUP as u64 * row_words));
         let mha = ctx * (rank + rd + heads * (c.qk_nope_head_dim as u64 + vd));
         let logits = 2 * l.max_num_seqs as u64 * c.vocab_size as u64;
         4 * (rows * per_row + scores + mha + logits) + CONTEXT_RESERVE

@@ -7,6 +7,7 @@
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 
 use super::ops::{Arg, launch};
+use super::topk::HIST_WORDS;
 use super::{CudaError, Gpu};
 use crate::cache::BLOCK_SIZE;
 
@@ -27,7 +28,7 @@ pub const fn shared_bytes(max_q: usize) -> usize {
     (STAGES + max_q) * BLOCK_SIZE * DIM
         + STAGES * BLOCK_SIZE * 4
         + max_q * MAX_HEADS * 4
-        + max_q * TOPK_HIST_WORDS.div_ceil(2) * 4
+        + max_q * HIST_WORDS.div_ceil(2) * 4
         + 1024
 }
 
@@ -74,19 +75,19 @@ pub struct RawScoreArgs {
     /// `[rows, score_stride]`: row `r`'s scores at `r * score_stride`.
     pub scores: u64,
     pub score_stride: usize,
-    /// 0, or [`TOPK_HIST_WORDS`] zeroed words per row: the scorer counts each score's first radix digit of
-    /// the top-k rule there (the top-k's [`super::topk::RawTopk::pre_hist`]).
+    /// 0, or [`HIST_WORDS`] zeroed words per row: the scorer counts each score's first radix digit of the
+    /// top-k rule there (the top-k's [`super::topk::RawTopk::pre_hist`]).
     pub hist: u64,
 }
-
-/// Words per row of the first-digit histogram the scorer can fill for the top-k (`TOPK_HIST_WORDS`).
-pub const TOPK_HIST_WORDS: usize = 2049;
 
 /// Queues the scores of every row of `a.groups`: `scores[r * score_stride + s]` for `s < lengths[r]` (lengths
 /// are clamped to `score_stride`). A table entry outside `0..num_blocks` (a caller's bug) gives NaN scores
 /// for its 64 positions; whatever the table holds, no block outside the region is read.
 pub fn launch_scores(gpu: &Gpu, a: &RawScoreArgs) -> Result<(), CudaError> {
     let bad = |m: String| Err(CudaError::Shape(m));
+    if a.num_blocks == 0 {
+        return bad("an indexer region of 0 blocks".into());
+    }
     if a.heads == 0 || a.heads > MAX_HEADS {
         return bad(format!("{} indexer heads: 1 to {MAX_HEADS}", a.heads));
     }
@@ -148,7 +149,7 @@ pub struct ScoreArgs<'a> {
     pub rows: usize,
     /// [`groups`]' output: pairs of (first row, rows) over `0..rows`.
     pub groups: &'a CudaSlice<i32>,
-    /// Where to count the top-k's first digit ([`RawScoreArgs::hist`]), zeroed, `rows x TOPK_HIST_WORDS`.
+    /// Where to count the top-k's first digit ([`RawScoreArgs::hist`]), zeroed, `rows x HIST_WORDS`.
     pub hist: Option<&'a CudaSlice<u32>>,
 }
 
@@ -172,8 +173,8 @@ pub fn decode_scores(
     if scores.len() < a.rows * score_stride {
         return bad(format!("{} scores for {} rows of stride {score_stride}", scores.len(), a.rows));
     }
-    if a.hist.is_some_and(|h| h.len() < a.rows * TOPK_HIST_WORDS) {
-        return bad(format!("a first-digit histogram needs {} words per row", TOPK_HIST_WORDS));
+    if a.hist.is_some_and(|h| h.len() < a.rows * HIST_WORDS) {
+        return bad(format!("a first-digit histogram needs {} words per row", HIST_WORDS));
     }
     let st = gpu.stream();
     let host_groups = st.clone_dtoh(a.groups)?;
@@ -472,10 +473,10 @@ mod tests {
         assert_eq!(groups([(0, 11), (11, 2)]), vec![0, 4, 4, 4, 8, 3, 11, 2]);
     }
 
-    /// The top-k rule's first radix digit of a score (`topk_key.cuh`), or `TOPK_HIST_WORDS - 1` for NaN.
+    /// The top-k rule's first radix digit of a score (`topk_key.cuh`), or `HIST_WORDS - 1` for NaN.
     fn first_digit(v: f32) -> usize {
         if v.is_nan() {
-            return TOPK_HIST_WORDS - 1;
+            return HIST_WORDS - 1;
         }
         let b = if v == 0.0 { 0 } else { v.to_bits() };
         let key = if b & 0x8000_0000 != 0 { !b } else { b | 0x8000_0000 };
@@ -491,17 +492,19 @@ mod tests {
         // Long rows (the top-k has work to do), one with a table entry outside the region (NaN scores).
         let mut c = case(&mut rng, 64, &[5000, 2049, 3100, 64], false);
         c.rows[2].table[3] = c.num_blocks as i32 + 9;
+        // Rows 0 and 1 share a table and are scored as a pair (the m64n128 path), rows 2 and 3 alone.
+        c.rows[1].table = c.rows[0].table.clone();
         let d = OnDevice::new(&gpu, &c);
         let (rows, stride) = (d.rows, d.stride);
-        let hist = st.alloc_zeros::<u32>(rows * TOPK_HIST_WORDS).unwrap();
-        let scores = d.score(&gpu, &groups((0..rows).map(|r| (r, 1))), Some(&hist));
+        let hist = st.alloc_zeros::<u32>(rows * HIST_WORDS).unwrap();
+        let scores = d.score(&gpu, &groups([(0, 2), (2, 1), (3, 1)]), Some(&hist));
         let (got_hist, host) = (st.clone_dtoh(&hist).unwrap(), st.clone_dtoh(&scores).unwrap());
         for (r, row) in c.rows.iter().enumerate() {
-            let mut want = vec![0u32; TOPK_HIST_WORDS];
+            let mut want = vec![0u32; HIST_WORDS];
             for &v in &host[r * stride..r * stride + row.len] {
                 want[first_digit(v)] += 1;
             }
-            assert_eq!(&got_hist[r * TOPK_HIST_WORDS..(r + 1) * TOPK_HIST_WORDS], &want[..], "row {r} (seed {seed})");
+            assert_eq!(&got_hist[r * HIST_WORDS..(r + 1) * HIST_WORDS], &want[..], "row {r} (seed {seed})");
         }
         // The top-k from the scorer's counts selects what it selects from its own pass.
         let k = 2048;

@@ -138,7 +138,7 @@ pub const FAMILIES: &[Family] = &[
         functions: &["tandem_indexer_scores"],
         externals: &[],
         // The q . k products as FP8 wgmma on the tensor cores, keys streamed in by 16-byte cp.async.
-        sass_expect: &["QGMMA.64x64x32.F32.E4M3.E4M3", "LDGSTS.E.BYPASS.128"],
+        sass_expect: &["QGMMA.64x128x32.F32.E4M3.E4M3", "QGMMA.64x64x32.F32.E4M3.E4M3", "LDGSTS.E.BYPASS.128"],
     },
     Family {
         name: "sample",

@@ -10,6 +10,9 @@ use super::{CudaError, Gpu};
 const THREADS: u32 = 1024;
 /// Dynamic shared memory: `TOPK_COPIES` (8) histograms of 2048 counts and `TOPK_CAND` (8192) candidate keys.
 pub const SHARED_BYTES: usize = (8 * 2048 + 8192) * 4;
+/// Words per row of the first-digit histogram the indexer scorer can fill for the top-k (`TOPK_HIST_WORDS` in
+/// `topk_key.cuh`): 2048 counts of a key's top 11 bits, then the row's NaN count.
+pub const HIST_WORDS: usize = 2049;
 
 /// Where a batch of selections goes: `positions [rows, k]` (ascending, then -1), how many positions each
 /// row selected, and how many NaN scores each row left out.
