@@ -20,6 +20,10 @@
 #                   per-kernel time breakdown of a decode step
 #         indexer   bench/gpu/indexer_bench.py: the indexer's scorer + top-k, decode and prefill shapes, next to
 #                   the same-run copy bandwidth and a naive PyTorch version (INDEXER_BENCH_ARGS=--quick: fewer)
+#         sparse-mla bench/gpu/sparse_mla_bench.py: checks and benchmark of the sparse MLA decode kernel next to the
+#                   same-run copy bandwidth, bf16 matmul rate, a naive PyTorch version and FlashMLA: with
+#                   FLASHMLA_SRC (a FlashMLA tree with CUTLASS, ENV-NOTES) it is built there first unless built
+#                   (SPARSE_MLA_BENCH_ARGS=--quick: fewer shapes)
 #         serve     `tandem up --device cuda` (prefill and decode workers sharing the GPU, caches over TCP
 #                   through host staging) checked by scripts/serve-check.py against `tandem generate --device cuda`
 #         all       kernels, sass, loop, sanitize, model, serve
@@ -170,6 +174,24 @@ phase_loop() {
     ((rc == 0)) || FAILED+=(loop)
 }
 
+phase_sparse_mla() {
+    local rc=0
+    if [[ -n "${FLASHMLA_SRC:-}" ]]; then
+        if ! ls "$FLASHMLA_SRC"/flash_mla/cuda*.so >/dev/null 2>&1; then
+            echo "building FlashMLA in $FLASHMLA_SRC (the same-run baseline)"
+            (cd "$FLASHMLA_SRC" && CPLUS_INCLUDE_PATH=/usr/local/cuda/include/cccl FLASH_MLA_DISABLE_SM100=1 \
+                MAX_JOBS=16 NVCC_THREADS=2 python3 setup.py build_ext --inplace >"$OUTDIR/flashmla-build.log" 2>&1) || rc=$?
+            tail -2 "$OUTDIR/flashmla-build.log"
+        fi
+        export PYTHONPATH="$FLASHMLA_SRC${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    python3 bench/gpu/sparse_mla_bench.py ${SPARSE_MLA_BENCH_ARGS:-} --json "$OUTDIR/sparse-mla.json" \
+        >"$OUTDIR/sparse-mla.log" 2>&1 || rc=$?
+    grep -v "warning #\|^ *\^\|Remark\|state;\|Deprecation\|  fn()\|prepare(" "$OUTDIR/sparse-mla.log" || true
+    echo "| sparse-mla | bench/gpu/sparse_mla_bench.py | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+    ((rc == 0)) || FAILED+=(sparse-mla)
+}
+
 phase_indexer() {
     local rc=0
     python3 bench/gpu/indexer_bench.py ${INDEXER_BENCH_ARGS:-} --json "$OUTDIR/indexer.json" >"$OUTDIR/indexer.log" 2>&1 || rc=$?
@@ -240,7 +262,7 @@ PY
 }
 
 run() {
-    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|serve|all}
+    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|sparse-mla|serve|all}
     [[ -d "$BUNDLE" ]] || { echo "gpu-test.sh: $BUNDLE/ is missing: run 'scripts/gpu-test.sh pack' here and carry it" >&2; exit 1; }
     unpack
     OUTDIR=${OUT:-bench/out}
@@ -266,6 +288,7 @@ run() {
         model) phase_model ;;
         bench) phase_bench ;;
         indexer) phase_indexer ;;
+        sparse-mla) phase_sparse_mla ;;
         serve) phase_serve ;;
         all) phase_sass; phase_kernels; phase_loop; phase_model; phase_serve; phase_sanitize ;;
         *) echo "gpu-test.sh: unknown phase $phase" >&2; exit 2 ;;

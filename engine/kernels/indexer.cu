@@ -23,6 +23,7 @@
 // order-preserving key, topk_key.cuh) for the top-k rule, which then skips its own first pass over the row:
 // that pass is bound by shared-memory atomics, here it hides under the key blocks' memory time.
 #include "common.cuh"
+#include "wgmma.cuh"
 #include "topk_key.cuh"
 
 #define IDX_DIM 128
@@ -35,52 +36,6 @@
 #define IDX_TILE (IDX_BLOCK * IDX_DIM)  // 8 KB: one key block or one query's q tile
 // A query's first-digit counts in shared memory: TOPK_HIST_WORDS (2048 digits + NaN) 16-bit counts, two a word.
 #define IDX_HIST_WORDS ((TOPK_HIST_WORDS + 1) / 2)
-
-__device__ __forceinline__ void tandem_cp_async16(u32 smem, const void* gmem) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem), "l"(gmem));
-}
-
-// Byte offset of (row, 16-byte chunk) in a 128-byte-swizzled tile of 128-byte rows (1024-byte aligned).
-__device__ __forceinline__ u32 tandem_sw128(int row, int chunk) {
-    return (u32)(row * 128 + ((chunk ^ (row & 7)) << 4));
-}
-
-// wgmma shared-memory descriptor of a K-major, 128-byte-swizzled tile whose 8-row groups are 1024 bytes apart.
-__device__ __forceinline__ unsigned long long tandem_desc_sw128(u32 smem) {
-    unsigned long long d = (unsigned long long)((smem & 0x3FFFF) >> 4);
-    d |= (unsigned long long)1 << 16;            // leading byte offset (unused with this swizzle)
-    d |= (unsigned long long)(1024 >> 4) << 32;  // stride byte offset: 8 rows x 128 bytes
-    d |= (unsigned long long)1 << 62;            // 128-byte swizzle
-    return d;
-}
-
-// d[64 x 64] (+)= A[64 x 32] . B[64 x 32]^T, both e4m3 K-major in shared memory.
-__device__ __forceinline__ void tandem_wgmma_64x64x32(float (&d)[32], unsigned long long a, unsigned long long b,
-                                                      int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(a), "l"(b), "r"(accumulate));
-}
-
-// d[64 x 128] = A[64 x 32] . B[128 x 32]^T (two queries' q tiles, adjacent in shared memory, as one B).
-__device__ __forceinline__ void tandem_wgmma_64x128x32(float (&d)[64], unsigned long long a, unsigned long long b,
-                                                       int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(a), "l"(b), "r"(accumulate));
-}
 
 // Dynamic shared memory: IDX_STAGES key tiles, then `max_q` q tiles (all 1024-byte aligned), then the
 // stages' k scales, the queries' head weights and the queries' first-digit counts.

@@ -504,6 +504,75 @@ extern "C" __global__ void __launch_bounds__(256) tandem_mla_decode(
     }
 }
 
+// The FP8 decode path's projections around engine/kernels/sparse_mla.cu (docs/model.md §2.2): the absorbed
+// query qb[r, h] = bf16(W_UK^T[h] q_nope[r, h]) then bf16(q_pe[r, h]) (rank + rd values), and after the
+// attention out[r, h] = W_UV[h] lat[r, h]. A warp computes one output for up to MLA_PROJ_ROWS rows of a head
+// (the weight row is read once for all of them); lane l sums inputs l, l + 32, ... then the warp's
+// butterfly: a row's values do not depend on the rows it shares the CTA with.
+#define MLA_PROJ_ROWS 16
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_mla_absorb_q(
+    const float* __restrict__ q, const float* __restrict__ w_uk_t, u16* __restrict__ qb, int rows, int heads,
+    int nope, int rd, int rank) {
+    extern __shared__ float qs[];  // [MLA_PROJ_ROWS][nope]
+    const int h = blockIdx.x, r0 = blockIdx.y * MLA_PROJ_ROWS;
+    const int nr = min(MLA_PROJ_ROWS, rows - r0), qk = nope + rd;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int i = threadIdx.x; i < nr * nope; i += blockDim.x)
+        qs[i] = q[((i64)(r0 + i / nope) * heads + h) * qk + i % nope];
+    for (int i = threadIdx.x; i < nr * rd; i += blockDim.x) {
+        const i64 row = r0 + i / rd;
+        qb[(row * heads + h) * (rank + rd) + rank + i % rd] = tandem_bf16(q[(row * heads + h) * qk + nope + i % rd]);
+    }
+    __syncthreads();
+    const float* wk = w_uk_t + (i64)h * rank * nope;
+    for (int c = warp; c < rank; c += WARPS) {
+        float acc[MLA_PROJ_ROWS];
+#pragma unroll
+        for (int j = 0; j < MLA_PROJ_ROWS; ++j) acc[j] = 0.0f;
+        for (int d = lane; d < nope; d += 32) {
+            const float w = wk[(i64)c * nope + d];
+#pragma unroll
+            for (int j = 0; j < MLA_PROJ_ROWS; ++j)
+                if (j < nr) acc[j] = __fmaf_rn(w, qs[j * nope + d], acc[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < MLA_PROJ_ROWS; ++j) {
+            const float a = tandem_warp_sum(acc[j]);
+            if (j < nr && lane == 0) qb[((i64)(r0 + j) * heads + h) * (rank + rd) + c] = tandem_bf16(a);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_mla_up_v(
+    const float* __restrict__ lat, const float* __restrict__ w_uv, float* __restrict__ out, int rows, int heads,
+    int rank, int vd) {
+    extern __shared__ float ls[];  // [MLA_PROJ_ROWS][rank]
+    const int h = blockIdx.x, r0 = blockIdx.y * MLA_PROJ_ROWS;
+    const int nr = min(MLA_PROJ_ROWS, rows - r0);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int i = threadIdx.x; i < nr * rank; i += blockDim.x)
+        ls[i] = lat[((i64)(r0 + i / rank) * heads + h) * rank + i % rank];
+    __syncthreads();
+    const float* wv = w_uv + (i64)h * vd * rank;
+    for (int d = warp; d < vd; d += WARPS) {
+        float acc[MLA_PROJ_ROWS];
+#pragma unroll
+        for (int j = 0; j < MLA_PROJ_ROWS; ++j) acc[j] = 0.0f;
+        for (int c = lane; c < rank; c += 32) {
+            const float w = wv[(i64)d * rank + c];
+#pragma unroll
+            for (int j = 0; j < MLA_PROJ_ROWS; ++j)
+                if (j < nr) acc[j] = __fmaf_rn(w, ls[j * rank + c], acc[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < MLA_PROJ_ROWS; ++j) {
+            const float a = tandem_warp_sum(acc[j]);
+            if (j < nr && lane == 0) out[((i64)(r0 + j) * heads + h) * vd + d] = a;
+        }
+    }
+}
+
 // MHA over decompressed keys and values: kv [ctx rows, heads, nope + vd] (kv_b of the cached latents),
 // k_pe [ctx rows, rd]; row r's context starts at ctx row ctx0[r]. Dynamic shared memory: topk floats.
 extern "C" __global__ void __launch_bounds__(256) tandem_mla_prefill(

@@ -79,7 +79,8 @@ fn prefill_logits_equal_decode_logits_fed_token_by_token() {
             &mut |_, _| {},
         )
         .unwrap();
-        let (mut worst, mut close) = (0f32, 0);
+        let (mut worst, mut close, mut iso_agree) = (0f32, 0, 0);
+        let mut diffs = Vec::new();
         for p in (0..toks.len()).rev() {
             let out =
                 e.b.decode(
@@ -87,25 +88,48 @@ fn prefill_logits_equal_decode_logits_fed_token_by_token() {
                     &[SeqInput { tokens: &toks[p..p + 1], start: p, blocks: &table.blocks, logits: Logits::Last }],
                 )
                 .unwrap();
-            let d = max_rel(&e.b.rows_to_host(&out[0].logits).unwrap(), &pre[p * VOCAB..(p + 1) * VOCAB]);
+            let got = e.b.rows_to_host(&out[0].logits).unwrap();
+            let want = &pre[p * VOCAB..(p + 1) * VOCAB];
+            let d = max_rel(&got, want);
             worst = worst.max(d);
             close += usize::from(d < 1e-4);
+            iso_agree += usize::from(argmax(&got) == argmax(want));
+            diffs.push(engine::tolerance::diff(&got, want));
         }
         let n = toks.len();
+        let mean_diff = diffs.iter().sum::<f64>() / n as f64;
         println!(
             "{prec:?}: prefill (MHA) vs decode (absorbed): {close}/{n} positions within 1e-4 (max relative \
-             difference {worst:.2e}); token-by-token decode argmax equal at {agree}/{n}"
+             difference {worst:.2e}, mean diff {mean_diff:.2e}), argmax equal at {iso_agree}/{n}; token-by-token \
+             decode argmax equal at {agree}/{n}"
         );
         match prec {
             // Same function, different float order: only rounding differs.
             Precision::Full => assert!(worst < 1e-4 && agree == n, "{worst} {agree}"),
-            // The activation quantization before o_proj usually absorbs the two forms' rounding differences
-            // (bit-identical logits), but a value on an e4m3 rounding boundary can flip by one step (6%).
-            // Measured over 8 runs (fresh prompts): 68..70 of 70 within 1e-4, token-by-token decode (whose
-            // cache entries are all decode-written) argmax-equal at 62..70 of 70. The bounds keep 4 and 6
-            // positions below the worst run; a wrong form agrees nowhere.
+            // The CPU's two forms differ by f32 rounding, which the activation quantization before o_proj
+            // usually absorbs (bit-identical logits; measured 70/70 within 1e-4). The GPU's decode runs the
+            // attention on bf16 tensor cores (q_abs and the probabilities rounded to bf16, as FlashMLA does;
+            // docs/model.md §2.2): those 2^-9 roundings flip activation codes on e4m3 boundaries (6% steps),
+            // which the random tiny model's routing amplifies. The bound is therefore statistical: the two
+            // forms' mean diff against the same prompt's FP8-vs-full diff, and argmax agreement. Measured on an
+            // H100 over 4 fresh prompts: mean diff 0.44-0.74x the FP8 noise, argmax equal at 50-62 of 70
+            // (isolated) and 44-57 (token by token); the CPU with q_abs and P rounded to bf16 the same way
+            // gives 0.41-0.77x, 55-60 and 50-56, so the spread is bf16's, not the kernel's. The bounds (1x,
+            // 60%, 55%) keep 5-8 positions of margin; a wrong form's diff is ~1, 50x the noise.
             Precision::Fp8 => {
-                assert!(close + 6 >= n && agree + 14 >= n, "{close}/{n} close, worst {worst}, argmax {agree}/{n}")
+                let full = env(Precision::Full).prefill_all("full", &toks);
+                let noise = (0..n)
+                    .map(|p| {
+                        engine::tolerance::diff(&pre[p * VOCAB..(p + 1) * VOCAB], &full[p * VOCAB..(p + 1) * VOCAB])
+                    })
+                    .sum::<f64>()
+                    / n as f64;
+                println!("Fp8: the FP8-vs-full diff of the same prompt: {noise:.2e}");
+                assert!(
+                    mean_diff < noise && iso_agree * 10 >= 6 * n && agree * 100 >= 55 * n,
+                    "mean diff {mean_diff:e} against the FP8 noise {noise:e}, argmax {iso_agree}/{n} isolated, \
+                     {agree}/{n} token by token"
+                )
             }
         }
         e.pool.release("dec").unwrap();

@@ -16,7 +16,7 @@ use cudarc::driver::{CudaEvent, DevicePtr, sys};
 use super::ops::{Arg, DBuf, Workspace, elementwise_grid, launch};
 use super::topk::{HIST_WORDS, RawTopk, launch_topk};
 use super::weights::{DFfn, DLayer, DLinear, DMlp, DWeights, LoadError};
-use super::{CudaError, Gpu, indexer};
+use super::{CudaError, Gpu, indexer, sparse_mla};
 use crate::backend::{
     AttnForm, Backend, DeviceRows, EngineError, Fence, LayerDone, LayerReady, MtpInput, SeqInput, SeqOutput,
     check_pool_fits, main_items, mtp_items,
@@ -35,6 +35,8 @@ const INDEX_HEAD_TILE: usize = 8;
 /// Bytes of indexer scores one chunk of rows may hold: the scorer and the top-k run over rows in chunks of
 /// [`score_rows`] so that a long prefill's workspace stays bounded.
 const SCORE_BYTES: usize = 64 << 20;
+/// Rows a CTA of `tandem_mla_absorb_q` / `tandem_mla_up_v` projects (`MLA_PROJ_ROWS` in model.cu).
+const MLA_PROJ_ROWS: usize = 16;
 
 /// Rows per scoring chunk at a score stride of `stride` positions (at least one scorer group).
 fn score_rows(stride: usize, score_bytes: usize) -> usize {
@@ -719,6 +721,77 @@ impl CudaBackend {
                     ],
                 )?;
             }
+            _ if fp8 => {
+                // The absorbed form on the tensor cores (engine/kernels/sparse_mla.cu): q_abs in bf16, the
+                // latent attention, then W_UV. The FP8 entry fixes rank 512 and rope 64 (CacheGeometry).
+                let qb = ws.take::<u16>(&s, rows * heads * sparse_mla::DQK)?;
+                let proj_grid = (heads as u32, rows.div_ceil(MLA_PROJ_ROWS) as u32, 1);
+                launch(
+                    g,
+                    "tandem_mla_absorb_q",
+                    proj_grid,
+                    256,
+                    (MLA_PROJ_ROWS * nope * 4) as u32,
+                    &[
+                        Arg::P(q),
+                        Arg::P(a.w_uk_t.ptr()),
+                        Arg::P(qb),
+                        Arg::I(rows as i32),
+                        Arg::I(heads as i32),
+                        Arg::I(nope as i32),
+                        Arg::I(rd as i32),
+                        Arg::I(rank as i32),
+                    ],
+                )?;
+                let latent_out = ws.take::<f32>(&s, rows * heads * rank)?;
+                let splits = sparse_mla::max_splits(topk, sparse_mla::SPLIT_TILES);
+                let (part_o, part_lse) = if splits > 1 {
+                    (ws.take::<f32>(&s, rows * splits * heads * rank)?, ws.take::<f32>(&s, rows * splits * heads)?)
+                } else {
+                    (0, 0)
+                };
+                sparse_mla::launch(
+                    g,
+                    &sparse_mla::RawArgs {
+                        q: qb,
+                        queries: rows,
+                        heads,
+                        latent: latent_region,
+                        num_blocks: geometry.num_blocks,
+                        block_table: inp.tables,
+                        max_blocks: inp.table_width,
+                        query_row: 0,
+                        ctx_len: inp.lengths,
+                        sel,
+                        topk,
+                        // The top-k selects min(length, index_topk) positions, then -1.
+                        sel_len: inp.lengths,
+                        split_tiles: sparse_mla::SPLIT_TILES,
+                        scale,
+                        out: latent_out,
+                        out_bf16: false,
+                        lse: 0,
+                        part_o,
+                        part_lse,
+                    },
+                )?;
+                launch(
+                    g,
+                    "tandem_mla_up_v",
+                    proj_grid,
+                    256,
+                    (MLA_PROJ_ROWS * rank * 4) as u32,
+                    &[
+                        Arg::P(latent_out),
+                        Arg::P(a.w_uv.ptr()),
+                        Arg::P(o),
+                        Arg::I(rows as i32),
+                        Arg::I(heads as i32),
+                        Arg::I(rank as i32),
+                        Arg::I(vd as i32),
+                    ],
+                )?;
+            }
             _ => {
                 let smem = ((2 * rank + rd + topk) * 4) as u32;
                 launch(
@@ -1060,6 +1133,7 @@ impl CudaBackend {
             + 128
             + 2 * ih_pad
             + heads * vd
+            + heads * (sparse_mla::DQK as u64 / 2 + rank)
             + 2 * k * inter
             + k * hidden
             + 2 * c.n_routed_experts as u64

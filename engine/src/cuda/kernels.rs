@@ -21,6 +21,7 @@ use super::nvrtc::{self, Unit};
 const HEADERS: &[(&str, &str)] = &[
     ("common.cuh", include_str!("../../kernels/common.cuh")),
     ("topk_key.cuh", include_str!("../../kernels/topk_key.cuh")),
+    ("wgmma.cuh", include_str!("../../kernels/wgmma.cuh")),
 ];
 
 /// Header sets outside the repository a family may include. Their versions join the cache key.
@@ -141,6 +142,15 @@ pub const FAMILIES: &[Family] = &[
         sass_expect: &["QGMMA.64x128x32.F32.E4M3.E4M3", "QGMMA.64x64x32.F32.E4M3.E4M3", "LDGSTS.E.BYPASS.128"],
     },
     Family {
+        name: "sparse_mla",
+        source: include_str!("../../kernels/sparse_mla.cu"),
+        functions: &["tandem_sparse_mla_decode", "tandem_sparse_mla_combine"],
+        externals: &[],
+        // bf16 wgmma from shared memory (S = Q K^T), with P from registers and a transposed V (O += P V),
+        // and the mbarriers of the producer pipeline.
+        sass_expect: &["HGMMA.64x64x16.F32.BF16", "HGMMA.64x256x16.F32.BF16", "SYNCS"],
+    },
+    Family {
         name: "sample",
         source: include_str!("../../kernels/sample.cu"),
         functions: &["tandem_sample_row", "tandem_draft_row"],
@@ -167,6 +177,8 @@ pub const FAMILIES: &[Family] = &[
             "tandem_read_latents",
             "tandem_indexer_scores_f32",
             "tandem_mla_decode",
+            "tandem_mla_absorb_q",
+            "tandem_mla_up_v",
             "tandem_mla_prefill",
             "tandem_route",
             "tandem_moe_combine",

@@ -1,5 +1,6 @@
 //! The GPU side: CUDA C kernels compiled by NVRTC at start-up ([`kernels`], [`nvrtc`]), the device they
-//! run on ([`device`]) and one Rust module per kernel family with its launch checks ([`cache_quant`], [`indexer`], [`topk`]).
+//! run on ([`device`]) and one Rust module per kernel family with its launch checks ([`cache_quant`], [`indexer`], [`topk`],
+//! [`sparse_mla`]).
 //!
 //! Everything loads the CUDA libraries at run time (cudarc's dynamic loading): a binary built without
 //! CUDA runs anywhere, and a missing library or GPU is a clear [`CudaError`], never a panic and never a
@@ -14,6 +15,7 @@ pub mod nvrtc;
 pub mod ops;
 pub mod sample;
 pub mod sass;
+pub mod sparse_mla;
 pub mod topk;
 pub mod weights;
 

@@ -1,0 +1,484 @@
+//! Sparse MLA decode over the FP8 latent cache on the GPU (`engine/kernels/sparse_mla.cu`): each query's
+//! absorbed q (576 bf16 per head) attends to its selected tokens' 656-byte entries, read through the block
+//! table and dequantized in the kernel, with bf16 wgmma on the tensor cores (docs/model.md §2.2, §4).
+//!
+//! A query is a row of the decode step (a token, or its MTP draft, which sees one more position); each has
+//! its own selection, causal length and block-table row. The work of a query is split into pieces of
+//! [`SPLIT_TILES`] tiles of 64 selected tokens, a model constant: a query's splits depend only on its own
+//! selection length, and [`launch`] adds them in split order, so its output does not depend on the batch.
+
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
+
+use super::ops::{Arg, launch as launch_kernel};
+use super::{CudaError, Gpu};
+use crate::cache::BLOCK_SIZE;
+
+/// The latent's dimensions: the FP8 entry's 512 quantized values plus 64 bf16 rope values.
+pub const RANK: usize = 512;
+pub const ROPE: usize = 64;
+pub const DQK: usize = RANK + ROPE;
+/// Bytes of one cache entry (SPEC §4).
+pub const ENTRY: usize = 656;
+/// Selected tokens per tile, heads per CTA.
+pub const TILE: usize = 64;
+pub const HEAD_BLOCK: usize = 64;
+/// Tiles a CTA reduces before its result is combined with the query's other splits. 32 tiles is
+/// DeepSeek-V3.2's whole top-k (2048): one split, no combine, on the serving path (bench/RESULTS.md shows
+/// what smaller splits cost and give).
+pub const SPLIT_TILES: usize = 32;
+const THREADS: u32 = 384;
+
+/// Must match `SMLA_SHARED_BYTES`: q (9 tiles of 64 x 64 bf16), two K/V buffers of 64 tokens x 576 bf16,
+/// P (64 x 64 bf16), validity flags, rescale and normalizer rows, four mbarriers, alignment slack.
+pub const SHARED_BYTES: usize = 73_728 + 2 * 73_728 + 8_192 + 128 + 256 + 256 + 32 + 1024;
+
+/// Splits of a query whose selection list holds `topk` entries.
+pub const fn max_splits(topk: usize, split_tiles: usize) -> usize {
+    let s = topk.div_ceil(TILE).div_ceil(split_tiles);
+    if s == 0 { 1 } else { s }
+}
+
+/// One launch's device buffers as raw addresses (the backend's workspace hands out addresses).
+#[derive(Debug, Clone, Copy)]
+pub struct RawArgs {
+    /// Absorbed queries, bf16 `[queries, heads, 576]`: `W_UK^T q_nope` (512) then `q_pe` (64).
+    pub q: u64,
+    pub queries: usize,
+    pub heads: usize,
+    /// One layer's latent region: `num_blocks` blocks of 64 entries of [`ENTRY`] bytes.
+    pub latent: u64,
+    pub num_blocks: usize,
+    /// Physical block ids `[rows, max_blocks]`, logical block order.
+    pub block_table: u64,
+    pub max_blocks: usize,
+    /// 0 (query `i` reads table row `i`), or `[queries]` table rows.
+    pub query_row: u64,
+    /// `[queries]` causal lengths: positions at or past a query's length are not attended to.
+    pub ctx_len: u64,
+    /// `[queries, topk]` selected positions; -1 (or any position outside the context) is skipped.
+    pub sel: u64,
+    pub topk: usize,
+    /// 0, or `[queries]`: only the first `min(sel_len, topk)` entries of a query's list are read.
+    pub sel_len: u64,
+    pub split_tiles: usize,
+    /// Softmax scale (`softmax_scale()`, mscale^2 included).
+    pub scale: f32,
+    /// `[queries, heads, 512]`: f32, or bf16 with `out_bf16`.
+    pub out: u64,
+    pub out_bf16: bool,
+    /// 0, or `[queries, heads]` f32 log-sum-exp of the logits (-inf where nothing is selected).
+    pub lse: u64,
+    /// Where splits leave their results when a query has more than one: `queries * max_splits * heads * 512`
+    /// f32 and `queries * max_splits * heads` f32 (0 when `max_splits(topk, split_tiles)` is 1).
+    pub part_o: u64,
+    pub part_lse: u64,
+}
+
+/// Queues the attention of every query: `out[q, h] = sum_t softmax_t(scale * q[q, h] . k_t) c_t` over the
+/// query's selected, in-context tokens whose table entries lie in `0..num_blocks` (zeros, and an lse of
+/// -inf, when there are none). Nothing outside the region and the given arrays is read.
+pub fn launch(gpu: &Gpu, a: &RawArgs) -> Result<(), CudaError> {
+    let bad = |m: String| Err(CudaError::Shape(m));
+    if a.heads == 0 || a.topk == 0 || a.split_tiles == 0 {
+        return bad(format!(
+            "{} heads, top-k {}, {} tiles per split: each must be at least 1",
+            a.heads, a.topk, a.split_tiles
+        ));
+    }
+    if a.queries > 65_535 || a.heads.div_ceil(HEAD_BLOCK) > 65_535 {
+        return bad(format!("{} queries of {} heads: at most 65535 queries and head blocks", a.queries, a.heads));
+    }
+    let splits = max_splits(a.topk, a.split_tiles);
+    if splits > 65_535 || a.topk > i32::MAX as usize || a.num_blocks > i32::MAX as usize / BLOCK_SIZE {
+        return bad(format!("top-k {} ({splits} splits), {} blocks", a.topk, a.num_blocks));
+    }
+    if splits > 1 && (a.part_o == 0 || a.part_lse == 0) {
+        return bad(format!("{splits} splits a query need split buffers"));
+    }
+    if a.queries == 0 {
+        return Ok(());
+    }
+    launch_kernel(
+        gpu,
+        "tandem_sparse_mla_decode",
+        (a.heads.div_ceil(HEAD_BLOCK) as u32, a.queries as u32, splits as u32),
+        THREADS,
+        SHARED_BYTES as u32,
+        &[
+            Arg::P(a.q),
+            Arg::I(a.heads as i32),
+            Arg::P(a.latent),
+            Arg::I(a.num_blocks as i32),
+            Arg::P(a.block_table),
+            Arg::I(a.max_blocks as i32),
+            Arg::P(a.query_row),
+            Arg::P(a.ctx_len),
+            Arg::P(a.sel),
+            Arg::I(a.topk as i32),
+            Arg::P(a.sel_len),
+            Arg::I(a.split_tiles as i32),
+            Arg::F(a.scale),
+            Arg::P(a.out),
+            Arg::I(a.out_bf16 as i32),
+            Arg::P(a.lse),
+            Arg::P(a.part_o),
+            Arg::P(a.part_lse),
+            Arg::I(splits as i32),
+        ],
+    )?;
+    if splits > 1 {
+        launch_kernel(
+            gpu,
+            "tandem_sparse_mla_combine",
+            (a.heads as u32, a.queries as u32, 1),
+            128,
+            0,
+            &[
+                Arg::P(a.part_o),
+                Arg::P(a.part_lse),
+                Arg::I(a.heads as i32),
+                Arg::I(splits as i32),
+                Arg::P(a.sel_len),
+                Arg::I(a.topk as i32),
+                Arg::I(a.split_tiles as i32),
+                Arg::P(a.out),
+                Arg::I(a.out_bf16 as i32),
+                Arg::P(a.lse),
+            ],
+        )?;
+    }
+    Ok(())
+}
+
+/// One batch of queries for [`decode`], in device slices.
+pub struct Args<'a> {
+    /// bf16 bits `[queries, heads, 576]`.
+    pub q: &'a CudaSlice<u16>,
+    pub heads: usize,
+    pub latent: &'a CudaView<'a, u8>,
+    pub num_blocks: usize,
+    /// `[queries, max_blocks]`: each query its own table row.
+    pub block_table: &'a CudaSlice<i32>,
+    pub max_blocks: usize,
+    pub ctx_len: &'a CudaSlice<i32>,
+    /// `[queries, topk]`.
+    pub sel: &'a CudaSlice<i32>,
+    pub topk: usize,
+    pub sel_len: Option<&'a CudaSlice<i32>>,
+    pub split_tiles: usize,
+    pub scale: f32,
+}
+
+/// [`launch`] over checked device slices: the f32 output `[queries, heads, 512]` and lse `[queries, heads]`.
+pub fn decode(gpu: &Gpu, a: &Args<'_>) -> Result<(CudaSlice<f32>, CudaSlice<f32>), CudaError> {
+    let bad = |m: String| Err(CudaError::Shape(m));
+    let queries = a.ctx_len.len();
+    if a.q.len() < queries * a.heads * DQK {
+        return bad(format!("q holds {} values, {queries} queries x {} heads x {DQK} needed", a.q.len(), a.heads));
+    }
+    if a.latent.len() < a.num_blocks * BLOCK_SIZE * ENTRY {
+        return bad(format!("latent region of {} bytes for {} blocks", a.latent.len(), a.num_blocks));
+    }
+    if a.block_table.len() < queries * a.max_blocks || a.sel.len() < queries * a.topk {
+        return bad(format!("block table/selections shorter than {queries} queries"));
+    }
+    if a.sel_len.is_some_and(|s| s.len() < queries) {
+        return bad(format!("selection lengths shorter than {queries} queries"));
+    }
+    let st = gpu.stream();
+    let splits = max_splits(a.topk, a.split_tiles);
+    let out = st.alloc_zeros::<f32>((queries * a.heads * RANK).max(1))?;
+    let lse = st.alloc_zeros::<f32>((queries * a.heads).max(1))?;
+    let part_o = st.alloc_zeros::<f32>(if splits > 1 { queries * splits * a.heads * RANK } else { 1 })?;
+    let part_lse = st.alloc_zeros::<f32>(if splits > 1 { queries * splits * a.heads } else { 1 })?;
+    let raw = RawArgs {
+        q: a.q.device_ptr(st).0,
+        queries,
+        heads: a.heads,
+        latent: a.latent.device_ptr(st).0,
+        num_blocks: a.num_blocks,
+        block_table: a.block_table.device_ptr(st).0,
+        max_blocks: a.max_blocks,
+        query_row: 0,
+        ctx_len: a.ctx_len.device_ptr(st).0,
+        sel: a.sel.device_ptr(st).0,
+        topk: a.topk,
+        sel_len: a.sel_len.map_or(0, |s| s.device_ptr(st).0),
+        split_tiles: a.split_tiles,
+        scale: a.scale,
+        out: out.device_ptr(st).0,
+        out_bf16: false,
+        lse: lse.device_ptr(st).0,
+        part_o: part_o.device_ptr(st).0,
+        part_lse: part_lse.device_ptr(st).0,
+    };
+    launch(gpu, &raw)?;
+    Ok((out, lse))
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::RngExt;
+    use rand::seq::SliceRandom;
+    use rand_chacha::ChaCha8Rng;
+
+    use super::*;
+    use crate::cache::format::{decode_latent_fp8, encode_latent_fp8};
+
+    /// A pool of random entries (values drawn as the reference kernels' tests draw them: randn / 10 plus an
+    /// offset, quantized by the cache writer's encoder), and queries over it.
+    struct Case {
+        heads: usize,
+        num_blocks: usize,
+        max_blocks: usize,
+        topk: usize,
+        pool: Vec<u8>,
+        /// Per query: q (bf16 bits), table row, causal length, selection (topk entries, -1 padded).
+        q: Vec<Vec<u16>>,
+        table: Vec<Vec<i32>>,
+        ctx: Vec<i32>,
+        sel: Vec<Vec<i32>>,
+        sel_len: Option<Vec<i32>>,
+    }
+
+    fn normal(rng: &mut ChaCha8Rng) -> f32 {
+        // Box-Muller.
+        let (u, v): (f64, f64) = (rng.random::<f64>().max(1e-12), rng.random());
+        ((-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()) as f32
+    }
+
+    fn case(rng: &mut ChaCha8Rng, heads: usize, ctxs: &[usize], topk: usize) -> Case {
+        let max_blocks = ctxs.iter().map(|c| c.div_ceil(BLOCK_SIZE)).max().unwrap_or(1).max(1);
+        let num_blocks = max_blocks * ctxs.len().max(1) + 3;
+        let off = (rng.random::<f32>() - 0.5) / 10.0;
+        let mut pool = vec![0u8; num_blocks * BLOCK_SIZE * ENTRY];
+        for e in pool.chunks_mut(ENTRY) {
+            let c: Vec<f32> = (0..RANK).map(|_| normal(rng) / 10.0 + off).collect();
+            let k: Vec<f32> = (0..ROPE).map(|_| normal(rng) / 10.0 + off).collect();
+            encode_latent_fp8(&c, &k, e);
+        }
+        let mut q = Vec::new();
+        let mut table = Vec::new();
+        let mut sel = Vec::new();
+        for &ctx in ctxs {
+            q.push((0..heads * DQK).map(|_| half::bf16::from_f32(normal(rng)).to_bits()).collect());
+            let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+            ids.shuffle(rng);
+            ids.truncate(max_blocks);
+            table.push(ids);
+            let mut pos: Vec<i32> = (0..ctx as i32).collect();
+            pos.shuffle(rng);
+            pos.truncate(topk);
+            pos.sort_unstable();
+            pos.resize(topk, -1);
+            sel.push(pos);
+        }
+        Case {
+            heads,
+            num_blocks,
+            max_blocks,
+            topk,
+            pool,
+            q,
+            table,
+            ctx: ctxs.iter().map(|&c| c as i32).collect(),
+            sel,
+            sel_len: None,
+        }
+    }
+
+    /// The attention of every query in f64 over the decoded (dequantized) cache: `[queries][heads * 512]`.
+    fn reference(c: &Case, scale: f32) -> Vec<Vec<f64>> {
+        (0..c.q.len())
+            .map(|i| {
+                let n = c.sel_len.as_ref().map_or(c.topk, |l| (l[i].max(0) as usize).min(c.topk));
+                let mut keys = Vec::new();
+                for &p in &c.sel[i][..n] {
+                    if p < 0 || p >= c.ctx[i] {
+                        continue;
+                    }
+                    let b = c.table[i][p as usize / BLOCK_SIZE];
+                    if b < 0 || b as usize >= c.num_blocks {
+                        continue;
+                    }
+                    let e = &c.pool[(b as usize * BLOCK_SIZE + p as usize % BLOCK_SIZE) * ENTRY..][..ENTRY];
+                    let (mut cv, mut kv) = (vec![0f32; RANK], vec![0f32; ROPE]);
+                    decode_latent_fp8(e, &mut cv, &mut kv);
+                    cv.extend(kv);
+                    keys.push(cv);
+                }
+                let mut out = vec![0f64; c.heads * RANK];
+                if keys.is_empty() {
+                    return out;
+                }
+                for h in 0..c.heads {
+                    let q: Vec<f64> =
+                        c.q[i][h * DQK..(h + 1) * DQK].iter().map(|&b| half::bf16::from_bits(b).to_f64()).collect();
+                    let logits: Vec<f64> = keys
+                        .iter()
+                        .map(|k| q.iter().zip(k).map(|(a, b)| a * *b as f64).sum::<f64>() * scale as f64)
+                        .collect();
+                    let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let w: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
+                    let sum: f64 = w.iter().sum();
+                    for (k, wk) in keys.iter().zip(&w) {
+                        for d in 0..RANK {
+                            out[h * RANK + d] += wk / sum * k[d] as f64;
+                        }
+                    }
+                }
+                out
+            })
+            .collect()
+    }
+
+    fn run(gpu: &Gpu, c: &Case, split_tiles: usize, scale: f32) -> Vec<Vec<f32>> {
+        let st = gpu.stream();
+        let q = st.clone_htod(&c.q.concat()).unwrap();
+        let pool = st.clone_htod(&c.pool).unwrap();
+        let view = pool.slice(..);
+        let table = st.clone_htod(&c.table.concat()).unwrap();
+        let ctx = st.clone_htod(&c.ctx).unwrap();
+        let sel = st.clone_htod(&c.sel.concat()).unwrap();
+        let sel_len = c.sel_len.as_ref().map(|l| st.clone_htod(l).unwrap());
+        let args = Args {
+            q: &q,
+            heads: c.heads,
+            latent: &view,
+            num_blocks: c.num_blocks,
+            block_table: &table,
+            max_blocks: c.max_blocks,
+            ctx_len: &ctx,
+            sel: &sel,
+            topk: c.topk,
+            sel_len: sel_len.as_ref(),
+            split_tiles,
+            scale,
+        };
+        let (out, _) = decode(gpu, &args).unwrap();
+        let host = st.clone_dtoh(&out).unwrap();
+        host.chunks(c.heads * RANK).take(c.q.len()).map(|x| x.to_vec()).collect()
+    }
+
+    /// docs/model.md §6 (SPEC §6): elementwise abs 1e-3 or rel 2/128, and diff <= 5e-6, no NaN.
+    fn check(got: &[f32], want: &[f64], what: &str) {
+        assert!(got.iter().all(|v| v.is_finite()), "{what}: non-finite output");
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            let err = (g as f64 - w).abs();
+            assert!(err < 1e-3 || err < 2.0 / 128.0 * w.abs(), "{what}: element {i}: {g} vs {w}");
+        }
+        let (ab, aa) = got
+            .iter()
+            .zip(want)
+            .fold((0f64, 0f64), |(ab, aa), (&g, &w)| (ab + g as f64 * w, aa + (g as f64).powi(2) + w * w));
+        let diff = if aa == 0.0 { 0.0 } else { 1.0 - 2.0 * ab / aa };
+        assert!(diff <= 5e-6, "{what}: diff {diff:e}");
+    }
+
+    const SCALE: f32 = 0.041_666_67; // 1 / sqrt(576)
+
+    #[test]
+    fn matches_the_f64_reference_within_the_sparse_decode_tolerance() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        // Context below, at and above top-k, not a multiple of 64, length 1 and 0; 128 heads (two CTAs).
+        let c = case(&mut rng, 128, &[1, 0, 63, 300, 2049, 5000], 2048);
+        let want = reference(&c, SCALE);
+        for split in [SPLIT_TILES, 4, 1] {
+            for (i, got) in run(&gpu, &c, split, SCALE).iter().enumerate() {
+                check(got, &want[i], &format!("query {i} (context {}), split {split}, seed {seed}", c.ctx[i]));
+            }
+        }
+    }
+
+    #[test]
+    fn few_heads_short_selections_and_invalid_entries() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        // The tiny model's 4 heads and top-k 32; 192 heads (a partial last head block).
+        for (heads, topk) in [(4, 32), (192, 256)] {
+            let mut c = case(&mut rng, heads, &[40, 700, 1, 129], topk);
+            // A draft row that sees one position more than the row before it, -1 holes, positions past the
+            // context and a table entry outside the pool (all skipped), a short explicit selection length.
+            c.sel[1][3] = -1;
+            c.sel[1][5] = c.ctx[1] + 7;
+            c.table[2][0] = c.num_blocks as i32 + 5;
+            c.sel_len = Some(vec![topk as i32, 17, topk as i32, 0]);
+            let want = reference(&c, SCALE);
+            for split in [SPLIT_TILES, 1] {
+                for (i, got) in run(&gpu, &c, split, SCALE).iter().enumerate() {
+                    check(got, &want[i], &format!("{heads} heads, query {i}, split {split}, seed {seed}"));
+                }
+            }
+            // Nothing usable: zeros, never NaN.
+            let out = run(&gpu, &c, SPLIT_TILES, SCALE);
+            assert!(out[2].iter().all(|&v| v == 0.0) && out[3].iter().all(|&v| v == 0.0), "seed {seed}");
+        }
+    }
+
+    #[test]
+    fn a_querys_output_does_not_depend_on_its_batch() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        let base = case(&mut rng, 128, &[3000], 2048);
+        let filler = case(&mut rng, 128, &[3000, 2500, 4000], 2048);
+        let alone = run(&gpu, &base, SPLIT_TILES, SCALE)[0].clone();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        // Batch sizes around the launch's edges (64 queries = 128 CTAs, about one per SM).
+        for b in [2usize, 63, 64, 65, 129] {
+            let pick = |v: &Vec<Vec<i32>>| (0..b).map(|i| v[i % 3].clone()).collect::<Vec<_>>();
+            let mut c = Case {
+                heads: 128,
+                num_blocks: filler.num_blocks + base.num_blocks,
+                max_blocks: filler.max_blocks.max(base.max_blocks),
+                topk: 2048,
+                pool: [filler.pool.clone(), base.pool.clone()].concat(),
+                q: (0..b).map(|i| filler.q[i % 3].clone()).collect(),
+                table: pick(&filler.table),
+                ctx: (0..b).map(|i| filler.ctx[i % 3]).collect(),
+                sel: pick(&filler.sel),
+                sel_len: None,
+            };
+            // The base query at position b / 2, its table rebased onto its blocks after the filler's.
+            let at = b / 2;
+            c.q[at] = base.q[0].clone();
+            c.sel[at] = base.sel[0].clone();
+            c.ctx[at] = base.ctx[0];
+            c.table[at] = base.table[0].iter().map(|&t| t + filler.num_blocks as i32).collect();
+            for t in &mut c.table {
+                t.resize(c.max_blocks, -1);
+            }
+            let got = run(&gpu, &c, SPLIT_TILES, SCALE);
+            assert_eq!(bits(&got[at]), bits(&alone), "batch {b}: seed {seed}");
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let raw = RawArgs {
+            q: 0,
+            queries: 1,
+            heads: 0,
+            latent: 0,
+            num_blocks: 1,
+            block_table: 0,
+            max_blocks: 1,
+            query_row: 0,
+            ctx_len: 0,
+            sel: 0,
+            topk: 2048,
+            sel_len: 0,
+            split_tiles: 32,
+            scale: 1.0,
+            out: 0,
+            out_bf16: false,
+            lse: 0,
+            part_o: 0,
+            part_lse: 0,
+        };
+        assert!(launch(&gpu, &raw).is_err(), "0 heads");
+        assert!(launch(&gpu, &RawArgs { heads: 128, split_tiles: 4, ..raw }).is_err(), "splits without buffers");
+        assert!(launch(&gpu, &RawArgs { heads: 128, queries: 70_000, ..raw }).is_err(), "too many queries");
+    }
+}
