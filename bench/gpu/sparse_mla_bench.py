@@ -40,7 +40,7 @@ kl = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(kl)
 
 BLOCK, DQK, DV, ENTRY, TOPK = 64, 576, 512, 656, 2048
-SHARED_BYTES = 73728 + 2 * 73728 + 8192 + 128 + 256 + 256 + 32 + 1024
+SHARED_BYTES = 73728 + 2 * 73728 + 8192 + 512 + 256 + 256 + 48 + 1024
 DEV = torch.device("cuda")
 
 
@@ -56,6 +56,10 @@ class Kernel:
         mod = kl.module("sparse_mla")
         self.decode = mod.get_function("tandem_sparse_mla_decode")
         kl.set_smem(self.decode, SHARED_BYTES)
+        # 128 heads (two head blocks): pairs of CTAs sharing each tile's dequantization (a cluster of two).
+        self.pair = mod.get_function("tandem_sparse_mla_decode_pair")
+        kl.set_smem(self.pair, SHARED_BYTES)
+        self.use_pair = True
         self.combine = mod.get_function("tandem_sparse_mla_combine")
         self.ws = {}
 
@@ -79,7 +83,8 @@ class Kernel:
 
         def launch():
             with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-                self.decode(grid, (384,), dargs, shared_mem=SHARED_BYTES)
+                fn = self.pair if self.use_pair and grid[0] == 2 else self.decode
+                fn(grid, (384,), dargs, shared_mem=SHARED_BYTES)
                 if max_splits > 1:
                     self.combine((heads, queries), (128,), cargs)
         launch.keep = (po, pl)
@@ -238,6 +243,18 @@ def checks(kern, split_default):
             for bf in (True, False):
                 out, lse = case.run(kern, st, out_bf16=bf)
                 check(f"{name}, split {st}, {'bf16' if bf else 'f32'}", out, lse, ref, ref_lse, failures)
+    # The pair form (128 heads: two CTAs sharing each tile's dequantization) and the single form: same bits.
+    case = Case(3, 2, 5000, seed=12)
+    use = kern.use_pair
+    outs = []
+    for pair in (True, False):
+        kern.use_pair = pair
+        outs.append(case.run(kern, split_default, out_bf16=False)[0].view(torch.int32).clone())
+    kern.use_pair = use
+    same = bool((outs[0] == outs[1]).all())
+    print(f"  pair form vs single form: {'identical' if same else 'DIFFERENT'}")
+    if not same:
+        failures.append("pair vs single")
     # Batch invariance: query 0 of a fixed request, inside batches of every size around the launch's edges.
     print("batch invariance (query 0's output bits at each batch size, split setting fixed):")
     base = Case(1, 2, 6000, seed=11)
@@ -336,9 +353,11 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--split-tiles", type=int, nargs="+", default=[32])
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--no-pair", action="store_true", help="128 heads as two independent CTAs (no cluster)")
     a = ap.parse_args()
     dev = torch.cuda.get_device_name()
     kern = Kernel()
+    kern.use_pair = not a.no_pair
     failures = [] if a.no_check else checks(kern, a.split_tiles[0])
     copy, mm = ceilings()
     print(f"{dev}: device copy {copy:.0f} GB/s, bf16 matmul {mm:.0f} TFLOPS (8192^3)")

@@ -12,7 +12,10 @@
 //   - WG0 computes S = Q K^T (m64n64k16 x 36, both operands in shared memory), the online softmax in
 //     registers, writes P (bf16) to shared memory for WG1, and O[:, 0:256] += P V with P from registers;
 //   - WG1 computes O[:, 256:512] += P V with P from shared memory.
-// Both consumers arrive on the buffer's `empty` mbarrier when their wgmma are done with it.
+// Both consumers arrive on the buffer's `empty` mbarrier when their wgmma are done with it. With 128 heads
+// (two head blocks) the two CTAs of a query form a cluster (`tandem_sparse_mla_decode_pair`): each producer
+// dequantizes half of every tile into both CTAs' buffers, which halves the gathering per CTA and lets a
+// producer thread keep two tiles in flight (see smla_decode).
 //
 // Exact dequantization: an e4m3 code moved into bf16's bit positions is its value times 2^-120 (normal and
 // subnormal codes alike); one bf16 multiply by scale * 2^64 then gives value * scale * 2^-56 exactly. k_pe
@@ -38,12 +41,14 @@
 #define SMLA_P_BYTES (SMLA_HEADS * SMLA_TILE * 2)  // one swizzled tile of 64 heads x 64 tokens
 #define SMLA_OFF_K SMLA_Q_BYTES
 #define SMLA_OFF_P (SMLA_OFF_K + 2 * SMLA_K_BYTES)
-#define SMLA_OFF_VALID (SMLA_OFF_P + SMLA_P_BYTES)   // u8 [2][64]
-#define SMLA_OFF_SCALE (SMLA_OFF_VALID + 128)        // f32 [64]: O rescale of the current tile
+#define SMLA_OFF_VALID (SMLA_OFF_P + SMLA_P_BYTES)   // u32 [2][64]: the tokens' selected flags
+#define SMLA_OFF_SCALE (SMLA_OFF_VALID + 512)        // f32 [64]: O rescale of the current tile
 #define SMLA_OFF_NORM (SMLA_OFF_SCALE + 256)         // f32 [64]: final 2^56 / l
-#define SMLA_OFF_BAR (SMLA_OFF_NORM + 256)           // u64 full[2], empty[2]
+#define SMLA_OFF_BAR (SMLA_OFF_NORM + 256)           // u64 full[2], empty[2], full_remote[2]
 // engine::cuda::sparse_mla::SHARED_BYTES: the layout above plus slack to align the base to 1024 bytes.
-#define SMLA_SHARED_BYTES (SMLA_OFF_BAR + 32 + 1024)
+#define SMLA_SHARED_BYTES (SMLA_OFF_BAR + 48 + 1024)
+// Bytes a pair's peer producer sends per tile: 32 tokens x (64 + 8 column chunks of 16 bytes) + 32 flags.
+#define SMLA_REMOTE_BYTES (32 * 72 * 16 + 32 * 4)
 
 #define SMLA_BAR_P_READY 1
 #define SMLA_BAR_P_FREE 2
@@ -68,6 +73,65 @@ __device__ __forceinline__ void smla_mbar_wait(u32 bar, u32 parity) {
             : "memory");
     } while (!done);
 }
+
+// The same wait with cluster-scope acquire: data the peer CTA wrote (st.async) or released before arriving.
+__device__ __forceinline__ void smla_mbar_wait_cluster(u32 bar, u32 parity) {
+    u32 done = 0;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void smla_mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// The peer CTA's address of this CTA's shared-memory address `a` (a pair is a cluster of two).
+__device__ __forceinline__ u32 smla_peer(u32 a, u32 peer_rank) {
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(peer_rank));
+    return r;
+}
+__device__ __forceinline__ void smla_mbar_arrive_remote(u32 peer_bar) {
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(peer_bar) : "memory");
+}
+// 16 bytes into the peer's shared memory, counted on the peer's mbarrier when they land.
+__device__ __forceinline__ void smla_st_async(u32 peer_addr, uint4 v, u32 peer_bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
+                 ::"r"(peer_addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(peer_bar)
+                 : "memory");
+}
+__device__ __forceinline__ void smla_st_async_b32(u32 peer_addr, u32 v, u32 peer_bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+                 ::"r"(peer_addr), "r"(v), "r"(peer_bar)
+                 : "memory");
+}
+__device__ __forceinline__ void smla_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ u32 smla_cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+// A consumer warpgroup is done with a K/V buffer: alone, every thread arrives (`empty` counts 256); in a
+// pair, one thread of the warpgroup arrives on this CTA's barrier and one on the peer's (`empty` counts 4),
+// since the peer's producer writes into this CTA's buffer too.
+template <bool PAIR>
+__device__ __forceinline__ void smla_release_impl(u32 bar, int t, u32 peer) {
+    if (!PAIR) {
+        smla_mbar_arrive(bar);
+    } else if (t == 0) {
+        smla_mbar_arrive(bar);
+    } else if (t == 32) {
+        smla_mbar_arrive_remote(smla_peer(bar, peer));
+    }
+}
+#define smla_release(bar, t, peer) smla_release_impl<PAIR>((bar), (t), (peer))
 
 __device__ __forceinline__ u32 smla_bf16x2_mul(u32 a, u32 b) {
     u32 r;
@@ -123,8 +187,10 @@ struct SmlaRound {
     }
 
     // Dequantized into the K/V buffer `kb` at token `slot`: dims 64 g + 16 cg .. + 15 are column chunks
-    // 8 g + 2 cg and + 1, k_pe dims 16 cg .. + 15 chunks 64 + 2 cg and + 1.
-    __device__ __forceinline__ void store(u8* kb, int slot, int cg) const {
+    // 8 g + 2 cg and + 1, k_pe dims 16 cg .. + 15 chunks 64 + 2 cg and + 1. With PAIR, the same 16-byte
+    // chunks also go to the peer CTA's buffer at `peer_kb` (st.async, counted on `peer_bar`).
+    template <bool PAIR>
+    __device__ __forceinline__ void store(u8* kb, int slot, int cg, u32 peer_kb, u32 peer_bar) const {
         const float s4[4] = {sc.x, sc.y, sc.z, sc.w};
 #pragma unroll
         for (int g = 0; g < 8; ++g) {
@@ -135,6 +201,10 @@ struct SmlaRound {
             const int c8 = 8 * g + 2 * cg;
             *reinterpret_cast<uint4*>(kb + c8 * 1024 + slot * 16) = lo;
             *reinterpret_cast<uint4*>(kb + (c8 + 1) * 1024 + slot * 16) = hi;
+            if (PAIR) {
+                smla_st_async(peer_kb + c8 * 1024 + slot * 16, lo, peer_bar);
+                smla_st_async(peer_kb + (c8 + 1) * 1024 + slot * 16, hi, peer_bar);
+            }
         }
         const u32 two_m56 = 0x23802380u;  // bf16 2^-56, twice
 #pragma unroll
@@ -145,11 +215,19 @@ struct SmlaRound {
             v.z = smla_bf16x2_mul(v.z, two_m56);
             v.w = smla_bf16x2_mul(v.w, two_m56);
             *reinterpret_cast<uint4*>(kb + (64 + 2 * cg + i) * 1024 + slot * 16) = v;
+            if (PAIR) smla_st_async(peer_kb + (64 + 2 * cg + i) * 1024 + slot * 16, v, peer_bar);
         }
     }
 };
 
-extern "C" __global__ void __launch_bounds__(SMLA_THREADS, 1) tandem_sparse_mla_decode(
+// The kernel body. PAIR: the grid's two head blocks of a query (128 heads) form a cluster of two CTAs whose
+// producers each gather and dequantize half of every tile (32 tokens) and store it into both CTAs' buffers
+// (their own by st.shared, the peer's by st.async counted on the peer's `full_remote` mbarrier); a buffer is
+// free again when the consumers of both CTAs are done with it (`empty` counts one arrival of each consumer
+// warpgroup of each CTA). That halves each CTA's gather and dequantization work and doubles how many tiles a
+// producer thread keeps in flight (one 32-token share of two tiles instead of two shares of one).
+template <bool PAIR>
+__device__ __forceinline__ void smla_decode(
     const u16* __restrict__ q,            // [queries, heads, 576] bf16
     int heads,
     const u8* __restrict__ latent,        // this layer's latent region: [num_blocks * 64] entries of 656 bytes
@@ -181,15 +259,19 @@ extern "C" __global__ void __launch_bounds__(SMLA_THREADS, 1) tandem_sparse_mla_
     const int t0 = split * split_tiles, nt = max(0, min(t0 + split_tiles, n_tiles) - t0);
 
     const u32 sq = base, sk = base + SMLA_OFF_K, sp = base + SMLA_OFF_P;
-    u8* const valid = gbase + SMLA_OFF_VALID;
     float* const s_scale = reinterpret_cast<float*>(gbase + SMLA_OFF_SCALE);
     float* const s_norm = reinterpret_cast<float*>(gbase + SMLA_OFF_NORM);
-    const u32 bar_full = base + SMLA_OFF_BAR, bar_empty = bar_full + 16;
+    u32* const valid = reinterpret_cast<u32*>(gbase + SMLA_OFF_VALID);
+    const u32 valid_sa = base + SMLA_OFF_VALID;
+    const u32 bar_full = base + SMLA_OFF_BAR, bar_empty = bar_full + 16, bar_remote = bar_full + 32;
+    const u32 rank = PAIR ? smla_cluster_rank() : 0, peer = rank ^ 1;
     if (threadIdx.x == 0) {
-        smla_mbar_init(bar_full, 128);
-        smla_mbar_init(bar_full + 8, 128);
-        smla_mbar_init(bar_empty, 256);
-        smla_mbar_init(bar_empty + 8, 256);
+        for (int b = 0; b < 2; ++b) {
+            smla_mbar_init(bar_full + 8 * b, 128);
+            smla_mbar_init(bar_empty + 8 * b, PAIR ? 4 : 256);
+            smla_mbar_init(bar_remote + 8 * b, 1);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     // Q: 64 heads (zeros past `heads`) x 576 dims into 9 swizzled 64 x 64 tiles.
     for (int c = threadIdx.x; c < SMLA_HEADS * (SMLA_DQK / 8); c += SMLA_THREADS) {
@@ -204,6 +286,8 @@ extern "C" __global__ void __launch_bounds__(SMLA_THREADS, 1) tandem_sparse_mla_
     asm volatile("cp.async.wait_all;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncthreads();
+    // The peer's barriers are initialized before anything is sent to them.
+    if (PAIR) smla_cluster_sync();
 
     const int wg = threadIdx.x >> 7, t = threadIdx.x & 127;
     const int warp = t >> 5, lane = t & 31;
@@ -217,54 +301,102 @@ extern "C" __global__ void __launch_bounds__(SMLA_THREADS, 1) tandem_sparse_mla_
         const int clen = ctx_len[qi];
         const int slot0 = warp * 8 + (lane & 7), cg = lane >> 3;
         // A token's bytes take three dependent loads (its position, the block-table entry, the entry), so they
-        // are pipelined across tiles: while tile `it` is converted, the entries of tile it + 1 are in flight,
-        // with block-table entries loaded during tile it - 1 from positions loaded during tile it - 2. Each
-        // thread holds two rounds of 32 tokens; a round's registers are refilled as soon as it is stored.
-        auto position = [&](int tile, int r) -> int {
-            const int s = tile * SMLA_TILE + r * 32 + slot0;
+        // are pipelined: a thread holds two 32-token shares (SmlaRound) of entries in flight, whose block-table
+        // entries were loaded one step earlier and positions two steps earlier, so nothing waits on a load
+        // issued in the same step until the conversion. A share's registers are refilled as soon as it is
+        // stored. Alone, a CTA's step is one tile and its two shares are the tile's halves; in a pair, each
+        // CTA converts one half (its rank's) of every tile, a step is one tile and the two shares in flight
+        // are that tile and the next (share j of step it is tile t0 + it + j, refilled with tile it + 2).
+        auto position = [&](int tile, int half) -> int {
+            const int s = tile * SMLA_TILE + half * 32 + slot0;
             return tile < t0 + nt && s < n ? rsel[s] : -1;
         };
         auto usable = [&](int pos) { return pos >= 0 && pos < clen && pos < max_blocks * SMLA_TILE; };
         auto block_of = [&](int pos) -> int { return usable(pos) ? table[pos >> 6] : -1; };
         SmlaRound rd[2];
+        // Per share slot j: the position and table entry of what it loads next, the position after that.
         int pos1[2], phys1[2], pos2[2], phys2[2], pos3[2];
+        if (PAIR) {
+            const int h = (int)rank;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int p0 = position(t0, r);
-            rd[r].load(latent, p0, block_of(p0), usable(p0), num_blocks, cg);
-            pos1[r] = position(t0 + 1, r);
-            pos2[r] = position(t0 + 2, r);
-            phys1[r] = block_of(pos1[r]);
+            for (int j = 0; j < 2; ++j) {
+                const int p0 = position(t0 + j, h);
+                rd[j].load(latent, p0, block_of(p0), usable(p0), num_blocks, cg);
+            }
+            // Slot j (j = it & 1 when stored) is next refilled with tile it + 2: slot 0 with t0 + 2, slot 1
+            // with t0 + 3; positions one refill later.
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                pos1[j] = position(t0 + 2 + j, h);
+                pos2[j] = position(t0 + 4 + j, h);
+                phys1[j] = block_of(pos1[j]);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int p0 = position(t0, j);
+                rd[j].load(latent, p0, block_of(p0), usable(p0), num_blocks, cg);
+                pos1[j] = position(t0 + 1, j);
+                pos2[j] = position(t0 + 2, j);
+                phys1[j] = block_of(pos1[j]);
+            }
         }
+        const u32 peer_k0 = PAIR ? smla_peer(sk, peer) : 0, peer_valid = PAIR ? smla_peer(valid_sa, peer) : 0;
+        const u32 peer_remote0 = PAIR ? smla_peer(bar_remote, peer) : 0;
         for (int it = 0; it < nt; ++it) {
             const int b = it & 1;
             const u32 phase = (it >> 1) & 1;
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                phys2[r] = block_of(pos2[r]);
-                pos3[r] = position(t0 + it + 3, r);
-            }
-            smla_mbar_wait(bar_empty + 8 * b, phase ^ 1);
             u8* const kb = gbase + SMLA_OFF_K + b * SMLA_K_BYTES;
+            if (PAIR) {
+                // The share slot is it & 1: two copies of the step with a constant slot keep rd in registers.
+#define SMLA_PAIR_STEP(j)                                                                                \
+    {                                                                                                    \
+        const int h = (int)rank;                                                                         \
+        phys2[j] = block_of(pos2[j]);                                                                    \
+        pos3[j] = position(t0 + it + 6, h);                                                              \
+        /* Both CTAs' consumers are done with buffer b (tile it - 2). */                                 \
+        smla_mbar_wait_cluster(bar_empty + 8 * b, phase ^ 1);                                            \
+        /* This CTA expects the peer's half of tile it. */                                               \
+        if (t == 0) smla_mbar_expect_tx(bar_remote + 8 * b, SMLA_REMOTE_BYTES);                          \
+        const int slot = h * 32 + slot0;                                                                 \
+        const u32 pbar = peer_remote0 + 8 * b;                                                           \
+        rd[j].template store<true>(kb, slot, cg, peer_k0 + b * SMLA_K_BYTES, pbar);                      \
+        if (cg == 0) {                                                                                   \
+            valid[b * 64 + slot] = rd[j].ok ? 1u : 0u;                                                   \
+            smla_st_async_b32(peer_valid + (b * 64 + slot) * 4, rd[j].ok ? 1u : 0u, pbar);               \
+        }                                                                                                \
+        rd[j].load(latent, pos1[j], phys1[j], usable(pos1[j]), num_blocks, cg);                          \
+        pos1[j] = pos2[j];                                                                               \
+        phys1[j] = phys2[j];                                                                             \
+        pos2[j] = pos3[j];                                                                               \
+    }
+                if (b == 0)
+                    SMLA_PAIR_STEP(0)
+                else
+                    SMLA_PAIR_STEP(1)
+#undef SMLA_PAIR_STEP
+            } else {
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int slot = r * 32 + slot0;
-                rd[r].store(kb, slot, cg);
-                if (cg == 0) valid[b * 64 + slot] = rd[r].ok ? 1 : 0;
-                rd[r].load(latent, pos1[r], phys1[r], usable(pos1[r]), num_blocks, cg);
+                for (int j = 0; j < 2; ++j) {
+                    phys2[j] = block_of(pos2[j]);
+                    pos3[j] = position(t0 + it + 3, j);
+                }
+                smla_mbar_wait(bar_empty + 8 * b, phase ^ 1);
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const int slot = j * 32 + slot0;
+                    rd[j].template store<false>(kb, slot, cg, 0, 0);
+                    if (cg == 0) valid[b * 64 + slot] = rd[j].ok ? 1u : 0u;
+                    rd[j].load(latent, pos1[j], phys1[j], usable(pos1[j]), num_blocks, cg);
+                    pos1[j] = pos2[j];
+                    phys1[j] = phys2[j];
+                    pos2[j] = pos3[j];
+                }
             }
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             smla_mbar_arrive(bar_full + 8 * b);
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                pos1[r] = pos2[r];
-                phys1[r] = phys2[r];
-                pos2[r] = pos3[r];
-            }
         }
-        return;
-    }
-
+    } else {
     // ----- consumers -----
     const int r0 = warp * 16 + (lane >> 2), r1 = r0 + 8, qd = lane & 3;
     float o[128];
@@ -281,6 +413,7 @@ extern "C" __global__ void __launch_bounds__(SMLA_THREADS, 1) tandem_sparse_mla_
             const u32 phase = (it >> 1) & 1;
             const u32 kbuf = sk + b * SMLA_K_BYTES;
             smla_mbar_wait(bar_full + 8 * b, phase);
+            if (PAIR) smla_mbar_wait_cluster(bar_remote + 8 * b, phase);
             float s[32];
             tandem_wgmma_fence();
 #pragma unroll
@@ -290,7 +423,7 @@ extern "C" __global__ void __launch_bounds__(SMLA_THREADS, 1) tandem_sparse_mla_
             tandem_wgmma_commit();
             tandem_wgmma_wait<0>();
             // Online softmax of rows r0 (s[4j + 0/1]) and r1 (s[4j + 2/3]), columns 8j + 2 qd + 0/1.
-            const u8* vb = valid + b * 64;
+            const u32* vb = valid + b * 64;
             float mx0 = -__int_as_float(0x7f800000), mx1 = mx0;
 #pragma unroll
             for (int j = 0; j < 8; ++j)
@@ -353,7 +486,7 @@ extern "C" __global__ void __launch_bounds__(SMLA_THREADS, 1) tandem_sparse_mla_
             }
             tandem_wgmma_commit();
             tandem_wgmma_wait<0>();
-            smla_mbar_arrive(bar_empty + 8 * b);
+            smla_release(bar_empty + 8 * b, t, peer);
         }
         l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
         l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -381,6 +514,7 @@ extern "C" __global__ void __launch_bounds__(SMLA_THREADS, 1) tandem_sparse_mla_
             const u32 phase = (it >> 1) & 1;
             const u32 kbuf = sk + b * SMLA_K_BYTES;
             smla_mbar_wait(bar_full + 8 * b, phase);
+            if (PAIR) smla_mbar_wait_cluster(bar_remote + 8 * b, phase);
             smla_bar_sync(SMLA_BAR_P_READY);
             const float c0 = s_scale[r0], c1 = s_scale[r1];
 #pragma unroll
@@ -397,7 +531,7 @@ extern "C" __global__ void __launch_bounds__(SMLA_THREADS, 1) tandem_sparse_mla_
                                                tandem_desc_inter(kbuf + 32 * 1024 + kk * 256, 128, 1024), 1);
             tandem_wgmma_commit();
             tandem_wgmma_wait<0>();
-            smla_mbar_arrive(bar_empty + 8 * b);
+            smla_release(bar_empty + 8 * b, t, peer);
             if (it + 1 < nt) smla_bar_arrive(SMLA_BAR_P_FREE);
         }
         smla_bar_sync(SMLA_BAR_NORM);
@@ -424,6 +558,30 @@ extern "C" __global__ void __launch_bounds__(SMLA_THREADS, 1) tandem_sparse_mla_
             if (h1 < heads) *reinterpret_cast<float2*>(of + ((i64)qi * heads + h1) * SMLA_DV + col) = make_float2(b0, b1);
         }
     }
+    }
+    // Neither CTA of a pair leaves while the other may still send to its shared memory or barriers.
+    if (PAIR) smla_cluster_sync();
+}
+
+#define SMLA_ENTRY_ARGS                                                                                          \
+    const u16 *__restrict__ q, int heads, const u8 *__restrict__ latent, int num_blocks,                         \
+        const int *__restrict__ block_table, int max_blocks, const int *__restrict__ query_row,                  \
+        const int *__restrict__ ctx_len, const int *__restrict__ sel, int topk, const int *__restrict__ sel_len, \
+        int split_tiles, float scale, void *__restrict__ out, int out_bf16, float *__restrict__ lse,             \
+        float *__restrict__ part_o, float *__restrict__ part_lse, int max_splits
+#define SMLA_PASS_ARGS                                                                                         \
+    q, heads, latent, num_blocks, block_table, max_blocks, query_row, ctx_len, sel, topk, sel_len, split_tiles, \
+        scale, out, out_bf16, lse, part_o, part_lse, max_splits
+
+// Any head count: each 64-head block a CTA of its own.
+extern "C" __global__ void __launch_bounds__(SMLA_THREADS, 1) tandem_sparse_mla_decode(SMLA_ENTRY_ARGS) {
+    smla_decode<false>(SMLA_PASS_ARGS);
+}
+
+// Exactly two head blocks (128 heads): the pair form, grid.x = 2 and one cluster per query and split.
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(SMLA_THREADS, 1)
+    tandem_sparse_mla_decode_pair(SMLA_ENTRY_ARGS) {
+    smla_decode<true>(SMLA_PASS_ARGS);
 }
 
 // Splits -> output, for queries with more than one split (the others were written by the decode kernel):

@@ -72,6 +72,7 @@ impl Gpu {
             ("tandem_indexer_scores", super::indexer::MAX_SHARED_BYTES),
             ("tandem_topk_rule", super::topk::SHARED_BYTES),
             ("tandem_sparse_mla_decode", super::sparse_mla::SHARED_BYTES),
+            ("tandem_sparse_mla_decode_pair", super::sparse_mla::SHARED_BYTES),
         ] {
             let f = functions.get(name).ok_or_else(|| CudaError::Driver(format!("kernel `{name}` is not loaded")))?;
             f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;

@@ -29,8 +29,15 @@ pub const SPLIT_TILES: usize = 32;
 const THREADS: u32 = 384;
 
 /// Must match `SMLA_SHARED_BYTES`: q (9 tiles of 64 x 64 bf16), two K/V buffers of 64 tokens x 576 bf16,
-/// P (64 x 64 bf16), validity flags, rescale and normalizer rows, four mbarriers, alignment slack.
-pub const SHARED_BYTES: usize = 73_728 + 2 * 73_728 + 8_192 + 128 + 256 + 256 + 32 + 1024;
+/// P (64 x 64 bf16), selected flags, rescale and normalizer rows, six mbarriers, alignment slack.
+pub const SHARED_BYTES: usize = 73_728 + 2 * 73_728 + 8_192 + 512 + 256 + 256 + 48 + 1024;
+
+/// The kernel a launch of `heads` heads takes: exactly two head blocks (DeepSeek-V3.2's 128 heads) run as
+/// pairs of CTAs that share the gathering and dequantization of every tile (a cluster of two); any other
+/// head count runs a CTA per head block.
+pub fn kernel_for(heads: usize) -> &'static str {
+    if heads.div_ceil(HEAD_BLOCK) == 2 { "tandem_sparse_mla_decode_pair" } else { "tandem_sparse_mla_decode" }
+}
 
 /// Splits of a query whose selection list holds `topk` entries.
 pub const fn max_splits(topk: usize, split_tiles: usize) -> usize {
@@ -78,6 +85,11 @@ pub struct RawArgs {
 /// query's selected, in-context tokens whose table entries lie in `0..num_blocks` (zeros, and an lse of
 /// -inf, when there are none). Nothing outside the region and the given arrays is read.
 pub fn launch(gpu: &Gpu, a: &RawArgs) -> Result<(), CudaError> {
+    launch_as(gpu, a, kernel_for(a.heads))
+}
+
+/// [`launch`] with the decode kernel named (the tests check that both forms give the same bits).
+fn launch_as(gpu: &Gpu, a: &RawArgs, kernel: &str) -> Result<(), CudaError> {
     let bad = |m: String| Err(CudaError::Shape(m));
     if a.heads == 0 || a.topk == 0 || a.split_tiles == 0 {
         return bad(format!(
@@ -98,9 +110,12 @@ pub fn launch(gpu: &Gpu, a: &RawArgs) -> Result<(), CudaError> {
     if a.queries == 0 {
         return Ok(());
     }
+    if kernel == "tandem_sparse_mla_decode_pair" && a.heads.div_ceil(HEAD_BLOCK) != 2 {
+        return bad(format!("the pair kernel takes two head blocks, not {} heads", a.heads));
+    }
     launch_kernel(
         gpu,
-        "tandem_sparse_mla_decode",
+        kernel,
         (a.heads.div_ceil(HEAD_BLOCK) as u32, a.queries as u32, splits as u32),
         THREADS,
         SHARED_BYTES as u32,
@@ -171,6 +186,10 @@ pub struct Args<'a> {
 
 /// [`launch`] over checked device slices: the f32 output `[queries, heads, 512]` and lse `[queries, heads]`.
 pub fn decode(gpu: &Gpu, a: &Args<'_>) -> Result<(CudaSlice<f32>, CudaSlice<f32>), CudaError> {
+    decode_as(gpu, a, kernel_for(a.heads))
+}
+
+fn decode_as(gpu: &Gpu, a: &Args<'_>, kernel: &str) -> Result<(CudaSlice<f32>, CudaSlice<f32>), CudaError> {
     let bad = |m: String| Err(CudaError::Shape(m));
     let queries = a.ctx_len.len();
     if a.q.len() < queries * a.heads * DQK {
@@ -212,7 +231,7 @@ pub fn decode(gpu: &Gpu, a: &Args<'_>) -> Result<(CudaSlice<f32>, CudaSlice<f32>
         part_o: part_o.device_ptr(st).0,
         part_lse: part_lse.device_ptr(st).0,
     };
-    launch(gpu, &raw)?;
+    launch_as(gpu, &raw, kernel)?;
     Ok((out, lse))
 }
 
@@ -333,6 +352,10 @@ mod tests {
     }
 
     fn run(gpu: &Gpu, c: &Case, split_tiles: usize, scale: f32) -> Vec<Vec<f32>> {
+        run_as(gpu, c, split_tiles, scale, kernel_for(c.heads))
+    }
+
+    fn run_as(gpu: &Gpu, c: &Case, split_tiles: usize, scale: f32, kernel: &str) -> Vec<Vec<f32>> {
         let st = gpu.stream();
         let q = st.clone_htod(&c.q.concat()).unwrap();
         let pool = st.clone_htod(&c.pool).unwrap();
@@ -355,7 +378,7 @@ mod tests {
             split_tiles,
             scale,
         };
-        let (out, _) = decode(gpu, &args).unwrap();
+        let (out, _) = decode_as(gpu, &args, kernel).unwrap();
         let host = st.clone_dtoh(&out).unwrap();
         host.chunks(c.heads * RANK).take(c.q.len()).map(|x| x.to_vec()).collect()
     }
@@ -384,10 +407,15 @@ mod tests {
         // Context below, at and above top-k, not a multiple of 64, length 1 and 0; 128 heads (two CTAs).
         let c = case(&mut rng, 128, &[1, 0, 63, 300, 2049, 5000], 2048);
         let want = reference(&c, SCALE);
+        let bits = |v: &[Vec<f32>]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
         for split in [SPLIT_TILES, 4, 1] {
-            for (i, got) in run(&gpu, &c, split, SCALE).iter().enumerate() {
-                check(got, &want[i], &format!("query {i} (context {}), split {split}, seed {seed}", c.ctx[i]));
+            let got = run(&gpu, &c, split, SCALE);
+            for (i, g) in got.iter().enumerate() {
+                check(g, &want[i], &format!("query {i} (context {}), split {split}, seed {seed}", c.ctx[i]));
             }
+            // The pair form (two CTAs sharing each tile's dequantization) and the single form: same bits.
+            let single = run_as(&gpu, &c, split, SCALE, "tandem_sparse_mla_decode");
+            assert!(bits(&got) == bits(&single), "pair and single forms differ, split {split}, seed {seed}");
         }
     }
 
