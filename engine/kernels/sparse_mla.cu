@@ -122,7 +122,7 @@ __device__ __forceinline__ u32 smla_cluster_rank() {
 // pair, one thread of the warpgroup arrives on this CTA's barrier and one on the peer's (`empty` counts 4),
 // since the peer's producer writes into this CTA's buffer too.
 template <bool PAIR>
-__device__ __forceinline__ void smla_release_impl(u32 bar, int t, u32 peer) {
+__device__ __forceinline__ void smla_release(u32 bar, int t, u32 peer) {
     if (!PAIR) {
         smla_mbar_arrive(bar);
     } else if (t == 0) {
@@ -131,7 +131,6 @@ __device__ __forceinline__ void smla_release_impl(u32 bar, int t, u32 peer) {
         smla_mbar_arrive_remote(smla_peer(bar, peer));
     }
 }
-#define smla_release(bar, t, peer) smla_release_impl<PAIR>((bar), (t), (peer))
 
 __device__ __forceinline__ u32 smla_bf16x2_mul(u32 a, u32 b) {
     u32 r;
@@ -486,7 +485,7 @@ __device__ __forceinline__ void smla_decode(
             }
             tandem_wgmma_commit();
             tandem_wgmma_wait<0>();
-            smla_release(bar_empty + 8 * b, t, peer);
+            smla_release<PAIR>(bar_empty + 8 * b, t, peer);
         }
         l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
         l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -531,7 +530,7 @@ __device__ __forceinline__ void smla_decode(
                                                tandem_desc_inter(kbuf + 32 * 1024 + kk * 256, 128, 1024), 1);
             tandem_wgmma_commit();
             tandem_wgmma_wait<0>();
-            smla_release(bar_empty + 8 * b, t, peer);
+            smla_release<PAIR>(bar_empty + 8 * b, t, peer);
             if (it + 1 < nt) smla_bar_arrive(SMLA_BAR_P_FREE);
         }
         smla_bar_sync(SMLA_BAR_NORM);

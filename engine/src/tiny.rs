@@ -103,10 +103,10 @@ pub fn generation_config_json() -> Value {
 }
 
 /// Normal samples by Box-Muller.
-struct Normal(ChaCha8Rng);
+pub(crate) struct Normal(pub(crate) ChaCha8Rng);
 
 impl Normal {
-    fn sample(&mut self, std: f32) -> f32 {
+    pub(crate) fn sample(&mut self, std: f32) -> f32 {
         let u1: f32 = self.0.random::<f32>().max(1e-12);
         let u2: f32 = self.0.random::<f32>();
         (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos() * std

@@ -237,8 +237,8 @@ fn decode_as(gpu: &Gpu, a: &Args<'_>, kernel: &str) -> Result<(CudaSlice<f32>, C
 
 #[cfg(test)]
 mod tests {
-    use rand::RngExt;
     use rand::seq::SliceRandom;
+    use rand::{RngExt, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
     use super::*;
@@ -260,27 +260,22 @@ mod tests {
         sel_len: Option<Vec<i32>>,
     }
 
-    fn normal(rng: &mut ChaCha8Rng) -> f32 {
-        // Box-Muller.
-        let (u, v): (f64, f64) = (rng.random::<f64>().max(1e-12), rng.random());
-        ((-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()) as f32
-    }
-
     fn case(rng: &mut ChaCha8Rng, heads: usize, ctxs: &[usize], topk: usize) -> Case {
         let max_blocks = ctxs.iter().map(|c| c.div_ceil(BLOCK_SIZE)).max().unwrap_or(1).max(1);
         let num_blocks = max_blocks * ctxs.len().max(1) + 3;
         let off = (rng.random::<f32>() - 0.5) / 10.0;
+        let mut normal = crate::tiny::Normal(ChaCha8Rng::seed_from_u64(rng.random()));
         let mut pool = vec![0u8; num_blocks * BLOCK_SIZE * ENTRY];
         for e in pool.chunks_mut(ENTRY) {
-            let c: Vec<f32> = (0..RANK).map(|_| normal(rng) / 10.0 + off).collect();
-            let k: Vec<f32> = (0..ROPE).map(|_| normal(rng) / 10.0 + off).collect();
+            let c: Vec<f32> = (0..RANK).map(|_| normal.sample(0.1) + off).collect();
+            let k: Vec<f32> = (0..ROPE).map(|_| normal.sample(0.1) + off).collect();
             encode_latent_fp8(&c, &k, e);
         }
         let mut q = Vec::new();
         let mut table = Vec::new();
         let mut sel = Vec::new();
         for &ctx in ctxs {
-            q.push((0..heads * DQK).map(|_| half::bf16::from_f32(normal(rng)).to_bits()).collect());
+            q.push((0..heads * DQK).map(|_| half::bf16::from_f32(normal.sample(1.0)).to_bits()).collect());
             let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
             ids.shuffle(rng);
             ids.truncate(max_blocks);
