@@ -97,7 +97,10 @@ run_tests() {
     shift
     local log="$OUTDIR/$label.log" rc=0
     "$@" /tmp/tandem-gpu/engine-tests ${TEST_FILTER:-cuda::} --test-threads=1 ${TEST_SKIP:-} >"$log" 2>&1 || rc=$?
-    grep -E '^test .* \.\.\. ' "$log" | sed -E 's/^test (.*) \.\.\. (.*)$/| '"$label"' | \1 | \2 |/' >>"$SUMMARY" || true
+    # A sanitizer's report can land between a test's name and its result: anything but ok/ignored there is a
+    # failure, listed as FAILED with the start of what was printed.
+    grep -E '^test .* \.\.\. ' "$log" | sed -E -e 's/^test (.*) \.\.\. (ok|ignored|FAILED)$/| '"$label"' | \1 | \2 |/' \
+        -e 's/^test (.*) \.\.\. (.*)$/| '"$label"' | \1 | FAILED (\2) |/' >>"$SUMMARY" || true
     local skipped
     skipped=$(grep -c '^skipped:' "$log" || true)
     echo "| $label | (skipped messages) | $skipped |" >>"$SUMMARY"
@@ -295,7 +298,7 @@ run() {
     esac
     local passed failed
     passed=$(grep -c '| ok |$' "$SUMMARY" || true)
-    failed=$(grep -cE '\| FAILED \|$' "$SUMMARY" || true)
+    failed=$(grep -cE '\| FAILED( \(.*\))? \|$' "$SUMMARY" || true)
     {
         echo
         echo "$passed passed, $failed failed"

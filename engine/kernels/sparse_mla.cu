@@ -12,10 +12,10 @@
 //   - WG0 computes S = Q K^T (m64n64k16 x 36, both operands in shared memory), the online softmax in
 //     registers, writes P (bf16) to shared memory for WG1, and O[:, 0:256] += P V with P from registers;
 //   - WG1 computes O[:, 256:512] += P V with P from shared memory.
-// Both consumers arrive on the buffer's `empty` mbarrier when their wgmma are done with it. With 128 heads
-// (two head blocks) the two CTAs of a query form a cluster (`tandem_sparse_mla_decode_pair`): each producer
-// dequantizes half of every tile into both CTAs' buffers, which halves the gathering per CTA and lets a
-// producer thread keep two tiles in flight (see smla_decode).
+// Both consumers arrive on the buffer's `empty` mbarrier (one arrival a warp) when their wgmma are done with
+// it. With 128 heads (two head blocks) the two CTAs of a query form a cluster
+// (`tandem_sparse_mla_decode_pair`): each producer dequantizes half of every tile into both CTAs' buffers,
+// which halves the gathering per CTA and lets a producer thread keep two tiles in flight (see smla_decode).
 //
 // Exact dequantization: an e4m3 code moved into bf16's bit positions is its value times 2^-120 (normal and
 // subnormal codes alike); one bf16 multiply by scale * 2^64 then gives value * scale * 2^-56 exactly. k_pe
@@ -118,17 +118,19 @@ __device__ __forceinline__ u32 smla_cluster_rank() {
     return r;
 }
 
-// A consumer warpgroup is done with a K/V buffer: alone, every thread arrives (`empty` counts 256); in a
-// pair, one thread of the warpgroup arrives on this CTA's barrier and one on the peer's (`empty` counts 4),
-// since the peer's producer writes into this CTA's buffer too.
+// A consumer warpgroup is done with a K/V buffer (its wgmma waited on): each warp's lane 0 arrives once the
+// warp's lanes are past their last read of the buffer and its selected flags (`__syncwarp` orders them), on
+// this CTA's `empty` and, in a pair, on the peer's too, since the peer's producer writes into this CTA's
+// buffer. `empty` counts 8 arrivals alone (4 warps x 2 consumer warpgroups), 16 in a pair. The ordering holds
+// warp by warp in the memory model, so it does not rest on wgmma being warpgroup-collective (a single arrival
+// per warpgroup would, and compute-sanitizer's racecheck reports that as a WAR hazard on the flags).
+#define SMLA_EMPTY_ARRIVALS(PAIR) ((PAIR) ? 16 : 8)
 template <bool PAIR>
 __device__ __forceinline__ void smla_release(u32 bar, int t, u32 peer) {
-    if (!PAIR) {
+    __syncwarp();
+    if ((t & 31) == 0) {
         smla_mbar_arrive(bar);
-    } else if (t == 0) {
-        smla_mbar_arrive(bar);
-    } else if (t == 32) {
-        smla_mbar_arrive_remote(smla_peer(bar, peer));
+        if (PAIR) smla_mbar_arrive_remote(smla_peer(bar, peer));
     }
 }
 
@@ -223,7 +225,7 @@ struct SmlaRound {
 // producers each gather and dequantize half of every tile (32 tokens) and store it into both CTAs' buffers
 // (their own by st.shared, the peer's by st.async counted on the peer's `full_remote` mbarrier); a buffer is
 // free again when the consumers of both CTAs are done with it (`empty` counts one arrival of each consumer
-// warpgroup of each CTA). That halves each CTA's gather and dequantization work and doubles how many tiles a
+// warp of each CTA). That halves each CTA's gather and dequantization work and doubles how many tiles a
 // producer thread keeps in flight (one 32-token share of two tiles instead of two shares of one).
 template <bool PAIR>
 __device__ __forceinline__ void smla_decode(
@@ -267,7 +269,7 @@ __device__ __forceinline__ void smla_decode(
     if (threadIdx.x == 0) {
         for (int b = 0; b < 2; ++b) {
             smla_mbar_init(bar_full + 8 * b, 128);
-            smla_mbar_init(bar_empty + 8 * b, PAIR ? 4 : 256);
+            smla_mbar_init(bar_empty + 8 * b, SMLA_EMPTY_ARRIVALS(PAIR));
             smla_mbar_init(bar_remote + 8 * b, 1);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");

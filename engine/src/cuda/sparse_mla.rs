@@ -448,7 +448,7 @@ mod tests {
         let alone = run(&gpu, &base, SPLIT_TILES, SCALE)[0].clone();
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         // Batch sizes around the launch's edges (64 queries = 128 CTAs, about one per SM).
-        for b in [2usize, 63, 64, 65, 129] {
+        for b in [2usize, 63, 64, 65, 128, 129, 256] {
             let pick = |v: &Vec<Vec<i32>>| (0..b).map(|i| v[i % 3].clone()).collect::<Vec<_>>();
             let mut c = Case {
                 heads: 128,
