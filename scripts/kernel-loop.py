@@ -4,7 +4,9 @@ no re-carry) and checks and times one kernel family against a NumPy reference.
   python3 scripts/kernel-loop.py FAMILY|all [--tokens N] [--json FILE]
 
 Edit a .cu file here, send it with a device call, run this there. The Rust tests (engine::cuda, run by
-scripts/gpu-test.sh) stay the reference: this loop is for iterating quickly on one kernel.
+scripts/gpu-test.sh) stay the reference: this loop is for iterating quickly on one kernel. Where nvcc builds
+the module, TANDEM_LOOP_DEFINES adds its words to the command line (e.g. "-DNAME=1"), so one device call can
+time variants of a kernel that a macro selects (bench/gpu/*_bench.py load kernels through here too).
 """
 import argparse
 import json
@@ -34,7 +36,7 @@ def module(family):
     if nvcc:
         out = os.path.join(tempfile.gettempdir(), f"tandem-loop-{family}.cubin")
         subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-std=c++17", "-lineinfo", "-I", os.path.abspath(ROOT), src,
-                        "-o", out], check=True)
+                        "-o", out] + os.environ.get("TANDEM_LOOP_DEFINES", "").split(), check=True)
         return cp.RawModule(path=out)
     opts = ("-std=c++17", "-I" + os.path.abspath(ROOT), "-lineinfo", "--gpu-architecture=sm_90a")
     return cp.RawModule(code=open(src).read(), options=opts, backend="nvrtc")

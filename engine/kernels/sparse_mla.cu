@@ -12,10 +12,12 @@
 //   - WG0 computes S = Q K^T (m64n64k16 x 36, both operands in shared memory), the online softmax in
 //     registers, writes P (bf16) to shared memory for WG1, and O[:, 0:256] += P V with P from registers;
 //   - WG1 computes O[:, 256:512] += P V with P from shared memory.
-// Both consumers arrive on the buffer's `empty` mbarrier (one arrival a warp) when their wgmma are done with
-// it. With 128 heads (two head blocks) the two CTAs of a query form a cluster
-// (`tandem_sparse_mla_decode_pair`): each producer dequantizes half of every tile into both CTAs' buffers,
-// which halves the gathering per CTA and lets a producer thread keep two tiles in flight (see smla_decode).
+// Both consumers arrive on the buffer's `empty` mbarrier when their wgmma are done with it; WG0 and WG1 hand
+// P and its rescale factors over through two named barriers, each a full `bar.sync` of both (measured as fast
+// as an arrive on one side, and racecheck follows it). With 128 heads (two head blocks) the two CTAs of a query
+// form a cluster (`tandem_sparse_mla_decode_pair`): each producer dequantizes half of every tile into both CTAs'
+// buffers, which halves the gathering per CTA and lets a producer thread keep two tiles in flight (see
+// smla_decode).
 //
 // Exact dequantization: an e4m3 code moved into bf16's bit positions is its value times 2^-120 (normal and
 // subnormal codes alike); one bf16 multiply by scale * 2^64 then gives value * scale * 2^-56 exactly. k_pe
@@ -55,7 +57,6 @@
 #define SMLA_BAR_NORM 3
 
 __device__ __forceinline__ void smla_bar_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
-__device__ __forceinline__ void smla_bar_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
 
 __device__ __forceinline__ void smla_mbar_init(u32 bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
@@ -118,19 +119,20 @@ __device__ __forceinline__ u32 smla_cluster_rank() {
     return r;
 }
 
-// A consumer warpgroup is done with a K/V buffer (its wgmma waited on): each warp's lane 0 arrives once the
-// warp's lanes are past their last read of the buffer and its selected flags (`__syncwarp` orders them), on
-// this CTA's `empty` and, in a pair, on the peer's too, since the peer's producer writes into this CTA's
-// buffer. `empty` counts 8 arrivals alone (4 warps x 2 consumer warpgroups), 16 in a pair. The ordering holds
-// warp by warp in the memory model, so it does not rest on wgmma being warpgroup-collective (a single arrival
-// per warpgroup would, and compute-sanitizer's racecheck reports that as a WAR hazard on the flags).
-#define SMLA_EMPTY_ARRIVALS(PAIR) ((PAIR) ? 16 : 8)
+// A consumer warpgroup is done with a K/V buffer (its wgmma waited on): every thread arrives on this CTA's
+// `empty`, and in a pair each warp's lane 0 (after `__syncwarp`) on the peer's too, since the peer's producer
+// writes into this CTA's buffer. `empty` counts 256 arrivals alone, 256 + 8 in a pair. Each thread's own
+// arrival orders its reads of the buffer and its selected flags before the producer's next write, which
+// compute-sanitizer's racecheck can follow (it does not follow one arrival standing for a warp or a
+// warpgroup; measured: no difference in speed).
+#define SMLA_EMPTY_ARRIVALS(PAIR) ((PAIR) ? 256 + 8 : 256)
 template <bool PAIR>
 __device__ __forceinline__ void smla_release(u32 bar, int t, u32 peer) {
-    __syncwarp();
-    if ((t & 31) == 0) {
-        smla_mbar_arrive(bar);
-        if (PAIR) smla_mbar_arrive_remote(smla_peer(bar, peer));
+    smla_mbar_arrive(bar);
+    if (PAIR) {
+        __syncwarp();
+        if ((t & 31) == 0) smla_mbar_arrive_remote(smla_peer(bar, peer));
+        __syncwarp();
     }
 }
 
@@ -224,9 +226,10 @@ struct SmlaRound {
 // The kernel body. PAIR: the grid's two head blocks of a query (128 heads) form a cluster of two CTAs whose
 // producers each gather and dequantize half of every tile (32 tokens) and store it into both CTAs' buffers
 // (their own by st.shared, the peer's by st.async counted on the peer's `full_remote` mbarrier); a buffer is
-// free again when the consumers of both CTAs are done with it (`empty` counts one arrival of each consumer
-// warp of each CTA). That halves each CTA's gather and dequantization work and doubles how many tiles a
-// producer thread keeps in flight (one 32-token share of two tiles instead of two shares of one).
+// free again when the consumers of both CTAs are done with it (`empty` counts the arrivals of this CTA's
+// consumer threads and one of each of the peer's consumer warps). That halves each CTA's gather and
+// dequantization work and doubles how many tiles a producer thread keeps in flight (one 32-token share of two
+// tiles instead of two shares of one).
 template <bool PAIR>
 __device__ __forceinline__ void smla_decode(
     const u16* __restrict__ q,            // [queries, heads, 576] bf16
@@ -478,7 +481,7 @@ __device__ __forceinline__ void smla_decode(
                              : "memory");
             }
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            smla_bar_arrive(SMLA_BAR_P_READY);
+            smla_bar_sync(SMLA_BAR_P_READY);
             tandem_wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
@@ -533,7 +536,7 @@ __device__ __forceinline__ void smla_decode(
             tandem_wgmma_commit();
             tandem_wgmma_wait<0>();
             smla_release<PAIR>(bar_empty + 8 * b, t, peer);
-            if (it + 1 < nt) smla_bar_arrive(SMLA_BAR_P_FREE);
+            if (it + 1 < nt) smla_bar_sync(SMLA_BAR_P_FREE);
         }
         smla_bar_sync(SMLA_BAR_NORM);
     }
