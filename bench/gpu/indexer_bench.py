@@ -39,6 +39,11 @@ BLOCK_BYTES = BLOCK * (DIM + 4)
 STAGES, MAX_Q = 3, 4
 SCORE_BYTES = 64 << 20
 HIST_WORDS = 2049  # the top-k's first-digit histogram per row, filled by the scorer
+# engine::cuda::topk: the split form's slice, plan record words, resolve shared memory and limits.
+SLICE, SPLIT_CAP = 4096, 16384
+SPLIT_WORDS = 16 + 3 * 64 + SPLIT_CAP
+RESOLVE_SMEM = (2048 + 2 * SPLIT_CAP) * 4
+MAX_SPLIT_STRIDE, SPLIT_MAX_ROWS = 64 * SLICE, 512
 
 
 def shared_bytes(max_q):
@@ -69,8 +74,16 @@ class Kernels:
     def __init__(self):
         self.scores = kl.module("indexer").get_function("tandem_indexer_scores")
         kl.set_smem(self.scores, shared_bytes(MAX_Q))
-        self.topk = kl.module("topk").get_function("tandem_topk_rule")
+        mod = kl.module("topk")
+        self.topk = mod.get_function("tandem_topk_rule")
         kl.set_smem(self.topk, kl.TOPK_SMEM)
+        # The split form (engine::cuda::topk::RawTopk::split): plan, slice scan, resolve, slice emission.
+        self.plan = mod.get_function("tandem_topk_split_plan")
+        kl.set_smem(self.plan, kl.TOPK_SMEM)
+        self.scan = mod.get_function("tandem_topk_split_scan")
+        self.resolve = mod.get_function("tandem_topk_split_resolve")
+        kl.set_smem(self.resolve, RESOLVE_SMEM)
+        self.emit = mod.get_function("tandem_topk_split_emit")
 
     def score(self, q, w, pool, num_blocks, table, max_blocks, lens, groups, max_q, scores, stride, hist):
         """The scorer; `hist` ([rows, 2049] u32) is zeroed and gets the top-k's first-digit counts."""
@@ -80,9 +93,23 @@ class Kernels:
                     (q, w, np.int32(HEADS), pool, table, np.int32(max_blocks), np.int32(num_blocks), lens, groups,
                      np.int32(max_q), scores, np.int64(stride), hist), shared_mem=shared_bytes(max_q))
 
-    def select(self, scores, stride, lens, rows, pos, counts, nans, hist):
-        self.topk((rows,), (1024,), (scores, np.int64(stride), lens, np.int32(K), pos, counts, nans, hist),
-                  shared_mem=kl.TOPK_SMEM)
+    def select(self, scores, stride, lens, rows, pos, counts, nans, hist, plans=None):
+        """The top-k; with `plans` ([rows, SPLIT_WORDS] u32) in the split form, as the CUDA backend runs it where
+        split_applies."""
+        st, kk = np.int64(stride), np.int32(K)
+        if plans is None:
+            self.topk((rows,), (1024,), (scores, st, lens, kk, pos, counts, nans, hist), shared_mem=kl.TOPK_SMEM)
+            return
+        slices = (-(-stride // SLICE), rows)
+        self.plan((rows,), (1024,), (scores, st, lens, kk, pos, counts, nans, hist, plans), shared_mem=kl.TOPK_SMEM)
+        self.scan(slices, (256,), (scores, st, lens, plans))
+        self.resolve((rows,), (1024,), (scores, st, lens, kk, pos, counts, nans, plans), shared_mem=RESOLVE_SMEM)
+        self.emit(slices, (256,), (scores, st, lens, kk, pos, plans))
+
+
+def split_applies(rows, stride):
+    """engine::cuda::topk::split_applies."""
+    return rows <= SPLIT_MAX_ROWS and K < stride <= MAX_SPLIT_STRIDE
 
 
 def random_pool(num_blocks):
@@ -116,10 +143,11 @@ def decode_case(kern, rng, b, ctx, s_q, check=False, naive=False, reps=10):
     counts, nans = cp.zeros(rows, dtype=cp.int32), cp.zeros(rows, dtype=cp.int32)
 
     hist = cp.zeros((rows, HIST_WORDS), dtype=cp.uint32)
+    plans = cp.zeros((rows, SPLIT_WORDS), dtype=cp.uint32) if split_applies(rows, stride) else None
 
     def run():
         kern.score(q, w, pool, num_blocks, table, nblk, lens, groups, s_q, scores, stride, hist)
-        kern.select(scores, stride, lens, rows, pos, counts, nans, hist)
+        kern.select(scores, stride, lens, rows, pos, counts, nans, hist, plans)
 
     run()
     cp.cuda.runtime.deviceSynchronize()
@@ -142,7 +170,14 @@ def decode_case(kern, rng, b, ctx, s_q, check=False, naive=False, reps=10):
     ms = timed(run, reps)
     res["scores_ms"] = timed(lambda: kern.score(q, w, pool, num_blocks, table, nblk, lens, groups, s_q, scores, stride, hist),
                              reps)
-    res["topk_ms"] = timed(lambda: kern.select(scores, stride, lens, rows, pos, counts, nans, hist), reps)
+    res["topk_form"] = "split" if plans is not None else "single"
+    res["topk_ms"] = timed(lambda: kern.select(scores, stride, lens, rows, pos, counts, nans, hist, plans), reps)
+    if plans is not None:
+        # The single form on the same rows, and whether it selects the same (it must: the rule decides).
+        split_pos = pos.copy()
+        res["topk_single_ms"] = timed(lambda: kern.select(scores, stride, lens, rows, pos, counts, nans, hist), reps)
+        res["forms_equal"] = bool((split_pos == pos).all())
+        res["ok"] = res.get("ok", True) and res["forms_equal"]
     # A request's rows share its keys: each key is read once per request.
     read = b * (ctx + s_q - 1) * (DIM + 4) + q.nbytes + w.nbytes
     flops = 2 * HEADS * DIM * float(cp.asnumpy(lens).astype(np.float64).sum())
@@ -183,7 +218,13 @@ def prefill_case(kern, rng, tokens, ctx, reps=3):
     first = ctx - tokens
     lens_h = np.arange(first + 1, ctx + 1, dtype=np.int32)
     q, w = random_q(tokens)
-    chunk = max(MAX_Q, SCORE_BYTES // (4 * ctx))
+    # The CUDA backend's chunking: scores, first-digit counts and (where the split form applies) plan records.
+    chunk_of = lambda words: min(tokens, 65535, max(MAX_Q, SCORE_BYTES // (4 * words)))  # noqa: E731
+    chunk = chunk_of(ctx + HIST_WORDS + SPLIT_WORDS)
+    split = split_applies(chunk, ctx)
+    if not split:
+        chunk = chunk_of(ctx + HIST_WORDS)
+    split_plans = cp.zeros((chunk, SPLIT_WORDS), dtype=cp.uint32) if split else None
     scores = cp.zeros((chunk, ctx), dtype=cp.float32)
     pos = cp.zeros((tokens, K), dtype=cp.int32)
     counts, nans = cp.zeros(tokens, dtype=cp.int32), cp.zeros(tokens, dtype=cp.int32)
@@ -200,14 +241,14 @@ def prefill_case(kern, rng, tokens, ctx, reps=3):
     def run():
         for r0, n, g in plans:
             kern.score(q[r0:], w[r0:], pool, nblk, table, nblk, lens[r0:], g, MAX_Q, scores, ctx, hist)
-            kern.select(scores, ctx, lens[r0:], n, pos[r0:], counts[r0:], nans[r0:], hist)
+            kern.select(scores, ctx, lens[r0:], n, pos[r0:], counts[r0:], nans[r0:], hist, split_plans)
 
     run()
     cp.cuda.runtime.deviceSynchronize()
     ms = timed(run, reps)
     flops = 2 * HEADS * DIM * float(lens_h.astype(np.float64).sum())
     return {"kind": "prefill", "tokens": tokens, "context": ctx, "ms": ms, "tokens_per_s": tokens / ms * 1e3,
-            "tflops": flops / ms / 1e9, "score_chunk_rows": chunk}
+            "tflops": flops / ms / 1e9, "score_chunk_rows": chunk, "topk_form": "split" if split else "single"}
 
 
 def main():
@@ -242,10 +283,12 @@ def main():
                 base += f" check ok={r['ok']} diff={r['score_diff']:.1e}"
             cf = f"{100 * r['copy_fraction']:.0f}%" if "copy_fraction" in r else "-"
             print(f"decode   {r['batch']:>6} {r['context']:>7} {r['s_q']:>3} {r['ms']:>8.3f} {r['gb_per_s']:>7.0f} {cf:>6} "
-                  f"{r['tflops']:>7.1f}  scores {r['scores_ms']:.3f} + top-k {r['topk_ms']:.3f} ms; {base}")
+                  f"{r['tflops']:>7.1f}  scores {r['scores_ms']:.3f} + top-k {r['topk_ms']:.3f} ({r['topk_form']}"
+                  + (f"; single {r['topk_single_ms']:.3f}, same={r['forms_equal']}" if "topk_single_ms" in r else "")
+                  + f") ms; {base}")
         else:
             print(f"prefill  {r['tokens']:>6} {r['context']:>7}   - {r['ms']:>8.3f}       -      - {r['tflops']:>7.1f}  "
-                  f"{r['tokens_per_s']:.0f} tokens/s")
+                  f"{r['tokens_per_s']:.0f} tokens/s (top-k {r['topk_form']}, chunks of {r['score_chunk_rows']})")
     if a.json:
         json.dump({"device": dev, "copy_gb_per_s": copy, "rows": rows}, open(a.json, "w"), indent=1)
     sys.exit(0 if all(r.get("ok", True) for r in rows) else 1)

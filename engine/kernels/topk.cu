@@ -15,6 +15,19 @@
 // extra cost. The emission pass walks the row in CTA-wide tiles (each thread TOPK_UNROLL consecutive
 // positions); a CTA scan of the threads' counts gives every selected position its output index, so the
 // output comes out ascending. Every pass over the row issues TOPK_UNROLL loads per thread before using any.
+//
+// The split form, for batches of few rows (where one CTA per row leaves most SMs idle and a row's passes are
+// bound by one SM): four launches over per-row plan records (TOPK_SPLIT_WORDS words each):
+//   plan     (a CTA per row)   the threshold digit from the histogram, as above; a row that takes everything,
+//                              takes its threshold bucket whole, or whose bucket holds at most TOPK_SPLIT_CAP
+//                              keys is left to the split kernels, any other row is finished here;
+//   scan     (a CTA per slice of TOPK_SLICE positions)  counts the slice's keys above the bucket and appends
+//                              the bucket's positions to the row's candidates;
+//   resolve  (a CTA per row)   the two lower digits over the candidates (in shared memory), then each
+//                              slice's first output index and how many threshold keys it leaves out (the
+//                              row's earliest: the tie rule), the count and the -1 padding;
+//   emit     (a CTA per slice) the slice's selected positions from its first output index, ascending.
+// Both forms give the same selections: the rule decides every position exactly.
 #include "common.cuh"
 #include "topk_key.cuh"
 
@@ -25,6 +38,26 @@
 #define TOPK_CAND 8192
 #define TOPK_COPIES 8  // engine::cuda::topk::SHARED_BYTES counts 8
 #define TOPK_NONE 0xffffffffu
+
+// The split form (see the header): per row a plan record of TOPK_SPLIT_WORDS words in global memory.
+#define TOPK_SLICE 4096          // positions per slice CTA
+#define TOPK_SPLIT_THREADS 256   // threads of a slice CTA: 16 positions each
+#define TOPK_MAX_SLICES 64       // engine::cuda::topk::MAX_SPLIT_STRIDE = 64 x 4096
+#define TOPK_SPLIT_CAP 16384     // candidates a row may collect for the split form
+#define TOPK_M_MODE 0            // 1: the split kernels finish the row; 0: done (the plan kernel did it all)
+#define TOPK_M_DIGIT 1           // the threshold's top 11 bits
+#define TOPK_M_NEED 2            // keys still needed from that bucket
+#define TOPK_M_TAKE_ALL 3        // every non-NaN position is selected
+#define TOPK_M_NAN 4             // NaN scores of the row
+#define TOPK_M_NCAND 5           // candidates collected (atomic)
+#define TOPK_M_EQ 6              // keys in the threshold bucket
+#define TOPK_M_PREFIX 7          // the resolved threshold: bits under MASK (the rule of the single form)
+#define TOPK_M_MASK 8
+#define TOPK_M_ABOVE 16                                   // [slices]: keys of the slice above the bucket
+#define TOPK_M_OFF (TOPK_M_ABOVE + TOPK_MAX_SLICES)       // [slices]: the slice's first output index
+#define TOPK_M_SKIP (TOPK_M_OFF + TOPK_MAX_SLICES)        // [slices]: threshold keys of the slice left out
+#define TOPK_M_CAND (TOPK_M_SKIP + TOPK_MAX_SLICES)       // [TOPK_SPLIT_CAP]: the bucket's positions
+#define TOPK_SPLIT_WORDS (TOPK_M_CAND + TOPK_SPLIT_CAP)   // engine::cuda::topk::SPLIT_WORDS
 
 
 // The keys of positions base + j * TOPK_THREADS + tid (j < TOPK_UNROLL) of a row of n >= 1 scores, `none`
@@ -45,7 +78,8 @@ __device__ __forceinline__ void tandem_count(u32* hist, u32 d) {
     if (d != TOPK_NONE && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[d], (u32)__popc(peers));
 }
 
-// Inclusive scan of `v` over the CTA; `total` gets the sum. Uses `warps[TOPK_WARPS]` (free on return).
+// Inclusive scan of `v` over a CTA of WARPS warps; `total` gets the sum. Uses `warps[WARPS]` (free on return).
+template <int WARPS = TOPK_WARPS>
 __device__ __forceinline__ u32 tandem_cta_scan(u32 v, u32* warps, u32& total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u32 x = v;
@@ -58,7 +92,7 @@ __device__ __forceinline__ u32 tandem_cta_scan(u32 v, u32* warps, u32& total) {
     __syncthreads();
     u32 before = 0, t = 0;
 #pragma unroll
-    for (int w = 0; w < TOPK_WARPS; ++w) {
+    for (int w = 0; w < WARPS; ++w) {
         const u32 c = warps[w];
         before += w < warp ? c : 0;
         t += c;
@@ -96,7 +130,37 @@ __device__ __forceinline__ u32 tandem_find_digit(const u32* hist, u32 digits, u3
     return d;
 }
 
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_rule(
+// Counts the digit at `shift` (`digits` bins) of the candidate keys whose bits under `mask` equal `prefix`
+// into `hist` (zeroed here; the caller's barrier publishes it). A CTA-uniform loop: every lane takes part in
+// the warp's match.
+__device__ __forceinline__ void tandem_count_candidates(const u32* cand, int ncand, u32* hist, u32 mask, u32 prefix,
+                                                        int shift, u32 digits) {
+    __syncthreads();  // the previous digit search has read `hist`
+    for (int b = threadIdx.x; b < TOPK_BINS; b += blockDim.x) hist[b] = 0;
+    __syncthreads();
+    for (int c0 = 0; c0 < ncand; c0 += blockDim.x) {
+        const int c = c0 + threadIdx.x;
+        const u32 key = c < ncand ? cand[c] : 0;
+        tandem_count(hist, key != 0 && (key & mask) == prefix ? (key >> shift) & (digits - 1) : TOPK_NONE);
+    }
+}
+
+__device__ __forceinline__ void tandem_topk_plan(u32* meta, u32 d, u32 need, u32 take_all, u32 nan_total,
+                                                 u32 eq_total) {
+    meta[TOPK_M_DIGIT] = d;
+    meta[TOPK_M_NEED] = need;
+    meta[TOPK_M_TAKE_ALL] = take_all;
+    meta[TOPK_M_NAN] = nan_total;
+    meta[TOPK_M_NCAND] = 0;
+    meta[TOPK_M_EQ] = eq_total;
+    meta[TOPK_M_MODE] = 1;
+}
+
+// The whole rule for one row (the CTA's blockIdx.x). PLAN (the split form's first step, see below): a row
+// whose threshold bucket fits TOPK_SPLIT_CAP candidates (or that takes everything, or its bucket whole) only
+// gets its plan written to `meta` and is finished by the split kernels; every other row is done here.
+template <bool PLAN>
+__device__ __forceinline__ void tandem_topk_body(
     const float* __restrict__ scores,  // row r at scores + r * row_stride
     i64 row_stride,
     const int* __restrict__ lengths,   // positions 0..lengths[r] of row r are candidates
@@ -104,7 +168,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_rule(
     int* __restrict__ out,             // [rows, k]: ascending positions, then -1
     int* __restrict__ counts,          // [rows]: positions selected
     int* __restrict__ nan_counts,      // [rows]: NaN scores left out
-    const u32* __restrict__ pre_hist) {// null, or [rows][TOPK_HIST_WORDS]: pass A's counts, from the scorer
+    const u32* __restrict__ pre_hist,  // null, or [rows][TOPK_HIST_WORDS]: pass A's counts, from the scorer
+    u32* __restrict__ meta_all) {      // PLAN: [rows][TOPK_SPLIT_WORDS]
     // Dynamic shared memory: TOPK_COPIES histograms (pass A spreads its atomics over them; the first is the
     // histogram of every later step), then the candidates.
     extern __shared__ __align__(16) u32 dyn[];
@@ -118,11 +183,13 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_rule(
     const float* sc = scores + (i64)row * row_stride;
     int* o = out + (i64)row * k;
 
+    u32* const meta = PLAN ? meta_all + (i64)row * TOPK_SPLIT_WORDS : nullptr;
     if (n <= k) {
         for (int i = tid; i < k; i += TOPK_THREADS) o[i] = i < n ? i : -1;
         if (tid == 0) {
             counts[row] = n;
             nan_counts[row] = 0;
+            if (PLAN) meta[TOPK_M_MODE] = 0;
         }
         return;
     }
@@ -159,6 +226,10 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_rule(
     u32 nan_total;
     tandem_cta_scan(nan_here, warps, nan_total);  // its barriers also publish `hist`
     const bool take_all = (u32)n - nan_total <= (u32)k;
+    if (PLAN && take_all) {
+        if (tid == 0) tandem_topk_plan(meta, 0, 0, 1, nan_total, 0);
+        return;
+    }
 
     // The selected keys: bits under `mask` above `prefix`, or equal to it and not among the first
     // `first_taken` such keys in position order.
@@ -168,6 +239,10 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_rule(
         prefix = d << 21;
         mask = 0xffe00000u;
         u32 eq_total = hist[d];
+        if (PLAN && (eq_total == need || eq_total <= TOPK_SPLIT_CAP)) {
+            if (tid == 0) tandem_topk_plan(meta, d, need, 0, nan_total, eq_total);
+            return;
+        }
         // Pass B: the threshold bucket's keys into shared memory, where they fit.
         const bool in_smem = eq_total != need && eq_total <= TOPK_CAND;
         const int ncand = (int)eq_total;  // the keys pass B collects (every later pass scans them all)
@@ -201,17 +276,12 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_rule(
         for (int pass = 1; pass < 3 && eq_total != need; ++pass) {
             const int shift = pass == 1 ? 10 : 0;
             const u32 digits = pass == 1 ? 2048u : 1024u;
-            __syncthreads();  // the previous digit search has read `hist`
-            for (int b = tid; b < TOPK_BINS; b += TOPK_THREADS) hist[b] = 0;
-            __syncthreads();
             if (in_smem) {
-                // A CTA-uniform loop: every lane takes part in the warp's match.
-                for (int c0 = 0; c0 < ncand; c0 += TOPK_THREADS) {
-                    const int c = c0 + tid;
-                    const u32 key = c < ncand ? cand[c] : 0;
-                    tandem_count(hist, key != 0 && (key & mask) == prefix ? (key >> shift) & (digits - 1) : TOPK_NONE);
-                }
+                tandem_count_candidates(cand, ncand, hist, mask, prefix, shift, digits);
             } else {
+                __syncthreads();  // the previous digit search has read `hist`
+                for (int b = tid; b < TOPK_BINS; b += TOPK_THREADS) hist[b] = 0;
+                __syncthreads();
                 for (int base = 0; base < n; base += TOPK_THREADS * TOPK_UNROLL) {
                     u32 kv[TOPK_UNROLL];
                     tandem_load_keys(sc, n, base, kv, 0);
@@ -282,5 +352,203 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_rule(
     if (tid == 0) {
         counts[row] = (int)total;
         nan_counts[row] = (int)nan_total;
+        if (PLAN) meta[TOPK_M_MODE] = 0;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_rule(
+    const float* __restrict__ scores, i64 row_stride, const int* __restrict__ lengths, int k, int* __restrict__ out,
+    int* __restrict__ counts, int* __restrict__ nan_counts, const u32* __restrict__ pre_hist) {
+    tandem_topk_body<false>(scores, row_stride, lengths, k, out, counts, nan_counts, pre_hist, nullptr);
+}
+
+// ----- The split form -----
+// Step 1 (one CTA a row): the threshold bucket from the histogram; rows the split form cannot take (a bucket
+// over TOPK_SPLIT_CAP keys) are finished here by the single form's passes.
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_split_plan(
+    const float* __restrict__ scores, i64 row_stride, const int* __restrict__ lengths, int k, int* __restrict__ out,
+    int* __restrict__ counts, int* __restrict__ nan_counts, const u32* __restrict__ pre_hist, u32* __restrict__ meta) {
+    tandem_topk_body<true>(scores, row_stride, lengths, k, out, counts, nan_counts, pre_hist, meta);
+}
+
+// The keys of a slice CTA's thread: 16 positions i0 + 0..15 (`none` past the row's end). Four 16-byte loads
+// where the row is aligned and the positions inside it, else unconditional scalar loads clamped into the row.
+__device__ __forceinline__ void tandem_slice_keys(const float* sc, int n, int i0, bool aligned, u32 (&kv)[16], u32 none) {
+    float v[16];
+    if (aligned && i0 + 16 <= n) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const float4 x = *reinterpret_cast<const float4*>(sc + i0 + 4 * q);
+            v[4 * q] = x.x, v[4 * q + 1] = x.y, v[4 * q + 2] = x.z, v[4 * q + 3] = x.w;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) v[j] = sc[min(i0 + j, n - 1)];
+    }
+#pragma unroll
+    for (int j = 0; j < 16; ++j) kv[j] = i0 + j < n ? tandem_topk_key(v[j]) : none;
+}
+
+// Step 2 (one CTA a slice of TOPK_SLICE positions): counts the slice's keys above the threshold bucket (all
+// of its non-NaN keys when the row takes everything; the bucket too when it is taken whole) and appends the
+// positions in the bucket to the row's candidates (in any order: only their set is used).
+extern "C" __global__ void __launch_bounds__(TOPK_SPLIT_THREADS) tandem_topk_split_scan(
+    const float* __restrict__ scores, i64 row_stride, const int* __restrict__ lengths, u32* __restrict__ meta_all) {
+    __shared__ u32 warps[TOPK_SPLIT_THREADS / 32];
+    const int row = blockIdx.y, slice = blockIdx.x, tid = threadIdx.x;
+    u32* const meta = meta_all + (i64)row * TOPK_SPLIT_WORDS;
+    const int n = max(0, (int)min((i64)lengths[row], row_stride));
+    const int start = slice * TOPK_SLICE;
+    if (meta[TOPK_M_MODE] != 1 || start >= n) return;
+    const bool take_all = meta[TOPK_M_TAKE_ALL] != 0;
+    const u32 d = meta[TOPK_M_DIGIT];
+    const bool whole = !take_all && meta[TOPK_M_EQ] == meta[TOPK_M_NEED];
+    const bool collect = !take_all && !whole;
+    const float* sc = scores + (i64)row * row_stride;
+    const int i0 = start + tid * 16;
+    u32 kv[16];
+    tandem_slice_keys(sc, n, i0, (reinterpret_cast<unsigned long long>(sc) & 15) == 0, kv, 0);
+    u32 above = 0, ballots[16], count = 0;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const u32 dj = kv[j] >> 21;
+        above += kv[j] != 0 && (take_all || dj > d || (whole && dj == d)) ? 1 : 0;
+        ballots[j] = __ballot_sync(0xffffffffu, collect && kv[j] != 0 && dj == d);
+        count += (u32)__popc(ballots[j]);
+    }
+    u32 at = 0;
+    if ((tid & 31) == 0 && count) at = atomicAdd(&meta[TOPK_M_NCAND], count);
+    at = __shfl_sync(0xffffffffu, at, 0);
+    const u32 lt = (1u << (tid & 31)) - 1u;
+    // Bucket-ordered slots: lane l's key j goes after the warp's keys of earlier j and earlier lanes.
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const u32 c = at + __popc(ballots[j] & lt);
+        if (((ballots[j] >> (tid & 31)) & 1u) && c < TOPK_SPLIT_CAP) meta[TOPK_M_CAND + c] = (u32)(i0 + j);
+        at += (u32)__popc(ballots[j]);
+    }
+    u32 total;
+    tandem_cta_scan<TOPK_SPLIT_THREADS / 32>(above, warps, total);
+    if (tid == 0) meta[TOPK_M_ABOVE + slice] = total;
+}
+
+// Step 3 (one CTA a row): the threshold inside the bucket from the candidates (the single form's two lower
+// digits), then each slice's first output index and how many threshold keys it leaves out (the earliest
+// positions of the row's threshold keys are the ones left out: the tie rule), the count and the -1 padding.
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_split_resolve(
+    const float* __restrict__ scores, i64 row_stride, const int* __restrict__ lengths, int k, int* __restrict__ out,
+    int* __restrict__ counts, int* __restrict__ nan_counts, u32* __restrict__ meta_all) {
+    extern __shared__ __align__(16) u32 dyn[];
+    u32* const hist = dyn;                        // TOPK_BINS
+    u32* const ckey = dyn + TOPK_BINS;            // TOPK_SPLIT_CAP
+    u32* const cpos = ckey + TOPK_SPLIT_CAP;      // TOPK_SPLIT_CAP
+    __shared__ u32 warps[TOPK_WARPS], result[2], gt[TOPK_MAX_SLICES], eqs[TOPK_MAX_SLICES];
+    const int row = blockIdx.x, tid = threadIdx.x;
+    u32* const meta = meta_all + (i64)row * TOPK_SPLIT_WORDS;
+    if (meta[TOPK_M_MODE] != 1) return;
+    const int n = max(0, (int)min((i64)lengths[row], row_stride));
+    const int slices = (n + TOPK_SLICE - 1) / TOPK_SLICE;
+    const float* sc = scores + (i64)row * row_stride;
+    const bool take_all = meta[TOPK_M_TAKE_ALL] != 0;
+    const u32 d = meta[TOPK_M_DIGIT], nan_total = meta[TOPK_M_NAN];
+    u32 need = meta[TOPK_M_NEED], eq_total = meta[TOPK_M_EQ];
+    for (int i = tid; i < TOPK_MAX_SLICES; i += TOPK_THREADS) gt[i] = eqs[i] = 0;
+    u32 prefix = 0, mask = 0, first_taken = 0;
+    if (!take_all) {
+        prefix = d << 21;
+        mask = 0xffe00000u;
+        if (eq_total != need) {
+            // Bounded: a histogram that disagrees with the scores (a caller's bug) stays inside the arrays.
+            const int ncand = (int)min(meta[TOPK_M_NCAND], (u32)TOPK_SPLIT_CAP);
+            for (int c = tid; c < ncand; c += TOPK_THREADS) {
+                const u32 p = min(meta[TOPK_M_CAND + c], (u32)(n - 1));
+                cpos[c] = p;
+                ckey[c] = tandem_topk_key(sc[p]);
+            }
+            for (int pass = 1; pass < 3 && eq_total != need; ++pass) {
+                const int shift = pass == 1 ? 10 : 0;
+                const u32 digits = pass == 1 ? 2048u : 1024u;
+                tandem_count_candidates(ckey, ncand, hist, mask, prefix, shift, digits);
+                __syncthreads();
+                const u32 dd = tandem_find_digit(hist, digits, need, warps, result);
+                prefix |= dd << shift;
+                mask |= (digits - 1) << shift;
+                eq_total = hist[dd];
+            }
+            first_taken = eq_total - need;
+            __syncthreads();  // gt/eqs zeroed
+            // The bucket's keys above the threshold and at it, by slice.
+            for (int c = tid; c < ncand; c += TOPK_THREADS) {
+                const u32 m = ckey[c] & mask;
+                if (m > prefix) atomicAdd(&gt[cpos[c] / TOPK_SLICE], 1u);
+                else if (m == prefix) atomicAdd(&eqs[cpos[c] / TOPK_SLICE], 1u);
+            }
+        }
+    }
+    __syncthreads();
+    if (tid == 0) {
+        u32 off = 0, eq_before = 0;
+        for (int s = 0; s < slices; ++s) {
+            const u32 e = eqs[s];
+            const u32 skip = first_taken > eq_before ? min(first_taken - eq_before, e) : 0u;
+            meta[TOPK_M_OFF + s] = off;
+            meta[TOPK_M_SKIP + s] = skip;
+            off += meta[TOPK_M_ABOVE + s] + gt[s] + e - skip;
+            eq_before += e;
+        }
+        meta[TOPK_M_PREFIX] = prefix;
+        meta[TOPK_M_MASK] = mask;
+        result[0] = min(off, (u32)k);
+        counts[row] = (int)min(off, (u32)k);
+        nan_counts[row] = (int)nan_total;
+    }
+    __syncthreads();
+    int* o = out + (i64)row * k;
+    for (int i = (int)result[0] + tid; i < k; i += TOPK_THREADS) o[i] = -1;
+}
+
+// Step 4 (one CTA a slice): the slice's selected positions, ascending, from its first output index: keys
+// above the threshold, and those at it past the slice's first `skip`.
+extern "C" __global__ void __launch_bounds__(TOPK_SPLIT_THREADS) tandem_topk_split_emit(
+    const float* __restrict__ scores, i64 row_stride, const int* __restrict__ lengths, int k, int* __restrict__ out,
+    const u32* __restrict__ meta_all) {
+    __shared__ u32 warps[TOPK_SPLIT_THREADS / 32];
+    const int row = blockIdx.y, slice = blockIdx.x, tid = threadIdx.x;
+    const u32* const meta = meta_all + (i64)row * TOPK_SPLIT_WORDS;
+    const int n = max(0, (int)min((i64)lengths[row], row_stride));
+    const int start = slice * TOPK_SLICE;
+    if (meta[TOPK_M_MODE] != 1 || start >= n) return;
+    const bool take_all = meta[TOPK_M_TAKE_ALL] != 0;
+    const u32 prefix = meta[TOPK_M_PREFIX], mask = meta[TOPK_M_MASK];
+    const u32 off = meta[TOPK_M_OFF + slice], skip = meta[TOPK_M_SKIP + slice];
+    const float* sc = scores + (i64)row * row_stride;
+    const int i0 = start + tid * 16;
+    u32 kv[16];
+    tandem_slice_keys(sc, n, i0, (reinterpret_cast<unsigned long long>(sc) & 15) == 0, kv, 0);
+    u32 fa = 0, fe = 0;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        if (kv[j] == 0) continue;
+        const u32 m = kv[j] & mask;
+        if (take_all || m > prefix) fa |= 1u << j;
+        else if (m == prefix) fe |= 1u << j;
+    }
+    // At most TOPK_SLICE < 2^16 of each in a slice: (above << 16 | equal) in one scan.
+    const u32 mine = ((u32)__popc(fa) << 16) | (u32)__popc(fe);
+    u32 tile;
+    const u32 before = tandem_cta_scan<TOPK_SPLIT_THREADS / 32>(mine, warps, tile) - mine;
+    u32 a_before = before >> 16, e_before = before & 0xffffu;
+    int* o = out + (i64)row * k;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        if ((fa >> j) & 1u) {
+            const u32 at = off + a_before + (e_before > skip ? e_before - skip : 0);
+            if (at < (u32)k) o[at] = i0 + j;
+            ++a_before;
+        } else if ((fe >> j) & 1u) {
+            const u32 at = off + a_before + e_before - skip;
+            if (e_before >= skip && at < (u32)k) o[at] = i0 + j;
+            ++e_before;
+        }
     }
 }

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use cudarc::driver::{CudaEvent, DevicePtr, sys};
 
 use super::ops::{Arg, DBuf, Workspace, elementwise_grid, launch};
-use super::topk::{HIST_WORDS, RawTopk, launch_topk};
+use super::topk::{self, HIST_WORDS, RawTopk, launch_topk};
 use super::weights::{DFfn, DLayer, DLinear, DMlp, DWeights, LoadError};
 use super::{CudaError, Gpu, indexer, sparse_mla};
 use crate::backend::{
@@ -583,9 +583,15 @@ impl CudaBackend {
         // takes at most 65535 rows (grid y).
         let with_hist = fp8 && stride > topk;
         let row_words = stride + if with_hist { HIST_WORDS } else { 0 };
-        let chunk_rows = score_rows(row_words, self.score_bytes).min(rows).min(65_535);
+        let chunk = |words| score_rows(words, self.score_bytes).min(rows).min(65_535);
+        // The top-k's split form (CTAs of 4096 positions instead of one per row) where a chunk has few rows;
+        // its plan records count in the chunk's budget. The selections are the same in either form.
+        let split_chunk = chunk(row_words + topk::SPLIT_WORDS);
+        let split = with_hist && topk::split_applies(split_chunk, stride, topk);
+        let chunk_rows = if split { split_chunk } else { chunk(row_words) };
         let scores = ws.take::<f32>(&s, chunk_rows * stride)?;
         let hist = if with_hist { ws.take::<u32>(&s, chunk_rows * HIST_WORDS)? } else { 0 };
+        let plans = if split { ws.take::<u32>(&s, chunk_rows * topk::SPLIT_WORDS)? } else { 0 };
         let mut r0 = 0;
         while r0 < rows {
             let r1 = (r0 + chunk_rows).min(rows);
@@ -659,6 +665,7 @@ impl CudaBackend {
                     counts: counts + (r0 * 4) as u64,
                     nan_counts: nans + (r0 * 4) as u64,
                     pre_hist: hist,
+                    split: plans,
                 },
             )?;
             r0 = r1;
@@ -1139,9 +1146,9 @@ impl CudaBackend {
             + 2 * c.n_routed_experts as u64
             + c.index_topk as u64;
         let ctx = rows.min(c.max_position_embeddings as u64);
-        // The indexer's scores and first-digit counts: a decode row may have any context up to
+        // The indexer's scores, first-digit counts and top-k plans: a decode row may have any context up to
         // max_position_embeddings, so the chunk is bounded by SCORE_BYTES or one scorer group of such rows.
-        let row_words = c.max_position_embeddings as u64 + HIST_WORDS as u64;
+        let row_words = (c.max_position_embeddings + HIST_WORDS + topk::SPLIT_WORDS) as u64;
         let scores = (rows * row_words).min((SCORE_BYTES as u64 / 4).max(indexer::MAX_GROUP as u64 * row_words));
         let mha = ctx * (rank + rd + heads * (c.qk_nope_head_dim as u64 + vd));
         let logits = 2 * l.max_num_seqs as u64 * c.vocab_size as u64;

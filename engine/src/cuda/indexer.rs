@@ -485,7 +485,7 @@ mod tests {
 
     #[test]
     fn the_scorer_counts_the_topk_first_digit_and_the_topk_starts_from_it() {
-        use super::super::topk::{RawTopk, launch_topk};
+        use super::super::topk::{RawTopk, SPLIT_WORDS, launch_topk};
         let Some(gpu) = Gpu::for_test() else { return };
         let (mut rng, seed) = crate::cpu::test_support::rng();
         let st = gpu.stream();
@@ -508,7 +508,9 @@ mod tests {
         }
         // The top-k from the scorer's counts selects what it selects from its own pass.
         let k = 2048;
-        let select = |pre: u64| {
+        // Both forms of the top-k (one CTA per row; the split form, which plans from the counts).
+        let plans = st.alloc_zeros::<u32>(rows * SPLIT_WORDS).unwrap();
+        let select = |pre: u64, split: u64| {
             let (pos, counts, nans) = (
                 st.alloc_zeros::<i32>(rows * k).unwrap(),
                 st.alloc_zeros::<i32>(rows).unwrap(),
@@ -524,12 +526,15 @@ mod tests {
                 counts: counts.device_ptr(st).0,
                 nan_counts: nans.device_ptr(st).0,
                 pre_hist: pre,
+                split,
             };
             launch_topk(&gpu, &raw).unwrap();
             (st.clone_dtoh(&pos).unwrap(), st.clone_dtoh(&counts).unwrap(), st.clone_dtoh(&nans).unwrap())
         };
-        let (own, from_scorer) = (select(0), select(hist.device_ptr(st).0));
+        let (own, from_scorer) = (select(0, 0), select(hist.device_ptr(st).0, 0));
         assert!(own == from_scorer, "seed {seed}");
+        let split = select(hist.device_ptr(st).0, plans.device_ptr(st).0);
+        assert!(own == split, "the split form differs (seed {seed})");
         assert_eq!(own.2[2], 64, "the bad block's 64 NaN scores are counted (seed {seed})");
     }
 

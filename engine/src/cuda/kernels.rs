@@ -128,7 +128,13 @@ pub const FAMILIES: &[Family] = &[
     Family {
         name: "topk",
         source: include_str!("../../kernels/topk.cu"),
-        functions: &["tandem_topk_rule"],
+        functions: &[
+            "tandem_topk_rule",
+            "tandem_topk_split_plan",
+            "tandem_topk_split_scan",
+            "tandem_topk_split_resolve",
+            "tandem_topk_split_emit",
+        ],
         externals: &[],
         // Warp-aggregated shared-memory histogram atomics and warp scans.
         sass_expect: &["MATCH.ANY", "ATOMS.ADD", "SHFL.UP"],
