@@ -178,6 +178,14 @@ def decode_case(kern, rng, b, ctx, s_q, check=False, naive=False, reps=10):
         res["topk_single_ms"] = timed(lambda: kern.select(scores, stride, lens, rows, pos, counts, nans, hist), reps)
         res["forms_equal"] = bool((split_pos == pos).all())
         res["ok"] = res.get("ok", True) and res["forms_equal"]
+        # The split form's steps, cumulative: plan; + scan; + resolve; (+ emit = topk_ms).
+        st, kk, sl = np.int64(stride), np.int32(K), (-(-stride // SLICE), rows)
+        plan = lambda: kern.plan((rows,), (1024,), (scores, st, lens, kk, pos, counts, nans, hist, plans),  # noqa: E731
+                                 shared_mem=kl.TOPK_SMEM)
+        scan = lambda: (plan(), kern.scan(sl, (256,), (scores, st, lens, plans)))  # noqa: E731
+        resolve = lambda: (scan(), kern.resolve((rows,), (1024,), (scores, st, lens, kk, pos, counts, nans, plans),  # noqa: E731
+                                                shared_mem=RESOLVE_SMEM))
+        res["topk_split_steps_ms"] = [timed(f, reps) for f in (plan, scan, resolve)]
     # A request's rows share its keys: each key is read once per request.
     read = b * (ctx + s_q - 1) * (DIM + 4) + q.nbytes + w.nbytes
     flops = 2 * HEADS * DIM * float(cp.asnumpy(lens).astype(np.float64).sum())
@@ -279,12 +287,13 @@ def main():
     for r in rows:
         if r["kind"] == "decode":
             base = f"naive torch {r['torch_naive_ms']:.3f} ms" if r.get("torch_naive_ms") else ""
-            if "ok" in r:
+            if "score_diff" in r:
                 base += f" check ok={r['ok']} diff={r['score_diff']:.1e}"
             cf = f"{100 * r['copy_fraction']:.0f}%" if "copy_fraction" in r else "-"
             print(f"decode   {r['batch']:>6} {r['context']:>7} {r['s_q']:>3} {r['ms']:>8.3f} {r['gb_per_s']:>7.0f} {cf:>6} "
                   f"{r['tflops']:>7.1f}  scores {r['scores_ms']:.3f} + top-k {r['topk_ms']:.3f} ({r['topk_form']}"
-                  + (f"; single {r['topk_single_ms']:.3f}, same={r['forms_equal']}" if "topk_single_ms" in r else "")
+                  + (f"; single {r['topk_single_ms']:.3f}, same={r['forms_equal']}, steps "
+                     + "/".join(f"{x:.3f}" for x in r["topk_split_steps_ms"]) if "topk_single_ms" in r else "")
                   + f") ms; {base}")
         else:
             print(f"prefill  {r['tokens']:>6} {r['context']:>7}   - {r['ms']:>8.3f}       -      - {r['tflops']:>7.1f}  "

@@ -193,7 +193,9 @@ __device__ __forceinline__ void tandem_topk_body(
         }
         return;
     }
-    for (int b = tid; b < TOPK_COPIES * TOPK_BINS; b += TOPK_THREADS) hist[b] = 0;
+    const u32* pre = pre_hist ? pre_hist + (i64)row * TOPK_HIST_WORDS : nullptr;
+    // With the scorer's counts only the first histogram is used, and it is overwritten below.
+    for (int b = tid; b < (pre ? 0 : TOPK_COPIES * TOPK_BINS); b += TOPK_THREADS) hist[b] = 0;
     if (tid == 0) n_cand = 0;
     __syncthreads();
 
@@ -202,7 +204,6 @@ __device__ __forceinline__ void tandem_topk_body(
     // histograms to spread the atomics.
     u32* const my_hist = hist + ((tid >> 5) % TOPK_COPIES) * TOPK_BINS;
     u32 nan_here = 0;
-    const u32* pre = pre_hist ? pre_hist + (i64)row * TOPK_HIST_WORDS : nullptr;
     if (pre) {
         for (int b = tid; b < TOPK_BINS; b += TOPK_THREADS) hist[b] = pre[b];
         nan_here = tid == 0 ? pre[TOPK_HIST_NAN] : 0;
@@ -486,21 +487,37 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_split_res
         }
     }
     __syncthreads();
-    if (tid == 0) {
-        u32 off = 0, eq_before = 0;
-        for (int s = 0; s < slices; ++s) {
-            const u32 e = eqs[s];
-            const u32 skip = first_taken > eq_before ? min(first_taken - eq_before, e) : 0u;
-            meta[TOPK_M_OFF + s] = off;
-            meta[TOPK_M_SKIP + s] = skip;
-            off += meta[TOPK_M_ABOVE + s] + gt[s] + e - skip;
-            eq_before += e;
+    if (tid < 32) {
+        // Warp 0 scans the slices (two a lane): threshold keys before each slice, then positions taken
+        // before it. All loads issue before the scans.
+        const int s0 = 2 * tid, s1 = s0 + 1;
+        const u32 e0 = s0 < slices ? eqs[s0] : 0u, e1 = s1 < slices ? eqs[s1] : 0u;
+        const u32 a0 = s0 < slices ? meta[TOPK_M_ABOVE + s0] + gt[s0] : 0u;
+        const u32 a1 = s1 < slices ? meta[TOPK_M_ABOVE + s1] + gt[s1] : 0u;
+        auto scan = [&](u32 v) {  // exclusive prefix over the warp
+            u32 x = v;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const u32 y = __shfl_up_sync(0xffffffffu, x, o);
+                if (tid >= o) x += y;
+            }
+            return x - v;
+        };
+        const u32 eb0 = scan(e0 + e1), eb1 = eb0 + e0;
+        const u32 k0 = first_taken > eb0 ? min(first_taken - eb0, e0) : 0u;
+        const u32 k1 = first_taken > eb1 ? min(first_taken - eb1, e1) : 0u;
+        const u32 t0 = a0 + e0 - k0, t1 = a1 + e1 - k1;
+        const u32 off0 = scan(t0 + t1), off1 = off0 + t0;
+        if (s0 < slices) meta[TOPK_M_OFF + s0] = off0, meta[TOPK_M_SKIP + s0] = k0;
+        if (s1 < slices) meta[TOPK_M_OFF + s1] = off1, meta[TOPK_M_SKIP + s1] = k1;
+        const u32 total = __shfl_sync(0xffffffffu, off1 + t1, 31);
+        if (tid == 0) {
+            meta[TOPK_M_PREFIX] = prefix;
+            meta[TOPK_M_MASK] = mask;
+            result[0] = min(total, (u32)k);
+            counts[row] = (int)min(total, (u32)k);
+            nan_counts[row] = (int)nan_total;
         }
-        meta[TOPK_M_PREFIX] = prefix;
-        meta[TOPK_M_MASK] = mask;
-        result[0] = min(off, (u32)k);
-        counts[row] = (int)min(off, (u32)k);
-        nan_counts[row] = (int)nan_total;
     }
     __syncthreads();
     int* o = out + (i64)row * k;
