@@ -107,9 +107,14 @@ class Kernels:
         self.emit(slices, (256,), (scores, st, lens, kk, pos, plans))
 
 
-def split_applies(rows, stride):
-    """engine::cuda::topk::split_applies."""
+def split_possible(rows, stride):
+    """Where the split form can run (the bench then times both forms)."""
     return rows <= SPLIT_MAX_ROWS and K < stride <= MAX_SPLIT_STRIDE
+
+
+def split_applies(rows, stride):
+    """engine::cuda::topk::split_applies: where the CUDA backend runs the split form."""
+    return split_possible(rows, stride) and (stride >= 16 * SLICE or (stride >= 4 * SLICE and rows <= stride // 512))
 
 
 def random_pool(num_blocks):
@@ -143,11 +148,12 @@ def decode_case(kern, rng, b, ctx, s_q, check=False, naive=False, reps=10):
     counts, nans = cp.zeros(rows, dtype=cp.int32), cp.zeros(rows, dtype=cp.int32)
 
     hist = cp.zeros((rows, HIST_WORDS), dtype=cp.uint32)
-    plans = cp.zeros((rows, SPLIT_WORDS), dtype=cp.uint32) if split_applies(rows, stride) else None
+    plans = cp.zeros((rows, SPLIT_WORDS), dtype=cp.uint32) if split_possible(rows, stride) else None
+    use = plans if split_applies(rows, stride) else None  # the backend's choice
 
     def run():
         kern.score(q, w, pool, num_blocks, table, nblk, lens, groups, s_q, scores, stride, hist)
-        kern.select(scores, stride, lens, rows, pos, counts, nans, hist, plans)
+        kern.select(scores, stride, lens, rows, pos, counts, nans, hist, use)
 
     run()
     cp.cuda.runtime.deviceSynchronize()
@@ -170,10 +176,12 @@ def decode_case(kern, rng, b, ctx, s_q, check=False, naive=False, reps=10):
     ms = timed(run, reps)
     res["scores_ms"] = timed(lambda: kern.score(q, w, pool, num_blocks, table, nblk, lens, groups, s_q, scores, stride, hist),
                              reps)
-    res["topk_form"] = "split" if plans is not None else "single"
-    res["topk_ms"] = timed(lambda: kern.select(scores, stride, lens, rows, pos, counts, nans, hist, plans), reps)
+    res["topk_form"] = "split" if use is not None else "single"
+    res["topk_ms"] = timed(lambda: kern.select(scores, stride, lens, rows, pos, counts, nans, hist, use), reps)
     if plans is not None:
-        # The single form on the same rows, and whether it selects the same (it must: the rule decides).
+        # Both forms on the same rows, and whether they select the same (they must: the rule decides).
+        res["topk_split_ms"] = timed(lambda: kern.select(scores, stride, lens, rows, pos, counts, nans, hist, plans),
+                                     reps)
         split_pos = pos.copy()
         res["topk_single_ms"] = timed(lambda: kern.select(scores, stride, lens, rows, pos, counts, nans, hist), reps)
         res["forms_equal"] = bool((split_pos == pos).all())
@@ -292,7 +300,7 @@ def main():
             cf = f"{100 * r['copy_fraction']:.0f}%" if "copy_fraction" in r else "-"
             print(f"decode   {r['batch']:>6} {r['context']:>7} {r['s_q']:>3} {r['ms']:>8.3f} {r['gb_per_s']:>7.0f} {cf:>6} "
                   f"{r['tflops']:>7.1f}  scores {r['scores_ms']:.3f} + top-k {r['topk_ms']:.3f} ({r['topk_form']}"
-                  + (f"; single {r['topk_single_ms']:.3f}, same={r['forms_equal']}, steps "
+                  + (f"; split {r['topk_split_ms']:.3f}, single {r['topk_single_ms']:.3f}, same={r['forms_equal']}, steps "
                      + "/".join(f"{x:.3f}" for x in r["topk_split_steps_ms"]) if "topk_single_ms" in r else "")
                   + f") ms; {base}")
         else:

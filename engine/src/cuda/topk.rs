@@ -24,15 +24,19 @@ const SPLIT_CAP: usize = 16_384;
 pub const SPLIT_WORDS: usize = 16 + 3 * 64 + SPLIT_CAP;
 /// Dynamic shared memory of the split form's resolve step: a histogram and the candidates' keys and positions.
 pub const RESOLVE_SHARED_BYTES: usize = (2048 + 2 * SPLIT_CAP) * 4;
-/// Rows up to which a caller picks the split form (see [`RawTopk::split`]): below this many rows one CTA per
-/// row leaves SMs idle and each row's passes are bound by one SM; from here on the single form keeps the GPU
-/// busy and needs no plan records.
+/// Rows up to which a caller may pick the split form (see [`split_applies`]).
 pub const SPLIT_MAX_ROWS: usize = 512;
 
-/// Whether the split form takes `rows` rows of `row_stride` scores, and `k`: rows longer than `k` up to
-/// [`MAX_SPLIT_STRIDE`], at most [`SPLIT_MAX_ROWS`] of them.
+/// Whether the CUDA backend runs the split form for `rows` rows of `row_stride` scores and `k`: where it
+/// was measured faster (H100, `bench/gpu/indexer_bench.py`, both forms on every decode shape): its four
+/// launches cost ~15 us whatever the rows' length, the single form's one CTA per row ~15 us at 8K, ~33 us
+/// at 32K and ~90 us at 128K positions up to a wave of rows. So: rows longer than `k` up to
+/// [`MAX_SPLIT_STRIDE`], at most [`SPLIT_MAX_ROWS`] of them, and either at least 64K positions, or at least
+/// 16K positions and at most one row per 512 positions (32K: up to 64 rows). The selections are the same in
+/// either form, so the choice may depend on the batch.
 pub fn split_applies(rows: usize, row_stride: usize, k: usize) -> bool {
-    rows <= SPLIT_MAX_ROWS && row_stride > k && row_stride <= MAX_SPLIT_STRIDE
+    let fits = rows <= SPLIT_MAX_ROWS && row_stride > k && row_stride <= MAX_SPLIT_STRIDE;
+    fits && (row_stride >= 16 * SLICE || (row_stride >= 4 * SLICE && rows <= row_stride / 512))
 }
 
 /// Where a batch of selections goes: `positions [rows, k]` (ascending, then -1), how many positions each
