@@ -242,6 +242,46 @@ fn prefill_scored_in_many_small_chunks_is_bitwise_the_one_chunk_prefill() {
 }
 
 #[test]
+fn the_top_k_form_changes_nothing() {
+    // The indexer's top-k in one CTA per row or in slices of 4096 positions (the form the backend picks for
+    // long rows in small batches): the same selections, so the same logits bit for bit, in prefill (rows of
+    // two requests, one longer than its chunk) and in decode (plain and speculative generation).
+    let cache = std::env::temp_dir().join("tandem-test-kernels");
+    let Some(_) = gpu_backend(Precision::Fp8) else { return };
+    let load = |form| {
+        let b = CudaBackend::load(checkpoint(), Precision::Fp8, 0, &cache).unwrap().with_topk_form(form);
+        side(Arc::new(b.with_score_chunk_bytes(40_000)))
+    };
+    let (single, split) = (load(engine::cuda::topk::Form::Single), load(engine::cuda::topk::Form::Split));
+    let (a, b) = (prompt(300, 21), prompt(45, 22));
+    let prefill = |s: &Served| {
+        let (ta, tb) = (s.pool.reserve("a", a.len()).unwrap(), s.pool.reserve("b", b.len()).unwrap());
+        let seqs = [
+            SeqInput { tokens: &a, start: 0, blocks: &ta.blocks, logits: Logits::All },
+            SeqInput { tokens: &b, start: 0, blocks: &tb.blocks, logits: Logits::All },
+        ];
+        let out = s.b.prefill(&s.cache, &seqs, &mut |_, _| {}).unwrap();
+        let l = (s.b.rows_to_host(&out[0].logits).unwrap(), s.b.rows_to_host(&out[1].logits).unwrap());
+        s.pool.release("a").unwrap();
+        s.pool.release("b").unwrap();
+        l
+    };
+    assert!(prefill(&single) == prefill(&split), "prefill logits depend on the top-k form");
+    let toks = prompt(200, 23);
+    let generate = |s: &Served, speculate: bool| {
+        let params = SamplingParams::greedy(24);
+        let t = s.pool.reserve("g", toks.len() + 26).unwrap();
+        let g =
+            generate::generate(s.b.as_ref(), &s.cache, toks.clone(), params, t.blocks.clone(), 48, speculate).unwrap();
+        s.pool.release("g").unwrap();
+        g.tokens.iter().map(|t| (t.token, t.logprob.to_bits())).collect::<Vec<_>>()
+    };
+    for speculate in [false, true] {
+        assert_eq!(generate(&single, speculate), generate(&split, speculate), "speculate {speculate}");
+    }
+}
+
+#[test]
 fn generation_on_the_gpu_is_plain_equals_speculative_and_follows_the_cpu() {
     for prec in [Precision::Fp8, Precision::Full] {
         generation_case(prec);

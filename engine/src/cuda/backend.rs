@@ -108,6 +108,8 @@ pub struct CudaBackend {
     selections: Option<crate::backend::SelectionLog>,
     /// Bytes of scores one indexer chunk may hold ([`SCORE_BYTES`] unless a test sets it).
     score_bytes: usize,
+    /// `None`: the top-k form [`topk::split_applies`] picks; a test may force one.
+    topk_form: Option<topk::Form>,
 }
 
 use crate::backend::BatchItem as Item;
@@ -163,6 +165,7 @@ impl CudaBackend {
             fingerprint: ckpt.fingerprint().to_string(),
             selections: None,
             score_bytes: SCORE_BYTES,
+            topk_form: None,
         })
     }
 
@@ -177,6 +180,14 @@ impl CudaBackend {
     /// of [`SCORE_BYTES`]: tests use it to cut a short prefill into many chunks. Results do not depend on it.
     pub fn with_score_chunk_bytes(mut self, bytes: usize) -> Self {
         self.score_bytes = bytes.min(SCORE_BYTES);
+        self
+    }
+
+    /// Runs the indexer's top-k in `form` wherever that form can run (FP8 rows longer than index_topk; the
+    /// split form up to [`topk::MAX_SPLIT_STRIDE`] positions) instead of where [`topk::split_applies`] picks
+    /// it: tests use it to run both forms through the model. Results do not depend on it.
+    pub fn with_topk_form(mut self, form: topk::Form) -> Self {
+        self.topk_form = Some(form);
         self
     }
 
@@ -587,7 +598,12 @@ impl CudaBackend {
         // The top-k's split form (CTAs of 4096 positions instead of one per row) where a chunk has few rows;
         // its plan records count in the chunk's budget. The selections are the same in either form.
         let split_chunk = chunk(row_words + topk::SPLIT_WORDS);
-        let split = with_hist && topk::split_applies(split_chunk, stride, topk);
+        let split = with_hist
+            && match self.topk_form {
+                None => topk::split_applies(split_chunk, stride, topk),
+                Some(topk::Form::Split) => stride <= topk::MAX_SPLIT_STRIDE,
+                Some(topk::Form::Single) => false,
+            };
         let chunk_rows = if split { split_chunk } else { chunk(row_words) };
         let scores = ws.take::<f32>(&s, chunk_rows * stride)?;
         let hist = if with_hist { ws.take::<u32>(&s, chunk_rows * HIST_WORDS)? } else { 0 };
