@@ -5,12 +5,12 @@
 //
 // Rows come in groups: up to IDX_MAX_Q consecutive rows that share one block table (a decode token and its
 // MTP draft, or up to four prompt tokens of one prefill chunk), so a key block read from memory serves every
-// query of the group. A CTA is one warpgroup; it owns IDX_BLOCKS_PER_CTA consecutive key blocks of one
-// group, which it streams into shared memory with 16-byte cp.async, IDX_STAGES blocks in flight, stored in
-// the 128-byte-swizzled K-major layout wgmma reads. Each query's q tile (64 heads x 128, zero heads past
-// `heads`) is staged the same way. Per key block, four wgmma k-steps of m64n128k32 e4m3 for a pair of queries
-// (their q tiles adjacent) or m64n64k32 for a single one (f32 accumulators:
-// 64 tokens x 64 heads) give every q . k product; the epilogue applies ReLU and the head weights in
+// query of the group. A CTA is one warpgroup; it owns IDX_BLOCKS_PER_CTA (8; 16 for a group of several
+// queries) consecutive key blocks of one group, which it streams into shared memory with 16-byte cp.async,
+// IDX_STAGES blocks in flight, stored in the 128-byte-swizzled K-major layout wgmma reads. Each query's q
+// tile (64 heads x 128, zero heads past `heads`) is staged the same way. Per key block, four wgmma k-steps of
+// m64n128k32 e4m3 for a pair of queries (their q tiles adjacent) or m64n64k32 for a single one (f32
+// accumulators: 64 tokens x 64 heads) give every q . k product; the epilogue applies ReLU and the head weights in
 // registers and sums the heads in the fixed order of docs/model.md §2.3 (four interleaved partial sums, then
 // a two-level butterfly), which the CPU backend's `engine::cpu::indexer::head_sum` repeats.
 //
@@ -30,7 +30,8 @@
 #define IDX_BLOCK 64
 #define IDX_HEADS 64
 #define IDX_MAX_Q 4
-#define IDX_BLOCKS_PER_CTA 8
+#define IDX_BLOCKS_PER_CTA 8         // a CTA of a single query; the grid is sized by it
+#define IDX_BLOCKS_PER_CTA_GROUP 16  // a CTA of a group of 2..4 queries (its q tiles staged once for more keys)
 #define IDX_STAGES 3
 #define IDX_THREADS 128
 #define IDX_TILE (IDX_BLOCK * IDX_DIM)  // 8 KB: one key block or one query's q tile
@@ -80,13 +81,12 @@ __device__ __forceinline__ void tandem_idx_epilogue(const float (&d)[32], const 
     if (writes) scores[(i64)row * score_stride + s] = v;
     if (shist) {
         // The top-k's first radix digit of this score (or its NaN), counted in the CTA's histogram of this
-        // query: one atomic per distinct digit of the warp, two 16-bit counts per word (a CTA counts at most
-        // 512 scores of a query). Integer sums: the order of arrival does not matter.
+        // query: one shared-memory atomic per score, two 16-bit counts per word (a CTA counts at most 1024
+        // scores of a query). Integer sums: the order of arrival does not matter. (Aggregating a warp's equal
+        // digits with match.any first was 9% slower at s_q = 2: the match's latency sits on every score.)
         const u32 key = tandem_topk_key(v);
         const u32 d = !writes ? 0xffffffffu : key == 0 ? TOPK_HIST_NAN : key >> 21;
-        const u32 peers = __match_any_sync(0xffffffffu, d);
-        if (d != 0xffffffffu && (threadIdx.x & 31) == __ffs(peers) - 1)
-            atomicAdd(&shist[d >> 1], (u32)__popc(peers) << ((d & 1) * 16));
+        if (d != 0xffffffffu) atomicAdd(&shist[d >> 1], 1u << ((d & 1) * 16));
     }
 }
 
@@ -115,8 +115,13 @@ extern "C" __global__ void __launch_bounds__(IDX_THREADS) tandem_indexer_scores(
     const int row0 = groups[2 * blockIdx.y], nq = groups[2 * blockIdx.y + 1];
     int glen = 0;
     for (int j = 0; j < nq; ++j) glen = max(glen, (int)min((i64)lengths[row0 + j], score_stride));
-    const int first = blockIdx.x * IDX_BLOCKS_PER_CTA;
-    const int last = min(min(first + IDX_BLOCKS_PER_CTA, (glen + IDX_BLOCK - 1) / IDX_BLOCK), max_blocks);
+    // A group of several queries takes twice the key blocks per CTA (measured at 64 x 32K on the H100: MTP
+    // pairs 6% faster; single queries were 4% slower, so they keep 8); the grid is sized for single queries,
+    // so a group's surplus CTAs leave at once.
+    // Which CTA scores a key changes no score (nothing is combined across CTAs).
+    const int span = nq >= 2 ? IDX_BLOCKS_PER_CTA_GROUP : IDX_BLOCKS_PER_CTA;
+    const int first = blockIdx.x * span;
+    const int last = min(min(first + span, (glen + IDX_BLOCK - 1) / IDX_BLOCK), max_blocks);
     if (first >= last) return;
     const int nblk = last - first;
     const int* table = block_table + (i64)(row0 + nq - 1) * max_blocks;

@@ -11,7 +11,8 @@ use super::topk::HIST_WORDS;
 use super::{CudaError, Gpu};
 use crate::cache::BLOCK_SIZE;
 
-/// Must match `IDX_BLOCKS_PER_CTA`, `IDX_STAGES`, `IDX_THREADS` and `IDX_MAX_Q` in the kernel.
+/// Must match `IDX_BLOCKS_PER_CTA` (the grid: a CTA of a single query; groups take twice as many and leave
+/// the surplus CTAs at once), `IDX_STAGES`, `IDX_THREADS` and `IDX_MAX_Q` in the kernel.
 const BLOCKS_PER_CTA: usize = 8;
 const STAGES: usize = 3;
 const THREADS: u32 = 128;
