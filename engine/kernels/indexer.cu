@@ -6,13 +6,14 @@
 // Rows come in groups: up to IDX_MAX_Q consecutive rows that share one block table (a decode token and its
 // MTP draft, or up to four prompt tokens of one prefill chunk), so a key block read from memory serves every
 // query of the group. A CTA is one warpgroup; it owns IDX_BLOCKS_PER_CTA (8; 16 for a group of several
-// queries) consecutive key blocks of one group, which it streams into shared memory with 16-byte cp.async,
-// IDX_STAGES blocks in flight, stored in the 128-byte-swizzled K-major layout wgmma reads. Each query's q
-// tile (64 heads x 128, zero heads past `heads`) is staged the same way. Per key block, four wgmma k-steps of
-// m64n128k32 e4m3 for a pair of queries (their q tiles adjacent) or m64n64k32 for a single one (f32
-// accumulators: 64 tokens x 64 heads) give every q . k product; the epilogue applies ReLU and the head weights in
-// registers and sums the heads in the fixed order of docs/model.md §2.3 (four interleaved partial sums, then
-// a two-level butterfly), which the CPU backend's `engine::cpu::indexer::head_sum` repeats.
+// queries in a large launch) consecutive key blocks of one group, which it streams into shared memory with
+// 16-byte cp.async, IDX_STAGES blocks in flight, stored in the 128-byte-swizzled K-major layout wgmma reads.
+// Each query's q tile (64 heads x 128, zero heads past `heads`) is staged the same way. Per key block, four
+// wgmma k-steps of m64n128k32 e4m3 for a pair of queries (their q tiles adjacent) or m64n64k32 for a single
+// one (f32 accumulators: 64 tokens x 64 heads) give every q . k product; the epilogue applies ReLU and the
+// head weights in registers and sums the heads in the fixed order of docs/model.md §2.3 (four interleaved
+// partial sums, then a two-level butterfly), which the CPU backend's `engine::cpu::indexer::head_sum`
+// repeats.
 //
 // Batch invariance: a query's products are per-element dot products of its q row and the key over the
 // same four k-steps whichever group or batch it is in (pairs of queries share one m64n128 instruction, a
@@ -32,6 +33,7 @@
 #define IDX_MAX_Q 4
 #define IDX_BLOCKS_PER_CTA 8         // a CTA of a single query; the grid is sized by it
 #define IDX_BLOCKS_PER_CTA_GROUP 16  // a CTA of a group of 2..4 queries (its q tiles staged once for more keys)
+#define IDX_GROUP_SPAN_MIN_CTAS 1024 // ... in a launch of at least this many CTAs
 #define IDX_STAGES 3
 #define IDX_THREADS 128
 #define IDX_TILE (IDX_BLOCK * IDX_DIM)  // 8 KB: one key block or one query's q tile
@@ -115,11 +117,13 @@ extern "C" __global__ void __launch_bounds__(IDX_THREADS) tandem_indexer_scores(
     const int row0 = groups[2 * blockIdx.y], nq = groups[2 * blockIdx.y + 1];
     int glen = 0;
     for (int j = 0; j < nq; ++j) glen = max(glen, (int)min((i64)lengths[row0 + j], score_stride));
-    // A group of several queries takes twice the key blocks per CTA (measured at 64 x 32K on the H100: MTP
-    // pairs 6% faster; single queries were 4% slower, so they keep 8); the grid is sized for single queries,
-    // so a group's surplus CTAs leave at once.
-    // Which CTA scores a key changes no score (nothing is combined across CTAs).
-    const int span = nq >= 2 ? IDX_BLOCKS_PER_CTA_GROUP : IDX_BLOCKS_PER_CTA;
+    // A group of several queries takes twice the key blocks per CTA where the launch has work for more than
+    // a few waves (measured on the H100: MTP pairs 6-12% faster from 1024 CTAs up, prefill groups of four
+    // 15-20%; below, fewer CTAs leave SMs idle and it is slower; single queries keep 8 at any size). The grid
+    // is sized for 8, so a group's surplus CTAs leave at once. Which CTA scores a key changes no score
+    // (nothing is combined across CTAs).
+    const int span = nq >= 2 && gridDim.x * gridDim.y >= IDX_GROUP_SPAN_MIN_CTAS ? IDX_BLOCKS_PER_CTA_GROUP
+                                                                                 : IDX_BLOCKS_PER_CTA;
     const int first = blockIdx.x * span;
     const int last = min(min(first + span, (glen + IDX_BLOCK - 1) / IDX_BLOCK), max_blocks);
     if (first >= last) return;
