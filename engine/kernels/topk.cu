@@ -156,6 +156,42 @@ __device__ __forceinline__ void tandem_topk_plan(u32* meta, u32 d, u32 need, u32
     meta[TOPK_M_MODE] = 1;
 }
 
+// One tile of an emission pass: the selected positions among this thread's N consecutive keys `kv` (0: not a
+// candidate) from position i0, written in ascending order across the CTA (WARPS warps). A key is selected when
+// its bits under `mask` are above `prefix` (every key when take_all), or equal to it and not among the first
+// `skip` such keys; `a_run` / `e_run` count the keys of each kind in the CTA's earlier tiles and `off` is the
+// first output index. Returns the tile's counts (above << 16 | equal: each under 2^16 per tile).
+template <int N, int WARPS>
+__device__ __forceinline__ u32 tandem_emit_tile(const u32 (&kv)[N], int i0, bool take_all, u32 mask, u32 prefix,
+                                                u32 a_run, u32 e_run, u32 skip, u32 off, int* o, int k, u32* warps) {
+    u32 fa = 0, fe = 0;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        if (kv[j] == 0) continue;
+        const u32 m = kv[j] & mask;
+        if (take_all || m > prefix) fa |= 1u << j;
+        else if (m == prefix) fe |= 1u << j;
+    }
+    const u32 mine = ((u32)__popc(fa) << 16) | (u32)__popc(fe);
+    u32 tile;
+    const u32 before = tandem_cta_scan<WARPS>(mine, warps, tile) - mine;
+    u32 a_before = a_run + (before >> 16), e_before = e_run + (before & 0xffffu);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        // The index is below k by construction; the check keeps a broken invariant inside the row.
+        if ((fa >> j) & 1u) {
+            const u32 at = off + a_before + (e_before > skip ? e_before - skip : 0);
+            if (at < (u32)k) o[at] = i0 + j;
+            ++a_before;
+        } else if ((fe >> j) & 1u) {
+            const u32 at = off + a_before + e_before - skip;
+            if (e_before >= skip && at < (u32)k) o[at] = i0 + j;
+            ++e_before;
+        }
+    }
+    return tile;
+}
+
 // The whole rule for one row (the CTA's blockIdx.x). PLAN (the split form's first step, see below): a row
 // whose threshold bucket fits TOPK_SPLIT_CAP candidates (or that takes everything, or its bucket whole) only
 // gets its plan written to `meta` and is finished by the split kernels; every other row is done here.
@@ -319,32 +355,8 @@ __device__ __forceinline__ void tandem_topk_body(
         u32 kv[TOPK_UNROLL];
 #pragma unroll
         for (int j = 0; j < TOPK_UNROLL; ++j) kv[j] = i0 + j < n ? tandem_topk_key(v[j]) : 0;
-        u32 fa = 0, fe = 0;
-#pragma unroll
-        for (int j = 0; j < TOPK_UNROLL; ++j) {
-            if (kv[j] == 0) continue;
-            const u32 m = kv[j] & mask;
-            if (take_all || m > prefix) fa |= 1u << j;
-            else if (m == prefix) fe |= 1u << j;
-        }
-        // Per tile at most TOPK_THREADS * TOPK_UNROLL < 2^16 of each: (above << 16 | equal) in one scan.
-        const u32 mine = ((u32)__popc(fa) << 16) | (u32)__popc(fe);
-        u32 tile;
-        const u32 before = tandem_cta_scan(mine, warps, tile) - mine;
-        u32 a_before = a_run + (before >> 16), e_before = e_run + (before & 0xffffu);
-#pragma unroll
-        for (int j = 0; j < TOPK_UNROLL; ++j) {
-            // The index is below k by construction; the check keeps a broken invariant inside the row.
-            if ((fa >> j) & 1u) {
-                const u32 at = a_before + (e_before > first_taken ? e_before - first_taken : 0);
-                if (at < (u32)k) o[at] = i0 + j;
-                ++a_before;
-            } else if ((fe >> j) & 1u) {
-                const u32 at = a_before + e_before - first_taken;
-                if (e_before >= first_taken && at < (u32)k) o[at] = i0 + j;
-                ++e_before;
-            }
-        }
+        const u32 tile = tandem_emit_tile<TOPK_UNROLL, TOPK_WARPS>(kv, i0, take_all, mask, prefix, a_run, e_run,
+                                                                    first_taken, 0, o, k, warps);
         a_run += tile >> 16;
         e_run += tile & 0xffffu;
     }
@@ -374,7 +386,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_split_pla
 
 // The keys of a slice CTA's thread: 16 positions i0 + 0..15 (`none` past the row's end). Four 16-byte loads
 // where the row is aligned and the positions inside it, else unconditional scalar loads clamped into the row.
-__device__ __forceinline__ void tandem_slice_keys(const float* sc, int n, int i0, bool aligned, u32 (&kv)[16], u32 none) {
+__device__ __forceinline__ void tandem_slice_keys(const float* sc, int n, int i0, bool aligned, u32 (&kv)[16],
+                                                  u32 none) {
     float v[16];
     if (aligned && i0 + 16 <= n) {
 #pragma unroll
@@ -542,30 +555,6 @@ extern "C" __global__ void __launch_bounds__(TOPK_SPLIT_THREADS) tandem_topk_spl
     const int i0 = start + tid * 16;
     u32 kv[16];
     tandem_slice_keys(sc, n, i0, (reinterpret_cast<unsigned long long>(sc) & 15) == 0, kv, 0);
-    u32 fa = 0, fe = 0;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-        if (kv[j] == 0) continue;
-        const u32 m = kv[j] & mask;
-        if (take_all || m > prefix) fa |= 1u << j;
-        else if (m == prefix) fe |= 1u << j;
-    }
-    // At most TOPK_SLICE < 2^16 of each in a slice: (above << 16 | equal) in one scan.
-    const u32 mine = ((u32)__popc(fa) << 16) | (u32)__popc(fe);
-    u32 tile;
-    const u32 before = tandem_cta_scan<TOPK_SPLIT_THREADS / 32>(mine, warps, tile) - mine;
-    u32 a_before = before >> 16, e_before = before & 0xffffu;
-    int* o = out + (i64)row * k;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-        if ((fa >> j) & 1u) {
-            const u32 at = off + a_before + (e_before > skip ? e_before - skip : 0);
-            if (at < (u32)k) o[at] = i0 + j;
-            ++a_before;
-        } else if ((fe >> j) & 1u) {
-            const u32 at = off + a_before + e_before - skip;
-            if (e_before >= skip && at < (u32)k) o[at] = i0 + j;
-            ++e_before;
-        }
-    }
+    tandem_emit_tile<16, TOPK_SPLIT_THREADS / 32>(kv, i0, take_all, mask, prefix, 0, 0, skip, off,
+                                                  out + (i64)row * k, k, warps);
 }
