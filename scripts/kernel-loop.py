@@ -261,7 +261,7 @@ def indexer(tokens, rng):
         groups = cp.asarray(np.array([[r, 1] for r in range(rows)], dtype=np.int32).reshape(-1))
         smem = 4 * BLOCK * dim + 3 * BLOCK * 4 + 64 * 4 + 1025 * 4 + 1024  # engine::cuda::indexer::shared_bytes(1)
 
-        hist = cp.zeros((rows, 2050), dtype=cp.uint32)  # engine::cuda::topk::HIST_WORDS: the first digit, by the scorer
+        hist = cp.zeros((rows, 2049), dtype=cp.uint32)  # the top-k's first digit, counted by the scorer
 
         def run():
             hist.fill(0)

@@ -38,7 +38,7 @@ BLOCK, DIM, HEADS, K = 64, 128, 64, 2048
 BLOCK_BYTES = BLOCK * (DIM + 4)
 STAGES, MAX_Q = 3, 4
 SCORE_BYTES = 64 << 20
-HIST_WORDS = 2050  # the top-k's first-digit histogram per row (filled by the scorer) + the split form's counter
+HIST_WORDS = 2049  # the top-k's first-digit histogram per row, filled by the scorer
 # engine::cuda::topk: the split form's slice, plan record words, resolve shared memory and limits.
 SLICE, SPLIT_CAP = 4096, 16384
 SPLIT_WORDS = 16 + 3 * 64 + SPLIT_CAP
@@ -77,7 +77,9 @@ class Kernels:
         mod = kl.module("topk")
         self.topk = mod.get_function("tandem_topk_rule")
         kl.set_smem(self.topk, kl.TOPK_SMEM)
-        # The split form (engine::cuda::topk::RawTopk::split): slice scan, resolve, slice emission.
+        # The split form (engine::cuda::topk::RawTopk::split): plan, slice scan, resolve, slice emission.
+        self.plan = mod.get_function("tandem_topk_split_plan")
+        kl.set_smem(self.plan, kl.TOPK_SMEM)
         self.scan = mod.get_function("tandem_topk_split_scan")
         self.resolve = mod.get_function("tandem_topk_split_resolve")
         kl.set_smem(self.resolve, RESOLVE_SMEM)
@@ -99,8 +101,9 @@ class Kernels:
             self.topk((rows,), (1024,), (scores, st, lens, kk, pos, counts, nans, hist), shared_mem=kl.TOPK_SMEM)
             return
         slices = (-(-stride // SLICE), rows)
-        self.scan(slices, (256,), (scores, st, lens, kk, hist, plans))
-        self.resolve((rows,), (1024,), (scores, st, lens, kk, pos, counts, nans, hist, plans), shared_mem=RESOLVE_SMEM)
+        self.plan((rows,), (1024,), (scores, st, lens, kk, pos, counts, nans, hist, plans), shared_mem=kl.TOPK_SMEM)
+        self.scan(slices, (256,), (scores, st, lens, plans))
+        self.resolve((rows,), (1024,), (scores, st, lens, kk, pos, counts, nans, plans), shared_mem=RESOLVE_SMEM)
         self.emit(slices, (256,), (scores, st, lens, kk, pos, plans))
 
 
@@ -183,12 +186,14 @@ def decode_case(kern, rng, b, ctx, s_q, check=False, naive=False, reps=10):
         res["topk_single_ms"] = timed(lambda: kern.select(scores, stride, lens, rows, pos, counts, nans, hist), reps)
         res["forms_equal"] = bool((split_pos == pos).all())
         res["ok"] = res.get("ok", True) and res["forms_equal"]
-        # The split form's steps, cumulative: scan; + resolve; (+ emit = topk_split_ms).
+        # The split form's steps, cumulative: plan; + scan; + resolve; (+ emit = topk_ms).
         st, kk, sl = np.int64(stride), np.int32(K), (-(-stride // SLICE), rows)
-        scan = lambda: kern.scan(sl, (256,), (scores, st, lens, kk, hist, plans))  # noqa: E731
-        resolve = lambda: (scan(), kern.resolve((rows,), (1024,), (scores, st, lens, kk, pos, counts, nans, hist,  # noqa: E731
-                                                                    plans), shared_mem=RESOLVE_SMEM))
-        res["topk_split_steps_ms"] = [timed(f, reps) for f in (scan, resolve)]
+        plan = lambda: kern.plan((rows,), (1024,), (scores, st, lens, kk, pos, counts, nans, hist, plans),  # noqa: E731
+                                 shared_mem=kl.TOPK_SMEM)
+        scan = lambda: (plan(), kern.scan(sl, (256,), (scores, st, lens, plans)))  # noqa: E731
+        resolve = lambda: (scan(), kern.resolve((rows,), (1024,), (scores, st, lens, kk, pos, counts, nans, plans),  # noqa: E731
+                                                shared_mem=RESOLVE_SMEM))
+        res["topk_split_steps_ms"] = [timed(f, reps) for f in (plan, scan, resolve)]
     # A request's rows share its keys: each key is read once per request.
     read = b * (ctx + s_q - 1) * (DIM + 4) + q.nbytes + w.nbytes
     flops = 2 * HEADS * DIM * float(cp.asnumpy(lens).astype(np.float64).sum())

@@ -37,8 +37,8 @@
 #define IDX_STAGES 3
 #define IDX_THREADS 128
 #define IDX_TILE (IDX_BLOCK * IDX_DIM)  // 8 KB: one key block or one query's q tile
-// A query's first-digit counts in shared memory: 2048 digits + NaN as 16-bit counts, two a word.
-#define IDX_HIST_WORDS ((TOPK_HIST_NAN + 2) / 2)
+// A query's first-digit counts in shared memory: TOPK_HIST_WORDS (2048 digits + NaN) 16-bit counts, two a word.
+#define IDX_HIST_WORDS ((TOPK_HIST_WORDS + 1) / 2)
 
 // Dynamic shared memory: IDX_STAGES key tiles, then `max_q` q tiles (all 1024-byte aligned), then the
 // stages' k scales, the queries' head weights and the queries' first-digit counts.

@@ -17,16 +17,15 @@
 // output comes out ascending. Every pass over the row issues TOPK_UNROLL loads per thread before using any.
 //
 // The split form, for batches of few rows (where one CTA per row leaves most SMs idle and a row's passes are
-// bound by one SM), needs the scorer's histogram (whose TOPK_HIST_CAND word it uses as a counter) and per-row
-// records of TOPK_SPLIT_WORDS words; three launches:
-//   scan     (a CTA per slice of TOPK_SLICE positions)  the row's threshold digit from the histogram, as above,
-//                              then counts the slice's keys above the threshold bucket and appends the
-//                              bucket's positions to the row's candidates;
+// bound by one SM): four launches over per-row plan records (TOPK_SPLIT_WORDS words each):
+//   plan     (a CTA per row)   the threshold digit from the histogram, as above; a row that takes everything,
+//                              takes its threshold bucket whole, or whose bucket holds at most TOPK_SPLIT_CAP
+//                              keys is left to the split kernels, any other row is finished here;
+//   scan     (a CTA per slice of TOPK_SLICE positions)  counts the slice's keys above the bucket and appends
+//                              the bucket's positions to the row's candidates;
 //   resolve  (a CTA per row)   the two lower digits over the candidates (in shared memory), then each
 //                              slice's first output index and how many threshold keys it leaves out (the
-//                              row's earliest: the tie rule), the count and the -1 padding; a row of at most k
-//                              positions or whose bucket holds over TOPK_SPLIT_CAP keys is done here by the
-//                              single form's body;
+//                              row's earliest: the tie rule), the count and the -1 padding;
 //   emit     (a CTA per slice) the slice's selected positions from its first output index, ascending.
 // Both forms give the same selections: the rule decides every position exactly.
 #include "common.cuh"
@@ -40,15 +39,20 @@
 #define TOPK_COPIES 8  // engine::cuda::topk::SHARED_BYTES counts 8
 #define TOPK_NONE 0xffffffffu
 
-// The split form (see the header): per row a record of TOPK_SPLIT_WORDS words in global memory.
+// The split form (see the header): per row a plan record of TOPK_SPLIT_WORDS words in global memory.
 #define TOPK_SLICE 4096          // positions per slice CTA
 #define TOPK_SPLIT_THREADS 256   // threads of a slice CTA: 16 positions each
 #define TOPK_MAX_SLICES 64       // engine::cuda::topk::MAX_SPLIT_STRIDE = 64 x 4096
 #define TOPK_SPLIT_CAP 16384     // candidates a row may collect for the split form
-#define TOPK_M_MODE 0            // written by the resolve step: 1 the emit step finishes the row, 0 it is done
-#define TOPK_M_TAKE_ALL 1        // every non-NaN position is selected
-#define TOPK_M_PREFIX 2          // the resolved threshold: bits under MASK (the rule of the single form)
-#define TOPK_M_MASK 3
+#define TOPK_M_MODE 0            // 1: the split kernels finish the row; 0: done (the plan kernel did it all)
+#define TOPK_M_DIGIT 1           // the threshold's top 11 bits
+#define TOPK_M_NEED 2            // keys still needed from that bucket
+#define TOPK_M_TAKE_ALL 3        // every non-NaN position is selected
+#define TOPK_M_NAN 4             // NaN scores of the row
+#define TOPK_M_NCAND 5           // candidates collected (atomic)
+#define TOPK_M_EQ 6              // keys in the threshold bucket
+#define TOPK_M_PREFIX 7          // the resolved threshold: bits under MASK (the rule of the single form)
+#define TOPK_M_MASK 8
 #define TOPK_M_ABOVE 16                                   // [slices]: keys of the slice above the bucket
 #define TOPK_M_OFF (TOPK_M_ABOVE + TOPK_MAX_SLICES)       // [slices]: the slice's first output index
 #define TOPK_M_SKIP (TOPK_M_OFF + TOPK_MAX_SLICES)        // [slices]: threshold keys of the slice left out
@@ -100,32 +104,24 @@ __device__ __forceinline__ u32 tandem_cta_scan(u32 v, u32* warps, u32& total) {
 
 // The threshold digit of `hist` (`digits` bins): the digit d where the count of keys in higher digits is
 // below `need` and reaches it with d's. Every thread gets d and the new need (need minus the keys above).
-// Thread t holds PER consecutive digits from the top (digits - 1 - PER t downwards), so PER x the CTA's
-// threads must cover `digits`; `hist` may be in shared or global memory.
-template <int PER = 2, int WARPS = TOPK_WARPS>
 __device__ __forceinline__ u32 tandem_find_digit(const u32* hist, u32 digits, u32& need, u32* warps, u32* result) {
+    // Thread t holds digits from the top: digits - 1 - 2t and digits - 2 - 2t.
     // Digit 0 and the need unchanged unless a thread finds the digit (always, when the counts hold `need`
     // keys; a histogram that does not is a caller's bug, and stays inside the arrays).
     if (threadIdx.x == 0) {
         result[0] = 0;
         result[1] = need;
     }
-    const int top = (int)digits - 1 - PER * (int)threadIdx.x;
-    u32 h[PER], mine = 0;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        h[i] = top - i >= 0 ? hist[top - i] : 0;
-        mine += h[i];
-    }
+    const int d0 = (int)digits - 1 - 2 * (int)threadIdx.x, d1 = d0 - 1;
+    const u32 h0 = d0 >= 0 ? hist[d0] : 0, h1 = d1 >= 0 ? hist[d1] : 0;
     u32 total;
-    u32 above = tandem_cta_scan<WARPS>(mine, warps, total) - mine;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        if (above < need && above + h[i] >= need) {
-            result[0] = (u32)(top - i);
-            result[1] = need - above;
-        }
-        above += h[i];
+    const u32 above = tandem_cta_scan(h0 + h1, warps, total) - (h0 + h1);
+    if (above < need && above + h0 >= need) {
+        result[0] = (u32)d0;
+        result[1] = need - above;
+    } else if (above + h0 < need && above + h0 + h1 >= need) {
+        result[0] = (u32)d1;
+        result[1] = need - above - h0;
     }
     __syncthreads();
     need = result[1];
@@ -147,6 +143,17 @@ __device__ __forceinline__ void tandem_count_candidates(const u32* cand, int nca
         const u32 key = c < ncand ? cand[c] : 0;
         tandem_count(hist, key != 0 && (key & mask) == prefix ? (key >> shift) & (digits - 1) : TOPK_NONE);
     }
+}
+
+__device__ __forceinline__ void tandem_topk_plan(u32* meta, u32 d, u32 need, u32 take_all, u32 nan_total,
+                                                 u32 eq_total) {
+    meta[TOPK_M_DIGIT] = d;
+    meta[TOPK_M_NEED] = need;
+    meta[TOPK_M_TAKE_ALL] = take_all;
+    meta[TOPK_M_NAN] = nan_total;
+    meta[TOPK_M_NCAND] = 0;
+    meta[TOPK_M_EQ] = eq_total;
+    meta[TOPK_M_MODE] = 1;
 }
 
 // One tile of an emission pass: the selected positions among this thread's N consecutive keys `kv` (0: not a
@@ -185,7 +192,10 @@ __device__ __forceinline__ u32 tandem_emit_tile(const u32 (&kv)[N], int i0, bool
     return tile;
 }
 
-// The whole rule for one row (the CTA's blockIdx.x), in 1024 threads.
+// The whole rule for one row (the CTA's blockIdx.x). PLAN (the split form's first step, see below): a row
+// whose threshold bucket fits TOPK_SPLIT_CAP candidates (or that takes everything, or its bucket whole) only
+// gets its plan written to `meta` and is finished by the split kernels; every other row is done here.
+template <bool PLAN>
 __device__ __forceinline__ void tandem_topk_body(
     const float* __restrict__ scores,  // row r at scores + r * row_stride
     i64 row_stride,
@@ -194,7 +204,8 @@ __device__ __forceinline__ void tandem_topk_body(
     int* __restrict__ out,             // [rows, k]: ascending positions, then -1
     int* __restrict__ counts,          // [rows]: positions selected
     int* __restrict__ nan_counts,      // [rows]: NaN scores left out
-    const u32* __restrict__ pre_hist) {// null, or [rows][TOPK_HIST_WORDS]: pass A's counts, from the scorer
+    const u32* __restrict__ pre_hist,  // null, or [rows][TOPK_HIST_WORDS]: pass A's counts, from the scorer
+    u32* __restrict__ meta_all) {      // PLAN: [rows][TOPK_SPLIT_WORDS]
     // Dynamic shared memory: TOPK_COPIES histograms (pass A spreads its atomics over them; the first is the
     // histogram of every later step), then the candidates.
     extern __shared__ __align__(16) u32 dyn[];
@@ -208,11 +219,13 @@ __device__ __forceinline__ void tandem_topk_body(
     const float* sc = scores + (i64)row * row_stride;
     int* o = out + (i64)row * k;
 
+    u32* const meta = PLAN ? meta_all + (i64)row * TOPK_SPLIT_WORDS : nullptr;
     if (n <= k) {
         for (int i = tid; i < k; i += TOPK_THREADS) o[i] = i < n ? i : -1;
         if (tid == 0) {
             counts[row] = n;
             nan_counts[row] = 0;
+            if (PLAN) meta[TOPK_M_MODE] = 0;
         }
         return;
     }
@@ -250,6 +263,10 @@ __device__ __forceinline__ void tandem_topk_body(
     u32 nan_total;
     tandem_cta_scan(nan_here, warps, nan_total);  // its barriers also publish `hist`
     const bool take_all = (u32)n - nan_total <= (u32)k;
+    if (PLAN && take_all) {
+        if (tid == 0) tandem_topk_plan(meta, 0, 0, 1, nan_total, 0);
+        return;
+    }
 
     // The selected keys: bits under `mask` above `prefix`, or equal to it and not among the first
     // `first_taken` such keys in position order.
@@ -259,6 +276,10 @@ __device__ __forceinline__ void tandem_topk_body(
         prefix = d << 21;
         mask = 0xffe00000u;
         u32 eq_total = hist[d];
+        if (PLAN && (eq_total == need || eq_total <= TOPK_SPLIT_CAP)) {
+            if (tid == 0) tandem_topk_plan(meta, d, need, 0, nan_total, eq_total);
+            return;
+        }
         // Pass B: the threshold bucket's keys into shared memory, where they fit.
         const bool in_smem = eq_total != need && eq_total <= TOPK_CAND;
         const int ncand = (int)eq_total;  // the keys pass B collects (every later pass scans them all)
@@ -344,39 +365,23 @@ __device__ __forceinline__ void tandem_topk_body(
     if (tid == 0) {
         counts[row] = (int)total;
         nan_counts[row] = (int)nan_total;
+        if (PLAN) meta[TOPK_M_MODE] = 0;
     }
 }
 
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_rule(
     const float* __restrict__ scores, i64 row_stride, const int* __restrict__ lengths, int k, int* __restrict__ out,
     int* __restrict__ counts, int* __restrict__ nan_counts, const u32* __restrict__ pre_hist) {
-    tandem_topk_body(scores, row_stride, lengths, k, out, counts, nan_counts, pre_hist);
+    tandem_topk_body<false>(scores, row_stride, lengths, k, out, counts, nan_counts, pre_hist, nullptr);
 }
 
 // ----- The split form -----
-// A row's plan from its histogram (the scan and resolve steps each derive it, the same way): the threshold
-// digit, the keys still needed from its bucket and the bucket's size.
-struct TopkPlan {
-    u32 digit, need, eq_total, nan_total;
-    bool trivial;   // at most k positions: everything, in order (the single form's body does it)
-    bool take_all;  // at most k non-NaN scores: every one of them
-    bool whole;     // the threshold bucket is taken whole (no candidates needed)
-    bool single;    // the bucket holds more than TOPK_SPLIT_CAP keys: the single form's body does the row
-};
-
-template <int PER, int WARPS>
-__device__ __forceinline__ TopkPlan tandem_topk_plan(const u32* pre, int n, int k, u32* warps, u32* result) {
-    TopkPlan p{};
-    p.trivial = n <= k;
-    p.nan_total = pre[TOPK_HIST_NAN];
-    p.take_all = !p.trivial && (u32)n - p.nan_total <= (u32)k;
-    if (p.trivial || p.take_all) return p;  // CTA-uniform
-    p.need = (u32)k;
-    p.digit = tandem_find_digit<PER, WARPS>(pre, TOPK_BINS, p.need, warps, result);
-    p.eq_total = pre[p.digit];
-    p.whole = p.eq_total == p.need;
-    p.single = !p.whole && p.eq_total > TOPK_SPLIT_CAP;
-    return p;
+// Step 1 (one CTA a row): the threshold bucket from the histogram; rows the split form cannot take (a bucket
+// over TOPK_SPLIT_CAP keys) are finished here by the single form's passes.
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_split_plan(
+    const float* __restrict__ scores, i64 row_stride, const int* __restrict__ lengths, int k, int* __restrict__ out,
+    int* __restrict__ counts, int* __restrict__ nan_counts, const u32* __restrict__ pre_hist, u32* __restrict__ meta) {
+    tandem_topk_body<true>(scores, row_stride, lengths, k, out, counts, nan_counts, pre_hist, meta);
 }
 
 // The keys of a slice CTA's thread: 16 positions i0 + 0..15 (`none` past the row's end). Four 16-byte loads
@@ -398,25 +403,21 @@ __device__ __forceinline__ void tandem_slice_keys(const float* sc, int n, int i0
     for (int j = 0; j < 16; ++j) kv[j] = i0 + j < n ? tandem_topk_key(v[j]) : none;
 }
 
-// Step 1 (one CTA a slice of TOPK_SLICE positions): the row's plan from its histogram; counts the slice's
-// keys above the threshold bucket (all of its non-NaN keys when the row takes everything; the bucket too when
-// it is taken whole) and appends the positions in the bucket to the row's candidates (in any order: only
-// their set is used), counting them in the histogram row's TOPK_HIST_CAND word (zeroed with the histogram;
-// the resolve step sets it back to 0).
+// Step 2 (one CTA a slice of TOPK_SLICE positions): counts the slice's keys above the threshold bucket (all
+// of its non-NaN keys when the row takes everything; the bucket too when it is taken whole) and appends the
+// positions in the bucket to the row's candidates (in any order: only their set is used).
 extern "C" __global__ void __launch_bounds__(TOPK_SPLIT_THREADS) tandem_topk_split_scan(
-    const float* __restrict__ scores, i64 row_stride, const int* __restrict__ lengths, int k,
-    u32* __restrict__ pre_hist, u32* __restrict__ meta_all) {
-    __shared__ u32 warps[TOPK_SPLIT_THREADS / 32], result[2];
+    const float* __restrict__ scores, i64 row_stride, const int* __restrict__ lengths, u32* __restrict__ meta_all) {
+    __shared__ u32 warps[TOPK_SPLIT_THREADS / 32];
     const int row = blockIdx.y, slice = blockIdx.x, tid = threadIdx.x;
+    u32* const meta = meta_all + (i64)row * TOPK_SPLIT_WORDS;
     const int n = max(0, (int)min((i64)lengths[row], row_stride));
     const int start = slice * TOPK_SLICE;
-    if (start >= n) return;
-    u32* const pre = pre_hist + (i64)row * TOPK_HIST_WORDS;
-    const TopkPlan p =
-        tandem_topk_plan<TOPK_BINS / TOPK_SPLIT_THREADS, TOPK_SPLIT_THREADS / 32>(pre, n, k, warps, result);
-    if (p.trivial || p.single) return;
-    u32* const meta = meta_all + (i64)row * TOPK_SPLIT_WORDS;
-    const bool collect = !p.take_all && !p.whole;
+    if (meta[TOPK_M_MODE] != 1 || start >= n) return;
+    const bool take_all = meta[TOPK_M_TAKE_ALL] != 0;
+    const u32 d = meta[TOPK_M_DIGIT];
+    const bool whole = !take_all && meta[TOPK_M_EQ] == meta[TOPK_M_NEED];
+    const bool collect = !take_all && !whole;
     const float* sc = scores + (i64)row * row_stride;
     const int i0 = start + tid * 16;
     u32 kv[16];
@@ -425,12 +426,12 @@ extern "C" __global__ void __launch_bounds__(TOPK_SPLIT_THREADS) tandem_topk_spl
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
         const u32 dj = kv[j] >> 21;
-        above += kv[j] != 0 && (p.take_all || dj > p.digit || (p.whole && dj == p.digit)) ? 1 : 0;
-        ballots[j] = __ballot_sync(0xffffffffu, collect && kv[j] != 0 && dj == p.digit);
+        above += kv[j] != 0 && (take_all || dj > d || (whole && dj == d)) ? 1 : 0;
+        ballots[j] = __ballot_sync(0xffffffffu, collect && kv[j] != 0 && dj == d);
         count += (u32)__popc(ballots[j]);
     }
     u32 at = 0;
-    if ((tid & 31) == 0 && count) at = atomicAdd(&pre[TOPK_HIST_CAND], count);
+    if ((tid & 31) == 0 && count) at = atomicAdd(&meta[TOPK_M_NCAND], count);
     at = __shfl_sync(0xffffffffu, at, 0);
     const u32 lt = (1u << (tid & 31)) - 1u;
     // Bucket-ordered slots: lane l's key j goes after the warp's keys of earlier j and earlier lanes.
@@ -445,44 +446,38 @@ extern "C" __global__ void __launch_bounds__(TOPK_SPLIT_THREADS) tandem_topk_spl
     if (tid == 0) meta[TOPK_M_ABOVE + slice] = total;
 }
 
-// Step 2 (one CTA a row): rows of at most k positions and rows whose bucket is over TOPK_SPLIT_CAP keys are
-// done here by the single form's body. Otherwise: the threshold inside the bucket from the candidates (the
-// single form's two lower digits), then each slice's first output index and how many threshold keys it
-// leaves out (the row's earliest threshold keys are the ones left out: the tie rule), the count and the -1
-// padding.
+// Step 3 (one CTA a row): the threshold inside the bucket from the candidates (the single form's two lower
+// digits), then each slice's first output index and how many threshold keys it leaves out (the earliest
+// positions of the row's threshold keys are the ones left out: the tie rule), the count and the -1 padding.
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_split_resolve(
     const float* __restrict__ scores, i64 row_stride, const int* __restrict__ lengths, int k, int* __restrict__ out,
-    int* __restrict__ counts, int* __restrict__ nan_counts, u32* __restrict__ pre_hist, u32* __restrict__ meta_all) {
+    int* __restrict__ counts, int* __restrict__ nan_counts, u32* __restrict__ meta_all) {
     extern __shared__ __align__(16) u32 dyn[];
     u32* const hist = dyn;                        // TOPK_BINS
     u32* const ckey = dyn + TOPK_BINS;            // TOPK_SPLIT_CAP
     u32* const cpos = ckey + TOPK_SPLIT_CAP;      // TOPK_SPLIT_CAP
     __shared__ u32 warps[TOPK_WARPS], result[2], gt[TOPK_MAX_SLICES], eqs[TOPK_MAX_SLICES];
     const int row = blockIdx.x, tid = threadIdx.x;
-    const int n = max(0, (int)min((i64)lengths[row], row_stride));
-    u32* const pre = pre_hist + (i64)row * TOPK_HIST_WORDS;
     u32* const meta = meta_all + (i64)row * TOPK_SPLIT_WORDS;
-    const TopkPlan p = tandem_topk_plan<2, TOPK_WARPS>(pre, n, k, warps, result);
-    if (p.trivial || p.single) {
-        if (tid == 0) meta[TOPK_M_MODE] = 0;
-        tandem_topk_body(scores, row_stride, lengths, k, out, counts, nan_counts, pre_hist);
-        return;
-    }
+    if (meta[TOPK_M_MODE] != 1) return;
+    const int n = max(0, (int)min((i64)lengths[row], row_stride));
     const int slices = (n + TOPK_SLICE - 1) / TOPK_SLICE;
     const float* sc = scores + (i64)row * row_stride;
-    u32 need = p.need, eq_total = p.eq_total;
+    const bool take_all = meta[TOPK_M_TAKE_ALL] != 0;
+    const u32 d = meta[TOPK_M_DIGIT], nan_total = meta[TOPK_M_NAN];
+    u32 need = meta[TOPK_M_NEED], eq_total = meta[TOPK_M_EQ];
     for (int i = tid; i < TOPK_MAX_SLICES; i += TOPK_THREADS) gt[i] = eqs[i] = 0;
     u32 prefix = 0, mask = 0, first_taken = 0;
-    if (!p.take_all) {
-        prefix = p.digit << 21;
+    if (!take_all) {
+        prefix = d << 21;
         mask = 0xffe00000u;
-        if (!p.whole) {
+        if (eq_total != need) {
             // Bounded: a histogram that disagrees with the scores (a caller's bug) stays inside the arrays.
-            const int ncand = (int)min(pre[TOPK_HIST_CAND], (u32)TOPK_SPLIT_CAP);
+            const int ncand = (int)min(meta[TOPK_M_NCAND], (u32)TOPK_SPLIT_CAP);
             for (int c = tid; c < ncand; c += TOPK_THREADS) {
-                const u32 q = min(meta[TOPK_M_CAND + c], (u32)(n - 1));
-                cpos[c] = q;
-                ckey[c] = tandem_topk_key(sc[q]);
+                const u32 p = min(meta[TOPK_M_CAND + c], (u32)(n - 1));
+                cpos[c] = p;
+                ckey[c] = tandem_topk_key(sc[p]);
             }
             for (int pass = 1; pass < 3 && eq_total != need; ++pass) {
                 const int shift = pass == 1 ? 10 : 0;
@@ -530,14 +525,11 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_split_res
         if (s1 < slices) meta[TOPK_M_OFF + s1] = off1, meta[TOPK_M_SKIP + s1] = k1;
         const u32 total = __shfl_sync(0xffffffffu, off1 + t1, 31);
         if (tid == 0) {
-            meta[TOPK_M_MODE] = 1;
-            meta[TOPK_M_TAKE_ALL] = p.take_all ? 1u : 0u;
             meta[TOPK_M_PREFIX] = prefix;
             meta[TOPK_M_MASK] = mask;
-            pre[TOPK_HIST_CAND] = 0;  // ready for the next top-k over this histogram
             result[0] = min(total, (u32)k);
             counts[row] = (int)min(total, (u32)k);
-            nan_counts[row] = (int)p.nan_total;
+            nan_counts[row] = (int)nan_total;
         }
     }
     __syncthreads();
@@ -545,7 +537,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) tandem_topk_split_res
     for (int i = (int)result[0] + tid; i < k; i += TOPK_THREADS) o[i] = -1;
 }
 
-// Step 3 (one CTA a slice): the slice's selected positions, ascending, from its first output index: keys
+// Step 4 (one CTA a slice): the slice's selected positions, ascending, from its first output index: keys
 // above the threshold, and those at it past the slice's first `skip`.
 extern "C" __global__ void __launch_bounds__(TOPK_SPLIT_THREADS) tandem_topk_split_emit(
     const float* __restrict__ scores, i64 row_stride, const int* __restrict__ lengths, int k, int* __restrict__ out,

@@ -3,12 +3,10 @@
 #pragma once
 #include "common.cuh"
 
-// Histogram words per row: 2048 counts of the key's top 11 bits, the row's NaN count, then a word the split
-// top-k counts its candidates in (zeroed with the histogram; the scorer leaves it alone).
+// Histogram words per row: 2048 counts of the key's top 11 bits, then the row's NaN count.
 #define TOPK_HIST_BINS 2048
 #define TOPK_HIST_NAN 2048
-#define TOPK_HIST_CAND 2049
-#define TOPK_HIST_WORDS 2050
+#define TOPK_HIST_WORDS 2049
 
 // Order-preserving key of a score; 0 for NaN (no score maps to it). -0.0 maps to +0.0's key.
 __device__ __forceinline__ u32 tandem_topk_key(float s) {

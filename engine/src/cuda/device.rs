@@ -71,6 +71,7 @@ impl Gpu {
         for (name, bytes) in [
             ("tandem_indexer_scores", super::indexer::MAX_SHARED_BYTES),
             ("tandem_topk_rule", super::topk::SHARED_BYTES),
+            ("tandem_topk_split_plan", super::topk::SHARED_BYTES),
             ("tandem_topk_split_resolve", super::topk::RESOLVE_SHARED_BYTES),
             ("tandem_sparse_mla_decode", super::sparse_mla::SHARED_BYTES),
             ("tandem_sparse_mla_decode_pair", super::sparse_mla::SHARED_BYTES),

@@ -474,9 +474,19 @@ mod tests {
         assert_eq!(groups([(0, 11), (11, 2)]), vec![0, 4, 4, 4, 8, 3, 11, 2]);
     }
 
+    /// The top-k rule's first radix digit of a score (`topk_key.cuh`), or `HIST_WORDS - 1` for NaN.
+    fn first_digit(v: f32) -> usize {
+        if v.is_nan() {
+            return HIST_WORDS - 1;
+        }
+        let b = if v == 0.0 { 0 } else { v.to_bits() };
+        let key = if b & 0x8000_0000 != 0 { !b } else { b | 0x8000_0000 };
+        (key >> 21) as usize
+    }
+
     #[test]
     fn the_scorer_counts_the_topk_first_digit_and_the_topk_starts_from_it() {
-        use super::super::topk::{RawTopk, SPLIT_WORDS, first_digit, launch_topk};
+        use super::super::topk::{RawTopk, SPLIT_WORDS, launch_topk};
         let Some(gpu) = Gpu::for_test() else { return };
         let (mut rng, seed) = crate::cpu::test_support::rng();
         let st = gpu.stream();

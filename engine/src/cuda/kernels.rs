@@ -130,6 +130,7 @@ pub const FAMILIES: &[Family] = &[
         source: include_str!("../../kernels/topk.cu"),
         functions: &[
             "tandem_topk_rule",
+            "tandem_topk_split_plan",
             "tandem_topk_split_scan",
             "tandem_topk_split_resolve",
             "tandem_topk_split_emit",

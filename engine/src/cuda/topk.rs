@@ -11,15 +11,12 @@ const THREADS: u32 = 1024;
 /// Dynamic shared memory: `TOPK_COPIES` (8) histograms of 2048 counts and `TOPK_CAND` (8192) candidate keys.
 pub const SHARED_BYTES: usize = (8 * 2048 + 8192) * 4;
 /// Words per row of the first-digit histogram the indexer scorer can fill for the top-k (`TOPK_HIST_WORDS` in
-/// `topk_key.cuh`): 2048 counts of a key's top 11 bits, the row's NaN count ([`HIST_NAN`]), then a word the
-/// split form counts its candidates in (zeroed with the rest; the scorer leaves it alone).
-pub const HIST_WORDS: usize = 2050;
-/// Where a histogram row holds its NaN count (`TOPK_HIST_NAN`).
-pub const HIST_NAN: usize = 2048;
+/// `topk_key.cuh`): 2048 counts of a key's top 11 bits, then the row's NaN count.
+pub const HIST_WORDS: usize = 2049;
 
 /// The split form: positions per slice CTA (`TOPK_SLICE`), threads of a slice CTA, the longest row stride it
 /// takes (`TOPK_MAX_SLICES` slices), the threshold-bucket candidates a row may collect (`TOPK_SPLIT_CAP`) and
-/// the words of a row's record (`TOPK_SPLIT_WORDS`: 16 fields, 3 x 64 per-slice counts, the candidates).
+/// the words of a row's plan record (`TOPK_SPLIT_WORDS`: 16 fields, 3 x 64 per-slice counts, the candidates).
 const SLICE: usize = 4096;
 const SLICE_THREADS: u32 = 256;
 pub const MAX_SPLIT_STRIDE: usize = 64 * SLICE;
@@ -31,7 +28,7 @@ pub const RESOLVE_SHARED_BYTES: usize = (2048 + 2 * SPLIT_CAP) * 4;
 pub const SPLIT_MAX_ROWS: usize = 512;
 
 /// Whether the CUDA backend runs the split form for `rows` rows of `row_stride` scores and `k`: where it
-/// was measured faster (H100, `bench/gpu/indexer_bench.py`, both forms on every decode shape): its
+/// was measured faster (H100, `bench/gpu/indexer_bench.py`, both forms on every decode shape): its four
 /// launches cost ~15 us whatever the rows' length, the single form's one CTA per row ~15 us at 8K, ~33 us
 /// at 32K and ~90 us at 128K positions up to a wave of rows. So: rows longer than `k` up to
 /// [`MAX_SPLIT_STRIDE`], at most [`SPLIT_MAX_ROWS`] of them, and either at least 64K positions, or at least
@@ -66,11 +63,11 @@ pub struct RawTopk {
     /// the kernel then starts from them instead of its own pass over each row.
     pub pre_hist: u64,
     /// 0 (the single form: one CTA per row), or `[rows][SPLIT_WORDS]` u32 of workspace for the split form
-    /// (where [`split_applies`]; it needs `pre_hist`): CTAs of 4096 positions find each row's threshold
-    /// bucket from its histogram, count the keys above it and collect the bucket; one CTA per row resolves
-    /// the threshold and each slice's output offset; the slice CTAs emit. Both forms give the same
-    /// selections (the rule decides them exactly); a row whose threshold bucket holds more than 16384 keys
-    /// is done by the resolve step in the single form's way.
+    /// (where [`split_applies`]): one CTA per row plans each row from its histogram, CTAs of 4096 positions
+    /// count and collect the threshold bucket, one CTA per row resolves the threshold and each slice's
+    /// output offset, and the slice CTAs emit. Both forms give the same selections (the rule decides them
+    /// exactly); a row whose threshold bucket holds more than 16384 keys is finished by the plan step in the
+    /// single form's way.
     pub split: u64,
 }
 
@@ -96,20 +93,23 @@ pub fn launch_topk(gpu: &Gpu, a: &RawTopk) -> Result<(), CudaError> {
         let args: Vec<Arg> = common.iter().copied().chain([Arg::P(a.pre_hist)]).collect();
         return launch(gpu, "tandem_topk_rule", (a.rows as u32, 1, 1), THREADS, SHARED_BYTES as u32, &args);
     }
-    if a.row_stride > MAX_SPLIT_STRIDE || a.rows > 65_535 || a.pre_hist == 0 {
+    if a.row_stride > MAX_SPLIT_STRIDE || a.rows > 65_535 {
         return Err(CudaError::Shape(format!(
-            "split top-k: {} rows of stride {} (at most 65535 rows of at most {MAX_SPLIT_STRIDE}, with a histogram)",
+            "split top-k: {} rows of stride {} (at most 65535 rows of at most {MAX_SPLIT_STRIDE})",
             a.rows, a.row_stride
         )));
     }
     let rows = a.rows as u32;
     let slices = (a.row_stride.div_ceil(SLICE) as u32, rows, 1);
-    let (st, k) = (Arg::L(a.row_stride as i64), Arg::I(a.k as i32));
-    let scan = [Arg::P(a.scores), st, Arg::P(a.lengths), k, Arg::P(a.pre_hist), Arg::P(a.split)];
+    let plan: Vec<Arg> = common.iter().copied().chain([Arg::P(a.pre_hist), Arg::P(a.split)]).collect();
+    launch(gpu, "tandem_topk_split_plan", (rows, 1, 1), THREADS, SHARED_BYTES as u32, &plan)?;
+    let rows_args = [Arg::P(a.scores), Arg::L(a.row_stride as i64), Arg::P(a.lengths)];
+    let scan: Vec<Arg> = rows_args.iter().copied().chain([Arg::P(a.split)]).collect();
     launch(gpu, "tandem_topk_split_scan", slices, SLICE_THREADS, 0, &scan)?;
-    let resolve: Vec<Arg> = common.iter().copied().chain([Arg::P(a.pre_hist), Arg::P(a.split)]).collect();
+    let resolve: Vec<Arg> = common.iter().copied().chain([Arg::P(a.split)]).collect();
     launch(gpu, "tandem_topk_split_resolve", (rows, 1, 1), THREADS, RESOLVE_SHARED_BYTES as u32, &resolve)?;
-    let emit = [Arg::P(a.scores), st, Arg::P(a.lengths), k, Arg::P(a.positions), Arg::P(a.split)];
+    let emit: Vec<Arg> =
+        rows_args.iter().copied().chain([Arg::I(a.k as i32), Arg::P(a.positions), Arg::P(a.split)]).collect();
     launch(gpu, "tandem_topk_split_emit", slices, SLICE_THREADS, 0, &emit)
 }
 
@@ -118,15 +118,12 @@ pub fn launch_topk(gpu: &Gpu, a: &RawTopk) -> Result<(), CudaError> {
 pub enum Form {
     /// One CTA per row.
     Single,
-    /// The split form (see [`RawTopk::split`]), with its workspace allocated for the call; it needs the
-    /// rows' first-digit histogram.
+    /// The split form (see [`RawTopk::split`]), with its workspace allocated for the call.
     Split,
 }
 
 /// Selects up to `k` positions of each of `rows` rows: row `r`'s candidates are positions
 /// `0..lengths[r]` with scores at `scores[r * row_stride..]` (lengths above `row_stride` are clamped).
-/// `hist`: the rows' first-digit histograms (`rows x HIST_WORDS`, its candidate words zero), as the indexer
-/// scorer counts them; the single form then starts from them, the split form needs them.
 #[allow(clippy::too_many_arguments)]
 pub fn select_rows(
     gpu: &Gpu,
@@ -136,7 +133,6 @@ pub fn select_rows(
     rows: usize,
     k: usize,
     out: Selections<'_>,
-    hist: Option<&CudaSlice<u32>>,
     form: Form,
 ) -> Result<(), CudaError> {
     let bad = |m: String| Err(CudaError::Shape(m));
@@ -155,12 +151,6 @@ pub fn select_rows(
     if form == Form::Split && row_stride > MAX_SPLIT_STRIDE {
         return bad(format!("split top-k: row stride {row_stride} above {MAX_SPLIT_STRIDE}"));
     }
-    if form == Form::Split && hist.is_none() {
-        return bad("split top-k: needs the rows' first-digit histogram".into());
-    }
-    if hist.is_some_and(|h| h.len() < rows * HIST_WORDS) {
-        return bad(format!("a first-digit histogram needs {HIST_WORDS} words per row"));
-    }
     if rows == 0 {
         return Ok(());
     }
@@ -178,22 +168,10 @@ pub fn select_rows(
         positions: out.positions.device_ptr(st).0,
         counts: out.counts.device_ptr(st).0,
         nan_counts: out.nan_counts.device_ptr(st).0,
-        pre_hist: hist.map_or(0, |h| h.device_ptr(st).0),
+        pre_hist: 0,
         split: plans.as_ref().map_or(0, |p| p.device_ptr(st).0),
     };
     launch_topk(gpu, &raw)
-}
-
-/// Where the indexer scorer counts a score in a histogram row: the first radix digit (top 11 bits) of the
-/// top-k rule's key (`topk_key.cuh`), or [`HIST_NAN`].
-#[cfg(test)]
-pub(crate) fn first_digit(v: f32) -> usize {
-    if v.is_nan() {
-        return HIST_NAN;
-    }
-    let b = if v == 0.0 { 0 } else { v.to_bits() };
-    let key = if b & 0x8000_0000 != 0 { !b } else { b | 0x8000_0000 };
-    (key >> 21) as usize
 }
 
 #[cfg(test)]
@@ -224,17 +202,6 @@ mod tests {
         stride: usize,
     }
 
-    /// The first-digit histogram rows of `batch` as the indexer scorer counts them (`topk_key.cuh`).
-    fn histograms(batch: &Batch) -> Vec<u32> {
-        let mut h = vec![0u32; batch.rows.len() * HIST_WORDS];
-        for (r, v) in batch.rows.iter().enumerate() {
-            for &x in v {
-                h[r * HIST_WORDS + first_digit(x)] += 1;
-            }
-        }
-        h
-    }
-
     /// Runs the kernel over `batch` and returns each row's selection and NaN count.
     fn run(gpu: &Gpu, batch: &Batch, k: usize, form: Form) -> Vec<(Vec<usize>, usize)> {
         let st = gpu.stream();
@@ -248,16 +215,8 @@ mod tests {
         let mut positions = st.clone_htod(&vec![i32::MIN; rows * k]).unwrap();
         let mut counts = st.clone_htod(&vec![-7i32; rows]).unwrap();
         let mut nans = st.clone_htod(&vec![-7i32; rows]).unwrap();
-        // The split form starts from the histograms the scorer would count; it runs twice over them (its
-        // candidate counters must be back at zero after a run).
-        let hist = (form == Form::Split).then(|| st.clone_htod(&histograms(batch)).unwrap());
-        let mut first = None;
-        for _ in 0..if form == Form::Split { 2 } else { 1 } {
-            let out = Selections { positions: &mut positions, counts: &mut counts, nan_counts: &mut nans };
-            select_rows(gpu, &scores, batch.stride, &lens, rows, k, out, hist.as_ref(), form).unwrap();
-            let got = st.clone_dtoh(&positions).unwrap();
-            assert!(first.get_or_insert_with(|| got.clone()) == &got, "a second split run selects otherwise");
-        }
+        let out = Selections { positions: &mut positions, counts: &mut counts, nan_counts: &mut nans };
+        select_rows(gpu, &scores, batch.stride, &lens, rows, k, out, form).unwrap();
         let (p, c, nn) =
             (st.clone_dtoh(&positions).unwrap(), st.clone_dtoh(&counts).unwrap(), st.clone_dtoh(&nans).unwrap());
         st.synchronize().unwrap();
@@ -408,18 +367,14 @@ mod tests {
                 Selections { positions: &mut p, counts: &mut c, nan_counts: &mut nn }
             };
         }
-        let (single, split) = (Form::Single, Form::Split);
+        let single = Form::Single;
         let err = |r: Result<(), CudaError>| r.unwrap_err().to_string();
-        assert!(err(select_rows(&gpu, &scores, 60, &lens, 2, 4, sel!(), None, single)).contains("stride 60"));
-        assert!(err(select_rows(&gpu, &scores, 50, &lens, 2, 5, sel!(), None, single)).contains("2 x 5"));
-        assert!(select_rows(&gpu, &scores, 50, &lens, 2, 0, sel!(), None, single).is_err());
-        assert!(err(select_rows(&gpu, &scores, 50, &lens, 2, 4, sel!(), None, split)).contains("histogram"));
-        let short = st.alloc_zeros::<u32>(HIST_WORDS).unwrap();
-        assert!(err(select_rows(&gpu, &scores, 50, &lens, 2, 4, sel!(), Some(&short), split)).contains("2050 words"));
+        assert!(err(select_rows(&gpu, &scores, 60, &lens, 2, 4, sel!(), single)).contains("stride 60"));
+        assert!(err(select_rows(&gpu, &scores, 50, &lens, 2, 5, sel!(), single)).contains("2 x 5"));
+        assert!(select_rows(&gpu, &scores, 50, &lens, 2, 0, sel!(), single).is_err());
         let big = st.alloc_zeros::<f32>(2 * (MAX_SPLIT_STRIDE + 1)).unwrap();
-        let hist = st.alloc_zeros::<u32>(2 * HIST_WORDS).unwrap();
         let (mut p2, stride) = (st.alloc_zeros::<i32>(8).unwrap(), MAX_SPLIT_STRIDE + 1);
         let out = Selections { positions: &mut p2, counts: &mut c, nan_counts: &mut nn };
-        assert!(err(select_rows(&gpu, &big, stride, &lens, 2, 4, out, Some(&hist), split)).contains("split top-k"));
+        assert!(err(select_rows(&gpu, &big, stride, &lens, 2, 4, out, Form::Split)).contains("split top-k"));
     }
 }
