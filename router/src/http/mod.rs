@@ -6,6 +6,7 @@
 mod chat;
 mod completions;
 mod logprobs;
+mod openapi;
 mod params;
 mod stream;
 
@@ -15,9 +16,9 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use axum::Router;
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri, header};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{MethodRouter, get, post};
 use serde::de::DeserializeOwned;
 use serde_json::json;
 use tokio::net::TcpListener;
@@ -44,14 +45,23 @@ pub struct AppState {
     pub body_read_timeout: std::time::Duration,
 }
 
+/// Every route the router serves. `openapi.json` documents exactly these (checked in `openapi.rs`).
+fn routes() -> Vec<(Method, &'static str, MethodRouter<Arc<AppState>>)> {
+    vec![
+        (Method::POST, "/v1/completions", post(completions_handler)),
+        (Method::POST, "/v1/chat/completions", post(chat_handler)),
+        (Method::GET, "/v1/models", get(models)),
+        (Method::GET, "/health", get(health)),
+        (Method::GET, "/ready", get(ready)),
+        (Method::GET, "/metrics", get(metrics)),
+        (Method::GET, "/openapi.json", get(openapi::serve)),
+    ]
+}
+
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
-        .route("/v1/completions", post(completions_handler))
-        .route("/v1/chat/completions", post(chat_handler))
-        .route("/v1/models", get(models))
-        .route("/health", get(health))
-        .route("/ready", get(ready))
-        .route("/metrics", get(metrics))
+    routes()
+        .into_iter()
+        .fold(Router::new(), |r, (_, path, handler)| r.route(path, handler))
         .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::map_response(json_errors))
