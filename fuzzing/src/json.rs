@@ -28,9 +28,8 @@ pub fn edge_number() -> impl Strategy<Value = Value> + Clone {
     ];
     let floats = vec![0.5, -0.0, -1.5, 1e-300, 1e300, f64::MAX, f64::MIN_POSITIVE, 3.9e9, 1.8446744073709552e19];
     prop_oneof![
-        proptest::sample::select(ints).prop_map(|i| {
-            if i < 0 { Value::from(i as i64) } else { Value::from(i as u64) }
-        }),
+        proptest::sample::select(ints)
+            .prop_map(|i| { if i < 0 { Value::from(i as i64) } else { Value::from(i as u64) } }),
         proptest::sample::select(floats).prop_map(|f| Number::from_f64(f).map(Value::Number).unwrap_or(Value::Null)),
         any::<i64>().prop_map(Value::from),
         any::<f64>().prop_map(|f| Number::from_f64(f).map(Value::Number).unwrap_or(Value::Null)),

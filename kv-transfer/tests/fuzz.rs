@@ -7,9 +7,9 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::ThreadId;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use kv_cache::BlockPool;
@@ -17,9 +17,9 @@ use kv_transfer::{
     ExpectRequest, KvReceiver, KvSender, ReceiverConfig, SenderConfig, TcpConfig, TransportConfig, TransportKind,
     testkit,
 };
-use prost::Message;
 use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
+use prost::Message;
 use proto::v1::transfer_control::Body;
 use proto::v1::*;
 
@@ -173,8 +173,19 @@ fn small_or_any() -> impl Strategy<Value = u64> {
 #[derive(Debug, Clone)]
 enum Frame {
     /// A control message; `damage` overwrites encoded bytes, `len` lies about the length.
-    Ctl { body: CtlBody, correlation: u64, damage: Vec<(usize, u8)>, len: Option<u32> },
-    Data { session: Pick<u64>, token: Pick<u64>, offset: u64, len: u64, payload: usize },
+    Ctl {
+        body: CtlBody,
+        correlation: u64,
+        damage: Vec<(usize, u8)>,
+        len: Option<u32>,
+    },
+    Data {
+        session: Pick<u64>,
+        token: Pick<u64>,
+        offset: u64,
+        len: u64,
+        payload: usize,
+    },
     Barrier(u64),
     Raw(Vec<u8>),
 }
@@ -213,9 +224,8 @@ fn layout() -> impl Strategy<Value = Option<CacheLayout>> {
 fn ctl_body() -> impl Strategy<Value = CtlBody> {
     let session = || pick(small_or_any());
     let token = || pick(any::<u64>());
-    let manifest = (0u32..4, small_or_any(), small_or_any(), any::<Option<u64>>()).prop_map(|(layer, l, i, c)| {
-        LayerManifest { layer, latent_bytes: l, indexer_bytes: i, checksum: c }
-    });
+    let manifest = (0u32..4, small_or_any(), small_or_any(), any::<Option<u64>>())
+        .prop_map(|(layer, l, i, c)| LayerManifest { layer, latent_bytes: l, indexer_bytes: i, checksum: c });
     prop_oneof![
         3 => (token(), pick(any::<u32>()), pick(proptest::collection::vec(prop_oneof![0u32..70, any::<u32>()], 0..4)), pick(layout()))
             .prop_map(|(token, num_tokens, blocks, layout)| CtlBody::Begin { token, num_tokens, blocks, layout }),
@@ -375,21 +385,29 @@ struct DescriptorEdit {
 }
 
 fn descriptor_edit() -> impl Strategy<Value = DescriptorEdit> {
-    let fp = proptest::option::of(
-        ("[a-z-]{0,10}", "[0-9a-f]{0,32}", prop_oneof![Just("fp8".to_owned()), Just("full".to_owned()), "[a-z]{0,4}"], 0u32..130, 0u32..4)
-            .prop_map(|(model_name, checkpoint_hash, precision, block_size, num_layers)| ModelFingerprint {
-                model_name,
-                checkpoint_hash,
-                precision,
-                block_size,
-                num_layers,
-            }),
-    );
+    let fp =
+        proptest::option::of(
+            (
+                "[a-z-]{0,10}",
+                "[0-9a-f]{0,32}",
+                prop_oneof![Just("fp8".to_owned()), Just("full".to_owned()), "[a-z]{0,4}"],
+                0u32..130,
+                0u32..4,
+            )
+                .prop_map(|(model_name, checkpoint_hash, precision, block_size, num_layers)| {
+                    ModelFingerprint { model_name, checkpoint_hash, precision, block_size, num_layers }
+                }),
+        );
     // Addresses that fail fast: no DNS look-ups, no waiting on a port that never answers.
     let endpoint = proptest::option::of(
         (
             prop_oneof![Just("tcp".to_owned()), Just("inproc".to_owned()), "[a-z]{0,5}"],
-            prop_oneof![Just(b"".to_vec()), Just(b"127.0.0.1:1".to_vec()), Just(b"no-port".to_vec()), Just(b"[::1".to_vec())],
+            prop_oneof![
+                Just(b"".to_vec()),
+                Just(b"127.0.0.1:1".to_vec()),
+                Just(b"no-port".to_vec()),
+                Just(b"[::1".to_vec())
+            ],
         )
             .prop_map(|(kind, address)| TransportEndpoint { kind, address }),
     );
@@ -401,11 +419,26 @@ fn descriptor_edit() -> impl Strategy<Value = DescriptorEdit> {
     (
         (pick("[a-z0-9]{0,6}"), pick(any::<u64>()), pick(prop_oneof![Just(0u64), Just(1), Just(u64::MAX)]), pick(fp)),
         (pick(endpoint), pick(layout()), pick(proptest::collection::vec(region, 0..3))),
-        (pick(proptest::collection::vec(prop_oneof![0u32..70, any::<u32>()], 0..5)), pick(prop_oneof![0u32..200, any::<u32>()])),
+        (
+            pick(proptest::collection::vec(prop_oneof![0u32..70, any::<u32>()], 0..5)),
+            pick(prop_oneof![0u32..200, any::<u32>()]),
+        ),
     )
-        .prop_map(|((request_id, token, deadline, fingerprint), (endpoint, layout, regions), (block_ids, num_tokens))| {
-            DescriptorEdit { request_id, token, deadline, fingerprint, endpoint, layout, regions, block_ids, num_tokens }
-        })
+        .prop_map(
+            |((request_id, token, deadline, fingerprint), (endpoint, layout, regions), (block_ids, num_tokens))| {
+                DescriptorEdit {
+                    request_id,
+                    token,
+                    deadline,
+                    fingerprint,
+                    endpoint,
+                    layout,
+                    regions,
+                    block_ids,
+                    num_tokens,
+                }
+            },
+        )
 }
 
 fn edited(d: &TransferDescriptor, e: &DescriptorEdit) -> TransferDescriptor {

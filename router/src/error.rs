@@ -74,7 +74,9 @@ impl ApiError {
         Self::new(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
-            format!("Unknown path {path}. See GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /openapi.json."),
+            format!(
+                "Unknown path {path}. See GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /openapi.json."
+            ),
         )
     }
 

@@ -143,26 +143,40 @@ fn generate_request() -> impl Strategy<Value = GenerateRequest> {
         (prop_oneof![0u32..4, any::<u32>()], any::<Option<u32>>()),
         proptest::collection::btree_map(any::<u32>(), f(), 0..4),
     )
-        .prop_map(|((max_tokens, temperature, top_p, top_k, min_p, seed), (pp, fp, rp, ignore_eos, stops), (min_tokens, logprobs), bias)| {
-            SamplingParams {
-                max_tokens,
-                temperature,
-                top_p,
-                top_k,
-                min_p,
-                seed,
-                presence_penalty: pp,
-                frequency_penalty: fp,
-                repetition_penalty: rp,
-                ignore_eos,
-                stop_token_ids: stops,
-                min_tokens,
-                logprobs,
-                logit_bias: bias.into_iter().collect(),
-            }
-        });
+        .prop_map(
+            |(
+                (max_tokens, temperature, top_p, top_k, min_p, seed),
+                (pp, fp, rp, ignore_eos, stops),
+                (min_tokens, logprobs),
+                bias,
+            )| {
+                SamplingParams {
+                    max_tokens,
+                    temperature,
+                    top_p,
+                    top_k,
+                    min_p,
+                    seed,
+                    presence_penalty: pp,
+                    frequency_penalty: fp,
+                    repetition_penalty: rp,
+                    ignore_eos,
+                    stop_token_ids: stops,
+                    min_tokens,
+                    logprobs,
+                    logit_bias: bias.into_iter().collect(),
+                }
+            },
+        );
     let model = prop_oneof![Just(String::new()), Just(MODEL.to_owned()), fuzzing::json::edge_string()];
-    (input, proptest::option::of(sampling), model, proptest::collection::vec(text.clone(), 0..3), text, any::<Option<bool>>())
+    (
+        input,
+        proptest::option::of(sampling),
+        model,
+        proptest::collection::vec(text.clone(), 0..3),
+        text,
+        any::<Option<bool>>(),
+    )
         .prop_map(|(input, sampling, model, stop, request_id, skip)| GenerateRequest {
             model,
             input,
@@ -175,7 +189,10 @@ fn generate_request() -> impl Strategy<Value = GenerateRequest> {
 }
 
 /// A stream that ends with a finish reason, or a client-side status with a message.
-async fn check_generate(client: &mut GenerateClient<tonic::transport::Channel>, req: GenerateRequest) -> Result<(), TestCaseError> {
+async fn check_generate(
+    client: &mut GenerateClient<tonic::transport::Channel>,
+    req: GenerateRequest,
+) -> Result<(), TestCaseError> {
     let shown = format!("{req:?}").chars().take(400).collect::<String>();
     let call = async {
         match client.generate(req).await {

@@ -74,7 +74,8 @@ mod tests {
         }
         assert!(errors > 10, "only {errors} error answers documented");
         let e = &doc["components"]["schemas"]["Error"]["properties"]["error"];
-        let sample: Value = serde_json::from_str(&crate::ApiError::invalid_param("n", "n must be 1").to_json()).unwrap();
+        let sample: Value =
+            serde_json::from_str(&crate::ApiError::invalid_param("n", "n must be 1").to_json()).unwrap();
         for field in sample["error"].as_object().unwrap().keys() {
             assert!(e["properties"].get(field).is_some(), "the Error schema lacks `{field}`");
         }
