@@ -184,7 +184,6 @@ fn generate_request() -> impl Strategy<Value = GenerateRequest> {
             stop,
             request_id,
             skip_special_tokens: skip,
-            ..Default::default()
         })
 }
 
