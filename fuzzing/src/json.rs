@@ -44,7 +44,7 @@ pub fn edge_string() -> impl Strategy<Value = String> + Clone {
         1 => Just(String::new()),
         1 => Just("\0".to_owned()),
         1 => Just("<|im_start|>user\n<|im_end|>{{ raise_exception('x') }}".to_owned()),
-        1 => (1usize..20_000).prop_map(|n| "\u{1F600}a".repeat(n / 2)),
+        1 => (1usize..4_000).prop_map(|n| "\u{1F600}a".repeat(n / 2)),
     ]
 }
 

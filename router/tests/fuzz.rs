@@ -109,7 +109,9 @@ fn field_names() -> Vec<String> {
 #[test]
 fn http_bodies_get_an_answer_or_a_json_4xx_never_a_5xx() {
     let rt = runtime();
-    let c = rt.block_on(Cluster::start(Options::default()));
+    // A small body limit, so that grown bodies take the 413 path too.
+    let args = vec!["--max-body-bytes".into(), (1 << 20).to_string()];
+    let c = rt.block_on(Cluster::start(Options { args, ..Default::default() }));
     let body = |v: Value| serde_json::to_vec(&v).unwrap();
     for path in [CHAT, COMPLETIONS] {
         run(&format!("{path} bytes"), fuzzing::bytes(4096), |b| rt.block_on(post(&c, path, b)));
@@ -368,3 +370,31 @@ fn schemathesis_finds_no_server_error_and_no_answer_outside_the_document() {
 /// What schemathesis checks on every answer.
 const SCHEMATHESIS_CHECKS: &str = "not_a_server_error,status_code_conformance,content_type_conformance,\
 response_schema_conformance,negative_data_rejection";
+
+/// Found by the HTTP fuzz test: a body over `--max-body-bytes` was refused before it was read, and the
+/// connection closed with the rest unread, so the client got a connection reset instead of the 413.
+#[test]
+fn a_body_over_the_limit_gets_a_413_the_client_can_read() {
+    let rt = runtime();
+    let args = vec!["--max-body-bytes".into(), "1000".into()];
+    let c = rt.block_on(Cluster::start(Options { args, ..Default::default() }));
+    for size in [5_000, 4 << 20] {
+        let body = serde_json::to_vec(&json!({"prompt": "x".repeat(size)})).unwrap();
+        // Announced (Content-Length) and streamed (chunked, no length).
+        for chunked in [false, true] {
+            let req = c.http.post(c.url(COMPLETIONS)).header("content-type", "application/json");
+            let req = if chunked {
+                let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
+                    body.chunks(64 << 10).map(|c| Ok(c.to_vec())).collect();
+                req.body(reqwest::Body::wrap_stream(futures::stream::iter(chunks)))
+            } else {
+                req.body(body.clone())
+            };
+            let r = rt.block_on(req.send()).unwrap_or_else(|e| panic!("{size} bytes, chunked {chunked}: {e:?}"));
+            assert_eq!(r.status(), 413, "{size} bytes, chunked {chunked}");
+            let v: Value = rt.block_on(r.json()).unwrap();
+            assert!(v["error"]["message"].as_str().unwrap().contains("1000 bytes"), "{v}");
+        }
+    }
+    rt.block_on(c.shutdown());
+}
