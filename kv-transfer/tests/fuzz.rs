@@ -23,7 +23,7 @@ use prost::Message;
 use proto::v1::transfer_control::Body;
 use proto::v1::*;
 
-const CASES: u32 = 64;
+const CASES: u32 = 256;
 const TAG_CONTROL: u8 = 1;
 const TAG_DATA: u8 = 2;
 const TAG_BARRIER: u8 = 3;
