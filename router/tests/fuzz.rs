@@ -398,3 +398,30 @@ fn a_body_over_the_limit_gets_a_413_the_client_can_read() {
     }
     rt.block_on(c.shutdown());
 }
+
+/// Requests the OpenAPI document calls invalid that the router used to accept (found by schemathesis):
+/// each is a 400 naming the field.
+#[test]
+fn schema_violations_found_by_schemathesis_are_refused() {
+    let rt = runtime();
+    let c = rt.block_on(Cluster::start(Options::default()));
+    let user = json!([{"role": "user", "content": "Hi"}]);
+    let cases = [
+        (CHAT, json!({"messages": user, "stream_options": [null, null]}), "stream_options"),
+        (CHAT, json!({"messages": user, "logprobs": false, "top_logprobs": -1}), "top_logprobs"),
+        (CHAT, json!({"messages": user, "max_completion_tokens": 4, "max_tokens": 0}), "max_tokens"),
+        (CHAT, json!({"messages": user, "max_completion_tokens": 4, "max_tokens": 100_000}), "max_tokens"),
+        (CHAT, json!({"messages": user, "response_format": "text"}), "response_format"),
+        (CHAT, json!({"messages": user, "response_format": {"type": null}}), "response_format"),
+        (CHAT, json!({"messages": [{"role": "user", "content": "Hi", "name": 7}]}), "messages"),
+        (CHAT, json!({"messages": [{"role": "user", "content": [{"type": "text"}]}]}), "messages"),
+        (COMPLETIONS, json!({"prompt": "x", "stream_options": [true]}), "stream_options"),
+    ];
+    for (path, body, param) in cases {
+        let (status, v) = rt.block_on(c.post_json(path, body.clone()));
+        assert_eq!(status, 400, "{body}: {v}");
+        let named = v["error"]["param"] == param || v["error"]["message"].as_str().unwrap().contains(param);
+        assert!(named, "the error does not name {param}: {body}: {v}");
+    }
+    rt.block_on(c.shutdown());
+}

@@ -13,17 +13,26 @@ use super::AppState;
 
 pub const DOCUMENT: &str = include_str!("../../openapi.json");
 
-/// The document for this router: `ModelName` narrowed to the served name (or empty).
-pub fn document(served_model: &str) -> Value {
+/// The document for this router: `ModelName` narrowed to the served name (or empty), and the output
+/// lengths to what the context (`max_model_len` tokens, at least one of them the prompt's) leaves.
+pub fn document(served_model: &str, max_model_len: u32) -> Value {
     let mut doc: Value = serde_json::from_str(DOCUMENT).unwrap_or(Value::Null);
     if let Some(schema) = doc.pointer_mut("/components/schemas/ModelName") {
-        schema["enum"] = json!(["", served_model]);
+        schema["enum"] = json!(["", served_model, null]);
+    }
+    for request in ["ChatCompletionRequest", "CompletionRequest"] {
+        for field in ["max_tokens", "max_completion_tokens", "min_tokens"] {
+            if let Some(schema) = doc.pointer_mut(&format!("/components/schemas/{request}/properties/{field}")) {
+                schema["maximum"] = json!(max_model_len.saturating_sub(1));
+            }
+        }
     }
     doc
 }
 
 pub async fn serve(State(st): State<Arc<AppState>>) -> Response {
-    ([(header::CONTENT_TYPE, "application/json")], document(&st.model.name).to_string()).into_response()
+    let doc = document(&st.model.name, st.dispatcher.max_model_len());
+    ([(header::CONTENT_TYPE, "application/json")], doc.to_string()).into_response()
 }
 #[cfg(test)]
 mod tests {
@@ -36,9 +45,11 @@ mod tests {
     }
 
     #[test]
-    fn the_served_document_names_the_served_model() {
-        let doc = super::document("tiny");
-        assert_eq!(doc["components"]["schemas"]["ModelName"]["enum"], json!(["", "tiny"]));
+    fn the_served_document_names_the_served_model_and_its_context() {
+        let doc = super::document("tiny", 512);
+        assert_eq!(doc["components"]["schemas"]["ModelName"]["enum"], json!(["", "tiny", null]));
+        let chat = &doc["components"]["schemas"]["ChatCompletionRequest"]["properties"];
+        assert_eq!(chat["max_tokens"]["maximum"], 511);
         assert_eq!(doc["paths"], document()["paths"]);
     }
 
