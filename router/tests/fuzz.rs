@@ -2,8 +2,9 @@
 //! worker doubles): arbitrary and structure-aware-mutated JSON bodies on both generate endpoints, and
 //! arbitrary bytes and field values on `tandem.v1.Generate`. Whatever arrives, the answer is a
 //! well-formed success or a client error with a JSON error body (HTTP) / a status with a message
-//! (gRPC): never a 5xx, a panic, a hang or a dropped connection. Bounded by `fuzzing::config`
-//! (`TANDEM_FUZZ_CASES` for long runs, scripts/fuzz.sh).
+//! (gRPC): never a 5xx, a panic, a hang or a dropped connection. schemathesis then fuzzes the same
+//! router from its `/openapi.json`. Bounded by `fuzzing::config` (`TANDEM_FUZZ_CASES` for long runs,
+//! scripts/fuzz.sh); the inputs these runs found are kept as the regression tests at the end.
 
 mod support;
 
