@@ -3,7 +3,9 @@
 # Rust toolchain, then runs every test of the workspace.
 #   - apt: etcd-server (discovery tests start their own etcd), UCX runtime + ucx-utils (kv-transfer over UCX,
 #     ucx_perftest baseline), python3-venv.
-#   - a Python venv in .venv with the official `openai` client (end-to-end tests drive the router with it)
+#   - a Python venv in .venv with the official `openai` client (end-to-end tests drive the router with it),
+#     schemathesis (router/tests/fuzz.rs fuzzes a live router from its /openapi.json; under CI=true a
+#     missing venv or schemathesis fails that test)
 #     and NVIDIA's NVRTC / CUDA header / cuobjdump wheels (kernels compile and are disassembled without a GPU).
 #   - deploy/scripts/check.sh installs its pinned tools (helm, kubernetes-validate, hadolint) under
 #     .cache/deploy-tools.
@@ -17,6 +19,8 @@ command -v ucx_perftest >/dev/null 2>&1 || need_apt+=(ucx-utils)
 ldconfig -p 2>/dev/null | grep -q 'libucp.so.0' || need_apt+=(libucx0)
 python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need_apt+=(python3-venv)
 
+# The schema-driven HTTP fuzzer, pinned (its checks and generation change between releases).
+SCHEMATHESIS_VERSION=4.32.5
 CUDA_WHEELS="$PWD/.venv/lib/python3$(python3 -c 'import sys; print(f".{sys.version_info[1]}")')/site-packages/nvidia/cu13"
 
 if [[ "${TANDEM_SKIP_INSTALL:-0}" != 1 ]]; then
@@ -31,6 +35,8 @@ if [[ "${TANDEM_SKIP_INSTALL:-0}" != 1 ]]; then
         python3 -m venv .venv
     fi
     .venv/bin/python -c 'import openai' >/dev/null 2>&1 || .venv/bin/pip install -q openai
+    [[ "$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("schemathesis"))' 2>/dev/null)" == \
+        "$SCHEMATHESIS_VERSION" ]] || .venv/bin/pip install -q "schemathesis==$SCHEMATHESIS_VERSION"
     # NVRTC, the CUDA runtime headers and cuobjdump/nvdisasm from NVIDIA's wheels (no GPU needed): the kernel tests
     # compile every kernel for sm_90a and check its SASS, so a kernel that does not compile fails CI.
     [[ -x "$CUDA_WHEELS/bin/nvdisasm" && -e "$CUDA_WHEELS/lib/libnvrtc.so.13" ]] ||

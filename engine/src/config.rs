@@ -276,6 +276,7 @@ impl ModelConfig {
 
     /// Cross-field checks: shapes the kernels and cache formats rely on.
     fn validate(&self) -> Result<(), ConfigError> {
+        self.check_sizes()?;
         if !self.n_routed_experts.is_multiple_of(self.n_group) {
             return Err(invalid(
                 "n_group",
@@ -328,6 +329,62 @@ impl ModelConfig {
             && (y.factor <= 0.0 || y.original_max_position_embeddings == 0)
         {
             return Err(invalid("rope_scaling", "factor and original_max_position_embeddings must be > 0"));
+        }
+        Ok(())
+    }
+
+    /// Every count and width is refused above a bound far past any real model's, so that nothing
+    /// later (tensor lists, shapes, cache pools) is sized by an absurd number from the file.
+    fn check_sizes(&self) -> Result<(), ConfigError> {
+        const LAYERS: usize = 1 << 10;
+        const WIDTH: usize = 1 << 20;
+        const COUNT: usize = 1 << 16;
+        const VOCAB: usize = 1 << 24;
+        const POSITIONS: usize = 1 << 26;
+        let sizes = [
+            ("vocab_size", self.vocab_size, VOCAB),
+            ("hidden_size", self.hidden_size, WIDTH),
+            ("intermediate_size", self.intermediate_size, WIDTH),
+            ("moe_intermediate_size", self.moe_intermediate_size, WIDTH),
+            ("num_hidden_layers", self.num_hidden_layers, LAYERS),
+            ("first_k_dense_replace", self.first_k_dense_replace, LAYERS),
+            ("moe_layer_freq", self.moe_layer_freq, LAYERS),
+            ("num_nextn_predict_layers", self.num_nextn_predict_layers, LAYERS),
+            ("num_attention_heads", self.num_attention_heads, COUNT),
+            ("n_routed_experts", self.n_routed_experts, COUNT),
+            ("n_shared_experts", self.n_shared_experts, COUNT),
+            ("num_experts_per_tok", self.num_experts_per_tok, COUNT),
+            ("n_group", self.n_group, COUNT),
+            ("topk_group", self.topk_group, COUNT),
+            ("q_lora_rank", self.q_lora_rank, WIDTH),
+            ("kv_lora_rank", self.kv_lora_rank, WIDTH),
+            ("qk_nope_head_dim", self.qk_nope_head_dim, WIDTH),
+            ("qk_rope_head_dim", self.qk_rope_head_dim, WIDTH),
+            ("v_head_dim", self.v_head_dim, WIDTH),
+            ("index_n_heads", self.index_n_heads, COUNT),
+            ("index_head_dim", self.index_head_dim, WIDTH),
+            ("index_topk", self.index_topk, POSITIONS),
+            ("max_position_embeddings", self.max_position_embeddings, POSITIONS),
+        ];
+        let block = self.quantization.as_ref().map(|q| q.weight_block_size).unwrap_or([128, 128]);
+        let yarn_len = self.yarn.as_ref().map_or(1, |y| y.original_max_position_embeddings);
+        let more = [
+            ("quantization_config.weight_block_size", block[0].max(block[1]), WIDTH),
+            ("rope_scaling.original_max_position_embeddings", yarn_len, POSITIONS),
+        ];
+        if let Some((name, n, max)) = sizes.into_iter().chain(more).find(|&(_, n, max)| n > max) {
+            return Err(invalid(name, format!("{n} is larger than tandem accepts ({max})")));
+        }
+        // The checkpoint lists three tensors per expert and layer: bound the product too (DeepSeek-V3
+        // has 62 x 257).
+        const EXPERT_LAYERS: usize = 1 << 18;
+        let layers = self.num_hidden_layers + self.num_nextn_predict_layers;
+        let experts = self.n_routed_experts + self.n_shared_experts;
+        if layers * experts > EXPERT_LAYERS {
+            return Err(invalid(
+                "n_routed_experts",
+                format!("{layers} layers x {experts} experts is more than tandem accepts ({EXPERT_LAYERS})"),
+            ));
         }
         Ok(())
     }

@@ -201,11 +201,13 @@ pub fn check_blocks(layout: &CacheLayout, blocks: &[u32], num_tokens: u32) -> Re
     Ok(())
 }
 
-/// The region holding `addr..addr+len`, if any.
+/// The region holding `addr..addr+len`, if any. Regions come from the peer's descriptor: one whose end
+/// does not fit in 64 bits holds nothing.
 pub fn region_for(regions: &[MemoryRegion], addr: u64, len: u64) -> Option<usize> {
+    let end = addr.checked_add(len)?;
     regions
         .iter()
-        .position(|r| addr >= r.remote_addr && addr.checked_add(len).is_some_and(|e| e <= r.remote_addr + r.length))
+        .position(|r| addr >= r.remote_addr && r.remote_addr.checked_add(r.length).is_some_and(|r_end| end <= r_end))
 }
 
 /// xxh3-64 of a layer's shipped bytes: `segments` in order (latent runs, then indexer runs), read from
@@ -229,6 +231,16 @@ mod tests {
 
     fn geo(blocks: usize) -> CacheGeometry {
         CacheGeometry::new(CacheFormat::Fp8, EntryDims::DEEPSEEK_V32, 3, blocks)
+    }
+
+    #[test]
+    fn a_region_whose_end_overflows_holds_nothing() {
+        // Found by tests/fuzz.rs: a descriptor region ending past 2^64 overflowed the bounds check.
+        let r = |remote_addr, length| MemoryRegion { remote_addr, length, rkey: Vec::new() };
+        assert_eq!(region_for(&[r(u64::MAX - 10, 100)], u64::MAX - 5, 1), None);
+        assert_eq!(region_for(&[r(1 << 40, u64::MAX)], 1 << 41, 8), None);
+        assert_eq!(region_for(&[r(0, 16), r(100, 50)], 120, 30), Some(1));
+        assert_eq!(region_for(&[r(100, 50)], 120, u64::MAX), None);
     }
 
     fn ids(v: &[u32]) -> Vec<BlockId> {

@@ -61,6 +61,7 @@ impl ApiError {
     }
 
     pub fn model_not_found(requested: &str, served: &str) -> Self {
+        let requested = clip(requested, 256);
         Self::new(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
@@ -73,7 +74,9 @@ impl ApiError {
         Self::new(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
-            format!("Unknown path {path}. See GET /v1/models, POST /v1/completions, POST /v1/chat/completions."),
+            format!(
+                "Unknown path {path}. See GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /openapi.json."
+            ),
         )
     }
 
@@ -148,8 +151,25 @@ impl ApiError {
             504 => Code::DeadlineExceeded,
             _ => Code::Internal,
         };
-        tonic::Status::new(code, self.message.clone())
+        // The message travels in a header (grpc-message): one that echoes a huge request field would
+        // exceed the client's header limit and reach it as a protocol error instead of this status.
+        tonic::Status::new(code, clip(&self.message, MAX_STATUS_MESSAGE).into_owned())
     }
+}
+
+/// Longest gRPC status message sent (bytes, before percent-encoding).
+const MAX_STATUS_MESSAGE: usize = 2048;
+
+/// `s`, cut to at most `max` bytes at a character boundary, with "..." when cut.
+fn clip(s: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    if s.len() <= max {
+        return s.into();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &s[..end]).into()
 }
 
 impl std::fmt::Display for ApiError {
@@ -182,6 +202,16 @@ mod tests {
         assert_eq!(v["error"]["type"], "invalid_request_error");
         assert_eq!(v["error"]["param"], "n");
         assert_eq!(e.to_status().code(), tonic::Code::InvalidArgument);
+    }
+
+    #[test]
+    fn a_status_message_stays_small_whatever_the_request_echoed() {
+        // Found by router/tests/fuzz.rs: a 20 KB model name made the status an h2 protocol error.
+        let e = ApiError::model_not_found(&"\u{1F600}a".repeat(10_000), "tiny");
+        assert!(e.message.len() < 400, "{}", e.message.len());
+        let e = ApiError::invalid("\u{1F600}".repeat(10_000));
+        let s = e.to_status();
+        assert!(s.message().len() <= MAX_STATUS_MESSAGE + 3 && s.message().ends_with("..."));
     }
 
     #[test]

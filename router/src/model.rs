@@ -61,3 +61,14 @@ fn default_name(dir: &Path) -> String {
     let canon = dir.canonicalize().unwrap_or_else(|_| dir.to_owned());
     canon.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
 }
+
+#[cfg(test)]
+impl ServedModel {
+    /// The tiny tokenizer and the built-in template, for unit tests.
+    pub fn for_tests() -> Self {
+        let config = text::TokenizerConfig::from_value(text::tiny::tokenizer_config_json()).expect("tiny config");
+        let tokenizer = Tokenizer::from_parts(text::tiny::tokenizer().expect("tiny tokenizer"), config);
+        let template = ChatTemplate::resolve(None, tokenizer.config()).expect("template");
+        Self { name: "tiny".into(), max_model_len: 512, tokenizer, template }
+    }
+}

@@ -39,6 +39,9 @@ fn normalize(i: usize, m: Value) -> Result<Value, ApiError> {
         Some(Value::String(_)) => {}
         _ => return Err(bad(format!("messages[{i}].role must be a string"))),
     }
+    if obj.get("name").is_some_and(|n| !n.is_string() && !n.is_null()) {
+        return Err(bad(format!("messages[{i}].name must be a string")));
+    }
     let content = match obj.remove("content") {
         None | Some(Value::Null) => String::new(),
         Some(Value::String(s)) => s,
@@ -47,6 +50,9 @@ fn normalize(i: usize, m: Value) -> Result<Value, ApiError> {
             for (j, p) in parts.iter().enumerate() {
                 match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
                     (Some("text"), Some(t)) => texts.push(t),
+                    (Some("text"), None) => {
+                        return Err(bad(format!("messages[{i}].content[{j}].text must be a string")));
+                    }
                     (kind, _) => {
                         return Err(bad(format!(
                             "messages[{i}].content[{j}] has type {}; this model accepts text parts only",
@@ -84,23 +90,31 @@ pub async fn handle(st: &Arc<AppState>, request_id: &str, body: &[u8]) -> Result
             ));
         }
     }
-    if let Some(kind) = req.response_format.as_ref().and_then(|r| r.get("type")).and_then(Value::as_str)
-        && kind != "text"
-    {
-        return Err(ApiError::invalid_param(
-            "response_format",
-            format!("response_format {kind:?} (structured output) is not supported"),
-        ));
+    match req.response_format.as_ref() {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(f)) => match f.get("type") {
+            Some(Value::String(kind)) if kind == "text" => {}
+            None | Some(Value::Null) => {
+                return Err(ApiError::invalid_param("response_format", "response_format.type must be \"text\""));
+            }
+            Some(kind) => {
+                return Err(ApiError::invalid_param(
+                    "response_format",
+                    format!("response_format {kind} (structured output) is not supported"),
+                ));
+            }
+        },
+        Some(_) => return Err(ApiError::invalid_param("response_format", "response_format must be an object")),
     }
     let top_logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
-        (false, Some(n)) if n > 0 => {
-            return Err(ApiError::invalid_param("top_logprobs", "top_logprobs requires logprobs: true"));
-        }
-        (true, Some(n)) if !(0..=20).contains(&n) => {
+        (_, Some(n)) if !(0..=20).contains(&n) => {
             return Err(ApiError::invalid_param(
                 "top_logprobs",
                 format!("top_logprobs must be between 0 and 20 (got {n})"),
             ));
+        }
+        (false, Some(n)) if n > 0 => {
+            return Err(ApiError::invalid_param("top_logprobs", "top_logprobs requires logprobs: true"));
         }
         (true, n) => Some(n.unwrap_or(0) as u32),
         (false, _) => None,

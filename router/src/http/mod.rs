@@ -3,9 +3,11 @@
 //! Every /v1 answer carries `x-request-id`; errors are OpenAI-style JSON objects; bodies are read up
 //! to `--max-body-bytes` and parsed here so that every rejection has a JSON body and a useful message.
 
+mod body;
 mod chat;
 mod completions;
 mod logprobs;
+mod openapi;
 mod params;
 mod stream;
 
@@ -15,9 +17,9 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use axum::Router;
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri, header};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{MethodRouter, get, post};
 use serde::de::DeserializeOwned;
 use serde_json::json;
 use tokio::net::TcpListener;
@@ -44,14 +46,23 @@ pub struct AppState {
     pub body_read_timeout: std::time::Duration,
 }
 
+/// Every route the router serves. `openapi.json` documents exactly these (checked in `openapi.rs`).
+fn routes() -> Vec<(Method, &'static str, MethodRouter<Arc<AppState>>)> {
+    vec![
+        (Method::POST, "/v1/completions", post(completions_handler)),
+        (Method::POST, "/v1/chat/completions", post(chat_handler)),
+        (Method::GET, "/v1/models", get(models)),
+        (Method::GET, "/health", get(health)),
+        (Method::GET, "/ready", get(ready)),
+        (Method::GET, "/metrics", get(metrics)),
+        (Method::GET, "/openapi.json", get(openapi::serve)),
+    ]
+}
+
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
-        .route("/v1/completions", post(completions_handler))
-        .route("/v1/chat/completions", post(chat_handler))
-        .route("/v1/models", get(models))
-        .route("/health", get(health))
-        .route("/ready", get(ready))
-        .route("/metrics", get(metrics))
+    routes()
+        .into_iter()
+        .fold(Router::new(), |r, (_, path, handler)| r.route(path, handler))
         .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::map_response(json_errors))
@@ -181,34 +192,6 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Reads the whole body: 413 past `limit`, 400 when the client sent less than it announced (or broken
-/// chunked framing), 408 when it does not arrive within `timeout`.
-async fn read_body(body: Body, limit: usize, timeout: std::time::Duration) -> Result<bytes::Bytes, ApiError> {
-    match tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await {
-        Err(_) => Err(ApiError::body_timeout(timeout.as_secs_f64())),
-        Ok(Ok(b)) => Ok(b),
-        Ok(Err(e)) => {
-            let inner = e.into_inner();
-            if is_length_limit(inner.as_ref()) {
-                Err(ApiError::too_large(limit))
-            } else {
-                Err(ApiError::incomplete_body(inner))
-            }
-        }
-    }
-}
-
-fn is_length_limit(e: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cur = Some(e);
-    while let Some(err) = cur {
-        if err.is::<http_body_util::LengthLimitError>() {
-            return true;
-        }
-        cur = err.source();
-    }
-    false
-}
-
 /// Admits the request, starts it, and answers as a stream or a JSON body.
 pub(crate) async fn serve_tokenized<F: Format>(
     st: &Arc<AppState>,
@@ -257,9 +240,9 @@ async fn generate(
             headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok())
             && len > st.max_body_bytes
         {
-            return Err(ApiError::too_large(st.max_body_bytes));
+            return Err(body::refuse(body, st.max_body_bytes, st.body_read_timeout).await);
         }
-        let bytes = read_body(body, st.max_body_bytes, st.body_read_timeout).await?;
+        let bytes = body::read(body, st.max_body_bytes, st.body_read_timeout).await?;
         handler(&st, &rid, &bytes).await
     }
     .instrument(span.clone())

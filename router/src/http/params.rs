@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 
 use proto::v1::SamplingParams;
-use serde::Deserialize;
+use serde::{Deserialize, Deserializer};
 use serde_json::Value;
 
 use crate::error::ApiError;
@@ -42,6 +42,7 @@ pub struct Common {
     pub best_of: Option<i64>,
     #[serde(default)]
     pub stream: Option<bool>,
+    #[serde(default, deserialize_with = "stream_options")]
     pub stream_options: Option<StreamOptions>,
     pub stop: Option<Value>,
     pub stop_token_ids: Option<Vec<i64>>,
@@ -49,6 +50,19 @@ pub struct Common {
     pub min_tokens: Option<i64>,
     pub skip_special_tokens: Option<bool>,
     pub include_stop_str_in_output: Option<bool>,
+}
+
+/// `stream_options`: an object or null. serde's derived structs also take a sequence (their fields in
+/// order), which the API does not document and clients should not come to rely on.
+fn stream_options<'de, D: Deserializer<'de>>(d: D) -> Result<Option<StreamOptions>, D::Error> {
+    use serde::de::Error;
+    match Option::<Value>::deserialize(d)? {
+        None | Some(Value::Null) => Ok(None),
+        Some(v @ Value::Object(_)) => {
+            serde_json::from_value(v).map(Some).map_err(|e| D::Error::custom(format!("stream_options: {e}")))
+        }
+        Some(_) => Err(D::Error::custom("stream_options must be an object")),
+    }
 }
 
 /// The validated result.
@@ -84,6 +98,17 @@ impl Common {
         logprobs: Option<u32>,
     ) -> Result<Validated, ApiError> {
         one_choice(self.n, self.best_of)?;
+        // Each limit given must be valid, also the one the other overrides.
+        for (name, m) in [("max_tokens", self.max_tokens), ("max_completion_tokens", self.max_completion_tokens)] {
+            if let Some(m) = m
+                && m < 1
+            {
+                return Err(ApiError::invalid_param(name, format!("{name} must be at least 1 (got {m})")));
+            }
+        }
+        if self.max_completion_tokens.is_some() {
+            lengths(prompt_tokens, max_len as usize, self.max_tokens, default_max_tokens)?;
+        }
         let max_tokens = lengths(
             prompt_tokens,
             max_len as usize,
@@ -350,6 +375,30 @@ mod tests {
 
     fn ok() -> SamplingParams {
         SamplingParams { temperature: 0.7, max_tokens: 8, ..Default::default() }
+    }
+
+    #[test]
+    fn max_tokens_is_checked_even_where_max_completion_tokens_overrides_it() {
+        // Found by schemathesis: max_tokens 0 or past the context was accepted beside a valid
+        // max_completion_tokens.
+        let model = ServedModel::for_tests();
+        let common = |m: i64| Common { max_tokens: Some(m), max_completion_tokens: Some(8), ..Default::default() };
+        for m in [0, -1, 200] {
+            let e = common(m).validate(&model, 100, 10, None, None).err().expect("refused");
+            assert_eq!(e.param.as_deref(), Some("max_tokens"), "{m}: {e}");
+        }
+        assert_eq!(common(8).validate(&model, 100, 10, None, None).unwrap().sampling.max_tokens, 8);
+    }
+
+    #[test]
+    fn stream_options_must_be_an_object() {
+        // Found by schemathesis: `"stream_options": [null, null]` was taken as an empty object.
+        let parse = |v: Value| serde_json::from_value::<Common>(serde_json::json!({ "stream_options": v }));
+        assert!(parse(serde_json::json!([null, null])).is_err());
+        assert!(parse(serde_json::json!(true)).is_err());
+        assert!(parse(Value::Null).unwrap().stream_options.is_none());
+        let c = parse(serde_json::json!({"include_usage": true})).unwrap();
+        assert_eq!(c.stream_options.unwrap().include_usage, Some(true));
     }
 
     #[test]

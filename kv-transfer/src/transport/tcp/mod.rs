@@ -275,8 +275,12 @@ async fn read_ctl<R: AsyncRead + Unpin>(r: &mut R) -> std::io::Result<TransferCo
     if len > MAX_CONTROL {
         return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("control frame of {len} bytes")));
     }
-    let mut buf = vec![0u8; len as usize];
-    r.read_exact(&mut buf).await?;
+    // Grown as the bytes arrive: a peer that announces 16 MB and sends nothing holds no 16 MB buffer.
+    let mut buf = Vec::with_capacity((len as usize).min(64 << 10));
+    (&mut *r).take(u64::from(len)).read_to_end(&mut buf).await?;
+    if buf.len() < len as usize {
+        return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "control frame cut short"));
+    }
     TransferControl::decode(buf.as_slice()).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
 }
 
