@@ -9,24 +9,27 @@
 pub mod api;
 mod link;
 mod node;
+mod serve;
 #[allow(non_camel_case_types, non_snake_case, non_upper_case_globals, dead_code, clippy::all, unsafe_op_in_unsafe_fn)]
 pub mod sys;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use kv_cache::KvCache;
-use proto::v1::transfer_control::Body;
-use proto::v1::{TransferControl, TransportEndpoint};
+use proto::v1::TransportEndpoint;
 
 use self::link::{SenderSink, UcxLink};
+pub use self::node::{AM_CONTROL, CONTROL_INFLIGHT, CONTROL_QUEUE, MAX_CONTROL_BYTES};
 use self::node::{Node, NodeOwner, Sink};
+use self::serve::ReceiverSink;
+pub use self::serve::{STRANGER_EPS, STRANGER_TTL};
 use super::lanes::{FlushJoin, LaneEpochs, decode_address, encode_address, lanes_or_default};
-use super::{Inbound, Link, PeerLink, PendingCalls, Served, Transport, TransportKind, next_id};
+use super::{Inbound, Link, PendingCalls, Served, Transport, TransportKind, next_id};
 use crate::TransferError;
-use crate::receiver::core::{ReceiverCore, Refusal, WritePermit};
+use crate::receiver::core::ReceiverCore;
 
 /// Whether libucp loads here.
 pub fn load() -> Result<(), String> {
@@ -138,7 +141,7 @@ impl Transport for UcxTransport {
     }
 
     fn serve(&self, core: Arc<ReceiverCore>) -> Result<Served, TransferError> {
-        let sink = Arc::new(ReceiverSink { core: Arc::downgrade(&core), peers: Mutex::new(HashMap::new()) });
+        let sink = Arc::new(ReceiverSink::new(&core));
         // Lane 0 registers the arena and takes control messages and puts; every lane places
         // active-message writes (senders spread theirs over all of them).
         let mut owners = Vec::new();
@@ -241,114 +244,6 @@ impl Transport for UcxTransport {
         links.retain(|_, l| l.strong_count() > 0);
         links.insert(origin, Arc::downgrade(&link));
         Ok(link)
-    }
-}
-
-/// Receiver side: one peer per sender node, created from the address in its first handshake.
-struct ReceiverSink {
-    core: Weak<ReceiverCore>,
-    peers: Mutex<HashMap<u64, Arc<UcxPeer>>>,
-}
-
-impl Sink for ReceiverSink {
-    fn on_control(&self, node: &Arc<Node>, origin: u64, msg: TransferControl) {
-        let Some(core) = self.core.upgrade() else { return };
-        let peer = {
-            let mut peers = lock(&self.peers);
-            match peers.get(&origin) {
-                Some(p) if p.alive.load(Ordering::SeqCst) => {
-                    if let Some(Body::Begin(b)) = &msg.body {
-                        p.one_sided.store(!b.receiver_mediated, Ordering::SeqCst);
-                    }
-                    p.clone()
-                }
-                _ => {
-                    let Some(Body::Begin(b)) = &msg.body else {
-                        tracing::debug!(origin, "control message from an unknown UCX sender");
-                        return;
-                    };
-                    let Some((_, sender)) = decode_address(&b.sender_address) else {
-                        tracing::warn!("a UCX sender sent a malformed address");
-                        return;
-                    };
-                    let ep = match node.connect_nowait(sender[0]) {
-                        Ok(ep) => ep,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "cannot reach a UCX sender");
-                            return;
-                        }
-                    };
-                    let p = Arc::new(UcxPeer {
-                        one_sided: AtomicBool::new(!b.receiver_mediated),
-                        id: next_id(),
-                        ep,
-                        node: Arc::downgrade(node),
-                        core: self.core.clone(),
-                        alive: AtomicBool::new(true),
-                    });
-                    peers.insert(origin, p.clone());
-                    p
-                }
-            }
-        };
-        let dynp: Arc<dyn PeerLink> = peer;
-        core.on_control(&dynp, msg);
-    }
-
-    fn admit(&self, session: u64, token: u64, offset: u64, len: u64) -> Option<Result<WritePermit, Refusal>> {
-        let core = self.core.upgrade()?;
-        Some(core.admit_write(session, token, offset, len))
-    }
-
-    fn on_ep_error(&self, ep: u64, reason: &str) {
-        let lost: Vec<Arc<UcxPeer>> = {
-            let mut peers = lock(&self.peers);
-            let ids: Vec<u64> = peers.iter().filter(|(_, p)| p.ep == ep).map(|(o, _)| *o).collect();
-            ids.iter().filter_map(|o| peers.remove(o)).collect()
-        };
-        for p in lost {
-            p.alive.store(false, Ordering::SeqCst);
-            if let Some(core) = self.core.upgrade() {
-                core.peer_lost(p.id, &format!("UCX endpoint: {reason}"));
-            }
-        }
-    }
-}
-
-struct UcxPeer {
-    /// Whether this sender writes with one-sided puts (from its handshake).
-    one_sided: AtomicBool,
-    id: u64,
-    ep: u64,
-    node: Weak<Node>,
-    core: Weak<ReceiverCore>,
-    alive: AtomicBool,
-}
-
-impl PeerLink for UcxPeer {
-    fn id(&self) -> u64 {
-        self.id
-    }
-
-    fn one_sided(&self) -> bool {
-        self.one_sided.load(Ordering::SeqCst)
-    }
-
-    fn send(&self, msg: TransferControl) {
-        if let Some(n) = self.node.upgrade() {
-            let _ = n.send_control(self.ep, &msg);
-        }
-    }
-
-    fn close(&self) {
-        if self.alive.swap(false, Ordering::SeqCst) {
-            if let Some(n) = self.node.upgrade() {
-                n.close_ep(self.ep);
-            }
-            if let Some(core) = self.core.upgrade() {
-                core.peer_lost(self.id, "endpoint closed by the receiver");
-            }
-        }
     }
 }
 

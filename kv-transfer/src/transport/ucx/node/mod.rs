@@ -29,11 +29,18 @@ mod state;
 use callbacks::*;
 
 /// AM id of control messages (header: the origin node id, 8 bytes LE; data: a TransferControl).
-const AM_CONTROL: u32 = 7101;
+pub const AM_CONTROL: u32 = 7101;
 /// AM id of data writes (header: session, token, pool offset, length as u64 LE; payload by rendezvous).
 const AM_DATA: u32 = 7102;
 /// How long the loop keeps polling after activity before it sleeps on the event fd.
 const SPIN: Duration = Duration::from_micros(200);
+/// Control messages waiting to be handled after a progress call; more are dropped (a flood).
+pub const CONTROL_QUEUE: usize = 1024;
+/// Largest control message accepted (a 1M-token handshake's block ids take about 50 KB).
+pub const MAX_CONTROL_BYTES: usize = 256 << 10;
+/// Control sends in flight on one endpoint. A peer that does not read its replies (or asks for more
+/// than it reads) reaches it and is cut off: its endpoint is closed and reported as failed.
+pub const CONTROL_INFLIGHT: usize = 1024;
 
 /// Receives what arrives on a node.
 pub(crate) trait Sink: Send + Sync {
@@ -43,6 +50,12 @@ pub(crate) trait Sink: Send + Sync {
         None
     }
     fn on_ep_error(&self, ep: u64, reason: &str);
+    /// The node closed `ep` because its peer misbehaved (see [`CONTROL_INFLIGHT`]).
+    fn on_cut_off(&self, ep: u64, reason: &str) {
+        self.on_ep_error(ep, reason);
+    }
+    /// A control message that did not decode, or arrived while the queue was full (dropped unread).
+    fn on_dropped(&self, _count: usize) {}
 }
 
 enum Cmd {
@@ -79,6 +92,11 @@ enum Cmd {
     },
     CloseEp {
         ep: u64,
+    },
+    /// Closes `ep` once its control sends completed, and at `by` at the latest.
+    CloseWhenSent {
+        ep: u64,
+        by: Instant,
     },
     Shutdown,
 }
@@ -228,6 +246,11 @@ impl Node {
         let _ = self.cmd(Cmd::CloseEp { ep });
     }
 
+    /// Closes `ep` once what was sent on it went out, or after `within` (a peer that never reads).
+    pub fn close_when_sent(&self, ep: u64, within: Duration) {
+        let _ = self.cmd(Cmd::CloseWhenSent { ep, by: Instant::now() + within });
+    }
+
     pub fn is_alive(&self) -> bool {
         self.alive.load(Ordering::SeqCst)
     }
@@ -250,8 +273,44 @@ impl Drop for NodeOwner {
 }
 
 /// The queue UCX callbacks record into: a node's progress thread owns it and drains it after each progress
-/// call (callbacks run inside progress, on that thread).
-type Events = std::cell::RefCell<VecDeque<Event>>;
+/// call (callbacks run inside progress, on that thread). Control messages in it are counted, so a flood
+/// is dropped at [`CONTROL_QUEUE`] instead of growing it.
+#[derive(Default)]
+struct Events {
+    q: std::cell::RefCell<VecDeque<Event>>,
+    control: std::cell::Cell<usize>,
+}
+
+impl Events {
+    fn push(&self, ev: Event) {
+        self.q.borrow_mut().push_back(ev);
+    }
+
+    /// Queues a control message unless [`CONTROL_QUEUE`] of them wait already (then records the drop).
+    fn push_control(&self, origin: u64, bytes: &[u8]) {
+        if self.control.get() >= CONTROL_QUEUE || bytes.len() > MAX_CONTROL_BYTES {
+            // One marker for a run of drops: the queue stays bounded while the flood lasts.
+            let mut q = self.q.borrow_mut();
+            if !matches!(q.back(), Some(Event::Dropped(_))) {
+                q.push_back(Event::Dropped(0));
+            }
+            if let Some(Event::Dropped(n)) = q.back_mut() {
+                *n += 1;
+            }
+            return;
+        }
+        self.control.set(self.control.get() + 1);
+        self.q.borrow_mut().push_back(Event::Am(origin, bytes.to_vec()));
+    }
+
+    fn pop(&self) -> Option<Event> {
+        let ev = self.q.borrow_mut().pop_front();
+        if matches!(ev, Some(Event::Am(..))) {
+            self.control.set(self.control.get() - 1);
+        }
+        ev
+    }
+}
 
 /// What UCX callbacks record.
 enum Event {
@@ -261,6 +320,10 @@ enum Event {
     Data([u64; 4], Payload),
     EpError(u64, ucs_status_t),
     Am(u64, Vec<u8>),
+    /// Control messages dropped in the callback (too large, or the queue was full).
+    Dropped(usize),
+    /// An endpoint whose peer misbehaves: fail and close it.
+    CutOff(u64, &'static str),
 }
 
 enum Payload {
@@ -277,7 +340,8 @@ enum Action {
     DataSend(u64, Option<StagedBuf>),
     /// Receiving a rendezvous payload into admitted memory, or into a staging buffer for a device pool.
     Recv(WritePermit, Option<StagedBuf>),
-    Control,
+    /// A control send on endpoint `.0`.
+    Control(u64),
     Flush(Arc<FlushJoin>),
     Close,
 }
@@ -309,6 +373,10 @@ struct State {
     /// Active-message data sends in flight per endpoint, and flushes waiting for them.
     data_inflight: HashMap<u64, usize>,
     flush_waiting: HashMap<u64, Vec<Arc<FlushJoin>>>,
+    /// Control sends in flight per endpoint (bounded by [`CONTROL_INFLIGHT`]).
+    control_inflight: HashMap<u64, usize>,
+    /// Endpoints to close once their control sends completed, with the latest time to do it.
+    closing: HashMap<u64, Instant>,
     /// Puts that failed, per endpoint, reported by the next flush.
     put_errors: HashMap<u64, String>,
     /// Buffers rendezvous writes into a device pool land in (created on the first one).

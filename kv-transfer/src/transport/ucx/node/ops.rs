@@ -6,6 +6,12 @@ use super::*;
 impl State {
     pub(super) fn send_control(&mut self, ep: u64, data: Vec<u8>) {
         let Ok(h) = self.ep(ep) else { return };
+        let inflight = self.control_inflight.entry(ep).or_insert(0);
+        if *inflight >= CONTROL_INFLIGHT {
+            self.events.push(Event::CutOff(ep, "the peer does not read its replies"));
+            return;
+        }
+        *inflight += 1;
         let token = next_id();
         let mut p = self.param(token);
         p.op_attr_mask |= ucp_op_attr_t_UCP_OP_ATTR_FIELD_FLAGS;
@@ -24,7 +30,7 @@ impl State {
                 &p,
             )
         };
-        self.issued(token, &p, r, Action::Control);
+        self.issued(token, &p, r, Action::Control(ep));
     }
 
     pub(super) fn put(&mut self, ep: u64, rkeys: u64, op: PutOp, am: bool) {
@@ -144,6 +150,8 @@ impl State {
     }
 
     pub(super) fn close_ep(&mut self, ep: u64) {
+        self.control_inflight.remove(&ep);
+        self.closing.remove(&ep);
         let Some(e) = self.eps.remove(&ep) else { return };
         let stale: Vec<u64> = self.rkeys.iter().filter(|(_, (owner, _))| *owner == ep).map(|(h, _)| *h).collect();
         for h in stale {
@@ -180,36 +188,18 @@ impl State {
                     Err(mpsc::TryRecvError::Empty) => break,
                 }
             }
+            // One progress call at a time, its events handled before the next: what a call delivers stays
+            // bounded (a flood cannot pile up events behind a progress loop that never returns 0).
             // SAFETY: our worker, our thread.
-            while unsafe { (self.lib.ucp_worker_progress)(self.worker) } != 0 {
+            if unsafe { (self.lib.ucp_worker_progress)(self.worker) } != 0 {
                 busy = true;
             }
-            loop {
-                let ev = self.events.borrow_mut().pop_front();
-                let Some(ev) = ev else { break };
-                busy = true;
-                match ev {
-                    Event::Done(token, s) => {
-                        if let Some(a) = self.actions.remove(&token) {
-                            self.complete(token, a, s);
-                        }
-                    }
-                    Event::EpError(ep, s) => {
-                        let why = status_str(self.lib, s);
-                        if let Some(e) = self.eps.get_mut(&ep)
-                            && e.failed.is_none()
-                        {
-                            e.failed = Some(why.clone());
-                            tracing::info!(ep, reason = %why, "UCX endpoint failed");
-                            sink.on_ep_error(ep, &why);
-                            self.close_ep(ep);
-                        }
-                    }
-                    Event::Data(hdr, payload) => self.on_data(&*sink, hdr, payload),
-                    Event::Am(origin, bytes) => match TransferControl::decode(bytes.as_slice()) {
-                        Ok(msg) => sink.on_control(node, origin, msg),
-                        Err(e) => tracing::warn!(error = %e, "undecodable kv-transfer control message"),
-                    },
+            busy |= self.handle_events(node, &*sink);
+            if !self.closing.is_empty() {
+                let now = Instant::now();
+                let due: Vec<u64> = self.closing.iter().filter(|(_, by)| **by <= now).map(|(ep, _)| *ep).collect();
+                for ep in due {
+                    self.close_ep(ep);
                 }
             }
             if busy {
@@ -243,6 +233,55 @@ impl State {
             if Arc::strong_count(node) == 1 {
                 return self.drain();
             }
+        }
+    }
+
+    /// Handles what the callbacks recorded; whether there was anything.
+    fn handle_events(&mut self, node: &Arc<Node>, sink: &dyn Sink) -> bool {
+        let mut any = false;
+        while let Some(ev) = self.events.pop() {
+            any = true;
+            match ev {
+                Event::Done(token, s) => {
+                    if let Some(a) = self.actions.remove(&token) {
+                        self.complete(token, a, s);
+                    }
+                }
+                Event::EpError(ep, s) => {
+                    let why = status_str(self.lib, s);
+                    self.fail_ep(sink, ep, &why, false);
+                }
+                Event::CutOff(ep, why) => {
+                    tracing::warn!(ep, why, "cutting off a UCX peer");
+                    self.fail_ep(sink, ep, why, true);
+                }
+                Event::Data(hdr, payload) => self.on_data(sink, hdr, payload),
+                Event::Am(origin, bytes) => match TransferControl::decode(bytes.as_slice()) {
+                    Ok(msg) => sink.on_control(node, origin, msg),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "undecodable kv-transfer control message");
+                        sink.on_dropped(1);
+                    }
+                },
+                Event::Dropped(n) => sink.on_dropped(n),
+            }
+        }
+        any
+    }
+
+    /// Marks `ep` failed, tells the sink (`cut_off`: we cut the peer off), and closes it.
+    fn fail_ep(&mut self, sink: &dyn Sink, ep: u64, why: &str, cut_off: bool) {
+        if let Some(e) = self.eps.get_mut(&ep)
+            && e.failed.is_none()
+        {
+            e.failed = Some(why.to_string());
+            tracing::info!(ep, reason = %why, "UCX endpoint failed");
+            if cut_off {
+                sink.on_cut_off(ep, why);
+            } else {
+                sink.on_ep_error(ep, why);
+            }
+            self.close_ep(ep);
         }
     }
 
@@ -347,6 +386,13 @@ impl State {
                 done.set(unsafe { self.mem_map(addr, len) });
             }
             Cmd::CloseEp { ep } => self.close_ep(ep),
+            Cmd::CloseWhenSent { ep, by } => {
+                if self.control_inflight.contains_key(&ep) {
+                    self.closing.insert(ep, by);
+                } else {
+                    self.close_ep(ep);
+                }
+            }
             Cmd::Shutdown => {}
         }
     }
@@ -365,9 +411,7 @@ impl State {
         while (!self.actions.is_empty() || start.elapsed() < Duration::from_millis(50)) && Instant::now() < until {
             // SAFETY: our worker.
             unsafe { (self.lib.ucp_worker_progress)(self.worker) };
-            loop {
-                let ev = self.events.borrow_mut().pop_front();
-                let Some(ev) = ev else { break };
+            while let Some(ev) = self.events.pop() {
                 if let Event::Done(token, s) = ev
                     && let Some(a) = self.actions.remove(&token)
                 {

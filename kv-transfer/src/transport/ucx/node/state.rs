@@ -79,7 +79,7 @@ impl State {
             }
             let worker_address = std::slice::from_raw_parts(addr as *const u8, addr_len as usize).to_vec();
             (lib.ucp_worker_release_address)(worker, addr);
-            let events: Box<Events> = Box::new(std::cell::RefCell::new(VecDeque::new()));
+            let events: Box<Events> = Box::default();
             let mut hp: ucp_am_handler_param_t = std::mem::zeroed();
             hp.field_mask = (ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ID.0
                 | ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_FLAGS.0
@@ -117,6 +117,8 @@ impl State {
                 no_peer_errors: false,
                 data_inflight: HashMap::new(),
                 flush_waiting: HashMap::new(),
+                control_inflight: HashMap::new(),
+                closing: HashMap::new(),
                 put_errors: HashMap::new(),
                 recv_staging: None,
                 deferred: VecDeque::new(),
@@ -166,8 +168,17 @@ impl State {
                     self.put_errors.entry(ep).or_insert_with(|| status_str(self.lib, s));
                 }
             }
-            Action::Control => {
+            Action::Control(ep) => {
                 self.buffers.remove(&token);
+                if let Some(n) = self.control_inflight.get_mut(&ep) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.control_inflight.remove(&ep);
+                        if self.closing.remove(&ep).is_some() {
+                            self.close_ep(ep);
+                        }
+                    }
+                }
             }
             Action::DataSend(ep, _source) => {
                 self.buffers.remove(&token);
