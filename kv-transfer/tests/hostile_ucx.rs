@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use kv_cache::{BlockPool, KvCache, LayerIdx};
 use kv_transfer::transport::lanes::{decode_address, encode_address};
 use kv_transfer::transport::ucx::api::{self, StatusPtr, classify};
+use kv_transfer::transport::ucx::host::host_id;
 use kv_transfer::transport::ucx::sys::*;
 use kv_transfer::transport::ucx::{AM_CONTROL, CONTROL_INFLIGHT, STRANGER_EPS, STRANGER_TTL};
 use kv_transfer::{
@@ -150,12 +151,10 @@ impl Raw {
         // SAFETY: a valid worker and a peer address that outlives the call.
         unsafe {
             let mut p: ucp_ep_params_t = std::mem::zeroed();
-            p.field_mask = (ucp_ep_params_field::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS.0
-                | ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE.0) as u64;
+            // Like a same-host kv-transfer sender: no peer-failure detection, so UCX may use shared
+            // memory (the receiver's endpoint back to this worker is created the same way).
+            p.field_mask = ucp_ep_params_field::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS.0 as u64;
             p.address = worker_address.as_ptr() as *const ucp_address_t;
-            // Like a kv-transfer sender: with peer-failure detection (the receiver's endpoint back to this
-            // worker asks for it too, and UCX wants both to agree).
-            p.err_mode = ucp_err_handling_mode_t_UCP_ERR_HANDLING_MODE_PEER;
             let mut ep: ucp_ep_h = ptr::null_mut();
             assert_eq!((self.lib.ucp_ep_create)(self.worker, &p, &mut ep), ucs_status_t::UCS_OK);
             self.ep = Some(ep);
@@ -204,7 +203,7 @@ impl Raw {
 
     /// This worker as a sender address for a handshake, under `origin`.
     fn sender_address(&self, origin: u64) -> Vec<u8> {
-        encode_address(origin, &[&self.address])
+        encode_address(origin, host_id(), &[&self.address])
     }
 
     fn answers(&self) -> usize {
@@ -238,7 +237,7 @@ impl Drop for Raw {
 
 fn receiver_worker(desc: &TransferDescriptor) -> Vec<u8> {
     let address = &desc.endpoint.as_ref().unwrap().address;
-    decode_address(address).expect("a UCX endpoint address").1[0].to_vec()
+    decode_address(address).expect("a UCX endpoint address").lanes[0].to_vec()
 }
 
 fn control(correlation_id: u64, body: Body) -> Vec<u8> {

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use proto::v1::TransferControl;
 use proto::v1::transfer_control::Body;
 
-use super::lock;
 use super::node::{Node, Sink};
+use super::{host, lock};
 use crate::receiver::core::{ReceiverCore, Refusal, WritePermit};
 use crate::transport::lanes::decode_address;
 use crate::transport::{PeerLink, next_id};
@@ -34,6 +34,8 @@ const TRUSTED_PEERS: usize = 4096;
 /// handshake.
 pub(super) struct ReceiverSink {
     core: Weak<ReceiverCore>,
+    /// The receiver's `UCX_TLS` override (decides, with the sender's host, how to reach it).
+    tls: Option<String>,
     peers: Mutex<Peers>,
 }
 
@@ -47,8 +49,8 @@ struct Peers {
 }
 
 impl ReceiverSink {
-    pub(super) fn new(core: &Arc<ReceiverCore>) -> Self {
-        ReceiverSink { core: Arc::downgrade(core), peers: Mutex::new(Peers::default()) }
+    pub(super) fn new(core: &Arc<ReceiverCore>, tls: Option<&str>) -> Self {
+        ReceiverSink { core: Arc::downgrade(core), tls: tls.map(str::to_string), peers: Mutex::new(Peers::default()) }
     }
 
     /// A handshake from a sender we do not trust yet: answered over a temporary endpoint, which stays
@@ -67,12 +69,14 @@ impl ReceiverSink {
             }
             peers.strangers.push_back(now);
         }
-        let Some((_, sender)) = decode_address(&b.sender_address) else {
+        let Some(sender) = decode_address(&b.sender_address) else {
             tracing::debug!("a UCX sender sent a malformed address");
             return core.count_dropped_untrusted(1);
         };
         let one_sided = !b.receiver_mediated;
-        let ep = match node.connect_nowait(sender[0]) {
+        // The same rule the sender used for its endpoints to us (UCX wants both sides to agree).
+        let local = host::same_host(sender.host) && host::shm_allowed(self.tls.as_deref());
+        let ep = match node.connect_nowait(sender.lanes[0], !local) {
             Ok(ep) => ep,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot reach a UCX sender");

@@ -34,6 +34,13 @@ pub const AM_CONTROL: u32 = 7101;
 const AM_DATA: u32 = 7102;
 /// How long the loop keeps polling after activity before it sleeps on the event fd.
 const SPIN: Duration = Duration::from_micros(200);
+/// Shared-memory segment (FIFO element payload) size when `UCX_MM_SEG_SIZE` / `UCX_SYSV_SEG_SIZE` /
+/// `UCX_POSIX_SEG_SIZE` are unset: 8K (UCX's default) moved 10-12 GB/s at 8K-32K tokens on 2 cores, 32K-60000
+/// about 18 GB/s. It must stay below 64 KiB: with UCX 1.13, 64K and 128K segments silently corrupt emulated
+/// puts (the checksum tests fail; a FIFO element's 16-bit length is the likely cause).
+const SHM_SEG_SIZE: &str = "56K";
+/// Progress calls in a row while they make progress, before the command queue is looked at again.
+const PROGRESS_BURST: usize = 64;
 /// Control messages waiting to be handled after a progress call; more are dropped (a flood).
 pub const CONTROL_QUEUE: usize = 1024;
 /// Largest control message accepted (a 1M-token handshake's block ids take about 50 KB).
@@ -62,6 +69,8 @@ enum Cmd {
     Connect {
         ep: u64,
         addr: Vec<u8>,
+        /// Ask for peer-failure detection (else create the endpoint without it).
+        peer_errors: bool,
         done: Option<Arc<Cell<Result<(), TransferError>>>>,
     },
     Control {
@@ -145,7 +154,7 @@ impl Node {
                 match st {
                     Ok(mut st) => {
                         let id = next_id() ^ ((std::process::id() as u64) << 40);
-                        let address = encode_address(id, &[&st.worker_address]);
+                        let address = encode_address(id, super::host::host_id(), &[&st.worker_address]);
                         st.origin = id;
                         let node = Arc::new(Node {
                             id,
@@ -193,17 +202,18 @@ impl Node {
 
     /// Starts connecting to a peer's UCP worker address; returns the endpoint id at once (commands for it queue
     /// behind the connect).
-    pub fn connect_nowait(&self, addr: &[u8]) -> Result<u64, TransferError> {
+    pub fn connect_nowait(&self, addr: &[u8], peer_errors: bool) -> Result<u64, TransferError> {
         let ep = next_id();
-        self.cmd(Cmd::Connect { ep, addr: addr.to_vec(), done: None })?;
+        self.cmd(Cmd::Connect { ep, addr: addr.to_vec(), peer_errors, done: None })?;
         Ok(ep)
     }
 
     /// Starts connecting; the cell reports when the endpoint exists (wait with [`Node::connected`]).
-    pub fn connect_start(&self, addr: &[u8]) -> Result<(u64, Connecting), TransferError> {
+    /// `peer_errors`: ask for peer-failure detection where the transports offer it.
+    pub fn connect_start(&self, addr: &[u8], peer_errors: bool) -> Result<(u64, Connecting), TransferError> {
         let ep = next_id();
         let done = Cell::new();
-        self.cmd(Cmd::Connect { ep, addr: addr.to_vec(), done: Some(done.clone()) })?;
+        self.cmd(Cmd::Connect { ep, addr: addr.to_vec(), peer_errors, done: Some(done.clone()) })?;
         Ok((ep, done))
     }
 

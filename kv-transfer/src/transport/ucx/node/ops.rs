@@ -188,13 +188,16 @@ impl State {
                     Err(mpsc::TryRecvError::Empty) => break,
                 }
             }
-            // One progress call at a time, its events handled before the next: what a call delivers stays
-            // bounded (a flood cannot pile up events behind a progress loop that never returns 0).
-            // SAFETY: our worker, our thread.
-            if unsafe { (self.lib.ucp_worker_progress)(self.worker) } != 0 {
-                busy = true;
+            // Events are handled after every progress call: what one call delivers stays bounded (a flood
+            // cannot pile up events behind a progress loop that never returns 0).
+            for _ in 0..PROGRESS_BURST {
+                // SAFETY: our worker, our thread.
+                let progressed = unsafe { (self.lib.ucp_worker_progress)(self.worker) } != 0;
+                busy |= progressed | self.handle_events(node, &*sink);
+                if !progressed {
+                    break;
+                }
             }
-            busy |= self.handle_events(node, &*sink);
             if !self.closing.is_empty() {
                 let now = Instant::now();
                 let due: Vec<u64> = self.closing.iter().filter(|(_, by)| **by <= now).map(|(ep, _)| *ep).collect();
@@ -365,9 +368,9 @@ impl State {
 
     pub(super) fn handle(&mut self, c: Cmd) {
         match c {
-            Cmd::Connect { ep, addr, done } => {
+            Cmd::Connect { ep, addr, peer_errors, done } => {
                 // SAFETY: on the worker's thread.
-                let r = unsafe { self.connect(ep, &addr) };
+                let r = unsafe { self.connect(ep, &addr, peer_errors) };
                 if let Some(d) = done {
                     d.set(r);
                 } else if let Err(e) = r {
