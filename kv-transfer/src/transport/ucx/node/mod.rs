@@ -296,6 +296,12 @@ impl Events {
         self.q.borrow_mut().push_back(ev);
     }
 
+    /// Queues `ev` ahead of everything waiting (a cut-off must take effect before the peer's queued
+    /// messages are handled).
+    fn push_front(&self, ev: Event) {
+        self.q.borrow_mut().push_front(ev);
+    }
+
     /// Queues a control message unless [`CONTROL_QUEUE`] of them wait already (then records the drop).
     fn push_control(&self, origin: u64, bytes: &[u8]) {
         if self.control.get() >= CONTROL_QUEUE || bytes.len() > MAX_CONTROL_BYTES {

@@ -8,7 +8,7 @@ impl State {
         let Ok(h) = self.ep(ep) else { return };
         let inflight = self.control_inflight.entry(ep).or_insert(0);
         if *inflight >= CONTROL_INFLIGHT {
-            self.events.push(Event::CutOff(ep, "the peer does not read its replies"));
+            self.events.push_front(Event::CutOff(ep, "the peer does not read its replies"));
             return;
         }
         *inflight += 1;
