@@ -107,7 +107,9 @@ fn serve(args: &Args, blocks: usize) -> anyhow::Result<()> {
     for (i, line) in std::io::stdin().lock().lines().enumerate() {
         let line = line?;
         let Some(n) = line.strip_prefix("REQ ") else { continue };
-        let tokens: usize = n.trim().parse()?;
+        let mut words = n.split_whitespace();
+        let tokens: usize = words.next().unwrap_or_default().parse()?;
+        let verify_checksum = words.next() == Some("verify");
         let id = format!("bench-{i}");
         let table = pool.reserve(&id, tokens)?;
         let req = ExpectRequest {
@@ -115,7 +117,7 @@ fn serve(args: &Args, blocks: usize) -> anyhow::Result<()> {
             blocks: table,
             num_tokens: tokens,
             timeout: Duration::from_secs(120),
-            verify_checksum: false,
+            verify_checksum,
         };
         let (desc, pending) = recv.expect(req)?;
         writeln!(out, "DESC {}", testkit::to_hex(&desc.encode_to_vec()))?;
@@ -152,8 +154,10 @@ impl Peer {
         bail!("the receiving process exited before sending {prefix:?}")
     }
 
-    fn descriptor(&mut self, tokens: usize) -> anyhow::Result<TransferDescriptor> {
-        writeln!(self.stdin, "REQ {tokens}")?;
+    /// `verify`: the receiver checks every layer's checksum (the warm-up request: proves the bytes
+    /// landed intact, untimed).
+    fn descriptor(&mut self, tokens: usize, verify: bool) -> anyhow::Result<TransferDescriptor> {
+        writeln!(self.stdin, "REQ {tokens}{}", if verify { " verify" } else { "" })?;
         let hex = self.line("DESC ")?;
         Ok(TransferDescriptor::decode(testkit::from_hex(&hex).context("bad descriptor hex")?.as_slice())?)
     }
@@ -173,8 +177,9 @@ fn one(
     pool: &kv_cache::BlockPool,
     tokens: usize,
     layers: usize,
+    verify: bool,
 ) -> anyhow::Result<Duration> {
-    let desc = peer.descriptor(tokens)?;
+    let desc = peer.descriptor(tokens, verify)?;
     let src = pool.reserve(&desc.request_id, tokens)?;
     let t0 = Instant::now();
     let r = (|| {
@@ -231,7 +236,8 @@ fn run(args: &Args) -> anyhow::Result<()> {
     };
     let lanes = kv_transfer::transport::lanes::lanes_or_default(None);
     let data_path = match served.as_str() {
-        "ucx" => match DataPath::from_env().map_err(|e| anyhow!(e))?.resolve(None) {
+        // Both processes run on this host.
+        "ucx" => match DataPath::from_env().map_err(|e| anyhow!(e))?.resolve(None, true, lanes) {
             DataPath::ActiveMessage => "am",
             _ => "put",
         },
@@ -254,11 +260,12 @@ fn run(args: &Args) -> anyhow::Result<()> {
         let nb = CacheGeometry::blocks_for(tokens) as u64;
         let bytes = args.layers as u64
             * (tokens as u64 * g.latent_bytes_per_token() as u64 + nb * g.indexer_bytes_per_block() as u64);
-        one(&sender, &mut peer, &pool, tokens, args.layers)?; // warm-up (connections, registration caches)
+        // Warm-up (connections, registration caches), checksummed end to end.
+        one(&sender, &mut peer, &pool, tokens, args.layers, true).context("warm-up request (checksums verified)")?;
         let mut times = Vec::new();
         let start = Instant::now();
         while times.len() < args.reps.max(1) && (times.len() < 3 || start.elapsed().as_secs_f64() < args.budget_s) {
-            times.push(one(&sender, &mut peer, &pool, tokens, args.layers)?);
+            times.push(one(&sender, &mut peer, &pool, tokens, args.layers, false)?);
         }
         let mean = times.iter().map(Duration::as_secs_f64).sum::<f64>() / times.len() as f64;
         let gbps = bytes as f64 / mean / 1e9;
@@ -277,7 +284,8 @@ fn run(args: &Args) -> anyhow::Result<()> {
                     "transport": label, "tokens": tokens, "layers": args.layers, "bytes": bytes,
                     "gbps": round(gbps), "ms_per_request": round(mean * 1e3), "perftest_gbps": perf.map(round),
                     "ratio": ratio.map(round), "lanes": lanes, "data_path": data_path,
-                    "perftest_cold_gbps": cold.map(round), "memcpy_gbps": memcpy1.map(round),
+                    "perftest_cold_gbps": cold.map(round), "ratio_cold": cold.map(|c| round(gbps / c)),
+                    "memcpy_gbps": memcpy1.map(round),
                     "memcpy_lanes_gbps": memcpy_n.map(round),
                 })
             );
@@ -308,7 +316,7 @@ fn overhead_us(
 ) -> anyhow::Result<(f64, f64)> {
     let mut v = Vec::new();
     for i in 0..220 {
-        let desc = peer.descriptor(1)?;
+        let desc = peer.descriptor(1, false)?;
         let src = pool.reserve(&desc.request_id, 1)?;
         let t0 = Instant::now();
         let s = sender.begin(&desc, &src);

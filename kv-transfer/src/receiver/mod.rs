@@ -97,6 +97,11 @@ pub struct ReceiverStats {
     pub released: u64,
     pub failed: u64,
     pub rejected_handshakes: u64,
+    /// Messages dropped unanswered because their sender never proved it holds a descriptor (or flooded
+    /// the receiver's queues).
+    pub dropped_untrusted: u64,
+    /// Peers disconnected for not reading their replies or for messages before a valid handshake.
+    pub cut_off_peers: u64,
     /// Blocks held back after a one-sided sender was lost (freed when the quarantine ends).
     pub quarantined_blocks: usize,
     pub bytes_received: u64,
@@ -226,6 +231,8 @@ impl KvReceiver {
             released: c.released.load(Ordering::Relaxed),
             failed: c.failed.load(Ordering::Relaxed),
             rejected_handshakes: c.rejected_handshakes.load(Ordering::Relaxed),
+            dropped_untrusted: c.dropped_untrusted.load(Ordering::Relaxed),
+            cut_off_peers: c.cut_off_peers.load(Ordering::Relaxed),
             quarantined_blocks: c.quarantined_blocks.load(Ordering::SeqCst),
             bytes_received: c.bytes_received.load(Ordering::Relaxed),
         }

@@ -131,10 +131,22 @@ impl FlushJoin {
     }
 }
 
-/// The wire form of a UCX node address with its lanes: origin id (8 bytes LE), then per lane a 4-byte
-/// LE length and that lane's UCP worker address. Lane 0 is the control lane.
-pub fn encode_address(origin: u64, lanes: &[&[u8]]) -> Vec<u8> {
+/// A UCX node address as exchanged in descriptors and handshakes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeAddress<'a> {
+    /// The node's id (the header of its control messages).
+    pub origin: u64,
+    /// Which machine (and IPC/PID namespaces) the node runs on: equal ids can share memory.
+    pub host: u64,
+    /// UCP worker address per lane; lane 0 is the control lane.
+    pub lanes: Vec<&'a [u8]>,
+}
+
+/// The wire form of a UCX node address with its lanes: origin id and host id (8 bytes LE each), then per
+/// lane a 4-byte LE length and that lane's UCP worker address.
+pub fn encode_address(origin: u64, host: u64, lanes: &[&[u8]]) -> Vec<u8> {
     let mut out = origin.to_le_bytes().to_vec();
+    out.extend_from_slice(&host.to_le_bytes());
     for l in lanes {
         out.extend_from_slice(&(l.len() as u32).to_le_bytes());
         out.extend_from_slice(l);
@@ -142,17 +154,18 @@ pub fn encode_address(origin: u64, lanes: &[&[u8]]) -> Vec<u8> {
     out
 }
 
-/// (origin, lane worker addresses) of an address from [`encode_address`]; `None` when malformed.
-pub fn decode_address(bytes: &[u8]) -> Option<(u64, Vec<&[u8]>)> {
-    let origin = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
-    let mut rest = &bytes[8..];
+/// An address from [`encode_address`]; `None` when malformed.
+pub fn decode_address(bytes: &[u8]) -> Option<NodeAddress<'_>> {
+    let word = |at: usize| bytes.get(at..at + 8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes);
+    let (origin, host) = (word(0)?, word(8)?);
+    let mut rest = &bytes[16..];
     let mut lanes = Vec::new();
     while !rest.is_empty() {
         let n = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
         lanes.push(rest.get(4..4 + n)?);
         rest = &rest[4 + n..];
     }
-    (!lanes.is_empty() && lanes.iter().all(|l| !l.is_empty())).then_some((origin, lanes))
+    (!lanes.is_empty() && lanes.iter().all(|l| !l.is_empty())).then_some(NodeAddress { origin, host, lanes })
 }
 
 #[cfg(test)]
@@ -196,10 +209,11 @@ mod tests {
 
     #[test]
     fn addresses_round_trip_and_reject_garbage() {
-        let a = encode_address(42, &[b"abc", b"de"]);
-        assert_eq!(decode_address(&a), Some((42, vec![&b"abc"[..], &b"de"[..]])));
+        let a = encode_address(42, 7, &[b"abc", b"de"]);
+        assert_eq!(decode_address(&a), Some(NodeAddress { origin: 42, host: 7, lanes: vec![&b"abc"[..], &b"de"[..]] }));
         assert_eq!(decode_address(&a[..a.len() - 1]), None);
         assert_eq!(decode_address(&42u64.to_le_bytes()), None);
+        assert_eq!(decode_address(&[0u8; 16]), None);
         assert_eq!(decode_address(b"short"), None);
     }
 

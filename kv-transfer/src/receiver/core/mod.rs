@@ -116,6 +116,8 @@ pub(crate) struct Counters {
     pub released: AtomicU64,
     pub failed: AtomicU64,
     pub rejected_handshakes: AtomicU64,
+    pub dropped_untrusted: AtomicU64,
+    pub cut_off_peers: AtomicU64,
     pub quarantined_blocks: AtomicUsize,
     pub bytes_received: AtomicU64,
 }
@@ -226,6 +228,16 @@ impl ReceiverCore {
     /// handed the descriptor).
     pub(crate) fn knows_token(&self, request_id: &str, token: u64) -> bool {
         self.lookup_request(request_id).is_some_and(|t| t.token == token)
+    }
+
+    /// Messages from senders that never proved they hold a descriptor, dropped unanswered.
+    pub(crate) fn count_dropped_untrusted(&self, n: u64) {
+        self.counters.dropped_untrusted.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// A peer disconnected for flooding or not reading its replies.
+    pub(crate) fn count_cut_off(&self) {
+        self.counters.cut_off_peers.fetch_add(1, Ordering::Relaxed);
     }
 
     pub(crate) fn lookup_request(&self, request_id: &str) -> Option<Arc<Transfer>> {

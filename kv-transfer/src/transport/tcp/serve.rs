@@ -50,6 +50,9 @@ impl PeerLink for TcpPeer {
             && !self.overflowed.swap(true, Ordering::SeqCst)
         {
             tracing::warn!(queued = REPLY_QUEUE, "kv-transfer tcp peer does not read its replies; disconnecting");
+            if let Some(core) = self.core.upgrade() {
+                core.count_cut_off();
+            }
             self.close();
         }
     }
@@ -118,6 +121,10 @@ async fn receiver_read_loop(
     let mut trusted = false;
     let mut refused_handshakes = 0u32;
     let untrusted = |what: &str| {
+        if let Some(core) = core.upgrade() {
+            core.count_dropped_untrusted(1);
+            core.count_cut_off();
+        }
         std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("{what} before a valid handshake"))
     };
     loop {

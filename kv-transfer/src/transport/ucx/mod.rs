@@ -3,30 +3,36 @@
 //! its worker address and packed rkey in descriptors; senders write with `ucp_put_nbx` and make the bytes
 //! visible with `ucp_ep_flush_nbx` before any completion, release or abort acknowledgement. Control
 //! messages are active messages. A device pool is never registered: its region carries no rkey, and
-//! senders to it send active messages of at most one staging buffer ([`crate::staging`]). UCX picks the transport itself (`UCX_TLS` and every other `UCX_*`
-//! variable apply); this code names none.
+//! senders to it send active messages of at most one staging buffer ([`crate::staging`]). UCX picks the
+//! transport itself (`UCX_TLS` and every other `UCX_*` variable apply); this code names none, but creates
+//! endpoints to same-host peers without peer-failure detection so that UCX may pick shared memory
+//! ([`host`]), and raises the shared-memory segment size where the user set none.
 
 pub mod api;
+pub mod host;
 mod link;
 mod node;
+mod serve;
 #[allow(non_camel_case_types, non_snake_case, non_upper_case_globals, dead_code, clippy::all, unsafe_op_in_unsafe_fn)]
 pub mod sys;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use kv_cache::KvCache;
-use proto::v1::transfer_control::Body;
-use proto::v1::{TransferControl, TransportEndpoint};
+use proto::v1::TransportEndpoint;
 
 use self::link::{SenderSink, UcxLink};
+pub use self::node::{AM_CONTROL, CONTROL_INFLIGHT, CONTROL_QUEUE, MAX_CONTROL_BYTES};
 use self::node::{Node, NodeOwner, Sink};
+use self::serve::ReceiverSink;
+pub use self::serve::{STRANGER_EPS, STRANGER_TTL};
 use super::lanes::{FlushJoin, LaneEpochs, decode_address, encode_address, lanes_or_default};
-use super::{Inbound, Link, PeerLink, PendingCalls, Served, Transport, TransportKind, next_id};
+use super::{Inbound, Link, PendingCalls, Served, Transport, TransportKind, next_id};
 use crate::TransferError;
-use crate::receiver::core::{ReceiverCore, Refusal, WritePermit};
+use crate::receiver::core::ReceiverCore;
 
 /// Whether libucp loads here.
 pub fn load() -> Result<(), String> {
@@ -45,10 +51,13 @@ pub enum DataPath {
     /// Rendezvous active messages the receiver places itself (fastest where RMA is emulated, as over
     /// tcp; every write is admitted by the receiver).
     ActiveMessage,
-    /// `Put` where an RDMA transport carries native RMA (`UCX_TLS` names one, or it is unset and the
-    /// host has an RDMA device); `ActiveMessage` elsewhere: over tcp UCX emulates RMA about 3x slower,
-    /// and over shared memory puts stay one stream per link while the receiver's lanes place active
-    /// messages in parallel (measured, bench/RESULTS.md).
+    /// Measured choice (bench/RESULTS.md): `Put` to a peer on this host over shared memory through one
+    /// lane (UCX emulates the put over the shared-memory FIFO: the sender copies in, the receiver's
+    /// progress thread copies out, a two-core pipeline; rendezvous active messages, one copy on the
+    /// receiver's thread, ran at half the rate on the 2-core VM), and where an RDMA transport carries native RMA (`UCX_TLS` names one, or it is unset and
+    /// the host has an RDMA device); `ActiveMessage` elsewhere: over tcp UCX emulates RMA about 10x
+    /// slower, and over shared memory with several lanes puts stay one stream per link while the
+    /// receiver's lanes place active messages in parallel.
     Auto,
 }
 
@@ -61,10 +70,14 @@ impl DataPath {
         }
     }
 
-    /// The concrete path for a context configured with `tls` (else `UCX_TLS`).
-    pub fn resolve(self, tls: Option<&str>) -> DataPath {
+    /// The concrete path for a link of `lanes` lanes in a context configured with `tls` (else
+    /// `UCX_TLS`); `local`: the peer shares this host's memory ([`host::same_host`]).
+    pub fn resolve(self, tls: Option<&str>, local: bool, lanes: usize) -> DataPath {
         if self != DataPath::Auto {
             return self;
+        }
+        if local && lanes == 1 && host::shm_allowed(tls) {
+            return DataPath::Put;
         }
         let tls = tls.map(str::to_string).or_else(|| std::env::var("UCX_TLS").ok()).unwrap_or_default();
         let names: Vec<&str> = tls.split(',').map(str::trim).filter(|t| !t.is_empty()).collect();
@@ -115,7 +128,7 @@ impl UcxTransport {
         Ok(UcxTransport {
             tls: tls.map(str::to_string),
             net_devices: None,
-            data_path: data_path.resolve(tls),
+            data_path,
             lanes: lanes_or_default(lanes),
             sender: Mutex::new(None),
         })
@@ -138,7 +151,7 @@ impl Transport for UcxTransport {
     }
 
     fn serve(&self, core: Arc<ReceiverCore>) -> Result<Served, TransferError> {
-        let sink = Arc::new(ReceiverSink { core: Arc::downgrade(&core), peers: Mutex::new(HashMap::new()) });
+        let sink = Arc::new(ReceiverSink::new(&core, self.tls.as_deref()));
         // Lane 0 registers the arena and takes control messages and puts; every lane places
         // active-message writes (senders spread theirs over all of them).
         let mut owners = Vec::new();
@@ -154,7 +167,7 @@ impl Transport for UcxTransport {
         let rkey =
             if core.cache.stages_through_host() { Vec::new() } else { node.mem_map(arena.as_ptr(), arena.len())? };
         let workers: Vec<&[u8]> = owners.iter().map(|o| o.0.worker.as_slice()).collect();
-        let address = encode_address(node.id, &workers);
+        let address = encode_address(node.id, host::host_id(), &workers);
         Ok(Served::new(TransportKind::Ucx, address, arena, rkey, owners))
     }
 
@@ -165,9 +178,13 @@ impl Transport for UcxTransport {
         inbound: Arc<dyn Inbound>,
         deadline: Instant,
     ) -> Result<Arc<dyn Link>, TransferError> {
-        let (origin, remote) = decode_address(&endpoint.address)
+        let addr = decode_address(&endpoint.address)
             .ok_or_else(|| TransferError::Transport("bad UCX endpoint address".into()))?;
-        let am = self.data_path == DataPath::ActiveMessage;
+        let (origin, remote) = (addr.origin, addr.lanes);
+        // A peer on this host is reached over shared memory, which UCX only selects for endpoints without
+        // peer-failure detection (see `host`); its loss is then noticed by deadlines and the quarantine.
+        let local = host::same_host(addr.host) && host::shm_allowed(self.tls.as_deref());
+        let am = self.data_path.resolve(self.tls.as_deref(), local, self.lanes) == DataPath::ActiveMessage;
         let (nodes, sink) = {
             let mut g = lock(&self.sender);
             if g.as_ref().is_none_or(|(n, _)| n.iter().any(|n| !n.0.is_alive())) {
@@ -192,7 +209,7 @@ impl Transport for UcxTransport {
         let mut pending = Vec::new();
         for (i, node) in nodes.iter().enumerate() {
             let target = if am { remote[i % remote.len()] } else { remote[0] };
-            let (ep, done) = node.connect_start(target)?;
+            let (ep, done) = node.connect_start(target, !local)?;
             pending.push((node.clone(), ep, done));
         }
         let mut lanes = Vec::new();
@@ -244,125 +261,20 @@ impl Transport for UcxTransport {
     }
 }
 
-/// Receiver side: one peer per sender node, created from the address in its first handshake.
-struct ReceiverSink {
-    core: Weak<ReceiverCore>,
-    peers: Mutex<HashMap<u64, Arc<UcxPeer>>>,
-}
-
-impl Sink for ReceiverSink {
-    fn on_control(&self, node: &Arc<Node>, origin: u64, msg: TransferControl) {
-        let Some(core) = self.core.upgrade() else { return };
-        let peer = {
-            let mut peers = lock(&self.peers);
-            match peers.get(&origin) {
-                Some(p) if p.alive.load(Ordering::SeqCst) => {
-                    if let Some(Body::Begin(b)) = &msg.body {
-                        p.one_sided.store(!b.receiver_mediated, Ordering::SeqCst);
-                    }
-                    p.clone()
-                }
-                _ => {
-                    let Some(Body::Begin(b)) = &msg.body else {
-                        tracing::debug!(origin, "control message from an unknown UCX sender");
-                        return;
-                    };
-                    let Some((_, sender)) = decode_address(&b.sender_address) else {
-                        tracing::warn!("a UCX sender sent a malformed address");
-                        return;
-                    };
-                    let ep = match node.connect_nowait(sender[0]) {
-                        Ok(ep) => ep,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "cannot reach a UCX sender");
-                            return;
-                        }
-                    };
-                    let p = Arc::new(UcxPeer {
-                        one_sided: AtomicBool::new(!b.receiver_mediated),
-                        id: next_id(),
-                        ep,
-                        node: Arc::downgrade(node),
-                        core: self.core.clone(),
-                        alive: AtomicBool::new(true),
-                    });
-                    peers.insert(origin, p.clone());
-                    p
-                }
-            }
-        };
-        let dynp: Arc<dyn PeerLink> = peer;
-        core.on_control(&dynp, msg);
-    }
-
-    fn admit(&self, session: u64, token: u64, offset: u64, len: u64) -> Option<Result<WritePermit, Refusal>> {
-        let core = self.core.upgrade()?;
-        Some(core.admit_write(session, token, offset, len))
-    }
-
-    fn on_ep_error(&self, ep: u64, reason: &str) {
-        let lost: Vec<Arc<UcxPeer>> = {
-            let mut peers = lock(&self.peers);
-            let ids: Vec<u64> = peers.iter().filter(|(_, p)| p.ep == ep).map(|(o, _)| *o).collect();
-            ids.iter().filter_map(|o| peers.remove(o)).collect()
-        };
-        for p in lost {
-            p.alive.store(false, Ordering::SeqCst);
-            if let Some(core) = self.core.upgrade() {
-                core.peer_lost(p.id, &format!("UCX endpoint: {reason}"));
-            }
-        }
-    }
-}
-
-struct UcxPeer {
-    /// Whether this sender writes with one-sided puts (from its handshake).
-    one_sided: AtomicBool,
-    id: u64,
-    ep: u64,
-    node: Weak<Node>,
-    core: Weak<ReceiverCore>,
-    alive: AtomicBool,
-}
-
-impl PeerLink for UcxPeer {
-    fn id(&self) -> u64 {
-        self.id
-    }
-
-    fn one_sided(&self) -> bool {
-        self.one_sided.load(Ordering::SeqCst)
-    }
-
-    fn send(&self, msg: TransferControl) {
-        if let Some(n) = self.node.upgrade() {
-            let _ = n.send_control(self.ep, &msg);
-        }
-    }
-
-    fn close(&self) {
-        if self.alive.swap(false, Ordering::SeqCst) {
-            if let Some(n) = self.node.upgrade() {
-                n.close_ep(self.ep);
-            }
-            if let Some(core) = self.core.upgrade() {
-                core.peer_lost(self.id, "endpoint closed by the receiver");
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::DataPath;
 
     #[test]
-    fn auto_data_path_puts_only_over_rdma() {
-        assert_eq!(DataPath::Auto.resolve(Some("tcp")), DataPath::ActiveMessage);
-        assert_eq!(DataPath::Auto.resolve(Some("sm,self")), DataPath::ActiveMessage);
-        assert_eq!(DataPath::Auto.resolve(Some("rc_x,sm,self")), DataPath::Put);
-        assert_eq!(DataPath::Put.resolve(Some("tcp")), DataPath::Put);
-        assert_eq!(DataPath::ActiveMessage.resolve(Some("rc")), DataPath::ActiveMessage);
+    fn auto_data_path_puts_over_local_shared_memory_and_rdma() {
+        assert_eq!(DataPath::Auto.resolve(Some("tcp"), false, 1), DataPath::ActiveMessage);
+        assert_eq!(DataPath::Auto.resolve(Some("tcp"), true, 1), DataPath::ActiveMessage);
+        assert_eq!(DataPath::Auto.resolve(Some("sm,self"), false, 1), DataPath::ActiveMessage);
+        assert_eq!(DataPath::Auto.resolve(Some("sm,self"), true, 1), DataPath::Put);
+        assert_eq!(DataPath::Auto.resolve(Some("sm,self"), true, 4), DataPath::ActiveMessage);
+        assert_eq!(DataPath::Auto.resolve(Some("rc_x,sm,self"), false, 4), DataPath::Put);
+        assert_eq!(DataPath::Put.resolve(Some("tcp"), false, 1), DataPath::Put);
+        assert_eq!(DataPath::ActiveMessage.resolve(Some("rc"), true, 1), DataPath::ActiveMessage);
         assert_eq!("auto".parse::<DataPath>(), Ok(DataPath::Auto));
         assert!("rma".parse::<DataPath>().is_err());
     }

@@ -21,7 +21,7 @@ pub(super) unsafe extern "C" fn on_request_done(
     unsafe {
         let (events_at, token) = *(user as *const (usize, u64));
         let q = events(events_at as *const u8);
-        q.borrow_mut().push_back(Event::Done(token, status));
+        q.push(Event::Done(token, status));
         drop(Box::from_raw(user as *mut (usize, u64)));
         if let Ok(lib) = crate::transport::ucx::api::load() {
             (lib.ucp_request_free)(request);
@@ -34,7 +34,7 @@ pub(super) unsafe extern "C" fn on_ep_error(arg: *mut core::ffi::c_void, _ep: uc
     unsafe {
         let (events_at, id) = *(arg as *const (usize, u64));
         let q = events(events_at as *const u8);
-        q.borrow_mut().push_back(Event::EpError(id, status));
+        q.push(Event::EpError(id, status));
     }
 }
 
@@ -54,8 +54,7 @@ pub(super) unsafe extern "C" fn on_am(
         }
         let origin =
             u64::from_le_bytes(std::slice::from_raw_parts(header as *const u8, 8).try_into().unwrap_or([0; 8]));
-        let bytes = std::slice::from_raw_parts(data as *const u8, length as usize).to_vec();
-        q.borrow_mut().push_back(Event::Am(origin, bytes));
+        q.push_control(origin, std::slice::from_raw_parts(data as *const u8, length as usize));
     }
     ucs_status_t::UCS_OK
 }
@@ -80,18 +79,18 @@ pub(super) unsafe extern "C" fn on_am_data(
         let hdr = [w(0), w(1), w(2), w(3)];
         let attr = (*param).recv_attr;
         if attr & ucp_am_recv_attr_t_UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0 {
-            q.borrow_mut().push_back(Event::Data(hdr, Payload::Rndv(data)));
+            q.push(Event::Data(hdr, Payload::Rndv(data)));
             return ucs_status_t::UCS_INPROGRESS;
         }
         if hdr[3] != length {
             return ucs_status_t::UCS_OK;
         }
         if attr & ucp_am_recv_attr_t_UCP_AM_RECV_ATTR_FLAG_DATA as u64 != 0 {
-            q.borrow_mut().push_back(Event::Data(hdr, Payload::Persistent(data)));
+            q.push(Event::Data(hdr, Payload::Persistent(data)));
             return ucs_status_t::UCS_INPROGRESS;
         }
         let bytes = std::slice::from_raw_parts(data as *const u8, length as usize).to_vec();
-        q.borrow_mut().push_back(Event::Data(hdr, Payload::Copied(bytes)));
+        q.push(Event::Data(hdr, Payload::Copied(bytes)));
     }
     ucs_status_t::UCS_OK
 }

@@ -29,11 +29,39 @@ mod state;
 use callbacks::*;
 
 /// AM id of control messages (header: the origin node id, 8 bytes LE; data: a TransferControl).
-const AM_CONTROL: u32 = 7101;
+pub const AM_CONTROL: u32 = 7101;
 /// AM id of data writes (header: session, token, pool offset, length as u64 LE; payload by rendezvous).
 const AM_DATA: u32 = 7102;
-/// How long the loop keeps polling after activity before it sleeps on the event fd.
+/// How long the loop keeps polling after activity before it sleeps on the event fd ([`spin_time`]).
 const SPIN: Duration = Duration::from_micros(200);
+/// The same on machines of at most [`FEW_CORES`] cores, where a polling thread takes the core another
+/// thread (often the peer process's) needs: on the 2-core VM handshake + completion took a median
+/// 520 us with 200 us of polling and 320 us with 50 us.
+const SPIN_FEW_CORES: Duration = Duration::from_micros(50);
+const FEW_CORES: usize = 4;
+/// The sleep's timeout with nothing in flight (ms): only to notice the owners are gone.
+const IDLE_POLL_MS: i32 = 100;
+/// The sleep's timeout with requests in flight (ms).
+const INFLIGHT_POLL_MS: i32 = 1;
+
+fn spin_time() -> Duration {
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    if cores <= FEW_CORES { SPIN_FEW_CORES } else { SPIN }
+}
+/// Shared-memory segment (FIFO element payload) size when `UCX_MM_SEG_SIZE` / `UCX_SYSV_SEG_SIZE` /
+/// `UCX_POSIX_SEG_SIZE` are unset: 8K (UCX's default) moved 10-12 GB/s at 8K-32K tokens on 2 cores, 32K-60000
+/// about 18 GB/s. It must stay below 64 KiB: with UCX 1.13, 64K and 128K segments silently corrupt emulated
+/// puts (the checksum tests fail; a FIFO element's 16-bit length is the likely cause).
+const SHM_SEG_SIZE: &str = "56K";
+/// Progress calls in a row while they make progress, before the command queue is looked at again.
+const PROGRESS_BURST: usize = 64;
+/// Control messages waiting to be handled after a progress call; more are dropped (a flood).
+pub const CONTROL_QUEUE: usize = 1024;
+/// Largest control message accepted (a 1M-token handshake's block ids take about 50 KB).
+pub const MAX_CONTROL_BYTES: usize = 256 << 10;
+/// Control sends in flight on one endpoint. A peer that does not read its replies (or asks for more
+/// than it reads) reaches it and is cut off: its endpoint is closed and reported as failed.
+pub const CONTROL_INFLIGHT: usize = 1024;
 
 /// Receives what arrives on a node.
 pub(crate) trait Sink: Send + Sync {
@@ -43,12 +71,20 @@ pub(crate) trait Sink: Send + Sync {
         None
     }
     fn on_ep_error(&self, ep: u64, reason: &str);
+    /// The node closed `ep` because its peer misbehaved (see [`CONTROL_INFLIGHT`]).
+    fn on_cut_off(&self, ep: u64, reason: &str) {
+        self.on_ep_error(ep, reason);
+    }
+    /// A control message that did not decode, or arrived while the queue was full (dropped unread).
+    fn on_dropped(&self, _count: usize) {}
 }
 
 enum Cmd {
     Connect {
         ep: u64,
         addr: Vec<u8>,
+        /// Ask for peer-failure detection (else create the endpoint without it).
+        peer_errors: bool,
         done: Option<Arc<Cell<Result<(), TransferError>>>>,
     },
     Control {
@@ -79,6 +115,11 @@ enum Cmd {
     },
     CloseEp {
         ep: u64,
+    },
+    /// Closes `ep` once its control sends completed, and at `by` at the latest.
+    CloseWhenSent {
+        ep: u64,
+        by: Instant,
     },
     Shutdown,
 }
@@ -127,7 +168,7 @@ impl Node {
                 match st {
                     Ok(mut st) => {
                         let id = next_id() ^ ((std::process::id() as u64) << 40);
-                        let address = encode_address(id, &[&st.worker_address]);
+                        let address = encode_address(id, super::host::host_id(), &[&st.worker_address]);
                         st.origin = id;
                         let node = Arc::new(Node {
                             id,
@@ -175,17 +216,18 @@ impl Node {
 
     /// Starts connecting to a peer's UCP worker address; returns the endpoint id at once (commands for it queue
     /// behind the connect).
-    pub fn connect_nowait(&self, addr: &[u8]) -> Result<u64, TransferError> {
+    pub fn connect_nowait(&self, addr: &[u8], peer_errors: bool) -> Result<u64, TransferError> {
         let ep = next_id();
-        self.cmd(Cmd::Connect { ep, addr: addr.to_vec(), done: None })?;
+        self.cmd(Cmd::Connect { ep, addr: addr.to_vec(), peer_errors, done: None })?;
         Ok(ep)
     }
 
     /// Starts connecting; the cell reports when the endpoint exists (wait with [`Node::connected`]).
-    pub fn connect_start(&self, addr: &[u8]) -> Result<(u64, Connecting), TransferError> {
+    /// `peer_errors`: ask for peer-failure detection where the transports offer it.
+    pub fn connect_start(&self, addr: &[u8], peer_errors: bool) -> Result<(u64, Connecting), TransferError> {
         let ep = next_id();
         let done = Cell::new();
-        self.cmd(Cmd::Connect { ep, addr: addr.to_vec(), done: Some(done.clone()) })?;
+        self.cmd(Cmd::Connect { ep, addr: addr.to_vec(), peer_errors, done: Some(done.clone()) })?;
         Ok((ep, done))
     }
 
@@ -228,6 +270,11 @@ impl Node {
         let _ = self.cmd(Cmd::CloseEp { ep });
     }
 
+    /// Closes `ep` once what was sent on it went out, or after `within` (a peer that never reads).
+    pub fn close_when_sent(&self, ep: u64, within: Duration) {
+        let _ = self.cmd(Cmd::CloseWhenSent { ep, by: Instant::now() + within });
+    }
+
     pub fn is_alive(&self) -> bool {
         self.alive.load(Ordering::SeqCst)
     }
@@ -250,8 +297,50 @@ impl Drop for NodeOwner {
 }
 
 /// The queue UCX callbacks record into: a node's progress thread owns it and drains it after each progress
-/// call (callbacks run inside progress, on that thread).
-type Events = std::cell::RefCell<VecDeque<Event>>;
+/// call (callbacks run inside progress, on that thread). Control messages in it are counted, so a flood
+/// is dropped at [`CONTROL_QUEUE`] instead of growing it.
+#[derive(Default)]
+struct Events {
+    q: std::cell::RefCell<VecDeque<Event>>,
+    control: std::cell::Cell<usize>,
+}
+
+impl Events {
+    fn push(&self, ev: Event) {
+        self.q.borrow_mut().push_back(ev);
+    }
+
+    /// Queues `ev` ahead of everything waiting (a cut-off must take effect before the peer's queued
+    /// messages are handled).
+    fn push_front(&self, ev: Event) {
+        self.q.borrow_mut().push_front(ev);
+    }
+
+    /// Queues a control message unless [`CONTROL_QUEUE`] of them wait already (then records the drop).
+    fn push_control(&self, origin: u64, bytes: &[u8]) {
+        if self.control.get() >= CONTROL_QUEUE || bytes.len() > MAX_CONTROL_BYTES {
+            // One marker for a run of drops: the queue stays bounded while the flood lasts.
+            let mut q = self.q.borrow_mut();
+            if !matches!(q.back(), Some(Event::Dropped(_))) {
+                q.push_back(Event::Dropped(0));
+            }
+            if let Some(Event::Dropped(n)) = q.back_mut() {
+                *n += 1;
+            }
+            return;
+        }
+        self.control.set(self.control.get() + 1);
+        self.q.borrow_mut().push_back(Event::Am(origin, bytes.to_vec()));
+    }
+
+    fn pop(&self) -> Option<Event> {
+        let ev = self.q.borrow_mut().pop_front();
+        if matches!(ev, Some(Event::Am(..))) {
+            self.control.set(self.control.get() - 1);
+        }
+        ev
+    }
+}
 
 /// What UCX callbacks record.
 enum Event {
@@ -261,6 +350,10 @@ enum Event {
     Data([u64; 4], Payload),
     EpError(u64, ucs_status_t),
     Am(u64, Vec<u8>),
+    /// Control messages dropped in the callback (too large, or the queue was full).
+    Dropped(usize),
+    /// An endpoint whose peer misbehaves: fail and close it.
+    CutOff(u64, &'static str),
 }
 
 enum Payload {
@@ -277,7 +370,8 @@ enum Action {
     DataSend(u64, Option<StagedBuf>),
     /// Receiving a rendezvous payload into admitted memory, or into a staging buffer for a device pool.
     Recv(WritePermit, Option<StagedBuf>),
-    Control,
+    /// A control send on endpoint `.0`.
+    Control(u64),
     Flush(Arc<FlushJoin>),
     Close,
 }
@@ -309,6 +403,10 @@ struct State {
     /// Active-message data sends in flight per endpoint, and flushes waiting for them.
     data_inflight: HashMap<u64, usize>,
     flush_waiting: HashMap<u64, Vec<Arc<FlushJoin>>>,
+    /// Control sends in flight per endpoint (bounded by [`CONTROL_INFLIGHT`]).
+    control_inflight: HashMap<u64, usize>,
+    /// Endpoints to close once their control sends completed, with the latest time to do it.
+    closing: HashMap<u64, Instant>,
     /// Puts that failed, per endpoint, reported by the next flush.
     put_errors: HashMap<u64, String>,
     /// Buffers rendezvous writes into a device pool land in (created on the first one).

@@ -34,6 +34,15 @@ impl State {
             {
                 set("NET_DEVICES", dev);
             }
+            // Shared memory: UCX 1.13 emulates puts over the mm transports' FIFO one segment at a time; the
+            // 8 KB default costs a FIFO slot, a pending-queue pass and a receiver callback per 8 KB (see
+            // SHM_SEG_SIZE; bench/RESULTS.md, issue 23).
+            // "MM_SEG_SIZE" reaches every mm transport's table (UCX applies it after the environment,
+            // so it is only set where the user set no segment size).
+            let seg_vars = ["UCX_MM_SEG_SIZE", "UCX_SYSV_SEG_SIZE", "UCX_POSIX_SEG_SIZE"];
+            if super::super::host::shm_allowed(tls) && seg_vars.iter().all(|v| std::env::var_os(v).is_none()) {
+                set("MM_SEG_SIZE", SHM_SEG_SIZE);
+            }
             // A killed peer must be noticed in about a second, not the 20 s default.
             if std::env::var_os("UCX_KEEPALIVE_INTERVAL").is_none() {
                 set("KEEPALIVE_INTERVAL", "500ms");
@@ -79,7 +88,7 @@ impl State {
             }
             let worker_address = std::slice::from_raw_parts(addr as *const u8, addr_len as usize).to_vec();
             (lib.ucp_worker_release_address)(worker, addr);
-            let events: Box<Events> = Box::new(std::cell::RefCell::new(VecDeque::new()));
+            let events: Box<Events> = Box::default();
             let mut hp: ucp_am_handler_param_t = std::mem::zeroed();
             hp.field_mask = (ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ID.0
                 | ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_FLAGS.0
@@ -117,6 +126,8 @@ impl State {
                 no_peer_errors: false,
                 data_inflight: HashMap::new(),
                 flush_waiting: HashMap::new(),
+                control_inflight: HashMap::new(),
+                closing: HashMap::new(),
                 put_errors: HashMap::new(),
                 recv_staging: None,
                 deferred: VecDeque::new(),
@@ -166,8 +177,17 @@ impl State {
                     self.put_errors.entry(ep).or_insert_with(|| status_str(self.lib, s));
                 }
             }
-            Action::Control => {
+            Action::Control(ep) => {
                 self.buffers.remove(&token);
+                if let Some(n) = self.control_inflight.get_mut(&ep) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.control_inflight.remove(&ep);
+                        if self.closing.remove(&ep).is_some() {
+                            self.close_ep(ep);
+                        }
+                    }
+                }
             }
             Action::DataSend(ep, _source) => {
                 self.buffers.remove(&token);
@@ -210,13 +230,22 @@ impl State {
         }
     }
 
-    pub(super) unsafe fn connect(&mut self, id: u64, addr: &[u8]) -> Result<(), TransferError> {
+    pub(super) unsafe fn connect(&mut self, id: u64, addr: &[u8], peer_errors: bool) -> Result<(), TransferError> {
         if addr.is_empty() {
             return Err(TransferError::Transport("bad UCX address".into()));
         }
-        if self.no_peer_errors {
+        if self.no_peer_errors || !peer_errors {
             // SAFETY: forwarded.
-            return unsafe { self.create_ep(id, addr, false) }.map_err(|s| err(self.lib, "ucp_ep_create", s));
+            return match unsafe { self.create_ep(id, addr, false) } {
+                // The peer connected to us first with the other error-handling mode (its own view of
+                // which transports we share): UCX requires both sides' endpoints to agree.
+                // SAFETY: forwarded.
+                Err(ucs_status_t::UCS_ERR_UNSUPPORTED) if !self.no_peer_errors => unsafe {
+                    self.create_ep(id, addr, true)
+                },
+                r => r,
+            }
+            .map_err(|s| err(self.lib, "ucp_ep_create", s));
         }
         // SAFETY: forwarded.
         match super::super::api::quiet_probe(|| unsafe { self.create_ep(id, addr, true) }) {
