@@ -250,9 +250,11 @@ fn the_top_k_form_changes_nothing() {
     let Some(_) = gpu_backend(Precision::Fp8) else { return };
     let load = |form| {
         let b = CudaBackend::load(checkpoint(), Precision::Fp8, 0, &cache).unwrap().with_topk_form(form);
-        side(Arc::new(b.with_score_chunk_bytes(40_000)))
+        let b = Arc::new(b.with_score_chunk_bytes(40_000));
+        (side(b.clone()), b)
     };
-    let (single, split) = (load(engine::cuda::topk::Form::Single), load(engine::cuda::topk::Form::Split));
+    let ((single, single_b), (split, split_b)) =
+        (load(engine::cuda::topk::Form::Single), load(engine::cuda::topk::Form::Split));
     let (a, b) = (prompt(300, 21), prompt(45, 22));
     let prefill = |s: &Served| {
         let (ta, tb) = (s.pool.reserve("a", a.len()).unwrap(), s.pool.reserve("b", b.len()).unwrap());
@@ -279,6 +281,10 @@ fn the_top_k_form_changes_nothing() {
     for speculate in [false, true] {
         assert_eq!(generate(&single, speculate), generate(&split, speculate), "speculate {speculate}");
     }
+    // Each backend ran the form it was given.
+    let (on_single, on_split) = (single_b.topk_launches(), split_b.topk_launches());
+    assert!(on_single.0 > 0 && on_single.1 == 0, "single: {on_single:?}");
+    assert!(on_split.1 > 0 && on_split.0 == 0, "split: {on_split:?}");
 }
 
 #[test]

@@ -110,6 +110,8 @@ pub struct CudaBackend {
     score_bytes: usize,
     /// `None`: the top-k form [`topk::split_applies`] picks; a test may force one.
     topk_form: Option<topk::Form>,
+    /// Top-k launches (one a chunk of rows) in the single and the split form, for tests.
+    topk_launches: [std::sync::atomic::AtomicU64; 2],
 }
 
 use crate::backend::BatchItem as Item;
@@ -166,6 +168,7 @@ impl CudaBackend {
             selections: None,
             score_bytes: SCORE_BYTES,
             topk_form: None,
+            topk_launches: Default::default(),
         })
     }
 
@@ -189,6 +192,12 @@ impl CudaBackend {
     pub fn with_topk_form(mut self, form: topk::Form) -> Self {
         self.topk_form = Some(form);
         self
+    }
+
+    /// Top-k launches so far (one a chunk of rows): (single form, split form).
+    pub fn topk_launches(&self) -> (u64, u64) {
+        let n = |i: usize| self.topk_launches[i].load(std::sync::atomic::Ordering::Relaxed);
+        (n(0), n(1))
     }
 
     /// The selections recorded since the last call: (layer, row of the call, ascending positions).
@@ -669,6 +678,7 @@ impl CudaBackend {
                     ],
                 )?;
             }
+            self.topk_launches[usize::from(split && stride > topk)].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             launch_topk(
                 g,
                 &RawTopk {

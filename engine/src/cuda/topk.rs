@@ -89,7 +89,8 @@ pub fn launch_topk(gpu: &Gpu, a: &RawTopk) -> Result<(), CudaError> {
         Arg::P(a.counts),
         Arg::P(a.nan_counts),
     ];
-    if a.split == 0 {
+    // Rows no longer than k select everything without reading a score: the single form does that alone.
+    if a.split == 0 || a.row_stride <= a.k {
         let args: Vec<Arg> = common.iter().copied().chain([Arg::P(a.pre_hist)]).collect();
         return launch(gpu, "tandem_topk_rule", (a.rows as u32, 1, 1), THREADS, SHARED_BYTES as u32, &args);
     }

@@ -9,7 +9,7 @@
 //! cut off, which fails its transfers like a lost peer).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -91,6 +91,7 @@ impl ReceiverSink {
             core: self.core.clone(),
             alive: AtomicBool::new(true),
             trusted: AtomicBool::new(false),
+            accepts: AtomicU64::new(0),
         });
         let dynp: Arc<dyn PeerLink> = peer.clone();
         core.on_control(&dynp, msg);
@@ -133,11 +134,21 @@ impl Sink for ReceiverSink {
             tracing::debug!(origin, "control message from an untrusted UCX sender");
             return core.count_dropped_untrusted(1);
         };
-        if let Some(Body::Begin(b)) = &msg.body {
-            peer.one_sided.store(!b.receiver_mediated, Ordering::SeqCst);
-        }
-        let dynp: Arc<dyn PeerLink> = peer;
+        // A handshake's write mode becomes the peer's only if the core accepts it (Accept is sent from within
+        // on_control, on this thread): a refused Begin leaves the mode of the peer's transfers in flight alone.
+        let begin_mode = match &msg.body {
+            Some(Body::Begin(b)) => Some(!b.receiver_mediated),
+            _ => None,
+        };
+        let (previous, accepts) = match begin_mode {
+            Some(mode) => (peer.one_sided.swap(mode, Ordering::SeqCst), peer.accepts.load(Ordering::SeqCst)),
+            None => (false, 0),
+        };
+        let dynp: Arc<dyn PeerLink> = peer.clone();
         core.on_control(&dynp, msg);
+        if begin_mode.is_some() && peer.accepts.load(Ordering::SeqCst) == accepts {
+            peer.one_sided.store(previous, Ordering::SeqCst);
+        }
     }
 
     fn admit(&self, session: u64, token: u64, offset: u64, len: u64) -> Option<Result<WritePermit, Refusal>> {
@@ -183,6 +194,8 @@ struct UcxPeer {
     alive: AtomicBool,
     /// The core accepted one of this sender's handshakes.
     trusted: AtomicBool,
+    /// Handshakes of this sender the core accepted.
+    accepts: AtomicU64,
 }
 
 impl PeerLink for UcxPeer {
@@ -197,6 +210,7 @@ impl PeerLink for UcxPeer {
     fn send(&self, msg: TransferControl) {
         if matches!(msg.body, Some(Body::Accept(_))) {
             self.trusted.store(true, Ordering::SeqCst);
+            self.accepts.fetch_add(1, Ordering::SeqCst);
         }
         if let Some(n) = self.node.upgrade() {
             let _ = n.send_control(self.ep, &msg);

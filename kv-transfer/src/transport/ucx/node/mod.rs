@@ -167,7 +167,10 @@ impl Node {
                 let st = unsafe { State::create(lib, tls.as_deref(), net_devices.as_deref()) };
                 match st {
                     Ok(mut st) => {
-                        let id = next_id() ^ ((std::process::id() as u64) << 40);
+                        // The id every message of this node carries and a receiver trusts a sender by: random, so
+                        // that a stranger cannot claim a trusted sender's id by guessing it (a process counter
+                        // mixed with the pid could be guessed). 0 stays free for "no origin".
+                        let id = rand::random::<u64>().max(1);
                         let address = encode_address(id, super::host::host_id(), &[&st.worker_address]);
                         st.origin = id;
                         let node = Arc::new(Node {
