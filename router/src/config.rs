@@ -58,9 +58,17 @@ pub struct Args {
     /// Do not serve the gRPC front door.
     #[arg(long, env = "TANDEM_ROUTER_DISABLE_GRPC")]
     pub disable_grpc: bool,
-    /// Require 'Authorization: Bearer <key>' on /v1/* and on gRPC calls.
+    /// Require 'Authorization: Bearer <key>' (the scheme in any case) on /v1/* and on gRPC calls.
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// More keys: a file of one key a line, `KEY` or `NAME:KEY` (`#` comments); logs and errors name a key,
+    /// never show it. Combines with --api-key.
+    #[arg(long, env = "TANDEM_API_KEYS_FILE")]
+    pub api_keys_file: Option<std::path::PathBuf>,
+    /// Requests a minute each key may make (a token bucket: this many at once, refilled evenly); past it,
+    /// 429 with Retry-After. Unlimited when unset.
+    #[arg(long, env = "TANDEM_API_KEY_RATE_LIMIT")]
+    pub api_key_rate_limit: Option<u32>,
 
     /// Discovery backend flags (--discovery, --etcd, --cluster, --lease-ttl-secs).
     #[command(flatten)]
@@ -184,6 +192,7 @@ impl Args {
 
     /// Checks what clap cannot. Messages name the flag.
     pub fn validate(&self) -> Result<(), String> {
+        crate::auth::ApiKeys::load(self.api_key.as_deref(), self.api_keys_file.as_deref(), self.api_key_rate_limit)?;
         if self.registry.kind == cluster::DiscoveryKind::Static && (self.prefill.is_empty() || self.decode.is_empty()) {
             return Err("--discovery static needs at least one --prefill ADDR and one --decode ADDR".into());
         }

@@ -65,10 +65,9 @@ struct GenerateService {
 }
 
 fn authorize<T>(st: &AppState, req: &Request<T>) -> Result<(), Status> {
-    let Some(key) = &st.api_key else { return Ok(()) };
-    let given =
-        req.metadata().get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
-    if given == Some(key.as_str()) { Ok(()) } else { Err(ApiError::unauthorized().to_status()) }
+    let Some(keys) = &st.api_keys else { return Ok(()) };
+    let given = req.metadata().get("authorization").and_then(|v| v.to_str().ok());
+    keys.check(given).map(|_| ()).map_err(|e| e.to_status())
 }
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>> + Send>>;

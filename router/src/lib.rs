@@ -15,6 +15,7 @@
 //! [`start`] / [`start_with_listeners`] for a [`RouterHandle`] in tests and benchmarks.
 
 mod admission;
+mod auth;
 pub mod config;
 mod error;
 mod flow;

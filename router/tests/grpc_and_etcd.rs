@@ -23,6 +23,24 @@ fn request(input: Input, max_tokens: u32) -> GenerateRequest {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_takes_the_bearer_scheme_in_any_case_and_limits_each_key() {
+    let args = ["--api-key", "k", "--api-key-rate-limit", "1"].map(String::from).to_vec();
+    let c = Cluster::start(Options { args, ..Default::default() }).await;
+    let mut client = GenerateClient::connect(c.grpc.clone()).await.unwrap();
+    let call = |auth: &'static str| {
+        let mut req = tonic::Request::new(request(Input::Text("hi".into()), 4));
+        req.metadata_mut().insert("authorization", auth.parse().unwrap());
+        req
+    };
+    let mut stream = client.generate(call("bearer k")).await.unwrap().into_inner();
+    while stream.message().await.unwrap().is_some() {}
+    let limited = client.generate(call("Bearer k")).await.unwrap_err();
+    assert_eq!(limited.code(), tonic::Code::ResourceExhausted, "{limited:?}");
+    assert!(limited.message().contains("rate limit") && !limited.message().contains(" k "), "{}", limited.message());
+    assert_eq!(client.generate(call("Bearer nope")).await.unwrap_err().code(), tonic::Code::Unauthenticated);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_generate_streams_text_then_a_final_response_with_usage() {
     let c = Cluster::start(Options { args: vec!["--api-key".into(), "k".into()], ..Default::default() }).await;
     let mut client = GenerateClient::connect(c.grpc.clone()).await.unwrap();

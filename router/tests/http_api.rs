@@ -319,6 +319,32 @@ async fn the_api_key_guards_v1_but_not_health() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_from_a_file_any_case_bearer_and_a_per_key_rate_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys");
+    std::fs::write(&keys, "# two teams\nalpha:key-alpha\nbeta:key-beta\n").unwrap();
+    let args = ["--api-keys-file", keys.to_str().unwrap(), "--api-key-rate-limit", "2"].map(String::from).to_vec();
+    let c = Cluster::start(Options { args, ..Default::default() }).await;
+    let send = |auth: &'static str| {
+        c.http.post(c.url("/v1/completions")).header("authorization", auth).json(&json!({"prompt": "x"})).send()
+    };
+    assert_eq!(send("bearer key-alpha").await.unwrap().status(), 200, "the scheme in lower case");
+    assert_eq!(send("BEARER key-alpha").await.unwrap().status(), 200);
+    // alpha's two requests a minute are used; beta has its own.
+    let over = send("Bearer key-alpha").await.unwrap();
+    assert_eq!(over.status(), 429);
+    let retry: u64 = over.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=30).contains(&retry), "Retry-After {retry}");
+    let body: serde_json::Value = over.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "rate_limit_exceeded");
+    let msg = body["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("alpha") && !msg.contains("key-alpha"), "the key's name, never the key: {msg}");
+    assert_eq!(send("Bearer key-beta").await.unwrap().status(), 200);
+    assert_eq!(send("Bearer key-gamma").await.unwrap().status(), 401);
+    assert_eq!(send("Basic key-beta").await.unwrap().status(), 401);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_queue_answers_429_with_retry_after() {
     let args = ["--max-running-requests", "1", "--max-queued-requests", "0"].map(String::from).to_vec();
     let c = Cluster::start(Options { args, ..Default::default() }).await;

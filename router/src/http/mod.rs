@@ -27,6 +27,7 @@ use tokio::sync::watch;
 use tracing::{Instrument, info_span};
 
 use crate::admission::Admission;
+use crate::auth::ApiKeys;
 use crate::error::ApiError;
 use crate::flow::{Dispatcher, TokenizedRequest};
 use crate::metrics::Metrics;
@@ -41,7 +42,8 @@ pub struct AppState {
     pub admission: Arc<Admission>,
     pub model: Arc<ServedModel>,
     pub metrics: Arc<Metrics>,
-    pub api_key: Option<String>,
+    /// `None`: no authentication.
+    pub api_keys: Option<Arc<ApiKeys>>,
     pub max_body_bytes: usize,
     pub body_read_timeout: std::time::Duration,
 }
@@ -178,18 +180,8 @@ pub(crate) async fn tokenize(model: &Arc<ServedModel>, text: String, add_special
 }
 
 fn authorize(st: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    let Some(key) = &st.api_key else { return Ok(()) };
-    let given =
-        headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
-    if given.is_some_and(|g| constant_time_eq(g.trim().as_bytes(), key.as_bytes())) {
-        Ok(())
-    } else {
-        Err(ApiError::unauthorized())
-    }
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    let Some(keys) = &st.api_keys else { return Ok(()) };
+    keys.check(headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok())).map(|_| ())
 }
 
 /// Admits the request, starts it, and answers as a stream or a JSON body.
