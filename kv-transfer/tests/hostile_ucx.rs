@@ -133,15 +133,11 @@ impl Raw {
             let address = std::slice::from_raw_parts(addr as *const u8, len as usize).to_vec();
             (lib.ucp_worker_release_address)(worker, addr);
             let answers = Arc::new(AtomicUsize::new(0));
-            let mut hp: ucp_am_handler_param_t = std::mem::zeroed();
-            hp.field_mask = (ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ID.0
-                | ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_FLAGS.0
-                | ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_CB.0
-                | ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ARG.0) as u64;
-            hp.id = AM_CONTROL;
-            hp.flags = ucp_am_cb_flags::UCP_AM_FLAG_WHOLE_MSG.0;
-            hp.cb = Some(count_answer);
-            hp.arg = Arc::as_ptr(&answers) as *mut core::ffi::c_void;
+            let hp = api::whole_message_handler(
+                AM_CONTROL,
+                Some(count_answer),
+                Arc::as_ptr(&answers) as *mut core::ffi::c_void,
+            );
             assert_eq!((lib.ucp_worker_set_am_recv_handler)(worker, &hp), ucs_status_t::UCS_OK);
             Raw { lib, ctx, worker, ep: None, address, answers }
         }

@@ -4,7 +4,9 @@ use std::cell::Cell;
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::sync::OnceLock;
 
-use super::sys::{UcpLib, ucs_status_t};
+use super::sys::{
+    UcpLib, ucp_am_cb_flags, ucp_am_handler_param_field, ucp_am_handler_param_t, ucp_am_recv_callback_t, ucs_status_t,
+};
 
 static LIB: OnceLock<Result<UcpLib, String>> = OnceLock::new();
 
@@ -116,4 +118,20 @@ pub fn classify(p: *mut core::ffi::c_void) -> StatusPtr {
     } else {
         StatusPtr::Pending(p)
     }
+}
+
+/// The parameters that make `cb` (called with `arg`) the handler of active messages `id`, each delivered whole
+/// (`ucp_worker_set_am_recv_handler`).
+pub fn whole_message_handler(id: u32, cb: ucp_am_recv_callback_t, arg: *mut c_void) -> ucp_am_handler_param_t {
+    // SAFETY: a plain C struct of integers, a function pointer option and a pointer: all-zero is valid.
+    let mut hp: ucp_am_handler_param_t = unsafe { std::mem::zeroed() };
+    hp.field_mask = (ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ID.0
+        | ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_FLAGS.0
+        | ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_CB.0
+        | ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ARG.0) as u64;
+    hp.id = id;
+    hp.flags = ucp_am_cb_flags::UCP_AM_FLAG_WHOLE_MSG.0;
+    hp.cb = cb;
+    hp.arg = arg;
+    hp
 }

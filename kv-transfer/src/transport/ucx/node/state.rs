@@ -89,20 +89,12 @@ impl State {
             let worker_address = std::slice::from_raw_parts(addr as *const u8, addr_len as usize).to_vec();
             (lib.ucp_worker_release_address)(worker, addr);
             let events: Box<Events> = Box::default();
-            let mut hp: ucp_am_handler_param_t = std::mem::zeroed();
-            hp.field_mask = (ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ID.0
-                | ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_FLAGS.0
-                | ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_CB.0
-                | ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ARG.0) as u64;
-            hp.id = AM_CONTROL;
-            hp.flags = ucp_am_cb_flags::UCP_AM_FLAG_WHOLE_MSG.0;
-            hp.cb = Some(on_am);
-            hp.arg = &*events as *const _ as *mut core::ffi::c_void;
+            let arg = &*events as *const _ as *mut core::ffi::c_void;
+            let mut hp = super::super::api::whole_message_handler(AM_CONTROL, Some(on_am), arg);
             let mut s = (lib.ucp_worker_set_am_recv_handler)(worker, &hp);
             if s == ucs_status_t::UCS_OK {
-                hp.id = AM_DATA;
-                hp.flags = ucp_am_cb_flags::UCP_AM_FLAG_WHOLE_MSG.0 | ucp_am_cb_flags::UCP_AM_FLAG_PERSISTENT_DATA.0;
-                hp.cb = Some(on_am_data);
+                hp = super::super::api::whole_message_handler(AM_DATA, Some(on_am_data), arg);
+                hp.flags |= ucp_am_cb_flags::UCP_AM_FLAG_PERSISTENT_DATA.0;
                 s = (lib.ucp_worker_set_am_recv_handler)(worker, &hp);
             }
             if s != ucs_status_t::UCS_OK {
