@@ -9,19 +9,9 @@ use std::path::Path;
 use engine::ModelConfig;
 use engine::checkpoint::Checkpoint;
 use proptest::prelude::*;
-use proptest::test_runner::TestRunner;
 use serde_json::{Value, json};
 
 const CASES: u32 = 256;
-
-fn run<S: Strategy>(name: &str, strategy: S, case: impl Fn(S::Value) -> Result<(), TestCaseError>)
-where
-    S::Value: std::fmt::Debug,
-{
-    if let Err(e) = TestRunner::new(fuzzing::config(CASES)).run(&strategy, case) {
-        panic!("{name}: {e}");
-    }
-}
 
 /// Everything a worker derives from an accepted config before it allocates.
 fn use_config(cfg: &ModelConfig) {
@@ -37,14 +27,14 @@ fn use_config(cfg: &ModelConfig) {
 #[test]
 fn config_json_is_parsed_or_refused_with_the_field_named() {
     let base = engine::tiny::config_json(1280);
-    run("config.json mutated", fuzzing::json::mutated(base, 4), |v| {
+    fuzzing::run(CASES, "config.json mutated", fuzzing::json::mutated(base, 4), |v| {
         match ModelConfig::from_json_str(&v.to_string()) {
             Ok(cfg) => use_config(&cfg),
             Err(e) => prop_assert!(!e.to_string().is_empty()),
         }
         Ok(())
     });
-    run("config.json bytes", fuzzing::bytes(2048), |b| {
+    fuzzing::run(CASES, "config.json bytes", fuzzing::bytes(2048), |b| {
         if let Ok(cfg) = ModelConfig::from_json_str(&String::from_utf8_lossy(&b)) {
             use_config(&cfg);
         }
@@ -114,11 +104,11 @@ fn safetensors_headers_are_parsed_or_refused_without_trusting_their_sizes() {
     std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
     let shard = dir.path().join("model.safetensors");
     let header = (fuzzing::json::mutated(header_seed(), 4), claim(), 0usize..64);
-    run("safetensors mutated header", header, |(h, claim, data)| {
+    fuzzing::run(CASES, "safetensors mutated header", header, |(h, claim, data)| {
         std::fs::write(&shard, shard_bytes(h.to_string().as_bytes(), &claim, data)).unwrap();
         open_and_verify(dir.path())
     });
-    run("safetensors bytes", (fuzzing::bytes(1024), claim()), |(b, claim)| {
+    fuzzing::run(CASES, "safetensors bytes", (fuzzing::bytes(1024), claim()), |(b, claim)| {
         std::fs::write(&shard, shard_bytes(&b, &claim, 0)).unwrap();
         open_and_verify(dir.path())
     });
@@ -128,7 +118,7 @@ fn safetensors_headers_are_parsed_or_refused_without_trusting_their_sizes() {
         "model.embed_tokens.weight": "model.safetensors",
         "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": "model.safetensors"}});
     std::fs::write(&shard, shard_bytes(header_seed().to_string().as_bytes(), &Claim::Exact, 24)).unwrap();
-    run("safetensors index", fuzzing::json::mutated(seed, 3), |v| {
+    fuzzing::run(CASES, "safetensors index", fuzzing::json::mutated(seed, 3), |v| {
         std::fs::write(&index, v.to_string()).unwrap();
         open_and_verify(dir.path())
     });

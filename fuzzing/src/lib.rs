@@ -25,6 +25,21 @@ pub fn cases(default_cases: u32) -> u32 {
     std::env::var(CASES_ENV).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(default_cases)
 }
 
+/// Runs `case` over inputs drawn from `strategy` (`default_cases` of them, or `TANDEM_FUZZ_CASES`), and
+/// panics with `name` and the shrunk failing input on the first failure.
+pub fn run<S: proptest::strategy::Strategy>(
+    default_cases: u32,
+    name: &str,
+    strategy: S,
+    case: impl Fn(S::Value) -> Result<(), proptest::test_runner::TestCaseError>,
+) where
+    S::Value: std::fmt::Debug,
+{
+    if let Err(e) = proptest::test_runner::TestRunner::new(config(default_cases)).run(&strategy, case) {
+        panic!("{name}: {e}");
+    }
+}
+
 /// Arbitrary bytes, mostly short, sometimes up to `max` long.
 pub fn bytes(max: usize) -> impl proptest::strategy::Strategy<Value = Vec<u8>> {
     use proptest::prelude::*;

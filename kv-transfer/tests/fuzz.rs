@@ -18,7 +18,6 @@ use kv_transfer::{
     testkit,
 };
 use proptest::prelude::*;
-use proptest::test_runner::TestRunner;
 use prost::Message;
 use proto::v1::transfer_control::Body;
 use proto::v1::*;
@@ -48,15 +47,6 @@ fn count_panics() {
             prev(info)
         }));
     });
-}
-
-fn run<S: Strategy>(name: &str, strategy: S, case: impl Fn(S::Value) -> Result<(), TestCaseError>)
-where
-    S::Value: std::fmt::Debug,
-{
-    if let Err(e) = TestRunner::new(fuzzing::config(CASES)).run(&strategy, case) {
-        panic!("{name}: {e}");
-    }
 }
 
 struct Receiver {
@@ -337,7 +327,7 @@ fn wire_frames_never_crash_or_wedge_the_receiver() {
     count_panics();
     let r = Receiver::start();
     let case = (any::<bool>(), proptest::collection::vec(frame(), 0..6));
-    run("tcp frames", case, |(handshake, frames)| {
+    fuzzing::run(CASES, "tcp frames", case, |(handshake, frames)| {
         let (desc, pending) = r.expect();
         let mut s = connect(&desc);
         let mut session = 0;
@@ -470,7 +460,7 @@ fn a_descriptor_starts_the_transfer_it_describes_or_is_refused() {
     };
     let sender = KvSender::new(cfg, scache, testkit::fingerprint(&g)).unwrap();
     let src = spool.reserve("src", 64 * 8).unwrap();
-    run("descriptors", descriptor_edit(), |e| {
+    fuzzing::run(CASES, "descriptors", descriptor_edit(), |e| {
         let (desc, pending) = r.expect();
         let d = edited(&desc, &e);
         match sender.begin(&d, &src) {

@@ -11,7 +11,7 @@ mod support;
 use std::time::Duration;
 
 use proptest::prelude::*;
-use proptest::test_runner::{TestCaseError, TestRunner};
+use proptest::test_runner::TestCaseError;
 use proto::v1::generate_client::GenerateClient;
 use proto::v1::generate_request::Input;
 use proto::v1::{ChatMessage, ChatMessages, GenerateRequest, SamplingParams, TokenIds};
@@ -87,16 +87,6 @@ async fn post(c: &Cluster, path: &str, body: Vec<u8>) -> Result<(), TestCaseErro
     check_http(&body, status, &ct, &text)
 }
 
-fn run<S: Strategy>(name: &str, strategy: S, case: impl Fn(S::Value) -> Result<(), TestCaseError>)
-where
-    S::Value: std::fmt::Debug,
-{
-    let mut runner = TestRunner::new(fuzzing::config(CASES));
-    if let Err(e) = runner.run(&strategy, case) {
-        panic!("{name}: {e}");
-    }
-}
-
 /// Every request field name either endpoint knows, so arbitrary objects hit real fields.
 fn field_names() -> Vec<String> {
     let mut k = fuzzing::json::keys_of(&chat_seed());
@@ -115,11 +105,15 @@ fn http_bodies_get_an_answer_or_a_json_4xx_never_a_5xx() {
     let c = rt.block_on(Cluster::start(Options { args, ..Default::default() }));
     let body = |v: Value| serde_json::to_vec(&v).unwrap();
     for path in [CHAT, COMPLETIONS] {
-        run(&format!("{path} bytes"), fuzzing::bytes(4096), |b| rt.block_on(post(&c, path, b)));
-        run(&format!("{path} json"), fuzzing::json::value(field_names(), 3), |v| rt.block_on(post(&c, path, body(v))));
+        fuzzing::run(CASES, &format!("{path} bytes"), fuzzing::bytes(4096), |b| rt.block_on(post(&c, path, b)));
+        fuzzing::run(CASES, &format!("{path} json"), fuzzing::json::value(field_names(), 3), |v| {
+            rt.block_on(post(&c, path, body(v)))
+        });
     }
-    run("chat mutated", fuzzing::json::mutated(chat_seed(), 4), |v| rt.block_on(post(&c, CHAT, body(v))));
-    run("completions mutated", fuzzing::json::mutated(completion_seed(), 4), |v| {
+    fuzzing::run(CASES, "chat mutated", fuzzing::json::mutated(chat_seed(), 4), |v| {
+        rt.block_on(post(&c, CHAT, body(v)))
+    });
+    fuzzing::run(CASES, "completions mutated", fuzzing::json::mutated(completion_seed(), 4), |v| {
         rt.block_on(post(&c, COMPLETIONS, body(v)))
     });
     rt.block_on(c.shutdown());
@@ -228,11 +222,13 @@ fn grpc_requests_get_a_stream_or_a_client_status_never_internal() {
     let rt = runtime();
     let c = rt.block_on(Cluster::start(Options::default()));
     let client = rt.block_on(GenerateClient::connect(c.grpc.clone())).unwrap();
-    run("grpc fields", generate_request(), |req| rt.block_on(check_generate(&mut client.clone(), req)));
+    fuzzing::run(CASES, "grpc fields", generate_request(), |req| rt.block_on(check_generate(&mut client.clone(), req)));
     // The same service, fed bytes that are not (or not quite) a GenerateRequest.
     let channel = rt.block_on(tonic::transport::Endpoint::from_shared(c.grpc.clone()).unwrap().connect()).unwrap();
-    run("grpc bytes", fuzzing::bytes(2048), |bytes| rt.block_on(raw_generate(channel.clone(), bytes)));
-    run("grpc mutated encoding", encoded_then_damaged(), |bytes| rt.block_on(raw_generate(channel.clone(), bytes)));
+    fuzzing::run(CASES, "grpc bytes", fuzzing::bytes(2048), |bytes| rt.block_on(raw_generate(channel.clone(), bytes)));
+    fuzzing::run(CASES, "grpc mutated encoding", encoded_then_damaged(), |bytes| {
+        rt.block_on(raw_generate(channel.clone(), bytes))
+    });
     rt.block_on(c.shutdown());
 }
 

@@ -7,20 +7,10 @@
 use std::path::Path;
 
 use proptest::prelude::*;
-use proptest::test_runner::TestRunner;
 use serde_json::{Value, json};
 use text::{ChatTemplate, Tokenizer, TokenizerConfig};
 
 const CASES: u32 = 128;
-
-fn run<S: Strategy>(name: &str, strategy: S, case: impl Fn(S::Value) -> Result<(), TestCaseError>)
-where
-    S::Value: std::fmt::Debug,
-{
-    if let Err(e) = TestRunner::new(fuzzing::config(CASES)).run(&strategy, case) {
-        panic!("{name}: {e}");
-    }
-}
 
 /// What serving does with a loaded tokenizer: encode prompts, decode and detokenize outputs, render
 /// the chat template.
@@ -67,11 +57,11 @@ fn seeds() -> (tempfile::TempDir, Value, Value) {
 fn tokenizer_json_loads_or_fails_with_an_error() {
     let (dir, tok, _) = seeds();
     let path = dir.path().join("tokenizer.json");
-    run("tokenizer.json mutated", fuzzing::json::mutated(tok, 3), |v| {
+    fuzzing::run(CASES, "tokenizer.json mutated", fuzzing::json::mutated(tok, 3), |v| {
         std::fs::write(&path, v.to_string()).unwrap();
         use_tokenizer(dir.path())
     });
-    run("tokenizer.json bytes", fuzzing::bytes(2048), |b| {
+    fuzzing::run(CASES, "tokenizer.json bytes", fuzzing::bytes(2048), |b| {
         std::fs::write(&path, b).unwrap();
         use_tokenizer(dir.path())
     });
@@ -81,7 +71,7 @@ fn tokenizer_json_loads_or_fails_with_an_error() {
 fn tokenizer_config_json_loads_or_fails_with_an_error() {
     let (dir, _, cfg) = seeds();
     let path = dir.path().join("tokenizer_config.json");
-    run("tokenizer_config.json mutated", fuzzing::json::mutated(cfg, 3), |v| {
+    fuzzing::run(CASES, "tokenizer_config.json mutated", fuzzing::json::mutated(cfg, 3), |v| {
         std::fs::write(&path, v.to_string()).unwrap();
         use_tokenizer(dir.path())
     });
