@@ -678,7 +678,7 @@ impl CudaBackend {
                     ],
                 )?;
             }
-            self.topk_launches[usize::from(split && stride > topk)].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.topk_launches[usize::from(split)].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             launch_topk(
                 g,
                 &RawTopk {
