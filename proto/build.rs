@@ -1,6 +1,9 @@
 //! Generates the tandem.v1 Rust code. `protoc` comes from $PROTOC (set by .cargo/config.toml to
 //! scripts/protoc) or, when unset, from the protoc-bin-vendored crate, so no system package is needed.
 
+#[path = "src/redact_list.rs"]
+mod redact;
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let protos =
         ["tandem/v1/common.proto", "tandem/v1/transfer.proto", "tandem/v1/worker.proto", "tandem/v1/generate.proto"];
@@ -17,6 +20,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_server(true)
         // Discovery stores fingerprints in its JSON worker records (roles: src/role.rs).
         .type_attribute("tandem.v1.ModelFingerprint", "#[derive(serde::Serialize, serde::Deserialize)]")
+        // Messages that carry a transfer token get a Debug that leaves it out (src/redact.rs).
+        .skip_debug(redact::TOKEN_CARRIERS.iter().map(|m| format!(".tandem.v1.{m}")))
         .compile_protos(&protos, &["."])?;
     Ok(())
 }

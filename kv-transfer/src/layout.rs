@@ -201,7 +201,7 @@ pub fn check_blocks(layout: &CacheLayout, blocks: &[u32], num_tokens: u32) -> Re
     Ok(())
 }
 
-/// The region holding `addr..addr+len`, if any. Regions come from the peer's descriptor: one whose end
+/// The region holding `addr..addr+len`, if any. Regions come from the receiver's `Accept`: one whose end
 /// does not fit in 64 bits holds nothing.
 pub fn region_for(regions: &[MemoryRegion], addr: u64, len: u64) -> Option<usize> {
     let end = addr.checked_add(len)?;

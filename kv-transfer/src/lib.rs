@@ -1,10 +1,12 @@
 //! Ships a request's MLA latent and indexer caches from a prefill worker into the blocks a decode worker
 //! reserved, over UCX, TCP or in-process.
 //!
-//! - Decode side ([`KvReceiver`]): registers the cache arena once; per request [`KvReceiver::expect`] turns
-//!   a `BlockPool` reservation into a [`TransferDescriptor`](proto::v1::TransferDescriptor) for the prefill
-//!   worker and a [`PendingTransfer`] that resolves to [`TransferOutcome::Completed`] (first token, logprobs,
-//!   MTP draft; every layer and block verified), [`TransferOutcome::Released`] or a [`TransferError`].
+//! - Decode side ([`KvReceiver`]): serves the cache arena; per request [`KvReceiver::expect`] turns a
+//!   `BlockPool` reservation into a [`TransferDescriptor`](proto::v1::TransferDescriptor) for the prefill
+//!   worker, with a single-use [`TransferToken`], and a [`PendingTransfer`] that resolves to
+//!   [`TransferOutcome::Completed`] (first token, logprobs, MTP draft; every layer and block verified),
+//!   [`TransferOutcome::Released`] or a [`TransferError`]. Every write lands inside the reservation's blocks
+//!   (receiver-placed), except in the opt-in one-sided UCX mode for trusted networks.
 //! - Prefill side ([`KvSender`]): [`KvSender::begin`] validates the descriptor and handshakes before any
 //!   byte moves; [`SendSession::put_layer`] queues a finished layer without blocking compute;
 //!   [`SendSession::complete`], [`SendSession::release`] or [`SendSession::abort`] end it.
@@ -26,6 +28,7 @@ pub mod sender;
 pub mod staging;
 #[doc(hidden)]
 pub mod testkit;
+pub mod token;
 pub mod transport;
 #[doc(hidden)]
 pub mod wait;
@@ -40,6 +43,7 @@ pub use receiver::{
     TransferOutcome,
 };
 pub use sender::{KvSender, SendReport, SendSession, SenderConfig};
+pub use token::TransferToken;
 pub use transport::TransportKind;
 
 /// TCP transport settings.
@@ -88,10 +92,13 @@ pub fn ucx_available() -> Result<(), String> {
     transport::ucx::load().map(|_| ())
 }
 
+/// The transport `cfg` names; `one_sided_puts`: a UCX receiver accepts them, a UCX sender's `auto` data
+/// path may choose them.
 pub(crate) fn transport_for(
     cfg: &TransportConfig,
     rt: &Arc<runtime::Runtime>,
     lanes: Option<usize>,
+    one_sided_puts: bool,
 ) -> Result<Arc<dyn transport::Transport>, TransferError> {
     Ok(match cfg {
         TransportConfig::InProc => Arc::new(transport::inproc::InProcTransport::new(rt.handle().clone())),
@@ -100,6 +107,7 @@ pub(crate) fn transport_for(
         }
         TransportConfig::Ucx { tls, tcp_fallback } => match transport::ucx::DataPath::from_env()
             .and_then(|dp| transport::ucx::UcxTransport::with_options(tls.as_deref(), dp, lanes))
+            .map(|t| t.one_sided_puts(one_sided_puts))
         {
             // Listen where the user asked: a loopback TCP address keeps UCX on loopback too.
             Ok(t) if tcp_fallback.as_ref().is_some_and(|c| c.listen.ip().is_loopback()) => Arc::new(t.loopback_only()),

@@ -97,6 +97,9 @@ fn receiver_killed_mid_transfer(kind: &Kind) {
     args.extend(["--tokens".into(), "300".into(), "--timeout-ms".into(), "3000".into()]);
     args.extend(tls_args(kind));
     args.extend(["--lanes".into(), kind.lanes().to_string()]);
+    if kind.one_sided_puts() {
+        args.push("--one-sided-puts".into());
+    }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (mut child, _stdin, out) = peer(&args, None);
     let line = out.recv_timeout(Duration::from_secs(30)).expect("descriptor line");

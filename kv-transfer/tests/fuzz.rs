@@ -13,6 +13,7 @@ use std::thread::ThreadId;
 use std::time::Duration;
 
 use kv_cache::BlockPool;
+use kv_transfer::transport::WriteHeader;
 use kv_transfer::{
     ExpectRequest, KvReceiver, KvSender, ReceiverConfig, SenderConfig, TcpConfig, TransportConfig, TransportKind,
     testkit,
@@ -126,7 +127,7 @@ fn read_reply(s: &mut TcpStream, id: u64) -> std::io::Result<Option<TransferCont
 fn begin_of(desc: &TransferDescriptor) -> TransferBegin {
     TransferBegin {
         request_id: desc.request_id.clone(),
-        transfer_token: desc.transfer_token,
+        transfer_token: desc.transfer_token.clone(),
         num_tokens: desc.num_tokens,
         block_ids: desc.block_ids.clone(),
         layout: desc.layout,
@@ -171,7 +172,7 @@ enum Frame {
     },
     Data {
         session: Pick<u64>,
-        token: Pick<u64>,
+        token: Pick<[u8; 16]>,
         offset: u64,
         len: u64,
         payload: usize,
@@ -182,10 +183,10 @@ enum Frame {
 
 #[derive(Debug, Clone)]
 enum CtlBody {
-    Begin { token: Pick<u64>, num_tokens: Pick<u32>, blocks: Pick<Vec<u32>>, layout: Pick<Option<CacheLayout>> },
-    Complete { session: Pick<u64>, token: Pick<u64>, layers: Vec<LayerManifest> },
-    Release { session: Pick<u64>, token: Pick<u64>, finish: i32 },
-    Abort { session: Pick<u64>, token: Pick<u64>, status: i32 },
+    Begin { token: Pick<Vec<u8>>, num_tokens: Pick<u32>, blocks: Pick<Vec<u32>>, layout: Pick<Option<CacheLayout>> },
+    Complete { session: Pick<u64>, token: Pick<Vec<u8>>, layers: Vec<LayerManifest> },
+    Release { session: Pick<u64>, token: Pick<Vec<u8>>, finish: i32 },
+    Abort { session: Pick<u64>, token: Pick<Vec<u8>>, status: i32 },
     Ack { session: Pick<u64>, status: i32 },
     Accept(u64),
     None,
@@ -211,9 +212,14 @@ fn layout() -> impl Strategy<Value = Option<CacheLayout>> {
     ))
 }
 
+/// Tokens of the right length, and missing, short or long ones.
+fn token_bytes() -> impl Strategy<Value = Vec<u8>> {
+    prop_oneof![3 => proptest::collection::vec(any::<u8>(), 16), 1 => proptest::collection::vec(any::<u8>(), 0..20)]
+}
+
 fn ctl_body() -> impl Strategy<Value = CtlBody> {
     let session = || pick(small_or_any());
-    let token = || pick(any::<u64>());
+    let token = || pick(token_bytes());
     let manifest = (0u32..4, small_or_any(), small_or_any(), any::<Option<u64>>())
         .prop_map(|(layer, l, i, c)| LayerManifest { layer, latent_bytes: l, indexer_bytes: i, checksum: c });
     prop_oneof![
@@ -235,15 +241,17 @@ fn frame() -> impl Strategy<Value = Frame> {
     prop_oneof![
         4 => (ctl_body(), prop_oneof![0u64..4, any::<u64>()], damage, len)
             .prop_map(|(body, correlation, damage, len)| Frame::Ctl { body, correlation, damage, len }),
-        3 => (pick(small_or_any()), pick(any::<u64>()), small_or_any(), small_or_any(), 0usize..2048)
+        3 => (pick(small_or_any()), pick(any::<[u8; 16]>()), small_or_any(), small_or_any(), 0usize..2048)
             .prop_map(|(session, token, offset, len, payload)| Frame::Data { session, token, offset, len, payload }),
         1 => any::<u64>().prop_map(Frame::Barrier),
         1 => fuzzing::bytes(256).prop_map(Frame::Raw),
     ]
 }
 
-fn encode(f: &Frame, desc: &TransferDescriptor, session: u64) -> Vec<u8> {
-    let tok = desc.transfer_token;
+/// `session` and `session_token`: from the Accept of a genuine handshake (zero and empty without one).
+fn encode(f: &Frame, desc: &TransferDescriptor, session: u64, session_token: &[u8]) -> Vec<u8> {
+    let tok = desc.transfer_token.clone();
+    let stok = session_token.to_vec();
     match f {
         Frame::Ctl { body, correlation, damage, len } => {
             let body = match body {
@@ -256,27 +264,27 @@ fn encode(f: &Frame, desc: &TransferDescriptor, session: u64) -> Vec<u8> {
                 })),
                 CtlBody::Complete { session: s, token, layers } => Some(Body::Complete(TransferComplete {
                     session_id: s.or(session),
-                    transfer_token: token.or(tok),
+                    session_token: token.or(stok.clone()),
                     first_token: Some(GeneratedToken { token_id: 5, logprobs: None }),
                     draft: None,
                     layers: layers.clone(),
                 })),
                 CtlBody::Release { session: s, token, finish } => Some(Body::Release(TransferRelease {
                     session_id: s.or(session),
-                    transfer_token: token.or(tok),
+                    session_token: token.or(stok.clone()),
                     first_token: Some(GeneratedToken { token_id: 5, logprobs: None }),
                     finish_reason: *finish,
                 })),
                 CtlBody::Abort { session: s, token, status } => Some(Body::Abort(TransferAbort {
                     session_id: s.or(session),
-                    transfer_token: token.or(tok),
+                    session_token: token.or(stok.clone()),
                     reason: "fuzz".into(),
                     status: *status,
                 })),
                 CtlBody::Ack { session: s, status } => {
                     Some(Body::Ack(TransferAck { session_id: s.or(session), status: *status, message: String::new() }))
                 }
-                CtlBody::Accept(s) => Some(Body::Accept(TransferAccept { session_id: *s })),
+                CtlBody::Accept(s) => Some(Body::Accept(TransferAccept { session_id: *s, ..Default::default() })),
                 CtlBody::None => None,
             };
             let mut bytes = TransferControl { correlation_id: *correlation, body }.encode_to_vec();
@@ -293,9 +301,9 @@ fn encode(f: &Frame, desc: &TransferDescriptor, session: u64) -> Vec<u8> {
         }
         Frame::Data { session: s, token, offset, len, payload } => {
             let mut out = vec![TAG_DATA];
-            for w in [s.or(session), token.or(tok), *offset, *len] {
-                out.extend_from_slice(&w.to_le_bytes());
-            }
+            let real: [u8; 16] = stok.as_slice().try_into().unwrap_or([0; 16]);
+            let header = WriteHeader { session: s.or(session), token: token.or(real), offset: *offset, len: *len };
+            out.extend_from_slice(&header.encode());
             out.extend((0..*payload).map(|i| i as u8));
             out
         }
@@ -311,7 +319,8 @@ fn encode(f: &Frame, desc: &TransferDescriptor, session: u64) -> Vec<u8> {
 /// The receiver still answers a handshake for a request it does not know, on a new connection.
 fn still_serving(desc: &TransferDescriptor) -> Result<(), TestCaseError> {
     let mut s = connect(desc);
-    let probe = Body::Begin(TransferBegin { request_id: "nobody".into(), transfer_token: 1, ..begin_of(desc) });
+    let probe =
+        Body::Begin(TransferBegin { request_id: "nobody".into(), transfer_token: vec![1; 16], ..begin_of(desc) });
     s.write_all(&ctl_frame(&TransferControl { correlation_id: PROBE, body: Some(probe) })).unwrap();
     match read_reply(&mut s, PROBE) {
         Ok(Some(TransferControl { body: Some(Body::Ack(a)), .. })) => {
@@ -330,18 +339,21 @@ fn wire_frames_never_crash_or_wedge_the_receiver() {
     fuzzing::run(CASES, "tcp frames", case, |(handshake, frames)| {
         let (desc, pending) = r.expect();
         let mut s = connect(&desc);
-        let mut session = 0;
+        let (mut session, mut session_token) = (0, Vec::new());
         if handshake {
             // Trusted from here on, with a live session for the frames to target.
             s.write_all(&ctl_frame(&TransferControl { correlation_id: 1, body: Some(Body::Begin(begin_of(&desc))) }))
                 .unwrap();
             match read_reply(&mut s, 1) {
-                Ok(Some(TransferControl { body: Some(Body::Accept(a)), .. })) => session = a.session_id,
+                Ok(Some(TransferControl { body: Some(Body::Accept(a)), .. })) => {
+                    (session, session_token) = (a.session_id, a.session_token)
+                }
                 other => return Err(TestCaseError::fail(format!("a genuine handshake was not accepted: {other:?}"))),
             }
         }
-        let mut bytes: Vec<u8> = frames.iter().flat_map(|f| encode(f, &desc, session)).collect();
-        let probe = Body::Begin(TransferBegin { request_id: "nobody".into(), transfer_token: 1, ..begin_of(&desc) });
+        let mut bytes: Vec<u8> = frames.iter().flat_map(|f| encode(f, &desc, session, &session_token)).collect();
+        let probe =
+            Body::Begin(TransferBegin { request_id: "nobody".into(), transfer_token: vec![1; 16], ..begin_of(&desc) });
         bytes.extend(ctl_frame(&TransferControl { correlation_id: PROBE, body: Some(probe) }));
         // The receiver may close the connection before reading everything: that is an answer too.
         let _ = s.write_all(&bytes);
@@ -364,12 +376,11 @@ fn wire_frames_never_crash_or_wedge_the_receiver() {
 #[derive(Debug, Clone)]
 struct DescriptorEdit {
     request_id: Pick<String>,
-    token: Pick<u64>,
+    token: Pick<Vec<u8>>,
     deadline: Pick<u64>,
     fingerprint: Pick<Option<ModelFingerprint>>,
     endpoint: Pick<Option<TransportEndpoint>>,
     layout: Pick<Option<CacheLayout>>,
-    regions: Pick<Vec<MemoryRegion>>,
     block_ids: Pick<Vec<u32>>,
     num_tokens: Pick<u32>,
 }
@@ -401,45 +412,27 @@ fn descriptor_edit() -> impl Strategy<Value = DescriptorEdit> {
         )
             .prop_map(|(kind, address)| TransportEndpoint { kind, address }),
     );
-    let region = (small_or_any(), small_or_any()).prop_map(|(remote_addr, length)| MemoryRegion {
-        remote_addr,
-        length,
-        rkey: Vec::new(),
-    });
     (
-        (pick("[a-z0-9]{0,6}"), pick(any::<u64>()), pick(prop_oneof![Just(0u64), Just(1), Just(u64::MAX)]), pick(fp)),
-        (pick(endpoint), pick(layout()), pick(proptest::collection::vec(region, 0..3))),
+        (pick("[a-z0-9]{0,6}"), pick(token_bytes()), pick(prop_oneof![Just(0u64), Just(1), Just(u64::MAX)]), pick(fp)),
+        (pick(endpoint), pick(layout())),
         (
             pick(proptest::collection::vec(prop_oneof![0u32..70, any::<u32>()], 0..5)),
             pick(prop_oneof![0u32..200, any::<u32>()]),
         ),
     )
-        .prop_map(
-            |((request_id, token, deadline, fingerprint), (endpoint, layout, regions), (block_ids, num_tokens))| {
-                DescriptorEdit {
-                    request_id,
-                    token,
-                    deadline,
-                    fingerprint,
-                    endpoint,
-                    layout,
-                    regions,
-                    block_ids,
-                    num_tokens,
-                }
-            },
-        )
+        .prop_map(|((request_id, token, deadline, fingerprint), (endpoint, layout), (block_ids, num_tokens))| {
+            DescriptorEdit { request_id, token, deadline, fingerprint, endpoint, layout, block_ids, num_tokens }
+        })
 }
 
 fn edited(d: &TransferDescriptor, e: &DescriptorEdit) -> TransferDescriptor {
     TransferDescriptor {
         request_id: e.request_id.or(d.request_id.clone()),
-        transfer_token: e.token.or(d.transfer_token),
+        transfer_token: e.token.or(d.transfer_token.clone()),
         deadline_unix_ms: e.deadline.or(d.deadline_unix_ms),
         fingerprint: e.fingerprint.or(d.fingerprint.clone()),
         endpoint: e.endpoint.or(d.endpoint.clone()),
         layout: e.layout.or(d.layout),
-        regions: e.regions.or(d.regions.clone()),
         block_ids: e.block_ids.or(d.block_ids.clone()),
         num_tokens: e.num_tokens.or(d.num_tokens),
         verify_checksum: d.verify_checksum,
@@ -467,7 +460,7 @@ fn a_descriptor_starts_the_transfer_it_describes_or_is_refused() {
             Ok(session) => {
                 // The receiver accepted it: it must be the transfer it expected.
                 prop_assert_eq!(&d.request_id, &desc.request_id);
-                prop_assert_eq!(d.transfer_token, desc.transfer_token);
+                prop_assert_eq!(&d.transfer_token, &desc.transfer_token);
                 prop_assert_eq!(&d.block_ids, &desc.block_ids);
                 prop_assert_eq!(d.num_tokens, desc.num_tokens);
                 let _ = session.abort("fuzz case over");

@@ -1,26 +1,39 @@
 //! Frames a stranger (or a broken sender) writes to the decode worker's TCP listener: nothing before a
-//! valid handshake is answered, and a peer that does not read its replies is disconnected instead of
-//! growing the receiver's memory.
+//! valid handshake is answered, a peer that does not read its replies is disconnected instead of
+//! growing the receiver's memory, and the transfer tokens hold: a handshake without the reservation's
+//! unused token gets only its refusal, writes need the session token of an accepted handshake and land
+//! only inside the transfer's blocks, and tokens die with their transfer. Each check reads the whole
+//! pool back (nothing written), the pool's block count (nothing leaked) and ends with an honest
+//! transfer.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kv_cache::BlockPool;
-use kv_transfer::{ExpectRequest, KvReceiver, ReceiverConfig, TcpConfig, TransportConfig, testkit};
+use kv_cache::{BlockId, BlockPool, KvCache, LayerIdx};
+use kv_transfer::transport::WriteHeader;
+use kv_transfer::{
+    ExpectRequest, KvReceiver, KvSender, PendingTransfer, ReceiverConfig, SenderConfig, TcpConfig, TransferError,
+    TransferOutcome, TransportConfig, TransportKind, testkit,
+};
 use prost::Message;
 use proto::v1::transfer_control::Body;
-use proto::v1::{TransferBegin, TransferControl};
+use proto::v1::{GeneratedToken, TransferBegin, TransferControl, TransferDescriptor, TransferStatus};
 
 const BARRIER: [u8; 9] = [3, 1, 0, 0, 0, 0, 0, 0, 0];
 
 fn receiver() -> (KvReceiver, Arc<BlockPool>) {
+    let (recv, pool, _) = receiver_with_cache();
+    (recv, pool)
+}
+
+fn receiver_with_cache() -> (KvReceiver, Arc<BlockPool>, Arc<KvCache>) {
     let g = testkit::geometry(2, 16);
     let (cache, pool) = testkit::filled_cache(g, 7);
     let cfg = ReceiverConfig::new(TransportConfig::Tcp(TcpConfig::default()));
-    let recv = KvReceiver::start(cfg, cache, pool.clone(), testkit::fingerprint(&g)).unwrap();
-    (recv, pool)
+    let recv = KvReceiver::start(cfg, cache.clone(), pool.clone(), testkit::fingerprint(&g)).unwrap();
+    (recv, pool, cache)
 }
 
 fn connect(address: &[u8]) -> TcpStream {
@@ -74,7 +87,7 @@ fn a_peer_that_does_not_read_its_replies_is_disconnected() {
         correlation_id: 1,
         body: Some(Body::Begin(TransferBegin {
             request_id: "r2".into(),
-            transfer_token: desc.transfer_token,
+            transfer_token: desc.transfer_token.clone(),
             ..Default::default()
         })),
     };
@@ -101,4 +114,277 @@ fn expect(id: &str, blocks: kv_cache::BlockTable) -> ExpectRequest {
         timeout: Duration::from_secs(60),
         verify_checksum: false,
     }
+}
+
+/// Every byte of the receiver's pool.
+fn pool_bytes(cache: &KvCache) -> Vec<u8> {
+    let mut v = vec![0u8; cache.arena().len()];
+    // SAFETY: no transfer writes while the tests read (each reads between steps, after replies).
+    unsafe { cache.arena().copy_out(0, &mut v) }.unwrap();
+    v
+}
+
+fn ctl(correlation_id: u64, body: Body) -> Vec<u8> {
+    let bytes = TransferControl { correlation_id, body: Some(body) }.encode_to_vec();
+    let mut frame = vec![1u8];
+    frame.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&bytes);
+    frame
+}
+
+fn data(header: WriteHeader, payload: &[u8]) -> Vec<u8> {
+    let mut frame = vec![2u8];
+    frame.extend_from_slice(&header.encode());
+    frame.extend_from_slice(payload);
+    frame
+}
+
+/// The next control frame from the receiver (`None`: the connection closed).
+fn next_reply(s: &mut TcpStream) -> Option<TransferControl> {
+    let mut hdr = [0u8; 5];
+    s.read_exact(&mut hdr).ok()?;
+    assert_eq!(hdr[0], 1, "the receiver sends only control frames");
+    let mut body = vec![0u8; u32::from_le_bytes(hdr[1..].try_into().unwrap()) as usize];
+    s.read_exact(&mut body).unwrap();
+    Some(TransferControl::decode(body.as_slice()).unwrap())
+}
+
+/// Sends a handshake for `desc`'s request presenting `token` and returns the receiver's answer.
+fn handshake(s: &mut TcpStream, corr: u64, desc: &TransferDescriptor, token: Vec<u8>) -> TransferControl {
+    let begin = TransferBegin {
+        request_id: desc.request_id.clone(),
+        transfer_token: token,
+        num_tokens: desc.num_tokens,
+        block_ids: desc.block_ids.clone(),
+        layout: desc.layout,
+        fingerprint: desc.fingerprint.clone(),
+        ..Default::default()
+    };
+    s.write_all(&ctl(corr, Body::Begin(begin))).unwrap();
+    let reply = next_reply(s).expect("an answer to the handshake");
+    assert_eq!(reply.correlation_id, corr);
+    reply
+}
+
+fn refused_with(reply: &TransferControl, status: TransferStatus) {
+    match &reply.body {
+        Some(Body::Ack(a)) => assert_eq!(a.status, status as i32, "refused for another reason: {}", a.message),
+        other => panic!("expected a refusal ({status:?}), got {other:?}"),
+    }
+}
+
+/// Session id and session token of an accepted handshake.
+fn accepted(reply: &TransferControl) -> (u64, [u8; 16]) {
+    match &reply.body {
+        Some(Body::Accept(a)) => (a.session_id, a.session_token.as_slice().try_into().expect("a 16-byte token")),
+        other => panic!("expected an Accept, got {other:?}"),
+    }
+}
+
+fn flipped(token: &[u8]) -> Vec<u8> {
+    let mut t = token.to_vec();
+    t[15] ^= 0x80;
+    t
+}
+
+/// The transfer is still waiting for its sender (wrong tokens must not end it).
+fn still_pending(p: &PendingTransfer) {
+    assert!(
+        p.wait_timeout(Duration::from_millis(1)).is_none(),
+        "the transfer ended: {:?}",
+        p.wait_timeout(Duration::ZERO)
+    );
+}
+
+/// A real TCP sender moves `desc`'s request end to end (checksums verified), then the blocks go back.
+fn honest_transfer(pool: &BlockPool, desc: &TransferDescriptor, pending: PendingTransfer) {
+    let g = testkit::geometry(2, 16);
+    let (cache, spool) = testkit::filled_cache(g, 99);
+    let cfg = SenderConfig { transports: vec![TransportKind::Tcp], lanes: Some(1), ..SenderConfig::default() };
+    let sender = KvSender::new(cfg, cache, testkit::fingerprint(&g)).unwrap();
+    let src = spool.reserve("src", desc.num_tokens as usize).unwrap();
+    let s = sender.begin(desc, &src).expect("the honest sender's handshake is accepted");
+    for l in 0..2 {
+        s.put_layer(LayerIdx(l)).unwrap();
+    }
+    s.complete(GeneratedToken { token_id: 5, logprobs: None }, None).unwrap();
+    match pending.wait_timeout(Duration::from_secs(20)) {
+        Some(Ok(TransferOutcome::Completed(c))) => assert!(c.checksum_verified),
+        other => panic!("honest transfer: {other:?}"),
+    }
+    pool.release(&desc.request_id).unwrap();
+}
+
+fn expect_checked(recv: &KvReceiver, pool: &BlockPool, id: &str) -> (TransferDescriptor, PendingTransfer) {
+    let blocks = pool.reserve(id, 64).unwrap();
+    recv.expect(ExpectRequest { verify_checksum: true, ..expect(id, blocks) }).unwrap()
+}
+
+fn wait_used(pool: &BlockPool, used: usize) {
+    let end = Instant::now() + Duration::from_secs(10);
+    while pool.stats().used_blocks != used {
+        assert!(Instant::now() < end, "the pool holds {} blocks, expected {used}", pool.stats().used_blocks);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn handshakes_without_the_reservations_token_get_only_a_refusal() {
+    let (recv, pool, cache) = receiver_with_cache();
+    let (d1, p1) = expect_checked(&recv, &pool, "r1");
+    let (d2, p2) = expect_checked(&recv, &pool, "r2");
+    let address = d1.endpoint.clone().unwrap().address;
+    let before = pool_bytes(&cache);
+
+    let mut s = connect(&address);
+    let cases = [
+        (Vec::new(), "no token"),
+        (flipped(&d1.transfer_token), "a wrong token"),
+        (d2.transfer_token.clone(), "r2's token"),
+    ];
+    for (i, (token, what)) in cases.into_iter().enumerate() {
+        let reply = handshake(&mut s, 10 + i as u64, &d1, token);
+        refused_with(&reply, TransferStatus::BadToken);
+        let Some(Body::Ack(a)) = reply.body else { unreachable!() };
+        assert_eq!(a.session_id, 0, "{what}: the refusal names no session");
+    }
+    // Still a stranger: anything but a handshake closes the connection, unanswered.
+    s.write_all(&BARRIER).unwrap();
+    assert!(next_reply(&mut s).is_none(), "a stranger's barrier was answered");
+
+    assert_eq!(recv.stats().rejected_handshakes, 3);
+    assert!(pool_bytes(&cache) == before, "a refused handshake changed the pool");
+    still_pending(&p1);
+    still_pending(&p2);
+    assert_eq!(pool.stats().used_blocks, 2);
+    honest_transfer(&pool, &d1, p1);
+    honest_transfer(&pool, &d2, p2);
+    assert_eq!(pool.stats().used_blocks, 0);
+}
+
+#[test]
+fn a_used_token_opens_nothing_and_writes_stay_inside_the_granted_blocks() {
+    let (recv, pool, cache) = receiver_with_cache();
+    let g = *cache.geometry();
+    let (d1, p1) = expect_checked(&recv, &pool, "r1");
+    let (d2, p2) = expect_checked(&recv, &pool, "r2");
+    let address = d1.endpoint.clone().unwrap().address;
+    let before = pool_bytes(&cache);
+    let (mine, theirs) = (BlockId(d1.block_ids[0]), BlockId(d2.block_ids[0]));
+    let entry = g.latent_bytes_per_token() as u64;
+    let at = |b: BlockId| g.latent_block_offset(LayerIdx(0), b) as u64;
+    let payload = vec![0x5au8; entry as usize];
+
+    // The token's holder is accepted once and gets the session token.
+    let mut holder = connect(&address);
+    let (session, session_token) = accepted(&handshake(&mut holder, 1, &d1, d1.transfer_token.clone()));
+
+    // A copy of the used descriptor: its handshake is refused, and its writes (with the descriptor's
+    // token, all it has) into r1's own blocks are refused and close the connection.
+    let mut copy = connect(&address);
+    refused_with(&handshake(&mut copy, 2, &d1, d1.transfer_token.clone()), TransferStatus::AlreadyStarted);
+    let token: [u8; 16] = d1.transfer_token.as_slice().try_into().unwrap();
+    copy.write_all(&data(WriteHeader { session, token, offset: at(mine), len: entry }, &payload)).unwrap();
+    assert!(next_reply(&mut copy).is_none(), "the copy's connection stayed open");
+
+    // The holder's writes: with a wrong, empty or other request's token, refused (the transfer goes on).
+    let other: [u8; 16] = d2.transfer_token.as_slice().try_into().unwrap();
+    for token in [[0u8; 16], other, token] {
+        holder.write_all(&data(WriteHeader { session, token, offset: at(mine), len: entry }, &payload)).unwrap();
+    }
+    // A barrier orders the check behind those frames.
+    holder.write_all(&BARRIER).unwrap();
+    let ack = next_reply(&mut holder).expect("the barrier's answer");
+    assert_eq!(ack.correlation_id, 1);
+    assert!(pool_bytes(&cache) == before, "a write without the session token landed");
+    still_pending(&p1);
+
+    // With the session token, aimed at r2's block: refused, and r1 fails (its sender broke the rules);
+    // nothing lands, r1's block goes back.
+    holder
+        .write_all(&data(WriteHeader { session, token: session_token, offset: at(theirs), len: entry }, &payload))
+        .unwrap();
+    let outcome = p1.wait_timeout(Duration::from_secs(10)).expect("r1 ends");
+    assert!(matches!(outcome, Err(TransferError::BadCompletion { .. })), "{outcome:?}");
+    assert!(pool_bytes(&cache) == before, "a write outside the granted blocks landed");
+    wait_used(&pool, 1);
+    still_pending(&p2);
+
+    // The token died with r1: a handshake with it is refused, a write with the old session token dropped.
+    let mut late = connect(&address);
+    refused_with(&handshake(&mut late, 3, &d1, d1.transfer_token.clone()), TransferStatus::UnknownRequest);
+    holder
+        .write_all(&data(WriteHeader { session, token: session_token, offset: at(mine), len: entry }, &payload))
+        .unwrap();
+    holder.write_all(&BARRIER).unwrap();
+    // (The receiver's abort of r1 may come first.)
+    while next_reply(&mut holder).is_some_and(|m| m.correlation_id != 1) {}
+    assert!(pool_bytes(&cache) == before, "a write to a finished transfer landed");
+
+    // Other ways out of the granted block, each on a fresh transfer: into the next block, past the pool's
+    // end, a length that wraps around, another block's indexer entry, a length of zero.
+    let pool_end = g.total_bytes() as u64;
+    let indexer = |b: BlockId| g.indexer_block_offset(LayerIdx(1), b) as u64;
+    for (i, (offset_of, len, what)) in [
+        (&(|b: BlockId| at(b) + 63 * entry) as &dyn Fn(BlockId) -> u64, 2 * entry, "into the next block"),
+        (&|_| pool_end - entry, 2 * entry, "past the pool's end"),
+        (&|b| at(b) + entry, u64::MAX - entry + 1, "a wrapping length"),
+        (&|b| indexer(BlockId(b.0 ^ 1)), entry, "another block's indexer entry"),
+        (&|b| at(b), 0, "nothing"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let id = format!("out-{i}");
+        let (d, p) = expect_checked(&recv, &pool, &id);
+        let mut s = connect(&address);
+        let (session, token) = accepted(&handshake(&mut s, 1, &d, d.transfer_token.clone()));
+        let offset = offset_of(BlockId(d.block_ids[0]));
+        let body = vec![0x5au8; len.min(2 * entry) as usize];
+        s.write_all(&data(WriteHeader { session, token, offset, len }, &body)).unwrap();
+        let outcome = p.wait_timeout(Duration::from_secs(10)).unwrap_or_else(|| panic!("{what}: the transfer went on"));
+        assert!(matches!(outcome, Err(TransferError::BadCompletion { .. })), "{what}: {outcome:?}");
+        assert!(pool_bytes(&cache) == before, "{what}: the write landed");
+        wait_used(&pool, 1);
+    }
+
+    honest_transfer(&pool, &d2, p2);
+    let (d3, p3) = expect_checked(&recv, &pool, "r3");
+    honest_transfer(&pool, &d3, p3);
+    assert_eq!(pool.stats().used_blocks, 0);
+}
+
+#[test]
+fn tokens_die_with_their_reservation() {
+    let (recv, pool, cache) = receiver_with_cache();
+    let before = pool_bytes(&cache);
+    // Expired: the deadline passed before any handshake.
+    let blocks = pool.reserve("expired", 64).unwrap();
+    let (expired, pe) =
+        recv.expect(ExpectRequest { timeout: Duration::from_millis(100), ..expect("expired", blocks) }).unwrap();
+    assert!(matches!(pe.wait_timeout(Duration::from_secs(5)), Some(Err(TransferError::DeadlineExceeded(_)))));
+    // Aborted by the decode worker (client gone).
+    let (aborted, pa) = expect_checked(&recv, &pool, "aborted");
+    assert!(pa.abort("client went away"));
+    // Freed behind the transfer's back (a decode-worker bug): the token must not open the blocks, which
+    // may belong to another request by now.
+    let (freed, pf) = expect_checked(&recv, &pool, "freed");
+    pool.release("freed").unwrap();
+    let (taken, pt) = expect_checked(&recv, &pool, "taken");
+    assert_eq!(taken.block_ids, freed.block_ids, "the freed block was reserved again");
+
+    let mut s = connect(&expired.endpoint.clone().unwrap().address);
+    refused_with(&handshake(&mut s, 1, &expired, expired.transfer_token.clone()), TransferStatus::UnknownRequest);
+    refused_with(&handshake(&mut s, 2, &aborted, aborted.transfer_token.clone()), TransferStatus::UnknownRequest);
+    refused_with(&handshake(&mut s, 3, &freed, freed.transfer_token.clone()), TransferStatus::UnknownRequest);
+    let outcome = pf.wait_timeout(Duration::from_secs(5)).expect("the orphaned transfer ends");
+    assert!(matches!(outcome, Err(TransferError::Aborted { .. })), "{outcome:?}");
+
+    assert!(pool_bytes(&cache) == before);
+    // The orphan freed nothing: the block is still "taken"'s, whose transfer goes on.
+    assert_eq!(pool.stats().used_blocks, 1);
+    assert!(pool.holds("taken"));
+    still_pending(&pt);
+    honest_transfer(&pool, &taken, pt);
+    assert_eq!(pool.stats().used_blocks, 0);
 }

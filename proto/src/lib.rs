@@ -10,9 +10,12 @@
 //! - [`refusal`]: the typed reason a worker attaches to its error status (`no_room`), which the router reads
 //!   instead of the status message.
 //!
+//! - [`redact`]: the messages that carry a kv-transfer token print it as `<redacted>` in `Debug`.
+//!
 //! The `.proto` files under `proto/tandem/v1/` document every field.
 
 mod fingerprint;
+pub mod redact;
 pub mod refusal;
 mod role;
 

@@ -55,6 +55,11 @@ struct Args {
     /// Skip the like-for-like references (perftest over a request-sized buffer, memcpy).
     #[arg(long)]
     no_baselines: bool,
+    /// Allow one-sided UCX puts in both processes (sets TANDEM_UCX_ONE_SIDED_PUTS=1: the trusted-network
+    /// mode, where the receiver cannot keep writes inside a transfer's blocks). Default: every write is
+    /// an active message the receiver places.
+    #[arg(long)]
+    one_sided_puts: bool,
     /// Internal: run as the receiving process with a pool of this many blocks.
     #[arg(long, hide = true)]
     serve: Option<usize>,
@@ -71,6 +76,10 @@ fn main() -> anyhow::Result<()> {
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .init();
     let mut args = Args::parse();
+    if args.one_sided_puts {
+        // SAFETY: still single-threaded (the subscriber starts no thread); the serving child inherits it.
+        unsafe { std::env::set_var("TANDEM_UCX_ONE_SIDED_PUTS", "1") };
+    }
     if args.tokens.is_empty() {
         args.tokens = vec![1024, 8192, 32768, 131072];
     }
@@ -235,11 +244,12 @@ fn run(args: &Args) -> anyhow::Result<()> {
         _ => std::env::var("UCX_TLS").ok(),
     };
     let lanes = kv_transfer::transport::lanes::lanes_or_default(None);
+    let puts = kv_transfer::transport::ucx::one_sided_puts_from_env().map_err(|e| anyhow!(e))?;
     let data_path = match served.as_str() {
-        // Both processes run on this host.
+        // Both processes run on this host and read the same variables: puts only where both allow them.
         "ucx" => match DataPath::from_env().map_err(|e| anyhow!(e))?.resolve(None, true, lanes) {
-            DataPath::ActiveMessage => "am",
-            _ => "put",
+            DataPath::Put if puts => "put",
+            _ => "am",
         },
         _ => "-",
     };

@@ -45,6 +45,10 @@ enum Role {
         /// UCX nodes placing active-message writes (default: TANDEM_KV_LANES or by cores).
         #[arg(long)]
         lanes: Option<usize>,
+        /// Accept one-sided UCX puts from senders that passed the handshake (default:
+        /// TANDEM_UCX_ONE_SIDED_PUTS, else off).
+        #[arg(long)]
+        one_sided_puts: bool,
     },
     /// Ship every descriptor read from stdin (`DESC <hex>` lines), all layers, then complete.
     Send {
@@ -87,14 +91,15 @@ fn main() -> anyhow::Result<()> {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .init();
     match Args::parse().role {
-        Role::Recv { transport, tls, cache, tokens, requests, timeout_ms, lanes } => {
+        Role::Recv { transport, tls, cache, tokens, requests, timeout_ms, lanes, one_sided_puts } => {
             let g = testkit::geometry(cache.layers, cache.blocks);
             let (cache, pool) = testkit::filled_cache(g, 1);
             let tc = match transport {
                 TransportKind::Ucx => TransportConfig::Ucx { tls, tcp_fallback: None },
                 k => TransportConfig::of_kind(k),
             };
-            let rc = ReceiverConfig { lanes, ..ReceiverConfig::new(tc) };
+            let rc =
+                ReceiverConfig { lanes, one_sided_puts: one_sided_puts.then_some(true), ..ReceiverConfig::new(tc) };
             let recv = KvReceiver::start(rc, cache, pool.clone(), testkit::fingerprint(&g))?;
             for i in 0..requests {
                 let id = format!("peer-{i}");

@@ -1,5 +1,5 @@
-//! The decode worker's side: register the cache arena once, then per request hand out a descriptor for
-//! reserved blocks and await the transfer's outcome.
+//! The decode worker's side: serve the cache arena, then per request hand out a descriptor (with a fresh
+//! transfer token) for reserved blocks and await the transfer's outcome.
 
 pub mod core;
 
@@ -15,6 +15,7 @@ use proto::v1::{FinishReason, GeneratedToken, ModelFingerprint, MtpDraft, Transf
 
 use self::core::{OutcomeCell, ReceiverCore, ReceiverTimings, Transfer};
 use crate::runtime::Runtime;
+use crate::token::TransferToken;
 use crate::transport::{Served, TransportKind};
 use crate::wait::CellFuture;
 use crate::{TransferError, TransportConfig, fingerprint};
@@ -30,6 +31,11 @@ pub struct ReceiverConfig {
     /// UCX nodes (workers with a progress thread each) that place incoming active-message writes, and
     /// runtime threads for TCP connections (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 1 to 8).
     pub lanes: Option<usize>,
+    /// UCX: accept one-sided puts from senders that passed the handshake (`None`: read
+    /// `TANDEM_UCX_ONE_SIDED_PUTS`, default off). The pool is then registered and its key handed to
+    /// each accepted sender, and the receiver can no longer keep a sender's writes inside its blocks:
+    /// only for networks where every process that can reach this worker's UCX ports is trusted.
+    pub one_sided_puts: Option<bool>,
 }
 
 impl ReceiverConfig {
@@ -39,6 +45,7 @@ impl ReceiverConfig {
             abort_ack_timeout: Duration::from_secs(2),
             quarantine: Duration::from_secs(2),
             lanes: None,
+            one_sided_puts: None,
         }
     }
 }
@@ -116,9 +123,10 @@ pub struct KvReceiver {
 }
 
 impl KvReceiver {
-    /// Registers `cache`'s arena with the configured transport and starts serving. `pool` is the pool
-    /// the decode worker reserves from; failed transfers free their blocks in it. A device pool is not
-    /// registered: writes land through host staging buffers and its `DeviceCopy`.
+    /// Serves `cache`'s arena over the configured transport (registering it with UCX only in the one-sided
+    /// mode). `pool` is the pool the decode worker reserves from; failed transfers free their blocks in
+    /// it. A device pool is never registered: writes land through host staging buffers and its
+    /// `DeviceCopy`.
     pub fn start(
         config: ReceiverConfig,
         cache: Arc<KvCache>,
@@ -139,7 +147,11 @@ impl KvReceiver {
         let rt = Runtime::new("kv-recv", config.lanes)?;
         let timings = ReceiverTimings { abort_ack_timeout: config.abort_ack_timeout, quarantine: config.quarantine };
         let core = Arc::new(ReceiverCore::new(cache, pool, fingerprint, timings, rt.handle().clone()));
-        let transport = crate::transport_for(&config.transport, &rt, config.lanes)?;
+        let puts = match config.one_sided_puts {
+            Some(p) => p,
+            None => crate::transport::ucx::one_sided_puts_from_env().map_err(TransferError::Transport)?,
+        };
+        let transport = crate::transport_for(&config.transport, &rt, config.lanes, puts)?;
         let served = transport.serve(core.clone())?;
         tracing::info!(transport = %transport.kind(), "kv-transfer receiver serving");
         Ok(KvReceiver { core, served, kind: transport.kind(), _rt: rt })
@@ -154,8 +166,9 @@ impl KvReceiver {
         &self.core.geometry
     }
 
-    /// Starts expecting a request's caches: returns the descriptor for the prefill worker and a handle
-    /// that resolves to the outcome. From here on the transfer owns the reservation's fate on failure:
+    /// Starts expecting a request's caches: returns the descriptor for the prefill worker (carrying the
+    /// reservation's fresh transfer token, which opens one handshake; never log it) and a handle that
+    /// resolves to the outcome. From here on the transfer owns the reservation's fate on failure:
     /// on any error outcome (and on `Released`) it frees the blocks itself, as soon as no write can land.
     /// On error here nothing was taken.
     pub fn expect(&self, req: ExpectRequest) -> Result<(TransferDescriptor, PendingTransfer), TransferError> {
@@ -180,10 +193,8 @@ impl KvReceiver {
             None => return Err(bad("the pool holds no reservation for this request".into())),
         }
         let blocks: Vec<u32> = req.blocks.blocks[..need].iter().map(|b| b.0).collect();
-        let mut token: u64 = rand::random();
-        while token == 0 {
-            token = rand::random();
-        }
+        let token = TransferToken::generate()?;
+        let wire_token = token.to_vec();
         let deadline = Instant::now() + req.timeout;
         let deadline_unix_ms =
             (SystemTime::now() + req.timeout).duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
@@ -197,12 +208,11 @@ impl KvReceiver {
         )?;
         let desc = TransferDescriptor {
             request_id: req.request_id.clone(),
-            transfer_token: token,
+            transfer_token: wire_token,
             deadline_unix_ms,
             fingerprint: Some(self.core.fingerprint.clone()),
             endpoint: Some(self.served.endpoint.clone()),
             layout: Some(self.core.layout),
-            regions: self.served.regions.clone(),
             block_ids: blocks,
             num_tokens: req.num_tokens as u32,
             verify_checksum: req.verify_checksum,

@@ -14,7 +14,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use kv_cache::{BlockId, BlockTable, CacheGeometry, KvCache, LayerIdx};
 use proto::v1::transfer_control::Body;
 use proto::v1::{
-    CacheLayout, ModelFingerprint, TransferAbort, TransferAck, TransferBegin, TransferDescriptor, TransferStatus,
+    CacheLayout, MemoryRegion, ModelFingerprint, TransferAbort, TransferAck, TransferBegin, TransferDescriptor,
+    TransferStatus,
 };
 
 use self::session::SessionState;
@@ -23,6 +24,7 @@ use crate::fault::Fault;
 use crate::layout::{self, PutPlan};
 use crate::runtime::Runtime;
 use crate::staging::StagingPool;
+use crate::token::{TOKEN_BYTES, TransferToken};
 use crate::transport::{Inbound, Link, Transport, TransportKind};
 use crate::{TcpConfig, TransferError, TransportConfig, fingerprint};
 
@@ -37,9 +39,12 @@ pub struct SenderConfig {
     pub transports: Vec<TransportKind>,
     /// Overrides `UCX_TLS` for this sender's UCX context.
     pub ucx_tls: Option<String>,
-    /// How UCX moves bytes; `None` reads `TANDEM_UCX_DATA_PATH` (default `auto`: active messages where
-    /// the transports are tcp only, one-sided puts elsewhere).
+    /// How UCX moves bytes; `None` reads `TANDEM_UCX_DATA_PATH` (default `auto`: active messages, unless
+    /// one-sided puts are allowed; then puts where measured faster). Puts go only to receivers that accept
+    /// them; others get active messages whatever this says.
     pub ucx_data_path: Option<crate::transport::ucx::DataPath>,
+    /// Whether `auto` may choose one-sided puts (`None`: read `TANDEM_UCX_ONE_SIDED_PUTS`, default off).
+    pub ucx_one_sided_puts: Option<bool>,
     /// Parallel lanes per receiver (UCX nodes or TCP connections) that one request's data is striped
     /// over (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 1 to 8).
     pub lanes: Option<usize>,
@@ -55,6 +60,7 @@ impl Default for SenderConfig {
             transports: TransportKind::ALL.to_vec(),
             ucx_tls: None,
             ucx_data_path: None,
+            ucx_one_sided_puts: None,
             lanes: None,
             fault: None,
         }
@@ -104,7 +110,7 @@ impl Inbound for Router {
             .get(&(link.id(), abort.session_id))
             .and_then(Weak::upgrade);
         if let Some(st) = st
-            && st.token() == abort.transfer_token
+            && st.token().matches(&abort.session_token)
         {
             st.stop_by_receiver(&abort.reason, abort.status);
         }
@@ -187,6 +193,8 @@ impl KvSender {
             return Err(TransferError::DeadlineExceeded(rid));
         }
         let deadline = deadline.min(now + sh.config.max_wait);
+        let token = TransferToken::from_wire(&desc.transfer_token)
+            .ok_or_else(|| bad(format!("the transfer token is not {TOKEN_BYTES} bytes")))?;
         let fp = desc.fingerprint.as_ref().ok_or_else(|| bad("no fingerprint".into()))?;
         sh.fingerprint.check_compatible(fp)?;
         let dst_layout = desc.layout.ok_or_else(|| bad("no cache layout".into()))?;
@@ -205,21 +213,11 @@ impl KvSender {
         }
         let dst_blocks: Vec<BlockId> = desc.block_ids.iter().map(|&b| BlockId(b)).collect();
         let plan = PutPlan::new(sh.layout, dst_layout, &src_blocks.blocks[..n], &dst_blocks, desc.num_tokens as usize);
-        // regions[0] starts at the pool base; every put must fall inside one region.
-        let base = desc.regions.first().ok_or_else(|| bad("no memory region".into()))?.remote_addr;
-        for l in 0..dst_layout.num_layers {
-            for p in plan.layer_puts(LayerIdx(l)) {
-                if layout::region_for(&desc.regions, base.wrapping_add(p.dst_offset), p.len).is_none() {
-                    return Err(bad(format!("no memory region covers layer {l} bytes {}+{}", p.dst_offset, p.len)));
-                }
-            }
-        }
         let endpoint = desc.endpoint.clone().ok_or_else(|| bad("no endpoint".into()))?;
         let link = self.link(&endpoint, deadline)?;
-        let regions = link.attach_regions(&desc.regions)?;
         let begin = TransferBegin {
             request_id: rid.clone(),
-            transfer_token: desc.transfer_token,
+            transfer_token: token.to_vec(),
             num_tokens: desc.num_tokens,
             block_ids: desc.block_ids.clone(),
             layout: Some(dst_layout),
@@ -236,30 +234,37 @@ impl KvSender {
                 })
             })
         });
-        let session_id = match reply {
-            Ok(Body::Accept(a)) => a.session_id,
+        let (accept, session_token) = match reply {
+            Ok(Body::Accept(a)) => match TransferToken::from_wire(&a.session_token) {
+                Some(t) => (a, t),
+                None => {
+                    // Without it nothing can be sent for the session; the receiver ends it at the deadline.
+                    return Err(TransferError::Transport(format!(
+                        "request {rid}: the Accept carries no session token"
+                    )));
+                }
+            },
             Ok(Body::Ack(a)) => {
-                link.detach_regions(regions);
                 let status = TransferStatus::try_from(a.status).unwrap_or(TransferStatus::Protocol);
                 return Err(TransferError::rejected(&rid, status, a.message));
             }
-            Ok(_) => {
-                link.detach_regions(regions);
-                return Err(TransferError::Transport(format!("request {rid}: unexpected handshake reply")));
-            }
-            Err(e) => {
-                link.detach_regions(regions);
-                return Err(map_link_error(&rid, e));
-            }
+            Ok(_) => return Err(TransferError::Transport(format!("request {rid}: unexpected handshake reply"))),
+            Err(e) => return Err(map_link_error(&rid, e)),
+        };
+        // One-sided puts only where the receiver granted regions (and their keys) in its Accept; every put
+        // must then fall inside one. Without regions every write goes through the receiver.
+        let (regions, unusable) = match link.accepted(&accept) {
+            Ok(h) => (h, outside_regions(&plan, dst_layout.num_layers, &accept.regions)),
+            Err(e) => (0, Some(e.to_string())),
         };
         let final_deadline = deadline + sh.config.reply_grace;
         let st = SessionState::new(
-            rid,
-            desc.transfer_token,
-            session_id,
+            rid.clone(),
+            session_token,
+            accept.session_id,
             link.clone(),
             regions,
-            desc.regions.clone(),
+            accept.regions,
             deadline,
             final_deadline,
             plan,
@@ -267,8 +272,13 @@ impl KvSender {
             desc.verify_checksum,
             sh.cache.clone(),
         );
-        sh.router.add(link.id(), session_id, &st);
-        Ok(SendSession::new(st, self.shared.clone()))
+        sh.router.add(link.id(), st.session_id, &st);
+        let session = SendSession::new(st, self.shared.clone());
+        if let Some(why) = unusable {
+            let _ = session.abort(&why);
+            return Err(TransferError::BadDescriptor { request_id: rid, reason: why });
+        }
+        Ok(session)
     }
 
     fn transport(&self, kind: TransportKind) -> Result<Arc<dyn Transport>, TransferError> {
@@ -285,13 +295,17 @@ impl KvSender {
             TransportKind::Tcp => TransportConfig::Tcp(TcpConfig::default()),
             TransportKind::InProc => TransportConfig::InProc,
         };
+        let puts = match sh.config.ucx_one_sided_puts {
+            Some(p) => p,
+            None => crate::transport::ucx::one_sided_puts_from_env().map_err(TransferError::Transport)?,
+        };
         let t = match (kind, sh.config.ucx_data_path) {
             (TransportKind::Ucx, Some(dp)) => {
                 crate::transport::ucx::UcxTransport::with_options(sh.config.ucx_tls.as_deref(), dp, sh.config.lanes)
-                    .map(|t| Arc::new(t) as Arc<dyn Transport>)
+                    .map(|t| Arc::new(t.one_sided_puts(puts)) as Arc<dyn Transport>)
                     .map_err(TransferError::Transport)?
             }
-            _ => crate::transport_for(&cfg, &sh.rt, sh.config.lanes)?,
+            _ => crate::transport_for(&cfg, &sh.rt, sh.config.lanes, puts)?,
         };
         if t.kind() != kind {
             return Err(TransferError::Transport(format!(
@@ -318,6 +332,18 @@ impl KvSender {
         *slot = Some(link.clone());
         Ok(link)
     }
+}
+
+/// Why the regions an Accept granted cannot take every put of `plan` (`None`: they can, or none were
+/// granted and every write goes through the receiver).
+fn outside_regions(plan: &PutPlan, layers: u32, regions: &[MemoryRegion]) -> Option<String> {
+    // regions[0] starts at the pool base; every put must fall inside one region.
+    let base = regions.first()?.remote_addr;
+    (0..layers).find_map(|l| {
+        plan.layer_puts(LayerIdx(l))
+            .find(|p| layout::region_for(regions, base.wrapping_add(p.dst_offset), p.len).is_none())
+            .map(|p| format!("no granted memory region covers layer {l} bytes {}+{}", p.dst_offset, p.len))
+    })
 }
 
 /// The descriptor's wall-clock deadline as an Instant on this machine.

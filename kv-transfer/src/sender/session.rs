@@ -17,6 +17,7 @@ use super::shipper::LayerShipment;
 use super::{SenderShared, map_link_error};
 use crate::TransferError;
 use crate::layout::PutPlan;
+use crate::token::TransferToken;
 use crate::transport::Link;
 
 /// What a finished session shipped.
@@ -42,7 +43,8 @@ pub(crate) enum Stop {
 
 pub(crate) struct SessionState {
     request_id: String,
-    token: u64,
+    /// The session token of the receiver's Accept: every later message and write carries it.
+    token: TransferToken,
     pub session_id: u64,
     pub link: Arc<dyn Link>,
     pub regions: u64,
@@ -69,7 +71,7 @@ impl SessionState {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         request_id: String,
-        token: u64,
+        token: TransferToken,
         session_id: u64,
         link: Arc<dyn Link>,
         regions: u64,
@@ -109,8 +111,8 @@ impl SessionState {
         &self.request_id
     }
 
-    pub fn token(&self) -> u64 {
-        self.token
+    pub fn token(&self) -> &TransferToken {
+        &self.token
     }
 
     pub fn lock_ctl(&self) -> MutexGuard<'_, Ctl> {
@@ -306,7 +308,7 @@ impl SendSession {
             st.lock_ctl().stopped.get_or_insert(super::session::Stop::Local);
             let body = Body::Complete(TransferComplete {
                 session_id: st.session_id,
-                transfer_token: st.token,
+                session_token: st.token.to_vec(),
                 first_token: Some(first_token),
                 draft,
                 layers,
@@ -342,7 +344,7 @@ impl SendSession {
             self.stop_and_flush()?;
             let body = Body::Release(TransferRelease {
                 session_id: st.session_id,
-                transfer_token: st.token,
+                session_token: st.token.to_vec(),
                 first_token: Some(first_token),
                 finish_reason: finish_reason as i32,
             });
@@ -363,7 +365,7 @@ impl SendSession {
         self.stop_and_flush()?;
         let body = Body::Abort(TransferAbort {
             session_id: st.session_id,
-            transfer_token: st.token,
+            session_token: st.token.to_vec(),
             reason: reason.to_string(),
             status: TransferStatus::Aborted as i32,
         });

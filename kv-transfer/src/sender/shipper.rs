@@ -66,6 +66,7 @@ fn ship(shipment: &LayerShipment) {
         )));
         return;
     }
+    // Regions only where the receiver granted one-sided puts; else writes go through the receiver.
     let base = st.dst_regions.first().map(|r| r.remote_addr).unwrap_or(0);
     let src_base = st.cache.arena().as_ptr() as *const u8;
     // A staged pool is hashed from the host copies as they go out (the arena is not host memory).
@@ -78,7 +79,11 @@ fn ship(shipment: &LayerShipment) {
     for p in st.plan.layer_puts(layer) {
         let is_latent = latent < latent_len;
         let dst_addr = base.wrapping_add(p.dst_offset);
-        let Some(region) = layout::region_for(&st.dst_regions, dst_addr, p.len) else {
+        let region = if st.dst_regions.is_empty() {
+            0
+        } else if let Some(r) = layout::region_for(&st.dst_regions, dst_addr, p.len) {
+            r
+        } else {
             st.set_error(TransferError::Transport(format!("request {}: put outside the regions", st.request_id())));
             return;
         };
@@ -106,7 +111,7 @@ fn ship(shipment: &LayerShipment) {
             };
             let op = PutOp {
                 session_id: st.session_id,
-                token: st.token(),
+                token: *st.token().as_bytes(),
                 src,
                 len,
                 dst_offset: p.dst_offset + off,

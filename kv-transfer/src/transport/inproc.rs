@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use kv_cache::KvCache;
 use proto::v1::transfer_control::Body;
-use proto::v1::{MemoryRegion, TransferControl, TransportEndpoint};
+use proto::v1::{TransferControl, TransportEndpoint};
 use tokio::sync::mpsc;
 
 use super::{
@@ -51,7 +51,7 @@ impl Transport for InProcTransport {
         let name = format!("inproc-{}-{}", std::process::id(), next_id());
         registry().lock().unwrap_or_else(|p| p.into_inner()).insert(name.clone(), Arc::downgrade(&core));
         let address = name.clone().into_bytes();
-        Ok(Served::new(TransportKind::InProc, address, core.cache.arena(), Vec::new(), Registration(name)))
+        Ok(Served::new(TransportKind::InProc, address, Registration(name)))
     }
 
     fn connect(
@@ -128,18 +128,12 @@ impl Link for InProcLink {
         Ok(cell)
     }
 
-    fn attach_regions(&self, _regions: &[MemoryRegion]) -> Result<u64, TransferError> {
-        Ok(0)
-    }
-
-    fn detach_regions(&self, _handle: u64) {}
-
     fn put(&self, _regions: u64, op: PutOp) -> Result<(), TransferError> {
         if self.closed.load(Ordering::SeqCst) {
             return Err(TransferError::Transport("link lost: closed".into()));
         }
         let core = self.core.upgrade().ok_or_else(|| TransferError::Transport("link lost: receiver gone".into()))?;
-        match core.admit_write(op.session_id, op.token, op.dst_offset, op.len) {
+        match core.admit_write(op.session_id, &op.token, op.dst_offset, op.len) {
             Ok(permit) if permit.staged() => {
                 // SAFETY: the source is host memory (the sender's live arena or its staging buffer in `op`).
                 let src = unsafe { std::slice::from_raw_parts(op.src, permit.len) };

@@ -2,10 +2,11 @@
 //!
 //! A transport does two things for the protocol in [`crate::receiver`] and [`crate::sender`]: it carries
 //! control messages (`TransferControl`) both ways, and it moves bytes from the sender's arena into the
-//! receiver's arena. Where the transport writes receiver memory one-sidedly (UCX RMA) the receiver cannot
-//! see writes and relies on the sender's flush-then-acknowledge; elsewhere (TCP, in-process, UCX active
-//! messages) every write passes through [`ReceiverCore::admit_write`], which refuses writes to transfers
-//! that are not active and to blocks the transfer does not own.
+//! receiver's arena. By default every write passes through [`ReceiverCore::admit_write`] (TCP, in-process,
+//! UCX active messages), which refuses writes without the transfer's token, to transfers that are not
+//! active and to blocks the transfer does not own. Only a UCX receiver configured to accept one-sided
+//! puts (a trusted network, see the crate README) lets them write its memory unseen; it then relies on the
+//! sender's flush-then-acknowledge and cannot bound where the puts land.
 //!
 //! A pool in device memory is staged through host memory ([`crate::staging`]): a sender's puts then point
 //! into host buffers they own ([`PutOp::staged`]), and a receiver's writes land through
@@ -19,12 +20,13 @@ pub mod ucx;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kv_cache::{KvArena, KvCache};
-use proto::v1::{MemoryRegion, TransferControl, TransportEndpoint, transfer_control::Body};
+use kv_cache::KvCache;
+use proto::v1::{TransferAccept, TransferControl, TransportEndpoint, transfer_control::Body};
 
 use crate::TransferError;
 use crate::receiver::core::ReceiverCore;
 use crate::staging::StagedBuf;
+use crate::token::TOKEN_BYTES;
 use crate::wait::Cell;
 
 /// Which transport an endpoint speaks.
@@ -66,29 +68,19 @@ impl std::fmt::Display for TransportKind {
     }
 }
 
-/// What a serving transport publishes in descriptors.
+/// What a serving transport publishes in descriptors: where to reach it. Nothing that grants writes (a
+/// remote key) goes in a descriptor; a UCX receiver that accepts one-sided puts hands its keys out only in
+/// `TransferAccept`.
 pub struct Served {
     pub endpoint: TransportEndpoint,
-    pub regions: Vec<MemoryRegion>,
     /// Keeps the listener (and registrations) alive; dropping it stops serving.
     pub guard: Box<dyn Send + Sync>,
 }
 
 impl Served {
-    /// A `kind` endpoint at `address` publishing the whole of `arena`, with the remote key that one-sided
-    /// writes into it need (empty where there are none), kept alive by `guard`.
-    pub fn new(
-        kind: TransportKind,
-        address: Vec<u8>,
-        arena: &KvArena,
-        rkey: Vec<u8>,
-        guard: impl Send + Sync + 'static,
-    ) -> Self {
-        Served {
-            endpoint: TransportEndpoint { kind: kind.as_str().into(), address },
-            regions: vec![MemoryRegion { remote_addr: arena.as_ptr() as u64, length: arena.len() as u64, rkey }],
-            guard: Box::new(guard),
-        }
+    /// A `kind` endpoint at `address`, kept alive by `guard`.
+    pub fn new(kind: TransportKind, address: Vec<u8>, guard: impl Send + Sync + 'static) -> Self {
+        Served { endpoint: TransportEndpoint { kind: kind.as_str().into(), address }, guard: Box::new(guard) }
     }
 }
 
@@ -118,10 +110,12 @@ pub trait Inbound: Send + Sync {
     fn on_link_lost(&self, link_id: u64, reason: &str);
 }
 
-/// A one-sided copy of `len` bytes from the sender's arena into the receiver's.
+/// A copy of `len` bytes from the sender's arena into the receiver's: a write the receiver admits, or a
+/// one-sided put where the receiver granted regions.
 pub struct PutOp {
     pub session_id: u64,
-    pub token: u64,
+    /// The session token (from the receiver's Accept), which every receiver-mediated write carries.
+    pub token: [u8; TOKEN_BYTES],
     /// Source address: in the sender's arena, or in `staged` when the arena is device memory.
     pub src: *const u8,
     pub len: u64,
@@ -135,6 +129,51 @@ pub struct PutOp {
     /// The host copy `src` points into, for a device pool staged through host memory. Transports hold the
     /// op (or this buffer) until they are done reading `src`; dropping it lends the buffer out again.
     pub staged: Option<StagedBuf>,
+}
+
+impl PutOp {
+    /// The header a receiver-mediated write of this op carries.
+    pub fn header(&self) -> WriteHeader {
+        WriteHeader { session: self.session_id, token: self.token, offset: self.dst_offset, len: self.len }
+    }
+}
+
+/// What every receiver-mediated write carries ahead of its payload (TCP data frames, UCX data active
+/// messages): `[session: u64][session token: 16 bytes][pool offset: u64][len: u64]`, integers
+/// little-endian.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct WriteHeader {
+    pub session: u64,
+    pub token: [u8; TOKEN_BYTES],
+    pub offset: u64,
+    pub len: u64,
+}
+
+impl WriteHeader {
+    pub const BYTES: usize = 8 + TOKEN_BYTES + 16;
+
+    pub fn encode(&self) -> [u8; Self::BYTES] {
+        let mut b = [0u8; Self::BYTES];
+        b[..8].copy_from_slice(&self.session.to_le_bytes());
+        b[8..8 + TOKEN_BYTES].copy_from_slice(&self.token);
+        b[8 + TOKEN_BYTES..16 + TOKEN_BYTES].copy_from_slice(&self.offset.to_le_bytes());
+        b[16 + TOKEN_BYTES..24 + TOKEN_BYTES].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// `None` unless `b` is exactly [`WriteHeader::BYTES`] long.
+    pub fn decode(b: &[u8]) -> Option<Self> {
+        if b.len() != Self::BYTES {
+            return None;
+        }
+        let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap_or([0; 8]));
+        Some(WriteHeader {
+            session: word(0),
+            token: b[8..8 + TOKEN_BYTES].try_into().ok()?,
+            offset: word(8 + TOKEN_BYTES),
+            len: word(16 + TOKEN_BYTES),
+        })
+    }
 }
 
 // SAFETY: `src` points into an arena the session keeps alive (Arc<KvCache>) until its puts are flushed,
@@ -164,9 +203,13 @@ pub trait Link: Send + Sync {
     fn max_write(&self) -> Option<u64> {
         None
     }
-    /// Makes `regions` (from a descriptor) usable by `put`; returns a handle for them.
-    fn attach_regions(&self, regions: &[MemoryRegion]) -> Result<u64, TransferError>;
-    fn detach_regions(&self, handle: u64);
+    /// Sets up the writes of a session the receiver accepted: makes the regions it granted for one-sided
+    /// puts usable by `put` (none granted: every write goes through the receiver) and notes the largest
+    /// write it places. Returns a handle for the regions (0 when none).
+    fn accepted(&self, _accept: &TransferAccept) -> Result<u64, TransferError> {
+        Ok(0)
+    }
+    fn detach_regions(&self, _handle: u64) {}
     /// Queues a put; never blocks. Failures surface at the next flush.
     fn put(&self, regions: u64, op: PutOp) -> Result<(), TransferError>;
     /// Completes once every put queued before it is visible in the receiver's memory.
@@ -253,4 +296,19 @@ impl PendingCalls {
 /// A control message with `body` and `correlation_id`.
 pub(crate) fn control(correlation_id: u64, body: Body) -> TransferControl {
     TransferControl { correlation_id, body: Some(body) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::WriteHeader;
+
+    #[test]
+    fn write_headers_round_trip_and_refuse_other_lengths() {
+        let h = WriteHeader { session: 7, token: [0xab; 16], offset: 1 << 40, len: 656 };
+        let b = h.encode();
+        assert_eq!(b.len(), 40);
+        assert!(WriteHeader::decode(&b) == Some(h));
+        assert!(WriteHeader::decode(&b[..39]).is_none());
+        assert!(WriteHeader::decode(&[b.as_slice(), &[0]].concat()).is_none());
+    }
 }

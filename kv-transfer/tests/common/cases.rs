@@ -216,9 +216,12 @@ pub fn bad_descriptors_rejected_before_any_write(kind: &Kind) {
     let e = rejected(&d, "unknown request");
     assert!(matches!(e, TransferError::Rejected { status: RejectStatus::UnknownRequest, .. }), "{e:?}");
     let mut d = desc.clone();
-    d.transfer_token ^= 1;
+    d.transfer_token[0] ^= 1;
     let e = rejected(&d, "wrong token");
     assert!(matches!(e, TransferError::Rejected { status: RejectStatus::BadToken, .. }), "{e:?}");
+    let mut d = desc.clone();
+    d.transfer_token.clear();
+    assert!(matches!(rejected(&d, "no token"), TransferError::BadDescriptor { .. }));
     let mut d = desc.clone();
     d.block_ids[1] = 64; // pool has 64 blocks
     assert!(matches!(rejected(&d, "out of range"), TransferError::BadDescriptor { .. }));

@@ -155,14 +155,24 @@ impl Kind {
         }
     }
 
+    /// Whether the sender ships one-sided puts (and the receiver accepts them): `Ucx` variants.
+    pub fn one_sided_puts(&self) -> bool {
+        self.data_path() == Some(DataPath::Put)
+    }
+
     pub fn receiver_config(&self) -> ReceiverConfig {
-        ReceiverConfig { lanes: Some(self.lanes()), ..ReceiverConfig::new(self.receiver_transport()) }
+        ReceiverConfig {
+            lanes: Some(self.lanes()),
+            one_sided_puts: Some(self.one_sided_puts()),
+            ..ReceiverConfig::new(self.receiver_transport())
+        }
     }
 
     pub fn sender_config(&self) -> SenderConfig {
         let mut c = SenderConfig { lanes: Some(self.lanes()), ..SenderConfig::default() };
         c.ucx_tls = self.tls().map(str::to_string);
         c.ucx_data_path = self.data_path();
+        c.ucx_one_sided_puts = Some(self.one_sided_puts());
         c
     }
 

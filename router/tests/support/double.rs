@@ -76,7 +76,7 @@ pub struct Log {
 /// The in-process stand-in for kv-transfer: reservations waiting for their prefill.
 #[derive(Default)]
 pub struct Fabric {
-    waiting: Mutex<HashMap<u64, oneshot::Sender<Handoff>>>,
+    waiting: Mutex<HashMap<Vec<u8>, oneshot::Sender<Handoff>>>,
 }
 
 enum Handoff {
@@ -273,9 +273,9 @@ impl DecodeWorker for DecodeDouble {
             let why = s.knobs.full_reason.lock().unwrap().clone();
             return Err(proto::refusal::no_room(format!("{}: {why}", s.id)));
         }
-        let transfer_token: u64 = rand::random();
+        let transfer_token = rand::random::<[u8; 16]>().to_vec();
         let (done_tx, done_rx) = oneshot::channel();
-        s.fabric.waiting.lock().unwrap().insert(transfer_token, done_tx);
+        s.fabric.waiting.lock().unwrap().insert(transfer_token.clone(), done_tx);
         let (tx, rx) = mpsc::channel::<Result<DecodeEvent, Status>>(64);
         let descriptor = TransferDescriptor {
             request_id: req.request_id.clone(),

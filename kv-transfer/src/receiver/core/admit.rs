@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 
 use super::{ReceiverCore, Transfer};
 use crate::TransferError;
+use crate::token::TOKEN_BYTES;
 
 /// Why a receiver-mediated write was not admitted.
 #[derive(Debug, PartialEq, Eq)]
@@ -89,16 +90,19 @@ impl Drop for WritePermit {
 }
 
 impl ReceiverCore {
-    /// Admits a receiver-mediated write of `len` bytes at pool offset `offset` for `session`.
+    /// Admits a receiver-mediated write of `len` bytes at pool offset `offset` for `session`, whose
+    /// writer presents `token` (the session token of its Accept). A wrong token is refused without
+    /// touching the transfer (the writer is not its sender); a write outside the transfer's blocks from
+    /// the token's holder fails the transfer.
     pub fn admit_write(
         self: &Arc<Self>,
         session: u64,
-        token: u64,
+        token: &[u8; TOKEN_BYTES],
         offset: u64,
         len: u64,
     ) -> Result<WritePermit, Refusal> {
         let Some(t) = self.tables().by_session.get(&session).cloned() else { return Err(Refusal::Stale) };
-        if t.token != token {
+        if !t.session_token.matches(token) {
             return Err(Refusal::Invalid(format!("request {}: write with a wrong token", t.request_id)));
         }
         t.inflight.fetch_add(1, Ordering::SeqCst);

@@ -43,9 +43,16 @@ impl ReceiverCore {
         let Some(t) = self.lookup_request(&b.request_id) else {
             return reject(TransferStatus::UnknownRequest, format!("no transfer expected for {}", b.request_id));
         };
-        if b.transfer_token != t.token {
-            // Not the paired sender: refuse without touching the transfer.
+        // Not the paired sender: refuse without touching the transfer.
+        if b.transfer_token.is_empty() {
+            return reject(TransferStatus::BadToken, "the handshake carries no transfer token".into());
+        }
+        if !t.token.matches(&b.transfer_token) {
             return reject(TransferStatus::BadToken, "transfer token does not match".into());
+        }
+        if !self.reservation_intact(&t) {
+            self.orphan(&t);
+            return reject(TransferStatus::UnknownRequest, format!("the reservation of {} is gone", b.request_id));
         }
         // The paired sender with a mismatching view: the transfer cannot succeed, fail it now.
         let mismatch = if let Err(e) = self.fingerprint.check_compatible(&b.fingerprint.clone().unwrap_or_default()) {
@@ -93,11 +100,14 @@ impl ReceiverCore {
         drop(ph);
         *t.started.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
         tracing::debug!(request_id = %t.request_id, session = t.session, "kv transfer accepted");
-        peer.send(control(corr, Body::Accept(TransferAccept { session_id: t.session })));
+        let accept =
+            TransferAccept { session_id: t.session, session_token: t.session_token.to_vec(), ..Default::default() };
+        peer.send(control(corr, Body::Accept(accept)));
     }
 
-    /// Finds a session's transfer for a message that must come from its sender.
-    fn session_for(&self, peer: &Arc<dyn PeerLink>, corr: u64, session: u64, token: u64) -> Option<Arc<Transfer>> {
+    /// Finds a session's transfer for a message that must come from its sender (it carries the session
+    /// token only the accepted sender was given).
+    fn session_for(&self, peer: &Arc<dyn PeerLink>, corr: u64, session: u64, token: &[u8]) -> Option<Arc<Transfer>> {
         let (t, tomb) = {
             let tb = self.tables();
             (tb.by_session.get(&session).cloned(), tb.tombstones.get(&session).cloned())
@@ -108,7 +118,7 @@ impl ReceiverCore {
                 peer.send(ack(corr, session, status, &why));
                 None
             }
-            Some(t) if t.token != token => {
+            Some(t) if !t.session_token.matches(token) => {
                 peer.send(ack(corr, session, TransferStatus::BadToken, "transfer token does not match"));
                 None
             }
@@ -117,7 +127,7 @@ impl ReceiverCore {
     }
 
     fn on_complete(self: &Arc<Self>, peer: &Arc<dyn PeerLink>, corr: u64, c: TransferComplete) {
-        let Some(t) = self.session_for(peer, corr, c.session_id, c.transfer_token) else { return };
+        let Some(t) = self.session_for(peer, corr, c.session_id, &c.session_token) else { return };
         let mut ph = t.lock_phase();
         match std::mem::replace(&mut *ph, Phase::Verifying) {
             Phase::Active(p) if p.id() == peer.id() => {}
@@ -263,7 +273,7 @@ impl ReceiverCore {
     }
 
     fn on_release(self: &Arc<Self>, peer: &Arc<dyn PeerLink>, corr: u64, r: TransferRelease) {
-        let Some(t) = self.session_for(peer, corr, r.session_id, r.transfer_token) else { return };
+        let Some(t) = self.session_for(peer, corr, r.session_id, &r.session_token) else { return };
         let mut ph = t.lock_phase();
         let was = std::mem::replace(&mut *ph, Phase::Done);
         drop(ph);
@@ -292,7 +302,7 @@ impl ReceiverCore {
     }
 
     fn on_sender_abort(self: &Arc<Self>, peer: &Arc<dyn PeerLink>, corr: u64, a: TransferAbort) {
-        let Some(t) = self.session_for(peer, corr, a.session_id, a.transfer_token) else { return };
+        let Some(t) = self.session_for(peer, corr, a.session_id, &a.session_token) else { return };
         let mut ph = t.lock_phase();
         let was = std::mem::replace(&mut *ph, Phase::Done);
         drop(ph);
@@ -317,11 +327,12 @@ impl ReceiverCore {
         }
     }
 
-    /// The sender acknowledged our abort: its puts are flushed and it issues no more.
-    fn on_ack(self: &Arc<Self>, _peer: &Arc<dyn PeerLink>, a: TransferAck) {
+    /// The sender acknowledged our abort: its puts are flushed and it issues no more. Only the aborted
+    /// session's own sender can say so (an acknowledgement carries no token).
+    fn on_ack(self: &Arc<Self>, peer: &Arc<dyn PeerLink>, a: TransferAck) {
         let Some(t) = self.tables().by_session.get(&a.session_id).cloned() else { return };
         let mut ph = t.lock_phase();
-        if matches!(&*ph, Phase::Aborting(_)) {
+        if matches!(&*ph, Phase::Aborting(p) if p.id() == peer.id()) {
             *ph = Phase::Done;
             drop(ph);
             self.forget(&t);

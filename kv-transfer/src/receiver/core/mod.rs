@@ -36,6 +36,7 @@ use super::TransferOutcome;
 use crate::TransferError;
 use crate::layout;
 use crate::staging::{self, StagingPool};
+use crate::token::TransferToken;
 use crate::transport::{PeerLink, control, next_id};
 use crate::wait::Cell;
 
@@ -64,7 +65,10 @@ enum Phase {
 pub(crate) struct Transfer {
     pub session: u64,
     pub request_id: String,
-    token: u64,
+    /// The descriptor's token: opens the one handshake.
+    token: TransferToken,
+    /// Handed to the accepted sender only; authenticates the session's later messages and writes.
+    session_token: TransferToken,
     num_tokens: u32,
     blocks: Vec<u32>,
     /// Block id -> index in `blocks`, for write admission.
@@ -179,7 +183,7 @@ impl ReceiverCore {
     pub(crate) fn register(
         self: &Arc<Self>,
         request_id: &str,
-        token: u64,
+        token: TransferToken,
         num_tokens: u32,
         blocks: Vec<u32>,
         deadline: Instant,
@@ -191,6 +195,7 @@ impl ReceiverCore {
             session,
             request_id: request_id.to_string(),
             token,
+            session_token: TransferToken::generate()?,
             num_tokens,
             block_index: blocks.iter().enumerate().map(|(i, &b)| (b, i as u32)).collect(),
             blocks,
@@ -224,10 +229,38 @@ impl ReceiverCore {
         Ok(t)
     }
 
-    /// Whether `token` is the secret of the transfer expected for `request_id` (a sender proving it was
-    /// handed the descriptor).
-    pub(crate) fn knows_token(&self, request_id: &str, token: u64) -> bool {
-        self.lookup_request(request_id).is_some_and(|t| t.token == token)
+    /// Whether `token` opens the transfer expected for `request_id`: it is that reservation's secret and
+    /// no handshake used it yet (a sender proving it was handed the descriptor).
+    pub(crate) fn token_opens(&self, request_id: &str, token: &[u8]) -> bool {
+        self.lookup_request(request_id)
+            .is_some_and(|t| t.token.matches(token) && matches!(*t.lock_phase(), Phase::Expected))
+    }
+
+    /// Whether the pool still holds `t`'s reservation as it was granted. A reservation freed (or taken
+    /// again under the same id) behind the transfer's back takes the token with it.
+    fn reservation_intact(&self, t: &Transfer) -> bool {
+        self.pool.table(&t.request_id).is_some_and(|table| {
+            table.len() >= t.blocks.len() && table.blocks.iter().zip(&t.blocks).all(|(b, &want)| b.0 == want)
+        })
+    }
+
+    /// Ends an expected transfer whose reservation is gone, without freeing blocks it no longer owns.
+    fn orphan(&self, t: &Arc<Transfer>) {
+        let was = std::mem::replace(&mut *t.lock_phase(), Phase::Done);
+        if matches!(was, Phase::Expected) {
+            t.active.store(false, Ordering::SeqCst);
+            {
+                // Nothing is freed: the blocks went back to the pool without us.
+                let mut f = t.free.lock().unwrap_or_else(|p| p.into_inner());
+                f.requested = true;
+                f.done = true;
+            }
+            let why = "the reservation was freed outside the transfer".to_string();
+            self.finish_err(t, TransferError::Aborted { request_id: t.request_id.clone(), reason: why });
+            self.forget(t);
+        } else {
+            *t.lock_phase() = was;
+        }
     }
 
     /// Messages from senders that never proved they hold a descriptor, dropped unanswered.
@@ -279,7 +312,7 @@ impl ReceiverCore {
                 t.active.store(false, Ordering::SeqCst);
                 let abort = Body::Abort(TransferAbort {
                     session_id: t.session,
-                    transfer_token: t.token,
+                    session_token: t.session_token.to_vec(),
                     reason: reason.to_string(),
                     status: err.wire_status() as i32,
                 });

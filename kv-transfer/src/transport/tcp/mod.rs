@@ -6,9 +6,9 @@
 //! the data; with several, a flush also sends a barrier on every other lane, which the receiver answers
 //! once it has placed every frame before it.
 //!
-//! Frames: control `[1][len: u32 LE][TransferControl]`; data
-//! `[2][session: u64][token: u64][offset: u64][len: u64][len bytes]`; barrier `[3][id: u64]`, answered
-//! by an `Ack` control frame with correlation id `id` (all little-endian).
+//! Frames: control `[1][len: u32 LE][TransferControl]`; data `[2][WriteHeader][len bytes]` (session: u64,
+//! token: 16 bytes, pool offset: u64, len: u64); barrier `[3][id: u64]`, answered by an `Ack` control
+//! frame with correlation id `id` (integers little-endian).
 
 mod serve;
 
@@ -21,7 +21,7 @@ use std::time::Instant;
 use kv_cache::KvCache;
 use prost::Message;
 use proto::v1::transfer_control::Body;
-use proto::v1::{MemoryRegion, TransferControl, TransportEndpoint};
+use proto::v1::{TransferControl, TransportEndpoint};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -128,7 +128,7 @@ impl Transport for TcpTransport {
             })
         };
         let guard = ListenerGuard(task.abort_handle());
-        Ok(Served::new(TransportKind::Tcp, address.into_bytes(), core.cache.arena(), Vec::new(), guard))
+        Ok(Served::new(TransportKind::Tcp, address.into_bytes(), guard))
     }
 
     fn connect(
@@ -228,13 +228,8 @@ async fn write_loop(wr: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::Unbounded
                 match it {
                     Out::Ctl(m) => write_frame_ctl(&mut w, &m).await?,
                     Out::Data(op) => {
-                        let mut hdr = [0u8; 33];
-                        hdr[0] = TAG_DATA;
-                        hdr[1..9].copy_from_slice(&op.session_id.to_le_bytes());
-                        hdr[9..17].copy_from_slice(&op.token.to_le_bytes());
-                        hdr[17..25].copy_from_slice(&op.dst_offset.to_le_bytes());
-                        hdr[25..33].copy_from_slice(&op.len.to_le_bytes());
-                        w.write_all(&hdr).await?;
+                        w.write_u8(TAG_DATA).await?;
+                        w.write_all(&op.header().encode()).await?;
                         // SAFETY: the session keeps the source arena alive and unmodified until flushed.
                         let src = unsafe { std::slice::from_raw_parts(op.src, op.len as usize) };
                         w.write_all(src).await?;
@@ -398,12 +393,6 @@ impl Link for TcpLink {
         self.barriers(&todo, &join);
         Some(Ok(cell))
     }
-
-    fn attach_regions(&self, _regions: &[MemoryRegion]) -> Result<u64, TransferError> {
-        Ok(0)
-    }
-
-    fn detach_regions(&self, _handle: u64) {}
 
     fn put(&self, _regions: u64, op: PutOp) -> Result<(), TransferError> {
         let lane = op.lane % self.lanes.len();

@@ -3,7 +3,7 @@
 //! every frame before them was placed.
 //!
 //! A connection is trusted once it proved it knows a transfer's secret token: a handshake (`Begin`)
-//! carrying an expected request's token, or a data frame the core admitted. Before that only handshakes
+//! carrying an expected request's unused token, or a data frame the core admitted (a link's other lanes). Before that only handshakes
 //! are answered (at most [`UNTRUSTED_HANDSHAKES`] refused ones); any other frame closes the connection.
 //! Replies wait in a queue of at most [`REPLY_QUEUE`] messages; a peer that does not read them is cut off.
 
@@ -19,13 +19,17 @@ use tokio::sync::mpsc;
 use super::{IO_BUF, TAG_BARRIER, TAG_CONTROL, TAG_DATA, read_ctl, write_frame_ctl};
 use crate::receiver::core::{ReceiverCore, Refusal, WritePermit};
 use crate::staging::STAGE_BYTES;
-use crate::transport::{PeerLink, control, next_id};
+use crate::transport::{PeerLink, WriteHeader, control, next_id};
 
 /// Replies queued for one connection. A sender reads its replies as they come; a full queue means the
 /// peer stopped reading (or floods us with requests for replies), and it is disconnected.
 pub(super) const REPLY_QUEUE: usize = 4096;
-/// Refused handshakes a connection may send before one succeeds.
+/// Refused handshakes (and writes to no live transfer) a connection may send before one succeeds.
 pub(super) const UNTRUSTED_HANDSHAKES: u32 = 16;
+/// The largest write to no live transfer an untrusted connection may send (it is read and dropped): a
+/// striped link's lanes ship pieces of about a MiB, and a lane's first write may meet a transfer that
+/// just ended.
+const UNTRUSTED_WRITE_BYTES: u64 = 4 << 20;
 
 /// Receiver side of one sender connection.
 struct TcpPeer {
@@ -119,7 +123,7 @@ async fn receiver_read_loop(
     let mut r = BufReader::with_capacity(IO_BUF, rd);
     let mut scratch = Vec::new();
     let mut trusted = false;
-    let mut refused_handshakes = 0u32;
+    let mut refused = 0u32;
     let untrusted = |what: &str| {
         if let Some(core) = core.upgrade() {
             core.count_dropped_untrusted(1);
@@ -139,11 +143,11 @@ async fn receiver_read_loop(
                 let msg = read_ctl(&mut r).await?;
                 if !trusted {
                     let Some(Body::Begin(b)) = &msg.body else { return Err(untrusted("a control message")) };
-                    if core.knows_token(&b.request_id, b.transfer_token) {
+                    if core.token_opens(&b.request_id, &b.transfer_token) {
                         trusted = true;
                     } else {
-                        refused_handshakes += 1;
-                        if refused_handshakes > UNTRUSTED_HANDSHAKES {
+                        refused += 1;
+                        if refused > UNTRUSTED_HANDSHAKES {
                             return Err(untrusted("too many refused handshakes"));
                         }
                     }
@@ -159,11 +163,12 @@ async fn receiver_read_loop(
                 peer.send(control(id, Body::Ack(Default::default())));
             }
             TAG_DATA => {
-                let mut hdr = [0u8; 32];
+                let mut hdr = [0u8; WriteHeader::BYTES];
                 r.read_exact(&mut hdr).await?;
-                let word = |i: usize| u64::from_le_bytes(hdr[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
-                let (session, token, offset, len) = (word(0), word(1), word(2), word(3));
-                match core.admit_write(session, token, offset, len) {
+                let Some(WriteHeader { session, token, offset, len }) = WriteHeader::decode(&hdr) else {
+                    return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "bad write header"));
+                };
+                match core.admit_write(session, &token, offset, len) {
                     Ok(permit) if permit.staged() => {
                         trusted = true;
                         read_staged(&mut r, permit, &mut scratch).await?;
@@ -179,6 +184,12 @@ async fn receiver_read_loop(
                             tracing::warn!(why, "dropping an invalid write");
                             if !trusted {
                                 return Err(untrusted("an invalid write"));
+                            }
+                        }
+                        if !trusted {
+                            refused += 1;
+                            if refused > UNTRUSTED_HANDSHAKES || len > UNTRUSTED_WRITE_BYTES {
+                                return Err(untrusted("writes to no live transfer"));
                             }
                         }
                         // Stale (the transfer ended, or never existed): a lane's first write can meet a

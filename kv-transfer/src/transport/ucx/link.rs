@@ -2,16 +2,15 @@
 //! progress thread), control on lane 0, data on the lane the shipper picked for each piece.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use proto::v1::transfer_control::Body;
-use proto::v1::{MemoryRegion, TransferControl};
+use proto::v1::{TransferAccept, TransferControl};
 
 use super::lock;
 use super::node::{Node, Sink};
 use crate::TransferError;
-use crate::staging::STAGE_BYTES;
 use crate::transport::lanes::{FlushJoin, LaneEpochs};
 use crate::transport::{Flushed, Inbound, Link, PendingCalls, PutOp, Reply, control, next_id};
 use crate::wait::Cell;
@@ -49,11 +48,12 @@ impl Sink for SenderSink {
 }
 
 pub(super) struct UcxLink {
-    /// Data goes as active messages the receiver places (configured, or the receiver's pool is not
-    /// registered); else as one-sided puts.
+    /// Data goes as active messages the receiver places (configured, or the receiver granted no regions
+    /// for puts); else as one-sided puts.
     pub receiver_mediated: AtomicBool,
-    /// The receiver's regions carry no rkey: a device pool it stages through host memory.
-    pub unregistered: AtomicBool,
+    /// The largest write the receiver places (from its `Accept`; a device pool it stages through host
+    /// memory); 0 when unbounded.
+    pub max_write: AtomicU64,
     pub id: u64,
     /// (node, endpoint) per lane; lane 0 carries control messages.
     pub lanes: Vec<(Arc<Node>, u64)>,
@@ -134,17 +134,28 @@ impl Link for UcxLink {
     }
 
     fn max_write(&self) -> Option<u64> {
-        self.unregistered.load(Ordering::SeqCst).then_some(STAGE_BYTES as u64)
+        let m = self.max_write.load(Ordering::SeqCst);
+        (m > 0).then_some(m)
     }
 
-    fn attach_regions(&self, regions: &[MemoryRegion]) -> Result<u64, TransferError> {
-        if regions.iter().any(|r| r.rkey.is_empty()) {
-            // Nothing to put into: the receiver lands active messages itself, each in one staging buffer.
-            if !self.unregistered.swap(true, Ordering::SeqCst) {
-                tracing::debug!(link = self.id, "UCX receiver pool is not registered; sending active messages");
+    fn accepted(&self, accept: &TransferAccept) -> Result<u64, TransferError> {
+        if accept.max_write > 0 {
+            self.max_write.store(accept.max_write, Ordering::SeqCst);
+        }
+        let regions = &accept.regions;
+        if regions.is_empty() {
+            // No puts granted (the receiver does not take them, or its pool is in device memory): it lands
+            // active messages itself. Its policy is fixed, so later sessions ask for that directly.
+            if !self.receiver_mediated.swap(true, Ordering::SeqCst) {
+                tracing::debug!(link = self.id, "the UCX receiver takes no one-sided puts; sending active messages");
             }
-            self.receiver_mediated.store(true, Ordering::SeqCst);
             return Ok(0);
+        }
+        if self.receiver_mediated.load(Ordering::SeqCst) {
+            return Err(TransferError::Transport("the receiver granted puts this sender did not ask for".into()));
+        }
+        if regions.iter().any(|r| r.rkey.is_empty()) {
+            return Err(TransferError::Transport("a granted region carries no remote key".into()));
         }
         let packed: Vec<Vec<u8>> = regions.iter().map(|r| r.rkey.clone()).collect();
         if let Some(&h) = lock(&self.rkeys).get(&packed) {

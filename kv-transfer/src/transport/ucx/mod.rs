@@ -1,12 +1,20 @@
 //! UCX transport through libucp, loaded at run time ([`api::load`]); bindings generated once by
-//! `scripts/gen-ucx-bindings.sh` ([`sys`]). The receiver registers its arena (`ucp_mem_map`) and publishes
-//! its worker address and packed rkey in descriptors; senders write with `ucp_put_nbx` and make the bytes
-//! visible with `ucp_ep_flush_nbx` before any completion, release or abort acknowledgement. Control
-//! messages are active messages. A device pool is never registered: its region carries no rkey, and
-//! senders to it send active messages of at most one staging buffer ([`crate::staging`]). UCX picks the
-//! transport itself (`UCX_TLS` and every other `UCX_*` variable apply); this code names none, but creates
-//! endpoints to same-host peers without peer-failure detection so that UCX may pick shared memory
-//! ([`host`]), and raises the shared-memory segment size where the user set none.
+//! `scripts/gen-ucx-bindings.sh` ([`sys`]). The receiver publishes its workers' addresses in descriptors;
+//! control messages are active messages, and so are data writes by default: the receiver places each one
+//! itself after [`admit_write`](crate::receiver::core::ReceiverCore::admit_write) checked its token and
+//! that it lies inside the transfer's blocks.
+//!
+//! One-sided puts (`ucp_put_nbx`, made visible with `ucp_ep_flush_nbx` before any completion, release or
+//! abort acknowledgement) happen only where the receiver accepts them ([`one_sided_puts_from_env`], a
+//! trusted network): it then registers its arena (`ucp_mem_map`) and hands the packed rkey to a sender in
+//! its `Accept`, never before the token handshake. The receiver cannot bound where puts land, and UCX's
+//! RMA feature, which puts need, answers any connected peer's put wherever it points over transports
+//! that emulate RMA (tcp, shared memory): nodes ask for that feature only in this mode. A device pool is
+//! never registered; senders to it send active messages of at most one staging buffer
+//! ([`crate::staging`]). UCX picks the transport itself (`UCX_TLS` and every other `UCX_*` variable
+//! apply); this code names none, but creates endpoints to same-host peers without peer-failure detection
+//! so that UCX may pick shared memory ([`host`]), and raises the shared-memory segment size where the user
+//! set none.
 
 pub mod api;
 pub mod host;
@@ -17,15 +25,15 @@ mod serve;
 pub mod sys;
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use kv_cache::KvCache;
-use proto::v1::TransportEndpoint;
+use proto::v1::{MemoryRegion, TransportEndpoint};
 
 use self::link::{SenderSink, UcxLink};
-pub use self::node::{AM_CONTROL, CONTROL_INFLIGHT, CONTROL_QUEUE, MAX_CONTROL_BYTES};
+pub use self::node::{AM_CONTROL, AM_DATA, CONTROL_INFLIGHT, CONTROL_QUEUE, MAX_CONTROL_BYTES};
 use self::node::{Node, NodeOwner, Sink};
 use self::serve::ReceiverSink;
 pub use self::serve::{STRANGER_EPS, STRANGER_TTL};
@@ -43,15 +51,29 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Whether one-sided puts are allowed in this deployment: `TANDEM_UCX_ONE_SIDED_PUTS` = `1`/`true`
+/// (default off). A receiver then accepts them from senders that passed the handshake, and a sender's
+/// `auto` data path may choose them. Turn it on only where every process that can reach the decode
+/// workers' UCX ports is trusted with their whole memory (see the crate README).
+pub fn one_sided_puts_from_env() -> Result<bool, String> {
+    match std::env::var("TANDEM_UCX_ONE_SIDED_PUTS").as_deref() {
+        Err(_) | Ok("") | Ok("0") | Ok("false") => Ok(false),
+        Ok("1") | Ok("true") => Ok(true),
+        Ok(v) => Err(format!("TANDEM_UCX_ONE_SIDED_PUTS={v:?}; valid: 1, true, 0, false")),
+    }
+}
+
 /// How a UCX sender moves bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DataPath {
-    /// One-sided `ucp_put_nbx` into the registered arena (fastest where UCX has native RMA).
+    /// One-sided `ucp_put_nbx` into the registered arena (fastest where UCX has native RMA). Used only
+    /// with a receiver that accepts one-sided puts; other receivers get active messages.
     Put,
     /// Rendezvous active messages the receiver places itself (fastest where RMA is emulated, as over
     /// tcp; every write is admitted by the receiver).
     ActiveMessage,
-    /// Measured choice (bench/RESULTS.md): `Put` to a peer on this host over shared memory through one
+    /// Active messages unless one-sided puts are allowed ([`one_sided_puts_from_env`]); then the measured
+    /// choice (bench/RESULTS.md): `Put` to a peer on this host over shared memory through one
     /// lane (UCX emulates the put over the shared-memory FIFO: the sender copies in, the receiver's
     /// progress thread copies out, a two-core pipeline; rendezvous active messages, one copy on the
     /// receiver's thread, ran at half the rate on the 2-core VM), and where an RDMA transport carries native RMA (`UCX_TLS` names one, or it is unset and
@@ -107,15 +129,19 @@ pub struct UcxTransport {
     /// `UCX_NET_DEVICES` for this transport's contexts when the environment sets none.
     net_devices: Option<String>,
     data_path: DataPath,
+    /// Receiver: accept one-sided puts from senders that passed the handshake. Sender: `auto` may
+    /// choose them.
+    one_sided_puts: bool,
     /// Nodes (workers, progress threads) per link on each side.
     lanes: usize,
     sender: Mutex<Option<(Vec<NodeOwner>, Arc<SenderSink>)>>,
 }
 
 impl UcxTransport {
-    /// Fails (with the loader's message) when libucp cannot be loaded.
+    /// Fails (with the loader's message) when libucp cannot be loaded. One-sided puts as
+    /// [`one_sided_puts_from_env`] says.
     pub fn new(tls: Option<&str>) -> Result<Self, String> {
-        Self::with_options(tls, DataPath::from_env()?, None)
+        Ok(Self::with_options(tls, DataPath::from_env()?, None)?.one_sided_puts(one_sided_puts_from_env()?))
     }
 
     pub fn with_data_path(tls: Option<&str>, data_path: DataPath) -> Result<Self, String> {
@@ -129,9 +155,26 @@ impl UcxTransport {
             tls: tls.map(str::to_string),
             net_devices: None,
             data_path,
+            one_sided_puts: false,
             lanes: lanes_or_default(lanes),
             sender: Mutex::new(None),
         })
+    }
+
+    /// Allows one-sided puts (default: not): a receiver accepts them from senders that passed the
+    /// handshake (it cannot bound where they land); a sender's `auto` data path may choose them.
+    pub fn one_sided_puts(mut self, allow: bool) -> Self {
+        self.one_sided_puts = allow;
+        self
+    }
+
+    /// Whether this side's nodes use or accept one-sided puts (and so need UCX's RMA feature).
+    fn rma(&self) -> bool {
+        match self.data_path {
+            DataPath::Put => true,
+            DataPath::ActiveMessage => false,
+            DataPath::Auto => self.one_sided_puts,
+        }
     }
 }
 
@@ -151,24 +194,34 @@ impl Transport for UcxTransport {
     }
 
     fn serve(&self, core: Arc<ReceiverCore>) -> Result<Served, TransferError> {
+        // A device pool is not registered (that needs a CUDA-capable libucp, the GPUDirect work): senders
+        // send active messages that lanes land through staging buffers.
+        let puts = self.one_sided_puts && !core.cache.stages_through_host();
         let sink = Arc::new(ReceiverSink::new(&core, self.tls.as_deref()));
-        // Lane 0 registers the arena and takes control messages and puts; every lane places
-        // active-message writes (senders spread theirs over all of them).
+        // Lane 0 takes control messages (and puts, where accepted: it registers the arena); every lane
+        // places active-message writes (senders spread theirs over all of them).
         let mut owners = Vec::new();
         for _ in 0..self.lanes {
             let sink: Arc<dyn Sink> = sink.clone();
-            owners.push(NodeOwner(Node::start("kv-recv", self.tls.as_deref(), self.net_devices.as_deref(), sink)?));
+            let tls = self.tls.as_deref();
+            owners.push(NodeOwner(Node::start("kv-recv", tls, self.net_devices.as_deref(), puts, sink)?));
         }
         let node = owners[0].0.clone();
-        let arena = core.cache.arena();
-        // A device pool is not registered (that needs a CUDA-capable libucp, the GPUDirect work): its
-        // region goes out without a key, so senders send active messages that lanes land through
-        // staging buffers.
-        let rkey =
-            if core.cache.stages_through_host() { Vec::new() } else { node.mem_map(arena.as_ptr(), arena.len())? };
+        if puts {
+            let arena = core.cache.arena();
+            let rkey = node.mem_map(arena.as_ptr(), arena.len())?;
+            tracing::warn!(
+                "kv-transfer accepts one-sided UCX puts: senders that pass the handshake can write anywhere in the cache pool"
+            );
+            sink.grant_puts(vec![MemoryRegion {
+                remote_addr: arena.as_ptr() as u64,
+                length: arena.len() as u64,
+                rkey,
+            }]);
+        }
         let workers: Vec<&[u8]> = owners.iter().map(|o| o.0.worker.as_slice()).collect();
         let address = encode_address(node.id, host::host_id(), &workers);
-        Ok(Served::new(TransportKind::Ucx, address, arena, rkey, owners))
+        Ok(Served::new(TransportKind::Ucx, address, owners))
     }
 
     fn connect(
@@ -184,7 +237,8 @@ impl Transport for UcxTransport {
         // A peer on this host is reached over shared memory, which UCX only selects for endpoints without
         // peer-failure detection (see `host`); its loss is then noticed by deadlines and the quarantine.
         let local = host::same_host(addr.host) && host::shm_allowed(self.tls.as_deref());
-        let am = self.data_path.resolve(self.tls.as_deref(), local, self.lanes) == DataPath::ActiveMessage;
+        let am =
+            !self.rma() || self.data_path.resolve(self.tls.as_deref(), local, self.lanes) == DataPath::ActiveMessage;
         let (nodes, sink) = {
             let mut g = lock(&self.sender);
             if g.as_ref().is_none_or(|(n, _)| n.iter().any(|n| !n.0.is_alive())) {
@@ -196,6 +250,7 @@ impl Transport for UcxTransport {
                         "kv-send",
                         self.tls.as_deref(),
                         self.net_devices.as_deref(),
+                        self.rma(),
                         s,
                     )?));
                 }
@@ -228,7 +283,7 @@ impl Transport for UcxTransport {
         }
         let link = Arc::new(UcxLink {
             receiver_mediated: AtomicBool::new(am),
-            unregistered: AtomicBool::new(false),
+            max_write: AtomicU64::new(0),
             id: next_id(),
             epochs: Arc::new(LaneEpochs::new(lanes.len())),
             lanes,

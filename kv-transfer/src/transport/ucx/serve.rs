@@ -1,5 +1,9 @@
 //! The receiver's side of UCX senders: control messages to the core, active-message writes to admission.
 //!
+//! A sender that asks for one-sided puts gets them only from a receiver that accepts them: its `Accept`
+//! then carries the registered regions and their remote key ([`Grant`]); elsewhere the sender is treated
+//! as receiver-mediated whatever it asked, and its `Accept` carries no key.
+//!
 //! A sender is trusted once the core accepted one of its handshakes (`Begin` -> `Accept`); only then does
 //! it get a lasting endpoint and answers to its other messages. Before that, anything but a `Begin` is
 //! dropped unanswered, and a refused `Begin` is answered over a temporary endpoint closed once the
@@ -13,14 +17,15 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use proto::v1::TransferControl;
 use proto::v1::transfer_control::Body;
+use proto::v1::{MemoryRegion, TransferControl};
 
 use super::node::{Node, Sink};
 use super::{host, lock};
 use crate::receiver::core::{ReceiverCore, Refusal, WritePermit};
+use crate::staging::STAGE_BYTES;
 use crate::transport::lanes::decode_address;
-use crate::transport::{PeerLink, next_id};
+use crate::transport::{PeerLink, WriteHeader, next_id};
 
 /// Temporary endpoints for refusing strangers' handshakes, opened per [`STRANGER_TTL`].
 pub const STRANGER_EPS: usize = 16;
@@ -37,6 +42,16 @@ pub(super) struct ReceiverSink {
     /// The receiver's `UCX_TLS` override (decides, with the sender's host, how to reach it).
     tls: Option<String>,
     peers: Mutex<Peers>,
+    grant: Arc<Grant>,
+}
+
+/// What an `Accept` hands a sender beyond the session id.
+#[derive(Default)]
+struct Grant {
+    /// The registered pool, with its remote key, where one-sided puts are accepted (set once, at start).
+    puts: std::sync::OnceLock<Vec<MemoryRegion>>,
+    /// The largest write the receiver places (a device pool: one staging buffer); 0 when unbounded.
+    max_write: u64,
 }
 
 #[derive(Default)]
@@ -50,7 +65,23 @@ struct Peers {
 
 impl ReceiverSink {
     pub(super) fn new(core: &Arc<ReceiverCore>, tls: Option<&str>) -> Self {
-        ReceiverSink { core: Arc::downgrade(core), tls: tls.map(str::to_string), peers: Mutex::new(Peers::default()) }
+        let max_write = if core.cache.stages_through_host() { STAGE_BYTES as u64 } else { 0 };
+        ReceiverSink {
+            core: Arc::downgrade(core),
+            tls: tls.map(str::to_string),
+            peers: Mutex::new(Peers::default()),
+            grant: Arc::new(Grant { puts: Default::default(), max_write }),
+        }
+    }
+
+    /// Accepts one-sided puts into `regions` (the registered pool) from senders that ask for them.
+    pub(super) fn grant_puts(&self, regions: Vec<MemoryRegion>) {
+        let _ = self.grant.puts.set(regions);
+    }
+
+    /// Whether a sender asking for one-sided puts (`receiver_mediated` false) gets them.
+    fn one_sided(&self, receiver_mediated: bool) -> bool {
+        !receiver_mediated && self.grant.puts.get().is_some()
     }
 
     /// A handshake from a sender we do not trust yet: answered over a temporary endpoint, which stays
@@ -73,7 +104,7 @@ impl ReceiverSink {
             tracing::debug!("a UCX sender sent a malformed address");
             return core.count_dropped_untrusted(1);
         };
-        let one_sided = !b.receiver_mediated;
+        let one_sided = self.one_sided(b.receiver_mediated);
         // The same rule the sender used for its endpoints to us (UCX wants both sides to agree).
         let local = host::same_host(sender.host) && host::shm_allowed(self.tls.as_deref());
         let ep = match node.connect_nowait(sender.lanes[0], !local) {
@@ -92,6 +123,7 @@ impl ReceiverSink {
             alive: AtomicBool::new(true),
             trusted: AtomicBool::new(false),
             accepts: AtomicU64::new(0),
+            grant: self.grant.clone(),
         });
         let dynp: Arc<dyn PeerLink> = peer.clone();
         core.on_control(&dynp, msg);
@@ -137,7 +169,7 @@ impl Sink for ReceiverSink {
         // A handshake's write mode becomes the peer's only if the core accepts it (Accept is sent from within
         // on_control, on this thread): a refused Begin leaves the mode of the peer's transfers in flight alone.
         let begin_mode = match &msg.body {
-            Some(Body::Begin(b)) => Some(!b.receiver_mediated),
+            Some(Body::Begin(b)) => Some(self.one_sided(b.receiver_mediated)),
             _ => None,
         };
         let (previous, accepts) = match begin_mode {
@@ -151,9 +183,9 @@ impl Sink for ReceiverSink {
         }
     }
 
-    fn admit(&self, session: u64, token: u64, offset: u64, len: u64) -> Option<Result<WritePermit, Refusal>> {
+    fn admit(&self, h: &WriteHeader) -> Option<Result<WritePermit, Refusal>> {
         let core = self.core.upgrade()?;
-        Some(core.admit_write(session, token, offset, len))
+        Some(core.admit_write(h.session, &h.token, h.offset, h.len))
     }
 
     fn on_ep_error(&self, ep: u64, reason: &str) {
@@ -196,6 +228,7 @@ struct UcxPeer {
     trusted: AtomicBool,
     /// Handshakes of this sender the core accepted.
     accepts: AtomicU64,
+    grant: Arc<Grant>,
 }
 
 impl PeerLink for UcxPeer {
@@ -207,10 +240,18 @@ impl PeerLink for UcxPeer {
         self.one_sided.load(Ordering::SeqCst)
     }
 
-    fn send(&self, msg: TransferControl) {
-        if matches!(msg.body, Some(Body::Accept(_))) {
+    fn send(&self, mut msg: TransferControl) {
+        if let Some(Body::Accept(a)) = &mut msg.body {
             self.trusted.store(true, Ordering::SeqCst);
             self.accepts.fetch_add(1, Ordering::SeqCst);
+            // The key to the pool goes only to a sender the core just accepted, and only if it asked
+            // for puts and this receiver accepts them.
+            if self.one_sided()
+                && let Some(regions) = self.grant.puts.get()
+            {
+                a.regions = regions.clone();
+            }
+            a.max_write = self.grant.max_write;
         }
         if let Some(n) = self.node.upgrade() {
             let _ = n.send_control(self.ep, &msg);

@@ -71,18 +71,18 @@ pub(super) unsafe extern "C" fn on_am_data(
     // return UCS_INPROGRESS for rendezvous and persistent payloads (released or received later).
     unsafe {
         let q = events(arg);
-        if header_length != 32 {
+        if header.is_null() || header_length as usize != WriteHeader::BYTES {
             return ucs_status_t::UCS_OK;
         }
-        let h = std::slice::from_raw_parts(header as *const u8, 32);
-        let w = |i: usize| u64::from_le_bytes(h[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
-        let hdr = [w(0), w(1), w(2), w(3)];
+        let Some(hdr) = WriteHeader::decode(std::slice::from_raw_parts(header as *const u8, WriteHeader::BYTES)) else {
+            return ucs_status_t::UCS_OK;
+        };
         let attr = (*param).recv_attr;
         if attr & ucp_am_recv_attr_t_UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0 {
             q.push(Event::Data(hdr, Payload::Rndv(data)));
             return ucs_status_t::UCS_INPROGRESS;
         }
-        if hdr[3] != length {
+        if hdr.len != length {
             return ucs_status_t::UCS_OK;
         }
         if attr & ucp_am_recv_attr_t_UCP_AM_RECV_ATTR_FLAG_DATA as u64 != 0 {

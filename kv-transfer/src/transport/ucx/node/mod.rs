@@ -19,7 +19,7 @@ use crate::TransferError;
 use crate::receiver::core::{Refusal, WritePermit};
 use crate::staging::{RECEIVER_LANE_BUFFERS, STAGE_BYTES, StagedBuf, StagingPool};
 use crate::transport::lanes::{FlushJoin, encode_address};
-use crate::transport::{PutOp, next_id};
+use crate::transport::{PutOp, WriteHeader, next_id};
 use crate::wait::Cell;
 
 mod callbacks;
@@ -30,8 +30,8 @@ use callbacks::*;
 
 /// AM id of control messages (header: the origin node id, 8 bytes LE; data: a TransferControl).
 pub const AM_CONTROL: u32 = 7101;
-/// AM id of data writes (header: session, token, pool offset, length as u64 LE; payload by rendezvous).
-const AM_DATA: u32 = 7102;
+/// AM id of data writes (header: a [`WriteHeader`]; payload by rendezvous).
+pub const AM_DATA: u32 = 7102;
 /// How long the loop keeps polling after activity before it sleeps on the event fd ([`spin_time`]).
 const SPIN: Duration = Duration::from_micros(200);
 /// The same on machines of at most [`FEW_CORES`] cores, where a polling thread takes the core another
@@ -67,7 +67,7 @@ pub const CONTROL_INFLIGHT: usize = 1024;
 pub(crate) trait Sink: Send + Sync {
     fn on_control(&self, node: &Arc<Node>, origin: u64, msg: TransferControl);
     /// Admits an active-message write (receivers); `None` where this node receives no data.
-    fn admit(&self, _session: u64, _token: u64, _offset: u64, _len: u64) -> Option<Result<WritePermit, Refusal>> {
+    fn admit(&self, _header: &WriteHeader) -> Option<Result<WritePermit, Refusal>> {
         None
     }
     fn on_ep_error(&self, ep: u64, reason: &str);
@@ -142,10 +142,14 @@ pub(crate) struct Node {
 impl Node {
     /// Creates the context (reading `UCX_*` from the environment, `tls` overriding `UCX_TLS`,
     /// `net_devices` standing in for an unset `UCX_NET_DEVICES`) and worker, and starts the progress thread.
+    /// `rma`: give the context UCX's RMA feature, which one-sided puts need on both sides. It also installs
+    /// UCX's software RMA handlers, which write (and read) wherever a connected peer's put names,
+    /// whatever the key: only nodes that use or accept one-sided puts ask for it.
     pub fn start(
         name: &str,
         tls: Option<&str>,
         net_devices: Option<&str>,
+        rma: bool,
         sink: Arc<dyn Sink>,
     ) -> Result<Arc<Node>, TransferError> {
         let lib = super::api::load().map_err(TransferError::Transport)?;
@@ -164,7 +168,7 @@ impl Node {
             .name(thread_name)
             .spawn(move || {
                 // SAFETY: the worker state is created and used on this thread only.
-                let st = unsafe { State::create(lib, tls.as_deref(), net_devices.as_deref()) };
+                let st = unsafe { State::create(lib, tls.as_deref(), net_devices.as_deref(), rma) };
                 match st {
                     Ok(mut st) => {
                         // The id every message of this node carries and a receiver trusts a sender by: random, so
@@ -348,9 +352,9 @@ impl Events {
 /// What UCX callbacks record.
 enum Event {
     Done(u64, ucs_status_t),
-    /// An active-message write: header words, then the payload (rendezvous or persistent descriptor, or
-    /// a copy of a small eager payload).
-    Data([u64; 4], Payload),
+    /// An active-message write: its header, then the payload (rendezvous or persistent descriptor, or a
+    /// copy of a small eager payload).
+    Data(WriteHeader, Payload),
     EpError(u64, ucs_status_t),
     Am(u64, Vec<u8>),
     /// Control messages dropped in the callback (too large, or the queue was full).

@@ -46,11 +46,7 @@ impl State {
             let mut p = self.param(token);
             p.op_attr_mask |= ucp_op_attr_t_UCP_OP_ATTR_FIELD_FLAGS;
             p.flags = ucp_send_am_flags::UCP_AM_SEND_FLAG_RNDV.0;
-            let mut hdr = Vec::with_capacity(32);
-            for w in [op.session_id, op.token, op.dst_offset, op.len] {
-                hdr.extend_from_slice(&w.to_le_bytes());
-            }
-            self.buffers.insert(token, (Box::new([0; 8]), hdr));
+            self.buffers.insert(token, (Box::new([0; 8]), op.header().encode().to_vec()));
             let hdr = &self.buffers[&token].1;
             // SAFETY: the header lives in self.buffers and the source in the session's arena (or the staging
             // buffer the action holds) until the send completes.
@@ -59,7 +55,7 @@ impl State {
                     h,
                     AM_DATA,
                     hdr.as_ptr() as *const core::ffi::c_void,
-                    32,
+                    hdr.len() as size_t,
                     op.src as *const core::ffi::c_void,
                     op.len as size_t,
                     &p,
@@ -292,8 +288,9 @@ impl State {
     }
 
     /// Places an active-message write where the receiver admits it, or drops it.
-    pub(super) fn on_data(&mut self, sink: &dyn Sink, [session, token, offset, len]: [u64; 4], payload: Payload) {
-        let admitted = match sink.admit(session, token, offset, len) {
+    pub(super) fn on_data(&mut self, sink: &dyn Sink, hdr: WriteHeader, payload: Payload) {
+        let len = hdr.len;
+        let admitted = match sink.admit(&hdr) {
             Some(Ok(p)) => Some(p),
             Some(Err(Refusal::Invalid(why))) => {
                 tracing::warn!(why, "dropping an invalid write");

@@ -8,6 +8,7 @@ impl State {
         lib: &'static UcpLib,
         tls: Option<&str>,
         net_devices: Option<&str>,
+        rma: bool,
     ) -> Result<State, TransferError> {
         // SAFETY: the calls follow UCX's documented initialisation sequence; every out-pointer is valid.
         unsafe {
@@ -49,9 +50,9 @@ impl State {
             }
             let mut params: ucp_params_t = std::mem::zeroed();
             params.field_mask = ucp_params_field::UCP_PARAM_FIELD_FEATURES.0 as u64;
-            params.features = (ucp_feature::UCP_FEATURE_RMA.0
-                | ucp_feature::UCP_FEATURE_AM.0
-                | ucp_feature::UCP_FEATURE_WAKEUP.0) as u64;
+            // RMA only where asked (see Node::start): with it UCX answers any peer's put or get.
+            let rma = if rma { ucp_feature::UCP_FEATURE_RMA.0 } else { 0 };
+            params.features = (rma | ucp_feature::UCP_FEATURE_AM.0 | ucp_feature::UCP_FEATURE_WAKEUP.0) as u64;
             let mut ctx: ucp_context_h = ptr::null_mut();
             let s = (lib.ucp_init_version)(UCP_API_MAJOR, UCP_API_MINOR, &params, config, &mut ctx);
             (lib.ucp_config_release)(config);
