@@ -33,8 +33,8 @@ sweep) # tcp-carried transports (each up to ~4 min: UCX's emulated 1 GiB put bas
 sweep2) # shared memory, the emulated-put comparison over tcp, and single-lane references
     B="kv-bench --layers 62 --reps 5 --json"
     run ucx-sm-auto UCX_TLS=sm,self timeout 150 $B --transport ucx
-    run ucx-sm-put UCX_TLS=sm,self TANDEM_UCX_DATA_PATH=put timeout 150 $B --transport ucx --tokens 8192,131072
-    run ucx-tcp-put UCX_TLS=tcp TANDEM_UCX_DATA_PATH=put timeout 150 $B --transport ucx --tokens 8192,131072 --no-baselines
+    run ucx-sm-put UCX_TLS=sm,self TANDEM_UCX_ONE_SIDED_PUTS=1 TANDEM_UCX_DATA_PATH=put timeout 150 $B --transport ucx --tokens 8192,131072
+    run ucx-tcp-put UCX_TLS=tcp TANDEM_UCX_ONE_SIDED_PUTS=1 TANDEM_UCX_DATA_PATH=put timeout 150 $B --transport ucx --tokens 8192,131072 --no-baselines
     run tcp-l1 TANDEM_KV_LANES=1 timeout 60 $B --transport tcp --tokens 8192 --no-perftest --no-baselines
     run ucx-tcp-auto-l1 TANDEM_KV_LANES=1 UCX_TLS=tcp timeout 60 $B --transport ucx --tokens 8192 --no-perftest --no-baselines
     run ucx-sm-auto-l1 TANDEM_KV_LANES=1 UCX_TLS=sm,self timeout 60 $B --transport ucx --tokens 8192 --no-perftest --no-baselines
@@ -44,7 +44,7 @@ lanes)
     for l in 1 4 8; do
         run "tcp-l$l" TANDEM_KV_LANES=$l timeout 60 $B --transport tcp
         run "ucx-tcp-am-l$l" TANDEM_KV_LANES=$l UCX_TLS=tcp timeout 60 $B --transport ucx
-        run "ucx-sm-put-l$l" TANDEM_KV_LANES=$l UCX_TLS=sm,self TANDEM_UCX_DATA_PATH=put timeout 60 $B --transport ucx
+        run "ucx-sm-put-l$l" TANDEM_KV_LANES=$l UCX_TLS=sm,self TANDEM_UCX_ONE_SIDED_PUTS=1 TANDEM_UCX_DATA_PATH=put timeout 60 $B --transport ucx
         run "ucx-sm-am-l$l" TANDEM_KV_LANES=$l UCX_TLS=sm,self TANDEM_UCX_DATA_PATH=am timeout 60 $B --transport ucx
     done
     ;;
