@@ -142,9 +142,10 @@ extern "C" __global__ void tandem_gather_rows(const float* __restrict__ x, const
 // Linear layers.
 
 // Activation quantization per row per 128 channels (engine::fp8::quantize_group_values): codes
-// [rows, kpad] (zero past k) and scales [rows, kpad / 128]. One warp per (row, group).
+// [rows, kpad] (zero past k) and scales [rows, kpad / 128], or with `scale_ld` > 0 transposed,
+// [kpad / 128, scale_ld] (the FP8 GEMM's layout, engine::cuda::gemm). One warp per (row, group).
 extern "C" __global__ void tandem_act_quant(const float* __restrict__ x, int k, int kpad, int ue8m0,
-                                            u8* __restrict__ codes, float* __restrict__ scales) {
+                                            u8* __restrict__ codes, float* __restrict__ scales, int scale_ld) {
     const int g = blockIdx.x, r = blockIdx.y, lane = threadIdx.x;
     const float* xr = x + (i64)r * k;
     float v[4];
@@ -163,7 +164,7 @@ extern "C" __global__ void tandem_act_quant(const float* __restrict__ x, int k, 
         const int c = g * ACT_GROUP + j * 32 + lane;
         out[j * 32 + lane] = c < k ? tandem_quant(v[j], s, ue8m0) : (u8)0;
     }
-    if (lane == 0) scales[(i64)r * (kpad / ACT_GROUP) + g] = s;
+    if (lane == 0) scales[scale_ld > 0 ? (i64)g * scale_ld + r : (i64)r * (kpad / ACT_GROUP) + g] = s;
 }
 
 // y[m, c] = sum over K segments of (qa[m] . w[c] over the segment) * sa[m, seg] * ws[c / b0, seg]

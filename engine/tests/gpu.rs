@@ -68,15 +68,26 @@ fn margin(row: &[f32]) -> f32 {
 /// indexers select different sets at some (layer, position) (a "split"); from there on different tokens are
 /// attended to. In full precision only rounding separates the backends before the first split: logits within
 /// FULL_MAX_DIFF and greedy tokens equal wherever the CPU's top-2 margin is above FULL_MARGIN; splits stay
-/// rare and what follows them close. In FP8 a value within rounding of an e4m3 boundary also takes the other
-/// code on one backend (a 6-12% step of that element), which can flip an expert choice or a selection: on
-/// the random tiny checkpoint whole rows then move by the scale of FP8 itself. The FP8 bounds are therefore
-/// statistical, against the same prompt's CPU FP8-vs-full diff. Measured on an H100 over 12 fresh prompts
-/// (bench/gpu/): full precision never split, worst diff 2e-13; FP8 split at 0-35% of the sparse rows, mean
-/// diff after the first split 0-9e-3 against an FP8-vs-full diff near 5e-2, greedy equal at 87-100%.
+/// rare and what follows them close.
+///
+/// In FP8 the GPU's linear layers run on the FP8 tensor cores (engine::cuda::gemm), which accumulate a k32
+/// step's products at about 14 significant bits (DeepSeek-V3 report §3.3.2; the GEMM's own tests bound it
+/// at 2^-11 of an element's magnitude sum and check exact inputs bit for bit), where the CPU sums in f32. A
+/// value within that of an e4m3 boundary takes the other code in the next quantization (a 6-12% step of
+/// that element), which flips expert choices and selections: on the random tiny checkpoint whole rows then
+/// move by the scale of FP8 itself, so the GPU's FP8 is compared statistically, against the same prompt's
+/// CPU FP8-vs-full diff ("noise"): the GPU's FP8 must be no farther from the CPU's FP8 than FP8 is from full
+/// precision, no farther from full precision than the CPU's FP8 is (times FP8_GPU_FULL_SHARE), and greedy
+/// tokens must mostly agree. A wrong scale or layout gives diffs near 1, 20-50x the noise. Measured on an
+/// H100 over two runs (fresh tiny checkpoints): GPU-vs-CPU 0.69-0.80x the noise, the GPU's FP8-vs-full 0.99x
+/// the CPU's, greedy equal at 190-199 of 300 (63-66%), selections differ at 770-787 of 1076 sparse rows; the
+/// bounds (1x, 1.25x, 55%) keep 20-25% and 25 positions of margin. (Before the tensor-core GEMM, with f32
+/// sums on both sides: 0-9e-3 against a noise near 5e-2, 0-35% of rows split.)
 const FULL_MAX_DIFF: f64 = 1e-8;
 const FULL_MARGIN: f32 = 0.01;
-const FP8_NOISE_SHARE: f64 = 0.25;
+const FP8_NOISE_SHARE: f64 = 1.0;
+const FP8_GPU_FULL_SHARE: f64 = 1.25;
+const FP8_GREEDY_PERCENT: usize = 55;
 
 #[test]
 fn teacher_forced_logits_match_the_cpu_backend() {
@@ -100,7 +111,7 @@ fn teacher_forced_logits_match_the_cpu_backend() {
         });
         let row = |v: &[f32], p: usize| v[p * VOCAB..(p + 1) * VOCAB].to_vec();
         let (mut worst_before, mut clear, mut clear_agree, mut agree) = (0f64, 0, 0, 0);
-        let (mut diffs, mut after, mut noise) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut diffs, mut after, mut noise, mut gpu_full) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for p in 0..toks.len() {
             let (ra, rb) = (row(&a, p), row(&b, p));
             let same = argmax(&ra) == argmax(&rb);
@@ -108,6 +119,7 @@ fn teacher_forced_logits_match_the_cpu_backend() {
             agree += same as usize;
             diffs.push(d);
             noise.push(full.as_ref().map_or(0.0, |f| diff(&ra, &row(f, p))));
+            gpu_full.push(full.as_ref().map_or(0.0, |f| diff(&rb, &row(f, p))));
             if p < first_split {
                 worst_before = worst_before.max(d);
                 if margin(&ra) > FULL_MARGIN {
@@ -124,16 +136,21 @@ fn teacher_forced_logits_match_the_cpu_backend() {
             "{prec:?}: selections differ at {} of {} (layer, position) pairs ({sparse} sparse), first at position \
              {first_split} of {n}; before it: worst diff {worst_before:.3e}, greedy equal {clear_agree}/{clear} where the \
              margin > {FULL_MARGIN}; after it: mean diff {:.3e}; overall mean diff {:.3e} (the CPU's FP8-vs-full: \
-             {:.3e}), greedy equal {agree}/{n}",
+             {:.3e}, the GPU's: {:.3e}), greedy equal {agree}/{n}",
             split.len(),
             sa.len(),
             mean(&after),
             mean(&diffs),
             mean(&noise),
+            mean(&gpu_full),
         );
-        assert!(split.len() * 2 <= sparse, "{prec:?}: selections differ at {} of {sparse} sparse rows", split.len());
         match prec {
             Precision::Full => {
+                assert!(
+                    split.len() * 2 <= sparse,
+                    "Full: selections differ at {} of {sparse} sparse rows",
+                    split.len()
+                );
                 assert!(worst_before < FULL_MAX_DIFF, "Full: diff {worst_before} before any selection differs");
                 assert_eq!(clear_agree, clear, "Full: greedy tokens differ where the margin is clear");
                 assert!(split.len() * 100 <= sparse, "Full: selections differ at {} rows", split.len());
@@ -146,7 +163,13 @@ fn teacher_forced_logits_match_the_cpu_backend() {
                     mean(&diffs),
                     mean(&noise)
                 );
-                assert!(agree * 4 >= 3 * n, "Fp8: greedy equal at only {agree}/{n} positions");
+                assert!(
+                    mean(&gpu_full) < FP8_GPU_FULL_SHARE * mean(&noise),
+                    "Fp8: the GPU's FP8-vs-full diff {} against the CPU's {}",
+                    mean(&gpu_full),
+                    mean(&noise)
+                );
+                assert!(agree * 100 >= FP8_GREEDY_PERCENT * n, "Fp8: greedy equal at only {agree}/{n} positions");
             }
         }
     }
@@ -480,7 +503,15 @@ fn fp8_gemm_rms_norm_and_act_quant_match_the_cpu_functions() {
             ((kpad / 128) as u32, rows as u32, 1),
             32,
             0,
-            &[Arg::P(dx.ptr()), Arg::I(inp as i32), Arg::I(kpad as i32), Arg::I(1), Arg::P(qa.ptr()), Arg::P(sa.ptr())],
+            &[
+                Arg::P(dx.ptr()),
+                Arg::I(inp as i32),
+                Arg::I(kpad as i32),
+                Arg::I(1),
+                Arg::P(qa.ptr()),
+                Arg::P(sa.ptr()),
+                Arg::I(0),
+            ],
         )
         .unwrap();
         launch(

@@ -157,6 +157,19 @@ pub const FAMILIES: &[Family] = &[
         sass_expect: &["HGMMA.64x64x16.F32.BF16", "HGMMA.64x256x16.F32.BF16", "SYNCS"],
     },
     Family {
+        name: "gemm",
+        source: include_str!("../../kernels/gemm.cu"),
+        functions: &[
+            "tandem_gemm_fp8_n128_f32",
+            "tandem_gemm_fp8_n64_f32",
+            "tandem_gemm_fp8_n128_bf16",
+            "tandem_gemm_fp8_n64_bf16",
+        ],
+        externals: &[],
+        // FP8 wgmma from shared memory fed by 2-D TMA loads through mbarriers.
+        sass_expect: &["QGMMA.64x128x32.F32.E4M3.E4M3", "QGMMA.64x64x32.F32.E4M3.E4M3", "UTMALDG.2D", "SYNCS"],
+    },
+    Family {
         name: "sample",
         source: include_str!("../../kernels/sample.cu"),
         functions: &["tandem_sample_row", "tandem_draft_row"],

@@ -1,6 +1,6 @@
 //! The GPU side: CUDA C kernels compiled by NVRTC at start-up ([`kernels`], [`nvrtc`]), the device they
-//! run on ([`device`]) and one Rust module per kernel family with its launch checks ([`cache_quant`], [`indexer`], [`topk`],
-//! [`sparse_mla`]).
+//! run on ([`device`]) and one Rust module per kernel family with its launch checks ([`cache_quant`], [`gemm`],
+//! [`indexer`], [`topk`], [`sparse_mla`]).
 //!
 //! Everything loads the CUDA libraries at run time (cudarc's dynamic loading): a binary built without
 //! CUDA runs anywhere, and a missing library or GPU is a clear [`CudaError`], never a panic and never a
@@ -9,6 +9,7 @@
 pub mod backend;
 pub mod cache_quant;
 pub mod device;
+pub mod gemm;
 pub mod indexer;
 pub mod kernels;
 pub mod nvrtc;

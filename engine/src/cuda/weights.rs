@@ -7,8 +7,8 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use safetensors::Dtype;
 
-use super::CudaError;
 use super::ops::{Arg, DBuf, Workspace, launch};
+use super::{CudaError, gemm};
 use crate::checkpoint::names::{layer_prefix, scale_name};
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::config::Fp8Quant;
@@ -204,6 +204,46 @@ impl DLinear {
                     Arg::I(*inp as i32),
                 ],
             ),
+            // Dense rows with DeepSeek's 128 x 128 weight blocks: the tensor-core GEMM (engine::cuda::gemm).
+            DLinear::Fp8 { codes, scales, out, inp, kpad, block, ue8m0 }
+                if sel == 0 && a_div == 1 && *block == [gemm::BK, gemm::BK] =>
+            {
+                let groups = kpad / ACT_GROUP;
+                let ld = gemm::scale_ld(x_rows);
+                let qa = ws.take::<u8>(gpu.stream(), x_rows * kpad)?;
+                let sa = ws.take::<f32>(gpu.stream(), groups * ld)?;
+                launch(
+                    gpu,
+                    "tandem_act_quant",
+                    (groups as u32, x_rows as u32, 1),
+                    32,
+                    0,
+                    &[
+                        Arg::P(x),
+                        Arg::I(*inp as i32),
+                        Arg::I(*kpad as i32),
+                        Arg::I(*ue8m0 as i32),
+                        Arg::P(qa),
+                        Arg::P(sa),
+                        Arg::I(ld as i32),
+                    ],
+                )?;
+                let raw = gemm::RawGemm {
+                    qa,
+                    sa_t: sa,
+                    scale_ld: ld,
+                    w: codes.ptr(),
+                    ws: scales.ptr(),
+                    scale_cols: inp.div_ceil(gemm::BK),
+                    y,
+                    bf16_out: false,
+                    rows: x_rows,
+                    n: *out,
+                    kpad: *kpad,
+                };
+                gemm::launch(gpu, &raw, None)
+            }
+            // Routed experts' (token, slot) rows and other weight blocks: one warp per output column.
             DLinear::Fp8 { codes, scales, out, inp, kpad, block, ue8m0 } => {
                 let groups = kpad / ACT_GROUP;
                 let qa = ws.take::<u8>(gpu.stream(), x_rows * kpad)?;
@@ -221,6 +261,7 @@ impl DLinear {
                         Arg::I(*ue8m0 as i32),
                         Arg::P(qa),
                         Arg::P(sa),
+                        Arg::I(0),
                     ],
                 )?;
                 let scale_len = out.div_ceil(block[0]) * inp.div_ceil(block[1]);

@@ -1,0 +1,379 @@
+"""Benchmark of the FP8 block-scaled GEMM (issue: FP8 GEMMs and MoE): engine/kernels/gemm.cu next to
+cuBLASLt through torch._scaled_mm in the same run (DeepSeek block scaling: 1x128 activation scales, 128x128
+weight scales; and per-tensor scaling, the stretch) and the same-run copy bandwidth.
+
+  python3 bench/gpu/gemm_bench.py [--quick] [--json FILE]
+
+Every shape of DeepSeek-V3.2's FP8 linears (N x K), M = 1..8192 tokens. Each timing is a CUDA graph replay of
+one launch after a 256 MiB write that evicts the L2, median of the runs; bf16 output for every kernel.
+TFLOPS = 2 M N K / time; weight GB/s = (N K + scale bytes) / time, the figure of merit where M <= 256 (the
+weights are read once; target >= 80% of the same-run copy bandwidth); at M >= 1024 the target is >= 1.0x
+cuBLASLt block-scaled.
+
+Before timing, the script checks the kernel against an f64 reference of the dequantized operands (and
+cuBLASLt's output), and batch invariance: a row's output bits do not depend on M or on the tile width.
+The kernels are loaded through the CUDA driver (ctypes): their tensor-map parameters are 128-byte structs.
+"""
+import argparse
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+try:
+    import torch
+except ImportError:  # pragma: no cover - the GPU machine has PyTorch
+    sys.exit("gemm_bench.py needs PyTorch (installed on the GPU machine)")
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+KERNELS = os.path.join(ROOT, "engine", "kernels")
+DEV = "cuda"
+BM, BK = 128, 128
+THREADS = 384
+STAGES = {128: int(os.environ.get("GEMM_STAGES_128", 6)), 64: int(os.environ.get("GEMM_STAGES_64", 8))}
+
+# (name, N, K): the model's FP8 linears (DeepSeek-V3.2: hidden 7168, q_lora 1536, kv_lora 512 + rope 64,
+# 128 heads, MLP 18432, experts 2048, indexer 64 x 128).
+SHAPES = [
+    ("q_a", 1536, 7168),
+    ("q_b", 24576, 1536),
+    ("kv_a", 576, 7168),
+    ("o_proj", 7168, 16384),
+    ("idx_wq_b", 8192, 1536),
+    ("mlp_gate_up", 36864, 7168),
+    ("mlp_down", 7168, 18432),
+    ("expert_gate_up", 4096, 7168),
+    ("expert_down", 7168, 2048),
+]
+BASELINE_SHAPES = {(24576, 1536), (7168, 16384), (4096, 7168), (7168, 2048), (36864, 7168)}
+MS = [1, 16, 64, 128, 256, 1024, 2048, 4096, 8192]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The CUDA driver through ctypes.
+
+_cuda = ctypes.CDLL("libcuda.so.1")
+
+
+def check(r, what):
+    if r != 0:
+        name = ctypes.c_char_p()
+        _cuda.cuGetErrorName(r, ctypes.byref(name))
+        raise RuntimeError(f"{what}: {name.value.decode() if name.value else r}")
+
+
+class TensorMap(ctypes.Structure):
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+def tensor_map(t, rows, cols, box_rows):
+    """A 2-D TMA map of the u8 matrix `t` [rows, cols] with a [box_rows x 128] box, 128-byte swizzle, zero fill."""
+    m = TensorMap()
+    dims = (ctypes.c_uint64 * 2)(cols, rows)
+    strides = (ctypes.c_uint64 * 1)(cols)
+    box = (ctypes.c_uint32 * 2)(BK, box_rows)
+    elem = (ctypes.c_uint32 * 2)(1, 1)
+    # UINT8, rank 2, interleave none, swizzle 128B (3), L2 promotion 256B (3), OOB fill none (zeros)
+    check(_cuda.cuTensorMapEncodeTiled(ctypes.byref(m), 0, 2, ctypes.c_void_p(t.data_ptr()), dims, strides, box, elem,
+                                       0, 3, 3, 0), "cuTensorMapEncodeTiled")
+    return m
+
+
+def scale_map(sa_t, rows):
+    """A 2-D TMA map of the transposed activation scales sa_t [groups, ld] (f32, ld >= rows, a multiple of 4)
+    with a [1 x 128] box: one K block's scales of 128 rows, zero past `rows`."""
+    m = TensorMap()
+    dims = (ctypes.c_uint64 * 2)(rows, sa_t.shape[0])
+    strides = (ctypes.c_uint64 * 1)(sa_t.shape[1] * 4)
+    box = (ctypes.c_uint32 * 2)(BM, 1)
+    elem = (ctypes.c_uint32 * 2)(1, 1)
+    # FLOAT32 (7), no swizzle, no L2 promotion
+    check(_cuda.cuTensorMapEncodeTiled(ctypes.byref(m), 7, 2, ctypes.c_void_p(sa_t.data_ptr()), dims, strides, box,
+                                       elem, 0, 0, 0, 0), "cuTensorMapEncodeTiled (scales)")
+    return m
+
+
+def transposed_scales(sa):
+    """[M, groups] -> [groups, ld] with ld = M rounded up to 4 (the layout tandem_act_quant writes for the GEMM)."""
+    m, g = sa.shape
+    t = torch.zeros(g, -(-m // 4) * 4, device=sa.device, dtype=torch.float32)
+    t[:, :m] = sa.t()
+    return t
+
+
+class Gemm:
+    def __init__(self):
+        nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+        out = os.path.join(tempfile.gettempdir(), "tandem-gemm.cubin")
+        subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-std=c++17", "-lineinfo", "-I", os.path.abspath(KERNELS),
+                        os.path.join(KERNELS, "gemm.cu"), "-o", out] + os.environ.get("TANDEM_LOOP_DEFINES", "").split(),
+                       check=True)
+        torch.zeros(1, device=DEV)  # the primary context, current on this thread
+        self.mod = ctypes.c_void_p()
+        check(_cuda.cuModuleLoad(ctypes.byref(self.mod), out.encode()), "cuModuleLoad")
+        self.fns = {}
+        for bn in (128, 64):
+            for out_t in ("f32", "bf16"):
+                f = ctypes.c_void_p()
+                name = f"tandem_gemm_fp8_n{bn}_{out_t}"
+                check(_cuda.cuModuleGetFunction(ctypes.byref(f), self.mod, name.encode()), name)
+                check(_cuda.cuFuncSetAttribute(f, 8, smem_bytes(bn)), "max dynamic shared memory")
+                self.fns[(bn, out_t)] = f
+        self.sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def tile_n(self, m, n):
+        """engine::cuda::gemm::tile_n: 128-wide tiles where they fill the SMs, else 64."""
+        return 128 if -(-m // BM) * -(-n // 128) >= self.sms else 64
+
+    def prepare(self, qa, sa, w, ws, y, bn=None):
+        """A launch closure of y = qa . w^T with the block scales."""
+        m, kpad = qa.shape
+        n = w.shape[0]
+        bn = bn or self.tile_n(m, n)
+        sa_t = transposed_scales(sa)
+        ta, tb, tsa = tensor_map(qa, m, kpad, BM // 2), tensor_map(w, n, kpad, bn), scale_map(sa_t, m)
+        out_t = "bf16" if y.dtype == torch.bfloat16 else "f32"
+        fn = self.fns[(bn, out_t)]
+        vals = [ta, tb, tsa, ctypes.c_uint64(ws.data_ptr()), ctypes.c_int32(ws.shape[1]),
+                ctypes.c_uint64(y.data_ptr()), ctypes.c_int32(m), ctypes.c_int32(n), ctypes.c_int32(kpad)]
+        params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
+        n_pairs = (-(-n // bn) + 1) // 2
+        grid = 2 * min(-(-m // BM) * n_pairs, int(os.environ.get("GEMM_CLUSTERS", self.sms // 2)))
+        keep = (vals, params, qa, sa_t, w, ws, y)
+
+        def launch():
+            _ = keep
+            stream = torch.cuda.current_stream().cuda_stream
+            check(_cuda.cuLaunchKernel(fn, grid, 1, 1, THREADS, 1, 1, smem_bytes(bn), ctypes.c_void_p(stream), params,
+                                       None), "cuLaunchKernel")
+
+        return launch
+
+
+def smem_bytes(bn):
+    return 1024 + STAGES[bn] * (BM * BK + bn * BK + BM * 4 + 16)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Operands.
+
+def ue8m0(amax):
+    s = torch.clamp(amax, min=1e-4) / 448.0
+    return torch.exp2(torch.ceil(torch.log2(s)))
+
+
+def quant_act(x):
+    """[M, K] f32 -> e4m3 codes [M, K] and scales [M, K / 128] (per row per 128 channels, ue8m0)."""
+    m, k = x.shape
+    g = x.view(m, k // 128, 128)
+    s = ue8m0(g.abs().amax(-1))
+    q = (g / s[..., None]).to(torch.float8_e4m3fn).view(m, k)
+    return q, s.float().contiguous()
+
+
+def quant_weight(w):
+    """[N, K] f32 -> e4m3 codes and 128 x 128 block scales [ceil(N / 128), K / 128]."""
+    n, k = w.shape
+    nb = -(-n // 128)
+    wp = torch.zeros(nb * 128, k, device=w.device)
+    wp[:n] = w
+    blocks = wp.view(nb, 128, k // 128, 128)
+    s = ue8m0(blocks.abs().amax((1, 3)))
+    q = (blocks / s[:, None, :, None]).to(torch.float8_e4m3fn).view(nb * 128, k)[:n].contiguous()
+    return q, s.float().contiguous()
+
+
+def operands(m, n, k, gen):
+    x = torch.randn(m, k, device=DEV, generator=gen)
+    w = torch.randn(n, k, device=DEV, generator=gen) * (1.0 / k ** 0.5)
+    qa, sa = quant_act(x)
+    qw, sw = quant_weight(w)
+    return qa, sa, qw, sw
+
+
+def dequant(qa, sa, qw, sw):
+    m, k = qa.shape
+    n = qw.shape[0]
+    a = qa.double().view(m, k // 128, 128) * sa.double()[..., None]
+    wb = qw.double().view(n, k // 128, 128) * sw.double().repeat_interleave(128, 0)[:n, :, None]
+    return a.view(m, k), wb.view(n, k)
+
+
+def as_u8(t):
+    return t.view(torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Timing.
+
+FLUSH = None
+
+
+def timed(fn, reps, graph=True):
+    """Median ms of `reps` CUDA-graph replays of `fn` (eager launches without `graph`), each after a 256 MiB
+    write that evicts the L2."""
+    global FLUSH
+    if FLUSH is None:
+        FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    run = fn
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+    times = []
+    for _ in range(reps):
+        FLUSH.fill_(0x5A)
+        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        z.record()
+        z.synchronize()
+        times.append(a.elapsed_time(z))
+    return float(np.median(times))
+
+
+def copy_gbps():
+    n = 1 << 30
+    a, b = torch.ones(n, dtype=torch.uint8, device=DEV), torch.empty(n, dtype=torch.uint8, device=DEV)
+    t = timed(lambda: b.copy_(a), 10, graph=False)
+    del a, b
+    return 2 * n / t / 1e6
+
+
+def cublas_block(qa, sa, qw, sw):
+    """cuBLASLt with DeepSeek block scaling (ENV-NOTES: activation scales column-major, weight scales
+    transposed); None where torch refuses the shape."""
+    sa_cm = sa.t().contiguous().t()
+    sb = sw.t()
+    try:
+        torch._scaled_mm(qa, qw.t(), scale_a=sa_cm, scale_b=sb, out_dtype=torch.bfloat16)
+    except Exception:  # noqa: BLE001 - torch names the shapes it refuses
+        return None
+    return lambda: torch._scaled_mm(qa, qw.t(), scale_a=sa_cm, scale_b=sb, out_dtype=torch.bfloat16)
+
+
+def cublas_tensor(qa, qw):
+    one = torch.ones((), device=DEV)
+    try:
+        torch._scaled_mm(qa, qw.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    except Exception:  # noqa: BLE001
+        return None
+    return lambda: torch._scaled_mm(qa, qw.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checks.
+
+def checks(g, failures):
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    for (m, n, k) in [(256, 1536, 7168), (200, 576, 7168), (1, 24576, 1536), (129, 7168, 2048), (77, 130, 384)]:
+        qa, sa, qw, sw = operands(m, n, k, gen)
+        ref = (lambda a, w: a @ w.t())(*dequant(qa, sa, qw, sw))
+        for out_dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 1e-2)):
+            for bn in (128, 64):
+                y = torch.full((m, n), float("nan"), device=DEV, dtype=out_dtype)
+                g.prepare(as_u8(qa), sa, as_u8(qw), sw, y, bn)()
+                torch.cuda.synchronize()
+                err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+                ok = err <= tol and not torch.isnan(y).any().item()
+                print(f"check {m}x{n}x{k} bn={bn} {out_dtype}: max rel err {err:.2e} {'ok' if ok else 'FAIL'}",
+                      flush=True)
+                if not ok:
+                    failures.append(f"accuracy {m}x{n}x{k} bn={bn} {out_dtype}: {err:.2e}")
+        base = cublas_block(qa, sa, qw, sw)
+        if base is not None:
+            err = ((base().double() - ref).abs().max() / ref.abs().max()).item()
+            print(f"check {m}x{n}x{k} cuBLASLt block-scaled: max rel err {err:.2e}", flush=True)
+    # Batch invariance: rows of M = 1, 7, 129, 1000 inside M = 4096; tile width 64 against 128.
+    n, k = 7168, 2048
+    qa, sa, qw, sw = operands(4096, n, k, gen)
+    full = {}
+    for bn in (128, 64):
+        y = torch.empty(4096, n, device=DEV, dtype=torch.float32)
+        g.prepare(as_u8(qa), sa, as_u8(qw), sw, y, bn)()
+        full[bn] = y
+    same_bn = torch.equal(full[128], full[64])
+    print(f"invariance: tile width 64 == 128 at M = 4096: {same_bn}", flush=True)
+    if not same_bn:
+        failures.append("tile width 64 != 128")
+    for m in (1, 7, 129, 1000):
+        for bn in (128, 64):
+            y = torch.empty(m, n, device=DEV, dtype=torch.float32)
+            g.prepare(as_u8(qa[:m].contiguous()), sa[:m].contiguous(), as_u8(qw), sw, y, bn)()
+            same = torch.equal(y, full[128][:m])
+            if not same:
+                failures.append(f"rows of M = {m} (bn {bn}) differ from the same rows in M = 4096")
+            print(f"invariance: M = {m} bn = {bn} rows == rows of M = 4096: {same}", flush=True)
+    torch.cuda.synchronize()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer shapes and batch sizes")
+    ap.add_argument("--json")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--both-tiles", action="store_true", help="also time each shape with both tile widths")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = Gemm()
+    failures = []
+    checks(g, failures)
+    copy = copy_gbps()
+    print(f"same-run copy: {copy:.0f} GB/s; SMs {g.sms}; {torch.cuda.get_device_name(0)}", flush=True)
+    shapes = SHAPES if not args.quick else [s for s in SHAPES if (s[1], s[2]) in BASELINE_SHAPES][:3]
+    ms = MS if not args.quick else [1, 128, 1024, 4096]
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    rows = []
+    hdr = f"{'shape':>15} {'N x K':>12} {'M':>5} {'bn':>3} {'ours us':>8} {'TFLOPS':>7} {'wGB/s':>6} {'%copy':>5} " \
+          f"{'cuBLAS us':>9} {'x cuBLAS':>8} {'tensor us':>9}"
+    print(hdr, flush=True)
+    for name, n, k in shapes:
+        for m in ms:
+            qa, sa, qw, sw = operands(m, n, k, gen)
+            y = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+            bn = g.tile_n(m, n)
+            ours = timed(g.prepare(as_u8(qa), sa, as_u8(qw), sw, y), args.reps)
+            both = {t: timed(g.prepare(as_u8(qa), sa, as_u8(qw), sw, y, t), args.reps) for t in (64, 128)} \
+                if args.both_tiles else None
+            b = cublas_block(qa, sa, qw, sw)
+            tb = timed(b, args.reps) if b is not None else None
+            t = cublas_tensor(qa, qw)
+            tt = timed(t, args.reps) if t is not None else None
+            flops = 2.0 * m * n * k
+            wbytes = n * k + sw.numel() * 4
+            r = {"shape": name, "n": n, "k": k, "m": m, "tile_n": bn, "ours_ms": ours,
+                 "tflops": flops / ours / 1e9, "weight_gbps": wbytes / ours / 1e6,
+                 "of_copy": wbytes / ours / 1e6 / copy, "cublas_block_ms": tb, "cublas_tensor_ms": tt,
+                 "vs_cublas_block": (tb / ours) if tb else None,
+                 "vs_cublas_tensor": (tt / ours) if tt else None, "tile_ms": both}
+            rows.append(r)
+            print(f"{name:>15} {n:>5}x{k:<6} {m:>5} {bn:>3} {ours * 1e3:8.1f} {r['tflops']:7.0f} "
+                  f"{r['weight_gbps']:6.0f} {100 * r['of_copy']:4.0f}% "
+                  f"{(tb * 1e3 if tb else float('nan')):9.1f} {(r['vs_cublas_block'] or float('nan')):8.2f} "
+                  f"{(tt * 1e3 if tt else float('nan')):9.1f}"
+                  + (f"  (64: {both[64] * 1e3:.1f}, 128: {both[128] * 1e3:.1f})" if both else ""), flush=True)
+            del qa, sa, qw, sw, y
+    out = {"device": torch.cuda.get_device_name(0), "copy_gbps": copy, "sms": g.sms, "stages": STAGES,
+           "defines": os.environ.get("TANDEM_LOOP_DEFINES", ""), "rows": rows, "failures": failures}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    if failures:
+        print("FAILURES:\n  " + "\n  ".join(failures))
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+// FP8 block-scaled GEMM on Hopper (docs/model.md §2.1):
+//   y[m, c] = sum over K blocks kb of (qa[m, kb] . w[c, kb]) * sa[m, kb] * ws[c / 128, kb]
+// qa: e4m3 activations [rows, kpad] with one f32 scale per row per 128 channels, kept transposed
+// (sa_t [kpad / 128, scale_ld], tandem_act_quant with a scale stride); w: e4m3 weights [n, kpad] with 128 x 128
+// block scales ws [ceil(n / 128), scale_cols]; kpad a multiple of 128 with zero codes past K. y: f32 or bf16
+// [rows, n]. The three operands arrive as TMA tensor maps (engine::cuda::gemm::TensorMap).
+//
+// Persistent clusters of two CTAs, at most one CTA per SM. A cluster walks cluster tiles t = cluster,
+// cluster + clusters, ...; a cluster tile is one 128-row block of output rows and two adjacent BN-column
+// tiles (BN 128, or 64 where 128-wide tiles would leave SMs idle), one per CTA. Each CTA has three
+// warpgroups. The first is the producer: one thread issues, per K block of 128, a TMA load of its half of
+// the shared A tile [64 x 128] multicast into both CTAs (the pair reads A from L2 once) and of its own B
+// tile [BN x 128], straight into the 128-byte-swizzled layout wgmma reads, and of the block's 128 row
+// scales, STAGES blocks in flight through
+// full/empty mbarriers (a stage is free when the consumers of both CTAs are done with it). The other two
+// are consumers of 64 rows each: per K block four m64nBNk32 wgmma k-steps into a fresh accumulator, a wait,
+// the stage freed, then the promotion final = fma(acc, sa[row] * ws, final) (DeepGEMM's per-block
+// promotion: the tensor core's own FP8 accumulation is short, the 128-block scales are applied exactly in
+// f32). The stores of a finished tile overlap the producer's loads of the next. Rows past `rows` and
+// columns past `n` are zero-filled by TMA and never stored.
+//
+// Batch invariance: an output element is the same sequence of operations in every configuration: the
+// same four k-steps per K block (a wgmma element does not depend on the tile's N), promoted in K order
+// into one f32 accumulator; there is no split-K. BN, the grid and the tile order change only which CTA
+// computes it, so y[m] does not depend on M or on the other rows (bench/gpu/gemm_bench.py and the GPU
+// tests check BN 64 against 128 and rows of small M against the same rows of a large one, bit for bit).
+#include "common.cuh"
+#include "wgmma.cuh"
+
+#define GEMM_BM 128
+#define GEMM_BK 128
+#define GEMM_THREADS 384
+#define GEMM_GROUP_M 8
+#ifndef GEMM_STAGES_128
+#define GEMM_STAGES_128 6
+#endif
+#ifndef GEMM_STAGES_64
+#define GEMM_STAGES_64 8
+#endif
+#ifndef GEMM_CLUSTER
+#define GEMM_CLUSTER 1  // 0: single CTAs that load all of A themselves (for timing the multicast)
+#endif
+// A stage's `empty` barrier: every consumer thread of this CTA, plus lane 0 of each consumer warp of the peer.
+#define GEMM_EMPTY_ARRIVALS (256 + (GEMM_CLUSTER ? 8 : 0))
+
+// A CUDA tensor map (CUtensorMap: 128 opaque bytes, 64-byte aligned), passed by value as a
+// __grid_constant__ parameter and used through its address.
+struct alignas(64) TandemTensorMap {
+    unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ void gemm_mbar_init(u32 bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void gemm_mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void gemm_mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void gemm_mbar_wait(u32 bar, u32 parity) {
+    u32 done = 0;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
+// A 2-D TMA load of the box at (x: innermost, in elements; y: row) into shared memory, completing on `bar`.
+__device__ __forceinline__ void gemm_tma_2d(u32 dst, const TandemTensorMap* map, int x, int y, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+            dst),
+        "l"((unsigned long long)map), "r"(x), "r"(y), "r"(bar)
+        : "memory");
+}
+
+template <int BN>
+__device__ __forceinline__ void gemm_mma(float (&d)[BN / 2], unsigned long long a, unsigned long long b, int acc);
+template <>
+__device__ __forceinline__ void gemm_mma<128>(float (&d)[64], unsigned long long a, unsigned long long b, int acc) {
+    tandem_wgmma_64x128x32(d, a, b, acc);
+}
+template <>
+__device__ __forceinline__ void gemm_mma<64>(float (&d)[32], unsigned long long a, unsigned long long b, int acc) {
+    tandem_wgmma_64x64x32(d, a, b, acc);
+}
+
+template <bool BF16>
+__device__ __forceinline__ void gemm_store(void* y, int rows, int n, int r, int c, float v0, float v1) {
+    if (r >= rows || c >= n) return;
+    const i64 at = (i64)r * n + c;
+    if (BF16) {
+        u16* o = (u16*)y + at;
+        if (c + 1 < n && (n & 1) == 0) {
+            *(u32*)o = (u32)tandem_bf16(v0) | ((u32)tandem_bf16(v1) << 16);
+        } else {
+            o[0] = tandem_bf16(v0);
+            if (c + 1 < n) o[1] = tandem_bf16(v1);
+        }
+    } else {
+        float* o = (float*)y + at;
+        if (c + 1 < n && (n & 1) == 0) {
+            *(float2*)o = make_float2(v0, v1);
+        } else {
+            o[0] = v0;
+            if (c + 1 < n) o[1] = v1;
+        }
+    }
+}
+
+__device__ __forceinline__ u32 gemm_cluster_rank() {
+#if GEMM_CLUSTER
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+#else
+    return blockIdx.x & 1;
+#endif
+}
+__device__ __forceinline__ void gemm_cluster_sync() {
+#if GEMM_CLUSTER
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __syncthreads();
+#endif
+}
+// The same 2-D box into this offset of both CTAs of the cluster, counted on each one's `bar`.
+__device__ __forceinline__ void gemm_tma_2d_pair(u32 dst, const TandemTensorMap* map, int x, int y, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, "
+        "{%2, %3}], [%4], %5;" ::"r"(dst),
+        "l"((unsigned long long)map), "r"(x), "r"(y), "r"(bar), "h"((u16)3)
+        : "memory");
+}
+__device__ __forceinline__ void gemm_mbar_arrive_peer(u32 bar, u32 peer) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(peer));
+    // CTA-scope release, as CUTLASS's ClusterBarrier::arrive(cta_id): the stage was read by wgmma only, whose
+    // wait already completed; a cluster-scope release costs a MEMBAR per K block (measured: half the speed).
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
+// The output tile of cluster tile `t` for the CTA of cluster rank `rank`: tiles in groups of GEMM_GROUP_M row
+// tiles, row tile fastest inside a group; the two CTAs of a cluster take adjacent column tiles.
+__device__ __forceinline__ void gemm_tile(int t, int rank, int m_tiles, int n_pairs, int bn, int& m0, int& n0) {
+    const int per_group = GEMM_GROUP_M * n_pairs;
+    const int first_m = (t / per_group) * GEMM_GROUP_M;
+    const int gm = min(m_tiles - first_m, GEMM_GROUP_M), in_group = t % per_group;
+    m0 = (first_m + in_group % gm) * GEMM_BM;
+    n0 = (2 * (in_group / gm) + rank) * bn;
+}
+
+template <int BN, int STAGES, bool BF16>
+__device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const TandemTensorMap* tb,
+                                              const TandemTensorMap* tsa, const float* __restrict__ ws,
+                                              int scale_cols, void* __restrict__ y, int rows, int n, int kpad) {
+    extern __shared__ __align__(1024) u8 smem_raw[];
+    constexpr u32 A_BYTES = GEMM_BM * GEMM_BK;
+    constexpr u32 B_BYTES = BN * GEMM_BK;
+    constexpr u32 STAGE = A_BYTES + B_BYTES;
+    constexpr u32 SA_BYTES = GEMM_BM * 4;
+    const u32 base = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
+    const u32 scales = base + STAGES * STAGE;  // [STAGES][128] f32: the A tile's row scales of the K block
+    const u32 full = scales + STAGES * SA_BYTES, empty = full + STAGES * 8;
+    const float* scales_f = (const float*)(smem_raw + (scales - (u32)__cvta_generic_to_shared(smem_raw)));
+    const int rank = (int)gemm_cluster_rank(), peer = rank ^ 1;
+
+    const int m_tiles = (rows + GEMM_BM - 1) / GEMM_BM, n_tiles = (n + BN - 1) / BN;
+    const int n_pairs = (n_tiles + 1) / 2, tiles = m_tiles * n_pairs;
+    const int cluster = blockIdx.x / 2, clusters = gridDim.x / 2;
+    const int kblocks = kpad / GEMM_BK;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            gemm_mbar_init(full + 8 * s, 1);
+            gemm_mbar_init(empty + 8 * s, GEMM_EMPTY_ARRIVALS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    // The peer multicasts into this CTA's stages and arrives on its barriers: both must be initialized.
+    gemm_cluster_sync();
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (threadIdx.x == 0) {
+            asm volatile("prefetch.tensormap [%0];" ::"l"((unsigned long long)ta) : "memory");
+            asm volatile("prefetch.tensormap [%0];" ::"l"((unsigned long long)tb) : "memory");
+            asm volatile("prefetch.tensormap [%0];" ::"l"((unsigned long long)tsa) : "memory");
+            int it = 0;
+            for (int t = cluster; t < tiles; t += clusters) {
+                int m0, n0;
+                gemm_tile(t, rank, m_tiles, n_pairs, BN, m0, n0);
+                for (int kb = 0; kb < kblocks; ++kb, ++it) {
+                    const int s = it % STAGES;
+                    // Both CTAs' consumers are done with the stage (this CTA's multicast writes the peer's too).
+                    if (it >= STAGES) gemm_mbar_wait(empty + 8 * s, ((it / STAGES) - 1) & 1);
+                    const u32 a = base + s * STAGE, bar = full + 8 * s;
+                    gemm_mbar_expect_tx(bar, STAGE + SA_BYTES);
+#if GEMM_CLUSTER
+                    // This CTA's half of the A tile into both CTAs.
+                    gemm_tma_2d_pair(a + rank * (A_BYTES / 2), ta, kb * GEMM_BK, m0 + rank * (GEMM_BM / 2), bar);
+#else
+                    gemm_tma_2d(a, ta, kb * GEMM_BK, m0, bar);
+                    gemm_tma_2d(a + A_BYTES / 2, ta, kb * GEMM_BK, m0 + GEMM_BM / 2, bar);
+#endif
+                    gemm_tma_2d(a + A_BYTES, tb, kb * GEMM_BK, n0, bar);
+                    gemm_tma_2d(scales + s * SA_BYTES, tsa, m0, kb, bar);
+                }
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+        const int cw = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+        const int row = cw * 64 + warp * 16 + lane / 4;  // this thread's rows in the tile: row, row + 8
+        int it = 0;
+        for (int t = cluster; t < tiles; t += clusters) {
+            int m0, n0;
+            gemm_tile(t, rank, m_tiles, n_pairs, BN, m0, n0);
+            // The tile's weight-block scales, one K block ahead (a uniform load whose latency hides under a
+            // K block); a column tile past `n` (the odd tile of a pair) reads none.
+            const float* wsp = ws + (i64)(n0 / 128) * scale_cols;
+            const bool has_n = n0 < n;
+            float w_next = has_n ? wsp[0] : 0.0f;
+            float fin[BN / 2], acc[BN / 2];
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) fin[i] = 0.0f;
+            for (int kb = 0; kb < kblocks; ++kb, ++it) {
+                const int s = it % STAGES;
+                const float w = w_next;
+                if (has_n && kb + 1 < kblocks) w_next = wsp[kb + 1];
+                gemm_mbar_wait(full + 8 * s, (it / STAGES) & 1);
+                const float f_lo = scales_f[s * GEMM_BM + row] * w, f_hi = scales_f[s * GEMM_BM + row + 8] * w;
+                const u32 a = base + s * STAGE + cw * (A_BYTES / 2), b = base + s * STAGE + A_BYTES;
+                tandem_wgmma_fence();
+#pragma unroll
+                for (int ks = 0; ks < GEMM_BK / 32; ++ks)
+                    gemm_mma<BN>(acc, tandem_desc_sw128(a + ks * 32), tandem_desc_sw128(b + ks * 32), ks);
+                tandem_wgmma_commit();
+                tandem_wgmma_wait<0>();
+                // Every thread arrives (its reads of the scales are ordered before the producer's next write,
+                // in a way compute-sanitizer's racecheck follows); lane 0 of each warp also frees the stage
+                // on the peer, whose A half this CTA's multicast writes.
+                gemm_mbar_arrive(empty + 8 * s);
+                if (GEMM_CLUSTER) {
+                    __syncwarp();
+                    if (lane == 0) gemm_mbar_arrive_peer(empty + 8 * s, peer);
+                }
+#pragma unroll
+                for (int j = 0; j < BN / 8; ++j) {
+                    fin[4 * j + 0] = fmaf(acc[4 * j + 0], f_lo, fin[4 * j + 0]);
+                    fin[4 * j + 1] = fmaf(acc[4 * j + 1], f_lo, fin[4 * j + 1]);
+                    fin[4 * j + 2] = fmaf(acc[4 * j + 2], f_hi, fin[4 * j + 2]);
+                    fin[4 * j + 3] = fmaf(acc[4 * j + 3], f_hi, fin[4 * j + 3]);
+                }
+            }
+            // The stores overlap the producer's loads of the next tile.
+            const int r = m0 + row;
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                const int c = n0 + 8 * j + 2 * (lane % 4);
+                gemm_store<BF16>(y, rows, n, r, c, fin[4 * j + 0], fin[4 * j + 1]);
+                gemm_store<BF16>(y, rows, n, r + 8, c, fin[4 * j + 2], fin[4 * j + 3]);
+            }
+        }
+    }
+    // The peer may still arrive on this CTA's barriers: neither CTA leaves before both are done.
+    __syncwarp();
+    gemm_cluster_sync();
+}
+
+// The entry points: output tile width 128 or 64, f32 or bf16 out. Launch: a grid of an even number of CTAs
+// (clusters of two), at most one per SM (persistent: each cluster walks tiles t = cluster, cluster +
+// clusters, ...), 384 threads, dynamic shared memory engine::cuda::gemm::smem_bytes.
+#if GEMM_CLUSTER
+#define GEMM_CLUSTER_DIMS __cluster_dims__(2, 1, 1)
+#else
+#define GEMM_CLUSTER_DIMS
+#endif
+#define GEMM_PARAMS                                                                                               \
+    const __grid_constant__ TandemTensorMap ta, const __grid_constant__ TandemTensorMap tb,                      \
+        const __grid_constant__ TandemTensorMap tsa, const float *__restrict__ ws, int scale_cols,                \
+        void *__restrict__ y, int rows, int n, int kpad
+
+extern "C" __global__ void GEMM_CLUSTER_DIMS __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n128_f32(GEMM_PARAMS) {
+    gemm_fp8_body<128, GEMM_STAGES_128, false>(&ta, &tb, &tsa, ws, scale_cols, y, rows, n, kpad);
+}
+extern "C" __global__ void GEMM_CLUSTER_DIMS __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n64_f32(GEMM_PARAMS) {
+    gemm_fp8_body<64, GEMM_STAGES_64, false>(&ta, &tb, &tsa, ws, scale_cols, y, rows, n, kpad);
+}
+extern "C" __global__ void GEMM_CLUSTER_DIMS __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n128_bf16(GEMM_PARAMS) {
+    gemm_fp8_body<128, GEMM_STAGES_128, true>(&ta, &tb, &tsa, ws, scale_cols, y, rows, n, kpad);
+}
+extern "C" __global__ void GEMM_CLUSTER_DIMS __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n64_bf16(GEMM_PARAMS) {
+    gemm_fp8_body<64, GEMM_STAGES_64, true>(&ta, &tb, &tsa, ws, scale_cols, y, rows, n, kpad);
+}

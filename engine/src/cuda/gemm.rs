@@ -1,0 +1,456 @@
+//! The FP8 block-scaled GEMM on Hopper (`engine/kernels/gemm.cu`): `y = (qa . w^T)` with 1 x 128 activation
+//! scales and 128 x 128 weight-block scales (docs/model.md §2.1), e4m3 wgmma on the tensor cores fed by TMA,
+//! f32 or bf16 out.
+//!
+//! Operands reach the kernel as TMA tensor maps ([`TensorMap`]): the activation codes `[rows, kpad]` and
+//! the weight codes `[n, kpad]` (K-major, 128-byte swizzle, zero fill past the edges), and the activation
+//! scales in the transposed layout `[kpad / 128, scale_ld]` that `tandem_act_quant` writes when given a
+//! scale stride ([`scale_ld`]), so one K block's scales of 128 rows are one contiguous TMA box.
+//!
+//! Batch invariance: an output element is the same operations in every launch (four k32 steps per K block,
+//! promoted in K order into one f32 accumulator, no split-K); the tile width ([`tile_n`], the only choice
+//! that depends on M) and the persistent grid change which CTA computes it, not its bits (tested).
+
+use cudarc::driver::{DeviceRepr, PushKernelArg, sys};
+
+use super::{CudaError, Gpu};
+
+/// Rows of an output tile, K per block (and per activation scale), threads per CTA.
+pub const BM: usize = 128;
+pub const BK: usize = 128;
+const THREADS: u32 = 384;
+/// Pipeline stages per tile width (`GEMM_STAGES_128` / `GEMM_STAGES_64` in the kernel).
+const STAGES_128: usize = 6;
+const STAGES_64: usize = 8;
+
+/// Must match the kernel's layout: alignment slack, the stages (A [128 x 128] + B [bn x 128] codes), one K
+/// block's 128 row scales per stage, two mbarriers per stage.
+pub const fn smem_bytes(bn: usize) -> usize {
+    let stages = if bn == 128 { STAGES_128 } else { STAGES_64 };
+    1024 + stages * (BM * BK + bn * BK + BM * 4 + 16)
+}
+
+/// Row stride of the transposed activation scales for `rows` rows (a multiple of 4 floats: TMA strides are
+/// multiples of 16 bytes).
+pub const fn scale_ld(rows: usize) -> usize {
+    rows.div_ceil(4) * 4
+}
+
+/// Output tile width for an `m x n` product: 128 where 128-wide tiles give every SM one, else 64. Only the
+/// grid and the CTA that computes an element depend on it.
+pub fn tile_n(m: usize, n: usize, sms: usize) -> usize {
+    if m.div_ceil(BM) * n.div_ceil(128) >= sms { 128 } else { 64 }
+}
+
+/// The entry point for a tile width and output type.
+pub fn kernel_name(bn: usize, bf16_out: bool) -> &'static str {
+    match (bn, bf16_out) {
+        (128, false) => "tandem_gemm_fp8_n128_f32",
+        (128, true) => "tandem_gemm_fp8_n128_bf16",
+        (_, false) => "tandem_gemm_fp8_n64_f32",
+        (_, true) => "tandem_gemm_fp8_n64_bf16",
+    }
+}
+
+/// A CUDA tensor map, passed to the kernel by value (`__grid_constant__`).
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct TensorMap(sys::CUtensorMap);
+
+// SAFETY: a plain 128-byte struct the kernel declares with the same size and a compatible alignment
+// (`TandemTensorMap` in gemm.cu).
+unsafe impl DeviceRepr for TensorMap {}
+
+impl TensorMap {
+    /// A 2-D map of `rows x cols` elements of `dtype` (`elem` bytes each) at `ptr` with row stride `ld`
+    /// elements, loaded in boxes of `box_rows x box_cols`.
+    #[allow(clippy::too_many_arguments)]
+    fn encode(
+        ptr: u64,
+        dtype: sys::CUtensorMapDataType,
+        elem: usize,
+        rows: usize,
+        cols: usize,
+        ld: usize,
+        box_rows: usize,
+        box_cols: usize,
+        swizzle: sys::CUtensorMapSwizzle,
+    ) -> Result<Self, CudaError> {
+        if !ptr.is_multiple_of(16) || !(ld * elem).is_multiple_of(16) || rows == 0 || cols == 0 {
+            return Err(CudaError::Shape(format!(
+                "tensor map: address {ptr:#x} and row stride {} bytes must be 16-byte aligned, {rows} x {cols} \
+                 non-empty",
+                ld * elem
+            )));
+        }
+        let dims = [cols as u64, rows as u64];
+        let strides = [(ld * elem) as u64];
+        let boxes = [box_cols as u32, box_rows as u32];
+        let elem_strides = [1u32, 1];
+        let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+        // SAFETY: every pointer argument points at a live array of the rank's length; the driver only writes
+        // `map`.
+        let r = unsafe {
+            sys::cuTensorMapEncodeTiled(
+                map.as_mut_ptr(),
+                dtype,
+                2,
+                ptr as *mut std::ffi::c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                elem_strides.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                swizzle,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(CudaError::Driver(format!("cuTensorMapEncodeTiled ({rows} x {cols}, box {box_rows}): {r:?}")));
+        }
+        // SAFETY: the driver initialized it (zeroed before, so no uninitialized bytes either way).
+        Ok(TensorMap(unsafe { map.assume_init() }))
+    }
+
+    /// FP8 codes `[rows, kpad]`, boxes of `box_rows x 128` bytes in the 128-byte swizzle wgmma reads.
+    pub fn codes(ptr: u64, rows: usize, kpad: usize, box_rows: usize) -> Result<Self, CudaError> {
+        Self::encode(
+            ptr,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            1,
+            rows,
+            kpad,
+            kpad,
+            box_rows,
+            BK,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+        )
+    }
+
+    /// Transposed activation scales `[groups, ld]` f32 of `rows` rows, boxes of one K block's 128 rows.
+    pub fn scales(ptr: u64, groups: usize, rows: usize, ld: usize) -> Result<Self, CudaError> {
+        Self::encode(
+            ptr,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+            4,
+            groups,
+            rows,
+            ld,
+            1,
+            BM,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+        )
+    }
+}
+
+/// One product's device buffers as raw addresses.
+#[derive(Debug, Clone, Copy)]
+pub struct RawGemm {
+    /// e4m3 activation codes `[rows, kpad]`, zero past K.
+    pub qa: u64,
+    /// Their scales, transposed: `[kpad / 128, scale_ld]` f32 (row `r`'s scale of K block `g` at
+    /// `g * scale_ld + r`).
+    pub sa_t: u64,
+    pub scale_ld: usize,
+    /// e4m3 weight codes `[n, kpad]` and their 128 x 128 block scales `[ceil(n / 128), scale_cols]`.
+    pub w: u64,
+    pub ws: u64,
+    pub scale_cols: usize,
+    /// `[rows, n]` f32, or bf16 with `bf16_out`.
+    pub y: u64,
+    pub bf16_out: bool,
+    pub rows: usize,
+    pub n: usize,
+    pub kpad: usize,
+}
+
+/// Queues `y = qa . w^T` with the block scales. `tile` forces a tile width (64 or 128) where the caller
+/// tests one; `None` takes [`tile_n`]'s.
+pub fn launch(gpu: &Gpu, a: &RawGemm, tile: Option<usize>) -> Result<(), CudaError> {
+    if a.rows == 0 || a.n == 0 {
+        return Ok(());
+    }
+    if a.kpad == 0 || !a.kpad.is_multiple_of(BK) || a.scale_ld < a.rows || !a.scale_ld.is_multiple_of(4) {
+        return Err(CudaError::Shape(format!(
+            "gemm: kpad {} must be a positive multiple of {BK}, scale_ld {} a multiple of 4 of at least rows {}",
+            a.kpad, a.scale_ld, a.rows
+        )));
+    }
+    if a.scale_cols < a.kpad / BK {
+        return Err(CudaError::Shape(format!("gemm: {} weight scale columns for kpad {}", a.scale_cols, a.kpad)));
+    }
+    let sms = gpu.info().multiprocessors.max(2) as usize;
+    let bn = match tile {
+        None => tile_n(a.rows, a.n, sms),
+        Some(t @ (64 | 128)) => t,
+        Some(t) => return Err(CudaError::Shape(format!("gemm: tile width {t} (64 or 128)"))),
+    };
+    let ta = TensorMap::codes(a.qa, a.rows, a.kpad, BM / 2)?;
+    let tb = TensorMap::codes(a.w, a.n, a.kpad, bn)?;
+    let tsa = TensorMap::scales(a.sa_t, a.kpad / BK, a.rows, a.scale_ld)?;
+    // Persistent clusters of two CTAs, one CTA per SM at most; each cluster tile is a 128-row block and two
+    // column tiles.
+    let pairs = a.n.div_ceil(bn).div_ceil(2);
+    let clusters = (a.rows.div_ceil(BM) * pairs).min(sms / 2);
+    let f = gpu.function(kernel_name(bn, a.bf16_out))?;
+    let (scale_cols, rows, n, kpad) = (a.scale_cols as i32, a.rows as i32, a.n as i32, a.kpad as i32);
+    let mut b = gpu.stream().launch_builder(f);
+    b.arg(&ta).arg(&tb).arg(&tsa).arg(&a.ws).arg(&scale_cols).arg(&a.y).arg(&rows).arg(&n).arg(&kpad);
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (2 * clusters as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: smem_bytes(bn) as u32,
+    };
+    // SAFETY: the parameters follow GEMM_ENTRY's order and types; the tensor maps cover exactly the buffers
+    // the caller sized for these shapes, and TMA never reads outside a map.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::RngExt;
+    use rand_chacha::ChaCha8Rng;
+
+    use super::*;
+    use crate::cpu::linear::{ACT_GROUP, Fp8Linear};
+    use crate::cuda::ops::{Arg, DBuf, launch as launch_kernel};
+    use crate::fp8::e4m3_to_f32;
+
+    struct Weights {
+        codes: Vec<u8>,
+        scales: Vec<f32>,
+        out: usize,
+        inp: usize,
+    }
+
+    /// Weight codes: any finite e4m3 code, or (`exact`) one of +-1, +-1.5; block scales powers of two.
+    fn weights(rng: &mut ChaCha8Rng, out: usize, inp: usize, exact: bool) -> Weights {
+        let codes = (0..out * inp)
+            .map(|_| {
+                loop {
+                    let c = if exact {
+                        (rng.random::<u8>() & 0x80) | (7 << 3) | (rng.random::<u8>() & 4)
+                    } else {
+                        rng.random::<u8>()
+                    };
+                    if c & 0x7f != 0x7f {
+                        break c;
+                    }
+                }
+            })
+            .collect();
+        let scales =
+            (0..out.div_ceil(BK) * inp.div_ceil(BK)).map(|_| (-(rng.random_range(0..4) as f32)).exp2()).collect();
+        Weights { codes, scales, out, inp }
+    }
+
+    /// Activations: random, or (`exact`) +-1 or +-1.5 times a power of two per 128-channel group (the group
+    /// quantizes to codes +-256 / +-384 with no rounding).
+    fn activations(rng: &mut ChaCha8Rng, rows: usize, inp: usize, exact: bool) -> Vec<f32> {
+        let mut x = vec![0f32; rows * inp];
+        for (i, v) in x.iter_mut().enumerate() {
+            *v = if exact {
+                let e = ((i % inp) / ACT_GROUP + i / inp) % 3;
+                let m = if rng.random::<bool>() { 1.0 } else { 1.5 };
+                let s = if rng.random::<bool>() { 1.0 } else { -1.0 };
+                s * m * (e as f32).exp2()
+            } else {
+                (rng.random::<f32>() * 2.0 - 1.0) * 8.0
+            };
+        }
+        x
+    }
+
+    /// The GPU's product of `x [rows, inp]` (quantized by tandem_act_quant into the transposed scale layout)
+    /// and the weights, as f32 (bf16 outputs widened).
+    fn gpu_forward(gpu: &Gpu, x: &[f32], rows: usize, w: &Weights, tile: Option<usize>, bf16: bool) -> Vec<f32> {
+        let s = gpu.stream();
+        let kpad = w.inp.div_ceil(BK) * BK;
+        let groups = kpad / BK;
+        let ld = scale_ld(rows);
+        let mut padded = vec![0u8; w.out * kpad];
+        for r in 0..w.out {
+            padded[r * kpad..r * kpad + w.inp].copy_from_slice(&w.codes[r * w.inp..(r + 1) * w.inp]);
+        }
+        let dx = DBuf::upload(s, x).unwrap();
+        let dw = DBuf::upload(s, &padded).unwrap();
+        let dws = DBuf::upload(s, &w.scales).unwrap();
+        let qa = DBuf::<u8>::zeros(s, rows * kpad).unwrap();
+        let sa = DBuf::<f32>::zeros(s, groups * ld).unwrap();
+        launch_kernel(
+            gpu,
+            "tandem_act_quant",
+            (groups as u32, rows as u32, 1),
+            32,
+            0,
+            &[
+                Arg::P(dx.ptr()),
+                Arg::I(w.inp as i32),
+                Arg::I(kpad as i32),
+                Arg::I(1),
+                Arg::P(qa.ptr()),
+                Arg::P(sa.ptr()),
+                Arg::I(ld as i32),
+            ],
+        )
+        .unwrap();
+        let raw = |y: u64, bf16_out| RawGemm {
+            qa: qa.ptr(),
+            sa_t: sa.ptr(),
+            scale_ld: ld,
+            w: dw.ptr(),
+            ws: dws.ptr(),
+            scale_cols: w.inp.div_ceil(BK),
+            y,
+            bf16_out,
+            rows,
+            n: w.out,
+            kpad,
+        };
+        if bf16 {
+            let y = DBuf::<u16>::zeros(s, rows * w.out).unwrap();
+            launch(gpu, &raw(y.ptr(), true), tile).unwrap();
+            s.clone_dtoh(y.slice()).unwrap().iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect()
+        } else {
+            let y = DBuf::<f32>::zeros(s, rows * w.out).unwrap();
+            launch(gpu, &raw(y.ptr(), false), tile).unwrap();
+            s.clone_dtoh(y.slice()).unwrap()
+        }
+    }
+
+    fn cpu_forward(x: &[f32], rows: usize, w: &Weights) -> Vec<f32> {
+        Fp8Linear::new(&w.codes, w.scales.clone(), w.out, w.inp, [BK, BK], true).forward(x, rows)
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Exact inputs: every product and 128-term sum needs at most 11 significant bits and every scale is a
+    /// power of two, so rounding cannot separate the tensor cores from the CPU's f32 sums: the GPU must give
+    /// the CPU function's bits. Covers partial K blocks (192 = 1.5 blocks), partial column tiles (130, 576),
+    /// partial row tiles, both tile widths and both output types.
+    #[test]
+    fn exact_products_give_the_cpu_result_bit_for_bit() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        for (rows, inp, out) in [(1, 256, 300), (77, 192, 130), (200, 512, 576), (129, 1536, 256)] {
+            let w = weights(&mut rng, out, inp, true);
+            let x = activations(&mut rng, rows, inp, true);
+            let want = cpu_forward(&x, rows, &w);
+            for tile in [64, 128] {
+                let got = gpu_forward(&gpu, &x, rows, &w, Some(tile), false);
+                assert_eq!(bits(&got), bits(&want), "{rows}x{inp}x{out} tile {tile} (seed {seed})");
+                let got16 = gpu_forward(&gpu, &x, rows, &w, Some(tile), true);
+                let want16: Vec<f32> = want.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+                assert_eq!(bits(&got16), bits(&want16), "bf16 out {rows}x{inp}x{out} tile {tile} (seed {seed})");
+            }
+        }
+    }
+
+    /// Any finite codes: the tensor cores accumulate a k32 step's FP8 products at limited precision (about
+    /// 14 significant bits, DeepSeek-V3 report §3.3.2), which the per-block promotion keeps from growing
+    /// along K. Bound: |gpu - cpu| <= 2^-11 of the element's magnitude sum S = sum |a_k| |w_k| (scales
+    /// applied): four k-steps per block at ~2^-14 each is 2^-12, doubled for margin; a wrong scale or
+    /// layout is off by O(S). The measured worst ratio is printed.
+    #[test]
+    fn random_codes_stay_within_the_tensor_cores_accumulation_precision() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        for (rows, inp, out) in [(33, 1536, 700), (300, 7168, 256)] {
+            let w = weights(&mut rng, out, inp, false);
+            let x = activations(&mut rng, rows, inp, false);
+            let want = cpu_forward(&x, rows, &w);
+            let got = gpu_forward(&gpu, &x, rows, &w, None, false);
+            // Magnitude sums from the CPU's own quantization of x.
+            let kpad = inp.div_ceil(BK) * BK;
+            let mut worst = 0f64;
+            for r in 0..rows {
+                let mut qa = vec![0f32; kpad];
+                let mut sa = vec![0f32; kpad / BK];
+                for g in 0..kpad / BK {
+                    let hi = ((g + 1) * BK).min(inp);
+                    sa[g] = crate::fp8::quantize_group_values(
+                        &x[r * inp + g * BK..r * inp + hi],
+                        &mut qa[g * BK..hi],
+                        true,
+                    );
+                }
+                for c in 0..out {
+                    let mut sum = 0f64;
+                    for k in 0..inp {
+                        let wv = e4m3_to_f32(w.codes[c * inp + k]) as f64
+                            * w.scales[(c / BK) * inp.div_ceil(BK) + k / BK] as f64;
+                        sum += (qa[k] as f64 * sa[k / BK] as f64 * wv).abs();
+                    }
+                    let d = (got[r * out + c] as f64 - want[r * out + c] as f64).abs();
+                    worst = worst.max(d / sum.max(f64::MIN_POSITIVE));
+                    assert!(
+                        d <= sum * (-11f64).exp2(),
+                        "{rows}x{inp}x{out} y[{r},{c}]: gpu {} cpu {} (|diff| {d:e}, S {sum:e}, seed {seed})",
+                        got[r * out + c],
+                        want[r * out + c]
+                    );
+                }
+            }
+            eprintln!(
+                "{rows}x{inp}x{out}: worst |gpu - cpu| / S = {worst:.3e} (bound 2^-11 = {:.3e})",
+                (-11f64).exp2()
+            );
+        }
+    }
+
+    /// A row's output bits do not depend on M, the other rows or the tile width: rows of small launches
+    /// equal the same rows of a large one at every point where the tile width or the grid changes.
+    #[test]
+    fn a_rows_output_does_not_depend_on_the_batch_or_the_tile() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        let sms = gpu.info().multiprocessors as usize;
+        let (inp, out) = (1024, 2304);
+        let w = weights(&mut rng, out, inp, false);
+        // Large enough that the default tile is 128 wide and several tiles per cluster run.
+        let big = (sms.div_ceil(out.div_ceil(128)) + 2) * BM;
+        assert_eq!(tile_n(big, out, sms), 128);
+        let x = activations(&mut rng, big, inp, false);
+        let full = gpu_forward(&gpu, &x, big, &w, None, false);
+        assert_eq!(bits(&gpu_forward(&gpu, &x, big, &w, Some(64), false)), bits(&full), "tile 64 vs 128 (seed {seed})");
+        for m in [1, 2, 63, 64, 65, 127, 128, 129, 255, 256, 257, big - 1] {
+            let got = gpu_forward(&gpu, &x[..m * inp], m, &w, None, false);
+            assert_eq!(
+                bits(&got),
+                bits(&full[..m * out]),
+                "rows of M = {m} (tile {}, seed {seed})",
+                tile_n(m, out, sms)
+            );
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let ok = RawGemm {
+            qa: 0,
+            sa_t: 0,
+            scale_ld: 4,
+            w: 0,
+            ws: 0,
+            scale_cols: 1,
+            y: 0,
+            bf16_out: false,
+            rows: 4,
+            n: 8,
+            kpad: 128,
+        };
+        assert!(launch(&gpu, &RawGemm { kpad: 100, ..ok }, None).unwrap_err().to_string().contains("kpad"));
+        assert!(launch(&gpu, &RawGemm { scale_ld: 2, ..ok }, None).unwrap_err().to_string().contains("scale_ld"));
+        assert!(launch(&gpu, &RawGemm { scale_cols: 0, ..ok }, None).unwrap_err().to_string().contains("scale"));
+        assert!(launch(&gpu, &ok, Some(96)).unwrap_err().to_string().contains("tile width"));
+        // A null operand is refused by the driver's tensor-map checks, not read.
+        assert!(launch(&gpu, &RawGemm { qa: 8, ..ok }, None).is_err());
+        // Nothing to do is not an error.
+        assert!(launch(&gpu, &RawGemm { rows: 0, ..ok }, None).is_ok());
+    }
+}
