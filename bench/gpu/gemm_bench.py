@@ -126,32 +126,59 @@ class Gemm:
                 self.fns[(bn, out_t)] = f
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
 
+        for out_t in ("f32", "bf16"):
+            f = ctypes.c_void_p()
+            name = f"tandem_gemm_fp8_combine_{out_t}"
+            check(_cuda.cuModuleGetFunction(ctypes.byref(f), self.mod, name.encode()), name)
+            self.fns[("combine", out_t)] = f
+
     def tile_n(self, m, n):
         """engine::cuda::gemm::tile_n: 128-wide tiles where they fill the SMs, else 64."""
         return 128 if -(-m // BM) * -(-n // 128) >= self.sms else 64
 
-    def prepare(self, qa, sa, w, ws, y, bn=None):
-        """A launch closure of y = qa . w^T with the block scales."""
+    def plan(self, m, n, kpad):
+        """engine::cuda::gemm::Plan::new: (tile width, chains, split)."""
+        pairs = max(1, (-(-n // 64) + 1) // 2)
+        chains = min(max(1, min(16, (self.sms // 2) // pairs)), max(1, kpad // BK))
+        split = chains > 1 and -(-m // BM) * pairs < self.sms // 2 and m <= 2 * BM
+        return (64 if split else self.tile_n(m, n)), chains, split
+
+    def prepare(self, qa, sa, w, ws, y, bn=None, split=None):
+        """A launch closure of y = qa . w^T with the block scales (the plan's tile and split unless given)."""
         m, kpad = qa.shape
         n = w.shape[0]
-        bn = bn or self.tile_n(m, n)
+        pbn, chains, psplit = self.plan(m, n, kpad)
+        split = psplit if split is None else (split and chains > 1)
+        bn = bn or (64 if split else pbn)
         sa_t = transposed_scales(sa)
         ta, tb, tsa = tensor_map(qa, m, kpad, BM // 2), tensor_map(w, n, kpad, bn), scale_map(sa_t, m)
         out_t = "bf16" if y.dtype == torch.bfloat16 else "f32"
         fn = self.fns[(bn, out_t)]
+        part = torch.empty(chains * m * n if split else 1, device=DEV, dtype=torch.float32)
         vals = [ta, tb, tsa, ctypes.c_uint64(ws.data_ptr()), ctypes.c_int32(ws.shape[1]),
-                ctypes.c_uint64(y.data_ptr()), ctypes.c_int32(m), ctypes.c_int32(n), ctypes.c_int32(kpad)]
+                ctypes.c_uint64(y.data_ptr()), ctypes.c_uint64(part.data_ptr() if split else 0),
+                ctypes.c_int32(chains), ctypes.c_int32(m), ctypes.c_int32(n), ctypes.c_int32(kpad)]
         params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
-        n_pairs = (-(-n // bn) + 1) // 2
-        grid = 2 * min(-(-m // BM) * n_pairs, int(os.environ.get("GEMM_CLUSTERS", self.sms // 2)))
-        keep = (vals, params, qa, sa_t, w, ws, y)
+        units = -(-m // BM) * ((-(-n // bn) + 1) // 2) * (chains if split else 1)
+        grid = 2 * min(units, int(os.environ.get("GEMM_CLUSTERS", self.sms // 2)))
+        count = m * n
+        cvals = [ctypes.c_uint64(part.data_ptr()), ctypes.c_int32(chains), ctypes.c_int64(count),
+                 ctypes.c_uint64(y.data_ptr())]
+        cparams = (ctypes.c_void_p * len(cvals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in cvals])
+        cfn = self.fns[("combine", out_t)]
+        cgrid = min(-(-count // 256), 4 * self.sms)
+        keep = (vals, params, cvals, cparams, qa, sa_t, w, ws, y, part)
 
         def launch():
             _ = keep
             stream = torch.cuda.current_stream().cuda_stream
             check(_cuda.cuLaunchKernel(fn, grid, 1, 1, THREADS, 1, 1, smem_bytes(bn), ctypes.c_void_p(stream), params,
                                        None), "cuLaunchKernel")
+            if split:
+                check(_cuda.cuLaunchKernel(cfn, cgrid, 1, 1, 256, 1, 1, 0, ctypes.c_void_p(stream), cparams, None),
+                      "cuLaunchKernel (combine)")
 
+        launch.plan = (bn, chains, split)
         return launch
 
 
@@ -297,7 +324,7 @@ def checks(g, failures):
             err = ((base().double() - ref).abs().max() / ref.abs().max()).item()
             print(f"check {m}x{n}x{k} cuBLASLt block-scaled: max rel err {err:.2e}", flush=True)
     # Batch invariance: rows of M = 1, 7, 129, 1000 inside M = 4096; tile width 64 against 128.
-    n, k = 7168, 2048
+    n, k = 1536, 7168  # q_a: several chains, split at small M
     qa, sa, qw, sw = operands(4096, n, k, gen)
     full = {}
     for bn in (128, 64):
@@ -309,13 +336,13 @@ def checks(g, failures):
     if not same_bn:
         failures.append("tile width 64 != 128")
     for m in (1, 7, 129, 1000):
-        for bn in (128, 64):
+        for bn, split in ((128, False), (64, False), (64, True)):
             y = torch.empty(m, n, device=DEV, dtype=torch.float32)
-            g.prepare(as_u8(qa[:m].contiguous()), sa[:m].contiguous(), as_u8(qw), sw, y, bn)()
+            g.prepare(as_u8(qa[:m].contiguous()), sa[:m].contiguous(), as_u8(qw), sw, y, bn, split)()
             same = torch.equal(y, full[128][:m])
             if not same:
-                failures.append(f"rows of M = {m} (bn {bn}) differ from the same rows in M = 4096")
-            print(f"invariance: M = {m} bn = {bn} rows == rows of M = 4096: {same}", flush=True)
+                failures.append(f"rows of M = {m} (bn {bn}, split {split}) differ from the same rows in M = 4096")
+            print(f"invariance: M = {m} bn = {bn} split {split} rows == rows of M = 4096: {same}", flush=True)
     torch.cuda.synchronize()
 
 
@@ -336,16 +363,17 @@ def main():
     ms = MS if not args.quick else [1, 128, 1024, 4096]
     gen = torch.Generator(device=DEV).manual_seed(1)
     rows = []
-    hdr = f"{'shape':>15} {'N x K':>12} {'M':>5} {'bn':>3} {'ours us':>8} {'TFLOPS':>7} {'wGB/s':>6} {'%copy':>5} " \
+    hdr = f"{'shape':>15} {'N x K':>12} {'M':>5} {'plan':>6} {'ours us':>8} {'TFLOPS':>7} {'wGB/s':>6} {'%copy':>5} " \
           f"{'cuBLAS us':>9} {'x cuBLAS':>8} {'tensor us':>9}"
     print(hdr, flush=True)
     for name, n, k in shapes:
         for m in ms:
             qa, sa, qw, sw = operands(m, n, k, gen)
             y = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
-            bn = g.tile_n(m, n)
-            ours = timed(g.prepare(as_u8(qa), sa, as_u8(qw), sw, y), args.reps)
-            both = {t: timed(g.prepare(as_u8(qa), sa, as_u8(qw), sw, y, t), args.reps) for t in (64, 128)} \
+            f = g.prepare(as_u8(qa), sa, as_u8(qw), sw, y)
+            bn, chains, split = f.plan
+            ours = timed(f, args.reps)
+            both = {t: timed(g.prepare(as_u8(qa), sa, as_u8(qw), sw, y, t, False), args.reps) for t in (64, 128)} \
                 if args.both_tiles else None
             b = cublas_block(qa, sa, qw, sw)
             tb = timed(b, args.reps) if b is not None else None
@@ -353,13 +381,13 @@ def main():
             tt = timed(t, args.reps) if t is not None else None
             flops = 2.0 * m * n * k
             wbytes = n * k + sw.numel() * 4
-            r = {"shape": name, "n": n, "k": k, "m": m, "tile_n": bn, "ours_ms": ours,
+            r = {"shape": name, "n": n, "k": k, "m": m, "tile_n": bn, "chains": chains, "split": split, "ours_ms": ours,
                  "tflops": flops / ours / 1e9, "weight_gbps": wbytes / ours / 1e6,
                  "of_copy": wbytes / ours / 1e6 / copy, "cublas_block_ms": tb, "cublas_tensor_ms": tt,
                  "vs_cublas_block": (tb / ours) if tb else None,
                  "vs_cublas_tensor": (tt / ours) if tt else None, "tile_ms": both}
             rows.append(r)
-            print(f"{name:>15} {n:>5}x{k:<6} {m:>5} {bn:>3} {ours * 1e3:8.1f} {r['tflops']:7.0f} "
+            print(f"{name:>15} {n:>5}x{k:<6} {m:>5} {bn:>3}{'s' if split else ' '}{chains:<2} {ours * 1e3:8.1f} {r['tflops']:7.0f} "
                   f"{r['weight_gbps']:6.0f} {100 * r['of_copy']:4.0f}% "
                   f"{(tb * 1e3 if tb else float('nan')):9.1f} {(r['vs_cublas_block'] or float('nan')):8.2f} "
                   f"{(tt * 1e3 if tt else float('nan')):9.1f}"

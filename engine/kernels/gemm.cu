@@ -19,11 +19,18 @@
 // f32). The stores of a finished tile overlap the producer's loads of the next. Rows past `rows` and
 // columns past `n` are zero-filled by TMA and never stored.
 //
+// Chains: K is cut into `chains` fixed ranges of K blocks (a function of the weight shape and the SM count,
+// engine::cuda::gemm::chains, never of M), each promoted in K order into its own f32 sum, and the chains are
+// added left to right: y = ((c0 + c1) + c2) + ... A launch runs them one of two ways with the same bits:
+// inside each tile one after another (a running total beside the current chain), or, for products too
+// small to fill the GPU (`part` given), as separate units that write their chain sums to `part`, which
+// tandem_gemm_fp8_combine adds in chain order. That is a split-K whose split never depends on M.
+//
 // Batch invariance: an output element is the same sequence of operations in every configuration: the
-// same four k-steps per K block (a wgmma element does not depend on the tile's N), promoted in K order
-// into one f32 accumulator; there is no split-K. BN, the grid and the tile order change only which CTA
-// computes it, so y[m] does not depend on M or on the other rows (bench/gpu/gemm_bench.py and the GPU
-// tests check BN 64 against 128 and rows of small M against the same rows of a large one, bit for bit).
+// same four k-steps per K block (a wgmma element does not depend on the tile's N), the same chains, the
+// same order. BN, the grid, the tile order and the split change only which CTA computes what, so y[m] does
+// not depend on M or on the other rows (bench/gpu/gemm_bench.py and the GPU tests check BN 64 against 128,
+// split against unsplit, and rows of small M against the same rows of a large one, bit for bit).
 #include "common.cuh"
 #include "wgmma.cuh"
 
@@ -154,10 +161,14 @@ __device__ __forceinline__ void gemm_tile(int t, int rank, int m_tiles, int n_pa
     n0 = (2 * (in_group / gm) + rank) * bn;
 }
 
+// First K block of chain c of `chains` over `kblocks` blocks.
+__device__ __forceinline__ int gemm_chain_begin(int c, int chains, int kblocks) { return c * kblocks / chains; }
+
 template <int BN, int STAGES, bool BF16>
 __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const TandemTensorMap* tb,
                                               const TandemTensorMap* tsa, const float* __restrict__ ws,
-                                              int scale_cols, void* __restrict__ y, int rows, int n, int kpad) {
+                                              int scale_cols, void* __restrict__ y, float* __restrict__ part,
+                                              int chains, int rows, int n, int kpad) {
     extern __shared__ __align__(1024) u8 smem_raw[];
     constexpr u32 A_BYTES = GEMM_BM * GEMM_BK;
     constexpr u32 B_BYTES = BN * GEMM_BK;
@@ -173,6 +184,8 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
     const int n_pairs = (n_tiles + 1) / 2, tiles = m_tiles * n_pairs;
     const int cluster = blockIdx.x / 2, clusters = gridDim.x / 2;
     const int kblocks = kpad / GEMM_BK;
+    // A unit of work is a cluster tile, or with `part` one chain of a cluster tile.
+    const int per_tile = part != nullptr ? chains : 1, units = tiles * per_tile;
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
@@ -192,10 +205,13 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
             asm volatile("prefetch.tensormap [%0];" ::"l"((unsigned long long)tb) : "memory");
             asm volatile("prefetch.tensormap [%0];" ::"l"((unsigned long long)tsa) : "memory");
             int it = 0;
-            for (int t = cluster; t < tiles; t += clusters) {
+            for (int u = cluster; u < units; u += clusters) {
                 int m0, n0;
-                gemm_tile(t, rank, m_tiles, n_pairs, BN, m0, n0);
-                for (int kb = 0; kb < kblocks; ++kb, ++it) {
+                gemm_tile(u / per_tile, rank, m_tiles, n_pairs, BN, m0, n0);
+                const int c = u % per_tile;
+                const int kb0 = per_tile > 1 ? gemm_chain_begin(c, chains, kblocks) : 0;
+                const int kb1 = per_tile > 1 ? gemm_chain_begin(c + 1, chains, kblocks) : kblocks;
+                for (int kb = kb0; kb < kb1; ++kb, ++it) {
                     const int s = it % STAGES;
                     // Both CTAs' consumers are done with the stage (this CTA's multicast writes the peer's too).
                     if (it >= STAGES) gemm_mbar_wait(empty + 8 * s, ((it / STAGES) - 1) & 1);
@@ -218,21 +234,36 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
         const int cw = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
         const int row = cw * 64 + warp * 16 + lane / 4;  // this thread's rows in the tile: row, row + 8
         int it = 0;
-        for (int t = cluster; t < tiles; t += clusters) {
+        for (int u = cluster; u < units; u += clusters) {
             int m0, n0;
-            gemm_tile(t, rank, m_tiles, n_pairs, BN, m0, n0);
+            gemm_tile(u / per_tile, rank, m_tiles, n_pairs, BN, m0, n0);
+            const int c = u % per_tile;
+            const int kb0 = per_tile > 1 ? gemm_chain_begin(c, chains, kblocks) : 0;
+            const int kb1 = per_tile > 1 ? gemm_chain_begin(c + 1, chains, kblocks) : kblocks;
             // The tile's weight-block scales, one K block ahead (a uniform load whose latency hides under a
             // K block); a column tile past `n` (the odd tile of a pair) reads none.
             const float* wsp = ws + (i64)(n0 / 128) * scale_cols;
             const bool has_n = n0 < n;
-            float w_next = has_n ? wsp[0] : 0.0f;
-            float fin[BN / 2], acc[BN / 2];
+            float w_next = has_n ? wsp[kb0] : 0.0f;
+            // fin: the current chain; tot: the chains before it, summed left to right.
+            float fin[BN / 2], tot[BN / 2], acc[BN / 2];
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) fin[i] = 0.0f;
-            for (int kb = 0; kb < kblocks; ++kb, ++it) {
+            int next_chain = 1, next_begin = per_tile > 1 ? kb1 : gemm_chain_begin(1, chains, kblocks);
+            for (int kb = kb0; kb < kb1; ++kb, ++it) {
+                if (kb == next_begin) {
+                    // A chain ends: add it to the ones before (the first one is taken as it is).
+#pragma unroll
+                    for (int i = 0; i < BN / 2; ++i) {
+                        tot[i] = next_chain == 1 ? fin[i] : tot[i] + fin[i];
+                        fin[i] = 0.0f;
+                    }
+                    ++next_chain;
+                    next_begin = gemm_chain_begin(next_chain, chains, kblocks);
+                }
                 const int s = it % STAGES;
                 const float w = w_next;
-                if (has_n && kb + 1 < kblocks) w_next = wsp[kb + 1];
+                if (has_n && kb + 1 < kb1) w_next = wsp[kb + 1];
                 gemm_mbar_wait(full + 8 * s, (it / STAGES) & 1);
                 const float f_lo = scales_f[s * GEMM_BM + row] * w, f_hi = scales_f[s * GEMM_BM + row + 8] * w;
                 const u32 a = base + s * STAGE + cw * (A_BYTES / 2), b = base + s * STAGE + A_BYTES;
@@ -258,19 +289,57 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
                     fin[4 * j + 3] = fmaf(acc[4 * j + 3], f_hi, fin[4 * j + 3]);
                 }
             }
-            // The stores overlap the producer's loads of the next tile.
+            // The stores overlap the producer's loads of the next unit.
             const int r = m0 + row;
+            if (per_tile > 1) {
+                // One chain of a split launch: its sum goes to part[c] (tandem_gemm_fp8_combine adds them).
+                float* pc = part + (i64)c * rows * n;
 #pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-                const int c = n0 + 8 * j + 2 * (lane % 4);
-                gemm_store<BF16>(y, rows, n, r, c, fin[4 * j + 0], fin[4 * j + 1]);
-                gemm_store<BF16>(y, rows, n, r + 8, c, fin[4 * j + 2], fin[4 * j + 3]);
+                for (int j = 0; j < BN / 8; ++j) {
+                    const int col = n0 + 8 * j + 2 * (lane % 4);
+                    gemm_store<false>(pc, rows, n, r, col, fin[4 * j + 0], fin[4 * j + 1]);
+                    gemm_store<false>(pc, rows, n, r + 8, col, fin[4 * j + 2], fin[4 * j + 3]);
+                }
+            } else {
+                if (chains > 1) {
+#pragma unroll
+                    for (int i = 0; i < BN / 2; ++i) fin[i] = tot[i] + fin[i];
+                }
+#pragma unroll
+                for (int j = 0; j < BN / 8; ++j) {
+                    const int col = n0 + 8 * j + 2 * (lane % 4);
+                    gemm_store<BF16>(y, rows, n, r, col, fin[4 * j + 0], fin[4 * j + 1]);
+                    gemm_store<BF16>(y, rows, n, r + 8, col, fin[4 * j + 2], fin[4 * j + 3]);
+                }
             }
         }
     }
     // The peer may still arrive on this CTA's barriers: neither CTA leaves before both are done.
     __syncwarp();
     gemm_cluster_sync();
+}
+
+// A split launch's chains summed left to right, as an unsplit launch sums them: y = ((p0 + p1) + p2) + ...
+template <bool BF16>
+__device__ __forceinline__ void gemm_combine_body(const float* __restrict__ part, int chains, i64 count,
+                                                  void* __restrict__ y) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (i64)gridDim.x * blockDim.x) {
+        float v = part[i];
+        for (int c = 1; c < chains; ++c) v = v + part[(i64)c * count + i];
+        if (BF16) {
+            ((u16*)y)[i] = tandem_bf16(v);
+        } else {
+            ((float*)y)[i] = v;
+        }
+    }
+}
+extern "C" __global__ void tandem_gemm_fp8_combine_f32(const float* __restrict__ part, int chains, i64 count,
+                                                       void* __restrict__ y) {
+    gemm_combine_body<false>(part, chains, count, y);
+}
+extern "C" __global__ void tandem_gemm_fp8_combine_bf16(const float* __restrict__ part, int chains, i64 count,
+                                                        void* __restrict__ y) {
+    gemm_combine_body<true>(part, chains, count, y);
 }
 
 // The entry points: output tile width 128 or 64, f32 or bf16 out. Launch: a grid of an even number of CTAs
@@ -284,17 +353,17 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
 #define GEMM_PARAMS                                                                                               \
     const __grid_constant__ TandemTensorMap ta, const __grid_constant__ TandemTensorMap tb,                      \
         const __grid_constant__ TandemTensorMap tsa, const float *__restrict__ ws, int scale_cols,                \
-        void *__restrict__ y, int rows, int n, int kpad
+        void *__restrict__ y, float *__restrict__ part, int chains, int rows, int n, int kpad
 
 extern "C" __global__ void GEMM_CLUSTER_DIMS __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n128_f32(GEMM_PARAMS) {
-    gemm_fp8_body<128, GEMM_STAGES_128, false>(&ta, &tb, &tsa, ws, scale_cols, y, rows, n, kpad);
+    gemm_fp8_body<128, GEMM_STAGES_128, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad);
 }
 extern "C" __global__ void GEMM_CLUSTER_DIMS __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n64_f32(GEMM_PARAMS) {
-    gemm_fp8_body<64, GEMM_STAGES_64, false>(&ta, &tb, &tsa, ws, scale_cols, y, rows, n, kpad);
+    gemm_fp8_body<64, GEMM_STAGES_64, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad);
 }
 extern "C" __global__ void GEMM_CLUSTER_DIMS __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n128_bf16(GEMM_PARAMS) {
-    gemm_fp8_body<128, GEMM_STAGES_128, true>(&ta, &tb, &tsa, ws, scale_cols, y, rows, n, kpad);
+    gemm_fp8_body<128, GEMM_STAGES_128, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad);
 }
 extern "C" __global__ void GEMM_CLUSTER_DIMS __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n64_bf16(GEMM_PARAMS) {
-    gemm_fp8_body<64, GEMM_STAGES_64, true>(&ta, &tb, &tsa, ws, scale_cols, y, rows, n, kpad);
+    gemm_fp8_body<64, GEMM_STAGES_64, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad);
 }

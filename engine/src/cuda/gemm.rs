@@ -13,6 +13,7 @@
 
 use cudarc::driver::{DeviceRepr, PushKernelArg, sys};
 
+use super::ops::Arg;
 use super::{CudaError, Gpu};
 
 /// Rows of an output tile, K per block (and per activation scale), threads per CTA.
@@ -40,6 +41,43 @@ pub const fn scale_ld(rows: usize) -> usize {
 /// grid and the CTA that computes an element depend on it.
 pub fn tile_n(m: usize, n: usize, sms: usize) -> usize {
     if m.div_ceil(BM) * n.div_ceil(128) >= sms { 128 } else { 64 }
+}
+
+/// Chains of a weight shape: K is cut into this many fixed ranges, each summed in K order, and the chains
+/// are added left to right (docs/model.md §2.1). A function of the weight shape and the GPU's SM count,
+/// never of M: enough chains that a one-row-tile product of 64-wide tiles gives every SM a unit (up to 16,
+/// and at most one per K block). Every launch of the shape computes the same chains, split or not.
+pub fn chains(n: usize, kpad: usize, sms: usize) -> usize {
+    let pairs = n.div_ceil(64).div_ceil(2).max(1);
+    ((sms / 2) / pairs).clamp(1, 16).min((kpad / BK).max(1))
+}
+
+/// How one product runs: the tile width, the weight shape's chains, and whether the chains run as separate
+/// units (`split`: each writes its sum to a partial buffer, a second kernel adds them in chain order; for
+/// products too small to fill the GPU otherwise) or one after another inside each tile. Both give the same
+/// bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plan {
+    pub tile: usize,
+    pub chains: usize,
+    pub split: bool,
+}
+
+impl Plan {
+    pub fn new(rows: usize, n: usize, kpad: usize, sms: usize) -> Self {
+        let chains = chains(n, kpad, sms);
+        // Split where an unsplit launch would leave SMs idle, and only for up to two row tiles: the chains'
+        // partial sums cost 8 bytes per row, column and chain (measured on kv_a, 13 chains: 1.4x faster
+        // than unsplit at M <= 256, 1.8x slower at 1024).
+        let idle = rows.div_ceil(BM) * n.div_ceil(64).div_ceil(2) < sms / 2;
+        let split = chains > 1 && idle && rows <= 2 * BM;
+        Plan { tile: if split { 64 } else { tile_n(rows, n, sms) }, chains, split }
+    }
+
+    /// f32 values of the partial buffer a split launch needs (0 when not split).
+    pub fn partial_len(&self, rows: usize, n: usize) -> usize {
+        if self.split { self.chains * rows * n } else { 0 }
+    }
 }
 
 /// The entry point for a tile width and output type.
@@ -159,15 +197,17 @@ pub struct RawGemm {
     pub scale_cols: usize,
     /// `[rows, n]` f32, or bf16 with `bf16_out`.
     pub y: u64,
+    /// A split launch's chain sums: [`Plan::partial_len`] f32 (0 when the plan is not split).
+    pub part: u64,
     pub bf16_out: bool,
     pub rows: usize,
     pub n: usize,
     pub kpad: usize,
 }
 
-/// Queues `y = qa . w^T` with the block scales. `tile` forces a tile width (64 or 128) where the caller
-/// tests one; `None` takes [`tile_n`]'s.
-pub fn launch(gpu: &Gpu, a: &RawGemm, tile: Option<usize>) -> Result<(), CudaError> {
+/// Queues `y = qa . w^T` with the block scales, as `plan` says (normally [`Plan::new`]; the tests force
+/// others).
+pub fn launch(gpu: &Gpu, a: &RawGemm, plan: Plan) -> Result<(), CudaError> {
     if a.rows == 0 || a.n == 0 {
         return Ok(());
     }
@@ -180,31 +220,52 @@ pub fn launch(gpu: &Gpu, a: &RawGemm, tile: Option<usize>) -> Result<(), CudaErr
     if a.scale_cols < a.kpad / BK {
         return Err(CudaError::Shape(format!("gemm: {} weight scale columns for kpad {}", a.scale_cols, a.kpad)));
     }
+    if plan.tile != 64 && plan.tile != 128 {
+        return Err(CudaError::Shape(format!("gemm: tile width {} (64 or 128)", plan.tile)));
+    }
+    if plan.chains == 0 || plan.chains > a.kpad / BK {
+        return Err(CudaError::Shape(format!("gemm: {} chains over {} K blocks", plan.chains, a.kpad / BK)));
+    }
+    if plan.split && a.part == 0 {
+        return Err(CudaError::Shape("gemm: a split launch needs its partial buffer".into()));
+    }
     let sms = gpu.info().multiprocessors.max(2) as usize;
-    let bn = match tile {
-        None => tile_n(a.rows, a.n, sms),
-        Some(t @ (64 | 128)) => t,
-        Some(t) => return Err(CudaError::Shape(format!("gemm: tile width {t} (64 or 128)"))),
-    };
+    let bn = plan.tile;
     let ta = TensorMap::codes(a.qa, a.rows, a.kpad, BM / 2)?;
     let tb = TensorMap::codes(a.w, a.n, a.kpad, bn)?;
     let tsa = TensorMap::scales(a.sa_t, a.kpad / BK, a.rows, a.scale_ld)?;
-    // Persistent clusters of two CTAs, one CTA per SM at most; each cluster tile is a 128-row block and two
-    // column tiles.
-    let pairs = a.n.div_ceil(bn).div_ceil(2);
-    let clusters = (a.rows.div_ceil(BM) * pairs).min(sms / 2);
+    // Persistent clusters of two CTAs, one CTA per SM at most; each unit is a 128-row block and two column
+    // tiles (and one chain of them when split).
+    let units = a.rows.div_ceil(BM) * a.n.div_ceil(bn).div_ceil(2) * if plan.split { plan.chains } else { 1 };
+    let clusters = units.min(sms / 2);
     let f = gpu.function(kernel_name(bn, a.bf16_out))?;
-    let (scale_cols, rows, n, kpad) = (a.scale_cols as i32, a.rows as i32, a.n as i32, a.kpad as i32);
+    let part = if plan.split { a.part } else { 0 };
+    let (scale_cols, chains) = (a.scale_cols as i32, plan.chains as i32);
+    let (rows, n, kpad) = (a.rows as i32, a.n as i32, a.kpad as i32);
     let mut b = gpu.stream().launch_builder(f);
-    b.arg(&ta).arg(&tb).arg(&tsa).arg(&a.ws).arg(&scale_cols).arg(&a.y).arg(&rows).arg(&n).arg(&kpad);
+    b.arg(&ta).arg(&tb).arg(&tsa).arg(&a.ws).arg(&scale_cols).arg(&a.y).arg(&part).arg(&chains);
+    b.arg(&rows).arg(&n).arg(&kpad);
     let cfg = cudarc::driver::LaunchConfig {
         grid_dim: (2 * clusters as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: smem_bytes(bn) as u32,
     };
-    // SAFETY: the parameters follow GEMM_ENTRY's order and types; the tensor maps cover exactly the buffers
-    // the caller sized for these shapes, and TMA never reads outside a map.
+    // SAFETY: the parameters follow GEMM_PARAMS' order and types; the tensor maps cover exactly the buffers
+    // the caller sized for these shapes, and TMA never reads outside a map; a split launch writes
+    // `partial_len` values of `part`.
     unsafe { b.launch(cfg) }?;
+    if plan.split {
+        let count = (a.rows * a.n) as i64;
+        let name = if a.bf16_out { "tandem_gemm_fp8_combine_bf16" } else { "tandem_gemm_fp8_combine_f32" };
+        super::ops::launch(
+            gpu,
+            name,
+            ((count as usize).div_ceil(256).min(4 * sms) as u32, 1, 1),
+            256,
+            0,
+            &[Arg::P(a.part), Arg::I(chains), Arg::L(count), Arg::P(a.y)],
+        )?;
+    }
     Ok(())
 }
 
@@ -263,9 +324,20 @@ mod tests {
         x
     }
 
+    fn sms(gpu: &Gpu) -> usize {
+        gpu.info().multiprocessors as usize
+    }
+
+    /// The default plan of a product, with `edit` applied.
+    fn plan(gpu: &Gpu, rows: usize, w: &Weights, edit: impl Fn(&mut Plan)) -> Plan {
+        let mut p = Plan::new(rows, w.out, w.inp.div_ceil(BK) * BK, sms(gpu));
+        edit(&mut p);
+        p
+    }
+
     /// The GPU's product of `x [rows, inp]` (quantized by tandem_act_quant into the transposed scale layout)
     /// and the weights, as f32 (bf16 outputs widened).
-    fn gpu_forward(gpu: &Gpu, x: &[f32], rows: usize, w: &Weights, tile: Option<usize>, bf16: bool) -> Vec<f32> {
+    fn gpu_forward(gpu: &Gpu, x: &[f32], rows: usize, w: &Weights, plan: Plan, bf16: bool) -> Vec<f32> {
         let s = gpu.stream();
         let kpad = w.inp.div_ceil(BK) * BK;
         let groups = kpad / BK;
@@ -296,6 +368,7 @@ mod tests {
             ],
         )
         .unwrap();
+        let part = DBuf::<f32>::zeros(s, plan.partial_len(rows, w.out)).unwrap();
         let raw = |y: u64, bf16_out| RawGemm {
             qa: qa.ptr(),
             sa_t: sa.ptr(),
@@ -304,6 +377,7 @@ mod tests {
             ws: dws.ptr(),
             scale_cols: w.inp.div_ceil(BK),
             y,
+            part: part.ptr(),
             bf16_out,
             rows,
             n: w.out,
@@ -311,11 +385,11 @@ mod tests {
         };
         if bf16 {
             let y = DBuf::<u16>::zeros(s, rows * w.out).unwrap();
-            launch(gpu, &raw(y.ptr(), true), tile).unwrap();
+            launch(gpu, &raw(y.ptr(), true), plan).unwrap();
             s.clone_dtoh(y.slice()).unwrap().iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect()
         } else {
             let y = DBuf::<f32>::zeros(s, rows * w.out).unwrap();
-            launch(gpu, &raw(y.ptr(), false), tile).unwrap();
+            launch(gpu, &raw(y.ptr(), false), plan).unwrap();
             s.clone_dtoh(y.slice()).unwrap()
         }
     }
@@ -329,9 +403,10 @@ mod tests {
     }
 
     /// Exact inputs: every product and 128-term sum needs at most 11 significant bits and every scale is a
-    /// power of two, so rounding cannot separate the tensor cores from the CPU's f32 sums: the GPU must give
-    /// the CPU function's bits. Covers partial K blocks (192 = 1.5 blocks), partial column tiles (130, 576),
-    /// partial row tiles, both tile widths and both output types.
+    /// power of two, so rounding cannot separate the tensor cores from the CPU's f32 sums (nor chains summed
+    /// apart from one sequential sum): the GPU must give the CPU function's bits. Covers partial K blocks
+    /// (192 = 1.5 blocks), partial column tiles (130, 576), partial row tiles, both tile widths, split and
+    /// unsplit chains, and both output types.
     #[test]
     fn exact_products_give_the_cpu_result_bit_for_bit() {
         let Some(gpu) = Gpu::for_test() else { return };
@@ -340,12 +415,16 @@ mod tests {
             let w = weights(&mut rng, out, inp, true);
             let x = activations(&mut rng, rows, inp, true);
             let want = cpu_forward(&x, rows, &w);
-            for tile in [64, 128] {
-                let got = gpu_forward(&gpu, &x, rows, &w, Some(tile), false);
-                assert_eq!(bits(&got), bits(&want), "{rows}x{inp}x{out} tile {tile} (seed {seed})");
-                let got16 = gpu_forward(&gpu, &x, rows, &w, Some(tile), true);
-                let want16: Vec<f32> = want.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
-                assert_eq!(bits(&got16), bits(&want16), "bf16 out {rows}x{inp}x{out} tile {tile} (seed {seed})");
+            let want16: Vec<f32> = want.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+            let chains = plan(&gpu, rows, &w, |_| {}).chains;
+            for (tile, split) in [(64, false), (128, false), (64, true)] {
+                let p = plan(&gpu, rows, &w, |p| {
+                    p.tile = tile;
+                    p.split = split && p.chains > 1;
+                });
+                let what = format!("{rows}x{inp}x{out} tile {tile} split {} of {chains} chains (seed {seed})", p.split);
+                assert_eq!(bits(&gpu_forward(&gpu, &x, rows, &w, p, false)), bits(&want), "{what}");
+                assert_eq!(bits(&gpu_forward(&gpu, &x, rows, &w, p, true)), bits(&want16), "bf16 out {what}");
             }
         }
     }
@@ -363,7 +442,7 @@ mod tests {
             let w = weights(&mut rng, out, inp, false);
             let x = activations(&mut rng, rows, inp, false);
             let want = cpu_forward(&x, rows, &w);
-            let got = gpu_forward(&gpu, &x, rows, &w, None, false);
+            let got = gpu_forward(&gpu, &x, rows, &w, plan(&gpu, rows, &w, |_| {}), false);
             // Magnitude sums from the CPU's own quantization of x.
             let kpad = inp.div_ceil(BK) * BK;
             let mut worst = 0f64;
@@ -402,29 +481,31 @@ mod tests {
         }
     }
 
-    /// A row's output bits do not depend on M, the other rows or the tile width: rows of small launches
-    /// equal the same rows of a large one at every point where the tile width or the grid changes.
+    /// A row's output bits do not depend on M, the other rows, the tile width or whether the shape's chains
+    /// run split: rows of small launches (split) equal the same rows of a large one (unsplit), at every
+    /// point where the plan changes.
     #[test]
-    fn a_rows_output_does_not_depend_on_the_batch_or_the_tile() {
+    fn a_rows_output_does_not_depend_on_the_batch_or_the_plan() {
         let Some(gpu) = Gpu::for_test() else { return };
         let (mut rng, seed) = crate::cpu::test_support::rng();
-        let sms = gpu.info().multiprocessors as usize;
-        let (inp, out) = (1024, 2304);
-        let w = weights(&mut rng, out, inp, false);
-        // Large enough that the default tile is 128 wide and several tiles per cluster run.
-        let big = (sms.div_ceil(out.div_ceil(128)) + 2) * BM;
-        assert_eq!(tile_n(big, out, sms), 128);
-        let x = activations(&mut rng, big, inp, false);
-        let full = gpu_forward(&gpu, &x, big, &w, None, false);
-        assert_eq!(bits(&gpu_forward(&gpu, &x, big, &w, Some(64), false)), bits(&full), "tile 64 vs 128 (seed {seed})");
-        for m in [1, 2, 63, 64, 65, 127, 128, 129, 255, 256, 257, big - 1] {
-            let got = gpu_forward(&gpu, &x[..m * inp], m, &w, None, false);
-            assert_eq!(
-                bits(&got),
-                bits(&full[..m * out]),
-                "rows of M = {m} (tile {}, seed {seed})",
-                tile_n(m, out, sms)
-            );
+        let sms = sms(&gpu);
+        for (inp, out) in [(1024, 2304), (7168, 576)] {
+            let w = weights(&mut rng, out, inp, false);
+            // Large enough that the default tile is 128 wide, unsplit, with several tiles per cluster.
+            let big = (sms.div_ceil(out.div_ceil(128)) + 2) * BM;
+            let p_big = plan(&gpu, big, &w, |_| {});
+            assert!(p_big.tile == 128 && !p_big.split && p_big.chains > 1, "{p_big:?}");
+            let x = activations(&mut rng, big, inp, false);
+            let full = gpu_forward(&gpu, &x, big, &w, p_big, false);
+            for edit in [|p: &mut Plan| p.tile = 64, |p: &mut Plan| p.split = true] {
+                let p = plan(&gpu, big, &w, edit);
+                assert_eq!(bits(&gpu_forward(&gpu, &x, big, &w, p, false)), bits(&full), "{p:?} (seed {seed})");
+            }
+            for m in [1, 2, 63, 64, 65, 127, 128, 129, 255, 256, 257, big - 1] {
+                let p = plan(&gpu, m, &w, |_| {});
+                let got = gpu_forward(&gpu, &x[..m * inp], m, &w, p, false);
+                assert_eq!(bits(&got), bits(&full[..m * out]), "{inp}x{out}: rows of M = {m} ({p:?}, seed {seed})");
+            }
         }
     }
 
@@ -439,18 +520,49 @@ mod tests {
             ws: 0,
             scale_cols: 1,
             y: 0,
+            part: 0,
             bf16_out: false,
             rows: 4,
             n: 8,
             kpad: 128,
         };
-        assert!(launch(&gpu, &RawGemm { kpad: 100, ..ok }, None).unwrap_err().to_string().contains("kpad"));
-        assert!(launch(&gpu, &RawGemm { scale_ld: 2, ..ok }, None).unwrap_err().to_string().contains("scale_ld"));
-        assert!(launch(&gpu, &RawGemm { scale_cols: 0, ..ok }, None).unwrap_err().to_string().contains("scale"));
-        assert!(launch(&gpu, &ok, Some(96)).unwrap_err().to_string().contains("tile width"));
-        // A null operand is refused by the driver's tensor-map checks, not read.
-        assert!(launch(&gpu, &RawGemm { qa: 8, ..ok }, None).is_err());
+        let p = Plan { tile: 64, chains: 1, split: false };
+        assert!(launch(&gpu, &RawGemm { kpad: 100, ..ok }, p).unwrap_err().to_string().contains("kpad"));
+        assert!(launch(&gpu, &RawGemm { scale_ld: 2, ..ok }, p).unwrap_err().to_string().contains("scale_ld"));
+        assert!(launch(&gpu, &RawGemm { scale_cols: 0, ..ok }, p).unwrap_err().to_string().contains("scale"));
+        assert!(launch(&gpu, &ok, Plan { tile: 96, ..p }).unwrap_err().to_string().contains("tile width"));
+        assert!(launch(&gpu, &ok, Plan { chains: 2, ..p }).unwrap_err().to_string().contains("chains"));
+        assert!(launch(&gpu, &ok, Plan { chains: 0, ..p }).unwrap_err().to_string().contains("chains"));
+        let split = Plan { split: true, ..p };
+        assert!(
+            launch(&gpu, &RawGemm { kpad: 256, scale_cols: 2, ..ok }, Plan { chains: 2, ..split })
+                .unwrap_err()
+                .to_string()
+                .contains("partial buffer")
+        );
+        // A misaligned operand is refused before the driver sees it.
+        assert!(launch(&gpu, &RawGemm { qa: 8, ..ok }, p).is_err());
         // Nothing to do is not an error.
-        assert!(launch(&gpu, &RawGemm { rows: 0, ..ok }, None).is_ok());
+        assert!(launch(&gpu, &RawGemm { rows: 0, ..ok }, p).is_ok());
+    }
+
+    /// The chains of a weight shape never depend on M, and a plan splits only where the unsplit launch
+    /// would leave SMs idle.
+    #[test]
+    fn plans_depend_on_m_only_in_how_they_run() {
+        for (n, kpad) in [(1536, 7168), (576, 7168), (24576, 1536), (7168, 2048), (128, 7168), (300, 256)] {
+            let c = chains(n, kpad, 132);
+            assert!((1..=16).contains(&c) && c <= kpad / BK, "{n}x{kpad}: {c}");
+            for m in [1, 64, 128, 129, 256, 1024, 4096, 8192] {
+                let p = Plan::new(m, n, kpad, 132);
+                assert_eq!(p.chains, c, "{n}x{kpad} at M = {m}");
+                assert!(!p.split || (c > 1 && m <= 256 && m.div_ceil(BM) * n.div_ceil(64).div_ceil(2) < 66), "{p:?}");
+                assert_eq!(p.partial_len(m, n), if p.split { c * m * n } else { 0 });
+            }
+        }
+        // The small projections split at decode sizes; the large ones never need to.
+        assert!(Plan::new(64, 1536, 7168, 132).split);
+        assert!(!Plan::new(64, 36864, 7168, 132).split);
+        assert_eq!(chains(36864, 7168, 132), 1);
     }
 }

@@ -164,6 +164,8 @@ pub const FAMILIES: &[Family] = &[
             "tandem_gemm_fp8_n64_f32",
             "tandem_gemm_fp8_n128_bf16",
             "tandem_gemm_fp8_n64_bf16",
+            "tandem_gemm_fp8_combine_f32",
+            "tandem_gemm_fp8_combine_bf16",
         ],
         externals: &[],
         // FP8 wgmma from shared memory fed by 2-D TMA loads through mbarriers.

@@ -228,6 +228,11 @@ impl DLinear {
                         Arg::I(ld as i32),
                     ],
                 )?;
+                let plan = gemm::Plan::new(x_rows, *out, *kpad, gpu.info().multiprocessors as usize);
+                let part = match plan.partial_len(x_rows, *out) {
+                    0 => 0,
+                    len => ws.take::<f32>(gpu.stream(), len)?,
+                };
                 let raw = gemm::RawGemm {
                     qa,
                     sa_t: sa,
@@ -236,12 +241,13 @@ impl DLinear {
                     ws: scales.ptr(),
                     scale_cols: inp.div_ceil(gemm::BK),
                     y,
+                    part,
                     bf16_out: false,
                     rows: x_rows,
                     n: *out,
                     kpad: *kpad,
                 };
-                gemm::launch(gpu, &raw, None)
+                gemm::launch(gpu, &raw, plan)
             }
             // Routed experts' (token, slot) rows and other weight blocks: one warp per output column.
             DLinear::Fp8 { codes, scales, out, inp, kpad, block, ue8m0 } => {
