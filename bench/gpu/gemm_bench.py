@@ -38,13 +38,15 @@ THREADS = 384
 STAGES = {128: int(os.environ.get("GEMM_STAGES_128", 6)), 64: int(os.environ.get("GEMM_STAGES_64", 8))}
 
 # (name, N, K): the model's FP8 linears (DeepSeek-V3.2: hidden 7168, q_lora 1536, kv_lora 512 + rope 64,
-# 128 heads, MLP 18432, experts 2048, indexer 64 x 128).
+# 128 heads, MLP 18432, experts 2048, indexer 64 x 128; kv_b is the prefill's decompression of the latent).
 SHAPES = [
     ("q_a", 1536, 7168),
     ("q_b", 24576, 1536),
     ("kv_a", 576, 7168),
     ("o_proj", 7168, 16384),
+    ("kv_b", 32768, 512),
     ("idx_wq_b", 8192, 1536),
+    ("idx_wk", 128, 7168),
     ("mlp_gate_up", 36864, 7168),
     ("mlp_down", 7168, 18432),
     ("expert_gate_up", 4096, 7168),

@@ -85,6 +85,14 @@ __device__ __forceinline__ void gemm_tma_2d(u32 dst, const TandemTensorMap* map,
         : "memory");
 }
 
+// Keeps the compiler from moving accesses of an accumulator across this point (CUTLASS's
+// warpgroup_fence_operand): the wait has no register operands.
+template <int N>
+__device__ __forceinline__ void gemm_fence_operand(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
 template <int BN>
 __device__ __forceinline__ void gemm_mma(float (&d)[BN / 2], unsigned long long a, unsigned long long b, int acc);
 template <>
@@ -273,6 +281,7 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
                     gemm_mma<BN>(acc, tandem_desc_sw128(a + ks * 32), tandem_desc_sw128(b + ks * 32), ks);
                 tandem_wgmma_commit();
                 tandem_wgmma_wait<0>();
+                gemm_fence_operand(acc);  // the promotion's reads of acc stay after the wait
                 // Every thread arrives (its reads of the scales are ordered before the producer's next write,
                 // in a way compute-sanitizer's racecheck follows); lane 0 of each warp also frees the stage
                 // on the peer, whose A half this CTA's multicast writes.

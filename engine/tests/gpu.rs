@@ -79,15 +79,16 @@ fn margin(row: &[f32]) -> f32 {
 /// CPU FP8-vs-full diff ("noise"): the GPU's FP8 must be no farther from the CPU's FP8 than FP8 is from full
 /// precision, no farther from full precision than the CPU's FP8 is (times FP8_GPU_FULL_SHARE), and greedy
 /// tokens must mostly agree. A wrong scale or layout gives diffs near 1, 20-50x the noise. Measured on an
-/// H100 over two runs (fresh tiny checkpoints): GPU-vs-CPU 0.69-0.80x the noise, the GPU's FP8-vs-full 0.99x
-/// the CPU's, greedy equal at 190-199 of 300 (63-66%), selections differ at 770-787 of 1076 sparse rows; the
-/// bounds (1x, 1.25x, 55%) keep 20-25% and 25 positions of margin. (Before the tensor-core GEMM, with f32
-/// sums on both sides: 0-9e-3 against a noise near 5e-2, 0-35% of rows split.)
+/// H100 over three runs (fresh prompts): GPU-vs-CPU 0.69-0.80x the noise, the GPU's FP8-vs-full 0.99-1.01x
+/// the CPU's, greedy equal at 178-199 of 300 (59-66%), selections differ at 770-787 of 1076 sparse rows; the
+/// bounds (1x, 1.25x, 50%) keep 20-30% of margin on the diffs, which carry the check, and 28+ positions on
+/// the greedy count. (Before the tensor-core GEMM, with f32 sums on both sides: 0-9e-3 against a noise near
+/// 5e-2, 0-35% of rows split.)
 const FULL_MAX_DIFF: f64 = 1e-8;
 const FULL_MARGIN: f32 = 0.01;
 const FP8_NOISE_SHARE: f64 = 1.0;
 const FP8_GPU_FULL_SHARE: f64 = 1.25;
-const FP8_GREEDY_PERCENT: usize = 55;
+const FP8_GREEDY_PERCENT: usize = 50;
 
 #[test]
 fn teacher_forced_logits_match_the_cpu_backend() {

@@ -183,7 +183,7 @@ impl TensorMap {
 }
 
 /// One product's device buffers as raw addresses.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub struct RawGemm {
     /// e4m3 activation codes `[rows, kpad]`, zero past K.
     pub qa: u64,
@@ -203,6 +203,9 @@ pub struct RawGemm {
     pub rows: usize,
     pub n: usize,
     pub kpad: usize,
+    /// `w`'s maps for 64- and 128-wide tiles when the caller keeps them ([`TensorMap::codes`] of `w`, `n`,
+    /// `kpad` with boxes of 64 and 128 rows); encoded here otherwise.
+    pub w_maps: Option<[TensorMap; 2]>,
 }
 
 /// Queues `y = qa . w^T` with the block scales, as `plan` says (normally [`Plan::new`]; the tests force
@@ -229,10 +232,16 @@ pub fn launch(gpu: &Gpu, a: &RawGemm, plan: Plan) -> Result<(), CudaError> {
     if plan.split && a.part == 0 {
         return Err(CudaError::Shape("gemm: a split launch needs its partial buffer".into()));
     }
+    if [a.qa, a.sa_t, a.w, a.ws, a.y].contains(&0) {
+        return Err(CudaError::Shape("gemm: a null operand".into()));
+    }
     let sms = gpu.info().multiprocessors.max(2) as usize;
     let bn = plan.tile;
     let ta = TensorMap::codes(a.qa, a.rows, a.kpad, BM / 2)?;
-    let tb = TensorMap::codes(a.w, a.n, a.kpad, bn)?;
+    let tb = match a.w_maps {
+        Some(m) => m[usize::from(bn == 128)],
+        None => TensorMap::codes(a.w, a.n, a.kpad, bn)?,
+    };
     let tsa = TensorMap::scales(a.sa_t, a.kpad / BK, a.rows, a.scale_ld)?;
     // Persistent clusters of two CTAs, one CTA per SM at most; each unit is a 128-row block and two column
     // tiles (and one chain of them when split).
@@ -382,6 +391,7 @@ mod tests {
             rows,
             n: w.out,
             kpad,
+            w_maps: None,
         };
         if bf16 {
             let y = DBuf::<u16>::zeros(s, rows * w.out).unwrap();
@@ -525,6 +535,7 @@ mod tests {
             rows: 4,
             n: 8,
             kpad: 128,
+            w_maps: None,
         };
         let p = Plan { tile: 64, chains: 1, split: false };
         assert!(launch(&gpu, &RawGemm { kpad: 100, ..ok }, p).unwrap_err().to_string().contains("kpad"));
@@ -540,8 +551,10 @@ mod tests {
                 .to_string()
                 .contains("partial buffer")
         );
-        // A misaligned operand is refused before the driver sees it.
-        assert!(launch(&gpu, &RawGemm { qa: 8, ..ok }, p).is_err());
+        // Null and misaligned operands are refused before the driver sees them.
+        assert!(launch(&gpu, &ok, p).unwrap_err().to_string().contains("null"));
+        let aligned = RawGemm { qa: 256, sa_t: 256, w: 256, ws: 256, y: 256, ..ok };
+        assert!(launch(&gpu, &RawGemm { qa: 8, ..aligned }, p).unwrap_err().to_string().contains("aligned"));
         // Nothing to do is not an error.
         assert!(launch(&gpu, &RawGemm { rows: 0, ..ok }, p).is_ok());
     }

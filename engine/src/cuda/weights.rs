@@ -43,6 +43,9 @@ pub enum DLinear {
         kpad: usize,
         block: [usize; 2],
         ue8m0: bool,
+        /// The codes' TMA maps for the tensor-core GEMM's 64- and 128-wide tiles (a single matrix with 128 x
+        /// 128 blocks; encoded once at load instead of on every call).
+        maps: Option<Box<[gemm::TensorMap; 2]>>,
     },
 }
 
@@ -130,15 +133,19 @@ impl DLinear {
         match first {
             None => Err(CudaError::Shape("no matrices to load".into()).into()),
             Some((out, inp, None)) => Ok(DLinear::Dense { w: DBuf::upload(stream, &dense)?, out, inp }),
-            Some((out, inp, Some((block, ue8m0)))) => Ok(DLinear::Fp8 {
-                codes: DBuf::upload(stream, &codes)?,
-                scales: DBuf::upload(stream, &scales)?,
-                out,
-                inp,
-                kpad: inp.div_ceil(ACT_GROUP) * ACT_GROUP,
-                block,
-                ue8m0,
-            }),
+            Some((out, inp, Some((block, ue8m0)))) => {
+                let codes = DBuf::upload(stream, &codes)?;
+                let kpad = inp.div_ceil(ACT_GROUP) * ACT_GROUP;
+                let maps = if names.len() == 1 && block == [gemm::BK, gemm::BK] {
+                    Some(Box::new([
+                        gemm::TensorMap::codes(codes.ptr(), out, kpad, 64)?,
+                        gemm::TensorMap::codes(codes.ptr(), out, kpad, 128)?,
+                    ]))
+                } else {
+                    None
+                };
+                Ok(DLinear::Fp8 { codes, scales: DBuf::upload(stream, &scales)?, out, inp, kpad, block, ue8m0, maps })
+            }
         }
     }
 
@@ -205,9 +212,7 @@ impl DLinear {
                 ],
             ),
             // Dense rows with DeepSeek's 128 x 128 weight blocks: the tensor-core GEMM (engine::cuda::gemm).
-            DLinear::Fp8 { codes, scales, out, inp, kpad, block, ue8m0 }
-                if sel == 0 && a_div == 1 && *block == [gemm::BK, gemm::BK] =>
-            {
+            DLinear::Fp8 { codes, scales, out, inp, kpad, ue8m0, maps: Some(maps), .. } if sel == 0 && a_div == 1 => {
                 let groups = kpad / ACT_GROUP;
                 let ld = gemm::scale_ld(x_rows);
                 let qa = ws.take::<u8>(gpu.stream(), x_rows * kpad)?;
@@ -246,11 +251,12 @@ impl DLinear {
                     rows: x_rows,
                     n: *out,
                     kpad: *kpad,
+                    w_maps: Some(**maps),
                 };
                 gemm::launch(gpu, &raw, plan)
             }
             // Routed experts' (token, slot) rows and other weight blocks: one warp per output column.
-            DLinear::Fp8 { codes, scales, out, inp, kpad, block, ue8m0 } => {
+            DLinear::Fp8 { codes, scales, out, inp, kpad, block, ue8m0, .. } => {
                 let groups = kpad / ACT_GROUP;
                 let qa = ws.take::<u8>(gpu.stream(), x_rows * kpad)?;
                 let sa = ws.take::<f32>(gpu.stream(), x_rows * groups)?;
