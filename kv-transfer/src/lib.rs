@@ -92,8 +92,8 @@ pub fn ucx_available() -> Result<(), String> {
     transport::ucx::load().map(|_| ())
 }
 
-/// The transport `cfg` names; `one_sided_puts`: a UCX receiver accepts them, a UCX sender's `auto` data
-/// path may choose them.
+/// The transport `cfg` names; `one_sided_puts`: a UCX receiver accepts them, a UCX sender's `put` data
+/// path uses them and `auto` may choose them (`put` without them is refused).
 pub(crate) fn transport_for(
     cfg: &TransportConfig,
     rt: &Arc<runtime::Runtime>,
@@ -105,21 +105,25 @@ pub(crate) fn transport_for(
         TransportConfig::Tcp(c) => {
             Arc::new(transport::tcp::TcpTransport::with_lanes(c.clone(), rt.handle().clone(), lanes))
         }
-        TransportConfig::Ucx { tls, tcp_fallback } => match transport::ucx::DataPath::from_env()
-            .and_then(|dp| transport::ucx::UcxTransport::with_options(tls.as_deref(), dp, lanes))
-            .map(|t| t.one_sided_puts(one_sided_puts))
-        {
-            // Listen where the user asked: a loopback TCP address keeps UCX on loopback too.
-            Ok(t) if tcp_fallback.as_ref().is_some_and(|c| c.listen.ip().is_loopback()) => Arc::new(t.loopback_only()),
-            Ok(t) => Arc::new(t),
-            Err(e) => {
-                tracing::warn!(reason = %e, "UCX unavailable, kv-transfer falls back to TCP");
-                Arc::new(transport::tcp::TcpTransport::with_lanes(
-                    tcp_fallback.clone().unwrap_or_default(),
-                    rt.handle().clone(),
-                    lanes,
-                ))
+        TransportConfig::Ucx { tls, tcp_fallback } => {
+            // A configuration error stops here; only a missing libucp falls back to TCP.
+            let dp = transport::ucx::DataPath::from_env().map_err(TransferError::Transport)?;
+            transport::ucx::check_data_path(dp, one_sided_puts).map_err(TransferError::Transport)?;
+            match transport::ucx::UcxTransport::with_options(tls.as_deref(), dp, lanes, one_sided_puts) {
+                // Listen where the user asked: a loopback TCP address keeps UCX on loopback too.
+                Ok(t) if tcp_fallback.as_ref().is_some_and(|c| c.listen.ip().is_loopback()) => {
+                    Arc::new(t.loopback_only())
+                }
+                Ok(t) => Arc::new(t),
+                Err(e) => {
+                    tracing::warn!(reason = %e, "UCX unavailable, kv-transfer falls back to TCP");
+                    Arc::new(transport::tcp::TcpTransport::with_lanes(
+                        tcp_fallback.clone().unwrap_or_default(),
+                        rt.handle().clone(),
+                        lanes,
+                    ))
+                }
             }
-        },
+        }
     })
 }

@@ -63,6 +63,10 @@ fn sender_killed_mid_transfer(kind: &Kind) {
         let dp = if dp == DataPath::Put { "put" } else { "am" };
         args.extend(["--data-path".into(), dp.into()]);
     }
+    if kind.one_sided_puts() {
+        // Puts need the trusted-network opt-in (without it `put` is a configuration error).
+        args.push("--one-sided-puts".into());
+    }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (mut child, mut stdin, _out) = peer(&args, Some("kill_after_layer:1"));
     writeln!(stdin, "DESC {}", testkit::to_hex(&desc.encode_to_vec())).unwrap();

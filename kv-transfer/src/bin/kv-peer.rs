@@ -56,9 +56,13 @@ enum Role {
         tls: Option<String>,
         #[command(flatten)]
         cache: CacheShape,
-        /// UCX data path: auto, put or am (default: TANDEM_UCX_DATA_PATH, else auto).
+        /// UCX data path: auto, put or am (default: TANDEM_UCX_DATA_PATH, else auto). `put` needs
+        /// --one-sided-puts.
         #[arg(long)]
         data_path: Option<DataPath>,
+        /// Allow one-sided UCX puts (default: TANDEM_UCX_ONE_SIDED_PUTS, else off).
+        #[arg(long)]
+        one_sided_puts: bool,
         /// Lanes per receiver (default: TANDEM_KV_LANES or by cores).
         #[arg(long)]
         lanes: Option<usize>,
@@ -126,10 +130,16 @@ fn main() -> anyhow::Result<()> {
                 say(format!("OUTCOME {json}"));
             }
         }
-        Role::Send { tls, cache, data_path, lanes } => {
+        Role::Send { tls, cache, data_path, lanes, one_sided_puts } => {
             let g = testkit::geometry(cache.layers, cache.blocks);
             let (cache, pool) = testkit::filled_cache(g, 2);
-            let cfg = SenderConfig { ucx_tls: tls, ucx_data_path: data_path, lanes, ..Default::default() };
+            let cfg = SenderConfig {
+                ucx_tls: tls,
+                ucx_data_path: data_path,
+                ucx_one_sided_puts: one_sided_puts.then_some(true),
+                lanes,
+                ..Default::default()
+            };
             let sender = KvSender::new(cfg, cache, testkit::fingerprint(&g))?;
             let sender = Arc::new(sender);
             for line in std::io::stdin().lock().lines() {

@@ -40,10 +40,12 @@ pub struct SenderConfig {
     /// Overrides `UCX_TLS` for this sender's UCX context.
     pub ucx_tls: Option<String>,
     /// How UCX moves bytes; `None` reads `TANDEM_UCX_DATA_PATH` (default `auto`: active messages, unless
-    /// one-sided puts are allowed; then puts where measured faster). Puts go only to receivers that accept
-    /// them; others get active messages whatever this says.
+    /// one-sided puts are allowed; then puts where measured faster). `put` needs one-sided puts allowed
+    /// (`KvSender::new` refuses it otherwise). Puts go only to receivers that accept them; others get
+    /// active messages whatever this says.
     pub ucx_data_path: Option<crate::transport::ucx::DataPath>,
-    /// Whether `auto` may choose one-sided puts (`None`: read `TANDEM_UCX_ONE_SIDED_PUTS`, default off).
+    /// Whether `put` may use and `auto` may choose one-sided puts (`None`: read
+    /// `TANDEM_UCX_ONE_SIDED_PUTS`, default off). Off, this process's UCX context has no RMA feature.
     pub ucx_one_sided_puts: Option<bool>,
     /// Parallel lanes per receiver (UCX nodes or TCP connections) that one request's data is striped
     /// over (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 1 to 8).
@@ -162,6 +164,9 @@ impl KvSender {
             Some(f) => Some(f),
             None => Fault::from_env().map_err(TransferError::Transport)?,
         };
+        if config.transports.contains(&TransportKind::Ucx) {
+            check_ucx_config(&config)?;
+        }
         let rt = Runtime::new("kv-send", config.lanes)?;
         Ok(KvSender {
             shared: Arc::new(SenderShared {
@@ -300,11 +305,14 @@ impl KvSender {
             None => crate::transport::ucx::one_sided_puts_from_env().map_err(TransferError::Transport)?,
         };
         let t = match (kind, sh.config.ucx_data_path) {
-            (TransportKind::Ucx, Some(dp)) => {
-                crate::transport::ucx::UcxTransport::with_options(sh.config.ucx_tls.as_deref(), dp, sh.config.lanes)
-                    .map(|t| Arc::new(t.one_sided_puts(puts)) as Arc<dyn Transport>)
-                    .map_err(TransferError::Transport)?
-            }
+            (TransportKind::Ucx, Some(dp)) => crate::transport::ucx::UcxTransport::with_options(
+                sh.config.ucx_tls.as_deref(),
+                dp,
+                sh.config.lanes,
+                puts,
+            )
+            .map(|t| Arc::new(t) as Arc<dyn Transport>)
+            .map_err(TransferError::Transport)?,
             _ => crate::transport_for(&cfg, &sh.rt, sh.config.lanes, puts)?,
         };
         if t.kind() != kind {
@@ -334,6 +342,21 @@ impl KvSender {
     }
 }
 
+/// Refuses, at start, a UCX data path that needs the one-sided opt-in without it (`put` alone would ask
+/// for UCX's RMA feature, which opens this process's memory to any UCX peer).
+fn check_ucx_config(config: &SenderConfig) -> Result<(), TransferError> {
+    use crate::transport::ucx;
+    let dp = match config.ucx_data_path {
+        Some(dp) => dp,
+        None => ucx::DataPath::from_env().map_err(TransferError::Transport)?,
+    };
+    let puts = match config.ucx_one_sided_puts {
+        Some(p) => p,
+        None => ucx::one_sided_puts_from_env().map_err(TransferError::Transport)?,
+    };
+    ucx::check_data_path(dp, puts).map_err(TransferError::Transport)
+}
+
 /// Why the regions an Accept granted cannot take every put of `plan` (`None`: they can, or none were
 /// granted and every write goes through the receiver).
 fn outside_regions(plan: &PutPlan, layers: u32, regions: &[MemoryRegion]) -> Option<String> {
@@ -358,5 +381,30 @@ pub(crate) fn map_link_error(request_id: &str, e: TransferError) -> TransferErro
             TransferError::PeerLost { request_id: request_id.to_string(), reason: m }
         }
         e => e,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testkit;
+    use crate::transport::ucx::DataPath;
+
+    #[test]
+    fn put_without_the_one_sided_opt_in_is_refused_at_start() {
+        let g = testkit::geometry(2, 4);
+        let (cache, _) = testkit::filled_cache(g, 1);
+        let cfg = |dp, puts| SenderConfig {
+            ucx_data_path: Some(dp),
+            ucx_one_sided_puts: Some(puts),
+            ..SenderConfig::default()
+        };
+        let e = KvSender::new(cfg(DataPath::Put, false), cache.clone(), testkit::fingerprint(&g)).err();
+        assert!(matches!(&e, Some(TransferError::Transport(m)) if m.contains("TANDEM_UCX_ONE_SIDED_PUTS=1")), "{e:?}");
+        // Without UCX among its transports the data path does not matter.
+        let tcp_only = SenderConfig { transports: vec![TransportKind::Tcp], ..cfg(DataPath::Put, false) };
+        KvSender::new(tcp_only, cache.clone(), testkit::fingerprint(&g)).unwrap();
+        KvSender::new(cfg(DataPath::Put, true), cache.clone(), testkit::fingerprint(&g)).unwrap();
+        KvSender::new(cfg(DataPath::Auto, false), cache, testkit::fingerprint(&g)).unwrap();
     }
 }

@@ -66,8 +66,10 @@ pub fn one_sided_puts_from_env() -> Result<bool, String> {
 /// How a UCX sender moves bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DataPath {
-    /// One-sided `ucp_put_nbx` into the registered arena (fastest where UCX has native RMA). Used only
-    /// with a receiver that accepts one-sided puts; other receivers get active messages.
+    /// One-sided `ucp_put_nbx` into the registered arena (fastest where UCX has native RMA). Only with
+    /// one-sided puts allowed ([`one_sided_puts_from_env`]; without them it is a configuration error,
+    /// [`check_data_path`]), and only to a receiver that accepts them; other receivers get active
+    /// messages.
     Put,
     /// Rendezvous active messages the receiver places itself (fastest where RMA is emulated, as over
     /// tcp; every write is admitted by the receiver).
@@ -112,6 +114,18 @@ impl DataPath {
     }
 }
 
+/// Refuses `put` without the one-sided opt-in: UCX's RMA feature, which puts need, lets any connected
+/// peer write and read the process's memory over transports that emulate RMA, so a prefill worker asks
+/// for it only where the deployment declared its network trusted (`TANDEM_UCX_ONE_SIDED_PUTS=1`).
+pub fn check_data_path(data_path: DataPath, one_sided_puts: bool) -> Result<(), String> {
+    if data_path == DataPath::Put && !one_sided_puts {
+        return Err("TANDEM_UCX_DATA_PATH=put needs TANDEM_UCX_ONE_SIDED_PUTS=1 (one-sided puts, for trusted \
+                    networks only: see kv-transfer/README.md); without it use am or auto"
+            .into());
+    }
+    Ok(())
+}
+
 impl std::str::FromStr for DataPath {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -129,8 +143,8 @@ pub struct UcxTransport {
     /// `UCX_NET_DEVICES` for this transport's contexts when the environment sets none.
     net_devices: Option<String>,
     data_path: DataPath,
-    /// Receiver: accept one-sided puts from senders that passed the handshake. Sender: `auto` may
-    /// choose them.
+    /// Receiver: accept one-sided puts from senders that passed the handshake. Sender: `put` uses them,
+    /// `auto` may choose them. Without it no node of this transport carries UCX's RMA feature.
     one_sided_puts: bool,
     /// Nodes (workers, progress threads) per link on each side.
     lanes: usize,
@@ -138,43 +152,38 @@ pub struct UcxTransport {
 }
 
 impl UcxTransport {
-    /// Fails (with the loader's message) when libucp cannot be loaded. One-sided puts as
-    /// [`one_sided_puts_from_env`] says.
+    /// Fails (with the loader's message) when libucp cannot be loaded. Data path and one-sided puts as
+    /// `TANDEM_UCX_DATA_PATH` and [`one_sided_puts_from_env`] say.
     pub fn new(tls: Option<&str>) -> Result<Self, String> {
-        Ok(Self::with_options(tls, DataPath::from_env()?, None)?.one_sided_puts(one_sided_puts_from_env()?))
-    }
-
-    pub fn with_data_path(tls: Option<&str>, data_path: DataPath) -> Result<Self, String> {
-        Self::with_options(tls, data_path, None)
+        Self::with_options(tls, DataPath::from_env()?, None, one_sided_puts_from_env()?)
     }
 
     /// `lanes`: nodes per link (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 1 to 8).
-    pub fn with_options(tls: Option<&str>, data_path: DataPath, lanes: Option<usize>) -> Result<Self, String> {
+    /// `one_sided_puts`: a receiver accepts them from senders that passed the handshake (it cannot bound
+    /// where they land); a sender's `put` and `auto` data paths may use them. `put` without it is refused
+    /// ([`check_data_path`]).
+    pub fn with_options(
+        tls: Option<&str>,
+        data_path: DataPath,
+        lanes: Option<usize>,
+        one_sided_puts: bool,
+    ) -> Result<Self, String> {
+        check_data_path(data_path, one_sided_puts)?;
         load()?;
         Ok(UcxTransport {
             tls: tls.map(str::to_string),
             net_devices: None,
             data_path,
-            one_sided_puts: false,
+            one_sided_puts,
             lanes: lanes_or_default(lanes),
             sender: Mutex::new(None),
         })
     }
 
-    /// Allows one-sided puts (default: not): a receiver accepts them from senders that passed the
-    /// handshake (it cannot bound where they land); a sender's `auto` data path may choose them.
-    pub fn one_sided_puts(mut self, allow: bool) -> Self {
-        self.one_sided_puts = allow;
-        self
-    }
-
-    /// Whether this side's nodes use or accept one-sided puts (and so need UCX's RMA feature).
+    /// Whether this side's nodes use or accept one-sided puts (and so need UCX's RMA feature): only with
+    /// the opt-in, whatever the data path asks for.
     fn rma(&self) -> bool {
-        match self.data_path {
-            DataPath::Put => true,
-            DataPath::ActiveMessage => false,
-            DataPath::Auto => self.one_sided_puts,
-        }
+        self.one_sided_puts && self.data_path != DataPath::ActiveMessage
     }
 }
 
@@ -332,5 +341,15 @@ mod tests {
         assert_eq!(DataPath::ActiveMessage.resolve(Some("rc"), true, 1), DataPath::ActiveMessage);
         assert_eq!("auto".parse::<DataPath>(), Ok(DataPath::Auto));
         assert!("rma".parse::<DataPath>().is_err());
+    }
+
+    #[test]
+    fn put_needs_the_one_sided_opt_in() {
+        let e = super::check_data_path(DataPath::Put, false).unwrap_err();
+        assert!(e.contains("TANDEM_UCX_ONE_SIDED_PUTS=1"), "{e}");
+        super::check_data_path(DataPath::Put, true).unwrap();
+        for dp in [DataPath::Auto, DataPath::ActiveMessage] {
+            super::check_data_path(dp, false).unwrap();
+        }
     }
 }
