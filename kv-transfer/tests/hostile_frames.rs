@@ -81,21 +81,8 @@ fn a_peer_that_does_not_read_its_replies_is_disconnected() {
     let address = desc.endpoint.clone().unwrap().address;
 
     let mut s = connect(&address);
-    // The right token (so the connection is trusted), a layout that does not match: refused, but the
-    // peer proved it holds the descriptor.
-    let begin = TransferControl {
-        correlation_id: 1,
-        body: Some(Body::Begin(TransferBegin {
-            request_id: "r2".into(),
-            transfer_token: desc.transfer_token.clone(),
-            ..Default::default()
-        })),
-    };
-    let bytes = begin.encode_to_vec();
-    let mut frame = vec![1u8];
-    frame.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
-    frame.extend_from_slice(&bytes);
-    s.write_all(&frame).unwrap();
+    // An accepted handshake: the connection is trusted.
+    accepted(&handshake(&mut s, 1, &desc, desc.transfer_token.clone()));
     // Barriers are answered on a trusted connection; never reading the answers must not queue them
     // without bound.
     let closed_after = flood_until_closed(&mut s, 100 << 20);
@@ -379,6 +366,10 @@ fn tokens_die_with_their_reservation() {
     refused_with(&handshake(&mut s, 3, &freed, freed.transfer_token.clone()), TransferStatus::UnknownRequest);
     let outcome = pf.wait_timeout(Duration::from_secs(5)).expect("the orphaned transfer ends");
     assert!(matches!(outcome, Err(TransferError::Aborted { .. })), "{outcome:?}");
+    // Refused handshakes, even with a reservation's real token, leave the connection a stranger: its
+    // barrier is not answered and closes it.
+    s.write_all(&BARRIER).unwrap();
+    assert!(next_reply(&mut s).is_none(), "a connection whose handshakes were all refused was trusted");
 
     assert!(pool_bytes(&cache) == before);
     // The orphan freed nothing: the block is still "taken"'s, whose transfer goes on.

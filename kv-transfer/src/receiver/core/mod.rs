@@ -229,13 +229,6 @@ impl ReceiverCore {
         Ok(t)
     }
 
-    /// Whether `token` opens the transfer expected for `request_id`: it is that reservation's secret and
-    /// no handshake used it yet (a sender proving it was handed the descriptor).
-    pub(crate) fn token_opens(&self, request_id: &str, token: &[u8]) -> bool {
-        self.lookup_request(request_id)
-            .is_some_and(|t| t.token.matches(token) && matches!(*t.lock_phase(), Phase::Expected))
-    }
-
     /// Whether the pool still holds `t`'s reservation as it was granted. A reservation freed (or taken
     /// again under the same id) behind the transfer's back takes the token with it.
     fn reservation_intact(&self, t: &Transfer) -> bool {

@@ -2,9 +2,11 @@
 //! into admitted blocks (through one reused staging buffer for a device pool), barriers answered once
 //! every frame before them was placed.
 //!
-//! A connection is trusted once it proved it knows a transfer's secret token: a handshake (`Begin`)
-//! carrying an expected request's unused token, or a data frame the core admitted (a link's other lanes). Before that only handshakes
-//! are answered (at most [`UNTRUSTED_HANDSHAKES`] refused ones); any other frame closes the connection.
+//! A connection is trusted once the core accepted one of its handshakes (an `Accept` went out on it), or
+//! admitted one of its data frames (a link's other lanes): a handshake that carries the right token but
+//! is refused (already started, past its deadline, an orphaned reservation) leaves it a stranger. Before
+//! that only handshakes are answered (at most [`UNTRUSTED_HANDSHAKES`] refused ones); any other frame
+//! closes the connection.
 //! Replies wait in a queue of at most [`REPLY_QUEUE`] messages; a peer that does not read them is cut off.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -38,6 +40,8 @@ struct TcpPeer {
     reader: Mutex<Option<tokio::task::AbortHandle>>,
     core: Weak<ReceiverCore>,
     overflowed: AtomicBool,
+    /// The core accepted a handshake on this connection (an `Accept` was queued).
+    accepted: AtomicBool,
 }
 
 impl PeerLink for TcpPeer {
@@ -50,6 +54,9 @@ impl PeerLink for TcpPeer {
     }
 
     fn send(&self, msg: TransferControl) {
+        if matches!(msg.body, Some(Body::Accept(_))) {
+            self.accepted.store(true, Ordering::SeqCst);
+        }
         if let Err(mpsc::error::TrySendError::Full(_)) = self.tx.try_send(msg)
             && !self.overflowed.swap(true, Ordering::SeqCst)
         {
@@ -80,6 +87,7 @@ pub(super) fn serve_conn(core: Arc<ReceiverCore>, stream: TcpStream) {
         reader: Mutex::new(None),
         core: Arc::downgrade(&core),
         overflowed: AtomicBool::new(false),
+        accepted: AtomicBool::new(false),
     });
     let rt = core.runtime().clone();
     rt.spawn(async move {
@@ -102,8 +110,7 @@ pub(super) fn serve_conn(core: Arc<ReceiverCore>, stream: TcpStream) {
     let weak = Arc::downgrade(&core);
     drop(core);
     let reader = rt.spawn(async move {
-        let peer_dyn: Arc<dyn PeerLink> = p2.clone();
-        let r = receiver_read_loop(rd, &weak, &peer_dyn).await;
+        let r = receiver_read_loop(rd, &weak, &p2).await;
         if let Some(core) = weak.upgrade() {
             let reason = match r {
                 Ok(()) => "connection closed".to_string(),
@@ -118,8 +125,9 @@ pub(super) fn serve_conn(core: Arc<ReceiverCore>, stream: TcpStream) {
 async fn receiver_read_loop(
     rd: tokio::net::tcp::OwnedReadHalf,
     core: &Weak<ReceiverCore>,
-    peer: &Arc<dyn PeerLink>,
+    tcp_peer: &Arc<TcpPeer>,
 ) -> std::io::Result<()> {
+    let peer: Arc<dyn PeerLink> = tcp_peer.clone();
     let mut r = BufReader::with_capacity(IO_BUF, rd);
     let mut scratch = Vec::new();
     let mut trusted = false;
@@ -141,18 +149,22 @@ async fn receiver_read_loop(
         match tag {
             TAG_CONTROL => {
                 let msg = read_ctl(&mut r).await?;
+                if trusted {
+                    core.on_control(&peer, msg);
+                    continue;
+                }
+                if !matches!(msg.body, Some(Body::Begin(_))) {
+                    return Err(untrusted("a control message"));
+                }
+                // The Accept (if any) is queued from within on_control, on this task.
+                core.on_control(&peer, msg);
+                trusted = tcp_peer.accepted.load(Ordering::SeqCst);
                 if !trusted {
-                    let Some(Body::Begin(b)) = &msg.body else { return Err(untrusted("a control message")) };
-                    if core.token_opens(&b.request_id, &b.transfer_token) {
-                        trusted = true;
-                    } else {
-                        refused += 1;
-                        if refused > UNTRUSTED_HANDSHAKES {
-                            return Err(untrusted("too many refused handshakes"));
-                        }
+                    refused += 1;
+                    if refused > UNTRUSTED_HANDSHAKES {
+                        return Err(untrusted("too many refused handshakes"));
                     }
                 }
-                core.on_control(peer, msg);
             }
             TAG_BARRIER => {
                 if !trusted {
