@@ -37,7 +37,9 @@
 #define GEMM_BM 128
 #define GEMM_BK 128
 #define GEMM_THREADS 384
+#ifndef GEMM_GROUP_M
 #define GEMM_GROUP_M 8
+#endif
 #ifndef GEMM_STAGES_128
 #define GEMM_STAGES_128 6
 #endif
