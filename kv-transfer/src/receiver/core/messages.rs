@@ -274,28 +274,29 @@ impl ReceiverCore {
 
     fn on_release(self: &Arc<Self>, peer: &Arc<dyn PeerLink>, corr: u64, r: TransferRelease) {
         let Some(t) = self.session_for(peer, corr, r.session_id, &r.session_token) else { return };
-        let mut ph = t.lock_phase();
-        let was = std::mem::replace(&mut *ph, Phase::Done);
-        drop(ph);
-        t.active.store(false, Ordering::SeqCst);
-        match was {
-            Phase::Active(_) => {
-                let rel = ReleasedTransfer {
-                    request_id: t.request_id.clone(),
-                    first_token: r.first_token.unwrap_or_default(),
-                    finish_reason: proto::v1::FinishReason::try_from(r.finish_reason).unwrap_or_default(),
-                };
-                if t.outcome.set(Ok(TransferOutcome::Released(rel))) {
-                    self.counters.released.fetch_add(1, Ordering::Relaxed);
-                }
-                peer.send(ack(corr, t.session, TransferStatus::Ok, ""));
-            }
-            Phase::Aborting(_) => peer.send(ack(corr, t.session, TransferStatus::Aborted, "aborted by the receiver")),
-            other => {
-                *t.lock_phase() = other;
+        // Checked and ended under one guard: a concurrent abort either happened first or finds it Done.
+        let was = {
+            let mut ph = t.lock_phase();
+            if !matches!(&*ph, Phase::Active(_) | Phase::Aborting(_)) {
+                drop(ph);
                 peer.send(ack(corr, t.session, TransferStatus::Protocol, "release out of sequence"));
                 return;
             }
+            std::mem::replace(&mut *ph, Phase::Done)
+        };
+        t.active.store(false, Ordering::SeqCst);
+        if let Phase::Active(_) = was {
+            let rel = ReleasedTransfer {
+                request_id: t.request_id.clone(),
+                first_token: r.first_token.unwrap_or_default(),
+                finish_reason: proto::v1::FinishReason::try_from(r.finish_reason).unwrap_or_default(),
+            };
+            if t.outcome.set(Ok(TransferOutcome::Released(rel))) {
+                self.counters.released.fetch_add(1, Ordering::Relaxed);
+            }
+            peer.send(ack(corr, t.session, TransferStatus::Ok, ""));
+        } else {
+            peer.send(ack(corr, t.session, TransferStatus::Aborted, "aborted by the receiver"));
         }
         self.forget(&t);
         self.free_now(&t);
@@ -303,28 +304,23 @@ impl ReceiverCore {
 
     fn on_sender_abort(self: &Arc<Self>, peer: &Arc<dyn PeerLink>, corr: u64, a: TransferAbort) {
         let Some(t) = self.session_for(peer, corr, a.session_id, &a.session_token) else { return };
-        let mut ph = t.lock_phase();
-        let was = std::mem::replace(&mut *ph, Phase::Done);
-        drop(ph);
-        match was {
-            Phase::Active(_) | Phase::Aborting(_) | Phase::Expected => {
-                t.active.store(false, Ordering::SeqCst);
-                self.finish_err(
-                    &t,
-                    TransferError::Aborted {
-                        request_id: t.request_id.clone(),
-                        reason: format!("sender: {}", a.reason),
-                    },
-                );
-                peer.send(ack(corr, t.session, TransferStatus::Ok, ""));
-                self.forget(&t);
-                self.free_now(&t);
-            }
-            other => {
-                *t.lock_phase() = other;
+        {
+            let mut ph = t.lock_phase();
+            if !matches!(&*ph, Phase::Active(_) | Phase::Aborting(_) | Phase::Expected) {
+                drop(ph);
                 peer.send(ack(corr, t.session, TransferStatus::Protocol, "abort out of sequence"));
+                return;
             }
+            *ph = Phase::Done;
         }
+        t.active.store(false, Ordering::SeqCst);
+        self.finish_err(
+            &t,
+            TransferError::Aborted { request_id: t.request_id.clone(), reason: format!("sender: {}", a.reason) },
+        );
+        peer.send(ack(corr, t.session, TransferStatus::Ok, ""));
+        self.forget(&t);
+        self.free_now(&t);
     }
 
     /// The sender acknowledged our abort: its puts are flushed and it issues no more. Only the aborted

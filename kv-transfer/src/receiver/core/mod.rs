@@ -239,21 +239,24 @@ impl ReceiverCore {
 
     /// Ends an expected transfer whose reservation is gone, without freeing blocks it no longer owns.
     fn orphan(&self, t: &Arc<Transfer>) {
-        let was = std::mem::replace(&mut *t.lock_phase(), Phase::Done);
-        if matches!(was, Phase::Expected) {
-            t.active.store(false, Ordering::SeqCst);
-            {
-                // Nothing is freed: the blocks went back to the pool without us.
-                let mut f = t.free.lock().unwrap_or_else(|p| p.into_inner());
-                f.requested = true;
-                f.done = true;
+        {
+            // Checked and set under one guard: a concurrent fail() either ran first or finds it Done.
+            let mut ph = t.lock_phase();
+            if !matches!(*ph, Phase::Expected) {
+                return;
             }
-            let why = "the reservation was freed outside the transfer".to_string();
-            self.finish_err(t, TransferError::Aborted { request_id: t.request_id.clone(), reason: why });
-            self.forget(t);
-        } else {
-            *t.lock_phase() = was;
+            *ph = Phase::Done;
         }
+        t.active.store(false, Ordering::SeqCst);
+        {
+            // Nothing is freed: the blocks went back to the pool without us.
+            let mut f = t.free.lock().unwrap_or_else(|p| p.into_inner());
+            f.requested = true;
+            f.done = true;
+        }
+        let why = "the reservation was freed outside the transfer".to_string();
+        self.finish_err(t, TransferError::Aborted { request_id: t.request_id.clone(), reason: why });
+        self.forget(t);
     }
 
     /// Messages from senders that never proved they hold a descriptor, dropped unanswered.
