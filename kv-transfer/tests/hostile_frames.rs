@@ -224,6 +224,12 @@ fn handshakes_without_the_reservations_token_get_only_a_refusal() {
     let before = pool_bytes(&cache);
 
     let mut s = connect(&address);
+    // A request nobody expects: the answer every refused token below must get too, word for word, so
+    // that a stranger cannot tell an awaited request id from an unknown one.
+    let nobody = TransferDescriptor { request_id: "nobody".into(), ..d1.clone() };
+    let unknown = handshake(&mut s, 9, &nobody, d1.transfer_token.clone());
+    refused_with(&unknown, TransferStatus::UnknownRequest);
+    let Some(Body::Ack(unknown)) = unknown.body else { unreachable!() };
     let cases = [
         (Vec::new(), "no token"),
         (flipped(&d1.transfer_token), "a wrong token"),
@@ -231,15 +237,16 @@ fn handshakes_without_the_reservations_token_get_only_a_refusal() {
     ];
     for (i, (token, what)) in cases.into_iter().enumerate() {
         let reply = handshake(&mut s, 10 + i as u64, &d1, token);
-        refused_with(&reply, TransferStatus::BadToken);
+        refused_with(&reply, TransferStatus::UnknownRequest);
         let Some(Body::Ack(a)) = reply.body else { unreachable!() };
         assert_eq!(a.session_id, 0, "{what}: the refusal names no session");
+        assert_eq!(a.message, unknown.message, "{what}: told apart from an unknown request");
     }
     // Still a stranger: anything but a handshake closes the connection, unanswered.
     s.write_all(&BARRIER).unwrap();
     assert!(next_reply(&mut s).is_none(), "a stranger's barrier was answered");
 
-    assert_eq!(recv.stats().rejected_handshakes, 3);
+    assert_eq!(recv.stats().rejected_handshakes, 4);
     assert!(pool_bytes(&cache) == before, "a refused handshake changed the pool");
     still_pending(&p1);
     still_pending(&p2);
@@ -378,4 +385,82 @@ fn tokens_die_with_their_reservation() {
     still_pending(&pt);
     honest_transfer(&pool, &taken, pt);
     assert_eq!(pool.stats().used_blocks, 0);
+}
+
+/// A trusted peer (the sender of another transfer) that sends Complete, Release or Abort for session ids
+/// that are not its own learns nothing: a live session, an ended one (its tombstone holds the reason)
+/// and one that never existed all answer UNKNOWN_REQUEST, "no such transfer". Only the session's own
+/// token gets a live session's answer or an ended one's reason.
+#[test]
+fn session_messages_without_the_session_token_reveal_nothing() {
+    use proto::v1::{TransferAbort, TransferComplete, TransferRelease};
+    let (recv, pool, cache) = receiver_with_cache();
+    let (d1, p1) = expect_checked(&recv, &pool, "r1");
+    let (d2, p2) = expect_checked(&recv, &pool, "r2");
+    let address = d1.endpoint.clone().unwrap().address;
+    let before = pool_bytes(&cache);
+    let mut prober = connect(&address);
+    let (s1, t1) = accepted(&handshake(&mut prober, 1, &d1, d1.transfer_token.clone()));
+    let mut owner = connect(&address);
+    let (s2, t2) = accepted(&handshake(&mut owner, 1, &d2, d2.transfer_token.clone()));
+    assert!(s1.abs_diff(s2) > 1 << 20, "session ids are not sequential: {s1}, {s2}");
+
+    let probes = |session: u64, token: &[u8; 16]| {
+        let token = token.to_vec();
+        [
+            Body::Complete(TransferComplete {
+                session_id: session,
+                session_token: token.clone(),
+                ..Default::default()
+            }),
+            Body::Release(TransferRelease { session_id: session, session_token: token.clone(), ..Default::default() }),
+            Body::Abort(TransferAbort { session_id: session, session_token: token, ..Default::default() }),
+        ]
+    };
+    let answer = |s: &mut TcpStream, corr: u64, body: Body| -> (i32, String) {
+        s.write_all(&ctl(corr, body)).unwrap();
+        loop {
+            let m = next_reply(s).expect("an answer");
+            if m.correlation_id == corr {
+                let Some(Body::Ack(a)) = m.body else { panic!("expected an Ack, got {m:?}") };
+                return (a.status, a.message);
+            }
+        }
+    };
+    let nothing = (TransferStatus::UnknownRequest as i32, "no such transfer".to_string());
+    let mut corr = 10;
+    // r2 is live: with r1's session token (or a flipped one of r2's), nothing but "no such transfer".
+    let never = s1.wrapping_add(s2) | 1;
+    for (session, token, what) in [(s2, t1, "r2 with r1's token"), (never, t1, "a session that never existed")] {
+        for body in probes(session, &token) {
+            corr += 1;
+            assert_eq!(answer(&mut prober, corr, body), nothing, "{what}");
+        }
+    }
+    let flipped2: [u8; 16] = flipped(&t2).try_into().unwrap();
+    for body in probes(s2, &flipped2) {
+        corr += 1;
+        assert_eq!(answer(&mut owner, corr, body), nothing, "r2 with a flipped token");
+    }
+    still_pending(&p2);
+
+    // r2 ends (client gone): its tombstone's reason goes to r2's token only.
+    assert!(p2.abort("the client went away"));
+    wait_used(&pool, 1);
+    for body in probes(s2, &t1) {
+        corr += 1;
+        assert_eq!(answer(&mut prober, corr, body), nothing, "ended r2 with r1's token");
+    }
+    corr += 1;
+    let body = Body::Release(TransferRelease { session_id: s2, session_token: t2.to_vec(), ..Default::default() });
+    let (status, why) = answer(&mut owner, corr, body);
+    assert_eq!(status, TransferStatus::Aborted as i32, "{why}");
+    assert!(why.contains("the client went away"), "{why}");
+
+    assert!(pool_bytes(&cache) == before);
+    still_pending(&p1);
+    drop(prober);
+    let outcome = p1.wait_timeout(Duration::from_secs(10)).expect("r1 ends with its connection");
+    assert!(matches!(outcome, Err(TransferError::PeerLost { .. })), "{outcome:?}");
+    wait_used(&pool, 0);
 }

@@ -144,7 +144,7 @@ fn handshakes_without_a_valid_token_get_only_a_refusal_and_no_key() {
             b.receiver_mediated = false;
         }
         raw.send(origin, &control(i as u64 + 1, b));
-        refused(&raw.reply_to(i as u64 + 1), TransferStatus::BadToken);
+        refused(&raw.reply_to(i as u64 + 1), TransferStatus::UnknownRequest);
     }
     // The holder of the token is accepted once: the session token and the key are its alone.
     raw.send(7, &control(10, valid_begin(&d1, raw.sender_address(7), false)));

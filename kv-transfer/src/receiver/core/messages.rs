@@ -40,16 +40,17 @@ impl ReceiverCore {
             tracing::info!(request_id = %b.request_id, ?status, message, "kv transfer handshake rejected");
             peer.send(ack(corr, 0, status, &message));
         };
-        let Some(t) = self.lookup_request(&b.request_id) else {
-            return reject(TransferStatus::UnknownRequest, format!("no transfer expected for {}", b.request_id));
+        // An unknown request and a wrong (or missing) token get the same answer, so a stranger cannot
+        // tell which request ids are awaited; the difference is only logged, at debug (counted in
+        // rejected_handshakes either way). Not the paired sender: the transfer is left alone.
+        let t = self.lookup_request(&b.request_id);
+        let Some(t) = t.filter(|t| t.token.matches(&b.transfer_token)) else {
+            self.counters.rejected_handshakes.fetch_add(1, Ordering::Relaxed);
+            let why = if self.lookup_request(&b.request_id).is_some() { "wrong token" } else { "unknown request" };
+            tracing::debug!(request_id = %b.request_id, why, "kv transfer handshake refused");
+            let status = TransferStatus::UnknownRequest;
+            return peer.send(ack(corr, 0, status, "no transfer awaits this request with this token"));
         };
-        // Not the paired sender: refuse without touching the transfer.
-        if b.transfer_token.is_empty() {
-            return reject(TransferStatus::BadToken, "the handshake carries no transfer token".into());
-        }
-        if !t.token.matches(&b.transfer_token) {
-            return reject(TransferStatus::BadToken, "transfer token does not match".into());
-        }
         if !self.reservation_intact(&t) {
             self.orphan(&t);
             return reject(TransferStatus::UnknownRequest, format!("the reservation of {} is gone", b.request_id));
@@ -106,24 +107,26 @@ impl ReceiverCore {
     }
 
     /// Finds a session's transfer for a message that must come from its sender (it carries the session
-    /// token only the accepted sender was given).
+    /// token only the accepted sender was given). Without that token the answer is UNKNOWN_REQUEST
+    /// whether the session is live, ended or never existed: a trusted peer probing session ids learns
+    /// neither liveness nor another request's tombstone.
     fn session_for(&self, peer: &Arc<dyn PeerLink>, corr: u64, session: u64, token: &[u8]) -> Option<Arc<Transfer>> {
         let (t, tomb) = {
             let tb = self.tables();
             (tb.by_session.get(&session).cloned(), tb.tombstones.get(&session).cloned())
         };
-        match t {
-            None => {
-                let (status, why) = tomb.unwrap_or((TransferStatus::UnknownRequest, "no such transfer".into()));
-                peer.send(ack(corr, session, status, &why));
-                None
+        match (t, tomb) {
+            (Some(t), _) if t.session_token.matches(token) => return Some(t),
+            (None, Some(tomb)) if tomb.token.matches(token) => {
+                peer.send(ack(corr, session, tomb.status, &tomb.why));
+                return None;
             }
-            Some(t) if !t.session_token.matches(token) => {
-                peer.send(ack(corr, session, TransferStatus::BadToken, "transfer token does not match"));
-                None
+            (live, _) => {
+                tracing::debug!(session, live = live.is_some(), "a session message without its session token");
             }
-            Some(t) => Some(t),
         }
+        peer.send(ack(corr, session, TransferStatus::UnknownRequest, "no such transfer"));
+        None
     }
 
     fn on_complete(self: &Arc<Self>, peer: &Arc<dyn PeerLink>, corr: u64, c: TransferComplete) {

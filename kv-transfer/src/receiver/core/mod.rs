@@ -106,9 +106,17 @@ impl Transfer {
 struct Tables {
     by_session: HashMap<u64, Arc<Transfer>>,
     by_request: HashMap<String, u64>,
-    /// Why recently finished sessions ended, so a sender's late message gets the real reason.
-    tombstones: HashMap<u64, (TransferStatus, String)>,
+    /// Why recently finished sessions ended, so a sender's late message gets the real reason (only a
+    /// message carrying the session's token).
+    tombstones: HashMap<u64, Tombstone>,
     tombstone_order: std::collections::VecDeque<u64>,
+}
+
+#[derive(Clone)]
+struct Tombstone {
+    token: TransferToken,
+    status: TransferStatus,
+    why: String,
 }
 
 const TOMBSTONES: usize = 4096;
@@ -189,7 +197,7 @@ impl ReceiverCore {
         deadline: Instant,
         verify_checksum: bool,
     ) -> Result<Arc<Transfer>, TransferError> {
-        let session = next_id();
+        let session = self.fresh_session_id();
         let layers = self.geometry.num_layers;
         let t = Arc::new(Transfer {
             session,
@@ -217,6 +225,10 @@ impl ReceiverCore {
             if tb.by_request.contains_key(request_id) {
                 return Err(TransferError::Duplicate(request_id.to_string()));
             }
+            if tb.by_session.contains_key(&session) || tb.tombstones.contains_key(&session) {
+                // Two draws of 64 random bits met between the draw and here; the caller may retry.
+                return Err(TransferError::Transport("session id collision".into()));
+            }
             tb.by_request.insert(request_id.to_string(), session);
             tb.by_session.insert(session, t.clone());
         }
@@ -227,6 +239,18 @@ impl ReceiverCore {
             core.fail(&tt, TransferError::DeadlineExceeded(tt.request_id.clone()), "deadline exceeded");
         });
         Ok(t)
+    }
+
+    /// A random session id (never 0) no live or remembered session has: ids are not sequential, so one
+    /// session's id says nothing about the others'.
+    fn fresh_session_id(&self) -> u64 {
+        let tb = self.tables();
+        loop {
+            let id = rand::random::<u64>();
+            if id != 0 && !tb.by_session.contains_key(&id) && !tb.tombstones.contains_key(&id) {
+                return id;
+            }
+        }
     }
 
     /// Whether the pool still holds `t`'s reservation as it was granted. A reservation freed (or taken
@@ -279,8 +303,8 @@ impl ReceiverCore {
         let mut tb = self.tables();
         if tb.by_session.remove(&t.session).is_some() {
             tb.by_request.remove(&t.request_id);
-            if let Some(why) = terminal {
-                tb.tombstones.insert(t.session, why);
+            if let Some((status, why)) = terminal {
+                tb.tombstones.insert(t.session, Tombstone { token: t.session_token.clone(), status, why });
                 tb.tombstone_order.push_back(t.session);
                 if tb.tombstone_order.len() > TOMBSTONES
                     && let Some(old) = tb.tombstone_order.pop_front()
