@@ -283,6 +283,7 @@ fn a_used_token_opens_nothing_and_writes_stay_inside_the_granted_blocks() {
 
     // The holder's writes: with a wrong, empty or other request's token, refused (the transfer goes on).
     let other: [u8; 16] = d2.transfer_token.as_slice().try_into().unwrap();
+    let dropped = recv.stats().dropped_untrusted;
     for token in [[0u8; 16], other, token] {
         holder.write_all(&data(WriteHeader { session, token, offset: at(mine), len: entry }, &payload)).unwrap();
     }
@@ -291,6 +292,8 @@ fn a_used_token_opens_nothing_and_writes_stay_inside_the_granted_blocks() {
     let ack = next_reply(&mut holder).expect("the barrier's answer");
     assert_eq!(ack.correlation_id, 1);
     assert!(pool_bytes(&cache) == before, "a write without the session token landed");
+    // Dropped and counted (logged at debug only: a trusted peer may send any number of them).
+    assert_eq!(recv.stats().dropped_untrusted, dropped + 3);
     still_pending(&p1);
 
     // With the session token, aimed at r2's block: refused, and r1 fails (its sender broke the rules);

@@ -220,6 +220,7 @@ fn active_message_writes_need_the_session_token_and_stay_inside_the_granted_bloc
     let mine = r.latent(d1.block_ids[0]);
     let payload = vec![0x5au8; 2 * entry as usize];
     let as_token = |t: &[u8]| -> [u8; 16] { t.try_into().unwrap() };
+    let dropped = r.recv.stats().dropped_untrusted;
 
     // Into r1's own block without the session token: none, the used descriptor token, r2's token, a
     // flipped session token; eagerly and by rendezvous.
@@ -244,6 +245,8 @@ fn active_message_writes_need_the_session_token_and_stay_inside_the_granted_bloc
     assert!(now[landed.clone()].iter().all(|&b| b == 0x5a));
     now[landed.clone()].copy_from_slice(&before[landed]);
     assert!(now == before, "a write without the session token landed");
+    // Each dropped and counted (any endpoint can send them: logged at debug only).
+    assert_eq!(r.recv.stats().dropped_untrusted, dropped + 8);
     still_pending(&p1);
 
     // With the session token, aimed at r2's block: refused, r1 fails, its blocks come back.

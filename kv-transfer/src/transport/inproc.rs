@@ -151,6 +151,7 @@ impl Link for InProcLink {
                 Ok(())
             }
             Err(Refusal::Stale) => Ok(()),
+            Err(Refusal::WrongToken) => Err(TransferError::Transport("a write without the session token".into())),
             Err(Refusal::Invalid(why)) => Err(TransferError::Transport(why)),
         }
     }

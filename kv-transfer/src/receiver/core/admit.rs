@@ -13,6 +13,10 @@ use crate::token::TOKEN_BYTES;
 pub enum Refusal {
     /// The transfer is gone or no longer active (aborted, expired, completed): drop the bytes.
     Stale,
+    /// The writer does not present the session's token (it is not the session's sender): drop the bytes;
+    /// the transfer goes on. Counted in `ReceiverStats::dropped_untrusted`; log at debug at most, so a
+    /// peer cannot flood the logs with them.
+    WrongToken,
     /// The write is outside the transfer's blocks or malformed; the transfer has been failed.
     Invalid(String),
 }
@@ -91,9 +95,9 @@ impl Drop for WritePermit {
 
 impl ReceiverCore {
     /// Admits a receiver-mediated write of `len` bytes at pool offset `offset` for `session`, whose
-    /// writer presents `token` (the session token of its Accept). A wrong token is refused without
-    /// touching the transfer (the writer is not its sender); a write outside the transfer's blocks from
-    /// the token's holder fails the transfer.
+    /// writer presents `token` (the session token of its Accept). A wrong token is refused (and counted)
+    /// without touching the transfer (the writer is not its sender); a write outside the transfer's
+    /// blocks from the token's holder fails the transfer.
     pub fn admit_write(
         self: &Arc<Self>,
         session: u64,
@@ -103,7 +107,8 @@ impl ReceiverCore {
     ) -> Result<WritePermit, Refusal> {
         let Some(t) = self.tables().by_session.get(&session).cloned() else { return Err(Refusal::Stale) };
         if !t.session_token.matches(token) {
-            return Err(Refusal::Invalid(format!("request {}: write with a wrong token", t.request_id)));
+            self.count_dropped_untrusted(1);
+            return Err(Refusal::WrongToken);
         }
         t.inflight.fetch_add(1, Ordering::SeqCst);
         let permit = |layer, latent| WritePermit {

@@ -192,11 +192,17 @@ async fn receiver_read_loop(
                         permit.commit();
                     }
                     Err(refusal) => {
-                        if let Refusal::Invalid(why) = refusal {
-                            tracing::warn!(why, "dropping an invalid write");
-                            if !trusted {
-                                return Err(untrusted("an invalid write"));
+                        match &refusal {
+                            // Its sender broke the rules and the transfer failed: once per transfer.
+                            Refusal::Invalid(why) => tracing::warn!(why, "dropping an invalid write"),
+                            // Counted by the core; a trusted peer may send any number: never above debug.
+                            Refusal::WrongToken => {
+                                tracing::debug!(session, "dropping a write without the session token")
                             }
+                            Refusal::Stale => {}
+                        }
+                        if !trusted && refusal != Refusal::Stale {
+                            return Err(untrusted("an invalid write"));
                         }
                         if !trusted {
                             refused += 1;

@@ -293,7 +293,13 @@ impl State {
         let admitted = match sink.admit(&hdr) {
             Some(Ok(p)) => Some(p),
             Some(Err(Refusal::Invalid(why))) => {
+                // Its sender broke the rules and the transfer failed: once per transfer.
                 tracing::warn!(why, "dropping an invalid write");
+                None
+            }
+            Some(Err(Refusal::WrongToken)) => {
+                // Any endpoint can send these (the core counts them): never above debug.
+                tracing::debug!(session = hdr.session, "dropping a write without the session token");
                 None
             }
             _ => None,
