@@ -58,9 +58,9 @@ pub async fn serve(args: Args, model: Arc<LoadedModel>) -> anyhow::Result<()> {
         model.fingerprint.clone(),
     )
     .context("starting the kv-transfer receiver")?;
-    let (metrics, metrics_addr) =
-        worker::metrics::start(args.serve.metrics_listen, metrics::DecodeMetrics::new).await?;
     let drain = Drain::new();
+    let (metrics, metrics_addr) =
+        worker::metrics::start(args.serve.metrics_listen, drain.clone(), metrics::DecodeMetrics::new).await?;
     let sched = scheduler::Scheduler::start(
         model.clone(),
         metrics.clone(),

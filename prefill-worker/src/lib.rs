@@ -48,9 +48,9 @@ pub async fn serve(args: Args, model: Arc<LoadedModel>) -> anyhow::Result<()> {
         model.fingerprint.clone(),
     )
     .context("starting the kv-transfer sender")?;
-    let (metrics, metrics_addr) =
-        worker::metrics::start(args.serve.metrics_listen, metrics::PrefillMetrics::new).await?;
     let drain = Drain::new();
+    let (metrics, metrics_addr) =
+        worker::metrics::start(args.serve.metrics_listen, drain.clone(), metrics::PrefillMetrics::new).await?;
     let scheduler = scheduler::Scheduler::start(
         model.clone(),
         sender,

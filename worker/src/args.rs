@@ -37,6 +37,10 @@ pub struct ServeArgs {
     /// (the default) it registers nowhere and the router is given its address.
     #[command(flatten)]
     pub discovery: cluster::DiscoveryArgs,
+    /// TLS on the gRPC port (`--tls-cert`/`--tls-key`; with `--tls-ca` clients must present a certificate
+    /// signed by it). Plaintext when none is given.
+    #[command(flatten)]
+    pub tls: tls::TlsArgs,
     /// Longest prompt + output in tokens (default: the model's max_position_embeddings, capped by the pool).
     #[arg(long, env = "TANDEM_MAX_MODEL_LEN")]
     pub max_model_len: Option<usize>,
@@ -131,7 +135,22 @@ impl ServeArgs {
         if let Some(tls) = &self.ucx_tls {
             anyhow::ensure!(!tls.trim().is_empty(), "--ucx-tls must not be empty");
         }
+        self.grpc_tls()?;
         self.discovery.validate().map_err(anyhow::Error::msg)
+    }
+
+    /// The gRPC port's TLS, its files read and checked (`None`: plaintext).
+    pub fn grpc_tls(&self) -> anyhow::Result<Option<tls::ServerTls>> {
+        Ok(self.tls.server()?)
+    }
+
+    /// "off", "tls" (server certificate only) or "mutual" (client certificates required).
+    fn tls_mode(&self) -> &'static str {
+        match (&self.tls.cert, &self.tls.ca) {
+            (None, _) => "off",
+            (Some(_), None) => "tls",
+            (Some(_), Some(_)) => "mutual",
+        }
     }
 
     /// The `--check-config` report: prints that `role`'s arguments are valid.
@@ -140,7 +159,7 @@ impl ServeArgs {
             "{}",
             serde_json::json!({"event": "config-ok", "role": role, "model": self.model.display().to_string(),
                 "listen": self.listen.to_string(), "advertise": self.advertise,
-                "discovery": self.discovery.kind.as_str()})
+                "discovery": self.discovery.kind.as_str(), "tls": self.tls_mode()})
         );
     }
 
@@ -219,6 +238,23 @@ mod tests {
             kv_transfer::TransportConfig::Tcp(t) => assert_eq!(t.advertise_host.as_deref(), Some("decode-0.tandem")),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn tls_and_etcd_files_are_read_at_validation_and_named_when_unreadable() {
+        let err = parse(&["--tls-cert", "/nonexistent/w.crt", "--tls-key", "/nonexistent/w.key"])
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--tls-cert /nonexistent/w.crt: cannot read it"), "{err}");
+        let err = parse(&["--tls-ca", "/nonexistent/ca.pem"]).validate().unwrap_err().to_string();
+        assert!(err.contains("needs --tls-cert and --tls-key"), "{err}");
+        let etcd = ["--discovery", "etcd", "--etcd", "https://etcd:2379", "--etcd-ca", "/nonexistent/etcd-ca.pem"];
+        let err = parse(&etcd).validate().unwrap_err().to_string();
+        assert!(err.contains("--etcd-ca /nonexistent/etcd-ca.pem: cannot read it"), "{err}");
+        let user = ["--discovery", "etcd", "--etcd-user", "w", "--etcd-password-file", "/nonexistent/pw"];
+        let err = parse(&user).validate().unwrap_err().to_string();
+        assert!(err.contains("--etcd-password-file /nonexistent/pw: cannot read it"), "{err}");
     }
 
     #[test]

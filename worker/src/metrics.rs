@@ -1,16 +1,22 @@
-//! The worker's Prometheus endpoint: `GET /metrics` (text format) and `GET /health`.
+//! The worker's Prometheus endpoint: `GET /metrics` (text format), `GET /health` (the process is up) and
+//! `GET /ready` (503 once the worker drains: the readiness probe where the gRPC port speaks TLS, which
+//! Kubernetes gRPC probes cannot).
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use axum::Router;
+use axum::http::StatusCode;
 use axum::http::header::CONTENT_TYPE;
 use axum::routing::get;
 use prometheus::{Encoder, IntCounter, Registry, TextEncoder};
 
+use crate::Drain;
+
 /// Serves `registry` on `addr`, plus the engine's process-wide counters; returns the bound address. Adds
 /// `tandem_cache_arenas_created`: cache arenas this process created, which stays at its startup value while
 /// the worker serves (the pool is allocated once, before ready).
-pub async fn serve(addr: SocketAddr, registry: Registry) -> anyhow::Result<SocketAddr> {
+pub async fn serve(addr: SocketAddr, registry: Registry, drain: Arc<Drain>) -> anyhow::Result<SocketAddr> {
     let nan_scores = IntCounter::new(
         "tandem_indexer_nan_scores_total",
         "Indexer scores that were NaN and so never selected (a sign of overflow in the model or its weights)",
@@ -39,7 +45,16 @@ pub async fn serve(addr: SocketAddr, registry: Registry) -> anyhow::Result<Socke
                 }
             }),
         )
-        .route("/health", get(|| async { "ok" }));
+        .route("/health", get(|| async { "ok" }))
+        .route(
+            "/ready",
+            get(move || {
+                let draining = drain.is_draining();
+                async move {
+                    if draining { (StatusCode::SERVICE_UNAVAILABLE, "draining") } else { (StatusCode::OK, "ready") }
+                }
+            }),
+        );
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     tokio::spawn(async move {
@@ -52,15 +67,16 @@ pub async fn serve(addr: SocketAddr, registry: Registry) -> anyhow::Result<Socke
 }
 
 /// A role's metrics, made by `register` in a fresh registry and [`serve`]d on `addr` (`--metrics-listen`)
-/// when it is given; with the bound address.
+/// when it is given, `/ready` following `drain`; with the bound address.
 pub async fn start<M>(
     addr: Option<SocketAddr>,
+    drain: Arc<Drain>,
     register: impl FnOnce(&Registry) -> prometheus::Result<M>,
 ) -> anyhow::Result<(std::sync::Arc<M>, Option<SocketAddr>)> {
     let registry = Registry::new();
     let metrics = register(&registry)?;
     let bound = match addr {
-        Some(a) => Some(serve(a, registry).await?),
+        Some(a) => Some(serve(a, registry, drain).await?),
         None => None,
     };
     Ok((std::sync::Arc::new(metrics), bound))
@@ -76,7 +92,8 @@ mod tests {
         assert_eq!(engine::cpu::topk::select(&[f32::NAN, 1.0, f32::NAN, 0.0], 1), vec![1]);
         let seen = engine::cpu::topk::nan_scores_total();
         assert!(seen >= 2);
-        let addr = super::serve("127.0.0.1:0".parse().unwrap(), prometheus::Registry::new()).await.unwrap();
+        let drain = crate::Drain::new();
+        let addr = super::serve("127.0.0.1:0".parse().unwrap(), prometheus::Registry::new(), drain).await.unwrap();
         let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
         conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").await.unwrap();
         let mut body = String::new();
@@ -87,5 +104,24 @@ mod tests {
             .unwrap_or_else(|| panic!("no counter in {body}"));
         let value: u64 = line.rsplit(' ').next().unwrap().parse().unwrap();
         assert!(value >= seen, "{line}");
+    }
+
+    async fn get(addr: std::net::SocketAddr, path: &str) -> String {
+        let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+        conn.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes()).await.unwrap();
+        let mut body = String::new();
+        conn.read_to_string(&mut body).await.unwrap();
+        body
+    }
+
+    #[tokio::test]
+    async fn ready_turns_503_when_the_worker_drains() {
+        let drain = crate::Drain::new();
+        let addr =
+            super::serve("127.0.0.1:0".parse().unwrap(), prometheus::Registry::new(), drain.clone()).await.unwrap();
+        assert!(get(addr, "/ready").await.starts_with("HTTP/1.0 200"));
+        drain.start();
+        assert!(get(addr, "/ready").await.starts_with("HTTP/1.0 503"));
+        assert!(get(addr, "/health").await.starts_with("HTTP/1.0 200"), "alive while draining");
     }
 }

@@ -77,23 +77,31 @@ where
         + 'static,
     S::Future: Send + 'static,
 {
+    let tls = args.grpc_tls()?;
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter.set_serving::<S>().await;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .tcp_nodelay(true)
-            // A router multiplexes all of its requests to this worker over one HTTP/2 connection.
-            .max_concurrent_streams(Some(65_536))
-            .http2_max_pending_accept_reset_streams(Some(65_536))
-            .initial_connection_window_size(Some(64 << 20))
-            .initial_stream_window_size(Some(1 << 20))
-            .add_service(health_service)
-            .add_service(svc)
-            .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async {
-                let _ = stop_rx.await;
-            }),
-    );
+    let routes = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        // A router multiplexes all of its requests to this worker over one HTTP/2 connection.
+        .max_concurrent_streams(Some(65_536))
+        .http2_max_pending_accept_reset_streams(Some(65_536))
+        .initial_connection_window_size(Some(64 << 20))
+        .initial_stream_window_size(Some(1 << 20))
+        .add_service(health_service)
+        .add_service(svc);
+    let stopped = async {
+        let _ = stop_rx.await;
+    };
+    let server = match tls {
+        Some(tls) => {
+            tracing::info!(client_certificates = tls.requires_client_certificates(), "gRPC over TLS");
+            tokio::spawn(routes.serve_with_incoming_shutdown(tls::incoming(listener, tls), stopped))
+        }
+        None => tokio::spawn(
+            routes.serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), stopped),
+        ),
+    };
     let (role, id, grpc) = (record.role.name(), record.id.clone(), record.grpc_address.clone());
     let registration = crate::register(args, record).await?;
     // The machine-readable ready line (`tandem up` and the tests read it).
