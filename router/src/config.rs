@@ -70,9 +70,17 @@ pub struct Args {
     #[arg(long, env = "TANDEM_API_KEY_RATE_LIMIT")]
     pub api_key_rate_limit: Option<u32>,
 
-    /// Discovery backend flags (--discovery, --etcd, --cluster, --lease-ttl-secs).
+    /// Discovery backend flags (--discovery, --etcd, --cluster, --lease-ttl-secs, etcd TLS and credentials).
     #[command(flatten)]
     pub registry: cluster::DiscoveryArgs,
+    /// TLS to the workers' gRPC ports: --tls-ca verifies them, --tls-cert/--tls-key is presented to them
+    /// (workers given --tls-ca require it). The client-facing HTTP and gRPC ports are not affected.
+    #[command(flatten)]
+    pub tls: tls::TlsArgs,
+    /// The name worker certificates must carry (DNS or IP SAN), instead of the host the router dials (a pod
+    /// IP, which certificates rarely list).
+    #[arg(long, env = "TANDEM_TLS_SERVER_NAME")]
+    pub tls_server_name: Option<String>,
     /// Prefill worker gRPC addresses (static discovery; repeat or comma-separate).
     #[arg(long, env = "TANDEM_PREFILL", value_delimiter = ',')]
     pub prefill: Vec<String>,
@@ -242,7 +250,22 @@ impl Args {
                 return Err(format!("{flag} {v}: expected a number of seconds above 0, at most {MAX_SECS}"));
             }
         }
+        self.worker_tls().map_err(|e| e.to_string())?;
         self.registry.validate()
+    }
+
+    /// TLS to the workers, its files read and checked (`None`: plaintext).
+    pub fn worker_tls(&self) -> Result<Option<tls::ClientTls>, tls::TlsError> {
+        self.tls.client(self.tls_server_name.as_deref())
+    }
+
+    /// "off", "tls" (workers verified) or "mutual" (the router also presents a certificate).
+    pub fn tls_mode(&self) -> &'static str {
+        match (&self.tls.ca, &self.tls.cert) {
+            (None, _) => "off",
+            (Some(_), None) => "tls",
+            (Some(_), Some(_)) => "mutual",
+        }
     }
 }
 

@@ -94,6 +94,10 @@ pub async fn start_with_listeners(
         chat_template = ?model.template.source(),
         "model files loaded"
     );
+    let worker_tls = args.worker_tls().map_err(|e| RouterError::Flags(e.to_string()))?;
+    if let Some(t) = &worker_tls {
+        info!(server_name = ?t.server_name(), client_certificate = t.presents_certificate(), "TLS to the workers");
+    }
     let discovery = cluster::connect(args.registry.config(args.prefill.clone(), args.decode.clone())).await?;
     let metrics = Arc::new(Metrics::new()?);
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
@@ -105,6 +109,7 @@ pub async fn start_with_listeners(
                 connect_timeout: Duration::from_millis(args.health_timeout_ms.max(100)),
                 breaker_failures: args.breaker_failures,
                 breaker_open: Duration::from_secs_f64(args.breaker_open_secs.max(0.0)),
+                tls: worker_tls,
             },
             health_interval: Duration::from_millis(args.health_interval_ms),
             health_timeout: Duration::from_millis(args.health_timeout_ms),
@@ -172,7 +177,7 @@ pub async fn run(args: Args) -> Result<(), RouterError> {
             "{}",
             serde_json::json!({"event": "config-ok", "role": "router", "model": args.model.display().to_string(),
                 "http": args.http_addr(), "grpc": args.grpc_addr(),
-                "discovery": args.registry.kind.as_str()})
+                "discovery": args.registry.kind.as_str(), "worker_tls": args.tls_mode()})
         );
         return Ok(());
     }

@@ -43,11 +43,22 @@ pub struct HandleSettings {
     pub connect_timeout: Duration,
     pub breaker_failures: u32,
     pub breaker_open: Duration,
+    /// TLS to the workers (`--tls-*`); plaintext when `None`.
+    pub tls: Option<tls::ClientTls>,
 }
 
 fn endpoint(address: &str, s: &HandleSettings) -> Result<Endpoint, tonic::transport::Error> {
-    let uri = if address.contains("://") { address.to_owned() } else { format!("http://{address}") };
-    Ok(Endpoint::from_shared(uri)?
+    let uri = match &s.tls {
+        Some(_) => tls::ClientTls::uri(address),
+        None if address.contains("://") => address.to_owned(),
+        None => format!("http://{address}"),
+    };
+    let ep = Endpoint::from_shared(uri)?;
+    let ep = match &s.tls {
+        Some(t) => t.apply(ep)?,
+        None => ep,
+    };
+    Ok(ep
         .tcp_nodelay(true)
         .connect_timeout(s.connect_timeout)
         .http2_keep_alive_interval(Duration::from_secs(10))

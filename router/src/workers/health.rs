@@ -27,7 +27,8 @@ pub(super) async fn run(pool: Arc<WorkerPool>, mut shutdown: watch::Receiver<boo
 pub(super) async fn poll_once(pool: Arc<WorkerPool>, w: Arc<WorkerHandle>) {
     let timeout = pool.settings.health_timeout;
     let role = w.role.name();
-    if w.fingerprint().is_none() && !learn_info(&w, timeout).await {
+    let tls = pool.settings.handle.tls.is_some();
+    if w.fingerprint().is_none() && !learn_info(&w, timeout, tls).await {
         w.on_poll_failure(pool.settings.health_failures);
         pool.metrics.worker_healthy.with_label_values(&[role, &w.id]).set(0);
         return;
@@ -60,7 +61,7 @@ pub(super) async fn poll_once(pool: Arc<WorkerPool>, w: Arc<WorkerHandle>) {
             w.on_report(r);
             pool.metrics.worker_healthy.with_label_values(&[role, &w.id]).set(1);
         }
-        Ok(Err(status)) => fail(&pool, &w, status.message()),
+        Ok(Err(status)) => fail(&pool, &w, &super::status_reason(&status, tls)),
         Err(_) => fail(&pool, &w, "health poll timed out"),
     }
     pool.metrics.worker_breaker_open.with_label_values(&[role, &w.id]).set(i64::from(w.breaker.is_open()));
@@ -75,7 +76,7 @@ fn fail(pool: &WorkerPool, w: &WorkerHandle, why: &str) {
 }
 
 /// GetInfo: learns id, fingerprint and capacity of a statically configured worker.
-async fn learn_info(w: &WorkerHandle, timeout: std::time::Duration) -> bool {
+async fn learn_info(w: &WorkerHandle, timeout: std::time::Duration, tls: bool) -> bool {
     let res = match w.role {
         WorkerRole::Prefill => tokio::time::timeout(timeout, w.prefill_client().get_info(InfoRequest {})).await,
         WorkerRole::Decode => tokio::time::timeout(timeout, w.decode_client().get_info(InfoRequest {})).await,
@@ -84,7 +85,7 @@ async fn learn_info(w: &WorkerHandle, timeout: std::time::Duration) -> bool {
     let info = match res {
         Ok(Ok(i)) => i.into_inner(),
         Ok(Err(s)) => {
-            warn!(worker = %w.id, address = %w.address, error = %s.message(), "GetInfo failed");
+            warn!(worker = %w.id, address = %w.address, error = %super::status_reason(&s, tls), "GetInfo failed");
             return false;
         }
         Err(_) => return false,

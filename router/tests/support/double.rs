@@ -380,6 +380,19 @@ pub async fn spawn(
     fabric: Arc<Fabric>,
     fingerprint: ModelFingerprint,
 ) -> Double {
+    spawn_tls(id, role, script, eos, fabric, fingerprint, None).await
+}
+
+/// [`spawn`], serving TLS through the workers' own accept loop (`tls::incoming`) when `tls` is given.
+pub async fn spawn_tls(
+    id: &str,
+    role: WorkerRole,
+    script: Script,
+    eos: u32,
+    fabric: Arc<Fabric>,
+    fingerprint: ModelFingerprint,
+    tls: Option<tls::ServerTls>,
+) -> Double {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let knobs = Arc::new(Knobs::default());
@@ -396,7 +409,6 @@ pub async fn spawn(
         cached: Arc::new(Mutex::new(HashSet::new())),
     };
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     // hyper's default of 200 concurrent streams makes the server refuse (RST) the excess streams of a
     // busy router, and past 1024 refusals it closes the connection with GOAWAY ENHANCE_YOUR_CALM.
     // Real workers need the same two settings.
@@ -407,12 +419,17 @@ pub async fn spawn(
         WorkerRole::Prefill => builder.add_service(PrefillWorkerServer::new(PrefillDouble(shared))),
         _ => builder.add_service(DecodeWorkerServer::new(DecodeDouble(shared))),
     };
-    tokio::spawn(async move {
-        let _ = router
-            .serve_with_incoming_shutdown(incoming, async {
-                let _ = stop_rx.await;
-            })
-            .await;
-    });
+    let stopped = async {
+        let _ = stop_rx.await;
+    };
+    match tls {
+        Some(tls) => {
+            tokio::spawn(router.serve_with_incoming_shutdown(tls::incoming(listener, tls), stopped));
+        }
+        None => {
+            let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+            tokio::spawn(router.serve_with_incoming_shutdown(incoming, stopped));
+        }
+    }
     Double { id: id.into(), role, addr, knobs, log, fingerprint, shutdown: Some(stop_tx) }
 }

@@ -28,6 +28,8 @@ pub struct Options {
     pub wait_ready: bool,
     /// The max_model_len every worker double reports (default 4096, above the router's 512).
     pub worker_max_model_len: Option<u32>,
+    /// Every double serves TLS with this configuration (the router then needs `--tls-*` in `args`).
+    pub worker_tls: Option<tls::ServerTls>,
 }
 
 impl Default for Options {
@@ -40,6 +42,7 @@ impl Default for Options {
             decode_hashes: Vec::new(),
             wait_ready: true,
             worker_max_model_len: None,
+            worker_tls: None,
         }
     }
 }
@@ -99,14 +102,32 @@ impl Cluster {
         for i in 0..o.prefill {
             let fp = double::fingerprint(MODEL, "h1");
             prefill.push(
-                double::spawn(&format!("p{i}"), WorkerRole::Prefill, script.clone(), eos, fabric.clone(), fp).await,
+                double::spawn_tls(
+                    &format!("p{i}"),
+                    WorkerRole::Prefill,
+                    script.clone(),
+                    eos,
+                    fabric.clone(),
+                    fp,
+                    o.worker_tls.clone(),
+                )
+                .await,
             );
         }
         let mut decode = Vec::new();
         for i in 0..o.decode {
             let fp = double::fingerprint(MODEL, o.decode_hashes.get(i).copied().unwrap_or("h1"));
             decode.push(
-                double::spawn(&format!("d{i}"), WorkerRole::Decode, script.clone(), eos, fabric.clone(), fp).await,
+                double::spawn_tls(
+                    &format!("d{i}"),
+                    WorkerRole::Decode,
+                    script.clone(),
+                    eos,
+                    fabric.clone(),
+                    fp,
+                    o.worker_tls.clone(),
+                )
+                .await,
             );
         }
         if let Some(len) = o.worker_max_model_len {
