@@ -1,10 +1,12 @@
 //! Discovery flags shared by the router and both workers: flatten [`DiscoveryArgs`] into a clap parser.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 
-use crate::{DiscoveryConfig, EtcdOptions};
+use crate::etcd_security::{PASSWORD_ENV, PasswordSource};
+use crate::{DiscoveryConfig, EtcdOptions, EtcdSecurity};
 
 /// Which discovery backend (`--discovery`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -45,6 +47,27 @@ pub struct DiscoveryArgs {
     /// Lease TTL of worker registrations: a dead worker disappears from routers within this time.
     #[arg(long, env = "TANDEM_LEASE_TTL_SECS", default_value_t = 10)]
     pub lease_ttl_secs: u64,
+    /// CA certificate (PEM) that signed etcd's server certificate: etcd is reached over TLS (https:// or
+    /// bare HOST:PORT endpoints).
+    #[arg(long, env = "TANDEM_ETCD_CA", value_name = "PEM")]
+    pub etcd_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for an etcd that requires one (--client-cert-auth). Needs --etcd-key.
+    #[arg(long, env = "TANDEM_ETCD_CERT", value_name = "PEM")]
+    pub etcd_cert: Option<PathBuf>,
+    /// The private key of --etcd-cert (PEM).
+    #[arg(long, env = "TANDEM_ETCD_KEY", value_name = "PEM")]
+    pub etcd_key: Option<PathBuf>,
+    /// etcd user, for an etcd with authentication enabled. The password comes from --etcd-password-file
+    /// or the TANDEM_ETCD_PASSWORD environment variable, never from the command line.
+    #[arg(long, env = "TANDEM_ETCD_USER")]
+    pub etcd_user: Option<String>,
+    /// File holding the etcd user's password (a final newline is ignored).
+    #[arg(long, env = "TANDEM_ETCD_PASSWORD_FILE", value_name = "FILE")]
+    pub etcd_password_file: Option<PathBuf>,
+}
+
+fn env_password() -> bool {
+    std::env::var_os(PASSWORD_ENV).is_some_and(|v| !v.is_empty())
 }
 
 impl DiscoveryArgs {
@@ -69,8 +92,28 @@ impl DiscoveryArgs {
                     return Err(format!("--etcd {e:?}: expected http://HOST:PORT"));
                 }
             }
+            if self.etcd_password_file.is_some() && env_password() {
+                return Err(format!("the etcd password is given twice: --etcd-password-file and {PASSWORD_ENV}"));
+            }
+            // Reads the files and the password: unreadable or mismatched ones fail here, by flag name.
+            self.security().load(&self.etcd).map_err(|e| e.to_string())?;
         }
         Ok(())
+    }
+
+    /// TLS and credentials for etcd, as the flags and the environment give them (paths, not contents).
+    pub fn security(&self) -> EtcdSecurity {
+        let password = match &self.etcd_password_file {
+            Some(f) => Some(PasswordSource::File(f.clone())),
+            None => env_password().then(|| PasswordSource::Env(PASSWORD_ENV.into())),
+        };
+        EtcdSecurity {
+            ca: self.etcd_ca.clone(),
+            cert: self.etcd_cert.clone(),
+            key: self.etcd_key.clone(),
+            user: self.etcd_user.clone(),
+            password,
+        }
     }
 
     /// The backend configuration. `prefill` / `decode` are the static address lists (empty for workers).
@@ -84,6 +127,7 @@ impl DiscoveryArgs {
                     lease_ttl: Duration::from_secs(self.lease_ttl_secs.max(1)),
                     ..Default::default()
                 },
+                security: self.security(),
             },
         }
     }
@@ -106,7 +150,8 @@ mod tests {
             Cli::try_parse_from(["x", "--discovery", "etcd", "--etcd", "http://a:1,http://b:2", "--cluster", "prod"])
                 .unwrap();
         match c.d.config(vec![], vec![]) {
-            DiscoveryConfig::Etcd { endpoints, cluster, options } => {
+            DiscoveryConfig::Etcd { endpoints, cluster, options, security } => {
+                assert!(!security.is_set());
                 assert_eq!(endpoints, ["http://a:1", "http://b:2"]);
                 assert_eq!(cluster, "prod");
                 assert_eq!(options.lease_ttl, Duration::from_secs(10));

@@ -7,7 +7,7 @@ use futures::future::BoxFuture;
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
-use crate::{ClusterView, DiscoveryError, EtcdDiscovery, EtcdOptions, StaticDiscovery, WorkerRecord};
+use crate::{ClusterView, DiscoveryError, EtcdDiscovery, EtcdOptions, EtcdSecurity, StaticDiscovery, WorkerRecord};
 
 /// A source of cluster membership. Backends live in sibling files (`etcd.rs`, `static.rs`).
 pub trait Discovery: Send + Sync + 'static {
@@ -25,15 +25,19 @@ pub trait Discovery: Send + Sync + 'static {
 /// Which backend to use; built from the router's and workers' flags.
 #[derive(Debug, Clone)]
 pub enum DiscoveryConfig {
-    Etcd { endpoints: Vec<String>, cluster: String, options: EtcdOptions },
+    Etcd { endpoints: Vec<String>, cluster: String, options: EtcdOptions, security: EtcdSecurity },
     Static { prefill: Vec<String>, decode: Vec<String> },
 }
 
 /// Builds the configured backend. Never fails because etcd is down: the backend retries in the background.
+/// It does fail when etcd answers but refuses the credentials or the TLS handshake fails, which retrying
+/// cannot fix, and on unreadable TLS or password files.
 pub async fn connect(config: DiscoveryConfig) -> Result<Arc<dyn Discovery>, DiscoveryError> {
     Ok(match config {
-        DiscoveryConfig::Etcd { endpoints, cluster, options } => {
-            Arc::new(EtcdDiscovery::new(endpoints, cluster, options).await?)
+        DiscoveryConfig::Etcd { endpoints, cluster, options, security } => {
+            let etcd = EtcdDiscovery::connect(endpoints, cluster, options, security).await?;
+            etcd.check().await?;
+            Arc::new(etcd)
         }
         DiscoveryConfig::Static { prefill, decode } => Arc::new(StaticDiscovery::new(prefill, decode)),
     })

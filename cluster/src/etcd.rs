@@ -8,6 +8,9 @@
 //!   writes its record again. It never gives up.
 //! - a worker that dies stops its keep-alive; etcd deletes its key when the lease TTL runs out, and the
 //!   router's watch sees the DELETE.
+//! - etcd with authentication: every (re)connection starts with Authenticate, and an expired token is
+//!   renewed on the call that finds it expired. Start-up ([`EtcdDiscovery::check`]) fails on refused
+//!   credentials or a failed TLS handshake; later failures are logged with their cause and retried.
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -18,8 +21,10 @@ use tokio::sync::{oneshot, watch};
 use tracing::{debug, info, warn};
 
 use crate::discovery::Stop;
+use crate::etcd_failure::{Phase, Target, is_closed};
+use crate::etcd_security::Credentials;
 use crate::keys::{parse_key, worker_key, workers_prefix};
-use crate::{ClusterView, Discovery, DiscoveryError, Registration, RegistrationState, WorkerRecord};
+use crate::{ClusterView, Discovery, DiscoveryError, EtcdSecurity, Registration, RegistrationState, WorkerRecord};
 
 /// Timing knobs of the etcd backend.
 #[derive(Debug, Clone)]
@@ -47,7 +52,9 @@ pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 
 pub struct EtcdDiscovery {
     client: Client,
-    /// Times the router's watch lost etcd (each logged as "etcd unreachable").
+    credentials: Option<Arc<Credentials>>,
+    target: Target,
+    /// Times the router's watch lost etcd (each logged as "etcd watch failed" with the cause).
     watch_failures: Arc<std::sync::atomic::AtomicU64>,
     endpoints: String,
     cluster: String,
@@ -56,8 +63,20 @@ pub struct EtcdDiscovery {
 }
 
 impl EtcdDiscovery {
-    /// Builds the client. Connections are made lazily, so this succeeds while etcd is down.
+    /// Builds a plaintext client without credentials. Connections are made lazily, so this succeeds while
+    /// etcd is down.
     pub async fn new(endpoints: Vec<String>, cluster: String, options: EtcdOptions) -> Result<Self, DiscoveryError> {
+        Self::connect(endpoints, cluster, options, EtcdSecurity::default()).await
+    }
+
+    /// Builds the client with TLS and credentials as `security` says, reading its files (the password
+    /// too) now. Connections, and authentication, are made lazily: this succeeds while etcd is down.
+    pub async fn connect(
+        endpoints: Vec<String>,
+        cluster: String,
+        options: EtcdOptions,
+        security: EtcdSecurity,
+    ) -> Result<Self, DiscoveryError> {
         if endpoints.is_empty() {
             return Err(DiscoveryError::Config("etcd discovery needs at least one endpoint".into()));
         }
@@ -66,22 +85,32 @@ impl EtcdDiscovery {
                 "cluster name {cluster:?} must be non-empty and contain no '/'"
             )));
         }
+        let loaded = security.load(&endpoints)?;
         let joined = endpoints.join(",");
+        let target = Target { endpoints: joined.clone(), tls: security.ca.is_some() };
         // A default etcd (grpc-go) allows one HTTP/2 ping per --grpc-keepalive-min-time (5 s) and none
         // on a connection without streams; more and it answers GOAWAY "too_many_pings", dropping every
         // watch and keep-alive on the connection. Ping at twice that minimum, only while streams are
         // open (the watch and the lease keep-alive always are).
-        let connect_options = ConnectOptions::new()
+        let mut connect_options = ConnectOptions::new()
             .with_timeout(options.request_timeout)
             .with_connect_timeout(options.request_timeout)
             .with_keep_alive(KEEPALIVE_INTERVAL, options.request_timeout)
-            .with_keep_alive_while_idle(false);
-        // Client::connect only builds a lazily connecting channel; it does not reach etcd.
+            .with_keep_alive_while_idle(false)
+            // Simple tokens expire (5 min unused by default) and vanish when etcd restarts: renew on demand.
+            .with_auto_token_refresh(true);
+        if let Some(tls) = loaded.tls {
+            connect_options = connect_options.with_tls(tls);
+        }
+        // Client::connect only builds a lazily connecting channel; it does not reach etcd. The user is not
+        // given here (connect would authenticate at once): every attempt logs in first (`login`).
         let client = Client::connect(&endpoints, Some(connect_options))
             .await
             .map_err(|source| DiscoveryError::Etcd { endpoints: joined.clone(), source })?;
         Ok(Self {
             client,
+            credentials: loaded.credentials.map(Arc::new),
+            target,
             watch_failures: Default::default(),
             endpoints: joined,
             cluster,
@@ -98,6 +127,59 @@ impl EtcdDiscovery {
     pub fn cluster(&self) -> &str {
         &self.cluster
     }
+
+    /// One request now (log in, then count the cluster's workers): an error when etcd refuses the
+    /// credentials or the TLS handshake fails, which retrying cannot fix. An etcd that does not answer
+    /// is only logged: the background tasks keep trying.
+    pub async fn check(&self) -> Result<(), DiscoveryError> {
+        let limit = self.options.request_timeout * 2;
+        let mut attempt = self.check_once(limit).await;
+        // A connection closed at first contact says TLS disagrees, unless etcd was only restarting: once more.
+        if matches!(&attempt, Ok(Err(e)) if is_closed(e)) {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            attempt = self.check_once(limit).await;
+        }
+        let err = match attempt {
+            Ok(Ok(workers)) => {
+                info!(endpoints = %self.endpoints, workers, "etcd reached");
+                return Ok(());
+            }
+            Ok(Err(e)) => self.target.classify_in(Phase::Start, e),
+            Err(_) => DiscoveryError::EtcdUnreachable {
+                endpoints: self.endpoints.clone(),
+                detail: format!("no answer within {limit:?}"),
+            },
+        };
+        if err.is_configuration() {
+            return Err(err);
+        }
+        warn!(error = %err, "etcd not reachable at start; retrying in the background");
+        Ok(())
+    }
+
+    /// Logs in and counts the cluster's workers, on a fresh connection.
+    async fn check_once(
+        &self,
+        limit: Duration,
+    ) -> Result<Result<i64, etcd_client::Error>, tokio::time::error::Elapsed> {
+        let mut client = self.client.clone();
+        let prefix = workers_prefix(&self.cluster);
+        tokio::time::timeout(limit, async {
+            login(&mut client, &self.credentials).await?;
+            let resp = client.get(prefix.as_bytes(), Some(GetOptions::new().with_prefix().with_count_only())).await?;
+            Ok(resp.count())
+        })
+        .await
+    }
+}
+
+/// Authenticates when credentials are configured. etcd-client keeps the token (and the credentials, to
+/// renew it) in state shared by every clone of the client.
+async fn login(client: &mut Client, credentials: &Option<Arc<Credentials>>) -> Result<(), etcd_client::Error> {
+    match credentials {
+        Some(c) => client.update_user(Some(c.pair())).await,
+        None => Ok(()),
+    }
 }
 
 impl Discovery for EtcdDiscovery {
@@ -107,8 +189,9 @@ impl Discovery for EtcdDiscovery {
                 let (tx, rx) = watch::channel(Arc::new(ClusterView::default()));
                 let watcher = Watcher {
                     client: self.client.clone(),
+                    credentials: self.credentials.clone(),
+                    target: self.target.clone(),
                     prefix: workers_prefix(&self.cluster),
-                    endpoints: self.endpoints.clone(),
                     max_backoff: self.options.max_backoff,
                     failures: self.watch_failures.clone(),
                     tx,
@@ -139,6 +222,8 @@ impl Discovery for EtcdDiscovery {
             let (stop_tx, stop_rx) = oneshot::channel();
             let keeper = Keeper {
                 client: self.client.clone(),
+                credentials: self.credentials.clone(),
+                target: self.target.clone(),
                 key: key.clone(),
                 value,
                 ttl: self.options.lease_ttl,
@@ -158,6 +243,8 @@ impl Discovery for EtcdDiscovery {
 /// Keeps one worker registered.
 struct Keeper {
     client: Client,
+    credentials: Option<Arc<Credentials>>,
+    target: Target,
     key: String,
     value: Vec<u8>,
     ttl: Duration,
@@ -181,6 +268,7 @@ impl Keeper {
             let lease = match attempt {
                 Ok(lease) => lease,
                 Err(e) => {
+                    let e = self.target.classify(e);
                     warn!(key = %self.key, error = %e, "registration failed; retrying");
                     self.state.send_replace(RegistrationState::Retrying { error: e.to_string() });
                     tokio::select! {
@@ -210,6 +298,7 @@ impl Keeper {
     }
 
     async fn grant_and_put(&mut self) -> Result<i64, etcd_client::Error> {
+        login(&mut self.client, &self.credentials).await?;
         let ttl = self.ttl.as_secs().max(1) as i64;
         let lease = self.client.lease_grant(ttl, None).await?.id();
         let opts = PutOptions::new().with_lease(lease);
@@ -220,7 +309,7 @@ impl Keeper {
     async fn keep_alive(&mut self, lease: i64, stop: &mut oneshot::Receiver<Stop>) -> KeepAliveEnd {
         let (mut keeper, mut responses) = match self.client.lease_keep_alive(lease).await {
             Ok(k) => k,
-            Err(e) => return KeepAliveEnd::Lost(e.to_string()),
+            Err(e) => return KeepAliveEnd::Lost(self.target.classify(e).to_string()),
         };
         let interval = (self.ttl / 3).max(Duration::from_millis(200));
         loop {
@@ -229,13 +318,13 @@ impl Keeper {
                 _ = tokio::time::sleep(interval) => {}
             }
             if let Err(e) = keeper.keep_alive().await {
-                return KeepAliveEnd::Lost(e.to_string());
+                return KeepAliveEnd::Lost(self.target.classify(e).to_string());
             }
             match tokio::time::timeout(interval, responses.message()).await {
                 Ok(Ok(Some(r))) if r.ttl() > 0 => debug!(key = %self.key, ttl = r.ttl(), "lease kept alive"),
                 Ok(Ok(Some(_))) => return KeepAliveEnd::Lost("lease expired".into()),
                 Ok(Ok(None)) => return KeepAliveEnd::Lost("keep-alive stream closed".into()),
-                Ok(Err(e)) => return KeepAliveEnd::Lost(e.to_string()),
+                Ok(Err(e)) => return KeepAliveEnd::Lost(self.target.classify(e).to_string()),
                 Err(_) => return KeepAliveEnd::Lost("keep-alive response timed out".into()),
             }
         }
@@ -262,8 +351,9 @@ impl Keeper {
 /// Keeps the router's view in step with the prefix.
 struct Watcher {
     client: Client,
+    credentials: Option<Arc<Credentials>>,
+    target: Target,
     prefix: String,
-    endpoints: String,
     max_backoff: Duration,
     failures: Arc<std::sync::atomic::AtomicU64>,
     tx: watch::Sender<Arc<ClusterView>>,
@@ -281,7 +371,8 @@ impl Watcher {
                 Err(e) => {
                     self.failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     let n = self.tx.borrow().len();
-                    warn!(endpoints = %self.endpoints, error = %e, workers = n, "etcd unreachable; serving with the last view");
+                    let e = self.target.classify(e);
+                    warn!(error = %e, workers = n, "etcd watch failed; serving with the last view");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(self.max_backoff);
                 }
@@ -292,6 +383,7 @@ impl Watcher {
     /// Lists the prefix (replacing the whole view, so deletions during an outage are seen), then
     /// applies watch events until the stream ends.
     async fn list_then_watch(&mut self) -> Result<(), etcd_client::Error> {
+        login(&mut self.client, &self.credentials).await?;
         let resp = self.client.get(self.prefix.as_bytes(), Some(GetOptions::new().with_prefix())).await?;
         let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
         let mut view = ClusterView::default();

@@ -9,7 +9,10 @@
 //! - [`prefix_hash`]: the hash chain over 64-token prompt blocks that prefill workers report from
 //!   their prefix cache and the router's cache-aware policy matches.
 //!
-//! Flags: [`DiscoveryArgs`] (`--discovery static|etcd --etcd URL --cluster NAME --lease-ttl-secs N`).
+//! Flags: [`DiscoveryArgs`] (`--discovery static|etcd --etcd URL --cluster NAME --lease-ttl-secs N`, and for a
+//! secured etcd `--etcd-ca/--etcd-cert/--etcd-key` and `--etcd-user` with `--etcd-password-file` or
+//! `TANDEM_ETCD_PASSWORD`: [`EtcdSecurity`]). Failed etcd requests say whether the credentials, TLS or the
+//! network was the cause ([`DiscoveryError`]).
 //!
 //! Key layout: `/tandem/<cluster>/workers/{prefill,decode}/<worker id>` -> JSON [`WorkerRecord`]. Roles and
 //! fingerprints are `proto::v1::WorkerRole` and `proto::v1::ModelFingerprint`.
@@ -18,6 +21,8 @@ mod args;
 mod discovery;
 mod error;
 mod etcd;
+mod etcd_failure;
+mod etcd_security;
 mod keys;
 pub mod prefix_hash;
 #[path = "static.rs"]
@@ -29,6 +34,7 @@ pub use args::{DiscoveryArgs, DiscoveryKind};
 pub use discovery::{Discovery, DiscoveryConfig, Registration, RegistrationState, connect};
 pub use error::DiscoveryError;
 pub use etcd::{EtcdDiscovery, EtcdOptions};
+pub use etcd_security::{EtcdSecurity, PASSWORD_ENV, Password, PasswordSource};
 pub use keys::{role_prefix, worker_key, workers_prefix};
 pub use static_list::StaticDiscovery;
 pub use view::ClusterView;

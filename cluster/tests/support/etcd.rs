@@ -1,15 +1,26 @@
 #![allow(dead_code)]
-//! A real etcd server for tests: started on free ports with a temporary data dir, killed on drop.
-//! Tests skip (with a printed reason) when no `etcd` binary is installed, except under CI, where
-//! `scripts/test.sh` installs it and a missing binary is a failure.
+//! A real etcd server for tests: started on free ports with a temporary data dir, killed on drop; plain, or
+//! serving TLS ([`Etcd::start_tls`]). Tests skip (with a printed reason) when no `etcd` binary is
+//! installed, except under CI, where `scripts/test.sh` installs it and a missing binary is a failure.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// etcd's own TLS files, for a TLS client port.
+#[derive(Debug, Clone)]
+pub struct ServerTls {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// Require clients to present a certificate signed by `ca` (etcd --client-cert-auth).
+    pub client_cert_auth: bool,
+}
+
 pub struct Etcd {
     child: Option<Child>,
+    tls: Option<ServerTls>,
     pub client_url: String,
     client_port: u16,
     peer_port: u16,
@@ -34,6 +45,15 @@ fn etcd_binary() -> Option<PathBuf> {
 impl Etcd {
     /// Starts etcd, or returns None (after printing why) when it is not installed outside CI.
     pub fn start() -> Option<Self> {
+        Self::start_with(None)
+    }
+
+    /// [`Etcd::start`] with a TLS client port (`https://`).
+    pub fn start_tls(tls: ServerTls) -> Option<Self> {
+        Self::start_with(Some(tls))
+    }
+
+    fn start_with(tls: Option<ServerTls>) -> Option<Self> {
         if etcd_binary().is_none() {
             assert!(std::env::var_os("CI").is_none(), "etcd is not installed (scripts/test.sh installs etcd-server)");
             eprintln!("SKIP: no `etcd` binary on PATH (apt-get install etcd-server)");
@@ -43,20 +63,29 @@ impl Etcd {
         let data_dir = tmp.path().join("data");
         let mut e = Self {
             child: None,
+            tls,
             client_url: String::new(),
             client_port: free_port(),
             peer_port: free_port(),
             data_dir,
             _tmp: tmp,
         };
-        e.client_url = format!("http://127.0.0.1:{}", e.client_port);
+        let scheme = if e.tls.is_some() { "https" } else { "http" };
+        e.client_url = format!("{scheme}://127.0.0.1:{}", e.client_port);
         e.spawn();
         Some(e)
     }
 
     fn spawn(&mut self) {
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let child = Command::new("etcd")
+        let mut cmd = Command::new("etcd");
+        if let Some(t) = &self.tls {
+            cmd.arg("--cert-file").arg(&t.cert).arg("--key-file").arg(&t.key).arg("--trusted-ca-file").arg(&t.ca);
+            if t.client_cert_auth {
+                cmd.arg("--client-cert-auth");
+            }
+        }
+        let child = cmd
             .args(["--name", "t", "--data-dir"])
             .arg(&self.data_dir)
             .args(["--listen-client-urls", &self.client_url, "--advertise-client-urls", &self.client_url])
@@ -85,6 +114,11 @@ impl Etcd {
             let _ = std::fs::remove_dir_all(&self.data_dir);
         }
         self.spawn();
+    }
+
+    /// The client port, for a URL of another scheme than etcd serves.
+    pub fn client_port(&self) -> u16 {
+        self.client_port
     }
 
     pub fn data_dir(&self) -> &Path {
