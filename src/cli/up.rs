@@ -7,7 +7,8 @@
 //! the same arguments after a backoff (1 s, doubling to 30 s; reset after a minute of running), while
 //! the others keep serving. Workers listen on fixed ports, so the router's static list stays valid.
 //! Without `--model` it serves the tiny DeepSeek-V3.2-architecture checkpoint, generated on first run
-//! and cached.
+//! and cached. `--tls-*` (mutual TLS between the router and the workers) and `--etcd-*` (TLS and
+//! credentials for `--etcd`) are passed to every process; the files are checked before anything starts.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
@@ -78,6 +79,68 @@ pub struct Args {
     /// Seconds to wait for each process to become ready.
     #[arg(long, default_value_t = 120)]
     pub ready_timeout: u64,
+    /// Mutual TLS between the router and the workers: the CA (PEM) every process trusts. Workers then
+    /// require the router's certificate.
+    #[arg(long)]
+    pub tls_ca: Option<PathBuf>,
+    /// The certificate (PEM) every process uses: workers serve it, the router presents it. It must name
+    /// 127.0.0.1 (or --tls-server-name) and allow server and client use.
+    #[arg(long)]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long)]
+    pub tls_key: Option<PathBuf>,
+    /// The name the router checks in the workers' certificate instead of 127.0.0.1.
+    #[arg(long)]
+    pub tls_server_name: Option<String>,
+    /// With --etcd over TLS: the CA (PEM) that signed etcd's certificate (use https:// endpoints).
+    #[arg(long)]
+    pub etcd_ca: Option<PathBuf>,
+    /// Client certificate and key (PEM) for an etcd with --client-cert-auth.
+    #[arg(long)]
+    pub etcd_cert: Option<PathBuf>,
+    #[arg(long)]
+    pub etcd_key: Option<PathBuf>,
+    /// etcd user; its password from --etcd-password-file or TANDEM_ETCD_PASSWORD (inherited by every
+    /// process), never from the command line.
+    #[arg(long)]
+    pub etcd_user: Option<String>,
+    #[arg(long)]
+    pub etcd_password_file: Option<PathBuf>,
+}
+
+impl Args {
+    /// The TLS and etcd flags every process gets.
+    fn security_flags(&self) -> Vec<String> {
+        let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
+        let mut v = Vec::new();
+        for (flag, val) in [
+            ("--tls-ca", path(&self.tls_ca)),
+            ("--tls-cert", path(&self.tls_cert)),
+            ("--tls-key", path(&self.tls_key)),
+            ("--etcd-ca", path(&self.etcd_ca)),
+            ("--etcd-cert", path(&self.etcd_cert)),
+            ("--etcd-key", path(&self.etcd_key)),
+            ("--etcd-user", self.etcd_user.clone()),
+            ("--etcd-password-file", path(&self.etcd_password_file)),
+        ] {
+            if let Some(x) = val {
+                v.extend([flag.to_string(), x]);
+            }
+        }
+        v
+    }
+
+    /// The TLS files, checked as the workers and the router will (a bad file stops `up` before it starts
+    /// anything).
+    fn check_tls(&self) -> anyhow::Result<()> {
+        let tls = tls::TlsArgs { ca: self.tls_ca.clone(), cert: self.tls_cert.clone(), key: self.tls_key.clone() };
+        tls.server().context("the workers' TLS")?;
+        tls.client(self.tls_server_name.as_deref()).context("the router's TLS")?;
+        let etcd_flags = self.etcd_ca.is_some() || self.etcd_cert.is_some() || self.etcd_user.is_some();
+        anyhow::ensure!(self.etcd.is_some() || !etcd_flags, "--etcd-ca/--etcd-cert/--etcd-user need --etcd");
+        Ok(())
+    }
 }
 
 /// The tiny model's served name.
@@ -220,13 +283,29 @@ fn forward(name: &str, out: impl Read + Send + 'static, ready: Option<mpsc::Send
     });
 }
 
-fn wait_ready(rx: &mpsc::Receiver<(String, String)>, n: usize, timeout: Duration) -> anyhow::Result<Vec<String>> {
+/// The ready lines' gRPC addresses of `n` workers; fails as soon as one of `procs` exits (a bad flag or
+/// file, refused etcd credentials: its log lines above say why).
+fn wait_ready(
+    rx: &mpsc::Receiver<(String, String)>,
+    n: usize,
+    timeout: Duration,
+    procs: &mut [Proc],
+) -> anyhow::Result<Vec<String>> {
     let deadline = Instant::now() + timeout;
     let mut addrs = Vec::new();
     while addrs.len() < n {
         let left = deadline.saturating_duration_since(Instant::now());
-        let (name, line) =
-            rx.recv_timeout(left).map_err(|_| anyhow::anyhow!("workers did not become ready within {timeout:?}"))?;
+        anyhow::ensure!(!left.is_zero(), "workers did not become ready within {timeout:?}");
+        let (name, line) = match rx.recv_timeout(left.min(Duration::from_millis(200))) {
+            Ok(x) => x,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if let Some(name) = exited(procs) {
+                    bail!("{name} exited during start-up (see its log lines above)");
+                }
+                continue;
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => bail!("workers did not become ready"),
+        };
         let v: serde_json::Value =
             serde_json::from_str(&line).with_context(|| format!("{name}: bad ready line {line}"))?;
         let grpc = v["grpc"].as_str().with_context(|| format!("{name}: no grpc address in {line}"))?;
@@ -334,6 +413,7 @@ fn worker_args(a: &Args, role: &str, model: &Path, port: u16, place: (engine::De
     if let Some(e) = &a.etcd {
         v.extend(["--discovery".into(), "etcd".into(), "--etcd".into(), e.clone()]);
     }
+    v.extend(a.security_flags());
     if a.no_mtp && role == "decode-worker" {
         v.push("--no-mtp".into());
     }
@@ -344,6 +424,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     if a.prefill == 0 || a.decode == 0 {
         bail!("--prefill and --decode must each be at least 1");
     }
+    a.check_tls()?;
     engine::device::check_available(a.device)?;
     let gpus = match a.device {
         engine::Device::Cpu => 0,
@@ -378,12 +459,12 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
             let args = worker_args(&a, "prefill-worker", &model, free_port()?, p);
             procs.push(spawn(&format!("prefill-{i}"), &args, Some(tx.clone()))?);
         }
-        let prefill = wait_ready(&rx, a.prefill, timeout)?;
+        let prefill = wait_ready(&rx, a.prefill, timeout, &mut procs)?;
         for (i, &p) in place[a.prefill..].iter().enumerate() {
             let args = worker_args(&a, "decode-worker", &model, free_port()?, p);
             procs.push(spawn(&format!("decode-{i}"), &args, Some(tx.clone()))?);
         }
-        let decode = wait_ready(&rx, a.decode, timeout)?;
+        let decode = wait_ready(&rx, a.decode, timeout, &mut procs)?;
         let mut r = vec![
             "router".to_string(),
             "--model".into(),
@@ -406,11 +487,13 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
                 decode.join(","),
             ]),
         }
+        r.extend(a.security_flags());
         for (flag, val) in [
             ("--max-model-len", a.max_model_len.map(|x| x.to_string())),
             ("--served-model-name", a.served_model_name.clone()),
             ("--chat-template", a.chat_template.as_ref().map(|p| p.display().to_string())),
             ("--api-key", a.api_key.clone()),
+            ("--tls-server-name", a.tls_server_name.clone()),
         ] {
             if let Some(v) = val {
                 r.push(flag.into());
@@ -491,5 +574,34 @@ mod tests {
         let e = placements(&args(&["--device", "cuda", "--gpu-memory-utilization", "0.6"]), 1).unwrap_err();
         assert!(e.to_string().contains("2 workers share GPU 0"), "{e}");
         assert_eq!(placements(&args(&[]), 0).unwrap(), vec![(Cpu, None), (Cpu, None)]);
+    }
+
+    #[test]
+    fn tls_and_etcd_flags_reach_every_process_and_bad_combinations_stop_up_first() {
+        let a = args(&[
+            "--tls-ca",
+            "ca.pem",
+            "--tls-cert",
+            "c.pem",
+            "--tls-key",
+            "k.pem",
+            "--etcd",
+            "https://e:2379",
+            "--etcd-ca",
+            "eca.pem",
+            "--etcd-user",
+            "tandem",
+            "--etcd-password-file",
+            "pw",
+        ]);
+        let w = worker_args(&a, "decode-worker", Path::new("/m"), 1, (engine::Device::Cpu, None)).join(" ");
+        for want in ["--tls-ca ca.pem", "--tls-cert c.pem", "--tls-key k.pem", "--etcd-ca eca.pem"] {
+            assert!(w.contains(want), "{want} in {w}");
+        }
+        assert!(w.contains("--etcd-user tandem --etcd-password-file pw"), "{w}");
+        let err = args(&["--tls-cert", "c.pem"]).check_tls().unwrap_err();
+        assert!(format!("{err:#}").contains("--tls-key"), "{err:#}");
+        let err = args(&["--etcd-user", "u"]).check_tls().unwrap_err();
+        assert!(err.to_string().contains("need --etcd"), "{err}");
     }
 }
