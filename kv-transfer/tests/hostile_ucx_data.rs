@@ -249,24 +249,53 @@ fn active_message_writes_need_the_session_token_and_stay_inside_the_granted_bloc
     assert_eq!(r.recv.stats().dropped_untrusted, dropped + 8);
     still_pending(&p1);
 
-    // With the session token, aimed at r2's block: refused, r1 fails, its blocks come back.
-    let theirs = WriteHeader { session, token, offset: r.latent(d2.block_ids[0]), len: entry };
-    raw.send_write(&theirs, &payload[..entry as usize], true);
-    let outcome = p1.wait_timeout(Duration::from_secs(10)).expect("r1 ends");
-    assert!(matches!(outcome, Err(TransferError::BadCompletion { .. })), "{outcome:?}");
-    let mut now = r.bytes();
-    now[(mine + entry) as usize..(mine + 2 * entry) as usize]
-        .copy_from_slice(&before[(mine + entry) as usize..(mine + 2 * entry) as usize]);
-    assert!(now == before, "a write outside the granted blocks landed");
-    r.wait_used(1);
-    // Straddling r1's block into the next one (r2's), after r1 ended: dropped.
+    // With the session token, straddling r1's block into the next one (r2's), on the live transfer:
+    // refused (the block-boundary check), r1 fails, nothing lands, its block comes back.
+    let next = r.latent(d2.block_ids[0]);
+    assert_eq!(next, mine + 64 * entry, "r2 holds the block after r1's");
     let straddle = WriteHeader { session, token, offset: mine + 63 * entry, len: 2 * entry };
     raw.send_write(&straddle, &payload, true);
-    raw.progress_for(Duration::from_millis(200));
+    let outcome = p1.wait_timeout(Duration::from_secs(10)).expect("r1 ends");
     assert!(
-        r.bytes()[r.latent(d2.block_ids[0]) as usize..][..entry as usize]
-            == before[r.latent(d2.block_ids[0]) as usize..][..entry as usize]
+        matches!(&outcome, Err(TransferError::BadCompletion { reason, .. }) if reason.contains("block")),
+        "{outcome:?}"
     );
+    let landed = (mine + entry) as usize..(mine + 2 * entry) as usize;
+    let unchanged = |r: &Receiver| {
+        let mut now = r.bytes();
+        now[landed.clone()].copy_from_slice(&before[landed.clone()]);
+        now == before
+    };
+    assert!(unchanged(&r), "a write across the block boundary landed");
+    r.wait_used(1);
+
+    // Each on a fresh transfer, with its session token: aimed at r2's block (refused, the transfer
+    // fails), and a rendezvous shorter than its header says (a receive of the header's length would
+    // count bytes that never came: the transfer fails).
+    let header_len = 2 * entry;
+    let cases: [(u64, u64, usize, &str); 2] =
+        [(0, entry, entry as usize, "into r2's block"), (1, header_len, entry as usize, "a short rendezvous")];
+    for (i, len, sent, what) in cases {
+        let id = format!("r3-{i}");
+        let (d, p) = r.expect(&id);
+        let corr = 20 + i;
+        raw.send(7, &control(corr, valid_begin(&d, raw.sender_address(7), true)));
+        let a = accept(&raw.reply_to(corr)).clone();
+        let token: [u8; 16] = a.session_token.as_slice().try_into().unwrap();
+        let offset = if i == 0 { next } else { r.latent(d.block_ids[0]) };
+        let h = WriteHeader { session: a.session_id, token, offset, len };
+        raw.send_write(&h, &payload[..sent], true);
+        let outcome = p.wait_timeout(Duration::from_secs(10)).unwrap_or_else(|| panic!("{what}: the transfer went on"));
+        assert!(outcome.is_err(), "{what}: {outcome:?}");
+        if i == 1 {
+            assert!(
+                matches!(&outcome, Err(TransferError::Transport(m)) if m.contains("rendezvous")),
+                "{what}: {outcome:?}"
+            );
+        }
+        assert!(unchanged(&r), "{what}: the write landed");
+        r.wait_used(1);
+    }
 
     drop(raw);
     still_pending(&p2);

@@ -79,7 +79,8 @@ pub(super) unsafe extern "C" fn on_am_data(
         };
         let attr = (*param).recv_attr;
         if attr & ucp_am_recv_attr_t_UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0 {
-            q.push(Event::Data(hdr, Payload::Rndv(data)));
+            // `length` is what the rendezvous will deliver; the progress loop compares it with the header's.
+            q.push(Event::Data(hdr, Payload::Rndv(data, length as u64)));
             return ucs_status_t::UCS_INPROGRESS;
         }
         if hdr.len != length {

@@ -364,7 +364,8 @@ enum Event {
 }
 
 enum Payload {
-    Rndv(*mut core::ffi::c_void),
+    /// A rendezvous descriptor and the length its sender announced.
+    Rndv(*mut core::ffi::c_void, u64),
     Persistent(*mut core::ffi::c_void),
     Copied(Vec<u8>),
 }

@@ -305,8 +305,15 @@ impl State {
             _ => None,
         };
         match (payload, admitted) {
-            (Payload::Rndv(desc), Some(permit)) if permit.staged() => self.recv_staged(desc, permit),
-            (Payload::Rndv(desc), Some(permit)) => self.recv(desc, permit, None),
+            (Payload::Rndv(desc, announced), Some(permit)) if announced != len => {
+                // A receive of `len` bytes would complete with the `announced` ones and count `len`: the
+                // session's own sender broke the rules (only it has the token), so the transfer fails.
+                permit.fail(&format!("a rendezvous of {announced} bytes under a {len}-byte write header"));
+                // SAFETY: releasing an unreceived rendezvous descriptor drops its data.
+                unsafe { (self.lib.ucp_am_data_release)(self.worker, desc) };
+            }
+            (Payload::Rndv(desc, _), Some(permit)) if permit.staged() => self.recv_staged(desc, permit),
+            (Payload::Rndv(desc, _), Some(permit)) => self.recv(desc, permit, None),
             (Payload::Persistent(desc), permit) => {
                 if let Some(permit) = permit {
                     // SAFETY: `len` payload bytes (checked in the callback), valid until released below.
@@ -315,7 +322,7 @@ impl State {
                 // SAFETY: a descriptor kept by returning UCS_INPROGRESS.
                 unsafe { (self.lib.ucp_am_data_release)(self.worker, desc) };
             }
-            (Payload::Rndv(desc), None) => {
+            (Payload::Rndv(desc, _), None) => {
                 // SAFETY: releasing an unreceived rendezvous descriptor drops its data.
                 unsafe { (self.lib.ucp_am_data_release)(self.worker, desc) };
             }
