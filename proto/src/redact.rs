@@ -1,11 +1,14 @@
 //! `Debug` for the messages that carry a kv-transfer token (the descriptor's transfer token, the
 //! session token of an accepted handshake): every field but the token, which shows as `<redacted>`, so
-//! logging a descriptor or a control message never leaks the secret. `build.rs` turns
+//! logging a descriptor or a control message never leaks the secret. An Accept's regions show without
+//! their memory key (UCX rkey) for the same reason. `build.rs` turns
 //! the generated `Debug` of these messages off (the list is `redact_list.rs`).
 
 use std::fmt;
 
-use crate::v1::{TransferAbort, TransferAccept, TransferBegin, TransferComplete, TransferDescriptor, TransferRelease};
+use crate::v1::{
+    MemoryRegion, TransferAbort, TransferAccept, TransferBegin, TransferComplete, TransferDescriptor, TransferRelease,
+};
 
 pub use self::list::TOKEN_CARRIERS;
 
@@ -52,11 +55,25 @@ impl fmt::Debug for TransferBegin {
     }
 }
 
+/// The regions of an Accept: where they are and how long, never their memory key (in the one-sided mode a
+/// write capability for the whole pool).
+struct Regions<'a>(&'a [MemoryRegion]);
+
+impl fmt::Debug for Regions<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list()
+            .entries(self.0.iter().map(|r| {
+                format!("MemoryRegion {{ remote_addr: {:#x}, length: {}, rkey: <redacted> }}", r.remote_addr, r.length)
+            }))
+            .finish()
+    }
+}
+
 impl fmt::Debug for TransferAccept {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TransferAccept")
             .field("session_id", &self.session_id)
-            .field("regions", &self.regions)
+            .field("regions", &Regions(&self.regions))
             .field("max_write", &self.max_write)
             .field("session_token", &Redacted)
             .finish()
@@ -123,5 +140,14 @@ mod tests {
         for b in bodies {
             shown(format!("{:?}", TransferControl { correlation_id: 1, body: Some(b) }));
         }
+    }
+
+    #[test]
+    fn debug_output_never_shows_an_accepts_memory_key() {
+        let region = MemoryRegion { remote_addr: 0x1000, length: 4096, rkey: vec![0xa5; 32] };
+        let accept = TransferAccept { regions: vec![region], ..Default::default() };
+        let s = format!("{accept:?}");
+        assert!(s.contains("remote_addr: 0x1000, length: 4096, rkey: <redacted>"), "{s}");
+        assert!(!s.contains("165"), "the key's bytes leaked: {s}");
     }
 }
