@@ -52,6 +52,11 @@ pub fn chains(n: usize, kpad: usize, sms: usize) -> usize {
     ((sms / 2) / pairs).clamp(1, 16).min((kpad / BK).max(1))
 }
 
+/// The smallest weight (codes, bytes) whose small products split: DeepSeek-V3.2's smallest projection, the
+/// indexer's wk (0.9 MB), gains 1.5x from splitting on an H100 (bench/RESULTS.md); the tiny model's weights
+/// (at most 128 KB) are launch-bound, where the combine's launch costs more than the split saves.
+pub const SPLIT_MIN_BYTES: usize = 512 << 10;
+
 /// How one product runs: the tile width, the weight shape's chains, and whether the chains run as separate
 /// units (`split`: each writes its sum to a partial buffer, a second kernel adds them in chain order; for
 /// products too small to fill the GPU otherwise) or one after another inside each tile. Both give the same
@@ -69,8 +74,10 @@ impl Plan {
         // Split where an unsplit launch would leave SMs idle, and only for up to two row tiles: the chains'
         // partial sums cost 8 bytes per row, column and chain (measured on kv_a, 13 chains: 1.4x faster
         // than unsplit at M <= 256, 1.8x slower at 1024).
+        // Weights under SPLIT_MIN_BYTES stay unsplit: their time is the launches', which a second kernel
+        // (the combine) only adds to.
         let idle = rows.div_ceil(BM) * n.div_ceil(64).div_ceil(2) < sms / 2;
-        let split = chains > 1 && idle && rows <= 2 * BM;
+        let split = chains > 1 && idle && rows <= 2 * BM && n * kpad >= SPLIT_MIN_BYTES;
         Plan { tile: if split { 64 } else { tile_n(rows, n, sms) }, chains, split }
     }
 
@@ -88,6 +95,13 @@ pub fn kernel_name(bn: usize, bf16_out: bool) -> &'static str {
         (_, false) => "tandem_gemm_fp8_n64_f32",
         (_, true) => "tandem_gemm_fp8_n64_bf16",
     }
+}
+
+type MapKey = (u64, u32, usize, usize, usize, usize, u32);
+/// Encoded maps kept per thread (cleared when full).
+const MAP_CACHE: usize = 4096;
+thread_local! {
+    static MAPS: std::cell::RefCell<std::collections::HashMap<MapKey, TensorMap>> = Default::default();
 }
 
 /// A CUDA tensor map, passed to the kernel by value (`__grid_constant__`).
@@ -121,6 +135,13 @@ impl TensorMap {
                 ld * elem
             )));
         }
+        // A map is a pure function of these arguments; encoding one costs ~5 us of host time, which a
+        // decode step would pay for every activation of every linear (the workspace hands out the same
+        // addresses step after step), so encoded maps are kept per thread.
+        let key = (ptr, dtype as u32, rows, cols, ld, box_rows * 1024 + box_cols, swizzle as u32);
+        if let Some(m) = MAPS.with(|c| c.borrow().get(&key).copied()) {
+            return Ok(m);
+        }
         let dims = [cols as u64, rows as u64];
         let strides = [(ld * elem) as u64];
         let boxes = [box_cols as u32, box_rows as u32];
@@ -148,7 +169,15 @@ impl TensorMap {
             return Err(CudaError::Driver(format!("cuTensorMapEncodeTiled ({rows} x {cols}, box {box_rows}): {r:?}")));
         }
         // SAFETY: the driver initialized it (zeroed before, so no uninitialized bytes either way).
-        Ok(TensorMap(unsafe { map.assume_init() }))
+        let map = TensorMap(unsafe { map.assume_init() });
+        MAPS.with(|c| {
+            let mut c = c.borrow_mut();
+            if c.len() >= MAP_CACHE {
+                c.clear();
+            }
+            c.insert(key, map);
+        });
+        Ok(map)
     }
 
     /// FP8 codes `[rows, kpad]`, boxes of `box_rows x 128` bytes in the 128-byte swizzle wgmma reads.
@@ -569,7 +598,14 @@ mod tests {
             for m in [1, 64, 128, 129, 256, 1024, 4096, 8192] {
                 let p = Plan::new(m, n, kpad, 132);
                 assert_eq!(p.chains, c, "{n}x{kpad} at M = {m}");
-                assert!(!p.split || (c > 1 && m <= 256 && m.div_ceil(BM) * n.div_ceil(64).div_ceil(2) < 66), "{p:?}");
+                assert!(
+                    !p.split
+                        || (c > 1
+                            && m <= 256
+                            && n * kpad >= SPLIT_MIN_BYTES
+                            && m.div_ceil(BM) * n.div_ceil(64).div_ceil(2) < 66),
+                    "{p:?}"
+                );
                 assert_eq!(p.partial_len(m, n), if p.split { c * m * n } else { 0 });
             }
         }
