@@ -130,10 +130,17 @@ pub async fn serve(
         let _ = tcp.set_nodelay(true);
         let svc = TowerToHyperService::new(app.clone());
         let watcher = graceful.watcher();
+        let mut stop = shutdown.clone();
         tokio::spawn(async move {
-            // The first byte decides HTTP/1 or HTTP/2; a silent connection would wait for it forever.
+            // The first byte decides HTTP/1 or HTTP/2; a silent connection would wait for it forever. At
+            // shutdown one that has not spoken is closed: a client's pool opens connections it may never
+            // use, and each would hold the graceful shutdown for the whole header timeout.
             let mut probe = [0u8; 1];
-            if !matches!(tokio::time::timeout(header_timeout, tcp.peek(&mut probe)).await, Ok(Ok(n)) if n > 0) {
+            let first = tokio::select! {
+                r = tokio::time::timeout(header_timeout, tcp.peek(&mut probe)) => r,
+                _ = async { drop(stop.wait_for(|s| *s).await) } => return,
+            };
+            if !matches!(first, Ok(Ok(n)) if n > 0) {
                 return;
             }
             let mut builder = Builder::new(TokioExecutor::new());
