@@ -76,6 +76,20 @@ pub fn diagnose(err: &(dyn Error + 'static)) -> Diagnosis {
         }
         next = e.source();
     }
+    if cause != Cause::Tls && detail.contains("received fatal alert: ") {
+        // HTTP/2 keeps an I/O error only as its kind and text (io::Error is not Clone): the rustls error
+        // behind a TLS alert arrives as words.
+        cause = Cause::Tls;
+        hint = [
+            ("CertificateRequired", AlertDescription::CertificateRequired),
+            ("UnknownCA", AlertDescription::UnknownCA),
+            ("BadCertificate", AlertDescription::BadCertificate),
+            ("CertificateUnknown", AlertDescription::CertificateUnknown),
+        ]
+        .into_iter()
+        .find(|(name, _)| detail.contains(&format!("received fatal alert: {name}")))
+        .and_then(|(_, alert)| rustls_hint(&rustls::Error::AlertReceived(alert)));
+    }
     if detail.contains(crate::server::PLAINTEXT_REFUSAL) {
         cause = Cause::Tls;
         hint = Some("the server requires TLS: this side has no --tls-ca, --tls-cert and --tls-key");
@@ -155,6 +169,16 @@ mod tests {
         assert_eq!(d.cause, Cause::Tls);
         assert!(d.detail.starts_with("transport error: invalid peer certificate"), "{}", d.detail);
         assert!(d.to_string().contains("--tls-ca"), "{d}");
+    }
+
+    #[test]
+    fn an_alert_that_reached_us_only_as_text_is_still_explained() {
+        let e = Wrap("transport error", io::Error::other("connection error: received fatal alert: UnknownCA"));
+        let d = diagnose(&e);
+        assert_eq!(d.cause, Cause::Tls);
+        assert!(d.to_string().contains("refused this side's certificate"), "{d}");
+        let e = Wrap("transport error", io::Error::other("received fatal alert: CertificateRequired"));
+        assert!(diagnose(&e).to_string().contains("--tls-cert"), "{}", diagnose(&e));
     }
 
     #[test]
