@@ -20,6 +20,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_server(true)
         // Discovery stores fingerprints in its JSON worker records (roles: src/role.rs).
         .type_attribute("tandem.v1.ModelFingerprint", "#[derive(serde::Serialize, serde::Deserialize)]")
+        // Records written by workers from before the field read as protocol 0 (= 1, unversioned).
+        .field_attribute("tandem.v1.ModelFingerprint.kv_transfer_protocol", "#[serde(default)]")
         // Messages that carry a transfer token get a Debug that leaves it out (src/redact.rs).
         .skip_debug(redact::TOKEN_CARRIERS.iter().map(|m| format!(".tandem.v1.{m}")))
         .compile_protos(&protos, &["."])?;

@@ -87,6 +87,7 @@ mod tests {
                 precision: "fp8".into(),
                 block_size: 64,
                 num_layers: 3,
+                kv_transfer_protocol: proto::KV_TRANSFER_PROTOCOL,
             }),
         };
         let json = serde_json::to_string(&r).unwrap();

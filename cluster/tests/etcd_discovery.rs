@@ -24,6 +24,7 @@ fn record(role: WorkerRole, id: &str, port: u16) -> WorkerRecord {
             precision: "full".into(),
             block_size: 64,
             num_layers: 4,
+            kv_transfer_protocol: proto::KV_TRANSFER_PROTOCOL,
         }),
     }
 }

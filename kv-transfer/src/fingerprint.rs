@@ -1,6 +1,6 @@
 //! Model fingerprints: two workers exchange caches only when their fingerprints are compatible (the rule
-//! is `ModelFingerprint::check_compatible`, the one the router pairs workers by); and a worker's own
-//! fingerprint must describe its cache.
+//! is `ModelFingerprint::check_compatible`, the one the router pairs workers by, kv-transfer protocol
+//! included); and a worker's own fingerprint must describe its cache and this build's protocol.
 
 use kv_cache::{BLOCK_SIZE, CacheGeometry};
 use proto::v1::ModelFingerprint;
@@ -23,6 +23,14 @@ pub fn check_own_fingerprint(fp: &ModelFingerprint, geometry: &CacheGeometry) ->
     if fp.num_layers as usize != geometry.num_layers {
         return bad(format!("{} layers but the cache has {}", fp.num_layers, geometry.num_layers));
     }
+    if fp.kv_transfer_protocol != proto::KV_TRANSFER_PROTOCOL {
+        // The router pairs workers by it: one that advertises another protocol would be paired wrongly.
+        return bad(format!(
+            "kv-transfer protocol {} but this build speaks {}",
+            fp.kv_transfer_protocol,
+            proto::KV_TRANSFER_PROTOCOL
+        ));
+    }
     Ok(())
 }
 
@@ -40,7 +48,9 @@ mod tests {
         let g32 = CacheGeometry::new(CacheFormat::F32, EntryDims::DEEPSEEK_V32, 62, 4);
         assert!(check_own_fingerprint(&fp, &g32).is_err());
         assert!(check_own_fingerprint(&fp, &testkit::geometry(61, 4)).is_err());
-        let unhashed = ModelFingerprint { checkpoint_hash: String::new(), ..fp };
+        let unhashed = ModelFingerprint { checkpoint_hash: String::new(), ..fp.clone() };
         assert!(check_own_fingerprint(&unhashed, &g).is_err());
+        let unversioned = ModelFingerprint { kv_transfer_protocol: 0, ..fp };
+        assert!(check_own_fingerprint(&unversioned, &g).is_err());
     }
 }

@@ -15,6 +15,7 @@ pub fn fingerprint(g: &CacheGeometry) -> ModelFingerprint {
         precision: g.format.name().into(),
         block_size: 64,
         num_layers: g.num_layers as u32,
+        kv_transfer_protocol: proto::KV_TRANSFER_PROTOCOL,
     }
 }
 

@@ -386,19 +386,23 @@ struct DescriptorEdit {
 }
 
 fn descriptor_edit() -> impl Strategy<Value = DescriptorEdit> {
-    let fp =
-        proptest::option::of(
-            (
-                "[a-z-]{0,10}",
-                "[0-9a-f]{0,32}",
-                prop_oneof![Just("fp8".to_owned()), Just("full".to_owned()), "[a-z]{0,4}"],
-                0u32..130,
-                0u32..4,
-            )
-                .prop_map(|(model_name, checkpoint_hash, precision, block_size, num_layers)| {
-                    ModelFingerprint { model_name, checkpoint_hash, precision, block_size, num_layers }
-                }),
-        );
+    let fp = proptest::option::of(
+        (
+            "[a-z-]{0,10}",
+            "[0-9a-f]{0,32}",
+            prop_oneof![Just("fp8".to_owned()), Just("full".to_owned()), "[a-z]{0,4}"],
+            0u32..130,
+            0u32..4,
+        )
+            .prop_map(|(model_name, checkpoint_hash, precision, block_size, num_layers)| ModelFingerprint {
+                model_name,
+                checkpoint_hash,
+                precision,
+                block_size,
+                num_layers,
+                kv_transfer_protocol: proto::KV_TRANSFER_PROTOCOL,
+            }),
+    );
     // Addresses that fail fast: no DNS look-ups, no waiting on a port that never answers.
     let endpoint = proptest::option::of(
         (

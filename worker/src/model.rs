@@ -65,7 +65,8 @@ impl LoadedModel {
             precision = args.precision.name(), kv_blocks = geometry.num_blocks, cache_layers = geometry.num_layers,
             cache_bytes = geometry.total_bytes(), cache_memory = %cache.memory_kind(), max_model_len,
             weights_bytes = budget.weights, activation_bytes = budget.activations, graph_bytes = budget.graphs,
-            communication_bytes = budget.communication, fingerprint = %fingerprint.checkpoint_hash, "model loaded"
+            communication_bytes = budget.communication, fingerprint = %fingerprint.checkpoint_hash,
+            kv_transfer_protocol = fingerprint.kv_transfer_protocol, "model loaded"
         );
         Ok(LoadedModel {
             backend,
@@ -117,7 +118,8 @@ impl LoadedModel {
 }
 
 /// The fingerprint a worker serving `name` from a checkpoint with this hash, at `precision`, into a pool of
-/// `geometry` publishes (workers are paired by `ModelFingerprint::check_compatible`).
+/// `geometry` publishes, with the kv-transfer protocol this build speaks (workers are paired by
+/// `ModelFingerprint::check_compatible`, so workers of two protocols never are).
 fn fingerprint(
     name: &str,
     checkpoint_hash: String,
@@ -130,5 +132,6 @@ fn fingerprint(
         precision: precision.name().to_string(),
         block_size: BLOCK_SIZE as u32,
         num_layers: geometry.num_layers as u32,
+        kv_transfer_protocol: proto::KV_TRANSFER_PROTOCOL,
     }
 }

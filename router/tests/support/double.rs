@@ -126,6 +126,7 @@ pub fn fingerprint(model: &str, hash: &str) -> ModelFingerprint {
         precision: "full".into(),
         block_size: 64,
         num_layers: 2,
+        kv_transfer_protocol: proto::KV_TRANSFER_PROTOCOL,
     }
 }
 
