@@ -467,3 +467,52 @@ fn session_messages_without_the_session_token_reveal_nothing() {
     assert!(matches!(outcome, Err(TransferError::PeerLost { .. })), "{outcome:?}");
     wait_used(&pool, 0);
 }
+
+/// A sender that stops in the middle of a data frame holds that write's permit: the transfer's blocks
+/// come back anyway. Aborted (client gone), its sender is cut off after `abort_ack_timeout`; not
+/// aborted, its connection is dropped once the frame stalled for `write_stall`.
+#[test]
+fn a_sender_stalled_mid_frame_does_not_pin_the_blocks() {
+    let g = testkit::geometry(2, 16);
+    let (cache, pool) = testkit::filled_cache(g, 7);
+    let cfg = ReceiverConfig {
+        abort_ack_timeout: Duration::from_millis(300),
+        write_stall: Duration::from_secs(600),
+        ..ReceiverConfig::new(TransportConfig::Tcp(TcpConfig::default()))
+    };
+    let recv = KvReceiver::start(cfg, cache.clone(), pool.clone(), testkit::fingerprint(&g)).unwrap();
+    let entry = g.latent_bytes_per_token() as u64;
+    let stall_in = |d: &TransferDescriptor| -> TcpStream {
+        let mut s = connect(&d.endpoint.clone().unwrap().address);
+        let (session, token) = accepted(&handshake(&mut s, 1, d, d.transfer_token.clone()));
+        let offset = g.latent_block_offset(LayerIdx(0), BlockId(d.block_ids[0])) as u64;
+        let mut frame = data(WriteHeader { session, token, offset, len: 4 * entry }, &vec![0x5a; entry as usize]);
+        frame.truncate(frame.len() - 1);
+        s.write_all(&frame).unwrap();
+        s
+    };
+
+    // Aborted while its sender sits in the frame: cut off after abort_ack_timeout, blocks back.
+    let (d1, p1) = expect_checked(&recv, &pool, "r1");
+    let _held = stall_in(&d1);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(p1.abort("the client went away"));
+    wait_used(&pool, 0);
+    assert_eq!(recv.stats().cut_off_peers, 1);
+
+    // Not aborted: the frame's stall drops the connection, the transfer fails, blocks back.
+    let cfg = ReceiverConfig {
+        write_stall: Duration::from_millis(300),
+        ..ReceiverConfig::new(TransportConfig::Tcp(TcpConfig::default()))
+    };
+    let (cache, pool) = testkit::filled_cache(g, 7);
+    let recv = KvReceiver::start(cfg, cache, pool.clone(), testkit::fingerprint(&g)).unwrap();
+    let (d2, p2) = expect_checked(&recv, &pool, "r2");
+    let _held = stall_in(&d2);
+    let outcome = p2.wait_timeout(Duration::from_secs(10)).expect("the stalled transfer ends");
+    assert!(
+        matches!(&outcome, Err(TransferError::PeerLost { reason, .. }) if reason.contains("stalled")),
+        "{outcome:?}"
+    );
+    wait_used(&pool, 0);
+}

@@ -30,13 +30,18 @@ struct Receiver {
 
 /// A UCX receiver with default settings, accepting one-sided puts only if `one_sided_puts`.
 fn receiver(one_sided_puts: bool) -> Receiver {
+    receiver_over(one_sided_puts, None)
+}
+
+/// The same over the UCX transports `tls` names (`UCX_TLS`).
+fn receiver_over(one_sided_puts: bool, tls: Option<&str>) -> Receiver {
     let g = testkit::geometry(LAYERS, 64);
     let (cache, pool) = testkit::filled_cache(g, 7);
     let cfg = ReceiverConfig {
         one_sided_puts: Some(one_sided_puts),
         abort_ack_timeout: Duration::from_millis(200),
         quarantine: Duration::from_millis(200),
-        ..ReceiverConfig::new(TransportConfig::Ucx { tls: None, tcp_fallback: None })
+        ..ReceiverConfig::new(TransportConfig::Ucx { tls: tls.map(str::to_string), tcp_fallback: None })
     };
     let recv = KvReceiver::start(cfg, cache.clone(), pool.clone(), testkit::fingerprint(&g)).unwrap();
     assert_eq!(recv.transport(), kv_transfer::TransportKind::Ucx);
@@ -324,4 +329,26 @@ fn in_one_sided_mode_a_connected_peer_can_write_anywhere() {
     drop(raw);
     assert!(p1.abort("test over"));
     r.wait_used(0);
+}
+
+/// A sender that starts a rendezvous write and never sends its payload (over tcp UCX's rendezvous waits
+/// for the sender to push it) holds that write's receive: aborted, the transfer's blocks come back
+/// anyway, because its sender is cut off after `abort_ack_timeout`, which fails the receive.
+#[test]
+fn a_rendezvous_that_never_completes_does_not_pin_the_blocks() {
+    let Some(lib) = ucx() else { return };
+    let r = receiver_over(false, Some("tcp"));
+    let (d1, p1) = r.expect("r1");
+    let mut raw = Raw::with_tls(lib, Some("tcp"));
+    raw.connect(&receiver_worker(&d1));
+    raw.send(7, &control(1, valid_begin(&d1, raw.sender_address(7), true)));
+    let a = accept(&raw.reply_to(1)).clone();
+    let token: [u8; 16] = a.session_token.as_slice().try_into().unwrap();
+    let h = WriteHeader { session: a.session_id, token, offset: r.latent(d1.block_ids[0]), len: 4 * 656 };
+    raw.start_write_and_stall(&h, vec![0x5a; 4 * 656]);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(p1.abort("the client went away"));
+    r.wait_used(0);
+    assert!(r.recv.stats().cut_off_peers >= 1);
+    std::mem::forget(raw);
 }

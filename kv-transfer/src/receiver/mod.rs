@@ -28,6 +28,11 @@ pub struct ReceiverConfig {
     pub abort_ack_timeout: Duration,
     /// How long blocks stay out of the pool after a one-sided sender was lost mid-transfer.
     pub quarantine: Duration,
+    /// The longest a TCP sender may pause inside one data frame (its payload stops arriving) before the
+    /// connection is dropped, which ends the write and fails the sender's transfers. (A write that does
+    /// not end within `abort_ack_timeout` after its transfer failed gets its sender cut off too, on
+    /// every transport.)
+    pub write_stall: Duration,
     /// UCX nodes (workers with a progress thread each) that place incoming active-message writes, and
     /// runtime threads for TCP connections (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 1 to 8).
     pub lanes: Option<usize>,
@@ -44,6 +49,7 @@ impl ReceiverConfig {
             transport,
             abort_ack_timeout: Duration::from_secs(2),
             quarantine: Duration::from_secs(2),
+            write_stall: Duration::from_secs(10),
             lanes: None,
             one_sided_puts: None,
         }
@@ -145,7 +151,11 @@ impl KvReceiver {
             )));
         }
         let rt = Runtime::new("kv-recv", config.lanes)?;
-        let timings = ReceiverTimings { abort_ack_timeout: config.abort_ack_timeout, quarantine: config.quarantine };
+        let timings = ReceiverTimings {
+            abort_ack_timeout: config.abort_ack_timeout,
+            quarantine: config.quarantine,
+            write_stall: config.write_stall,
+        };
         let core = Arc::new(ReceiverCore::new(cache, pool, fingerprint, timings, rt.handle().clone()));
         let puts = match config.one_sided_puts {
             Some(p) => p,

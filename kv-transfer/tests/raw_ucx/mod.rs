@@ -42,6 +42,9 @@ pub struct Raw {
     /// A put nobody acknowledged is still pending: UCX cannot tear this worker down (it asserts), so it
     /// is left to the process's end.
     stuck: std::cell::Cell<bool>,
+    /// Create endpoints with peer-failure detection, as a kv-transfer receiver does towards a peer it
+    /// cannot reach over shared memory (both sides' endpoints must agree).
+    peer_errors: bool,
 }
 
 unsafe extern "C" fn keep_answer(
@@ -63,10 +66,19 @@ unsafe extern "C" fn keep_answer(
 
 impl Raw {
     pub fn new(lib: &'static UcpLib) -> Raw {
+        Self::with_tls(lib, None)
+    }
+
+    /// A raw worker whose context uses `tls` (`UCX_TLS`) where given.
+    pub fn with_tls(lib: &'static UcpLib, tls: Option<&str>) -> Raw {
         // SAFETY: UCX's documented initialisation sequence; out-pointers valid.
         unsafe {
             let mut config: *mut ucp_config_t = ptr::null_mut();
             assert_eq!((lib.ucp_config_read)(ptr::null(), ptr::null(), &mut config), ucs_status_t::UCS_OK);
+            if let Some(tls) = tls {
+                let (k, v) = (std::ffi::CString::new("TLS").unwrap(), std::ffi::CString::new(tls).unwrap());
+                assert_eq!((lib.ucp_config_modify)(config, k.as_ptr(), v.as_ptr()), ucs_status_t::UCS_OK);
+            }
             let mut params: ucp_params_t = std::mem::zeroed();
             params.field_mask = ucp_params_field::UCP_PARAM_FIELD_FEATURES.0 as u64;
             params.features = (ucp_feature::UCP_FEATURE_AM.0 | ucp_feature::UCP_FEATURE_RMA.0) as u64;
@@ -91,7 +103,8 @@ impl Raw {
                 Arc::as_ptr(&answers) as *mut core::ffi::c_void,
             );
             assert_eq!((lib.ucp_worker_set_am_recv_handler)(worker, &hp), ucs_status_t::UCS_OK);
-            Raw { lib, ctx, worker, ep: None, address, answers, stuck: Default::default() }
+            let peer_errors = tls.is_some_and(|t| !t.contains("sm") && !t.contains("posix") && !t.contains("sysv"));
+            Raw { lib, ctx, worker, ep: None, address, answers, stuck: Default::default(), peer_errors }
         }
     }
 
@@ -103,6 +116,10 @@ impl Raw {
             // memory (the receiver's endpoint back to this worker is created the same way).
             p.field_mask = ucp_ep_params_field::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS.0 as u64;
             p.address = worker_address.as_ptr() as *const ucp_address_t;
+            if self.peer_errors {
+                p.field_mask |= ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE.0 as u64;
+                p.err_mode = ucp_err_handling_mode_t_UCP_ERR_HANDLING_MODE_PEER;
+            }
             let mut ep: ucp_ep_h = ptr::null_mut();
             assert_eq!((self.lib.ucp_ep_create)(self.worker, &p, &mut ep), ucs_status_t::UCS_OK);
             self.ep = Some(ep);
@@ -165,6 +182,30 @@ impl Raw {
             ucp_send_am_flags::UCP_AM_SEND_FLAG_EAGER
         };
         self.send_am(AM_DATA, &header.encode(), payload, flag.0);
+    }
+
+    /// Starts a rendezvous data write and never progresses it: the receiver gets the header and admits
+    /// the write, but the payload (which this worker must push over tcp) never comes. The worker is left
+    /// to the process's end (its request never completes).
+    pub fn start_write_and_stall(&self, header: &WriteHeader, payload: Vec<u8>) {
+        let header = header.encode().to_vec();
+        // SAFETY: header and payload are leaked: UCX may read them for as long as the request lives.
+        unsafe {
+            let mut p: ucp_request_param_t = std::mem::zeroed();
+            p.op_attr_mask = ucp_op_attr_t_UCP_OP_ATTR_FIELD_FLAGS;
+            p.flags = ucp_send_am_flags::UCP_AM_SEND_FLAG_RNDV.0;
+            let (h, d) = (header.leak(), payload.leak());
+            (self.lib.ucp_am_send_nbx)(
+                self.ep.expect("connected"),
+                AM_DATA,
+                h.as_ptr() as *const core::ffi::c_void,
+                h.len() as size_t,
+                d.as_ptr() as *const core::ffi::c_void,
+                d.len() as size_t,
+                &p,
+            );
+        }
+        self.stuck.set(true);
     }
 
     /// A one-sided put of `bytes` to `remote_addr` in the receiver's process with a key this worker made

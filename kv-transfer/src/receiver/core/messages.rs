@@ -317,13 +317,12 @@ impl ReceiverCore {
             *ph = Phase::Done;
         }
         t.active.store(false, Ordering::SeqCst);
-        self.finish_err(
-            &t,
-            TransferError::Aborted { request_id: t.request_id.clone(), reason: format!("sender: {}", a.reason) },
-        );
-        peer.send(ack(corr, t.session, TransferStatus::Ok, ""));
+        let err = TransferError::Aborted { request_id: t.request_id.clone(), reason: format!("sender: {}", a.reason) };
+        self.note_terminal(&t, &err);
         self.forget(&t);
         self.free_now(&t);
+        self.finish_err(&t, err);
+        peer.send(ack(corr, t.session, TransferStatus::Ok, ""));
     }
 
     /// The sender acknowledged our abort: its puts are flushed and it issues no more. Only the aborted

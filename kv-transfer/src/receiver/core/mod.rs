@@ -12,7 +12,9 @@
 //! - the sender said it is done (Complete, Release, Abort, or its ack of our Abort; it flushes its puts
 //!   before sending any of them): at once, after writes in progress through `admit_write` drained;
 //! - receiver-mediated peers (TCP, in-process, UCX active messages) that died or were dropped: at once,
-//!   because every write passes `admit_write`, which refuses writes to inactive transfers;
+//!   because every write passes `admit_write`, which refuses writes to inactive transfers; a write in
+//!   progress that does not end within `abort_ack_timeout` of the failure gets its sender cut off (TCP
+//!   also drops a connection whose frame stalls for `write_stall`);
 //! - one-sided peers (UCX RMA) that died, or did not acknowledge our abort within `abort_ack_timeout`
 //!   (then we close their endpoint): after `quarantine`, counted in `ReceiverStats::quarantined_blocks`.
 
@@ -52,6 +54,8 @@ pub struct ReceiverTimings {
     pub abort_ack_timeout: Duration,
     /// How long blocks stay out of the pool after a one-sided sender was lost.
     pub quarantine: Duration,
+    /// The longest a sender may pause inside one TCP data frame before its connection is dropped.
+    pub write_stall: Duration,
 }
 
 enum Phase {
@@ -183,6 +187,10 @@ impl ReceiverCore {
         &self.rt
     }
 
+    pub(crate) fn timings(&self) -> &ReceiverTimings {
+        &self.timings
+    }
+
     pub(crate) fn pending_transfers(&self) -> usize {
         self.tables().by_session.len()
     }
@@ -279,8 +287,10 @@ impl ReceiverCore {
             f.done = true;
         }
         let why = "the reservation was freed outside the transfer".to_string();
-        self.finish_err(t, TransferError::Aborted { request_id: t.request_id.clone(), reason: why });
+        let err = TransferError::Aborted { request_id: t.request_id.clone(), reason: why };
+        self.note_terminal(t, &err);
         self.forget(t);
+        self.finish_err(t, err);
     }
 
     /// Messages from senders that never proved they hold a descriptor, dropped unanswered.
@@ -323,9 +333,11 @@ impl ReceiverCore {
             Phase::Expected => {
                 drop(ph);
                 t.active.store(false, Ordering::SeqCst);
-                self.finish_err(t, err);
+                // Gone from the tables (and its blocks freed) before the outcome is seen.
+                self.note_terminal(t, &err);
                 self.forget(t);
                 self.free_now(t);
+                self.finish_err(t, err);
                 true
             }
             Phase::Active(peer) => {
@@ -336,8 +348,8 @@ impl ReceiverCore {
                     reason: reason.to_string(),
                     status: err.wire_status() as i32,
                 });
-                self.finish_err(t, err);
                 if peer.one_sided() {
+                    self.finish_err(t, err);
                     *ph = Phase::Aborting(peer.clone());
                     drop(ph);
                     peer.send(control(next_id(), abort));
@@ -352,8 +364,11 @@ impl ReceiverCore {
                     drop(ph);
                     // Every write passes admit_write, which now refuses: free once writes in progress end.
                     peer.send(control(next_id(), abort));
+                    self.note_terminal(t, &err);
                     self.forget(t);
                     self.free_now(t);
+                    self.finish_err(t, err);
+                    self.cut_off_if_stuck(t, peer);
                 }
                 true
             }
@@ -370,8 +385,39 @@ impl ReceiverCore {
         }
     }
 
-    fn finish_err(&self, t: &Transfer, err: TransferError) -> bool {
+    /// Records why `t` ended (for its tombstone) without publishing the outcome: call before `forget`.
+    fn note_terminal(&self, t: &Transfer, err: &TransferError) {
         t.terminal.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert((err.wire_status(), err.to_string()));
+    }
+
+    /// A receiver-mediated transfer just failed: its blocks are freed once writes in progress end. A
+    /// write that never ends (a TCP sender stalled mid-frame, a UCX rendezvous whose data never comes)
+    /// would pin them forever, so after `abort_ack_timeout` the sender is cut off: its connection or
+    /// endpoint is closed, which ends (TCP) or fails (UCX) what it was receiving.
+    fn cut_off_if_stuck(self: &Arc<Self>, t: &Arc<Transfer>, peer: Arc<dyn PeerLink>) {
+        if t.free.lock().unwrap_or_else(|p| p.into_inner()).done {
+            return;
+        }
+        let core = self.clone();
+        let tt = t.clone();
+        let wait = self.timings.abort_ack_timeout;
+        self.rt.spawn(async move {
+            tokio::time::sleep(wait).await;
+            if tt.free.lock().unwrap_or_else(|p| p.into_inner()).done {
+                return;
+            }
+            tracing::warn!(
+                request_id = %tt.request_id,
+                writes = tt.inflight.load(Ordering::SeqCst),
+                "writes of a failed transfer did not end; cutting its sender off"
+            );
+            core.count_cut_off();
+            peer.close();
+        });
+    }
+
+    fn finish_err(&self, t: &Transfer, err: TransferError) -> bool {
+        self.note_terminal(t, &err);
         let set = t.outcome.set(Err(err.clone()));
         if set {
             self.counters.failed.fetch_add(1, Ordering::Relaxed);

@@ -8,9 +8,11 @@
 //! that only handshakes are answered (at most [`UNTRUSTED_HANDSHAKES`] refused ones); any other frame
 //! closes the connection.
 //! Replies wait in a queue of at most [`REPLY_QUEUE`] messages; a peer that does not read them is cut off.
+//! A data frame whose payload stops arriving for the receiver's `write_stall` drops the connection.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use proto::v1::TransferControl;
 use proto::v1::transfer_control::Body;
@@ -180,15 +182,16 @@ async fn receiver_read_loop(
                 let Some(WriteHeader { session, token, offset, len }) = WriteHeader::decode(&hdr) else {
                     return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "bad write header"));
                 };
+                let stall = core.timings().write_stall;
                 match core.admit_write(session, &token, offset, len) {
                     Ok(permit) if permit.staged() => {
                         trusted = true;
-                        read_staged(&mut r, permit, &mut scratch).await?;
+                        read_staged(&mut r, permit, &mut scratch, stall).await?;
                     }
                     Ok(permit) => {
                         trusted = true;
                         // SAFETY: the permit is the only writer of its range.
-                        r.read_exact(unsafe { permit.slice() }).await?;
+                        read_within(&mut r, unsafe { permit.slice() }, stall).await?;
                         permit.commit();
                     }
                     Err(refusal) => {
@@ -219,7 +222,7 @@ async fn receiver_read_loop(
                         }
                         while left > 0 {
                             let n = left.min(IO_BUF as u64) as usize;
-                            r.read_exact(&mut scratch[..n]).await?;
+                            read_within(&mut r, &mut scratch[..n], stall).await?;
                             left -= n as u64;
                         }
                     }
@@ -239,6 +242,7 @@ async fn read_staged(
     r: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
     permit: WritePermit,
     scratch: &mut Vec<u8>,
+    stall: Duration,
 ) -> std::io::Result<()> {
     if scratch.len() < STAGE_BYTES {
         scratch.resize(STAGE_BYTES, 0);
@@ -247,7 +251,7 @@ async fn read_staged(
     let mut at = 0;
     while at < permit.len {
         let n = (permit.len - at).min(STAGE_BYTES);
-        r.read_exact(&mut scratch[..n]).await?;
+        read_within(r, &mut scratch[..n], stall).await?;
         if failed.is_none()
             && let Err(why) = permit.copy_in(at, &scratch[..n])
         {
@@ -258,6 +262,31 @@ async fn read_staged(
     match failed {
         None => permit.commit(),
         Some(why) => permit.fail(&why),
+    }
+    Ok(())
+}
+
+/// Reads `buf` whole, or fails when no byte arrives for `stall`: a sender that stops mid-frame must not
+/// hold the frame's write permit (and so its transfer's blocks) forever. Dropping the connection ends
+/// the write, and the sender's transfers fail as with a lost peer.
+async fn read_within(
+    r: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
+    buf: &mut [u8],
+    stall: Duration,
+) -> std::io::Result<()> {
+    let mut at = 0;
+    while at < buf.len() {
+        match tokio::time::timeout(stall, r.read(&mut buf[at..])).await {
+            Ok(Ok(0)) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(Ok(n)) => at += n,
+            Ok(Err(e)) => return Err(e),
+            Err(_) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("a data frame stalled for {stall:?} ({at} of {} bytes)", buf.len()),
+                ));
+            }
+        }
     }
     Ok(())
 }
