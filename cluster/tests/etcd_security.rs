@@ -170,6 +170,31 @@ async fn credentials_work_and_wrong_or_missing_ones_are_named_as_authentication_
     }
 }
 
+/// etcd forgets a simple token after --auth-token-ttl unused: the next call finds it invalid and must log
+/// in again by itself (here the deregistration's lease revoke, long after the registration's login).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_token_is_renewed_on_the_call_that_finds_it_expired() {
+    logs();
+    let Some(etcd) = Etcd::start_args(&["--auth-token-ttl", "1"]) else { return };
+    enable_auth(&etcd.client_url, None).await;
+    let dir = tempfile::tempdir().unwrap();
+    let good = with_user("tandem", password_file(dir.path(), "good", PASSWORD));
+    let router = connect(&etcd.client_url, "ttl", good.clone()).await.unwrap();
+    let worker = connect(&etcd.client_url, "ttl", good).await.unwrap();
+    let mut view = router.watch();
+    let mut reg = worker.register(record("d0")).await.unwrap();
+    assert!(reg.wait_registered(Duration::from_secs(5)).await, "{:?}", reg.state());
+    let seen = tokio::time::timeout(Duration::from_secs(5), view.wait_for(|v| v.len() == 1)).await;
+    assert!(seen.is_ok_and(|r| r.is_ok()));
+    // The keep-alive stream outlives the token; the router's watch too.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(matches!(reg.state(), RegistrationState::Registered { .. }), "{:?}", reg.state());
+    reg.deregister().await;
+    let gone = tokio::time::timeout(Duration::from_secs(5), view.wait_for(|v| v.is_empty())).await;
+    assert!(gone.is_ok_and(|r| r.is_ok()), "deregistered with a renewed token");
+    assert!(!logged().contains("could not revoke the lease"), "the revoke failed");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_with_client_certificates_works_and_each_tls_mistake_is_named_at_start() {
     logs();

@@ -21,6 +21,7 @@ pub struct ServerTls {
 pub struct Etcd {
     child: Option<Child>,
     tls: Option<ServerTls>,
+    extra_args: Vec<String>,
     pub client_url: String,
     client_port: u16,
     peer_port: u16,
@@ -45,15 +46,20 @@ fn etcd_binary() -> Option<PathBuf> {
 impl Etcd {
     /// Starts etcd, or returns None (after printing why) when it is not installed outside CI.
     pub fn start() -> Option<Self> {
-        Self::start_with(None)
+        Self::start_with(None, &[])
     }
 
     /// [`Etcd::start`] with a TLS client port (`https://`).
     pub fn start_tls(tls: ServerTls) -> Option<Self> {
-        Self::start_with(Some(tls))
+        Self::start_with(Some(tls), &[])
     }
 
-    fn start_with(tls: Option<ServerTls>) -> Option<Self> {
+    /// [`Etcd::start`] with more etcd flags (e.g. `--auth-token-ttl`).
+    pub fn start_args(args: &[&str]) -> Option<Self> {
+        Self::start_with(None, args)
+    }
+
+    fn start_with(tls: Option<ServerTls>, extra_args: &[&str]) -> Option<Self> {
         if etcd_binary().is_none() {
             assert!(std::env::var_os("CI").is_none(), "etcd is not installed (scripts/test.sh installs etcd-server)");
             eprintln!("SKIP: no `etcd` binary on PATH (apt-get install etcd-server)");
@@ -64,6 +70,7 @@ impl Etcd {
         let mut e = Self {
             child: None,
             tls,
+            extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
             client_url: String::new(),
             client_port: free_port(),
             peer_port: free_port(),
@@ -86,6 +93,7 @@ impl Etcd {
             }
         }
         let child = cmd
+            .args(&self.extra_args)
             .args(["--name", "t", "--data-dir"])
             .arg(&self.data_dir)
             .args(["--listen-client-urls", &self.client_url, "--advertise-client-urls", &self.client_url])
