@@ -115,6 +115,22 @@ async fn the_router_serves_through_workers_that_require_its_certificate() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_without_a_ca_serve_tls_to_a_router_without_a_certificate() {
+    logs();
+    let pki = TestPki::new("cluster");
+    let worker = pki.leaf("worker", &[]);
+    let server_only = tls_args(None, Some(&worker)).server().unwrap().expect("TLS on");
+    assert!(!server_only.requires_client_certificates());
+    let args = router_flags(&pki.ca(), None);
+    let c = Cluster::start(Options { worker_tls: Some(server_only), args, ..Default::default() }).await;
+    let (s, body) =
+        c.post_json("/v1/completions", json!({"model": MODEL, "prompt": "Say hello", "max_tokens": 64})).await;
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(body["choices"][0]["text"], REPLY);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_without_a_certificate_or_with_one_from_another_ca_is_refused_and_told_why() {
     logs();
     let pki = TestPki::new("cluster");
