@@ -7,7 +7,7 @@
 //!
 //! 16 bytes from the operating system's random number generator (not a user-space generator seeded from
 //! it), compared in constant time, never printed: `Debug` shows `<redacted>`, and the protobuf messages
-//! that carry it redact it too (`proto::redact`).
+//! that carry it redact it too (`proto::redact`). A token's bytes are wiped when it is dropped.
 
 use rand::TryRng;
 
@@ -54,6 +54,19 @@ impl TransferToken {
     }
 }
 
+/// Wipes the bytes when the token goes (volatile writes the compiler cannot drop as dead stores), so a
+/// finished transfer's secret does not linger in freed memory. Copies made for the wire (`to_vec`, the
+/// protobuf messages, socket buffers) are not covered.
+impl Drop for TransferToken {
+    fn drop(&mut self) {
+        for b in &mut self.0 {
+            // SAFETY: a valid, exclusive reference to one of our bytes.
+            unsafe { std::ptr::write_volatile(b, 0) };
+        }
+        std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 impl std::fmt::Debug for TransferToken {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("TransferToken(<redacted>)")
@@ -81,6 +94,18 @@ mod tests {
         assert!(!a.matches(&longer), "a token with a trailing byte");
         assert!(TransferToken::from_wire(&longer).is_none());
         assert!(TransferToken::from_wire(a.as_bytes()).unwrap().matches(a.as_bytes()));
+    }
+
+    #[test]
+    fn dropping_a_token_wipes_its_bytes() {
+        let mut t = std::mem::ManuallyDrop::new(TransferToken::from_wire(&[0xa5; TOKEN_BYTES]).unwrap());
+        let at: *const [u8; TOKEN_BYTES] = &t.0;
+        // SAFETY: dropped once; the storage stays ours (ManuallyDrop), and the bytes are plain data.
+        let after = unsafe {
+            std::mem::ManuallyDrop::drop(&mut t);
+            std::ptr::read_volatile(at)
+        };
+        assert_eq!(after, [0; TOKEN_BYTES]);
     }
 
     #[test]
