@@ -80,7 +80,7 @@ pub(super) unsafe extern "C" fn on_am_data(
         let attr = (*param).recv_attr;
         if attr & ucp_am_recv_attr_t_UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0 {
             // `length` is what the rendezvous will deliver; the progress loop compares it with the header's.
-            q.push(Event::Data(hdr, Payload::Rndv(data, length as u64)));
+            q.push(Event::Data(hdr, Payload::Rndv(data, length)));
             return ucs_status_t::UCS_INPROGRESS;
         }
         if hdr.len != length {
