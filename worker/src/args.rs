@@ -135,6 +135,10 @@ impl ServeArgs {
         if let Some(tls) = &self.ucx_tls {
             anyhow::ensure!(!tls.trim().is_empty(), "--ucx-tls must not be empty");
         }
+        if self.kv_transport == TransportKind::Ucx {
+            // TANDEM_UCX_DATA_PATH=put without TANDEM_UCX_ONE_SIDED_PUTS=1, or a bad value.
+            kv_transfer::transport::ucx::check_env(|k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?;
+        }
         self.grpc_tls()?;
         self.discovery.validate().map_err(anyhow::Error::msg)
     }

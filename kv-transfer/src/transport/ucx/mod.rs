@@ -56,11 +56,22 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// `auto` data path may choose them. Turn it on only where every process that can reach the decode
 /// workers' UCX ports is trusted with their whole memory (see the crate README).
 pub fn one_sided_puts_from_env() -> Result<bool, String> {
-    match std::env::var("TANDEM_UCX_ONE_SIDED_PUTS").as_deref() {
-        Err(_) | Ok("") | Ok("0") | Ok("false") => Ok(false),
-        Ok("1") | Ok("true") => Ok(true),
-        Ok(v) => Err(format!("TANDEM_UCX_ONE_SIDED_PUTS={v:?}; valid: 1, true, 0, false")),
+    one_sided_puts_from(std::env::var("TANDEM_UCX_ONE_SIDED_PUTS").ok().as_deref())
+}
+
+fn one_sided_puts_from(v: Option<&str>) -> Result<bool, String> {
+    match v {
+        None | Some("") | Some("0") | Some("false") => Ok(false),
+        Some("1") | Some("true") => Ok(true),
+        Some(v) => Err(format!("TANDEM_UCX_ONE_SIDED_PUTS={v:?}; valid: 1, true, 0, false")),
     }
+}
+
+/// Checks the UCX variables of the environment `var` reads (`TANDEM_UCX_DATA_PATH`,
+/// `TANDEM_UCX_ONE_SIDED_PUTS`) as a worker's start would: for `--check-config`.
+pub fn check_env(var: impl Fn(&str) -> Option<String>) -> Result<(), String> {
+    let dp = DataPath::from_value(var("TANDEM_UCX_DATA_PATH").as_deref())?;
+    check_data_path(dp, one_sided_puts_from(var("TANDEM_UCX_ONE_SIDED_PUTS").as_deref())?)
 }
 
 /// How a UCX sender moves bytes.
@@ -88,9 +99,13 @@ pub enum DataPath {
 impl DataPath {
     /// `TANDEM_UCX_DATA_PATH` = `put`, `am` or `auto` (the default).
     pub fn from_env() -> Result<DataPath, String> {
-        match std::env::var("TANDEM_UCX_DATA_PATH").as_deref() {
-            Err(_) | Ok("") => Ok(DataPath::Auto),
-            Ok(v) => v.parse().map_err(|e| format!("TANDEM_UCX_DATA_PATH: {e}")),
+        Self::from_value(std::env::var("TANDEM_UCX_DATA_PATH").ok().as_deref())
+    }
+
+    fn from_value(v: Option<&str>) -> Result<DataPath, String> {
+        match v {
+            None | Some("") => Ok(DataPath::Auto),
+            Some(v) => v.parse().map_err(|e| format!("TANDEM_UCX_DATA_PATH: {e}")),
         }
     }
 
@@ -351,5 +366,13 @@ mod tests {
         for dp in [DataPath::Auto, DataPath::ActiveMessage] {
             super::check_data_path(dp, false).unwrap();
         }
+        let env = |vars: &'static [(&'static str, &'static str)]| {
+            move |k: &str| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        };
+        let e = super::check_env(env(&[("TANDEM_UCX_DATA_PATH", "put")])).unwrap_err();
+        assert!(e.contains("TANDEM_UCX_ONE_SIDED_PUTS=1"), "{e}");
+        super::check_env(env(&[("TANDEM_UCX_DATA_PATH", "put"), ("TANDEM_UCX_ONE_SIDED_PUTS", "1")])).unwrap();
+        super::check_env(env(&[])).unwrap();
+        assert!(super::check_env(env(&[("TANDEM_UCX_ONE_SIDED_PUTS", "yes")])).is_err());
     }
 }
