@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 
-import numpy as np
 
 try:
     import torch
@@ -31,6 +30,8 @@ except ImportError:  # pragma: no cover - the GPU machine has PyTorch
     sys.exit("gemm_bench.py needs PyTorch (installed on the GPU machine)")
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_timing import copy_gbps, timed  # noqa: E402
 KERNELS = os.path.join(ROOT, "engine", "kernels")
 DEV = "cuda"
 BM, BK = 128, 128
@@ -239,47 +240,6 @@ def as_u8(t):
 
 # ---------------------------------------------------------------------------------------------------------
 # Timing.
-
-FLUSH = None
-
-
-def timed(fn, reps, graph=True):
-    """Median ms of `reps` CUDA-graph replays of `fn` (eager launches without `graph`), each after a 256 MiB
-    write that evicts the L2."""
-    global FLUSH
-    if FLUSH is None:
-        FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    run = fn
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-    times = []
-    for _ in range(reps):
-        FLUSH.fill_(0x5A)
-        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        z.record()
-        z.synchronize()
-        times.append(a.elapsed_time(z))
-    return float(np.median(times))
-
-
-def copy_gbps():
-    n = 1 << 30
-    a, b = torch.ones(n, dtype=torch.uint8, device=DEV), torch.empty(n, dtype=torch.uint8, device=DEV)
-    t = timed(lambda: b.copy_(a), 10, graph=False)
-    del a, b
-    return 2 * n / t / 1e6
-
 
 def cublas_block(qa, sa, qw, sw):
     """cuBLASLt with DeepSeek block scaling (ENV-NOTES: activation scales column-major, weight scales

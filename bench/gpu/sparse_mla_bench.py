@@ -33,6 +33,8 @@ except ImportError:  # pragma: no cover - the GPU machine has CuPy
     sys.exit("sparse_mla_bench.py needs CuPy (installed on the GPU machine)")
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_timing import copy_gbps, timed  # noqa: E402
 import importlib.util  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("kernel_loop", os.path.join(ROOT, "scripts", "kernel-loop.py"))
@@ -273,44 +275,8 @@ def checks(kern, split_default):
     return failures
 
 
-FLUSH = None
-
-
-def timed(fn, reps, graph=True):
-    """Median ms of `reps` runs of `fn`, each after a 256 MiB write that evicts the L2 (untimed). With `graph`
-    the launches are captured into a CUDA graph first, so the time is the GPU's, not Python's."""
-    global FLUSH
-    if FLUSH is None:
-        FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
-    run = fn
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-    times = []
-    for _ in range(reps):
-        FLUSH.fill_(0x5A)
-        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        z.record()
-        z.synchronize()
-        times.append(a.elapsed_time(z))
-    return float(np.median(times))
-
-
 def ceilings():
-    n = 1 << 30
-    a, b = torch.ones(n, dtype=torch.uint8, device=DEV), torch.empty(n, dtype=torch.uint8, device=DEV)
-    copy = 2 * n / timed(lambda: b.copy_(a), 10, graph=False) / 1e6
-    del a, b
+    copy = copy_gbps()
     m = 8192
     x = torch.randn(m, m, device=DEV, dtype=torch.bfloat16)
     y = torch.randn(m, m, device=DEV, dtype=torch.bfloat16)

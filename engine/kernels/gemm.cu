@@ -33,6 +33,7 @@
 // split against unsplit, and rows of small M against the same rows of a large one, bit for bit).
 #include "common.cuh"
 #include "wgmma.cuh"
+#include "sync.cuh"
 
 #define GEMM_BM 128
 #define GEMM_BK 128
@@ -46,11 +47,8 @@
 #ifndef GEMM_STAGES_64
 #define GEMM_STAGES_64 8
 #endif
-#ifndef GEMM_CLUSTER
-#define GEMM_CLUSTER 1  // 0: single CTAs that load all of A themselves (for timing the multicast)
-#endif
 // A stage's `empty` barrier: every consumer thread of this CTA, plus lane 0 of each consumer warp of the peer.
-#define GEMM_EMPTY_ARRIVALS (256 + (GEMM_CLUSTER ? 8 : 0))
+#define GEMM_EMPTY_ARRIVALS (256 + 8)
 
 // A CUDA tensor map (CUtensorMap: 128 opaque bytes, 64-byte aligned), passed by value as a
 // __grid_constant__ parameter and used through its address.
@@ -58,25 +56,6 @@ struct alignas(64) TandemTensorMap {
     unsigned long long opaque[16];
 };
 
-__device__ __forceinline__ void gemm_mbar_init(u32 bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void gemm_mbar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void gemm_mbar_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void gemm_mbar_wait(u32 bar, u32 parity) {
-    u32 done = 0;
-    do {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    } while (!done);
-}
 
 // A 2-D TMA load of the box at (x: innermost, in elements; y: row) into shared memory, completing on `bar`.
 __device__ __forceinline__ void gemm_tma_2d(u32 dst, const TandemTensorMap* map, int x, int y, u32 bar) {
@@ -129,22 +108,6 @@ __device__ __forceinline__ void gemm_store(void* y, int rows, int n, int r, int 
     }
 }
 
-__device__ __forceinline__ u32 gemm_cluster_rank() {
-#if GEMM_CLUSTER
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-#else
-    return blockIdx.x & 1;
-#endif
-}
-__device__ __forceinline__ void gemm_cluster_sync() {
-#if GEMM_CLUSTER
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#else
-    __syncthreads();
-#endif
-}
 // The same 2-D box into this offset of both CTAs of the cluster, counted on each one's `bar`.
 __device__ __forceinline__ void gemm_tma_2d_pair(u32 dst, const TandemTensorMap* map, int x, int y, u32 bar) {
     asm volatile(
@@ -152,13 +115,6 @@ __device__ __forceinline__ void gemm_tma_2d_pair(u32 dst, const TandemTensorMap*
         "{%2, %3}], [%4], %5;" ::"r"(dst),
         "l"((unsigned long long)map), "r"(x), "r"(y), "r"(bar), "h"((u16)3)
         : "memory");
-}
-__device__ __forceinline__ void gemm_mbar_arrive_peer(u32 bar, u32 peer) {
-    u32 remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(peer));
-    // CTA-scope release, as CUTLASS's ClusterBarrier::arrive(cta_id): the stage was read by wgmma only, whose
-    // wait already completed; a cluster-scope release costs a MEMBAR per K block (measured: half the speed).
-    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
 // The output tile of cluster tile `t` for the CTA of cluster rank `rank`: tiles in groups of GEMM_GROUP_M row
@@ -171,8 +127,20 @@ __device__ __forceinline__ void gemm_tile(int t, int rank, int m_tiles, int n_pa
     n0 = (2 * (in_group / gm) + rank) * bn;
 }
 
+
 // First K block of chain c of `chains` over `kblocks` blocks.
 __device__ __forceinline__ int gemm_chain_begin(int c, int chains, int kblocks) { return c * kblocks / chains; }
+
+// Unit u of a launch whose cluster tiles are cut into `per_tile` units (1, or `chains` when split): its
+// output tile (m0, n0), its chain c and the K blocks [kb0, kb1) it covers. Producer and consumers walk the
+// same units.
+__device__ __forceinline__ void gemm_unit(int u, int per_tile, int chains, int kblocks, int rank, int m_tiles,
+                                          int n_pairs, int bn, int& m0, int& n0, int& c, int& kb0, int& kb1) {
+    gemm_tile(u / per_tile, rank, m_tiles, n_pairs, bn, m0, n0);
+    c = u % per_tile;
+    kb0 = per_tile > 1 ? gemm_chain_begin(c, chains, kblocks) : 0;
+    kb1 = per_tile > 1 ? gemm_chain_begin(c + 1, chains, kblocks) : kblocks;
+}
 
 template <int BN, int STAGES, bool BF16>
 __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const TandemTensorMap* tb,
@@ -188,7 +156,7 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
     const u32 scales = base + STAGES * STAGE;  // [STAGES][128] f32: the A tile's row scales of the K block
     const u32 full = scales + STAGES * SA_BYTES, empty = full + STAGES * 8;
     const float* scales_f = (const float*)(smem_raw + (scales - (u32)__cvta_generic_to_shared(smem_raw)));
-    const int rank = (int)gemm_cluster_rank(), peer = rank ^ 1;
+    const int rank = (int)tandem_cluster_rank(), peer = rank ^ 1;
 
     const int m_tiles = (rows + GEMM_BM - 1) / GEMM_BM, n_tiles = (n + BN - 1) / BN;
     const int n_pairs = (n_tiles + 1) / 2, tiles = m_tiles * n_pairs;
@@ -199,13 +167,13 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            gemm_mbar_init(full + 8 * s, 1);
-            gemm_mbar_init(empty + 8 * s, GEMM_EMPTY_ARRIVALS);
+            tandem_mbar_init(full + 8 * s, 1);
+            tandem_mbar_init(empty + 8 * s, GEMM_EMPTY_ARRIVALS);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     // The peer multicasts into this CTA's stages and arrives on its barriers: both must be initialized.
-    gemm_cluster_sync();
+    tandem_cluster_sync();
 
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
@@ -216,24 +184,16 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
             asm volatile("prefetch.tensormap [%0];" ::"l"((unsigned long long)tsa) : "memory");
             int it = 0;
             for (int u = cluster; u < units; u += clusters) {
-                int m0, n0;
-                gemm_tile(u / per_tile, rank, m_tiles, n_pairs, BN, m0, n0);
-                const int c = u % per_tile;
-                const int kb0 = per_tile > 1 ? gemm_chain_begin(c, chains, kblocks) : 0;
-                const int kb1 = per_tile > 1 ? gemm_chain_begin(c + 1, chains, kblocks) : kblocks;
+                int m0, n0, c, kb0, kb1;
+                gemm_unit(u, per_tile, chains, kblocks, rank, m_tiles, n_pairs, BN, m0, n0, c, kb0, kb1);
                 for (int kb = kb0; kb < kb1; ++kb, ++it) {
                     const int s = it % STAGES;
                     // Both CTAs' consumers are done with the stage (this CTA's multicast writes the peer's too).
-                    if (it >= STAGES) gemm_mbar_wait(empty + 8 * s, ((it / STAGES) - 1) & 1);
+                    if (it >= STAGES) tandem_mbar_wait(empty + 8 * s, ((it / STAGES) - 1) & 1);
                     const u32 a = base + s * STAGE, bar = full + 8 * s;
-                    gemm_mbar_expect_tx(bar, STAGE + SA_BYTES);
-#if GEMM_CLUSTER
+                    tandem_mbar_expect_tx(bar, STAGE + SA_BYTES);
                     // This CTA's half of the A tile into both CTAs.
                     gemm_tma_2d_pair(a + rank * (A_BYTES / 2), ta, kb * GEMM_BK, m0 + rank * (GEMM_BM / 2), bar);
-#else
-                    gemm_tma_2d(a, ta, kb * GEMM_BK, m0, bar);
-                    gemm_tma_2d(a + A_BYTES / 2, ta, kb * GEMM_BK, m0 + GEMM_BM / 2, bar);
-#endif
                     gemm_tma_2d(a + A_BYTES, tb, kb * GEMM_BK, n0, bar);
                     gemm_tma_2d(scales + s * SA_BYTES, tsa, m0, kb, bar);
                 }
@@ -245,11 +205,8 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
         const int row = cw * 64 + warp * 16 + lane / 4;  // this thread's rows in the tile: row, row + 8
         int it = 0;
         for (int u = cluster; u < units; u += clusters) {
-            int m0, n0;
-            gemm_tile(u / per_tile, rank, m_tiles, n_pairs, BN, m0, n0);
-            const int c = u % per_tile;
-            const int kb0 = per_tile > 1 ? gemm_chain_begin(c, chains, kblocks) : 0;
-            const int kb1 = per_tile > 1 ? gemm_chain_begin(c + 1, chains, kblocks) : kblocks;
+            int m0, n0, c, kb0, kb1;
+            gemm_unit(u, per_tile, chains, kblocks, rank, m_tiles, n_pairs, BN, m0, n0, c, kb0, kb1);
             // The tile's weight-block scales, one K block ahead (a uniform load whose latency hides under a
             // K block); a column tile past `n` (the odd tile of a pair) reads none.
             const float* wsp = ws + (i64)(n0 / 128) * scale_cols;
@@ -274,7 +231,7 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
                 const int s = it % STAGES;
                 const float w = w_next;
                 if (has_n && kb + 1 < kb1) w_next = wsp[kb + 1];
-                gemm_mbar_wait(full + 8 * s, (it / STAGES) & 1);
+                tandem_mbar_wait(full + 8 * s, (it / STAGES) & 1);
                 const float f_lo = scales_f[s * GEMM_BM + row] * w, f_hi = scales_f[s * GEMM_BM + row + 8] * w;
                 const u32 a = base + s * STAGE + cw * (A_BYTES / 2), b = base + s * STAGE + A_BYTES;
                 tandem_wgmma_fence();
@@ -287,11 +244,11 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
                 // Every thread arrives (its reads of the scales are ordered before the producer's next write,
                 // in a way compute-sanitizer's racecheck follows); lane 0 of each warp also frees the stage
                 // on the peer, whose A half this CTA's multicast writes.
-                gemm_mbar_arrive(empty + 8 * s);
-                if (GEMM_CLUSTER) {
-                    __syncwarp();
-                    if (lane == 0) gemm_mbar_arrive_peer(empty + 8 * s, peer);
-                }
+                tandem_mbar_arrive(empty + 8 * s);
+                __syncwarp();
+                // CTA-scope release: the stage was read by wgmma only, whose wait completed; a cluster-scope
+                // release costs a MEMBAR per K block (measured: half the speed).
+                if (lane == 0) tandem_mbar_arrive_remote_cta(tandem_peer(empty + 8 * s, peer));
 #pragma unroll
                 for (int j = 0; j < BN / 8; ++j) {
                     fin[4 * j + 0] = fmaf(acc[4 * j + 0], f_lo, fin[4 * j + 0]);
@@ -327,7 +284,7 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
     }
     // The peer may still arrive on this CTA's barriers: neither CTA leaves before both are done.
     __syncwarp();
-    gemm_cluster_sync();
+    tandem_cluster_sync();
 }
 
 // A split launch's chains summed left to right, as an unsplit launch sums them: y = ((p0 + p1) + p2) + ...
@@ -356,11 +313,7 @@ extern "C" __global__ void tandem_gemm_fp8_combine_bf16(const float* __restrict_
 // The entry points: output tile width 128 or 64, f32 or bf16 out. Launch: a grid of an even number of CTAs
 // (clusters of two), at most one per SM (persistent: each cluster walks tiles t = cluster, cluster +
 // clusters, ...), 384 threads, dynamic shared memory engine::cuda::gemm::smem_bytes.
-#if GEMM_CLUSTER
 #define GEMM_CLUSTER_DIMS __cluster_dims__(2, 1, 1)
-#else
-#define GEMM_CLUSTER_DIMS
-#endif
 #define GEMM_PARAMS                                                                                               \
     const __grid_constant__ TandemTensorMap ta, const __grid_constant__ TandemTensorMap tb,                      \
         const __grid_constant__ TandemTensorMap tsa, const float *__restrict__ ws, int scale_cols,                \

@@ -31,6 +31,7 @@
 // index order. Nothing depends on the batch size or on other queries.
 #include "common.cuh"
 #include "wgmma.cuh"
+#include "sync.cuh"
 
 #define SMLA_DQK 576
 #define SMLA_DV 512
@@ -58,47 +59,6 @@
 
 __device__ __forceinline__ void smla_bar_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
 
-__device__ __forceinline__ void smla_mbar_init(u32 bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void smla_mbar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void smla_mbar_wait(u32 bar, u32 parity) {
-    u32 done = 0;
-    do {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    } while (!done);
-}
-
-// The same wait with cluster-scope acquire: data the peer CTA wrote (st.async) or released before arriving.
-__device__ __forceinline__ void smla_mbar_wait_cluster(u32 bar, u32 parity) {
-    u32 done = 0;
-    do {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-            "selp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    } while (!done);
-}
-__device__ __forceinline__ void smla_mbar_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-// The peer CTA's address of this CTA's shared-memory address `a` (a pair is a cluster of two).
-__device__ __forceinline__ u32 smla_peer(u32 a, u32 peer_rank) {
-    u32 r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(peer_rank));
-    return r;
-}
-__device__ __forceinline__ void smla_mbar_arrive_remote(u32 peer_bar) {
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(peer_bar) : "memory");
-}
 // 16 bytes into the peer's shared memory, counted on the peer's mbarrier when they land.
 __device__ __forceinline__ void smla_st_async(u32 peer_addr, uint4 v, u32 peer_bar) {
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
@@ -110,14 +70,6 @@ __device__ __forceinline__ void smla_st_async_b32(u32 peer_addr, u32 v, u32 peer
                  ::"r"(peer_addr), "r"(v), "r"(peer_bar)
                  : "memory");
 }
-__device__ __forceinline__ void smla_cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ u32 smla_cluster_rank() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
 
 // A consumer warpgroup is done with a K/V buffer (its wgmma waited on): every thread arrives on this CTA's
 // `empty`, and in a pair each warp's lane 0 (after `__syncwarp`) on the peer's too, since the peer's producer
@@ -128,10 +80,10 @@ __device__ __forceinline__ u32 smla_cluster_rank() {
 #define SMLA_EMPTY_ARRIVALS(PAIR) ((PAIR) ? 256 + 8 : 256)
 template <bool PAIR>
 __device__ __forceinline__ void smla_release(u32 bar, int t, u32 peer) {
-    smla_mbar_arrive(bar);
+    tandem_mbar_arrive(bar);
     if (PAIR) {
         __syncwarp();
-        if ((t & 31) == 0) smla_mbar_arrive_remote(smla_peer(bar, peer));
+        if ((t & 31) == 0) tandem_mbar_arrive_remote(tandem_peer(bar, peer));
         __syncwarp();
     }
 }
@@ -268,12 +220,12 @@ __device__ __forceinline__ void smla_decode(
     u32* const valid = reinterpret_cast<u32*>(gbase + SMLA_OFF_VALID);
     const u32 valid_sa = base + SMLA_OFF_VALID;
     const u32 bar_full = base + SMLA_OFF_BAR, bar_empty = bar_full + 16, bar_remote = bar_full + 32;
-    const u32 rank = PAIR ? smla_cluster_rank() : 0, peer = rank ^ 1;
+    const u32 rank = PAIR ? tandem_cluster_rank() : 0, peer = rank ^ 1;
     if (threadIdx.x == 0) {
         for (int b = 0; b < 2; ++b) {
-            smla_mbar_init(bar_full + 8 * b, 128);
-            smla_mbar_init(bar_empty + 8 * b, SMLA_EMPTY_ARRIVALS(PAIR));
-            smla_mbar_init(bar_remote + 8 * b, 1);
+            tandem_mbar_init(bar_full + 8 * b, 128);
+            tandem_mbar_init(bar_empty + 8 * b, SMLA_EMPTY_ARRIVALS(PAIR));
+            tandem_mbar_init(bar_remote + 8 * b, 1);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -291,7 +243,7 @@ __device__ __forceinline__ void smla_decode(
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncthreads();
     // The peer's barriers are initialized before anything is sent to them.
-    if (PAIR) smla_cluster_sync();
+    if (PAIR) tandem_cluster_sync();
 
     const int wg = threadIdx.x >> 7, t = threadIdx.x & 127;
     const int warp = t >> 5, lane = t & 31;
@@ -345,8 +297,8 @@ __device__ __forceinline__ void smla_decode(
                 phys1[j] = block_of(pos1[j]);
             }
         }
-        const u32 peer_k0 = PAIR ? smla_peer(sk, peer) : 0, peer_valid = PAIR ? smla_peer(valid_sa, peer) : 0;
-        const u32 peer_remote0 = PAIR ? smla_peer(bar_remote, peer) : 0;
+        const u32 peer_k0 = PAIR ? tandem_peer(sk, peer) : 0, peer_valid = PAIR ? tandem_peer(valid_sa, peer) : 0;
+        const u32 peer_remote0 = PAIR ? tandem_peer(bar_remote, peer) : 0;
         for (int it = 0; it < nt; ++it) {
             const int b = it & 1;
             const u32 phase = (it >> 1) & 1;
@@ -359,9 +311,9 @@ __device__ __forceinline__ void smla_decode(
         phys2[j] = block_of(pos2[j]);                                                                    \
         pos3[j] = position(t0 + it + 6, h);                                                              \
         /* Both CTAs' consumers are done with buffer b (tile it - 2). */                                 \
-        smla_mbar_wait_cluster(bar_empty + 8 * b, phase ^ 1);                                            \
+        tandem_mbar_wait_cluster(bar_empty + 8 * b, phase ^ 1);                                            \
         /* This CTA expects the peer's half of tile it. */                                               \
-        if (t == 0) smla_mbar_expect_tx(bar_remote + 8 * b, SMLA_REMOTE_BYTES);                          \
+        if (t == 0) tandem_mbar_expect_tx(bar_remote + 8 * b, SMLA_REMOTE_BYTES);                          \
         const int slot = h * 32 + slot0;                                                                 \
         const u32 pbar = peer_remote0 + 8 * b;                                                           \
         rd[j].template store<true>(kb, slot, cg, peer_k0 + b * SMLA_K_BYTES, pbar);                      \
@@ -385,7 +337,7 @@ __device__ __forceinline__ void smla_decode(
                     phys2[j] = block_of(pos2[j]);
                     pos3[j] = position(t0 + it + 3, j);
                 }
-                smla_mbar_wait(bar_empty + 8 * b, phase ^ 1);
+                tandem_mbar_wait(bar_empty + 8 * b, phase ^ 1);
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
                     const int slot = j * 32 + slot0;
@@ -398,7 +350,7 @@ __device__ __forceinline__ void smla_decode(
                 }
             }
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            smla_mbar_arrive(bar_full + 8 * b);
+            tandem_mbar_arrive(bar_full + 8 * b);
         }
     } else {
     // ----- consumers -----
@@ -416,8 +368,8 @@ __device__ __forceinline__ void smla_decode(
             const int b = it & 1;
             const u32 phase = (it >> 1) & 1;
             const u32 kbuf = sk + b * SMLA_K_BYTES;
-            smla_mbar_wait(bar_full + 8 * b, phase);
-            if (PAIR) smla_mbar_wait_cluster(bar_remote + 8 * b, phase);
+            tandem_mbar_wait(bar_full + 8 * b, phase);
+            if (PAIR) tandem_mbar_wait_cluster(bar_remote + 8 * b, phase);
             float s[32];
             tandem_wgmma_fence();
 #pragma unroll
@@ -517,8 +469,8 @@ __device__ __forceinline__ void smla_decode(
             const int b = it & 1;
             const u32 phase = (it >> 1) & 1;
             const u32 kbuf = sk + b * SMLA_K_BYTES;
-            smla_mbar_wait(bar_full + 8 * b, phase);
-            if (PAIR) smla_mbar_wait_cluster(bar_remote + 8 * b, phase);
+            tandem_mbar_wait(bar_full + 8 * b, phase);
+            if (PAIR) tandem_mbar_wait_cluster(bar_remote + 8 * b, phase);
             smla_bar_sync(SMLA_BAR_P_READY);
             const float c0 = s_scale[r0], c1 = s_scale[r1];
 #pragma unroll
@@ -564,7 +516,7 @@ __device__ __forceinline__ void smla_decode(
     }
     }
     // Neither CTA of a pair leaves while the other may still send to its shared memory or barriers.
-    if (PAIR) smla_cluster_sync();
+    if (PAIR) tandem_cluster_sync();
 }
 
 #define SMLA_ENTRY_ARGS                                                                                          \

@@ -22,6 +22,7 @@ const HEADERS: &[(&str, &str)] = &[
     ("common.cuh", include_str!("../../kernels/common.cuh")),
     ("topk_key.cuh", include_str!("../../kernels/topk_key.cuh")),
     ("wgmma.cuh", include_str!("../../kernels/wgmma.cuh")),
+    ("sync.cuh", include_str!("../../kernels/sync.cuh")),
 ];
 
 /// Header sets outside the repository a family may include. Their versions join the cache key.

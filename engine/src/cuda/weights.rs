@@ -213,26 +213,8 @@ impl DLinear {
             ),
             // Dense rows with DeepSeek's 128 x 128 weight blocks: the tensor-core GEMM (engine::cuda::gemm).
             DLinear::Fp8 { codes, scales, out, inp, kpad, ue8m0, maps: Some(maps), .. } if sel == 0 && a_div == 1 => {
-                let groups = kpad / ACT_GROUP;
                 let ld = gemm::scale_ld(x_rows);
-                let qa = ws.take::<u8>(gpu.stream(), x_rows * kpad)?;
-                let sa = ws.take::<f32>(gpu.stream(), groups * ld)?;
-                launch(
-                    gpu,
-                    "tandem_act_quant",
-                    (groups as u32, x_rows as u32, 1),
-                    32,
-                    0,
-                    &[
-                        Arg::P(x),
-                        Arg::I(*inp as i32),
-                        Arg::I(*kpad as i32),
-                        Arg::I(*ue8m0 as i32),
-                        Arg::P(qa),
-                        Arg::P(sa),
-                        Arg::I(ld as i32),
-                    ],
-                )?;
+                let (qa, sa) = act_quant(gpu, ws, x, x_rows, *inp, *kpad, *ue8m0, ld)?;
                 let plan = gemm::Plan::new(x_rows, *out, *kpad, gpu.info().multiprocessors as usize);
                 let part = match plan.partial_len(x_rows, *out) {
                     0 => 0,
@@ -257,25 +239,7 @@ impl DLinear {
             }
             // Routed experts' (token, slot) rows and other weight blocks: one warp per output column.
             DLinear::Fp8 { codes, scales, out, inp, kpad, block, ue8m0, .. } => {
-                let groups = kpad / ACT_GROUP;
-                let qa = ws.take::<u8>(gpu.stream(), x_rows * kpad)?;
-                let sa = ws.take::<f32>(gpu.stream(), x_rows * groups)?;
-                launch(
-                    gpu,
-                    "tandem_act_quant",
-                    (groups as u32, x_rows as u32, 1),
-                    32,
-                    0,
-                    &[
-                        Arg::P(x),
-                        Arg::I(*inp as i32),
-                        Arg::I(*kpad as i32),
-                        Arg::I(*ue8m0 as i32),
-                        Arg::P(qa),
-                        Arg::P(sa),
-                        Arg::I(0),
-                    ],
-                )?;
+                let (qa, sa) = act_quant(gpu, ws, x, x_rows, *inp, *kpad, *ue8m0, 0)?;
                 let scale_len = out.div_ceil(block[0]) * inp.div_ceil(block[1]);
                 launch(
                     gpu,
@@ -304,6 +268,41 @@ impl DLinear {
             }
         }
     }
+}
+
+/// Quantizes `x [rows, inp]` per row per 128 channels into workspace codes `[rows, kpad]` and scales:
+/// `[rows, kpad / 128]`, or transposed `[kpad / 128, scale_ld]` with `scale_ld` > 0 (the tensor-core GEMM's).
+#[allow(clippy::too_many_arguments)]
+fn act_quant(
+    gpu: &Gpu,
+    ws: &mut Workspace,
+    x: u64,
+    rows: usize,
+    inp: usize,
+    kpad: usize,
+    ue8m0: bool,
+    scale_ld: usize,
+) -> Result<(u64, u64), CudaError> {
+    let groups = kpad / ACT_GROUP;
+    let qa = ws.take::<u8>(gpu.stream(), rows * kpad)?;
+    let sa = ws.take::<f32>(gpu.stream(), groups * if scale_ld > 0 { scale_ld } else { rows })?;
+    launch(
+        gpu,
+        "tandem_act_quant",
+        (groups as u32, rows as u32, 1),
+        32,
+        0,
+        &[
+            Arg::P(x),
+            Arg::I(inp as i32),
+            Arg::I(kpad as i32),
+            Arg::I(ue8m0 as i32),
+            Arg::P(qa),
+            Arg::P(sa),
+            Arg::I(scale_ld as i32),
+        ],
+    )?;
+    Ok((qa, sa))
 }
 
 pub struct DMlp {
