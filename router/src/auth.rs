@@ -1,12 +1,30 @@
 //! API keys: `--api-key` / `TANDEM_API_KEY` and `--api-keys-file` (one key a line, optionally named), checked on
 //! /v1/* and on every gRPC call, with an optional per-key rate limit. Keys are never logged: a key's name (or
-//! its position in the file) is what logs and errors show.
+//! its position in the file) is what logs and errors show, and an `Args` printed with `{:?}` shows none.
 
 use std::path::Path;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::error::ApiError;
+
+/// An API key as a command-line or environment value: its `Debug` never shows it (an `Args` printed with
+/// `{:?}` shows `<redacted>`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKey(pub String);
+
+impl std::str::FromStr for ApiKey {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(ApiKey(s.to_string()))
+    }
+}
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
 
 /// The keys a router accepts.
 pub struct ApiKeys {
@@ -150,6 +168,14 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_key_given_as_an_argument_never_prints() {
+        let k: super::ApiKey = "sk-secret-value".parse().unwrap();
+        assert_eq!(format!("{k:?}"), "<redacted>");
+        assert!(!format!("{:?}", Some(k.clone())).contains("secret"));
+        assert_eq!(k.0, "sk-secret-value");
+    }
+
     use super::*;
 
     fn file(text: &str) -> tempfile::NamedTempFile {

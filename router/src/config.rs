@@ -60,7 +60,7 @@ pub struct Args {
     pub disable_grpc: bool,
     /// Require 'Authorization: Bearer <key>' (the scheme in any case) on /v1/* and on gRPC calls.
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
-    pub api_key: Option<String>,
+    pub api_key: Option<crate::auth::ApiKey>,
     /// More keys: a file of one key a line, `KEY` or `NAME:KEY` (`#` comments); logs and errors name a key,
     /// never show it. Combines with --api-key.
     #[arg(long, env = "TANDEM_API_KEYS_FILE")]
@@ -200,7 +200,11 @@ impl Args {
 
     /// Checks what clap cannot. Messages name the flag.
     pub fn validate(&self) -> Result<(), String> {
-        crate::auth::ApiKeys::load(self.api_key.as_deref(), self.api_keys_file.as_deref(), self.api_key_rate_limit)?;
+        crate::auth::ApiKeys::load(
+            self.api_key.as_ref().map(|k| k.0.as_str()),
+            self.api_keys_file.as_deref(),
+            self.api_key_rate_limit,
+        )?;
         if self.registry.kind == cluster::DiscoveryKind::Static && (self.prefill.is_empty() || self.decode.is_empty()) {
             return Err("--discovery static needs at least one --prefill ADDR and one --decode ADDR".into());
         }

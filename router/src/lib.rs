@@ -16,6 +16,7 @@
 
 mod admission;
 mod auth;
+pub use auth::ApiKey;
 pub mod config;
 mod error;
 mod flow;

@@ -138,10 +138,13 @@ pub async fn start_with_listeners(
         args.queue_timeout(),
         metrics.clone(),
     ));
-    let api_keys =
-        crate::auth::ApiKeys::load(args.api_key.as_deref(), args.api_keys_file.as_deref(), args.api_key_rate_limit)
-            .map_err(RouterError::Flags)?
-            .map(Arc::new);
+    let api_keys = crate::auth::ApiKeys::load(
+        args.api_key.as_ref().map(|k| k.0.as_str()),
+        args.api_keys_file.as_deref(),
+        args.api_key_rate_limit,
+    )
+    .map_err(RouterError::Flags)?
+    .map(Arc::new);
     if let Some(k) = &api_keys {
         tracing::info!(keys = k.len(), rate_limit_per_minute = ?args.api_key_rate_limit, "API keys required");
     }

@@ -70,9 +70,10 @@ pub struct Args {
     /// Chat template file replacing the checkpoint's.
     #[arg(long)]
     pub chat_template: Option<PathBuf>,
-    /// Require this bearer token on the router.
-    #[arg(long)]
-    pub api_key: Option<String>,
+    /// Require this bearer token on the router (handed to it in its environment, not on its command line,
+    /// where `ps` would show it).
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<router::ApiKey>,
     /// Decode without MTP speculative decoding.
     #[arg(long)]
     pub no_mtp: bool,
@@ -180,6 +181,8 @@ const STABLE_RUN: Duration = Duration::from_secs(60);
 struct Proc {
     name: String,
     args: Vec<String>,
+    /// Environment added to the child's (secrets stay off its command line).
+    env: Vec<(String, String)>,
     child: Child,
     started: Instant,
     /// Consecutive crashes (each one doubles the restart delay).
@@ -188,10 +191,16 @@ struct Proc {
     restart_at: Option<Instant>,
 }
 
-fn start_child(name: &str, args: &[String], ready: Option<mpsc::Sender<(String, String)>>) -> anyhow::Result<Child> {
+fn start_child(
+    name: &str,
+    args: &[String],
+    env: &[(String, String)],
+    ready: Option<mpsc::Sender<(String, String)>>,
+) -> anyhow::Result<Child> {
     let exe = std::env::current_exe().context("locating the tandem binary")?;
     let mut child = Command::new(exe)
         .args(args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -203,10 +212,20 @@ fn start_child(name: &str, args: &[String], ready: Option<mpsc::Sender<(String, 
 }
 
 fn spawn(name: &str, args: &[String], ready: Option<mpsc::Sender<(String, String)>>) -> anyhow::Result<Proc> {
-    let child = start_child(name, args, ready)?;
+    spawn_with_env(name, args, &[], ready)
+}
+
+fn spawn_with_env(
+    name: &str,
+    args: &[String],
+    env: &[(String, String)],
+    ready: Option<mpsc::Sender<(String, String)>>,
+) -> anyhow::Result<Proc> {
+    let child = start_child(name, args, env, ready)?;
     Ok(Proc {
         name: name.to_string(),
         args: args.to_vec(),
+        env: env.to_vec(),
         child,
         started: Instant::now(),
         crashes: 0,
@@ -227,7 +246,7 @@ fn supervise(procs: &mut [Proc]) {
             if now < at {
                 continue;
             }
-            match start_child(&p.name, &p.args, None) {
+            match start_child(&p.name, &p.args, &p.env, None) {
                 Ok(child) => {
                     eprintln!("[{}] restarted (restart {})", p.name, p.crashes);
                     p.child = child;
@@ -492,7 +511,6 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
             ("--max-model-len", a.max_model_len.map(|x| x.to_string())),
             ("--served-model-name", a.served_model_name.clone()),
             ("--chat-template", a.chat_template.as_ref().map(|p| p.display().to_string())),
-            ("--api-key", a.api_key.clone()),
             ("--tls-server-name", a.tls_server_name.clone()),
         ] {
             if let Some(v) = val {
@@ -500,7 +518,9 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
                 r.push(v);
             }
         }
-        procs.push(spawn("router", &r, None)?);
+        let env: Vec<(String, String)> =
+            a.api_key.iter().map(|k| ("TANDEM_API_KEY".to_string(), k.0.clone())).collect();
+        procs.push(spawn_with_env("router", &r, &env, None)?);
         let deadline = Instant::now() + timeout;
         while http_status(&a.host, a.port, "/ready") != Some(200) {
             if Instant::now() > deadline {
@@ -518,7 +538,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
                 .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
                 .unwrap_or_default()
         });
-        let auth = a.api_key.as_ref().map(|k| format!(" -H 'Authorization: Bearer {k}'")).unwrap_or_default();
+        let auth = a.api_key.as_ref().map(|k| format!(" -H 'Authorization: Bearer {}'", k.0)).unwrap_or_default();
         println!("\ntandem is up: {} prefill + {} decode workers, model {name}", a.prefill, a.decode);
         println!("  OpenAI API:  http://{}:{}/v1", a.host, a.port);
         println!("  gRPC:        {}:{}", a.host, a.grpc_port);

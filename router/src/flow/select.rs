@@ -78,7 +78,7 @@ pub fn pair(
         usable_prefills.into_iter().filter(|p| decodes.iter().any(|d| compatible(p, d))).collect();
     if prefills.is_empty() {
         return Err(format!(
-            "No prefill/decode pair can serve model `{model}` now: {usable} prefill and {} decode workers are usable, but no prefill worker has the same model fingerprint as a decode worker (checkpoint, precision, block size or layer count differ)",
+            "No prefill/decode pair can serve model `{model}` now: {usable} prefill and {} decode workers are usable, but no prefill worker has the same model fingerprint as a decode worker (checkpoint, precision, block size, layer count or kv-transfer protocol version differ)",
             decodes.len()
         ));
     }
