@@ -6,9 +6,8 @@ mod support {
     pub mod etcd;
 }
 
-use std::io::Write;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
+
 use std::time::Duration;
 
 use cluster::{
@@ -24,35 +23,13 @@ const PASSWORD: &str = "pw-7f3a9c-never-logged";
 const WRONG_PASSWORD: &str = "wrong-41d2e8-never-logged";
 const ROOT_PASSWORD: &str = "root-pw-0b1e55";
 
-/// Every log line of this test binary, at trace level, to check for secrets.
-fn logs() -> &'static Arc<Mutex<Vec<u8>>> {
-    static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
-    LOGS.get_or_init(|| {
-        let buf = Arc::new(Mutex::new(Vec::new()));
-        let sink = buf.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::TRACE)
-            .with_writer(move || Sink(sink.clone()))
-            .finish();
-        tracing::subscriber::set_global_default(subscriber).expect("one subscriber");
-        buf
-    })
-}
-
-struct Sink(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Sink {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
+/// Every log line of this test binary (to check what was said, and that no secret was).
+fn logs() -> &'static logging::Capture {
+    logging::capture()
 }
 
 fn logged() -> String {
-    String::from_utf8_lossy(&logs().lock().unwrap()).into_owned()
+    logs().text()
 }
 
 fn record(id: &str) -> WorkerRecord {

@@ -5,9 +5,8 @@
 
 mod support;
 
-use std::io::Write;
 use std::path::Path;
-use std::sync::{Arc, Mutex, OnceLock};
+
 use std::time::Duration;
 
 use proto::v1::LoadRequest;
@@ -18,36 +17,13 @@ use tls::diagnose::{Cause, diagnose};
 use tls::test_pki::{Leaf, TestPki};
 use tonic::transport::Endpoint;
 
-/// Every log line of this test binary, to check what the workers say and that no key is in it.
-fn logs() -> &'static Arc<Mutex<Vec<u8>>> {
-    static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
-    LOGS.get_or_init(|| {
-        let buf = Arc::new(Mutex::new(Vec::new()));
-        let sink = buf.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::DEBUG)
-            .with_ansi(false)
-            .with_writer(move || Sink(sink.clone()))
-            .finish();
-        tracing::subscriber::set_global_default(subscriber).expect("one subscriber");
-        buf
-    })
-}
-
-struct Sink(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Sink {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
+/// Every log line of this test binary (to check what was said, and that no secret was).
+fn logs() -> &'static logging::Capture {
+    logging::capture()
 }
 
 fn logged() -> String {
-    String::from_utf8_lossy(&logs().lock().unwrap()).into_owned()
+    logs().text()
 }
 
 fn tls_args(ca: Option<&Path>, leaf: Option<&Leaf>) -> tls::TlsArgs {
