@@ -20,6 +20,9 @@
 #                   per-kernel time breakdown of a decode step
 #         indexer   bench/gpu/indexer_bench.py: the indexer's scorer + top-k, decode and prefill shapes, next to
 #                   the same-run copy bandwidth and a naive PyTorch version (INDEXER_BENCH_ARGS=--quick: fewer)
+#         gemm      bench/gpu/gemm_bench.py: checks and benchmark of the FP8 block-scaled GEMM on every DeepSeek-V3.2
+#                   linear shape, M = 1..8192, next to cuBLASLt (torch._scaled_mm) and the copy bandwidth
+#                   (GEMM_BENCH_ARGS=--quick: fewer)
 #         sparse-mla bench/gpu/sparse_mla_bench.py: checks and benchmark of the sparse MLA decode kernel next to the
 #                   same-run copy bandwidth, bf16 matmul rate, a naive PyTorch version and FlashMLA: with
 #                   FLASHMLA_SRC (a FlashMLA tree with CUTLASS, ENV-NOTES) it is built there first unless built
@@ -195,6 +198,14 @@ phase_sparse_mla() {
     ((rc == 0)) || FAILED+=(sparse-mla)
 }
 
+phase_gemm() {
+    local rc=0
+    python3 bench/gpu/gemm_bench.py ${GEMM_BENCH_ARGS:-} --json "$OUTDIR/gemm.json" >"$OUTDIR/gemm.log" 2>&1 || rc=$?
+    grep -v "^invariance: M\|^check" "$OUTDIR/gemm.log" || true
+    echo "| gemm | bench/gpu/gemm_bench.py | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+    ((rc == 0)) || FAILED+=(gemm)
+}
+
 phase_indexer() {
     local rc=0
     python3 bench/gpu/indexer_bench.py ${INDEXER_BENCH_ARGS:-} --json "$OUTDIR/indexer.json" >"$OUTDIR/indexer.log" 2>&1 || rc=$?
@@ -291,6 +302,7 @@ run() {
         model) phase_model ;;
         bench) phase_bench ;;
         indexer) phase_indexer ;;
+        gemm) phase_gemm ;;
         sparse-mla) phase_sparse_mla ;;
         serve) phase_serve ;;
         all) phase_sass; phase_kernels; phase_loop; phase_model; phase_serve; phase_sanitize ;;
