@@ -19,8 +19,8 @@
 // f32). The stores of a finished tile overlap the producer's loads of the next. Rows past `rows` and
 // columns past `n` are zero-filled by TMA and never stored.
 //
-// Chains: K is cut into `chains` fixed ranges of K blocks (a function of the weight shape and the SM count,
-// engine::cuda::gemm::chains, never of M), each promoted in K order into its own f32 sum, and the chains are
+// Chains: K is cut into `chains` fixed ranges of K blocks (a function of the weight shape alone,
+// engine::cuda::gemm::chains, never of M or the device), each promoted in K order into its own f32 sum, and the chains are
 // added left to right: y = ((c0 + c1) + c2) + ... A launch runs them one of two ways with the same bits:
 // inside each tile one after another (a running total beside the current chain), or, for products too
 // small to fill the GPU (`part` given), as separate units that write their chain sums to `part`, which

@@ -43,13 +43,18 @@ pub fn tile_n(m: usize, n: usize, sms: usize) -> usize {
     if m.div_ceil(BM) * n.div_ceil(128) >= sms { 128 } else { 64 }
 }
 
+/// The SM count chains are sized for: an H100's (132, an H200's too). Fixed, not the device's, so that every
+/// GPU computes a weight shape's products with the same chains and the same bits (a prefill worker's caches
+/// and a decode worker's steps agree even on different GPU models).
+pub const CHAIN_SMS: usize = 132;
+
 /// Chains of a weight shape: K is cut into this many fixed ranges, each summed in K order, and the chains
-/// are added left to right (docs/model.md §2.1). A function of the weight shape and the GPU's SM count,
-/// never of M: enough chains that a one-row-tile product of 64-wide tiles gives every SM a unit (up to 16,
-/// and at most one per K block). Every launch of the shape computes the same chains, split or not.
-pub fn chains(n: usize, kpad: usize, sms: usize) -> usize {
+/// are added left to right (docs/model.md §2.1). A function of the weight shape only, never of M or the
+/// device: enough chains that a one-row-tile product of 64-wide tiles gives each of [`CHAIN_SMS`] SMs a unit
+/// (up to 16, and at most one per K block). Every launch of the shape computes the same chains, split or not.
+pub fn chains(n: usize, kpad: usize) -> usize {
     let pairs = n.div_ceil(64).div_ceil(2).max(1);
-    ((sms / 2) / pairs).clamp(1, 16).min((kpad / BK).max(1))
+    ((CHAIN_SMS / 2) / pairs).clamp(1, 16).min((kpad / BK).max(1))
 }
 
 /// The smallest weight (codes, bytes) whose small products split: DeepSeek-V3.2's smallest projection, the
@@ -70,7 +75,7 @@ pub struct Plan {
 
 impl Plan {
     pub fn new(rows: usize, n: usize, kpad: usize, sms: usize) -> Self {
-        let chains = chains(n, kpad, sms);
+        let chains = chains(n, kpad);
         // Split where an unsplit launch would leave SMs idle, and only for up to two row tiles: the chains'
         // partial sums cost 8 bytes per row, column and chain (measured on kv_a, 13 chains: 1.4x faster
         // than unsplit at M <= 256, 1.8x slower at 1024).
@@ -593,7 +598,7 @@ mod tests {
     #[test]
     fn plans_depend_on_m_only_in_how_they_run() {
         for (n, kpad) in [(1536, 7168), (576, 7168), (24576, 1536), (7168, 2048), (128, 7168), (300, 256)] {
-            let c = chains(n, kpad, 132);
+            let c = chains(n, kpad);
             assert!((1..=16).contains(&c) && c <= kpad / BK, "{n}x{kpad}: {c}");
             for m in [1, 64, 128, 129, 256, 1024, 4096, 8192] {
                 let p = Plan::new(m, n, kpad, 132);
@@ -612,6 +617,8 @@ mod tests {
         // The small projections split at decode sizes; the large ones never need to.
         assert!(Plan::new(64, 1536, 7168, 132).split);
         assert!(!Plan::new(64, 36864, 7168, 132).split);
-        assert_eq!(chains(36864, 7168, 132), 1);
+        assert_eq!(chains(36864, 7168), 1);
+        // The chains do not depend on the device; only whether a launch splits them does.
+        assert_eq!(Plan::new(64, 1536, 7168, 114).chains, Plan::new(64, 1536, 7168, 132).chains);
     }
 }
