@@ -5,14 +5,14 @@
 // block scales ws [ceil(n / 128), scale_cols]; kpad a multiple of 128 with zero codes past K. y: f32 or bf16
 // [rows, n]. The three operands arrive as TMA tensor maps (engine::cuda::gemm::TensorMap).
 //
-// Persistent clusters of two CTAs, at most one CTA per SM. A cluster walks cluster tiles t = cluster,
-// cluster + clusters, ...; a cluster tile is one 128-row block of output rows and two adjacent BN-column
-// tiles (BN 128, or 64 where 128-wide tiles would leave SMs idle), one per CTA. Each CTA has three
-// warpgroups. The first is the producer: one thread issues, per K block of 128, a TMA load of its half of
-// the shared A tile [64 x 128] multicast into both CTAs (the pair reads A from L2 once) and of its own B
-// tile [BN x 128], straight into the 128-byte-swizzled layout wgmma reads, and of the block's 128 row
-// scales, STAGES blocks in flight through
-// full/empty mbarriers (a stage is free when the consumers of both CTAs are done with it). The other two
+// Persistent clusters of two CTAs, at most one CTA per SM. A cluster walks its units u = cluster,
+// cluster + clusters, ...; a unit is a cluster tile (one 128-row block of output rows and two adjacent
+// BN-column tiles, one per CTA; BN 128, or 64 where 128-wide tiles would leave SMs idle), or one chain of
+// one (below). Each CTA has three warpgroups. The first is the producer: one thread issues, per K block of
+// 128, TMA loads of its half of the shared A tile [64 x 128] multicast into both CTAs (the pair reads A
+// from L2 once), of its own B tile [BN x 128] (both straight into the 128-byte-swizzled layout wgmma
+// reads) and of the block's 128 row scales, STAGES blocks in flight through full/empty mbarriers (a stage
+// is free when the consumers of both CTAs are done with it). The other two
 // are consumers of 64 rows each: per K block four m64nBNk32 wgmma k-steps into a fresh accumulator, a wait,
 // the stage freed, then the promotion final = fma(acc, sa[row] * ws, final) (DeepGEMM's per-block
 // promotion: the tensor core's own FP8 accumulation is short, the 128-block scales are applied exactly in
@@ -20,8 +20,8 @@
 // columns past `n` are zero-filled by TMA and never stored.
 //
 // Chains: K is cut into `chains` fixed ranges of K blocks (a function of the weight shape alone,
-// engine::cuda::gemm::chains, never of M or the device), each promoted in K order into its own f32 sum, and the chains are
-// added left to right: y = ((c0 + c1) + c2) + ... A launch runs them one of two ways with the same bits:
+// engine::cuda::gemm::chains, never of M or the device), each promoted in K order into its own f32 sum,
+// and the chains are added left to right: y = ((c0 + c1) + c2) + ... A launch runs them one of two ways with the same bits:
 // inside each tile one after another (a running total beside the current chain), or, for products too
 // small to fill the GPU (`part` given), as separate units that write their chain sums to `part`, which
 // tandem_gemm_fp8_combine adds in chain order. That is a split-K whose split never depends on M.
@@ -55,7 +55,6 @@
 struct alignas(64) TandemTensorMap {
     unsigned long long opaque[16];
 };
-
 
 // A 2-D TMA load of the box at (x: innermost, in elements; y: row) into shared memory, completing on `bar`.
 __device__ __forceinline__ void gemm_tma_2d(u32 dst, const TandemTensorMap* map, int x, int y, u32 bar) {
