@@ -45,13 +45,10 @@ __device__ __forceinline__ u32 tandem_peer(u32 a, u32 peer_rank) {
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(peer_rank));
     return r;
 }
-// An arrival on a peer's mbarrier releasing this thread's prior writes at cluster scope (the peer reads
-// them after its wait): a MEMBAR, use it only where the peer reads what this thread wrote.
-__device__ __forceinline__ void tandem_mbar_arrive_remote(u32 peer_bar) {
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(peer_bar) : "memory");
-}
 // An arrival on a peer's mbarrier with CTA-scope release (CUTLASS's ClusterBarrier::arrive(cta_id)): for
-// "done reading the buffer you write", where the reads were by wgmma/TMA and already waited on.
+// "done reading the buffer you write", where the reads are complete (their values used). A cluster-scope
+// release (`.release.cluster`) would put a MEMBAR before every such arrival: measured, half the GEMM's
+// speed and 5-6% of the sparse MLA decode's.
 __device__ __forceinline__ void tandem_mbar_arrive_remote_cta(u32 peer_bar) {
     asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(peer_bar) : "memory");
 }
