@@ -52,11 +52,14 @@ impl RouterHandle {
         }
     }
 
-    /// Waits until a server task ends (an error, or shutdown from elsewhere).
+    /// Waits until a server task ends (an error, or shutdown from elsewhere). Cancel-safe: the tasks stay in
+    /// the handle, so a `shutdown` after a cancelled wait (the signal came first) still waits for them.
     async fn wait(&mut self) -> Result<(), RouterError> {
-        let tasks = std::mem::take(&mut self.tasks);
-        let (res, _, rest) = futures::future::select_all(tasks).await;
-        self.tasks = rest;
+        if self.tasks.is_empty() {
+            return Ok(());
+        }
+        let (res, i, _) = futures::future::select_all(self.tasks.iter_mut()).await;
+        self.tasks.remove(i);
         match res {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(RouterError::Serve(e)),
