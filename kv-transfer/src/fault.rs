@@ -5,10 +5,13 @@
 //!   partially written request).
 //! - `stall_after_layer:N:MSms`: the shipping thread sleeps MS milliseconds after layer N landed (a hung
 //!   prefill: deadlines expire, aborts arrive mid-transfer).
+//! - `stall_once_after_layer:N:MSms`: the same, for the first transfer of this process only (holds one
+//!   request mid-transfer; the later ones run normally).
 //!
 //! Only builds with the `fault-injection` feature honour the variable (every `cargo test` build has it);
 //! other builds log that they ignore it.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 pub const FAULT_ENV: &str = "TANDEM_KV_FAULT";
@@ -17,7 +20,11 @@ pub const FAULT_ENV: &str = "TANDEM_KV_FAULT";
 pub enum Fault {
     KillAfterLayer(u32),
     StallAfterLayer(u32, Duration),
+    StallOnceAfterLayer(u32, Duration),
 }
+
+/// Whether a `StallOnceAfterLayer` fired in this process.
+static STALLED_ONCE: AtomicBool = AtomicBool::new(false);
 
 impl Fault {
     pub fn parse(s: &str) -> Result<Fault, String> {
@@ -25,12 +32,19 @@ impl Fault {
         let layer = |p: &str| p.parse::<u32>().map_err(|_| format!("{FAULT_ENV}: bad layer {p:?} in {s:?}"));
         match parts.as_slice() {
             ["kill_after_layer", l] => Ok(Fault::KillAfterLayer(layer(l)?)),
-            ["stall_after_layer", l, d] => {
+            [kind @ ("stall_after_layer" | "stall_once_after_layer"), l, d] => {
                 let ms = d.strip_suffix("ms").unwrap_or(d);
                 let ms = ms.parse::<u64>().map_err(|_| format!("{FAULT_ENV}: bad duration {d:?} in {s:?}"))?;
-                Ok(Fault::StallAfterLayer(layer(l)?, Duration::from_millis(ms)))
+                let (l, d) = (layer(l)?, Duration::from_millis(ms));
+                Ok(if *kind == "stall_after_layer" {
+                    Fault::StallAfterLayer(l, d)
+                } else {
+                    Fault::StallOnceAfterLayer(l, d)
+                })
             }
-            _ => Err(format!("{FAULT_ENV}={s:?}: expected kill_after_layer:N or stall_after_layer:N:MSms")),
+            _ => Err(format!(
+                "{FAULT_ENV}={s:?}: expected kill_after_layer:N, stall_after_layer:N:MSms or stall_once_after_layer:N:MSms"
+            )),
         }
     }
 
@@ -52,7 +66,7 @@ impl Fault {
 
     pub fn layer(&self) -> u32 {
         match *self {
-            Fault::KillAfterLayer(l) | Fault::StallAfterLayer(l, _) => l,
+            Fault::KillAfterLayer(l) | Fault::StallAfterLayer(l, _) | Fault::StallOnceAfterLayer(l, _) => l,
         }
     }
 
@@ -70,6 +84,11 @@ impl Fault {
                 tracing::warn!(request_id, layer = l, ms = d.as_millis() as u64, "fault injection: stalling");
                 std::thread::sleep(d);
             }
+            Fault::StallOnceAfterLayer(l, d) => {
+                if !STALLED_ONCE.swap(true, Ordering::Relaxed) {
+                    Fault::StallAfterLayer(l, d).fire(request_id);
+                }
+            }
         }
     }
 }
@@ -86,6 +105,10 @@ mod tests {
             Ok(Fault::StallAfterLayer(3, Duration::from_millis(5000)))
         );
         assert_eq!(Fault::parse("stall_after_layer:0:20"), Ok(Fault::StallAfterLayer(0, Duration::from_millis(20))));
+        assert_eq!(
+            Fault::parse("stall_once_after_layer:1:3000ms"),
+            Ok(Fault::StallOnceAfterLayer(1, Duration::from_millis(3000)))
+        );
         for bad in ["", "kill", "kill_after_layer:x", "stall_after_layer:1", "stall_after_layer:1:fast", "boom:1"] {
             assert!(Fault::parse(bad).is_err(), "{bad:?}");
         }
