@@ -8,7 +8,9 @@
 //!   threads.
 //! - [`prefix_cache`]: automatic prefix caching of full blocks.
 //! - [`metrics`]: Prometheus metrics.
+//! - [`fault`]: the test builds' stall of the first batch (`TANDEM_PREFILL_FAULT`).
 
+pub mod fault;
 pub mod metrics;
 pub mod prefix_cache;
 pub mod scheduler;
@@ -60,6 +62,7 @@ pub async fn serve(args: Args, model: Arc<LoadedModel>) -> anyhow::Result<()> {
             max_num_seqs: args.serve.max_num_seqs,
             max_num_batched_tokens: args.serve.max_num_batched_tokens,
             prefix_caching: !args.no_prefix_caching,
+            fault: fault::Fault::from_env().map_err(anyhow::Error::msg)?,
         },
         tokio::runtime::Handle::current(),
     )

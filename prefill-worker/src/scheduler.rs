@@ -121,6 +121,8 @@ pub struct Config {
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
     pub prefix_caching: bool,
+    /// The test builds' fault knob ([`crate::fault`]); fires before the first batch.
+    pub fault: Option<crate::fault::Fault>,
 }
 
 /// What helper threads report.
@@ -471,6 +473,10 @@ impl Prefill {
         if n == 0 {
             return;
         }
+        if let Some(f) = self.config.fault.take() {
+            let ids: Vec<&str> = self.active[..n].iter().map(|a| a.req.id.as_str()).collect();
+            f.fire(&ids);
+        }
         let finishing: Vec<bool> =
             self.active[..n].iter().zip(&chunks).map(|(a, &c)| a.state.fed + c == a.state.prefill_len).collect();
         let tokens: usize = chunks.iter().sum();
@@ -666,7 +672,7 @@ mod tests {
         )
         .unwrap();
         let metrics = Arc::new(PrefillMetrics::new(&prometheus::Registry::new()).unwrap());
-        let config = Config { max_num_seqs, max_num_batched_tokens: 96, prefix_caching };
+        let config = Config { max_num_seqs, max_num_batched_tokens: 96, prefix_caching, fault: None };
         let drain = Drain::new();
         let runtime = tokio::runtime::Handle::current();
         let sched = Scheduler::start(model.clone(), sender, metrics, drain.clone(), config, runtime).unwrap();
