@@ -49,6 +49,11 @@ pub struct Proc {
 }
 
 impl Proc {
+    /// The whole log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
     pub fn log_tail(&self) -> String {
         let s = std::fs::read_to_string(&self.log).unwrap_or_default();
         let lines: Vec<&str> = s.lines().collect();
@@ -63,6 +68,8 @@ pub struct Cluster {
     pub cluster: String,
     /// The checkpoint every process serves.
     pub model: PathBuf,
+    /// The router's command line, for a restart on the same ports.
+    router_args: Vec<String>,
     dir: tempfile::TempDir,
 }
 
@@ -87,12 +94,25 @@ impl Cluster {
 
     /// As `start`, serving the checkpoint in `model`.
     pub fn start_with_model(model: &Path) -> Option<Cluster> {
+        Cluster::start_with_router_args(model, &[])
+    }
+
+    /// As `start_with_model`, with more router flags.
+    pub fn start_with_router_args(model: &Path, extra: &[String]) -> Option<Cluster> {
         let etcd = Etcd::start()?;
         let dir = tempfile::tempdir().expect("tempdir");
         let cluster = format!("e2e-{}", std::process::id());
-        let mut c = Cluster { etcd, procs: Vec::new(), http: String::new(), cluster, model: model.to_path_buf(), dir };
+        let mut c = Cluster {
+            etcd,
+            procs: Vec::new(),
+            http: String::new(),
+            cluster,
+            model: model.to_path_buf(),
+            router_args: Vec::new(),
+            dir,
+        };
         let port = free_port();
-        let args: Vec<String> = [
+        let mut args: Vec<String> = [
             "router",
             "--model",
             model.to_str().unwrap(),
@@ -116,9 +136,28 @@ impl Cluster {
         .iter()
         .map(|s| s.to_string())
         .collect();
+        args.extend_from_slice(extra);
         c.spawn("router", &args, &[], false);
+        c.router_args = args;
         c.http = format!("http://127.0.0.1:{port}");
         Some(c)
+    }
+
+    /// Stops the router (SIGTERM and a wait for its graceful exit, or SIGKILL as a crash) and starts a new
+    /// one on the same ports.
+    pub fn restart_router(&mut self, graceful: bool) {
+        let i = self.procs.iter().position(|p| p.name == "router").expect("a router");
+        let mut old = self.procs.remove(i);
+        if graceful {
+            // SAFETY: kill(2) on a process this harness started.
+            unsafe { libc::kill(old.child.id() as i32, libc::SIGTERM) };
+        } else {
+            let _ = old.child.kill();
+        }
+        let _ = old.child.wait();
+        let _ = std::fs::rename(&old.log, self.dir.path().join(format!("router-{}.log", old.child.id())));
+        let args = self.router_args.clone();
+        self.spawn("router", &args, &[], false);
     }
 
     fn spawn(&mut self, name: &str, args: &[String], env: &[(String, String)], wait_ready: bool) -> usize {
@@ -238,6 +277,18 @@ impl Cluster {
             .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
             .collect();
         (!vals.is_empty()).then(|| vals.iter().sum())
+    }
+
+    /// The logs of the routers stopped by `restart_router`.
+    pub fn old_router_logs(&self) -> String {
+        let mut out = String::new();
+        for e in std::fs::read_dir(self.dir.path()).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with("router-") {
+                out += &format!("== {name}\n{}\n", std::fs::read_to_string(e.path()).unwrap_or_default());
+            }
+        }
+        out
     }
 
     pub fn logs(&self) -> String {

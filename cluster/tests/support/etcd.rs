@@ -124,6 +124,11 @@ impl Etcd {
         self.spawn();
     }
 
+    /// The running etcd's process id (to stop and continue it).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// The client port, for a URL of another scheme than etcd serves.
     pub fn client_port(&self) -> u16 {
         self.client_port
