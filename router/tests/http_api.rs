@@ -419,6 +419,29 @@ async fn a_prefill_failure_before_the_first_token_is_retried_on_another_prefill_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_failure_reported_by_decode_before_the_first_token_is_retried_on_another_prefill_worker() {
+    // A prefill worker that dies or stalls mid-transfer: the decode worker reports the failed transfer before
+    // the Prefill call fails. Nothing was generated yet, so the request goes to another prefill worker.
+    let c = Cluster::start(Options {
+        prefill: 2,
+        args: vec!["--prefill-policy".into(), "round-robin".into()],
+        ..Default::default()
+    })
+    .await;
+    c.prefill[0].knobs.transfer_failures.store(1000, Ordering::Relaxed);
+    for _ in 0..4 {
+        let (s, body) = c.post_json("/v1/completions", json!({"prompt": "x", "max_tokens": 50})).await;
+        assert_eq!(s, 200, "{body}");
+        assert_eq!(body["choices"][0]["text"], REPLY);
+    }
+    let (p0, p1) = (c.prefill[0].log().prefills.len(), c.prefill[1].log().prefills.len());
+    assert!(p0 >= 1, "round-robin sent something to p0");
+    assert_eq!(p1, 4, "every request was served by p1");
+    let metrics = c.http.get(c.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains(&format!("tandem_router_retries_total{{reason=\"prefill_failed\"}} {p0}")), "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retries_are_bounded_and_the_error_names_the_failure() {
     let c = Cluster::start(Options { args: vec!["--max-retries".into(), "1".into()], ..Default::default() }).await;
     c.prefill[0].knobs.prefill_failures.store(100, Ordering::Relaxed);

@@ -363,10 +363,21 @@ impl<'a> Attempt<'a> {
                 }
                 let failed = f.reason == proto::v1::FinishReason::Error as i32;
                 let reason = finish_reason(f.reason);
+                let prefill_pending = call.is_some();
                 if let Some(call) = call
                     && !failed
                 {
                     return ControlFlow::Continue(State::AwaitPrefill { call, finish: Some(reason) });
+                }
+                if failed && prefill_pending && !self.progressed() {
+                    // The transfer failed before any token (a prefill worker dead or stalled mid-transfer), and
+                    // the decode side said so before the Prefill call did: retried like a prefill failure, on
+                    // another prefill worker with a fresh reservation. The guard aborts the pending prefill.
+                    self.guard.reason = "transfer failed; retrying elsewhere";
+                    return ControlFlow::Break(AttemptEnd::RetryPrefill(format!(
+                        "decode worker {} reported: {}",
+                        decode.id, f.error
+                    )));
                 }
                 self.guard.prefill = None;
                 if failed {

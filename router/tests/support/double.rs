@@ -29,6 +29,9 @@ pub struct Knobs {
     pub prefill_delay_ms: AtomicU64,
     /// The next N Prefill calls fail with UNAVAILABLE.
     pub prefill_failures: AtomicU32,
+    /// The next N Prefill calls lose their transfer: the decode side reports it first (a `Finished` with
+    /// reason ERROR, as a real decode worker does), then the Prefill call fails.
+    pub transfer_failures: AtomicU32,
     /// Decode refuses reservations with RESOURCE_EXHAUSTED.
     pub decode_full: AtomicBool,
     /// Decode preempts once after this many streamed tokens (0 = never).
@@ -51,6 +54,7 @@ impl Default for Knobs {
             token_interval_us: AtomicU64::new(0),
             prefill_delay_ms: AtomicU64::new(0),
             prefill_failures: AtomicU32::new(0),
+            transfer_failures: AtomicU32::new(0),
             decode_full: AtomicBool::new(false),
             preempt_after: AtomicU32::new(0),
             tokens_per_event: AtomicU32::new(1),
@@ -84,6 +88,8 @@ enum Handoff {
     Complete,
     /// Prefill finished the request; release the blocks.
     Release,
+    /// The transfer failed (the reason).
+    Fail(String),
 }
 
 pub struct Double {
@@ -215,6 +221,14 @@ impl PrefillWorker for PrefillDouble {
         if t.fingerprint.as_ref() != Some(&s.fingerprint) {
             return Err(Status::failed_precondition("fingerprint mismatch"));
         }
+        if s.knobs.transfer_failures.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1)).is_ok() {
+            if let Some(sender) = s.fabric.waiting.lock().unwrap().remove(&t.transfer_token) {
+                let _ = sender.send(Handoff::Fail(format!("cache transfer failed: {}: injected", s.id)));
+            }
+            // The decode side's report reaches the router first.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            return Err(Status::unavailable(format!("{}: injected transfer failure", s.id)));
+        }
         let sampling = req.sampling.unwrap_or_default();
         let prompt = &req.token_ids[..req.num_prompt_tokens as usize];
         let (out, reason) = output(s, prompt, &sampling);
@@ -336,6 +350,10 @@ async fn run_decode(
     match handoff {
         Ok(Handoff::Complete) => {}
         Ok(Handoff::Release) => return true,
+        Ok(Handoff::Fail(error)) => {
+            let fin = Finished { reason: FinishReason::Error as i32, error, ..Default::default() };
+            return tx.send(Ok(DecodeEvent { event: Some(Ev::Finished(fin)) })).await.is_ok();
+        }
         Err(_) => return tx.is_closed(),
     }
     let prompt = &req.token_ids[..req.num_prompt_tokens as usize];
