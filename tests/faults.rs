@@ -20,7 +20,8 @@
 //!
 //! A SIGSTOP lasts longer than `--prefill-timeout-secs` and the workers' etcd lease, so the router's
 //! timeouts are what end the wait. Some outcomes are asserted exactly: etcd faults, a graceful router
-//! restart and prefill faults once decoding started leave the request complete. Every cell prints one
+//! restart and prefill faults once decoding started leave the request complete; a prefill fault before the
+//! first token is retried (and, with no other prefill worker, answered 503). Every cell prints one
 //! `fault-matrix:` line (cell, outcomes, when answered, when idle and serving again); RELIABILITY.md has the
 //! table. The eight rows run two at a time (cargo's test threads), about 2.5 minutes on 2 cores.
 
@@ -397,6 +398,11 @@ async fn cell(target: Target, fault: Fault, stage: Stage, salt: u64) {
         let unaffected = target == Target::Etcd
             || fault == Fault::Restart
             || (target == Target::Prefill && stage == Stage::Decoding);
+        // A prefill fault before the first token is retried on another prefill worker; the cluster has none,
+        // so the answer is the retry's 503 (the decode worker's failed transfer must not end it as a 502).
+        if target == Target::Prefill && stage != Stage::Decoding {
+            assert!(matches!(a, Answer::Status(503, _)), "{target:?} {fault:?} at {stage:?}: {a:?}\n{}", c.logs());
+        }
         if unaffected {
             let logs = format!("{}{}", c.old_router_logs(), c.logs());
             assert!(matches!(a, Answer::Completed), "{target:?} {fault:?} at {stage:?}: {a:?}\n{logs}");
