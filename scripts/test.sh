@@ -53,6 +53,11 @@ cargo test --workspace --all-targets "$@"
 # The command images use to fill a kernel cache, checked end to end: NVRTC for sm_90a, then cuobjdump -sass.
 cargo run -q --bin tandem -- compile-kernels --arch sm_90a --out "$(mktemp -d)" --check-sass
 
+# Overload (issue 24): open-loop load at twice the measured capacity against `tandem up` for 20 s: every
+# request ends with a response or a clean 429/503, the cluster returns to idle and serves again, memory stays
+# bounded (scripts/soak.py; `--minutes 10` is the soak in bench/RESULTS.md).
+"$TANDEM_PYTHON" scripts/soak.py --seconds 20 --tandem target/debug/tandem
+
 # The Helm chart and Dockerfile: lint, render, offline schema validation, --check-config on every rendered
 # command, and a boot of the CPU/tiny values as local processes (deploy/README.md).
 deploy/scripts/check.sh
