@@ -5,7 +5,9 @@
 #
 #   TANDEM_FUZZ_CASES=100000 scripts/fuzz.sh [target ...]
 #
-# Targets (default: all): http grpc schemathesis kv-frames kv-descriptors config safetensors tokenizer.
+# Targets (default: all): http grpc schemathesis kv-frames kv-ucx kv-descriptors config safetensors tokenizer.
+# kv-ucx sets up a UCX endpoint per case (about a second each): give it fewer cases, e.g.
+# TANDEM_FUZZ_CASES=2000 scripts/fuzz.sh kv-ucx.
 # schemathesis runs TANDEM_FUZZ_CASES / 100 examples per operation and needs the venv scripts/test.sh makes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,12 +20,13 @@ declare -A TESTS=(
     [grpc]="-p router --test fuzz grpc_requests"
     [schemathesis]="-p router --test fuzz schemathesis"
     [kv-frames]="-p kv-transfer --test fuzz wire_frames"
+    [kv-ucx]="-p kv-transfer --test fuzz_ucx"
     [kv-descriptors]="-p kv-transfer --test fuzz a_descriptor"
     [config]="-p engine --test fuzz config"
     [safetensors]="-p engine --test fuzz safetensors"
     [tokenizer]="-p text --test fuzz"
 )
-ORDER=(http grpc schemathesis kv-frames kv-descriptors config safetensors tokenizer)
+ORDER=(http grpc schemathesis kv-frames kv-ucx kv-descriptors config safetensors tokenizer)
 
 targets=("$@")
 ((${#targets[@]})) || targets=("${ORDER[@]}")
@@ -33,6 +36,7 @@ done
 
 # Build once, quietly, so the timings below are the runs.
 cargo test -q -p router -p kv-transfer -p engine -p text --test fuzz --no-run || exit 1
+cargo test -q -p kv-transfer --test fuzz_ucx --no-run || exit 1
 
 logs=$(mktemp -d)
 summary=()
