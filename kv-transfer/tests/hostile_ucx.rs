@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 use kv_cache::{BlockPool, KvCache, LayerIdx};
 use kv_transfer::transport::ucx::{CONTROL_INFLIGHT, STRANGER_EPS, STRANGER_TTL};
 use kv_transfer::{
-    ExpectRequest, KvReceiver, KvSender, ReceiverConfig, SenderConfig, TransferError, TransferOutcome, TransportConfig,
-    testkit,
+    KvReceiver, KvSender, ReceiverConfig, SenderConfig, TransferError, TransferOutcome, TransportConfig, testkit,
 };
 use proto::v1::transfer_control::Body;
 use proto::v1::{GeneratedToken, TransferAbort, TransferAck, TransferComplete, TransferDescriptor};
@@ -36,15 +35,7 @@ fn receiver() -> Receiver {
 
 impl Receiver {
     fn expect(&self, id: &str) -> (TransferDescriptor, kv_transfer::PendingTransfer) {
-        let blocks = self.pool.reserve(id, 64).unwrap();
-        let req = ExpectRequest {
-            request_id: id.into(),
-            blocks,
-            num_tokens: 64,
-            timeout: Duration::from_secs(60),
-            verify_checksum: true,
-        };
-        self.recv.expect(req).unwrap()
+        raw_ucx::expect64(&self.recv, &self.pool, id)
     }
 
     /// A real sender moves a request end to end.

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use kv_cache::{BlockId, BlockPool, KvCache, LayerIdx};
 use kv_transfer::transport::WriteHeader;
 use kv_transfer::{
-    ExpectRequest, KvReceiver, KvSender, PendingTransfer, ReceiverConfig, SenderConfig, TransferError, TransferOutcome,
+    KvReceiver, KvSender, PendingTransfer, ReceiverConfig, SenderConfig, TransferError, TransferOutcome,
     TransportConfig, testkit,
 };
 use proto::v1::transfer_control::Body;
@@ -50,15 +50,7 @@ fn receiver_over(one_sided_puts: bool, tls: Option<&str>) -> Receiver {
 
 impl Receiver {
     fn expect(&self, id: &str) -> (TransferDescriptor, PendingTransfer) {
-        let blocks = self.pool.reserve(id, 64).unwrap();
-        let req = ExpectRequest {
-            request_id: id.into(),
-            blocks,
-            num_tokens: 64,
-            timeout: Duration::from_secs(60),
-            verify_checksum: true,
-        };
-        self.recv.expect(req).unwrap()
+        raw_ucx::expect64(&self.recv, &self.pool, id)
     }
 
     /// Every byte of the pool.

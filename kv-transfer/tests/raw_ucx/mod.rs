@@ -7,12 +7,14 @@ use std::ptr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kv_cache::BlockPool;
 use kv_transfer::transport::WriteHeader;
 use kv_transfer::transport::lanes::{decode_address, encode_address};
 use kv_transfer::transport::ucx::api::{self, StatusPtr, classify};
 use kv_transfer::transport::ucx::host::host_id;
 use kv_transfer::transport::ucx::sys::*;
 use kv_transfer::transport::ucx::{AM_CONTROL, AM_DATA};
+use kv_transfer::{ExpectRequest, KvReceiver, PendingTransfer};
 use prost::Message;
 use proto::v1::transfer_control::Body;
 use proto::v1::{TransferBegin, TransferControl, TransferDescriptor};
@@ -317,6 +319,20 @@ impl Drop for Raw {
             (self.lib.ucp_cleanup)(self.ctx);
         }
     }
+}
+
+/// Expects a 64-token request `id` on `recv` over a fresh reservation in `pool` (60 s deadline, checksum
+/// verified): what every UCX hostile and fuzz test sets up before it attacks.
+pub fn expect64(recv: &KvReceiver, pool: &BlockPool, id: &str) -> (TransferDescriptor, PendingTransfer) {
+    let blocks = pool.reserve(id, 64).unwrap();
+    let req = ExpectRequest {
+        request_id: id.into(),
+        blocks,
+        num_tokens: 64,
+        timeout: Duration::from_secs(60),
+        verify_checksum: true,
+    };
+    recv.expect(req).unwrap()
 }
 
 /// The receiver's control worker (lane 0) from a descriptor.
