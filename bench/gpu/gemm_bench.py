@@ -163,7 +163,7 @@ class Gemm:
                 ctypes.c_int32(chains), ctypes.c_int32(m), ctypes.c_int32(n), ctypes.c_int32(kpad)]
         params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
         units = -(-m // BM) * ((-(-n // bn) + 1) // 2) * (chains if split else 1)
-        grid = 2 * min(units, int(os.environ.get("GEMM_CLUSTERS", self.sms // 2)))
+        grid = 2 * min(units, self.sms // 2)  # persistent clusters of two, one CTA per SM at most
         count = m * n
         cvals = [ctypes.c_uint64(part.data_ptr()), ctypes.c_int32(chains), ctypes.c_int64(count),
                  ctypes.c_uint64(y.data_ptr())]

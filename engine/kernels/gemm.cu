@@ -310,23 +310,22 @@ extern "C" __global__ void tandem_gemm_fp8_combine_bf16(const float* __restrict_
 }
 
 // The entry points: output tile width 128 or 64, f32 or bf16 out. Launch: a grid of an even number of CTAs
-// (clusters of two), at most one per SM (persistent: each cluster walks tiles t = cluster, cluster +
+// (clusters of two), at most one per SM (persistent: each cluster walks units u = cluster, cluster +
 // clusters, ...), 384 threads, dynamic shared memory engine::cuda::gemm::smem_bytes.
-#define GEMM_CLUSTER_DIMS __cluster_dims__(2, 1, 1)
 #define GEMM_PARAMS                                                                                               \
     const __grid_constant__ TandemTensorMap ta, const __grid_constant__ TandemTensorMap tb,                      \
         const __grid_constant__ TandemTensorMap tsa, const float *__restrict__ ws, int scale_cols,                \
         void *__restrict__ y, float *__restrict__ part, int chains, int rows, int n, int kpad
 
-extern "C" __global__ void GEMM_CLUSTER_DIMS __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n128_f32(GEMM_PARAMS) {
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n128_f32(GEMM_PARAMS) {
     gemm_fp8_body<128, GEMM_STAGES_128, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad);
 }
-extern "C" __global__ void GEMM_CLUSTER_DIMS __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n64_f32(GEMM_PARAMS) {
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n64_f32(GEMM_PARAMS) {
     gemm_fp8_body<64, GEMM_STAGES_64, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad);
 }
-extern "C" __global__ void GEMM_CLUSTER_DIMS __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n128_bf16(GEMM_PARAMS) {
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n128_bf16(GEMM_PARAMS) {
     gemm_fp8_body<128, GEMM_STAGES_128, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad);
 }
-extern "C" __global__ void GEMM_CLUSTER_DIMS __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n64_bf16(GEMM_PARAMS) {
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n64_bf16(GEMM_PARAMS) {
     gemm_fp8_body<64, GEMM_STAGES_64, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad);
 }
