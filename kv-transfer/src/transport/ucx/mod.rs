@@ -33,7 +33,7 @@ use kv_cache::KvCache;
 use proto::v1::{MemoryRegion, TransportEndpoint};
 
 use self::link::{SenderSink, UcxLink};
-pub use self::node::{AM_CONTROL, AM_DATA, CONTROL_INFLIGHT, CONTROL_QUEUE, MAX_CONTROL_BYTES};
+pub use self::node::{AM_CONTROL, AM_DATA, CONTROL_INFLIGHT, CONTROL_QUEUE, MAX_CONTROL_BYTES, progress_threads};
 use self::node::{Node, NodeOwner, Sink};
 use self::serve::ReceiverSink;
 pub use self::serve::{STRANGER_EPS, STRANGER_TTL};

@@ -7,7 +7,7 @@ use std::collections::{HashMap, VecDeque};
 use std::ffi::CString;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::{Arc, Condvar, Mutex, Weak, mpsc};
 use std::time::{Duration, Instant};
 
 use prost::Message;
@@ -185,12 +185,14 @@ impl Node {
                             wake_fd,
                             alive: AtomicBool::new(true),
                         });
+                        live::enter(id, &node);
                         init2.set(Ok(node.clone()));
                         // SAFETY: same thread.
                         unsafe { st.run(&node, rx, sink) };
                         node.alive.store(false, Ordering::SeqCst);
                         // SAFETY: same thread; every request was completed or cancelled by run().
                         unsafe { st.destroy() };
+                        live::leave(id);
                     }
                     Err(e) => {
                         init2.set(Err(e));
@@ -293,6 +295,79 @@ impl Drop for Node {
         unsafe { libc::close(self.wake_fd) };
     }
 }
+
+/// The progress threads of this process, so that its exit can stop them first. libucs's destructors tear
+/// down UCX's object registry (its VFS) without a lock; a progress thread still draining or destroying its
+/// worker then (dropping a node only asks its thread to stop, and the drain takes 50-500 ms) corrupts it,
+/// and libucs aborts the exit (UCX 1.13: "vfs_obj.c: Assertion `khiter != ...` failed"). An `atexit`
+/// handler, registered after libucp is loaded and so run before its destructors, asks every running node to
+/// stop and waits for their threads to destroy their workers.
+mod live {
+    use super::*;
+
+    /// How long process exit waits for the progress threads (each drains for at most 500 ms).
+    const EXIT_WAIT: Duration = Duration::from_secs(5);
+
+    struct Registry {
+        nodes: Mutex<HashMap<u64, (Weak<Node>, std::thread::ThreadId)>>,
+        gone: Condvar,
+    }
+
+    fn registry() -> &'static Registry {
+        static R: std::sync::OnceLock<Registry> = std::sync::OnceLock::new();
+        R.get_or_init(|| {
+            // SAFETY: registering a plain extern "C" function.
+            if unsafe { libc::atexit(stop_all) } != 0 {
+                tracing::warn!("could not register the UCX exit handler; exit may race the progress threads");
+            }
+            Registry { nodes: Mutex::new(HashMap::new()), gone: Condvar::new() }
+        })
+    }
+
+    /// Called on the progress thread once its node exists.
+    pub(super) fn enter(id: u64, node: &Arc<Node>) {
+        let r = registry();
+        r.nodes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, (Arc::downgrade(node), std::thread::current().id()));
+    }
+
+    /// Called on the progress thread after its worker and context are destroyed.
+    pub(super) fn leave(id: u64) {
+        let r = registry();
+        r.nodes.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+        r.gone.notify_all();
+    }
+
+    /// UCX progress threads running in this process (a node's thread counts until its worker and context
+    /// are destroyed).
+    pub fn running() -> usize {
+        registry().nodes.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    pub(super) extern "C" fn stop_all() {
+        let r = registry();
+        let me = std::thread::current().id();
+        let deadline = Instant::now() + EXIT_WAIT;
+        let mut nodes = r.nodes.lock().unwrap_or_else(|p| p.into_inner());
+        for (weak, _) in nodes.values() {
+            if let Some(node) = weak.upgrade() {
+                let _ = node.cmd(Cmd::Shutdown);
+            }
+        }
+        // A process that exits from a progress thread cannot wait for that thread.
+        while nodes.values().any(|(_, t)| *t != me) {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            nodes = r.gone.wait_timeout(nodes, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+}
+
+pub use live::running as progress_threads;
 
 /// A node that stops its thread when the last owner goes.
 pub(crate) struct NodeOwner(pub Arc<Node>);
