@@ -34,7 +34,7 @@ pub struct ReceiverConfig {
     /// every transport.)
     pub write_stall: Duration,
     /// UCX nodes (workers with a progress thread each) that place incoming active-message writes, and
-    /// runtime threads for TCP connections (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 1 to 8).
+    /// runtime threads for TCP connections (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 2 to 8; 1 on one core).
     pub lanes: Option<usize>,
     /// UCX: accept one-sided puts from senders that passed the handshake (`None`: read
     /// `TANDEM_UCX_ONE_SIDED_PUTS`, default off). The pool is then registered and its key handed to

@@ -48,7 +48,7 @@ pub struct SenderConfig {
     /// `TANDEM_UCX_ONE_SIDED_PUTS`, default off). Off, this process's UCX context has no RMA feature.
     pub ucx_one_sided_puts: Option<bool>,
     /// Parallel lanes per receiver (UCX nodes or TCP connections) that one request's data is striped
-    /// over (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 1 to 8).
+    /// over (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 2 to 8; 1 on one core).
     pub lanes: Option<usize>,
     /// Fault injection (tests); `None` reads `TANDEM_KV_FAULT` where the build honours it.
     pub fault: Option<Fault>,

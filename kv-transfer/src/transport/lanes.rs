@@ -12,14 +12,20 @@ use crate::TransferError;
 /// Puts are cut into pieces of about this size and dealt round-robin over the lanes.
 pub const STRIPE_BYTES: u64 = 1 << 20;
 
-/// Lanes per link when neither the configuration nor `TANDEM_KV_LANES` says: a quarter of the cores,
-/// 1 to 8 (one lane on a 2-core machine, four on a 16-core host).
+/// Lanes per link when neither the configuration nor `TANDEM_KV_LANES` says: a quarter of the cores, at
+/// least 2 where there are 2 cores, at most 8 (two lanes on a 2- to 11-core machine, four on a 16-core
+/// host). Two lanes on the 2-core VM: a same-host receiver's two progress threads place active messages
+/// in parallel, 12-14 GB/s at 8K-32K tokens against 8.4-8.8 with one (bench/RESULTS.md, D11); three or
+/// four lanes were slower there (10-12 GB/s).
 pub fn default_lanes() -> usize {
     if let Some(n) = std::env::var("TANDEM_KV_LANES").ok().and_then(|v| v.trim().parse::<usize>().ok()) {
         return n.clamp(1, 64);
     }
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    (cores / 4).clamp(1, 8)
+    lanes_for_cores(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))
+}
+
+fn lanes_for_cores(cores: usize) -> usize {
+    (cores / 4).max(cores.min(2)).clamp(1, 8)
 }
 
 /// Resolves a configured lane count (`None`: [`default_lanes`]).
@@ -171,6 +177,12 @@ pub fn decode_address(bytes: &[u8]) -> Option<NodeAddress<'_>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn default_lanes_by_cores() {
+        let by: Vec<usize> = [1, 2, 3, 4, 8, 11, 12, 16, 32, 64, 128].into_iter().map(lanes_for_cores).collect();
+        assert_eq!(by, [1, 2, 2, 2, 2, 2, 3, 4, 8, 8, 8]);
+    }
 
     #[test]
     fn pieces_cover_the_put_in_aligned_pieces() {

@@ -50,7 +50,7 @@ impl TcpTransport {
         Self::with_lanes(cfg, rt, None)
     }
 
-    /// `lanes`: connections per link (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 1 to 8).
+    /// `lanes`: connections per link (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 2 to 8; 1 on one core).
     pub fn with_lanes(cfg: TcpConfig, rt: tokio::runtime::Handle, lanes: Option<usize>) -> Self {
         TcpTransport { cfg, rt, lanes: lanes_or_default(lanes) }
     }

@@ -173,7 +173,7 @@ impl UcxTransport {
         Self::with_options(tls, DataPath::from_env()?, None, one_sided_puts_from_env()?)
     }
 
-    /// `lanes`: nodes per link (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 1 to 8).
+    /// `lanes`: nodes per link (`None`: `TANDEM_KV_LANES`, else a quarter of the cores, 2 to 8; 1 on one core).
     /// `one_sided_puts`: a receiver accepts them from senders that passed the handshake (it cannot bound
     /// where they land); a sender's `put` and `auto` data paths may use them. `put` without it is refused
     /// ([`check_data_path`]).
