@@ -23,6 +23,9 @@
 #         gemm      bench/gpu/gemm_bench.py: checks and benchmark of the FP8 block-scaled GEMM on every DeepSeek-V3.2
 #                   linear shape, M = 1..8192, next to cuBLASLt (torch._scaled_mm) and the copy bandwidth
 #                   (GEMM_BENCH_ARGS=--quick: fewer)
+#         moe       bench/gpu/moe_bench.py: the routed experts' grouped FP8 GEMM (DeepSeek-V3.2's expert shapes, 8 and 32
+#                   local experts, 1..1024 tokens each) next to the copy bandwidth and the plain product of one
+#                   expert (MOE_BENCH_ARGS=--quick: fewer)
 #         sparse-mla bench/gpu/sparse_mla_bench.py: checks and benchmark of the sparse MLA decode kernel next to the
 #                   same-run copy bandwidth, bf16 matmul rate, a naive PyTorch version and FlashMLA: with
 #                   FLASHMLA_SRC (a FlashMLA tree with CUTLASS, ENV-NOTES) it is built there first unless built
@@ -206,6 +209,14 @@ phase_gemm() {
     ((rc == 0)) || FAILED+=(gemm)
 }
 
+phase_moe() {
+    local rc=0
+    python3 bench/gpu/moe_bench.py ${MOE_BENCH_ARGS:-} --json "$OUTDIR/moe.json" >"$OUTDIR/moe.log" 2>&1 || rc=$?
+    cat "$OUTDIR/moe.log"
+    echo "| moe | bench/gpu/moe_bench.py | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+    ((rc == 0)) || FAILED+=(moe)
+}
+
 phase_indexer() {
     local rc=0
     python3 bench/gpu/indexer_bench.py ${INDEXER_BENCH_ARGS:-} --json "$OUTDIR/indexer.json" >"$OUTDIR/indexer.log" 2>&1 || rc=$?
@@ -303,6 +314,7 @@ run() {
         bench) phase_bench ;;
         indexer) phase_indexer ;;
         gemm) phase_gemm ;;
+        moe) phase_moe ;;
         sparse-mla) phase_sparse_mla ;;
         serve) phase_serve ;;
         all) phase_sass; phase_kernels; phase_loop; phase_model; phase_serve; phase_sanitize ;;

@@ -26,6 +26,14 @@
 // small to fill the GPU (`part` given), as separate units that write their chain sums to `part`, which
 // tandem_gemm_fp8_combine adds in chain order. That is a split-K whose split never depends on M.
 //
+// Grouped products (the routed experts, engine::cuda::moe): `w` stacks G weight matrices [G * n, kpad] with their
+// scales [G * ceil(n / 128), scale_cols], and the rows of `qa` are grouped by matrix (a group's rows
+// contiguous, in no particular order). `row_tiles` lists the row tiles: tile t covers rows [m0, end) of group g
+// (at most 128; the TMA box reads up to 128 rows from m0, of the next group too, which are computed and never
+// stored), so no group pads its rows. Unused tile slots have g = -1 and are skipped. The host sizes the
+// launch for the most tiles any routing can give; the device writes the list (graph-friendly). Grouped
+// launches are never split.
+//
 // Batch invariance: an output element is the same sequence of operations in every configuration: the
 // same four k-steps per K block (a wgmma element does not depend on the tile's N), the same chains, the
 // same order. BN, the grid, the tile order and the split change only which CTA computes what, so y[m] does
@@ -116,14 +124,26 @@ __device__ __forceinline__ void gemm_tma_2d_pair(u32 dst, const TandemTensorMap*
         : "memory");
 }
 
+// A grouped product's row tile (see the header): rows [m0, end) of weight matrix g; g < 0 for an unused slot.
+struct GemmRowTile {
+    int m0, g, end;
+};
+
 // The output tile of cluster tile `t` for the CTA of cluster rank `rank`: tiles in groups of GEMM_GROUP_M row
-// tiles, row tile fastest inside a group; the two CTAs of a cluster take adjacent column tiles.
-__device__ __forceinline__ void gemm_tile(int t, int rank, int m_tiles, int n_pairs, int bn, int& m0, int& n0) {
+// tiles, row tile fastest inside a group; the two CTAs of a cluster take adjacent column tiles. `mt` is the
+// row tile's index.
+__device__ __forceinline__ void gemm_tile(int t, int rank, int m_tiles, int n_pairs, int bn, int& mt, int& n0) {
     const int per_group = GEMM_GROUP_M * n_pairs;
     const int first_m = (t / per_group) * GEMM_GROUP_M;
     const int gm = min(m_tiles - first_m, GEMM_GROUP_M), in_group = t % per_group;
-    m0 = (first_m + in_group % gm) * GEMM_BM;
+    mt = first_m + in_group % gm;
     n0 = (2 * (in_group / gm) + rank) * bn;
+}
+
+// Row tile `mt` of a launch: its first row, its weight matrix and the end of its rows.
+__device__ __forceinline__ GemmRowTile gemm_row_tile(const GemmRowTile* __restrict__ tiles, int mt, int rows) {
+    if (tiles != nullptr) return tiles[mt];
+    return GemmRowTile{mt * GEMM_BM, 0, rows};
 }
 
 
@@ -134,8 +154,8 @@ __device__ __forceinline__ int gemm_chain_begin(int c, int chains, int kblocks) 
 // output tile (m0, n0), its chain c and the K blocks [kb0, kb1) it covers. Producer and consumers walk the
 // same units.
 __device__ __forceinline__ void gemm_unit(int u, int per_tile, int chains, int kblocks, int rank, int m_tiles,
-                                          int n_pairs, int bn, int& m0, int& n0, int& c, int& kb0, int& kb1) {
-    gemm_tile(u / per_tile, rank, m_tiles, n_pairs, bn, m0, n0);
+                                          int n_pairs, int bn, int& mt, int& n0, int& c, int& kb0, int& kb1) {
+    gemm_tile(u / per_tile, rank, m_tiles, n_pairs, bn, mt, n0);
     c = u % per_tile;
     kb0 = per_tile > 1 ? gemm_chain_begin(c, chains, kblocks) : 0;
     kb1 = per_tile > 1 ? gemm_chain_begin(c + 1, chains, kblocks) : kblocks;
@@ -145,7 +165,8 @@ template <int BN, int STAGES, bool BF16>
 __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const TandemTensorMap* tb,
                                               const TandemTensorMap* tsa, const float* __restrict__ ws,
                                               int scale_cols, void* __restrict__ y, float* __restrict__ part,
-                                              int chains, int rows, int n, int kpad) {
+                                              int chains, int rows, int n, int kpad,
+                                              const GemmRowTile* __restrict__ row_tiles, int tile_slots) {
     extern __shared__ __align__(1024) u8 smem_raw[];
     constexpr u32 A_BYTES = GEMM_BM * GEMM_BK;
     constexpr u32 B_BYTES = BN * GEMM_BK;
@@ -157,7 +178,8 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
     const float* scales_f = (const float*)(smem_raw + (scales - (u32)__cvta_generic_to_shared(smem_raw)));
     const int rank = (int)tandem_cluster_rank(), peer = rank ^ 1;
 
-    const int m_tiles = (rows + GEMM_BM - 1) / GEMM_BM, n_tiles = (n + BN - 1) / BN;
+    const int m_tiles = row_tiles != nullptr ? tile_slots : (rows + GEMM_BM - 1) / GEMM_BM, n_tiles = (n + BN - 1) / BN;
+    const int n_blocks = (n + 127) / 128;
     const int n_pairs = (n_tiles + 1) / 2, tiles = m_tiles * n_pairs;
     const int cluster = blockIdx.x / 2, clusters = gridDim.x / 2;
     const int kblocks = kpad / GEMM_BK;
@@ -183,8 +205,11 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
             asm volatile("prefetch.tensormap [%0];" ::"l"((unsigned long long)tsa) : "memory");
             int it = 0;
             for (int u = cluster; u < units; u += clusters) {
-                int m0, n0, c, kb0, kb1;
-                gemm_unit(u, per_tile, chains, kblocks, rank, m_tiles, n_pairs, BN, m0, n0, c, kb0, kb1);
+                int mt, n0, c, kb0, kb1;
+                gemm_unit(u, per_tile, chains, kblocks, rank, m_tiles, n_pairs, BN, mt, n0, c, kb0, kb1);
+                const GemmRowTile rt = gemm_row_tile(row_tiles, mt, rows);
+                if (rt.g < 0) continue;
+                const int m0 = rt.m0, nb = rt.g * n + n0;
                 for (int kb = kb0; kb < kb1; ++kb, ++it) {
                     const int s = it % STAGES;
                     // Both CTAs' consumers are done with the stage (this CTA's multicast writes the peer's too).
@@ -193,7 +218,7 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
                     tandem_mbar_expect_tx(bar, STAGE + SA_BYTES);
                     // This CTA's half of the A tile into both CTAs.
                     gemm_tma_2d_pair(a + rank * (A_BYTES / 2), ta, kb * GEMM_BK, m0 + rank * (GEMM_BM / 2), bar);
-                    gemm_tma_2d(a + A_BYTES, tb, kb * GEMM_BK, n0, bar);
+                    gemm_tma_2d(a + A_BYTES, tb, kb * GEMM_BK, nb, bar);
                     gemm_tma_2d(scales + s * SA_BYTES, tsa, m0, kb, bar);
                 }
             }
@@ -204,11 +229,14 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
         const int row = cw * 64 + warp * 16 + lane / 4;  // this thread's rows in the tile: row, row + 8
         int it = 0;
         for (int u = cluster; u < units; u += clusters) {
-            int m0, n0, c, kb0, kb1;
-            gemm_unit(u, per_tile, chains, kblocks, rank, m_tiles, n_pairs, BN, m0, n0, c, kb0, kb1);
+            int mt, n0, c, kb0, kb1;
+            gemm_unit(u, per_tile, chains, kblocks, rank, m_tiles, n_pairs, BN, mt, n0, c, kb0, kb1);
+            const GemmRowTile rt = gemm_row_tile(row_tiles, mt, rows);
+            if (rt.g < 0) continue;
+            const int m0 = rt.m0, row_end = rt.end;
             // The tile's weight-block scales, one K block ahead (a uniform load whose latency hides under a
             // K block); a column tile past `n` (the odd tile of a pair) reads none.
-            const float* wsp = ws + (i64)(n0 / 128) * scale_cols;
+            const float* wsp = ws + ((i64)rt.g * n_blocks + n0 / 128) * scale_cols;
             const bool has_n = n0 < n;
             float w_next = has_n ? wsp[kb0] : 0.0f;
             // fin: the current chain; tot: the chains before it, summed left to right.
@@ -275,8 +303,8 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
 #pragma unroll
                 for (int j = 0; j < BN / 8; ++j) {
                     const int col = n0 + 8 * j + 2 * (lane % 4);
-                    gemm_store<BF16>(y, rows, n, r, col, fin[4 * j + 0], fin[4 * j + 1]);
-                    gemm_store<BF16>(y, rows, n, r + 8, col, fin[4 * j + 2], fin[4 * j + 3]);
+                    gemm_store<BF16>(y, row_end, n, r, col, fin[4 * j + 0], fin[4 * j + 1]);
+                    gemm_store<BF16>(y, row_end, n, r + 8, col, fin[4 * j + 2], fin[4 * j + 3]);
                 }
             }
         }
@@ -315,17 +343,18 @@ extern "C" __global__ void tandem_gemm_fp8_combine_bf16(const float* __restrict_
 #define GEMM_PARAMS                                                                                               \
     const __grid_constant__ TandemTensorMap ta, const __grid_constant__ TandemTensorMap tb,                      \
         const __grid_constant__ TandemTensorMap tsa, const float *__restrict__ ws, int scale_cols,                \
-        void *__restrict__ y, float *__restrict__ part, int chains, int rows, int n, int kpad
+        void *__restrict__ y, float *__restrict__ part, int chains, int rows, int n, int kpad,                 \
+        const GemmRowTile *__restrict__ row_tiles, int tile_slots
 
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n128_f32(GEMM_PARAMS) {
-    gemm_fp8_body<128, GEMM_STAGES_128, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad);
+    gemm_fp8_body<128, GEMM_STAGES_128, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad, row_tiles, tile_slots);
 }
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n64_f32(GEMM_PARAMS) {
-    gemm_fp8_body<64, GEMM_STAGES_64, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad);
+    gemm_fp8_body<64, GEMM_STAGES_64, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad, row_tiles, tile_slots);
 }
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n128_bf16(GEMM_PARAMS) {
-    gemm_fp8_body<128, GEMM_STAGES_128, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad);
+    gemm_fp8_body<128, GEMM_STAGES_128, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad, row_tiles, tile_slots);
 }
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n64_bf16(GEMM_PARAMS) {
-    gemm_fp8_body<64, GEMM_STAGES_64, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad);
+    gemm_fp8_body<64, GEMM_STAGES_64, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad, row_tiles, tile_slots);
 }

@@ -143,28 +143,33 @@ extern "C" __global__ void tandem_gather_rows(const float* __restrict__ x, const
 
 // Activation quantization per row per 128 channels (engine::fp8::quantize_group_values): codes
 // [rows, kpad] (zero past k) and scales [rows, kpad / 128], or with `scale_ld` > 0 transposed,
-// [kpad / 128, scale_ld] (the FP8 GEMM's layout, engine::cuda::gemm). One warp per (row, group).
+// [kpad / 128, scale_ld] (the FP8 GEMM's layout, engine::cuda::gemm). Row r quantizes x's row
+// row_src[r] where a row map is given (the routed experts' grouped rows, engine::cuda::moe), else row r.
+// One warp per (row, group); rows past the grid's y extent are taken in further passes.
 extern "C" __global__ void tandem_act_quant(const float* __restrict__ x, int k, int kpad, int ue8m0,
-                                            u8* __restrict__ codes, float* __restrict__ scales, int scale_ld) {
-    const int g = blockIdx.x, r = blockIdx.y, lane = threadIdx.x;
-    const float* xr = x + (i64)r * k;
-    float v[4];
-    float amax = 0.0f;
+                                            u8* __restrict__ codes, float* __restrict__ scales, int scale_ld,
+                                            int rows, const int* __restrict__ row_src) {
+    const int g = blockIdx.x, lane = threadIdx.x;
+    for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+        const float* xr = x + (i64)(row_src != nullptr ? row_src[r] : r) * k;
+        float v[4];
+        float amax = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int c = g * ACT_GROUP + j * 32 + lane;
-        v[j] = c < k ? xr[c] : 0.0f;
-        amax = fmaxf(amax, fabsf(v[j]));
-    }
-    amax = tandem_warp_amax(amax);
-    const float s = tandem_group_scale(amax, ue8m0);
-    u8* out = codes + (i64)r * kpad + g * ACT_GROUP;
+        for (int j = 0; j < 4; ++j) {
+            const int c = g * ACT_GROUP + j * 32 + lane;
+            v[j] = c < k ? xr[c] : 0.0f;
+            amax = fmaxf(amax, fabsf(v[j]));
+        }
+        amax = tandem_warp_amax(amax);
+        const float s = tandem_group_scale(amax, ue8m0);
+        u8* out = codes + (i64)r * kpad + g * ACT_GROUP;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int c = g * ACT_GROUP + j * 32 + lane;
-        out[j * 32 + lane] = c < k ? tandem_quant(v[j], s, ue8m0) : (u8)0;
+        for (int j = 0; j < 4; ++j) {
+            const int c = g * ACT_GROUP + j * 32 + lane;
+            out[j * 32 + lane] = c < k ? tandem_quant(v[j], s, ue8m0) : (u8)0;
+        }
+        if (lane == 0) scales[scale_ld > 0 ? (i64)g * scale_ld + r : (i64)r * (kpad / ACT_GROUP) + g] = s;
     }
-    if (lane == 0) scales[scale_ld > 0 ? (i64)g * scale_ld + r : (i64)r * (kpad / ACT_GROUP) + g] = s;
 }
 
 // y[m, c] = sum over K segments of (qa[m] . w[c] over the segment) * sa[m, seg] * ws[c / b0, seg]
@@ -703,15 +708,20 @@ extern "C" __global__ void tandem_route(const float* __restrict__ logits, const 
     }
 }
 
-// out[t] = sum_j y[t * k + j] * w[t, j] (experts in ascending id order) + shared[t].
+// out[t] = sum_j y[slot(t, j)] * w[t, j] (experts in ascending id order) + shared[t], where slot(t, j) is
+// slot[t * k + j] for grouped expert rows (engine::cuda::moe; negative: routed to no expert), else t * k + j.
 extern "C" __global__ void tandem_moe_combine(const float* __restrict__ y, const float* __restrict__ w,
                                               const float* __restrict__ shared, float* __restrict__ out, int k,
-                                              int hidden) {
+                                              int hidden, const int* __restrict__ slot) {
     const int t = blockIdx.x;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
         float a = 0.0f;
-        for (int j = 0; j < k; ++j)
-            a = __fadd_rn(a, __fmul_rn(y[((i64)t * k + j) * hidden + i], w[(i64)t * k + j]));
+        for (int j = 0; j < k; ++j) {
+            const i64 p = (i64)t * k + j;
+            const i64 at = slot != nullptr ? (i64)slot[p] : p;
+            if (at < 0) continue;
+            a = __fadd_rn(a, __fmul_rn(y[at * hidden + i], w[p]));
+        }
         if (shared != nullptr) a = __fadd_rn(a, shared[(i64)t * hidden + i]);
         out[(i64)t * hidden + i] = a;
     }

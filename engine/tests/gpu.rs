@@ -512,6 +512,8 @@ fn fp8_gemm_rms_norm_and_act_quant_match_the_cpu_functions() {
                 Arg::P(qa.ptr()),
                 Arg::P(sa.ptr()),
                 Arg::I(0),
+                Arg::I(rows as i32),
+                Arg::P(0),
             ],
         )
         .unwrap();

@@ -16,7 +16,7 @@ use cudarc::driver::{CudaEvent, DevicePtr, sys};
 use super::ops::{Arg, DBuf, Workspace, elementwise_grid, launch};
 use super::topk::{self, HIST_WORDS, RawTopk, launch_topk};
 use super::weights::{DFfn, DLayer, DLinear, DMlp, DWeights, LoadError};
-use super::{CudaError, Gpu, indexer, sparse_mla};
+use super::{CudaError, Gpu, indexer, moe, sparse_mla};
 use crate::backend::{
     AttnForm, Backend, DeviceRows, EngineError, Fence, LayerDone, LayerReady, MtpInput, SeqInput, SeqOutput,
     check_pool_fits, main_items, mtp_items,
@@ -419,7 +419,17 @@ impl CudaBackend {
             ],
         )?;
         let pairs = ws.take::<f32>(s, rows * k * hidden)?;
-        self.mlp(ws, &m.experts, x, rows, k, ids, pairs)?;
+        // FP8 experts with 128 x 128 blocks, where enabled: grouped by expert, one tensor-core GEMM per
+        // matrix over all of them (engine::cuda::moe); pair p's output at its grouped row. Otherwise one
+        // matrix-vector product per pair, at row p.
+        let slot = if moe::enabled() && moe::supported(&m.experts) {
+            let g = moe::group(&self.gpu, ws, ids, rows * k, k, e)?;
+            moe::forward(&self.gpu, ws, &m.experts, x, &g, pairs)?;
+            g.slot_of_pair
+        } else {
+            self.mlp(ws, &m.experts, x, rows, k, ids, pairs)?;
+            0
+        };
         let shared = match &m.shared {
             Some(sh) => {
                 let out = ws.take::<f32>(s, rows * hidden)?;
@@ -434,7 +444,15 @@ impl CudaBackend {
             (rows as u32, 1, 1),
             256,
             0,
-            &[Arg::P(pairs), Arg::P(weights), Arg::P(shared), Arg::P(y), Arg::I(k as i32), Arg::I(hidden as i32)],
+            &[
+                Arg::P(pairs),
+                Arg::P(weights),
+                Arg::P(shared),
+                Arg::P(y),
+                Arg::I(k as i32),
+                Arg::I(hidden as i32),
+                Arg::P(slot),
+            ],
         )
     }
 
@@ -1178,7 +1196,14 @@ impl CudaBackend {
         let scores = (rows * row_words).min((SCORE_BYTES as u64 / 4).max(indexer::MAX_GROUP as u64 * row_words));
         let mha = ctx * (rank + rd + heads * (c.qk_nope_head_dim as u64 + vd));
         let logits = 2 * l.max_num_seqs as u64 * c.vocab_size as u64;
-        4 * (rows * per_row + scores + mha + logits) + CONTEXT_RESERVE
+        // The grouped experts' indices and quantized activations (engine::cuda::moe).
+        let pairs = l.max_num_batched_tokens * c.num_experts_per_tok;
+        let grouped = if c.n_routed_experts > 0 {
+            moe::workspace_bytes(pairs, c.n_routed_experts, c.hidden_size, c.moe_intermediate_size) as u64
+        } else {
+            0
+        };
+        4 * (rows * per_row + scores + mha + logits) + grouped + CONTEXT_RESERVE
     }
 }
 

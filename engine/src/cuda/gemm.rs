@@ -237,9 +237,15 @@ pub struct RawGemm {
     pub rows: usize,
     pub n: usize,
     pub kpad: usize,
-    /// `w`'s maps for 64- and 128-wide tiles when the caller keeps them ([`TensorMap::codes`] of `w`, `n`,
-    /// `kpad` with boxes of 64 and 128 rows); encoded here otherwise.
+    /// `w`'s maps for 64- and 128-wide tiles when the caller keeps them ([`TensorMap::codes`] of `w`,
+    /// `groups * n`, `kpad` with boxes of 64 and 128 rows); encoded here otherwise.
     pub w_maps: Option<[TensorMap; 2]>,
+    /// A grouped product (the routed experts, [`super::moe`]): `w` and `ws` stack `groups` matrices of `n`
+    /// rows, and `row_tiles` (device, `tile_slots` x {first row, matrix or -1, end row} i32) says which
+    /// rows each row tile covers and which matrix they take. 0 / 1 / 0 for a plain product.
+    pub row_tiles: u64,
+    pub tile_slots: usize,
+    pub groups: usize,
 }
 
 /// Queues `y = qa . w^T` with the block scales, as `plan` says (normally [`Plan::new`]; the tests force
@@ -266,6 +272,13 @@ pub fn launch(gpu: &Gpu, a: &RawGemm, plan: Plan) -> Result<(), CudaError> {
     if plan.split && a.part == 0 {
         return Err(CudaError::Shape("gemm: a split launch needs its partial buffer".into()));
     }
+    let grouped = a.row_tiles != 0;
+    if a.groups == 0 || (grouped && (plan.split || a.tile_slots == 0)) || (!grouped && a.groups != 1) {
+        return Err(CudaError::Shape(format!(
+            "gemm: a grouped product needs row tiles ({}) and is never split; {} matrices",
+            a.tile_slots, a.groups
+        )));
+    }
     if [a.qa, a.sa_t, a.w, a.ws, a.y].contains(&0) {
         return Err(CudaError::Shape("gemm: a null operand".into()));
     }
@@ -274,12 +287,13 @@ pub fn launch(gpu: &Gpu, a: &RawGemm, plan: Plan) -> Result<(), CudaError> {
     let ta = TensorMap::codes(a.qa, a.rows, a.kpad, BM / 2)?;
     let tb = match a.w_maps {
         Some(m) => m[usize::from(bn == 128)],
-        None => TensorMap::codes(a.w, a.n, a.kpad, bn)?,
+        None => TensorMap::codes(a.w, a.groups * a.n, a.kpad, bn)?,
     };
     let tsa = TensorMap::scales(a.sa_t, a.kpad / BK, a.rows, a.scale_ld)?;
     // Persistent clusters of two CTAs, one CTA per SM at most; each unit is a 128-row block and two column
     // tiles (and one chain of them when split).
-    let units = a.rows.div_ceil(BM) * a.n.div_ceil(bn).div_ceil(2) * if plan.split { plan.chains } else { 1 };
+    let row_tiles = if grouped { a.tile_slots } else { a.rows.div_ceil(BM) };
+    let units = row_tiles * a.n.div_ceil(bn).div_ceil(2) * if plan.split { plan.chains } else { 1 };
     let clusters = units.min(sms / 2);
     let f = gpu.function(kernel_name(bn, a.bf16_out))?;
     let part = if plan.split { a.part } else { 0 };
@@ -287,7 +301,8 @@ pub fn launch(gpu: &Gpu, a: &RawGemm, plan: Plan) -> Result<(), CudaError> {
     let (rows, n, kpad) = (a.rows as i32, a.n as i32, a.kpad as i32);
     let mut b = gpu.stream().launch_builder(f);
     b.arg(&ta).arg(&tb).arg(&tsa).arg(&a.ws).arg(&scale_cols).arg(&a.y).arg(&part).arg(&chains);
-    b.arg(&rows).arg(&n).arg(&kpad);
+    let tile_slots = a.tile_slots as i32;
+    b.arg(&rows).arg(&n).arg(&kpad).arg(&a.row_tiles).arg(&tile_slots);
     let cfg = cudarc::driver::LaunchConfig {
         grid_dim: (2 * clusters as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
@@ -397,7 +412,7 @@ mod tests {
         launch_kernel(
             gpu,
             "tandem_act_quant",
-            (groups as u32, rows as u32, 1),
+            (groups as u32, rows.min(65535) as u32, 1),
             32,
             0,
             &[
@@ -408,6 +423,8 @@ mod tests {
                 Arg::P(qa.ptr()),
                 Arg::P(sa.ptr()),
                 Arg::I(ld as i32),
+                Arg::I(rows as i32),
+                Arg::P(0),
             ],
         )
         .unwrap();
@@ -426,6 +443,9 @@ mod tests {
             n: w.out,
             kpad,
             w_maps: None,
+            row_tiles: 0,
+            tile_slots: 0,
+            groups: 1,
         };
         if bf16 {
             let y = DBuf::<u16>::zeros(s, rows * w.out).unwrap();
@@ -553,6 +573,94 @@ mod tests {
         }
     }
 
+    /// Grouped products (the routed experts, engine::cuda::moe): every pair's row equals the plain product of
+    /// its token's row and its expert's matrix, bit for bit. Experts of 0, 1, 127, 128, 129 and 300 pairs
+    /// (an unused expert, partial and full row tiles, tiles that start mid-tile), pairs routed to no expert,
+    /// partial K and N blocks, both tile widths; the grouped rows are a permutation of the routed pairs.
+    #[test]
+    fn grouped_rows_equal_each_experts_plain_product() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        let s = gpu.stream();
+        let (inp, out, k): (usize, usize, usize) = (320, 192, 2);
+        let kpad = inp.div_ceil(BK) * BK;
+        let counts = [0usize, 1, 127, 128, 129, 300];
+        let experts = counts.len();
+        let mut ids: Vec<i32> =
+            counts.iter().enumerate().flat_map(|(e, &c)| std::iter::repeat_n(e as i32, c)).collect();
+        ids.extend([-1, -1, -1]);
+        for i in (1..ids.len()).rev() {
+            ids.swap(i, rng.random_range(0..=i));
+        }
+        let (pairs, tokens) = (ids.len(), ids.len() / k);
+        let ws_e: Vec<Weights> = (0..experts).map(|_| weights(&mut rng, out, inp, false)).collect();
+        let x = activations(&mut rng, tokens, inp, false);
+        // The experts stacked as the loader stacks them: codes [E, out, kpad], scales [E, ceil(out/128), ...].
+        let mut codes = vec![0u8; experts * out * kpad];
+        let mut scales = Vec::new();
+        for (e, w) in ws_e.iter().enumerate() {
+            for r in 0..out {
+                let at = (e * out + r) * kpad;
+                codes[at..at + inp].copy_from_slice(&w.codes[r * inp..(r + 1) * inp]);
+            }
+            scales.extend_from_slice(&w.scales);
+        }
+        let codes = DBuf::upload(s, &codes).unwrap();
+        let maps = Box::new([
+            TensorMap::codes(codes.ptr(), experts * out, kpad, 64).unwrap(),
+            TensorMap::codes(codes.ptr(), experts * out, kpad, 128).unwrap(),
+        ]);
+        let lin = crate::cuda::weights::DLinear::Fp8 {
+            codes,
+            scales: DBuf::upload(s, &scales).unwrap(),
+            out,
+            inp,
+            kpad,
+            block: [BK, BK],
+            ue8m0: true,
+            maps: Some(maps),
+        };
+        let (dx, dids) = (DBuf::upload(s, &x).unwrap(), DBuf::upload(s, &ids).unwrap());
+        let mut ws = crate::cuda::ops::Workspace::new();
+        let g = crate::cuda::moe::group(&gpu, &mut ws, dids.ptr(), pairs, k, experts).unwrap();
+        let ld = scale_ld(pairs);
+        let (qa, sa) =
+            crate::cuda::weights::act_quant(&gpu, &mut ws, dx.ptr(), pairs, inp, kpad, true, ld, g.src_row).unwrap();
+        let mut slot = vec![0i32; pairs];
+        // SAFETY: `slot_of_pair` holds `pairs` i32s in the workspace, which outlives the copy.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut slot, g.slot_of_pair, s.cu_stream()) }.unwrap();
+        s.synchronize().unwrap();
+        let mut seen = vec![false; pairs];
+        for (p, &e) in ids.iter().enumerate() {
+            if e < 0 {
+                assert_eq!(slot[p], -1, "pair {p} routed to no expert (seed {seed})");
+            } else {
+                let r = slot[p] as usize;
+                assert!(r < pairs - 3 && !seen[r], "pair {p}: grouped row {r} (seed {seed})");
+                seen[r] = true;
+            }
+        }
+        let plain: Vec<Vec<f32>> =
+            ws_e.iter().map(|w| gpu_forward(&gpu, &x, tokens, w, plan(&gpu, tokens, w, |_| {}), false)).collect();
+        for tile in [64, 128] {
+            let y = DBuf::<f32>::zeros(s, pairs * out).unwrap();
+            crate::cuda::moe::grouped_linear_tile(&gpu, &lin, qa, sa, ld, &g, y.ptr(), tile).unwrap();
+            let got = s.clone_dtoh(y.slice()).unwrap();
+            for (p, &e) in ids.iter().enumerate() {
+                if e < 0 {
+                    continue;
+                }
+                let (r, t) = (slot[p] as usize, p / k);
+                assert_eq!(
+                    bits(&got[r * out..(r + 1) * out]),
+                    bits(&plain[e as usize][t * out..(t + 1) * out]),
+                    "pair {p} (token {t}, expert {e}, grouped row {r}), tile {tile} (seed {seed})"
+                );
+            }
+        }
+        assert!(crate::cuda::moe::group(&gpu, &mut ws, dids.ptr(), pairs - 1, k, experts).is_err());
+    }
+
     #[test]
     fn bad_shapes_are_errors() {
         let Some(gpu) = Gpu::for_test() else { return };
@@ -570,6 +678,9 @@ mod tests {
             n: 8,
             kpad: 128,
             w_maps: None,
+            row_tiles: 0,
+            tile_slots: 0,
+            groups: 1,
         };
         let p = Plan { tile: 64, chains: 1, split: false };
         assert!(launch(&gpu, &RawGemm { kpad: 100, ..ok }, p).unwrap_err().to_string().contains("kpad"));
@@ -591,6 +702,12 @@ mod tests {
         assert!(launch(&gpu, &RawGemm { qa: 8, ..aligned }, p).unwrap_err().to_string().contains("aligned"));
         // Nothing to do is not an error.
         assert!(launch(&gpu, &RawGemm { rows: 0, ..ok }, p).is_ok());
+        // Grouped products: row tiles and one or more matrices, never split; plain ones take one matrix.
+        let grouped = RawGemm { row_tiles: 256, tile_slots: 1, groups: 2, ..aligned };
+        assert!(launch(&gpu, &RawGemm { groups: 2, ..aligned }, p).unwrap_err().to_string().contains("grouped"));
+        assert!(launch(&gpu, &RawGemm { tile_slots: 0, ..grouped }, p).unwrap_err().to_string().contains("grouped"));
+        let split2 = Plan { tile: 64, chains: 1, split: true };
+        assert!(launch(&gpu, &RawGemm { part: 256, ..grouped }, split2).unwrap_err().to_string().contains("grouped"));
     }
 
     /// The chains of a weight shape never depend on M, and a plan splits only where the unsplit launch

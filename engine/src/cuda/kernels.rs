@@ -173,6 +173,15 @@ pub const FAMILIES: &[Family] = &[
         sass_expect: &["QGMMA.64x128x32.F32.E4M3.E4M3", "QGMMA.64x64x32.F32.E4M3.E4M3", "UTMALDG.2D", "SYNCS"],
     },
     Family {
+        name: "moe",
+        source: include_str!("../../kernels/moe.cu"),
+        functions: &["tandem_moe_plan", "tandem_moe_scatter"],
+        externals: &[],
+        // Shared-memory counts per expert (warp-aggregated increments), then global cursors the pairs take
+        // their rows from.
+        sass_expect: &["ATOMS.POPC.INC", "ATOMG.E.ADD"],
+    },
+    Family {
         name: "sample",
         source: include_str!("../../kernels/sample.cu"),
         functions: &["tandem_sample_row", "tandem_draft_row"],

@@ -1,6 +1,6 @@
 //! The GPU side: CUDA C kernels compiled by NVRTC at start-up ([`kernels`], [`nvrtc`]), the device they
 //! run on ([`device`]) and one Rust module per kernel family with its launch checks ([`cache_quant`], [`gemm`],
-//! [`indexer`], [`topk`], [`sparse_mla`]).
+//! [`moe`], [`indexer`], [`topk`], [`sparse_mla`]).
 //!
 //! Everything loads the CUDA libraries at run time (cudarc's dynamic loading): a binary built without
 //! CUDA runs anywhere, and a missing library or GPU is a clear [`CudaError`], never a panic and never a
@@ -12,6 +12,7 @@ pub mod device;
 pub mod gemm;
 pub mod indexer;
 pub mod kernels;
+pub mod moe;
 pub mod nvrtc;
 pub mod ops;
 pub mod sample;

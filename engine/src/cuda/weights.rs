@@ -136,10 +136,12 @@ impl DLinear {
             Some((out, inp, Some((block, ue8m0)))) => {
                 let codes = DBuf::upload(stream, &codes)?;
                 let kpad = inp.div_ceil(ACT_GROUP) * ACT_GROUP;
-                let maps = if names.len() == 1 && block == [gemm::BK, gemm::BK] {
+                // Stacked matrices (the routed experts) get maps over all of them: the grouped GEMM's.
+                let rows = names.len() * out;
+                let maps = if block == [gemm::BK, gemm::BK] {
                     Some(Box::new([
-                        gemm::TensorMap::codes(codes.ptr(), out, kpad, 64)?,
-                        gemm::TensorMap::codes(codes.ptr(), out, kpad, 128)?,
+                        gemm::TensorMap::codes(codes.ptr(), rows, kpad, 64)?,
+                        gemm::TensorMap::codes(codes.ptr(), rows, kpad, 128)?,
                     ]))
                 } else {
                     None
@@ -214,7 +216,7 @@ impl DLinear {
             // Dense rows with DeepSeek's 128 x 128 weight blocks: the tensor-core GEMM (engine::cuda::gemm).
             DLinear::Fp8 { codes, scales, out, inp, kpad, ue8m0, maps: Some(maps), .. } if sel == 0 && a_div == 1 => {
                 let ld = gemm::scale_ld(x_rows);
-                let (qa, sa) = act_quant(gpu, ws, x, x_rows, *inp, *kpad, *ue8m0, ld)?;
+                let (qa, sa) = act_quant(gpu, ws, x, x_rows, *inp, *kpad, *ue8m0, ld, 0)?;
                 let plan = gemm::Plan::new(x_rows, *out, *kpad, gpu.info().multiprocessors as usize);
                 let part = match plan.partial_len(x_rows, *out) {
                     0 => 0,
@@ -234,12 +236,15 @@ impl DLinear {
                     n: *out,
                     kpad: *kpad,
                     w_maps: Some(**maps),
+                    row_tiles: 0,
+                    tile_slots: 0,
+                    groups: 1,
                 };
                 gemm::launch(gpu, &raw, plan)
             }
             // Routed experts' (token, slot) rows and other weight blocks: one warp per output column.
             DLinear::Fp8 { codes, scales, out, inp, kpad, block, ue8m0, .. } => {
-                let (qa, sa) = act_quant(gpu, ws, x, x_rows, *inp, *kpad, *ue8m0, 0)?;
+                let (qa, sa) = act_quant(gpu, ws, x, x_rows, *inp, *kpad, *ue8m0, 0, 0)?;
                 let scale_len = out.div_ceil(block[0]) * inp.div_ceil(block[1]);
                 launch(
                     gpu,
@@ -272,8 +277,9 @@ impl DLinear {
 
 /// Quantizes `x [rows, inp]` per row per 128 channels into workspace codes `[rows, kpad]` and scales:
 /// `[rows, kpad / 128]`, or transposed `[kpad / 128, scale_ld]` with `scale_ld` > 0 (the tensor-core GEMM's).
+/// With a device row map `row_src` (i32 `[rows]`, 0 for none), row r quantizes x's row `row_src[r]`.
 #[allow(clippy::too_many_arguments)]
-fn act_quant(
+pub(super) fn act_quant(
     gpu: &Gpu,
     ws: &mut Workspace,
     x: u64,
@@ -282,6 +288,7 @@ fn act_quant(
     kpad: usize,
     ue8m0: bool,
     scale_ld: usize,
+    row_src: u64,
 ) -> Result<(u64, u64), CudaError> {
     let groups = kpad / ACT_GROUP;
     let qa = ws.take::<u8>(gpu.stream(), rows * kpad)?;
@@ -289,7 +296,7 @@ fn act_quant(
     launch(
         gpu,
         "tandem_act_quant",
-        (groups as u32, rows as u32, 1),
+        (groups as u32, rows.min(65535) as u32, 1),
         32,
         0,
         &[
@@ -300,6 +307,8 @@ fn act_quant(
             Arg::P(qa),
             Arg::P(sa),
             Arg::I(scale_ld as i32),
+            Arg::I(rows as i32),
+            Arg::P(row_src),
         ],
     )?;
     Ok((qa, sa))

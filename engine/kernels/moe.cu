@@ -1,0 +1,72 @@
+// The routed experts' rows for the grouped FP8 GEMM (gemm.cu, "Grouped products"; engine::cuda::moe).
+// Each (token, slot) pair p routed to expert e = ids[p] gets a row of the grouped layout: the rows of one
+// expert are contiguous, experts in id order, and no expert's rows are padded. The order of the rows inside
+// an expert's range is whatever the atomics give: a row's products do not depend on where it sits (a GEMM
+// row is computed alone, gemm.cu's batch invariance), so nothing downstream depends on it.
+#include "common.cuh"
+
+// One CTA: counts the pairs per expert, and writes each expert's first row (cursor, which
+// tandem_moe_scatter advances) and the GEMM's row tiles: expert e's rows [off, off + count) in tiles of
+// 128, {m0, e, off + count} each, experts in id order; the slots up to `tile_slots` get expert -1. Pairs
+// with an id outside [0, experts) get no row; the rows they leave at the end of `src_row` read token 0
+// (quantized, never used). Dynamic shared memory: 3 * experts ints.
+extern "C" __global__ void tandem_moe_plan(const int* __restrict__ ids, int pairs, int experts,
+                                           int* __restrict__ cursor, int* __restrict__ src_row,
+                                           int* __restrict__ tiles, int tile_slots) {
+    extern __shared__ int counts[];  // [experts] counts, then [experts] first rows, then [experts] first tiles
+    int* first = counts + experts;
+    int* first_tile = first + experts;
+    __shared__ int used_rows, used_tiles;
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+        const int e = ids[p];
+        if (e >= 0 && e < experts) atomicAdd(&counts[e], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int row = 0, tile = 0;
+        for (int e = 0; e < experts; ++e) {
+            first[e] = row;
+            first_tile[e] = tile;
+            row += counts[e];
+            tile += (counts[e] + 127) / 128;
+        }
+        used_rows = row;
+        used_tiles = tile;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+        cursor[e] = first[e];
+        const int end = first[e] + counts[e];
+        int t = first_tile[e];
+        for (int m0 = first[e]; m0 < end; m0 += 128, ++t) {
+            tiles[3 * t + 0] = m0;
+            tiles[3 * t + 1] = e;
+            tiles[3 * t + 2] = end;
+        }
+    }
+    for (int t = used_tiles + threadIdx.x; t < tile_slots; t += blockDim.x) {
+        tiles[3 * t + 0] = 0;
+        tiles[3 * t + 1] = -1;
+        tiles[3 * t + 2] = 0;
+    }
+    for (int r = used_rows + threadIdx.x; r < pairs; r += blockDim.x) src_row[r] = 0;
+}
+
+// Every pair takes the next row of its expert: slot_of_pair[p] = its row (-1: no expert), src_row[row] = its
+// token (p / k).
+extern "C" __global__ void tandem_moe_scatter(const int* __restrict__ ids, int pairs, int k, int experts,
+                                              int* __restrict__ cursor, int* __restrict__ slot_of_pair,
+                                              int* __restrict__ src_row) {
+    for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < pairs; p += gridDim.x * blockDim.x) {
+        const int e = ids[p];
+        if (e < 0 || e >= experts) {
+            slot_of_pair[p] = -1;
+            continue;
+        }
+        const int row = atomicAdd(&cursor[e], 1);
+        slot_of_pair[p] = row;
+        src_row[row] = p / k;
+    }
+}

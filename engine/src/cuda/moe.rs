@@ -1,0 +1,230 @@
+//! The routed experts on the tensor cores: the (token, slot) pairs the router picked are grouped by expert
+//! (`engine/kernels/moe.cu`), and each of gate, up and down is one grouped FP8 GEMM over every expert at
+//! once (`gemm.cu`, "Grouped products"): row tiles of one expert each, listed on the device, so an expert
+//! with 3 tokens costs one partial tile and no padding rows.
+//!
+//! The launch is sized for the most tiles any routing of the batch can need ([`tile_slots`]) and reads the
+//! grouping from device memory: nothing goes back to the host, and a step can be captured in a CUDA graph.
+//!
+//! Batch invariance: a pair's row is quantized from its token's row alone, and its products are computed as
+//! a plain GEMM computes a row (the weight shape's chains, in K order); which tile or position it lands in,
+//! the other rows and the tile width change nothing (tested bit for bit against plain products of each
+//! expert). The combine adds a token's experts in slot order.
+
+use super::ops::{Arg, Workspace, elementwise_grid, launch};
+use super::weights::{DLinear, DMlp, act_quant};
+use super::{CudaError, Gpu, gemm};
+
+/// Threads of the planning CTA.
+const PLAN_THREADS: u32 = 1024;
+
+/// The most row tiles a grouped product of `pairs` rows over `experts` matrices can need: every used
+/// expert's last tile may be partial.
+pub fn tile_slots(pairs: usize, experts: usize) -> usize {
+    if pairs == 0 { 0 } else { pairs.div_ceil(gemm::BM) + experts.min(pairs) }
+}
+
+/// Workspace bytes of [`group`] and [`forward`] beyond the f32 buffers the per-pair path also needs: the
+/// grouping's indices and the two quantized activations with their scales.
+pub fn workspace_bytes(pairs: usize, experts: usize, hidden: usize, inter: usize) -> usize {
+    let pad = |k: usize| k.div_ceil(gemm::BK) * gemm::BK;
+    let ld = gemm::scale_ld(pairs);
+    4 * (experts + 2 * pairs + 3 * tile_slots(pairs, experts))
+        + pairs * (pad(hidden) + pad(inter))
+        + 4 * ld * (pad(hidden) + pad(inter)) / gemm::BK
+        + 4 * 256 // the workspace's alignment slack per buffer, roughly
+}
+
+/// A batch's pairs grouped by expert, in device memory.
+#[derive(Debug, Clone, Copy)]
+pub struct Grouping {
+    /// Pairs (= rows of the grouped layout, those routed to no expert at the end, unused).
+    pub pairs: usize,
+    /// i32 `[pairs]`: the grouped row of pair p, or -1 (no expert).
+    pub slot_of_pair: u64,
+    /// i32 `[pairs]`: the token whose activations grouped row r takes.
+    pub src_row: u64,
+    /// i32 `[tile_slots][3]`: {first row, expert or -1, end row} per row tile.
+    pub tiles: u64,
+    pub tile_slots: usize,
+}
+
+/// Groups the `pairs` expert ids `ids` (i32, token-major, `k` per token) by expert.
+pub fn group(
+    gpu: &Gpu,
+    ws: &mut Workspace,
+    ids: u64,
+    pairs: usize,
+    k: usize,
+    experts: usize,
+) -> Result<Grouping, CudaError> {
+    if experts == 0 || k == 0 || !pairs.is_multiple_of(k) || experts > 4096 {
+        return Err(CudaError::Shape(format!("moe: {pairs} pairs of {k} slots over {experts} experts")));
+    }
+    let s = gpu.stream();
+    let slots = tile_slots(pairs, experts);
+    let cursor = ws.take::<i32>(s, experts)?;
+    let slot_of_pair = ws.take::<i32>(s, pairs.max(1))?;
+    let src_row = ws.take::<i32>(s, pairs.max(1))?;
+    let tiles = ws.take::<i32>(s, 3 * slots.max(1))?;
+    let g = Grouping { pairs, slot_of_pair, src_row, tiles, tile_slots: slots };
+    if pairs == 0 {
+        return Ok(g);
+    }
+    launch(
+        gpu,
+        "tandem_moe_plan",
+        (1, 1, 1),
+        PLAN_THREADS,
+        (12 * experts) as u32,
+        &[
+            Arg::P(ids),
+            Arg::I(pairs as i32),
+            Arg::I(experts as i32),
+            Arg::P(cursor),
+            Arg::P(src_row),
+            Arg::P(tiles),
+            Arg::I(slots as i32),
+        ],
+    )?;
+    let sms = gpu.info().multiprocessors.max(1) as usize;
+    launch(
+        gpu,
+        "tandem_moe_scatter",
+        (pairs.div_ceil(256).min(4 * sms) as u32, 1, 1),
+        256,
+        0,
+        &[
+            Arg::P(ids),
+            Arg::I(pairs as i32),
+            Arg::I(k as i32),
+            Arg::I(experts as i32),
+            Arg::P(cursor),
+            Arg::P(slot_of_pair),
+            Arg::P(src_row),
+        ],
+    )?;
+    Ok(g)
+}
+
+/// Whether the backend runs the routed experts grouped: with `TANDEM_MOE_GROUPED=1`. The grouped path has
+/// not yet run on a GPU (it was written in a session without device time); until its GPU tests and
+/// benchmark have passed (`scripts/gpu-test.sh run kernels` with `TEST_FILTER=cuda::gemm`, then `model` with
+/// the variable set, and `moe`), the per-pair kernel stays the default.
+pub fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TANDEM_MOE_GROUPED").is_ok_and(|v| v == "1"))
+}
+
+/// Whether `m`'s stacked experts can run grouped: FP8 with DeepSeek's 128 x 128 blocks (their tensor maps
+/// were encoded at load).
+pub fn supported(m: &DMlp) -> bool {
+    [&m.gate, &m.up, &m.down].iter().all(|l| matches!(l, DLinear::Fp8 { block: [128, 128], maps: Some(_), .. }))
+}
+
+/// `y [pairs, out] f32 = qa . w_e^T` per grouped row, `w_e` the row's expert's matrix of the stacked `lin`.
+pub fn grouped_linear(
+    gpu: &Gpu,
+    lin: &DLinear,
+    qa: u64,
+    sa_t: u64,
+    scale_ld: usize,
+    g: &Grouping,
+    y: u64,
+) -> Result<(), CudaError> {
+    let tile = gemm::tile_n(g.tile_slots * gemm::BM, lin.out_features(), gpu.info().multiprocessors as usize);
+    grouped_linear_tile(gpu, lin, qa, sa_t, scale_ld, g, y, tile)
+}
+
+/// [`grouped_linear`] with output tiles `tile` (64 or 128) wide: the same bits (tested).
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_linear_tile(
+    gpu: &Gpu,
+    lin: &DLinear,
+    qa: u64,
+    sa_t: u64,
+    scale_ld: usize,
+    g: &Grouping,
+    y: u64,
+    tile: usize,
+) -> Result<(), CudaError> {
+    let DLinear::Fp8 { codes, scales, out, inp, kpad, block: [128, 128], maps: Some(maps), .. } = lin else {
+        return Err(CudaError::Shape("moe: grouped experts need FP8 weights with 128 x 128 blocks".into()));
+    };
+    let groups = codes.len() / (out * kpad).max(1);
+    if groups == 0 || groups * out * kpad != codes.len() {
+        return Err(CudaError::Shape(format!("moe: {} weight bytes are not matrices of {out} x {kpad}", codes.len())));
+    }
+    let plan = gemm::Plan { tile, chains: gemm::chains(*out, *kpad), split: false };
+    let raw = gemm::RawGemm {
+        qa,
+        sa_t,
+        scale_ld,
+        w: codes.ptr(),
+        ws: scales.ptr(),
+        scale_cols: inp.div_ceil(gemm::BK),
+        y,
+        part: 0,
+        bf16_out: false,
+        rows: g.pairs,
+        n: *out,
+        kpad: *kpad,
+        w_maps: Some(**maps),
+        row_tiles: g.tiles,
+        tile_slots: g.tile_slots,
+        groups,
+    };
+    gemm::launch(gpu, &raw, plan)
+}
+
+/// `down(silu(gate(x)) * up(x))` of every pair's expert into `y [pairs, hidden] f32`, row `slot_of_pair[p]`
+/// for pair p (the combine reads it there). `x [tokens, hidden]` f32.
+pub fn forward(gpu: &Gpu, ws: &mut Workspace, m: &DMlp, x: u64, g: &Grouping, y: u64) -> Result<(), CudaError> {
+    if g.pairs == 0 {
+        return Ok(());
+    }
+    let s = gpu.stream();
+    let fp8 = |l: &DLinear| match l {
+        DLinear::Fp8 { inp, kpad, ue8m0, .. } => Ok((*inp, *kpad, *ue8m0)),
+        DLinear::Dense { .. } => Err(CudaError::Shape("moe: grouped experts need FP8 weights".into())),
+    };
+    let (hidden, kpad_h, ue8m0_h) = fp8(&m.gate)?;
+    let (inter, kpad_i, ue8m0_i) = fp8(&m.down)?;
+    let ld = gemm::scale_ld(g.pairs);
+    let (qa, sa) = act_quant(gpu, ws, x, g.pairs, hidden, kpad_h, ue8m0_h, ld, g.src_row)?;
+    let gate = ws.take::<f32>(s, g.pairs * inter)?;
+    let up = ws.take::<f32>(s, g.pairs * inter)?;
+    grouped_linear(gpu, &m.gate, qa, sa, ld, g, gate)?;
+    grouped_linear(gpu, &m.up, qa, sa, ld, g, up)?;
+    let n = g.pairs * inter;
+    launch(
+        gpu,
+        "tandem_silu_mul",
+        elementwise_grid(n),
+        256,
+        0,
+        &[Arg::P(gate), Arg::P(up), Arg::P(gate), Arg::L(n as i64)],
+    )?;
+    let (qh, sh) = act_quant(gpu, ws, gate, g.pairs, inter, kpad_i, ue8m0_i, ld, 0)?;
+    grouped_linear(gpu, &m.down, qh, sh, ld, g, y)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tile_slots_cover_every_routing() {
+        assert_eq!(tile_slots(0, 256), 0);
+        // One token, 8 experts: 8 partial tiles.
+        assert_eq!(tile_slots(8, 256), 1 + 8);
+        // Every expert used, one of them with the rest: ceil(pairs / 128) full tiles plus a partial per expert.
+        for (pairs, experts) in [(2048, 256), (65536, 256), (300, 4), (129, 1)] {
+            let worst = (0..experts)
+                .map(|e| if e == 0 { pairs - (experts - 1).min(pairs - 1) } else { usize::from(e < pairs) })
+                .map(|c: usize| c.div_ceil(128))
+                .sum::<usize>();
+            assert!(tile_slots(pairs, experts) >= worst, "{pairs} pairs over {experts} experts: {worst} tiles");
+        }
+    }
+}
