@@ -18,6 +18,10 @@
 #         sanitize  the GPU tests under compute-sanitizer memcheck and racecheck
 #         bench     engine-bench on the GPU (tiny model, both precisions, JSON) and an Nsight Compute
 #                   per-kernel time breakdown of a decode step
+#         v32       engine-bench on the GPU with the synthetic DeepSeek-V3.2-dimension model (engine::synthetic;
+#                   V32_MODEL, default synthetic:v32,experts=32: 61 layers, one rank of EP-8), prefill 512 and
+#                   2048 tokens, decode at batch 1..64 over a 4096-token context (V32_ARGS to change), with the
+#                   per-pair and the grouped experts (TANDEM_MOE_GROUPED=1)
 #         indexer   bench/gpu/indexer_bench.py: the indexer's scorer + top-k, decode and prefill shapes, next to
 #                   the same-run copy bandwidth and a naive PyTorch version (INDEXER_BENCH_ARGS=--quick: fewer)
 #         gemm      bench/gpu/gemm_bench.py: checks and benchmark of the FP8 block-scaled GEMM on every DeepSeek-V3.2
@@ -44,7 +48,7 @@ pack() {
     cargo build --release -p engine --bin engine-bench
     # The engine's unit tests (engine-tests) and the integration tests that run on the GPU.
     local built pairs=("tandem:target/release/tandem" "engine-bench:target/release/engine-bench")
-    built=$(cargo test --release -p engine --lib --test model --test golden --test gpu --no-run \
+    built=$(cargo test --release -p engine --lib --test model --test golden --test gpu --test synthetic --no-run \
         --message-format=json 2>/dev/null |
         python3 -c 'import json,sys
 for l in sys.stdin:
@@ -53,7 +57,7 @@ for l in sys.stdin:
         t = m["target"]
         name = "engine-tests" if t["name"] == "engine" and "lib" in t["kind"] else "engine-" + t["name"]
         print(name + ":" + m["executable"])')
-    for want in engine-tests engine-model engine-golden engine-gpu; do
+    for want in engine-tests engine-model engine-golden engine-gpu engine-synthetic; do
         grep -q "^$want:" <<<"$built" || { echo "gpu-test.sh: test binary $want not built" >&2; exit 1; }
     done
     mapfile -t -O 2 pairs <<<"$built"
@@ -146,6 +150,7 @@ phase_model() {
     run_binary gpu-vs-cpu engine-gpu
     run_binary model engine-model
     run_binary golden engine-golden
+    run_binary synthetic engine-synthetic
     # The CLI end to end on the GPU: a checkpoint, greedy generation, JSON out.
     local rc=0 dir=/tmp/tandem-gpu/tiny
     {
@@ -207,6 +212,19 @@ phase_gemm() {
     grep -v "^invariance: M\|^check" "$OUTDIR/gemm.log" || true
     echo "| gemm | bench/gpu/gemm_bench.py | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
     ((rc == 0)) || FAILED+=(gemm)
+}
+
+phase_v32() {
+    local rc=0 model=${V32_MODEL:-synthetic:v32,experts=32}
+    for grouped in 0 1; do
+        TANDEM_MOE_GROUPED=$grouped engine-bench --device cuda --model "$model" --json \
+            --out "$OUTDIR/engine-bench-v32-grouped$grouped.json" \
+            ${V32_ARGS:---batches 1,16,64 --context 4096 --blocks 6144 --decode-steps 8} \
+            >"$OUTDIR/engine-bench-v32-grouped$grouped.log" 2>&1 || rc=$?
+        tail -n 12 "$OUTDIR/engine-bench-v32-grouped$grouped.log"
+    done
+    echo "| v32 | engine-bench --model $model | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+    ((rc == 0)) || FAILED+=(v32)
 }
 
 phase_moe() {
@@ -315,6 +333,7 @@ run() {
         indexer) phase_indexer ;;
         gemm) phase_gemm ;;
         moe) phase_moe ;;
+        v32) phase_v32 ;;
         sparse-mla) phase_sparse_mla ;;
         serve) phase_serve ;;
         all) phase_sass; phase_kernels; phase_loop; phase_model; phase_serve; phase_sanitize ;;

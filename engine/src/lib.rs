@@ -25,6 +25,7 @@ pub mod generate;
 pub mod memory;
 pub mod rope;
 pub mod sampling;
+pub mod synthetic;
 pub mod tiny;
 pub mod tolerance;
 

@@ -120,7 +120,7 @@ impl Normal {
 /// Standard deviation of a random projection `[out, in]`, chosen so activations keep unit scale, the
 /// residual stream grows slowly (output projections are damped) and logits are varied enough for greedy
 /// decoding not to collapse into one repeated token.
-fn linear_std(name: &str, inp: usize) -> f32 {
+pub(crate) fn linear_std(name: &str, inp: usize) -> f32 {
     let base = (inp as f32).powf(-0.5);
     if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
         0.5 * base
@@ -131,22 +131,28 @@ fn linear_std(name: &str, inp: usize) -> f32 {
     }
 }
 
-fn float_tensor(name: &str, shape: &[usize], rng: &mut Normal, cfg: &ModelConfig) -> OwnedTensor {
+/// A non-linear float tensor (norms, embedding, head, router) of `n` values drawn by `normal(n, std)`.
+pub(crate) fn float_tensor(
+    name: &str,
+    shape: &[usize],
+    cfg: &ModelConfig,
+    normal: &mut dyn FnMut(usize, f32) -> Vec<f32>,
+) -> OwnedTensor {
     let n: usize = shape.iter().product();
     let values: Vec<f32> = if name.ends_with("e_score_correction_bias") {
-        rng.vec(n, 0.02)
+        normal(n, 0.02)
     } else if name.ends_with("k_norm.bias") {
-        rng.vec(n, 0.1)
+        normal(n, 0.1)
     } else if shape.len() == 1 {
         // Norm weights around 1.
-        rng.vec(n, 0.1).into_iter().map(|v| 1.0 + v).collect()
+        normal(n, 0.1).into_iter().map(|v| 1.0 + v).collect()
     } else if name.ends_with("embed_tokens.weight") {
-        rng.vec(n, 1.0)
+        normal(n, 1.0)
     } else if name.ends_with("lm_head.weight") || name.ends_with("shared_head.head.weight") {
-        rng.vec(n, 4.0 / (cfg.hidden_size as f32).sqrt())
+        normal(n, 4.0 / (cfg.hidden_size as f32).sqrt())
     } else {
         // The MoE gate: varied routing.
-        rng.vec(n, 2.0 / (shape[1] as f32).sqrt())
+        normal(n, 2.0 / (shape[1] as f32).sqrt())
     };
     if name.ends_with("e_score_correction_bias") {
         OwnedTensor::f32(shape.to_vec(), &values)
@@ -185,7 +191,7 @@ pub fn tensors(cfg: &ModelConfig, seed: u64) -> Vec<(String, OwnedTensor)> {
             let w = rng.vec(spec.shape[0] * spec.shape[1], linear_std(&name, spec.shape[1]));
             out.push((name, OwnedTensor::bf16(spec.shape.clone(), &w)));
         } else {
-            let t = float_tensor(&name, &spec.shape, &mut rng, cfg);
+            let t = float_tensor(&name, &spec.shape, cfg, &mut |n, std| rng.vec(n, std));
             if name == "model.embed_tokens.weight" {
                 main_embed = Some(t.clone());
             }

@@ -13,7 +13,7 @@ use engine::{Device, Precision};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Checkpoint directory.
+    /// Checkpoint directory, or a synthetic model (`synthetic:v32[,...]`, engine::synthetic; pass --prompt-ids).
     #[arg(long)]
     pub model: PathBuf,
     /// Prompt text (tokenized with the checkpoint's tokenizer).
@@ -62,7 +62,8 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     engine::device::check_available(args.device)?;
-    let ckpt = Checkpoint::open(&args.model).with_context(|| format!("opening checkpoint {}", args.model.display()))?;
+    let ckpt =
+        Checkpoint::open_model(&args.model).with_context(|| format!("opening checkpoint {}", args.model.display()))?;
     let opts = BackendOptions { device: args.device, precision: args.precision, threads: args.threads };
     let backend = load_backend(&ckpt, opts).with_context(|| format!("loading {}", args.model.display()))?;
     let cfg = backend.config().clone();

@@ -8,7 +8,8 @@ use kv_transfer::TransportKind;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ServeArgs {
-    /// Checkpoint directory (HF layout: config.json, safetensors shards + index).
+    /// Checkpoint directory (HF layout: config.json, safetensors shards + index), or a synthetic model built in
+    /// memory (`synthetic:v32[,...]`, engine::synthetic).
     #[arg(long, env = "TANDEM_MODEL")]
     pub model: PathBuf,
     /// fp8: block-scaled FP8 weights, activations and caches; full: f32 (for comparisons).
@@ -111,6 +112,9 @@ impl ServeArgs {
         anyhow::ensure!(self.max_model_len != Some(0), "--max-model-len must be at least 1");
         anyhow::ensure!(self.threads != Some(0), "--threads must be at least 1");
         anyhow::ensure!(!self.model.as_os_str().is_empty(), "--model must name a checkpoint directory");
+        if let Some(m) = self.model.to_str().filter(|m| engine::synthetic::is_synthetic(m)) {
+            m.parse::<engine::synthetic::SyntheticSpec>().map_err(|e| anyhow::anyhow!("--model {e}"))?;
+        }
         if let Some(a) = &self.advertise {
             check_host_port("--advertise", a)?;
         } else {
@@ -233,6 +237,14 @@ mod tests {
         assert!(ok.validate().is_ok());
         let err = parse(&["--kv-advertise-host", "10.1.2.3:9000"]).validate().unwrap_err().to_string();
         assert!(err.contains("no port"), "{err}");
+    }
+
+    #[test]
+    fn a_synthetic_model_spec_is_checked_with_the_flags() {
+        let with = |m: &str| Cli::try_parse_from(["w", "--model", m]).unwrap().serve.validate();
+        assert!(with("synthetic:v32,layers=8,experts=32").is_ok());
+        let err = with("synthetic:v32,layers=zero").unwrap_err().to_string();
+        assert!(err.contains("--model") && err.contains("layers=zero"), "{err}");
     }
 
     #[test]

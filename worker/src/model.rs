@@ -28,8 +28,8 @@ impl LoadedModel {
     pub fn load(args: &ServeArgs) -> anyhow::Result<LoadedModel> {
         // Before touching the checkpoint: a device this build cannot use fails at once.
         engine::device::check_available(args.device)?;
-        let ckpt =
-            Checkpoint::open(&args.model).with_context(|| format!("opening checkpoint {}", args.model.display()))?;
+        let ckpt = Checkpoint::open_model(&args.model)
+            .with_context(|| format!("opening checkpoint {}", args.model.display()))?;
         let backend = engine::device::load_backend(&ckpt, args.backend_options())
             .with_context(|| format!("loading {} on {}", args.model.display(), args.device))?;
         let cfg: ModelConfig = backend.config().clone();

@@ -1,8 +1,11 @@
-//! CPU engine benchmark on the tiny model: prefill tokens/s for 512- and 2048-token prompts, decode
-//! tokens/s at batch 1 and 16. Prints a table and, with --json, one JSON object per measurement.
+//! Engine benchmark: prefill tokens/s for 512- and 2048-token prompts, decode tokens/s at batch 1 and 16
+//! (`--batches`) over a 256-token context (`--context`), on the embedded tiny model or `--model` (a
+//! checkpoint directory, or a synthetic model such as `synthetic:v32`: DeepSeek-V3.2's dimensions,
+//! engine::synthetic). Prints a table and, with --json, one JSON object per measurement.
 //!
 //! cargo run --release -p engine --bin engine-bench -- [--json] [--out FILE] [--precision fp8|full]
-//!     [--device cpu|cuda[:N]] [--threads N] [--decode-steps N] [--decode-only]
+//!     [--device cpu|cuda[:N]] [--threads N] [--decode-steps N] [--decode-only] [--model M]
+//!     [--batches 1,16] [--context 256] [--blocks 2048]
 
 use std::time::Instant;
 
@@ -22,6 +25,10 @@ struct Opts {
     decode_steps: usize,
     /// Only the decode measurements (for profilers).
     decode_only: bool,
+    model: Option<String>,
+    batches: Vec<usize>,
+    context: usize,
+    blocks: usize,
 }
 
 fn parse() -> Result<Opts, String> {
@@ -33,6 +40,13 @@ fn parse() -> Result<Opts, String> {
         threads: None,
         decode_steps: 32,
         decode_only: false,
+        model: None,
+        batches: vec![1, 16],
+        context: 256,
+        blocks: 2048,
+    };
+    let number = |v: Option<String>, what: &str| -> Result<usize, String> {
+        v.and_then(|v| v.parse().ok()).filter(|&n| n > 0).ok_or(format!("{what} needs a positive number"))
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -48,10 +62,22 @@ fn parse() -> Result<Opts, String> {
             "--decode-steps" => {
                 o.decode_steps = args.next().and_then(|v| v.parse().ok()).ok_or("--decode-steps needs a number")?
             }
+            "--model" => o.model = Some(args.next().ok_or("--model needs a checkpoint directory or synthetic:...")?),
+            "--batches" => {
+                let v = args.next().ok_or("--batches needs a list such as 1,16")?;
+                o.batches = v
+                    .split(',')
+                    .map(|b| b.trim().parse().ok().filter(|&n: &usize| n > 0))
+                    .collect::<Option<_>>()
+                    .ok_or(format!("--batches {v}: positive numbers, comma-separated"))?;
+            }
+            "--context" => o.context = number(args.next(), "--context")?,
+            "--blocks" => o.blocks = number(args.next(), "--blocks")?,
             "-h" | "--help" => {
                 println!(
                     "engine-bench [--json] [--out FILE] [--precision fp8|full] [--device cpu|cuda[:N]] [--threads N] \
-                     [--decode-steps N] [--decode-only]"
+                     [--decode-steps N] [--decode-only] [--model DIR|synthetic:v32[,...]] [--batches 1,16] \
+                     [--context 256] [--blocks 2048]"
                 );
                 std::process::exit(0);
             }
@@ -74,8 +100,17 @@ fn main() {
         }
     };
     let dir = tempfile::tempdir().expect("temp dir");
-    engine::tiny::write(dir.path(), 0, 1280).expect("tiny checkpoint");
-    let ckpt = Checkpoint::open(dir.path()).expect("open the tiny checkpoint");
+    let opened = match &o.model {
+        Some(m) => Checkpoint::open_model(std::path::Path::new(m)),
+        None => engine::tiny::write(dir.path(), 0, 1280).and_then(|()| Checkpoint::open(dir.path())),
+    };
+    let ckpt = match opened {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("engine-bench: {e}");
+            std::process::exit(1);
+        }
+    };
     let b = match load_backend(&ckpt, BackendOptions { device: o.device, precision: o.precision, threads: o.threads }) {
         Ok(b) => b,
         Err(e) => {
@@ -85,7 +120,7 @@ fn main() {
     };
     let b = b.as_ref();
     let cfg = b.config().clone();
-    let blocks = 2048;
+    let blocks = o.blocks;
     let geo = CacheGeometry::new(o.precision.cache_format(), b.entry_dims(), b.cache_layers(), blocks);
     let cache = b.allocate_cache(geo).expect("cache");
     let pool = BlockPool::new(blocks);
@@ -126,8 +161,8 @@ fn main() {
         );
     }
 
-    for batch in [1usize, 16] {
-        let ctx = 256;
+    for &batch in &o.batches {
+        let ctx = o.context;
         let mut seqs: Vec<SeqState> = (0..batch)
             .map(|i| {
                 let t = pool.reserve(&format!("d{batch}-{i}"), ctx + o.decode_steps * 2 + 4).expect("blocks");

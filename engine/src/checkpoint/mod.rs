@@ -40,15 +40,33 @@ pub enum CheckpointError {
     MissingTensor(String),
     #[error("checkpoint does not match its config:\n{0}")]
     Mismatch(String),
+    #[error("{0}")]
+    Synthetic(String),
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
     move |source| CheckpointError::Io { path: path.to_path_buf(), source }
 }
 
+/// A shard's bytes: a memory-mapped file, or (a synthetic checkpoint, crate::synthetic) memory of ours.
+enum ShardBytes {
+    Mapped(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for ShardBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            ShardBytes::Mapped(m) => m,
+            ShardBytes::Owned(v) => v,
+        }
+    }
+}
+
 struct Shard {
     file_name: String,
-    mmap: Mmap,
+    mmap: ShardBytes,
     /// Byte offset of the data section (8 + header length).
     data_start: usize,
 }
@@ -94,6 +112,9 @@ pub struct Checkpoint {
     fingerprint: String,
     /// Names present in the files but not implied by the config.
     unexpected: Vec<String>,
+    /// Per decoder layer, the layer whose tensors it shares (itself, except in a synthetic checkpoint whose
+    /// layers share weight sets): backends may load a layer's weights once for all that share them.
+    layer_sources: Option<Vec<usize>>,
 }
 
 impl std::fmt::Debug for Checkpoint {
@@ -194,7 +215,7 @@ impl Checkpoint {
                     });
                 }
             }
-            shards.push(Shard { file_name: file_name.clone(), mmap, data_start: 8 + n });
+            shards.push(Shard { file_name: file_name.clone(), mmap: ShardBytes::Mapped(mmap), data_start: 8 + n });
         }
         for (name, file) in &weight_map {
             if !tensors.contains_key(name) {
@@ -205,10 +226,68 @@ impl Checkpoint {
             }
         }
         let fingerprint = hex(&hasher.finalize());
-        let mut ckpt =
-            Checkpoint { dir: dir.to_path_buf(), config, shards, tensors, fingerprint, unexpected: Vec::new() };
+        let mut ckpt = Checkpoint {
+            dir: dir.to_path_buf(),
+            config,
+            shards,
+            tensors,
+            fingerprint,
+            unexpected: Vec::new(),
+            layer_sources: None,
+        };
         ckpt.validate()?;
         Ok(ckpt)
+    }
+
+    /// What a `--model` value names: a checkpoint directory, or a synthetic model built in memory
+    /// (`synthetic:v32[,...]`, crate::synthetic).
+    pub fn open_model(model: &Path) -> Result<Self, CheckpointError> {
+        match model.to_str() {
+            Some(s) if crate::synthetic::is_synthetic(s) => {
+                s.parse::<crate::synthetic::SyntheticSpec>().map_err(CheckpointError::Synthetic)?.build()
+            }
+            _ => Self::open(model),
+        }
+    }
+
+    /// A checkpoint held in memory (crate::synthetic): `physical` tensors, and every name with the physical
+    /// tensor it reads (names may share one: their bytes are the same memory). `label` stands for the
+    /// directory in messages.
+    pub(crate) fn in_memory(
+        label: &str,
+        config: ModelConfig,
+        physical: Vec<crate::checkpoint::writer::OwnedTensor>,
+        names: Vec<(String, usize)>,
+        fingerprint: String,
+        layer_sources: Vec<usize>,
+    ) -> Result<Self, CheckpointError> {
+        let mut infos = Vec::with_capacity(physical.len());
+        let mut shards = Vec::with_capacity(physical.len());
+        for (i, t) in physical.into_iter().enumerate() {
+            infos.push(TensorInfo { dtype: t.dtype, shape: t.shape, data_offsets: (0, t.data.len()) });
+            shards.push(Shard { file_name: format!("{label}#{i}"), mmap: ShardBytes::Owned(t.data), data_start: 0 });
+        }
+        let mut tensors = HashMap::with_capacity(names.len());
+        for (name, p) in names {
+            let info = infos.get(p).ok_or_else(|| CheckpointError::MissingTensor(name.clone()))?.clone();
+            tensors.insert(name, (p, info));
+        }
+        let mut ckpt = Checkpoint {
+            dir: PathBuf::from(label),
+            config,
+            shards,
+            tensors,
+            fingerprint,
+            unexpected: Vec::new(),
+            layer_sources: Some(layer_sources),
+        };
+        ckpt.validate()?;
+        Ok(ckpt)
+    }
+
+    /// The decoder layer whose tensors layer `i` shares (`i` itself in a checkpoint read from files).
+    pub fn layer_source(&self, i: usize) -> usize {
+        self.layer_sources.as_ref().and_then(|v| v.get(i).copied()).unwrap_or(i)
     }
 
     fn validate(&mut self) -> Result<(), CheckpointError> {

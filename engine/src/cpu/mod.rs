@@ -42,7 +42,7 @@ pub struct CpuBackend {
 
 impl CpuBackend {
     pub fn load(dir: &Path, prec: Precision) -> Result<Self, EngineError> {
-        let ckpt = Checkpoint::open(dir)?;
+        let ckpt = Checkpoint::open_model(dir)?;
         Self::from_checkpoint(&ckpt, prec)
     }
 

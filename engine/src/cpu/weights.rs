@@ -15,7 +15,8 @@ pub struct Moe {
     pub gate: Vec<f32>,
     /// `e_score_correction_bias`: added for selection only.
     pub bias: Option<Vec<f32>>,
-    pub experts: Vec<Mlp>,
+    /// Per routed expert; experts that share their tensors (a synthetic model's) share one load.
+    pub experts: Vec<std::sync::Arc<Mlp>>,
     pub shared: Option<Mlp>,
 }
 
@@ -71,7 +72,8 @@ pub struct Mtp {
 
 pub struct Weights {
     pub embed: Vec<f32>,
-    pub layers: Vec<Layer>,
+    /// Per decoder layer; layers that share their tensors (`Checkpoint::layer_source`) share one load.
+    pub layers: Vec<std::sync::Arc<Layer>>,
     pub norm: Vec<f32>,
     pub lm_head: Linear,
     pub mtp: Vec<Mtp>,
@@ -118,9 +120,25 @@ fn layer(ckpt: &Checkpoint, index: usize, prec: Precision) -> Result<Layer, Chec
         Ffn::Moe(Moe {
             gate: ckpt.f32(&format!("{m}gate.weight"))?,
             bias: if ckpt.contains(&bias_name) { Some(ckpt.f32(&bias_name)?) } else { None },
-            experts: (0..cfg.n_routed_experts)
-                .map(|e| mlp(ckpt, &format!("{m}experts.{e}."), prec))
-                .collect::<Result<_, _>>()?,
+            experts: {
+                // Experts whose matrices are the same memory load once.
+                let mut first: std::collections::HashMap<usize, std::sync::Arc<Mlp>> = Default::default();
+                let mut v = Vec::with_capacity(cfg.n_routed_experts);
+                for e in 0..cfg.n_routed_experts {
+                    let p = format!("{m}experts.{e}.");
+                    let key = ckpt.tensor(&format!("{p}down_proj.weight"))?.data.as_ptr() as usize;
+                    let x = match first.get(&key) {
+                        Some(x) => x.clone(),
+                        None => {
+                            let x = std::sync::Arc::new(mlp(ckpt, &p, prec)?);
+                            first.insert(key, x.clone());
+                            x
+                        }
+                    };
+                    v.push(x);
+                }
+                v
+            },
             shared: if cfg.n_shared_experts > 0 {
                 Some(mlp(ckpt, &format!("{m}shared_experts."), prec)?)
             } else {
@@ -175,9 +193,11 @@ impl Weights {
         };
         let norm = ckpt.f32("model.norm.weight")?;
         bar.inc(1);
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        let mut layers: Vec<std::sync::Arc<Layer>> = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
-            layers.push(layer(ckpt, i, prec)?);
+            let src = ckpt.layer_source(i);
+            let l = if src < i { layers[src].clone() } else { std::sync::Arc::new(layer(ckpt, i, prec)?) };
+            layers.push(l);
             bar.inc(1);
         }
         let mut mtp = Vec::new();
@@ -227,7 +247,15 @@ impl Layer {
             Ffn::Moe(m) => {
                 f32_bytes(&m.gate)
                     + m.bias.as_deref().map_or(0, f32_bytes)
-                    + m.experts.iter().chain(&m.shared).map(Mlp::bytes).sum::<u64>()
+                    + {
+                        let mut seen = std::collections::HashSet::new();
+                        m.experts
+                            .iter()
+                            .filter(|x| seen.insert(std::sync::Arc::as_ptr(x)))
+                            .map(|x| x.bytes())
+                            .sum::<u64>()
+                    }
+                    + m.shared.as_ref().map_or(0, Mlp::bytes)
             }
         };
         attn + indexer + ffn + f32_bytes(&self.attn_norm) + f32_bytes(&self.ffn_norm)
@@ -253,7 +281,10 @@ impl Weights {
         f32_bytes(&self.embed)
             + f32_bytes(&self.norm)
             + self.lm_head.bytes()
-            + self.layers.iter().map(Layer::bytes).sum::<u64>()
+            + {
+                let mut seen = std::collections::HashSet::new();
+                self.layers.iter().filter(|l| seen.insert(std::sync::Arc::as_ptr(l))).map(|l| l.bytes()).sum::<u64>()
+            }
             + mtp
     }
 }

@@ -418,6 +418,21 @@ impl CudaBackend {
                 Arg::P(weights),
             ],
         )?;
+        // Experts that share weights (a synthetic model's) run as the matrix they share.
+        let e = match &m.expert_map {
+            Some(map) => {
+                launch(
+                    &self.gpu,
+                    "tandem_moe_map_ids",
+                    elementwise_grid(rows * k),
+                    256,
+                    0,
+                    &[Arg::P(ids), Arg::I((rows * k) as i32), Arg::P(map.ptr())],
+                )?;
+                m.experts.down.groups()
+            }
+            None => e,
+        };
         let pairs = ws.take::<f32>(s, rows * k * hidden)?;
         // FP8 experts with 128 x 128 blocks, where enabled: grouped by expert, one tensor-core GEMM per
         // matrix over all of them (engine::cuda::moe); pair p's output at its grouped row. Otherwise one

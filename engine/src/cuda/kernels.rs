@@ -175,7 +175,7 @@ pub const FAMILIES: &[Family] = &[
     Family {
         name: "moe",
         source: include_str!("../../kernels/moe.cu"),
-        functions: &["tandem_moe_plan", "tandem_moe_scatter"],
+        functions: &["tandem_moe_plan", "tandem_moe_scatter", "tandem_moe_map_ids"],
         externals: &[],
         // Shared-memory counts per expert (warp-aggregated increments), then global cursors the pairs take
         // their rows from.

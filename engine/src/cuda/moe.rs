@@ -151,7 +151,7 @@ pub fn grouped_linear_tile(
     let DLinear::Fp8 { codes, scales, out, inp, kpad, block: [128, 128], maps: Some(maps), .. } = lin else {
         return Err(CudaError::Shape("moe: grouped experts need FP8 weights with 128 x 128 blocks".into()));
     };
-    let groups = codes.len() / (out * kpad).max(1);
+    let groups = lin.groups();
     if groups == 0 || groups * out * kpad != codes.len() {
         return Err(CudaError::Shape(format!("moe: {} weight bytes are not matrices of {out} x {kpad}", codes.len())));
     }

@@ -156,6 +156,14 @@ impl DLinear {
         Ok(DLinear::Dense { w: DBuf::upload(stream, w)?, out, inp })
     }
 
+    /// Matrices stacked (the routed experts'; 1 for a plain linear).
+    pub fn groups(&self) -> usize {
+        match self {
+            DLinear::Dense { w, out, inp } => w.len() / (out * inp).max(1),
+            DLinear::Fp8 { codes, out, kpad, .. } => codes.len() / (out * kpad).max(1),
+        }
+    }
+
     pub fn out_features(&self) -> usize {
         match self {
             DLinear::Dense { out, .. } | DLinear::Fp8 { out, .. } => *out,
@@ -324,8 +332,11 @@ pub struct DMoe {
     /// Router weights `[experts, hidden]` (f32 logits).
     pub gate: DLinear,
     pub bias: Option<DBuf<f32>>,
-    /// Every routed expert, stacked.
+    /// Every distinct routed expert, stacked.
     pub experts: DMlp,
+    /// i32 `[n_routed_experts]`: each routed expert's matrix among `experts`, where experts share their
+    /// weights (a synthetic model standing for one rank of expert parallelism); `None`: expert e is matrix e.
+    pub expert_map: Option<DBuf<i32>>,
     pub shared: Option<DMlp>,
 }
 
@@ -375,7 +386,9 @@ pub struct DMtp {
 
 pub struct DWeights {
     pub embed: DBuf<f32>,
-    pub layers: Vec<DLayer>,
+    /// Per decoder layer; layers that share their weights (a synthetic model's weight sets,
+    /// `Checkpoint::layer_source`) share one load.
+    pub layers: Vec<Arc<DLayer>>,
     pub norm: DBuf<f32>,
     pub lm_head: DLinear,
     /// The one MTP layer served (the first of the checkpoint's).
@@ -395,6 +408,25 @@ fn mlp(stream: &Arc<CudaStream>, ckpt: &Checkpoint, prefixes: &[String], prec: P
     })
 }
 
+/// The distinct experts among `prefixes` (experts whose three matrices are the same memory, as a synthetic
+/// model's shared experts are, count once): their prefixes, and each expert's index among them.
+fn distinct_experts(ckpt: &Checkpoint, prefixes: &[String]) -> Result<(Vec<String>, Vec<i32>), CheckpointError> {
+    let mut first: std::collections::HashMap<[usize; 3], i32> = std::collections::HashMap::new();
+    let (mut distinct, mut map) = (Vec::new(), Vec::with_capacity(prefixes.len()));
+    for p in prefixes {
+        let mut key = [0usize; 3];
+        for (k, m) in key.iter_mut().zip(["gate", "up", "down"]) {
+            *k = ckpt.tensor(&format!("{p}{m}_proj.weight"))?.data.as_ptr() as usize;
+        }
+        let i = *first.entry(key).or_insert_with(|| {
+            distinct.push(p.clone());
+            distinct.len() as i32 - 1
+        });
+        map.push(i);
+    }
+    Ok((distinct, map))
+}
+
 fn layer(stream: &Arc<CudaStream>, ckpt: &Checkpoint, index: usize, prec: Precision) -> Result<DLayer, LoadError> {
     let cfg = ckpt.config();
     let p = layer_prefix(index);
@@ -407,10 +439,13 @@ fn layer(stream: &Arc<CudaStream>, ckpt: &Checkpoint, index: usize, prec: Precis
         let bias_name = format!("{m}gate.e_score_correction_bias");
         let gate = ckpt.f32(&format!("{m}gate.weight"))?;
         let experts: Vec<String> = (0..cfg.n_routed_experts).map(|e| format!("{m}experts.{e}.")).collect();
+        let (distinct, map) = distinct_experts(ckpt, &experts)?;
+        let expert_map = if distinct.len() < experts.len() { Some(DBuf::upload(stream, &map)?) } else { None };
         DFfn::Moe(Box::new(DMoe {
             gate: DLinear::dense(stream, &gate, cfg.n_routed_experts, cfg.hidden_size)?,
             bias: if ckpt.contains(&bias_name) { Some(f32s(stream, ckpt, &bias_name)?) } else { None },
-            experts: mlp(stream, ckpt, &experts, prec)?,
+            experts: mlp(stream, ckpt, &distinct, prec)?,
+            expert_map,
             shared: if cfg.n_shared_experts > 0 {
                 Some(mlp(stream, ckpt, &[format!("{m}shared_experts.")], prec)?)
             } else {
@@ -458,7 +493,20 @@ impl DWeights {
         };
         drop(embed_host);
         let norm = f32s(stream, ckpt, "model.norm.weight")?;
-        let layers = (0..cfg.num_hidden_layers).map(|i| layer(stream, ckpt, i, prec)).collect::<Result<_, _>>()?;
+        let mut loaded: std::collections::HashMap<usize, Arc<DLayer>> = std::collections::HashMap::new();
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let src = ckpt.layer_source(i);
+            let l = match loaded.get(&src) {
+                Some(l) => l.clone(),
+                None => {
+                    let l = Arc::new(layer(stream, ckpt, src, prec)?);
+                    loaded.insert(src, l.clone());
+                    l
+                }
+            };
+            layers.push(l);
+        }
         let mtp = if cfg.num_served_mtp_layers() > 0 {
             let i = cfg.num_hidden_layers;
             let p = layer_prefix(i);
@@ -495,6 +543,7 @@ impl DWeights {
                     m.gate.bytes()
                         + m.bias.as_ref().map_or(0, DBuf::bytes)
                         + mlp(&m.experts)
+                        + m.expert_map.as_ref().map_or(0, DBuf::bytes)
                         + m.shared.as_ref().map_or(0, mlp)
                 }
             };
@@ -521,6 +570,9 @@ impl DWeights {
                 + m.embed.as_ref().map_or(0, DBuf::bytes)
                 + layer(&m.layer)
         });
-        self.embed.bytes() + self.norm.bytes() + self.lm_head.bytes() + self.layers.iter().map(layer).sum::<u64>() + mtp
+        // Shared layers once.
+        let mut seen = std::collections::HashSet::new();
+        let layers: u64 = self.layers.iter().filter(|l| seen.insert(Arc::as_ptr(l))).map(|l| layer(l)).sum();
+        self.embed.bytes() + self.norm.bytes() + self.lm_head.bytes() + layers + mtp
     }
 }
