@@ -233,6 +233,77 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_f32(
     }
 }
 
+#define BF16W_COLS 4   // columns per warp
+#define BF16W_ROWS 16  // rows per CTA
+#define BF16W_K 256    // channels per step: 32 lanes x 8
+
+// y[m, c] = x[m / a_div] . w[c] with bf16 weights (the checkpoint's lm_head, MTP head, eh_proj and indexer
+// weights_proj: exact in f32, so the values are the CPU's) and f32 sums, for any rows. A CTA of WARPS warps
+// computes BF16W_COLS columns per warp for BF16W_ROWS rows: it stages the rows' next BF16W_K channels of x in
+// shared memory, and each lane reads 8 consecutive bf16 of each of its warp's columns once per step (16-byte
+// loads) for all the CTA's rows, so a decode batch of up to 16 rows reads the weights once.
+// Exactness: lane l sums channels 8 l + 256 j + e (j ascending, then e = 0..7) by FMA, then the warp's
+// butterfly: the same operations for an element whatever the batch, the row's place in it or the grid.
+extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_bf16w(const float* __restrict__ x, int a_div,
+                                                                          const u16* __restrict__ w,
+                                                                          float* __restrict__ y, int rows, int n,
+                                                                          int k) {
+    __shared__ __align__(16) float xs[BF16W_ROWS][BF16W_K];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int c0 = (blockIdx.x * WARPS + warp) * BF16W_COLS, r0 = blockIdx.y * BF16W_ROWS;
+    // 16-byte weight loads need rows of a multiple of 8 channels; other widths load one value at a time.
+    const bool vec = (k & 7) == 0;
+    float acc[BF16W_COLS][BF16W_ROWS];
+#pragma unroll
+    for (int j = 0; j < BF16W_COLS; ++j)
+#pragma unroll
+        for (int r = 0; r < BF16W_ROWS; ++r) acc[j][r] = 0.0f;
+    for (int kb = 0; kb < k; kb += BF16W_K) {
+        for (int i = threadIdx.x; i < BF16W_ROWS * BF16W_K; i += WARPS * 32) {
+            const int r = i / BF16W_K, ch = kb + i % BF16W_K, m = r0 + r;
+            xs[r][i % BF16W_K] = (m < rows && ch < k) ? x[(i64)(m / a_div) * k + ch] : 0.0f;
+        }
+        __syncthreads();
+        const int ch0 = kb + 8 * lane;
+        float wv[BF16W_COLS][8];
+#pragma unroll
+        for (int j = 0; j < BF16W_COLS; ++j) {
+            const int c = c0 + j;
+            const u16* wr = w + (i64)c * k + ch0;
+            if (c < n && vec && ch0 + 8 <= k) {
+                const uint4 q = *(const uint4*)wr;
+                const u32 h[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    wv[j][2 * e] = __uint_as_float(h[e] << 16);
+                    wv[j][2 * e + 1] = __uint_as_float(h[e] & 0xffff0000u);
+                }
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) wv[j][e] = (c < n && ch0 + e < k) ? tandem_bf16_val(wr[e]) : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < BF16W_ROWS; ++r) {
+            const float4 a = *(const float4*)&xs[r][8 * lane], b = *(const float4*)&xs[r][8 * lane + 4];
+            const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+#pragma unroll
+                for (int j = 0; j < BF16W_COLS; ++j) acc[j][r] = __fmaf_rn(xv[e], wv[j][e], acc[j][r]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int j = 0; j < BF16W_COLS; ++j) {
+#pragma unroll
+        for (int r = 0; r < BF16W_ROWS; ++r) {
+            const float v = tandem_warp_sum(acc[j][r]);
+            if (lane == 0 && c0 + j < n && r0 + r < rows) y[(i64)(r0 + r) * n + c0 + j] = v;
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Rotary embeddings (engine::rope): cos and sin of pair i at position p, computed in double as the CPU
 // does, then scaled by the YaRN attention factor and rounded to f32.

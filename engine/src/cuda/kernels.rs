@@ -202,6 +202,7 @@ pub const FAMILIES: &[Family] = &[
             "tandem_act_quant",
             "tandem_gemm_fp8",
             "tandem_gemm_f32",
+            "tandem_gemm_bf16w",
             "tandem_mla_post",
             "tandem_indexer_post",
             "tandem_write_cache_f32",

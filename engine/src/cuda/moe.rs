@@ -186,7 +186,9 @@ pub fn forward(gpu: &Gpu, ws: &mut Workspace, m: &DMlp, x: u64, g: &Grouping, y:
     let s = gpu.stream();
     let fp8 = |l: &DLinear| match l {
         DLinear::Fp8 { inp, kpad, ue8m0, .. } => Ok((*inp, *kpad, *ue8m0)),
-        DLinear::Dense { .. } => Err(CudaError::Shape("moe: grouped experts need FP8 weights".into())),
+        DLinear::Dense { .. } | DLinear::Bf16 { .. } => {
+            Err(CudaError::Shape("moe: grouped experts need FP8 weights".into()))
+        }
     };
     let (hidden, kpad_h, ue8m0_h) = fp8(&m.gate)?;
     let (inter, kpad_i, ue8m0_i) = fp8(&m.down)?;

@@ -33,6 +33,13 @@ pub enum DLinear {
         out: usize,
         inp: usize,
     },
+    /// One matrix stored as bf16 in the checkpoint (lm_head, the MTP head, eh_proj, the indexer's
+    /// weights_proj): kept as bf16, whose values are exact in f32.
+    Bf16 {
+        w: DBuf<u16>,
+        out: usize,
+        inp: usize,
+    },
     Fp8 {
         /// `[mats, out, kpad]` e4m3 codes, K padded with zero codes to a multiple of 128.
         codes: DBuf<u8>,
@@ -43,8 +50,8 @@ pub enum DLinear {
         kpad: usize,
         block: [usize; 2],
         ue8m0: bool,
-        /// The codes' TMA maps for the tensor-core GEMM's 64- and 128-wide tiles (a single matrix with 128 x
-        /// 128 blocks; encoded once at load instead of on every call).
+        /// The codes' TMA maps for the tensor-core GEMM's 64- and 128-wide tiles (128 x 128 blocks; over every
+        /// stacked matrix; encoded once at load instead of on every call).
         maps: Option<Box<[gemm::TensorMap; 2]>>,
     },
 }
@@ -94,6 +101,11 @@ fn read_linear(ckpt: &Checkpoint, name: &str, prec: Precision) -> Result<(HostLi
 impl DLinear {
     /// One matrix.
     pub fn load(stream: &Arc<CudaStream>, ckpt: &Checkpoint, name: &str, prec: Precision) -> Result<Self, LoadError> {
+        let t = ckpt.tensor(name)?;
+        if t.dtype == Dtype::BF16 && t.shape.len() == 2 {
+            let w: Vec<u16> = t.data.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+            return Ok(DLinear::Bf16 { w: DBuf::upload(stream, &w)?, out: t.shape[0], inp: t.shape[1] });
+        }
         Self::load_stacked(stream, ckpt, &[name.to_string()], prec)
     }
 
@@ -160,25 +172,27 @@ impl DLinear {
     pub fn groups(&self) -> usize {
         match self {
             DLinear::Dense { w, out, inp } => w.len() / (out * inp).max(1),
+            DLinear::Bf16 { .. } => 1,
             DLinear::Fp8 { codes, out, kpad, .. } => codes.len() / (out * kpad).max(1),
         }
     }
 
     pub fn out_features(&self) -> usize {
         match self {
-            DLinear::Dense { out, .. } | DLinear::Fp8 { out, .. } => *out,
+            DLinear::Dense { out, .. } | DLinear::Bf16 { out, .. } | DLinear::Fp8 { out, .. } => *out,
         }
     }
 
     pub fn in_features(&self) -> usize {
         match self {
-            DLinear::Dense { inp, .. } | DLinear::Fp8 { inp, .. } => *inp,
+            DLinear::Dense { inp, .. } | DLinear::Bf16 { inp, .. } | DLinear::Fp8 { inp, .. } => *inp,
         }
     }
 
     pub fn bytes(&self) -> u64 {
         match self {
             DLinear::Dense { w, .. } => w.bytes(),
+            DLinear::Bf16 { w, .. } => w.bytes(),
             DLinear::Fp8 { codes, scales, .. } => codes.bytes() + scales.bytes(),
         }
     }
@@ -203,6 +217,28 @@ impl DLinear {
         let out = self.out_features();
         let grid = (out.div_ceil(8) as u32, rows.div_ceil(8) as u32, 1);
         match self {
+            DLinear::Bf16 { w, out, inp } => {
+                if sel != 0 {
+                    return Err(CudaError::Shape("a bf16 linear is one matrix: no per-row selection".into()));
+                }
+                // Four columns per warp, 16 rows per CTA (BF16W_COLS, BF16W_ROWS in model.cu).
+                launch(
+                    gpu,
+                    "tandem_gemm_bf16w",
+                    (out.div_ceil(8 * 4) as u32, rows.div_ceil(16) as u32, 1),
+                    256,
+                    0,
+                    &[
+                        Arg::P(x),
+                        Arg::I(a_div as i32),
+                        Arg::P(w.ptr()),
+                        Arg::P(y),
+                        Arg::I(rows as i32),
+                        Arg::I(*out as i32),
+                        Arg::I(*inp as i32),
+                    ],
+                )
+            }
             DLinear::Dense { w, out, inp } => launch(
                 gpu,
                 "tandem_gemm_f32",
@@ -574,5 +610,59 @@ impl DWeights {
         let mut seen = std::collections::HashSet::new();
         let layers: u64 = self.layers.iter().filter(|l| seen.insert(Arc::as_ptr(l))).map(|l| layer(l)).sum();
         self.embed.bytes() + self.norm.bytes() + self.lm_head.bytes() + layers + mtp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::RngExt;
+
+    use super::*;
+
+    /// The bf16-weight kernel (lm_head and the other bf16 linears) against f32 sums on the host: exact
+    /// small-integer inputs give the same bits; random inputs agree to f32 rounding; a row's result does not
+    /// depend on the rows beside it (every row count through 16-row CTAs and a partial last one), including
+    /// widths that are not a multiple of 8 channels (the one-value loads).
+    #[test]
+    fn bf16_linears_match_f32_sums_and_do_not_depend_on_the_batch() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        let s = gpu.stream();
+        for (out, inp, exact) in [(77, 300, true), (129, 7168, false), (40, 250, false)] {
+            let w: Vec<f32> = (0..out * inp)
+                .map(|_| if exact { rng.random_range(-4i32..=4) as f32 } else { rng.random::<f32>() * 2.0 - 1.0 })
+                .map(|v| half::bf16::from_f32(v).to_f32())
+                .collect();
+            let big = 37;
+            let x: Vec<f32> = (0..big * inp)
+                .map(|_| if exact { rng.random_range(-8i32..=8) as f32 } else { rng.random::<f32>() * 2.0 - 1.0 })
+                .collect();
+            let bits: Vec<u16> = w.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect();
+            let lin = DLinear::Bf16 { w: DBuf::upload(s, &bits).unwrap(), out, inp };
+            let dx = DBuf::upload(s, &x).unwrap();
+            let run = |rows: usize| {
+                let y = DBuf::<f32>::zeros(s, rows * out).unwrap();
+                let mut ws = Workspace::new();
+                lin.forward(&gpu, &mut ws, dx.ptr(), rows, 1, 0, y.ptr()).unwrap();
+                s.clone_dtoh(y.slice()).unwrap()
+            };
+            let full = run(big);
+            for r in 0..big {
+                for c in 0..out {
+                    let want: f64 = (0..inp).map(|k| x[r * inp + k] as f64 * w[c * inp + k] as f64).sum();
+                    let got = full[r * out + c] as f64;
+                    let tol = if exact { 0.0 } else { 1e-5 * (inp as f64).sqrt() };
+                    assert!((got - want).abs() <= tol, "{out}x{inp} y[{r},{c}] = {got}, f64 sum {want} (seed {seed})");
+                }
+            }
+            for rows in [1, 2, 15, 16, 17, 33] {
+                let got = run(rows);
+                let same = got.iter().zip(&full).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{out}x{inp}: the first {rows} rows differ from the same rows of {big} (seed {seed})");
+            }
+        }
+        let lin = DLinear::Bf16 { w: DBuf::upload(s, &[0u16; 8]).unwrap(), out: 1, inp: 8 };
+        let mut ws = Workspace::new();
+        assert!(lin.forward(&gpu, &mut ws, 256, 1, 1, 256, 256).unwrap_err().to_string().contains("one matrix"));
     }
 }
