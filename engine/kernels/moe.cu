@@ -73,9 +73,11 @@ extern "C" __global__ void tandem_moe_scatter(const int* __restrict__ ids, int p
 
 // ids[p] = map[ids[p]]: routed experts that share their weights (a synthetic model standing for one rank of
 // expert parallelism) run as the matrix they share (engine::cuda::weights::DMoe::expert_map).
-extern "C" __global__ void tandem_moe_map_ids(int* __restrict__ ids, int n, const int* __restrict__ map) {
+// Ids outside [0, experts) are left as they are (the grouping gives them no row).
+extern "C" __global__ void tandem_moe_map_ids(int* __restrict__ ids, int n, const int* __restrict__ map,
+                                              int experts) {
     for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < n; p += gridDim.x * blockDim.x) {
         const int e = ids[p];
-        if (e >= 0) ids[p] = map[e];
+        if (e >= 0 && e < experts) ids[p] = map[e];
     }
 }

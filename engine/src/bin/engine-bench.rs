@@ -16,6 +16,9 @@ use engine::generate::{self, SeqState};
 use engine::sampling::SamplingParams;
 use engine::{Device, Precision};
 
+/// Most tokens of one prefill call when the decode measurements fill their contexts.
+const PREFILL_CHUNK: usize = 2048;
+
 struct Opts {
     json: bool,
     out: Option<String>,
@@ -176,9 +179,13 @@ fn main() {
                 s
             })
             .collect();
-        {
-            let mut refs: Vec<&mut SeqState> = seqs.iter_mut().collect();
-            generate::prefill(b, &cache, &mut refs, &vec![ctx; batch], &mut |_, _| {}).expect("prefill");
+        // Each context on its own, in chunks of at most PREFILL_CHUNK tokens (as a prefill worker chunks long
+        // prompts): one call for the whole batch would pass batch x context rows through every linear.
+        for seq in seqs.iter_mut() {
+            while !seq.prefill_done() {
+                let chunk = seq.prefill_chunk_max().min(PREFILL_CHUNK);
+                generate::prefill(b, &cache, &mut [&mut *seq], &[chunk], &mut |_, _| {}).expect("prefill");
+            }
         }
         let start = Instant::now();
         let mut produced = 0;

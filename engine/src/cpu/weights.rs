@@ -49,7 +49,6 @@ pub struct Mla {
 }
 
 pub struct Layer {
-    pub index: usize,
     pub attn_norm: Vec<f32>,
     pub ffn_norm: Vec<f32>,
     pub attn: Mla,
@@ -149,7 +148,6 @@ fn layer(ckpt: &Checkpoint, index: usize, prec: Precision) -> Result<Layer, Chec
         Ffn::Dense(mlp(ckpt, &format!("{p}mlp."), prec)?)
     };
     Ok(Layer {
-        index,
         attn_norm: ckpt.f32(&format!("{p}input_layernorm.weight"))?,
         ffn_norm: ckpt.f32(&format!("{p}post_attention_layernorm.weight"))?,
         attn: Mla {

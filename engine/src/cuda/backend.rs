@@ -427,7 +427,7 @@ impl CudaBackend {
                     elementwise_grid(rows * k),
                     256,
                     0,
-                    &[Arg::P(ids), Arg::I((rows * k) as i32), Arg::P(map.ptr())],
+                    &[Arg::P(ids), Arg::I((rows * k) as i32), Arg::P(map.ptr()), Arg::I(e as i32)],
                 )?;
                 m.experts.down.groups()
             }
@@ -1213,7 +1213,7 @@ impl CudaBackend {
         let logits = 2 * l.max_num_seqs as u64 * c.vocab_size as u64;
         // The grouped experts' indices and quantized activations (engine::cuda::moe).
         let pairs = l.max_num_batched_tokens * c.num_experts_per_tok;
-        let grouped = if c.n_routed_experts > 0 {
+        let grouped = if c.n_routed_experts > 0 && moe::enabled() {
             moe::workspace_bytes(pairs, c.n_routed_experts, c.hidden_size, c.moe_intermediate_size) as u64
         } else {
             0

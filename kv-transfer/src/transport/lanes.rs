@@ -15,7 +15,7 @@ pub const STRIPE_BYTES: u64 = 1 << 20;
 /// Lanes per link when neither the configuration nor `TANDEM_KV_LANES` says: a quarter of the cores, at
 /// least 2 where there are 2 cores, at most 8 (two lanes on a 2- to 11-core machine, four on a 16-core
 /// host). Two lanes on the 2-core VM: a same-host receiver's two progress threads place active messages
-/// in parallel, 12-14 GB/s at 8K-32K tokens against 8.4-8.8 with one (bench/RESULTS.md, D11); three or
+/// in parallel, 13.5-14.5 GB/s at 8K-32K tokens against 8.6-9.0 with one (bench/RESULTS.md, D11); three or
 /// four lanes were slower there (10-12 GB/s).
 pub fn default_lanes() -> usize {
     if let Some(n) = std::env::var("TANDEM_KV_LANES").ok().and_then(|v| v.trim().parse::<usize>().ok()) {

@@ -164,6 +164,8 @@ impl Node {
             return Err(TransferError::Transport("eventfd failed".into()));
         }
         let thread_name = format!("{name}-ucx");
+        // Counted from before the thread exists: process exit waits for a node still creating its worker.
+        live::begin();
         std::thread::Builder::new()
             .name(thread_name)
             .spawn(move || {
@@ -185,21 +187,29 @@ impl Node {
                             wake_fd,
                             alive: AtomicBool::new(true),
                         });
-                        live::enter(id, &node);
-                        init2.set(Ok(node.clone()));
-                        // SAFETY: same thread.
-                        unsafe { st.run(&node, rx, sink) };
+                        if live::enter(id, &node) {
+                            init2.set(Ok(node.clone()));
+                            // SAFETY: same thread.
+                            unsafe { st.run(&node, rx, sink) };
+                        } else {
+                            init2.set(Err(TransferError::Transport("the process is exiting".into())));
+                        }
                         node.alive.store(false, Ordering::SeqCst);
-                        // SAFETY: same thread; every request was completed or cancelled by run().
+                        // SAFETY: same thread; every request was completed or cancelled by run() (or none
+                        // was ever issued).
                         unsafe { st.destroy() };
                         live::leave(id);
                     }
                     Err(e) => {
+                        live::abandon();
                         init2.set(Err(e));
                     }
                 }
             })
-            .map_err(|e| TransferError::Transport(format!("cannot start the UCX progress thread: {e}")))?;
+            .map_err(|e| {
+                live::abandon();
+                TransferError::Transport(format!("cannot start the UCX progress thread: {e}"))
+            })?;
         let node: Arc<Node> = init
             .wait_until(Instant::now() + Duration::from_secs(30))
             .unwrap_or_else(|| Err(TransferError::Transport("UCX initialisation timed out".into())))?;
@@ -308,8 +318,18 @@ mod live {
     /// How long process exit waits for the progress threads (each drains for at most 500 ms).
     const EXIT_WAIT: Duration = Duration::from_secs(5);
 
+    #[derive(Default)]
+    struct Nodes {
+        /// Registered nodes: until their worker and context are destroyed.
+        running: HashMap<u64, (Weak<Node>, std::thread::ThreadId)>,
+        /// Nodes whose thread is creating its worker (counted from before the thread starts).
+        starting: usize,
+        /// Set by the exit handler: a node that registers after it destroys its worker at once.
+        exiting: bool,
+    }
+
     struct Registry {
-        nodes: Mutex<HashMap<u64, (Weak<Node>, std::thread::ThreadId)>>,
+        nodes: Mutex<Nodes>,
         gone: Condvar,
     }
 
@@ -320,49 +340,74 @@ mod live {
             if unsafe { libc::atexit(stop_all) } != 0 {
                 tracing::warn!("could not register the UCX exit handler; exit may race the progress threads");
             }
-            Registry { nodes: Mutex::new(HashMap::new()), gone: Condvar::new() }
+            Registry { nodes: Mutex::new(Nodes::default()), gone: Condvar::new() }
         })
     }
 
-    /// Called on the progress thread once its node exists.
-    pub(super) fn enter(id: u64, node: &Arc<Node>) {
+    fn lock(r: &Registry) -> std::sync::MutexGuard<'_, Nodes> {
+        r.nodes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A node's thread is about to start.
+    pub(super) fn begin() {
+        lock(registry()).starting += 1;
+    }
+
+    /// A started node failed before it registered (its worker was never created, or was destroyed).
+    pub(super) fn abandon() {
         let r = registry();
-        r.nodes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, (Arc::downgrade(node), std::thread::current().id()));
+        let mut n = lock(r);
+        n.starting = n.starting.saturating_sub(1);
+        drop(n);
+        r.gone.notify_all();
+    }
+
+    /// Called on the progress thread once its node exists: false while the process is exiting (the thread
+    /// then destroys its worker at once and calls [`leave`]).
+    pub(super) fn enter(id: u64, node: &Arc<Node>) -> bool {
+        let mut n = lock(registry());
+        n.starting = n.starting.saturating_sub(1);
+        n.running.insert(id, (Arc::downgrade(node), std::thread::current().id()));
+        !n.exiting
     }
 
     /// Called on the progress thread after its worker and context are destroyed.
     pub(super) fn leave(id: u64) {
         let r = registry();
-        r.nodes.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+        lock(r).running.remove(&id);
         r.gone.notify_all();
     }
 
     /// UCX progress threads running in this process (a node's thread counts until its worker and context
     /// are destroyed).
     pub fn running() -> usize {
-        registry().nodes.lock().unwrap_or_else(|p| p.into_inner()).len()
+        lock(registry()).running.len()
     }
 
     pub(super) extern "C" fn stop_all() {
         let r = registry();
         let me = std::thread::current().id();
         let deadline = Instant::now() + EXIT_WAIT;
-        let mut nodes = r.nodes.lock().unwrap_or_else(|p| p.into_inner());
-        for (weak, _) in nodes.values() {
-            if let Some(node) = weak.upgrade() {
-                let _ = node.cmd(Cmd::Shutdown);
-            }
-        }
+        let mut n = lock(r);
+        n.exiting = true;
         // A process that exits from a progress thread cannot wait for that thread.
-        while nodes.values().any(|(_, t)| *t != me) {
+        while n.starting > 0 || n.running.values().any(|(_, t)| *t != me) {
+            // Every wake-up asks again: a node that registered since has its Shutdown too (one that
+            // registers from now on sees `exiting` and stops by itself).
+            for (weak, _) in n.running.values() {
+                if let Some(node) = weak.upgrade() {
+                    let _ = node.cmd(Cmd::Shutdown);
+                }
+            }
             let now = Instant::now();
             if now >= deadline {
                 break;
             }
-            nodes = r.gone.wait_timeout(nodes, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+            n = r
+                .gone
+                .wait_timeout(n, (deadline - now).min(Duration::from_millis(100)))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 }
