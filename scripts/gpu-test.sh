@@ -227,21 +227,17 @@ phase_v32() {
     ((rc == 0)) || FAILED+=(v32)
 }
 
-phase_moe() {
-    local rc=0
-    python3 bench/gpu/moe_bench.py ${MOE_BENCH_ARGS:-} --json "$OUTDIR/moe.json" >"$OUTDIR/moe.log" 2>&1 || rc=$?
-    cat "$OUTDIR/moe.log"
-    echo "| moe | bench/gpu/moe_bench.py | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
-    ((rc == 0)) || FAILED+=(moe)
+# A PyTorch benchmark script as a phase: bench/gpu/NAME_bench.py with $ARGS, its log shown and kept, its JSON out.
+python_bench_phase() {
+    local name=$1 args=$2 rc=0
+    python3 "bench/gpu/${name}_bench.py" $args --json "$OUTDIR/$name.json" >"$OUTDIR/$name.log" 2>&1 || rc=$?
+    cat "$OUTDIR/$name.log"
+    echo "| $name | bench/gpu/${name}_bench.py | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+    ((rc == 0)) || FAILED+=("$name")
 }
 
-phase_indexer() {
-    local rc=0
-    python3 bench/gpu/indexer_bench.py ${INDEXER_BENCH_ARGS:-} --json "$OUTDIR/indexer.json" >"$OUTDIR/indexer.log" 2>&1 || rc=$?
-    cat "$OUTDIR/indexer.log"
-    echo "| indexer | bench/gpu/indexer_bench.py | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
-    ((rc == 0)) || FAILED+=(indexer)
-}
+phase_indexer() { python_bench_phase indexer "${INDEXER_BENCH_ARGS:-}"; }
+phase_moe() { python_bench_phase moe "${MOE_BENCH_ARGS:-}"; }
 
 phase_serve() {
     local rc=0 dir=/tmp/tandem-gpu/tiny up

@@ -644,7 +644,7 @@ mod tests {
             ws_e.iter().map(|w| gpu_forward(&gpu, &x, tokens, w, plan(&gpu, tokens, w, |_| {}), false)).collect();
         for tile in [64, 128] {
             let y = DBuf::<f32>::zeros(s, pairs * out).unwrap();
-            crate::cuda::moe::grouped_linear_tile(&gpu, &lin, qa, sa, ld, &g, y.ptr(), tile).unwrap();
+            crate::cuda::moe::grouped_linear(&gpu, &lin, qa, sa, ld, &g, y.ptr(), Some(tile)).unwrap();
             let got = s.clone_dtoh(y.slice()).unwrap();
             for (p, &e) in ids.iter().enumerate() {
                 if e < 0 {

@@ -127,7 +127,10 @@ pub fn supported(m: &DMlp) -> bool {
     [&m.gate, &m.up, &m.down].iter().all(|l| matches!(l, DLinear::Fp8 { block: [128, 128], maps: Some(_), .. }))
 }
 
-/// `y [pairs, out] f32 = qa . w_e^T` per grouped row, `w_e` the row's expert's matrix of the stacked `lin`.
+/// `y [pairs, out] f32 = qa . w_e^T` per grouped row, `w_e` the row's expert's matrix of the stacked `lin`,
+/// in output tiles `tile` (64 or 128) wide, or as wide as the batch calls for (`None`): the same bits
+/// either way.
+#[allow(clippy::too_many_arguments)]
 pub fn grouped_linear(
     gpu: &Gpu,
     lin: &DLinear,
@@ -136,23 +139,11 @@ pub fn grouped_linear(
     scale_ld: usize,
     g: &Grouping,
     y: u64,
+    tile: Option<usize>,
 ) -> Result<(), CudaError> {
-    let tile = gemm::tile_n(g.tile_slots * gemm::BM, lin.out_features(), gpu.info().multiprocessors as usize);
-    grouped_linear_tile(gpu, lin, qa, sa_t, scale_ld, g, y, tile)
-}
-
-/// [`grouped_linear`] with output tiles `tile` (64 or 128) wide: the same bits (tested).
-#[allow(clippy::too_many_arguments)]
-pub fn grouped_linear_tile(
-    gpu: &Gpu,
-    lin: &DLinear,
-    qa: u64,
-    sa_t: u64,
-    scale_ld: usize,
-    g: &Grouping,
-    y: u64,
-    tile: usize,
-) -> Result<(), CudaError> {
+    let tile = tile.unwrap_or_else(|| {
+        gemm::tile_n(g.tile_slots * gemm::BM, lin.out_features(), gpu.info().multiprocessors as usize)
+    });
     let DLinear::Fp8 { codes, scales, out, inp, kpad, block: [128, 128], maps: Some(maps), .. } = lin else {
         return Err(CudaError::Shape("moe: grouped experts need FP8 weights with 128 x 128 blocks".into()));
     };
@@ -201,8 +192,8 @@ pub fn forward(gpu: &Gpu, ws: &mut Workspace, m: &DMlp, x: u64, g: &Grouping, y:
     let (qa, sa) = act_quant(gpu, ws, x, g.pairs, hidden, kpad_h, ue8m0_h, ld, g.src_row)?;
     let gate = ws.take::<f32>(s, g.pairs * inter)?;
     let up = ws.take::<f32>(s, g.pairs * inter)?;
-    grouped_linear(gpu, &m.gate, qa, sa, ld, g, gate)?;
-    grouped_linear(gpu, &m.up, qa, sa, ld, g, up)?;
+    grouped_linear(gpu, &m.gate, qa, sa, ld, g, gate, None)?;
+    grouped_linear(gpu, &m.up, qa, sa, ld, g, up, None)?;
     let n = g.pairs * inter;
     launch(
         gpu,
@@ -213,7 +204,7 @@ pub fn forward(gpu: &Gpu, ws: &mut Workspace, m: &DMlp, x: u64, g: &Grouping, y:
         &[Arg::P(gate), Arg::P(up), Arg::P(gate), Arg::L(n as i64)],
     )?;
     let (qh, sh) = act_quant(gpu, ws, gate, g.pairs, inter, kpad_i, ue8m0_i, ld, 0)?;
-    grouped_linear(gpu, &m.down, qh, sh, ld, g, y)
+    grouped_linear(gpu, &m.down, qh, sh, ld, g, y, None)
 }
 
 #[cfg(test)]
