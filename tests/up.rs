@@ -97,3 +97,45 @@ fn a_dead_worker_is_restarted_and_the_cluster_keeps_serving() {
     assert!(stopped, "tandem up did not stop on SIGINT:\n{}", logs());
     assert!(!std::path::Path::new(&format!("/proc/{}", new[0])).exists(), "the decode worker outlived tandem up");
 }
+
+/// A synthetic model (engine::synthetic) serves through the whole cluster: the workers build it from its
+/// spec (with the same fingerprint, so they pair), the router reads and writes text with the tiny
+/// tokenizer, and a bad spec stops `tandem up` at once with the reason.
+#[test]
+fn a_synthetic_model_serves_through_the_cluster() {
+    let model = "synthetic:tiny,layers=6,sets=2,experts=4";
+    let bad = Command::new(env!("CARGO_BIN_EXE_tandem")).args(["up", "--model", "synthetic:tiny,layers=x"]).output();
+    let bad = bad.unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("layers=x"), "{}", String::from_utf8_lossy(&bad.stderr));
+
+    let (port, grpc) = (free_port(), free_port());
+    let mut up = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["up", "--model", model, "--port", &port.to_string(), "--grpc-port", &grpc.to_string()])
+        .args(["--kv-transport", "tcp", "--kv-blocks", "64"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let log = Arc::new(Mutex::new(String::new()));
+    let (l2, stderr) = (log.clone(), up.stderr.take().unwrap());
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let mut g = l2.lock().unwrap();
+            g.push_str(&line);
+            g.push('\n');
+        }
+    });
+    let logs = || log.lock().unwrap().clone();
+    let ready = || http(port, "GET", "/ready", "").is_some_and(|(s, _)| s == 200);
+    assert!(wait_until(Duration::from_secs(240), ready), "cluster not ready:\n{}", logs());
+    let (status, body) = http(port, "GET", "/v1/models", "").unwrap();
+    assert!(status == 200 && body.contains(model), "{status} {body}");
+    let req = format!(r#"{{"model": "{model}", "prompt": "Hello there", "max_tokens": 6, "ignore_eos": true}}"#);
+    let (status, body) = http(port, "POST", "/v1/completions", &req).unwrap();
+    assert_eq!(status, 200, "{body}\n{}", logs());
+    assert!(body.contains(r#""completion_tokens":6"#), "{body}");
+    // SAFETY: kill(2) on the process this test started.
+    unsafe { libc::kill(up.id() as i32, libc::SIGINT) };
+    assert!(wait_until(Duration::from_secs(60), || up.try_wait().unwrap().is_some()), "{}", logs());
+}

@@ -32,6 +32,9 @@ pub struct ServedModel {
 impl ServedModel {
     pub fn load(args: &Args) -> Result<Self, ModelError> {
         let dir = args.model.as_path();
+        if let Some(spec) = dir.to_str().filter(|m| m.starts_with(SYNTHETIC)) {
+            return Self::synthetic(args, spec);
+        }
         let max_model_len = match args.max_model_len {
             Some(n) => n,
             None => read_max_position_embeddings(dir)?,
@@ -45,6 +48,26 @@ impl ServedModel {
         let tokenizer = Tokenizer::from_dir(dir)?;
         let template = ChatTemplate::resolve(args.chat_template.as_deref(), tokenizer.config())?;
         let name = args.served_model_name.clone().unwrap_or_else(|| default_name(dir));
+        Ok(Self { name, max_model_len, tokenizer, template })
+    }
+}
+
+/// How a synthetic model (engine::synthetic, built by the workers from a seed) is named.
+const SYNTHETIC: &str = "synthetic:";
+/// Its context length (DeepSeek-V3.2's max_position_embeddings, for every preset).
+const SYNTHETIC_CONTEXT: u32 = 163_840;
+
+impl ServedModel {
+    /// A synthetic model has no tokenizer of its own: the router reads and writes text with the embedded tiny
+    /// model's (1280 tokens; the larger presets' other token ids decode to nothing). It is for measuring the
+    /// serving path: prompts become real token ids, and outputs are counted, not read.
+    fn synthetic(args: &Args, spec: &str) -> Result<Self, ModelError> {
+        let config = text::TokenizerConfig::from_value(text::tiny::tokenizer_config_json())
+            .map_err(|message| ModelError::Config { path: spec.to_string(), message })?;
+        let tokenizer = Tokenizer::from_parts(text::tiny::tokenizer()?, config);
+        let template = ChatTemplate::resolve(args.chat_template.as_deref(), tokenizer.config())?;
+        let max_model_len = args.max_model_len.unwrap_or(SYNTHETIC_CONTEXT);
+        let name = args.served_model_name.clone().unwrap_or_else(|| spec.to_string());
         Ok(Self { name, max_model_len, tokenizer, template })
     }
 }

@@ -21,7 +21,9 @@ use anyhow::{Context, bail};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Checkpoint directory (default: the tiny model, generated on first run into the cache directory).
+    /// Checkpoint directory (default: the tiny model, generated on first run into the cache directory), or a
+    /// synthetic model built by each worker from a seed (`synthetic:v32[,...]`, engine::synthetic; the
+    /// router reads and writes its text with the tiny tokenizer: for measurements).
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Router address.
@@ -464,8 +466,16 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
             tiny_model()?
         }
     };
-    engine::ModelConfig::from_path(&model)
-        .with_context(|| format!("{} is not a servable checkpoint", model.display()))?;
+    match model.to_str().filter(|m| engine::synthetic::is_synthetic(m)) {
+        // Built by each worker from its seed; the router serves it with the tiny tokenizer.
+        Some(m) => {
+            m.parse::<engine::synthetic::SyntheticSpec>().map_err(|e| anyhow::anyhow!("--model {e}"))?;
+        }
+        None => {
+            engine::ModelConfig::from_path(&model)
+                .with_context(|| format!("{} is not a servable checkpoint", model.display()))?;
+        }
+    }
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, stop.clone()).context("installing the Ctrl-C handler")?;
