@@ -36,6 +36,10 @@
 #                   (SPARSE_MLA_BENCH_ARGS=--quick: fewer shapes)
 #         serve     `tandem up --device cuda` (prefill and decode workers sharing the GPU, caches over TCP
 #                   through host staging) checked by scripts/serve-check.py against `tandem generate --device cuda`
+#         serve-v32 `tandem up --device cuda` with the synthetic model (V32_MODEL, default
+#                   synthetic:v32,experts=32; prefill and decode workers sharing the GPU) under `tandem bench`
+#                   (SERVE_BENCH_ARGS; default 64 fixed prompts of 1024 tokens, 128 out, 16 at a time): throughput,
+#                   TTFT, ITL in $OUT/serve-v32.json
 #         all       kernels, sass, loop, sanitize, model, serve
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -266,6 +270,30 @@ phase_serve() {
     ((rc == 0)) || FAILED+=(serve)
 }
 
+phase_serve_v32() {
+    local rc=0 up model=${V32_MODEL:-synthetic:v32,experts=32}
+    tandem up --model "$model" --device cuda --kv-transport tcp --port 18010 --grpc-port 18011 \
+        >"$OUTDIR/up-v32.log" 2>&1 &
+    up=$!
+    rc=1
+    for _ in $(seq 1 480); do
+        curl -sf http://127.0.0.1:18010/ready >/dev/null 2>&1 && { rc=0; break; }
+        kill -0 "$up" 2>/dev/null || break
+        sleep 1
+    done
+    if ((rc == 0)); then
+        tandem bench --base-url http://127.0.0.1:18010 --vocab-size 1280 \
+            ${SERVE_BENCH_ARGS:---dataset fixed --input-len 1024 --output-len 128 --num-prompts 64 --max-concurrency 16} \
+            --disable-progress --json "$OUTDIR/serve-v32.json" >"$OUTDIR/serve-v32.log" 2>&1 || rc=$?
+        cat "$OUTDIR/serve-v32.log"
+    fi
+    kill -INT "$up" 2>/dev/null || true
+    wait "$up" 2>/dev/null || true
+    tail -n 20 "$OUTDIR/up-v32.log"
+    echo "| serve-v32 | tandem up --model $model + tandem bench | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+    ((rc == 0)) || FAILED+=(serve-v32)
+}
+
 phase_bench() {
     local rc=0
     for prec in fp8 full; do
@@ -330,6 +358,7 @@ run() {
         gemm) phase_gemm ;;
         moe) phase_moe ;;
         v32) phase_v32 ;;
+        serve-v32) phase_serve_v32 ;;
         sparse-mla) phase_sparse_mla ;;
         serve) phase_serve ;;
         all) phase_sass; phase_kernels; phase_loop; phase_model; phase_serve; phase_sanitize ;;
