@@ -20,8 +20,8 @@
 #                   per-kernel time breakdown of a decode step
 #         v32       engine-bench on the GPU with the synthetic DeepSeek-V3.2-dimension model (engine::synthetic;
 #                   V32_MODEL, default synthetic:v32,experts=32: 61 layers, one rank of EP-8), prefill 512 and
-#                   2048 tokens, decode at batch 1..64 over a 4096-token context (V32_ARGS to change), with the
-#                   per-pair and the grouped experts (TANDEM_MOE_GROUPED=1)
+#                   2048 tokens, speculative decode at batch 1..64 over a 4096-token context (V32_ARGS to change),
+#                   with the per-pair and the grouped experts (TANDEM_MOE_GROUPED=1); then bench/gpu/projection.py
 #         indexer   bench/gpu/indexer_bench.py: the indexer's scorer + top-k, decode and prefill shapes, next to
 #                   the same-run copy bandwidth and a naive PyTorch version (INDEXER_BENCH_ARGS=--quick: fewer)
 #         gemm      bench/gpu/gemm_bench.py: checks and benchmark of the FP8 block-scaled GEMM on every DeepSeek-V3.2
@@ -223,9 +223,12 @@ phase_v32() {
     for grouped in 0 1; do
         TANDEM_MOE_GROUPED=$grouped engine-bench --device cuda --model "$model" --json \
             --out "$OUTDIR/engine-bench-v32-grouped$grouped.json" \
-            ${V32_ARGS:---batches 1,16,64 --context 4096 --blocks 6144 --decode-steps 8} \
+            ${V32_ARGS:---batches 1,16,64 --context 4096 --blocks 6144 --decode-steps 8 --mtp} \
             >"$OUTDIR/engine-bench-v32-grouped$grouped.log" 2>&1 || rc=$?
         tail -n 12 "$OUTDIR/engine-bench-v32-grouped$grouped.log"
+        # Tokens/s per GPU of the EP rank the model stands for (assumptions printed with it).
+        python3 bench/gpu/projection.py --bench "$OUTDIR/engine-bench-v32-grouped$grouped.json" \
+            --json "$OUTDIR/projection-v32-grouped$grouped.json" || true
     done
     echo "| v32 | engine-bench --model $model | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
     ((rc == 0)) || FAILED+=(v32)

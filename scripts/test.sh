@@ -58,6 +58,9 @@ cargo run -q --bin tandem -- compile-kernels --arch sm_90a --out "$(mktemp -d)" 
 # bounded (scripts/soak.py; `--minutes 10` is the soak in bench/RESULTS.md).
 "$TANDEM_PYTHON" scripts/soak.py --seconds 20 --tandem target/debug/tandem
 
+# The GPU projection's arithmetic (bench/gpu/projection.py: tokens/s per GPU at EP-N from measured steps).
+"$TANDEM_PYTHON" bench/gpu/projection.py --self-test
+
 # The Helm chart and Dockerfile: lint, render, offline schema validation, --check-config on every rendered
 # command, and a boot of the CPU/tiny values as local processes (deploy/README.md).
 deploy/scripts/check.sh

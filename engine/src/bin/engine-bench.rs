@@ -5,7 +5,11 @@
 //!
 //! cargo run --release -p engine --bin engine-bench -- [--json] [--out FILE] [--precision fp8|full]
 //!     [--device cpu|cuda[:N]] [--threads N] [--decode-steps N] [--decode-only] [--model M]
-//!     [--batches 1,16] [--context 256] [--blocks 2048]
+//!     [--batches 1,16] [--context 256] [--blocks 2048] [--mtp]
+//!
+//! `--mtp` times speculative decode steps (the main model over the token and the MTP draft, then the MTP
+//! layer): with random weights almost no draft is accepted, so tokens/s counts the accepted tokens only and
+//! `extra.step_s` is the step time a projection (bench/gpu/projection.py) combines with an assumed rate.
 
 use std::time::Instant;
 
@@ -32,6 +36,8 @@ struct Opts {
     batches: Vec<usize>,
     context: usize,
     blocks: usize,
+    /// Decode steps with MTP speculation (a draft token verified each step) instead of plain steps.
+    mtp: bool,
 }
 
 fn parse() -> Result<Opts, String> {
@@ -47,6 +53,7 @@ fn parse() -> Result<Opts, String> {
         batches: vec![1, 16],
         context: 256,
         blocks: 2048,
+        mtp: false,
     };
     let number = |v: Option<String>, what: &str| -> Result<usize, String> {
         v.and_then(|v| v.parse().ok()).filter(|&n| n > 0).ok_or(format!("{what} needs a positive number"))
@@ -75,12 +82,13 @@ fn parse() -> Result<Opts, String> {
                     .ok_or(format!("--batches {v}: positive numbers, comma-separated"))?;
             }
             "--context" => o.context = number(args.next(), "--context")?,
+            "--mtp" => o.mtp = true,
             "--blocks" => o.blocks = number(args.next(), "--blocks")?,
             "-h" | "--help" => {
                 println!(
                     "engine-bench [--json] [--out FILE] [--precision fp8|full] [--device cpu|cuda[:N]] [--threads N] \
                      [--decode-steps N] [--decode-only] [--model DIR|synthetic:v32[,...]] [--batches 1,16] \
-                     [--context 256] [--blocks 2048]"
+                     [--context 256] [--blocks 2048] [--mtp]"
                 );
                 std::process::exit(0);
             }
@@ -132,6 +140,7 @@ fn main() {
     let mut record = |name: &str, tokens: usize, secs: f64, extra: serde_json::Value| {
         let tps = tokens as f64 / secs;
         let line = serde_json::json!({
+            "model": o.model.as_deref().unwrap_or("tiny"),
             "bench": name, "precision": o.precision.name(), "device": o.device.to_string(), "threads": threads,
             "tokens": tokens, "seconds": secs, "tokens_per_s": tps, "extra": extra,
         });
@@ -175,7 +184,7 @@ fn main() {
                     t.blocks,
                     0,
                 );
-                s.speculate = false;
+                s.speculate = o.mtp;
                 s
             })
             .collect();
@@ -199,7 +208,10 @@ fn main() {
             &format!("decode_batch_{batch}"),
             produced,
             start.elapsed().as_secs_f64(),
-            serde_json::json!({"context": ctx, "steps": o.decode_steps, "mtp": false}),
+            serde_json::json!({
+                "context": ctx, "steps": o.decode_steps, "mtp": o.mtp, "batch": batch,
+                "step_s": start.elapsed().as_secs_f64() / o.decode_steps as f64,
+            }),
         );
         for i in 0..batch {
             pool.release(&format!("d{batch}-{i}")).expect("release");
