@@ -588,9 +588,16 @@ extern "C" __global__ void __launch_bounds__(256) tandem_mla_decode(
 // butterfly: a row's values do not depend on the rows it shares the CTA with.
 #define MLA_PROJ_ROWS 16
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_mla_absorb_q(
-    const float* __restrict__ q, const float* __restrict__ w_uk_t, u16* __restrict__ qb, int rows, int heads,
-    int nope, int rd, int rank) {
+// A weight value: f32, or bf16 where every value of the absorbed weights is exact in bf16 (an FP8
+// checkpoint with power-of-two block scales: e4m3 times 2^k), which halves the bytes read and gives the
+// same products.
+__device__ __forceinline__ float tandem_wval(const float* w, i64 i) { return w[i]; }
+__device__ __forceinline__ float tandem_wval(const u16* w, i64 i) { return tandem_bf16_val(w[i]); }
+
+template <typename W>
+__device__ __forceinline__ void mla_absorb_q_body(const float* __restrict__ q, const W* __restrict__ w_uk_t,
+                                                  u16* __restrict__ qb, int rows, int heads, int nope, int rd,
+                                                  int rank) {
     extern __shared__ float qs[];  // [MLA_PROJ_ROWS][nope]
     const int h = blockIdx.x, r0 = blockIdx.y * MLA_PROJ_ROWS;
     const int nr = min(MLA_PROJ_ROWS, rows - r0), qk = nope + rd;
@@ -602,13 +609,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_mla_absorb_q(
         qb[(row * heads + h) * (rank + rd) + rank + i % rd] = tandem_bf16(q[(row * heads + h) * qk + nope + i % rd]);
     }
     __syncthreads();
-    const float* wk = w_uk_t + (i64)h * rank * nope;
+    const W* wk = w_uk_t + (i64)h * rank * nope;
     for (int c = warp; c < rank; c += WARPS) {
         float acc[MLA_PROJ_ROWS];
 #pragma unroll
         for (int j = 0; j < MLA_PROJ_ROWS; ++j) acc[j] = 0.0f;
         for (int d = lane; d < nope; d += 32) {
-            const float w = wk[(i64)c * nope + d];
+            const float w = tandem_wval(wk, (i64)c * nope + d);
 #pragma unroll
             for (int j = 0; j < MLA_PROJ_ROWS; ++j)
                 if (j < nr) acc[j] = __fmaf_rn(w, qs[j * nope + d], acc[j]);
@@ -621,9 +628,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_mla_absorb_q(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_mla_up_v(
-    const float* __restrict__ lat, const float* __restrict__ w_uv, float* __restrict__ out, int rows, int heads,
-    int rank, int vd) {
+template <typename W>
+__device__ __forceinline__ void mla_up_v_body(const float* __restrict__ lat, const W* __restrict__ w_uv,
+                                              float* __restrict__ out, int rows, int heads, int rank, int vd) {
     extern __shared__ float ls[];  // [MLA_PROJ_ROWS][rank]
     const int h = blockIdx.x, r0 = blockIdx.y * MLA_PROJ_ROWS;
     const int nr = min(MLA_PROJ_ROWS, rows - r0);
@@ -631,13 +638,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_mla_up_v(
     for (int i = threadIdx.x; i < nr * rank; i += blockDim.x)
         ls[i] = lat[((i64)(r0 + i / rank) * heads + h) * rank + i % rank];
     __syncthreads();
-    const float* wv = w_uv + (i64)h * vd * rank;
+    const W* wv = w_uv + (i64)h * vd * rank;
     for (int d = warp; d < vd; d += WARPS) {
         float acc[MLA_PROJ_ROWS];
 #pragma unroll
         for (int j = 0; j < MLA_PROJ_ROWS; ++j) acc[j] = 0.0f;
         for (int c = lane; c < rank; c += 32) {
-            const float w = wv[(i64)d * rank + c];
+            const float w = tandem_wval(wv, (i64)d * rank + c);
 #pragma unroll
             for (int j = 0; j < MLA_PROJ_ROWS; ++j)
                 if (j < nr) acc[j] = __fmaf_rn(w, ls[j * rank + c], acc[j]);
@@ -648,6 +655,30 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_mla_up_v(
             if (j < nr && lane == 0) out[((i64)(r0 + j) * heads + h) * vd + d] = a;
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_mla_absorb_q(
+    const float* __restrict__ q, const float* __restrict__ w_uk_t, u16* __restrict__ qb, int rows, int heads,
+    int nope, int rd, int rank) {
+    mla_absorb_q_body(q, w_uk_t, qb, rows, heads, nope, rd, rank);
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_mla_absorb_q_bf16w(
+    const float* __restrict__ q, const u16* __restrict__ w_uk_t, u16* __restrict__ qb, int rows, int heads,
+    int nope, int rd, int rank) {
+    mla_absorb_q_body(q, w_uk_t, qb, rows, heads, nope, rd, rank);
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_mla_up_v(
+    const float* __restrict__ lat, const float* __restrict__ w_uv, float* __restrict__ out, int rows, int heads,
+    int rank, int vd) {
+    mla_up_v_body(lat, w_uv, out, rows, heads, rank, vd);
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_mla_up_v_bf16w(
+    const float* __restrict__ lat, const u16* __restrict__ w_uv, float* __restrict__ out, int rows, int heads,
+    int rank, int vd) {
+    mla_up_v_body(lat, w_uv, out, rows, heads, rank, vd);
 }
 
 // MHA over decompressed keys and values: kv [ctx rows, heads, nope + vd] (kv_b of the cached latents),

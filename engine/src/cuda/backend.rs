@@ -794,7 +794,7 @@ impl CudaBackend {
                 let proj_grid = (heads as u32, rows.div_ceil(MLA_PROJ_ROWS) as u32, 1);
                 launch(
                     g,
-                    "tandem_mla_absorb_q",
+                    if a.w_uk_t.is_bf16() { "tandem_mla_absorb_q_bf16w" } else { "tandem_mla_absorb_q" },
                     proj_grid,
                     256,
                     (MLA_PROJ_ROWS * nope * 4) as u32,
@@ -843,7 +843,7 @@ impl CudaBackend {
                 )?;
                 launch(
                     g,
-                    "tandem_mla_up_v",
+                    if a.w_uv.is_bf16() { "tandem_mla_up_v_bf16w" } else { "tandem_mla_up_v" },
                     proj_grid,
                     256,
                     (MLA_PROJ_ROWS * rank * 4) as u32,
@@ -859,6 +859,10 @@ impl CudaBackend {
                 )?;
             }
             _ => {
+                // The f32 decode reads f32 weights (bf16 ones exist only for the FP8 path above).
+                if a.w_uk_t.is_bf16() || a.w_uv.is_bf16() {
+                    return Err(CudaError::Shape("the f32 MLA decode needs f32 absorbed weights".into()).into());
+                }
                 let smem = ((2 * rank + rd + topk) * 4) as u32;
                 launch(
                     g,

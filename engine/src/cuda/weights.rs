@@ -390,8 +390,54 @@ pub struct DMla {
     pub kv_b: DLinear,
     pub o: DLinear,
     /// `[heads, rank, nope]` and `[heads, v, rank]` from the dequantized kv_b (the absorbed form).
-    pub w_uk_t: DBuf<f32>,
-    pub w_uv: DBuf<f32>,
+    pub w_uk_t: AbsorbedWeights,
+    pub w_uv: AbsorbedWeights,
+}
+
+/// The absorbed W_UK / W_UV: bf16 where the FP8 decode uses them and every value is exact in bf16 (an FP8
+/// kv_b with power-of-two block scales: e4m3 times 2^k has 4 significant bits), so the kernels read half the
+/// bytes and compute the same products; f32 otherwise (and for the full-precision decode).
+pub enum AbsorbedWeights {
+    F32(DBuf<f32>),
+    Bf16(DBuf<u16>),
+}
+
+impl AbsorbedWeights {
+    fn upload(stream: &Arc<CudaStream>, values: &[f32], bf16: bool) -> Result<Self, CudaError> {
+        match exact_bf16(values) {
+            Some(b) if bf16 => Ok(AbsorbedWeights::Bf16(DBuf::upload(stream, &b)?)),
+            _ => Ok(AbsorbedWeights::F32(DBuf::upload(stream, values)?)),
+        }
+    }
+
+    pub fn ptr(&self) -> u64 {
+        match self {
+            AbsorbedWeights::F32(b) => b.ptr(),
+            AbsorbedWeights::Bf16(b) => b.ptr(),
+        }
+    }
+
+    pub fn is_bf16(&self) -> bool {
+        matches!(self, AbsorbedWeights::Bf16(_))
+    }
+
+    pub fn bytes(&self) -> u64 {
+        match self {
+            AbsorbedWeights::F32(b) => b.bytes(),
+            AbsorbedWeights::Bf16(b) => b.bytes(),
+        }
+    }
+}
+
+/// `values` as bf16 bit patterns when every one is exactly a bf16 value (finite), else None.
+fn exact_bf16(values: &[f32]) -> Option<Vec<u16>> {
+    values
+        .iter()
+        .map(|&v| {
+            let b = half::bf16::from_f32(v);
+            (v.is_finite() && b.to_f32().to_bits() == v.to_bits()).then(|| b.to_bits())
+        })
+        .collect()
 }
 
 pub struct DIndexer {
@@ -503,8 +549,9 @@ fn layer(stream: &Arc<CudaStream>, ckpt: &Checkpoint, index: usize, prec: Precis
             kv_a_norm: f32s(stream, ckpt, &format!("{a}kv_a_layernorm.weight"))?,
             kv_b: DLinear::load(stream, ckpt, &kv_b_name, prec)?,
             o: DLinear::load(stream, ckpt, &format!("{a}o_proj.weight"), prec)?,
-            w_uk_t: DBuf::upload(stream, &flat(w_uk_t))?,
-            w_uv: DBuf::upload(stream, &flat(w_uv))?,
+            // bf16 only where the FP8 decode reads them (the full-precision decode takes f32).
+            w_uk_t: AbsorbedWeights::upload(stream, &flat(w_uk_t), prec == Precision::Fp8)?,
+            w_uv: AbsorbedWeights::upload(stream, &flat(w_uv), prec == Precision::Fp8)?,
         },
         indexer: DIndexer {
             wq_b: DLinear::load(stream, ckpt, &format!("{ix}wq_b.weight"), prec)?,
@@ -618,6 +665,77 @@ mod tests {
     use rand::RngExt;
 
     use super::*;
+
+    #[test]
+    fn absorbed_weights_are_bf16_only_when_every_value_is_exact() {
+        // e4m3 values times powers of two (what an FP8 kv_b with ue8m0 scales dequantizes to) are exact.
+        let exact: Vec<f32> = (0..=255u8)
+            .map(crate::fp8::e4m3_to_f32)
+            .filter(|v| v.is_finite())
+            .flat_map(|v| [v * 2f32.powi(-20), v * 2f32.powi(7)])
+            .collect();
+        let b = exact_bf16(&exact).expect("exact");
+        assert!(b.iter().zip(&exact).all(|(&h, &v)| half::bf16::from_bits(h).to_f32() == v));
+        // One value with more than 8 significant bits (a non-power-of-two scale) keeps f32.
+        assert!(exact_bf16(&[1.0, 1.0 + 2f32.powi(-10)]).is_none());
+        assert!(exact_bf16(&[f32::NAN]).is_none());
+    }
+
+    /// The absorbed projections give the same bits from bf16 weights as from the same values in f32.
+    #[test]
+    fn absorbed_projections_read_bf16_weights_with_the_same_bits() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        let s = gpu.stream();
+        let (rows, heads, nope, rd, rank, vd): (usize, usize, usize, usize, usize, usize) = (19, 3, 128, 64, 512, 128);
+        let code = |rng: &mut rand_chacha::ChaCha8Rng| loop {
+            let v = crate::fp8::e4m3_to_f32(rng.random::<u8>());
+            if v.is_finite() {
+                break v * 2f32.powi(rng.random_range(-12..2));
+            }
+        };
+        let w_uk: Vec<f32> = (0..heads * rank * nope).map(|_| code(&mut rng)).collect();
+        let w_uv: Vec<f32> = (0..heads * vd * rank).map(|_| code(&mut rng)).collect();
+        let q: Vec<f32> = (0..rows * heads * (nope + rd)).map(|_| rng.random::<f32>() - 0.5).collect();
+        let lat: Vec<f32> = (0..rows * heads * rank).map(|_| rng.random::<f32>() - 0.5).collect();
+        let (dq, dlat) = (DBuf::upload(s, &q).unwrap(), DBuf::upload(s, &lat).unwrap());
+        let grid = (heads as u32, rows.div_ceil(16) as u32, 1);
+        let mut outs = Vec::new();
+        for bf16 in [false, true] {
+            let wk = AbsorbedWeights::upload(s, &w_uk, bf16).unwrap();
+            let wv = AbsorbedWeights::upload(s, &w_uv, bf16).unwrap();
+            assert_eq!((wk.is_bf16(), wv.is_bf16()), (bf16, bf16));
+            let qb = DBuf::<u16>::zeros(s, rows * heads * (rank + rd)).unwrap();
+            let o = DBuf::<f32>::zeros(s, rows * heads * vd).unwrap();
+            let (absorb, up) = if bf16 {
+                ("tandem_mla_absorb_q_bf16w", "tandem_mla_up_v_bf16w")
+            } else {
+                ("tandem_mla_absorb_q", "tandem_mla_up_v")
+            };
+            let (i, ptr) = (|v: usize| Arg::I(v as i32), |b: &AbsorbedWeights| Arg::P(b.ptr()));
+            launch(
+                &gpu,
+                absorb,
+                grid,
+                256,
+                (16 * nope * 4) as u32,
+                &[Arg::P(dq.ptr()), ptr(&wk), Arg::P(qb.ptr()), i(rows), i(heads), i(nope), i(rd), i(rank)],
+            )
+            .unwrap();
+            launch(
+                &gpu,
+                up,
+                grid,
+                256,
+                (16 * rank * 4) as u32,
+                &[Arg::P(dlat.ptr()), ptr(&wv), Arg::P(o.ptr()), i(rows), i(heads), i(rank), i(vd)],
+            )
+            .unwrap();
+            let bits: Vec<u32> = s.clone_dtoh(o.slice()).unwrap().iter().map(|v| v.to_bits()).collect();
+            outs.push((s.clone_dtoh(qb.slice()).unwrap(), bits));
+        }
+        assert!(outs[0] == outs[1], "bf16 weights change the absorbed projections (seed {seed})");
+    }
 
     /// The bf16-weight kernel (lm_head and the other bf16 linears) against f32 sums on the host: exact
     /// small-integer inputs give the same bits; random inputs agree to f32 rounding; a row's result does not
