@@ -275,23 +275,27 @@ phase_serve() {
 
 phase_serve_v32() {
     local rc=0 up model=${V32_MODEL:-synthetic:v32,experts=32}
+    # Building and loading the model takes minutes on the first start: tandem up's own stage timeout too.
     tandem up --model "$model" --device cuda --kv-transport tcp --port 18010 --grpc-port 18011 \
-        >"$OUTDIR/up-v32.log" 2>&1 &
+        --ready-timeout 450 >"$OUTDIR/up-v32.log" 2>&1 &
     up=$!
     rc=1
     for _ in $(seq 1 480); do
-        curl -sf http://127.0.0.1:18010/ready >/dev/null 2>&1 && { rc=0; break; }
+        curl -sf -m 5 http://127.0.0.1:18010/ready >/dev/null 2>&1 && { rc=0; break; }
         kill -0 "$up" 2>/dev/null || break
         sleep 1
     done
     if ((rc == 0)); then
-        tandem bench --base-url http://127.0.0.1:18010 --vocab-size 1280 \
+        tandem bench --base-url http://127.0.0.1:18010 --vocab-size 129280 \
             ${SERVE_BENCH_ARGS:---dataset fixed --input-len 1024 --output-len 128 --num-prompts 64 --max-concurrency 16} \
             --disable-progress --json "$OUTDIR/serve-v32.json" >"$OUTDIR/serve-v32.log" 2>&1 || rc=$?
         cat "$OUTDIR/serve-v32.log"
+        # tandem bench succeeds when any request does: every one must.
+        python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); sys.exit(d["failed"] != 0 or d["completed"] != d["num_prompts"])' \
+            "$OUTDIR/serve-v32.json" || rc=1
     fi
     kill -INT "$up" 2>/dev/null || true
-    wait "$up" 2>/dev/null || true
+    timeout 90 tail --pid="$up" -f /dev/null || kill -KILL "$up" 2>/dev/null || true
     tail -n 20 "$OUTDIR/up-v32.log"
     echo "| serve-v32 | tandem up --model $model + tandem bench | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
     ((rc == 0)) || FAILED+=(serve-v32)
@@ -332,7 +336,7 @@ PY
 }
 
 run() {
-    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|sparse-mla|serve|all}
+    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|gemm|moe|sparse-mla|serve|v32|serve-v32|all}
     [[ -d "$BUNDLE" ]] || { echo "gpu-test.sh: $BUNDLE/ is missing: run 'scripts/gpu-test.sh pack' here and carry it" >&2; exit 1; }
     unpack
     OUTDIR=${OUT:-bench/out}
@@ -382,5 +386,5 @@ run() {
 case ${1:-} in
     pack) pack ;;
     run) shift; run "$@" ;;
-    *) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    *) sed -n '2,/^set -euo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

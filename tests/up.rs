@@ -104,8 +104,12 @@ fn a_dead_worker_is_restarted_and_the_cluster_keeps_serving() {
 #[test]
 fn a_synthetic_model_serves_through_the_cluster() {
     let model = "synthetic:tiny,layers=6,sets=2,experts=4";
-    let bad = Command::new(env!("CARGO_BIN_EXE_tandem")).args(["up", "--model", "synthetic:tiny,layers=x"]).output();
-    let bad = bad.unwrap();
+    // On a free port, in case the spec were ever accepted: the test fails instead of serving.
+    let bad = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["up", "--model", "synthetic:tiny,layers=x", "--port", &free_port().to_string()])
+        .args(["--grpc-port", &free_port().to_string(), "--ready-timeout", "5"])
+        .output()
+        .unwrap();
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("layers=x"), "{}", String::from_utf8_lossy(&bad.stderr));
 
@@ -117,6 +121,15 @@ fn a_synthetic_model_serves_through_the_cluster() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // A failed assertion still stops the cluster (SIGINT reaches tandem up, which stops its children).
+    struct Stop(u32);
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            // SAFETY: kill(2) on the process this test started (harmless if it already exited).
+            unsafe { libc::kill(self.0 as i32, libc::SIGINT) };
+        }
+    }
+    let _stop = Stop(up.id());
     let log = Arc::new(Mutex::new(String::new()));
     let (l2, stderr) = (log.clone(), up.stderr.take().unwrap());
     std::thread::spawn(move || {
@@ -135,7 +148,6 @@ fn a_synthetic_model_serves_through_the_cluster() {
     let (status, body) = http(port, "POST", "/v1/completions", &req).unwrap();
     assert_eq!(status, 200, "{body}\n{}", logs());
     assert!(body.contains(r#""completion_tokens":6"#), "{body}");
-    // SAFETY: kill(2) on the process this test started.
-    unsafe { libc::kill(up.id() as i32, libc::SIGINT) };
+    drop(_stop);
     assert!(wait_until(Duration::from_secs(60), || up.try_wait().unwrap().is_some()), "{}", logs());
 }

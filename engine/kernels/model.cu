@@ -251,6 +251,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_bf16w(const
     __shared__ __align__(16) float xs[BF16W_ROWS][BF16W_K];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int c0 = (blockIdx.x * WARPS + warp) * BF16W_COLS, r0 = blockIdx.y * BF16W_ROWS;
+    const int nr = min(BF16W_ROWS, rows - r0);
     // 16-byte weight loads need rows of a multiple of 8 channels; other widths load one value at a time.
     const bool vec = (k & 7) == 0;
     float acc[BF16W_COLS][BF16W_ROWS];
@@ -285,6 +286,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_bf16w(const
         }
 #pragma unroll
         for (int r = 0; r < BF16W_ROWS; ++r) {
+            if (r >= nr) break;  // the CTA's rows past the batch (uniform): no work, no effect on the others
             const float4 a = *(const float4*)&xs[r][8 * lane], b = *(const float4*)&xs[r][8 * lane + 4];
             const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll

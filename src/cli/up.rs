@@ -546,7 +546,8 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
                 .canonicalize()
                 .ok()
                 .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-                .unwrap_or_default()
+                // A synthetic model: the router serves it under its spec.
+                .unwrap_or_else(|| model.display().to_string())
         });
         let auth = a.api_key.as_ref().map(|k| format!(" -H 'Authorization: Bearer {}'", k.0)).unwrap_or_default();
         println!("\ntandem is up: {} prefill + {} decode workers, model {name}", a.prefill, a.decode);

@@ -63,6 +63,23 @@ impl Tokenizer {
         Self { inner, config, bos_id, eos_id, byte_decoder }
     }
 
+    /// Extends the vocabulary to `size` ids with placeholder tokens `<|t{id}|>` (ordinary added tokens, decoded
+    /// as their text): a tokenizer for a model whose vocabulary is larger than this one's (a synthetic model
+    /// served with the tiny tokenizer), so that every id the model can produce has text.
+    pub fn with_placeholders(mut self, size: usize) -> Result<Self, TextError> {
+        let have = self.inner.get_vocab_size(true);
+        if size > have {
+            let extra: Vec<tokenizers::AddedToken> =
+                (have..size).map(|id| tokenizers::AddedToken::from(format!("<|t{id}|>"), false)).collect();
+            self.inner.add_tokens(extra).map_err(|e| TextError::Tokenizer(e.to_string()))?;
+        }
+        let got = self.inner.get_vocab_size(true);
+        if got < size || (size > have && self.inner.token_to_id(&format!("<|t{have}|>")) != Some(have as u32)) {
+            return Err(TextError::Tokenizer(format!("placeholders for ids {have}..{size} did not take those ids")));
+        }
+        Ok(self)
+    }
+
     /// Encodes a plain prompt the way Hugging Face does for `tokenizer(text)`: with the tokenizer's own
     /// special tokens (post-processor), e.g. a leading BOS.
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, TextError> {
@@ -170,6 +187,23 @@ mod tests {
         assert_eq!(m.len(), 256);
         assert_eq!(m[&'Ġ'], b' ');
         assert_eq!(m[&'A'], b'A');
+    }
+
+    #[test]
+    fn placeholders_give_every_id_of_a_larger_vocabulary_text() {
+        let start = std::time::Instant::now();
+        let t = test_tokenizer().with_placeholders(129_280).unwrap();
+        let built = start.elapsed();
+        assert_eq!(t.vocab_size(), 129_280);
+        assert_eq!(t.decode(&[1280], true).unwrap(), "<|t1280|>");
+        assert_eq!(t.decode(&[129_279], true).unwrap(), "<|t129279|>");
+        // The tiny vocabulary is unchanged: prompts encode and decode as before.
+        let ids = t.encode_prompt("Hello world").unwrap();
+        assert!(ids.iter().all(|&i| i < 1280), "{ids:?}");
+        assert_eq!(t.decode(&ids, true).unwrap(), "Hello world");
+        println!("placeholders for 128000 ids added in {built:?}");
+        // A size within the vocabulary adds nothing.
+        assert_eq!(test_tokenizer().with_placeholders(10).unwrap().vocab_size(), 1280);
     }
 
     #[test]

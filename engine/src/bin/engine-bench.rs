@@ -131,6 +131,10 @@ fn main() {
     };
     let b = b.as_ref();
     let cfg = b.config().clone();
+    if o.mtp && cfg.num_served_mtp_layers() == 0 {
+        eprintln!("engine-bench: --mtp needs a model with an MTP layer");
+        std::process::exit(2);
+    }
     let blocks = o.blocks;
     let geo = CacheGeometry::new(o.precision.cache_format(), b.entry_dims(), b.cache_layers(), blocks);
     let cache = b.allocate_cache(geo).expect("cache");
@@ -204,13 +208,14 @@ fn main() {
                 produced += out.tokens.len();
             }
         }
+        let secs = start.elapsed().as_secs_f64();
         record(
             &format!("decode_batch_{batch}"),
             produced,
-            start.elapsed().as_secs_f64(),
+            secs,
             serde_json::json!({
                 "context": ctx, "steps": o.decode_steps, "mtp": o.mtp, "batch": batch,
-                "step_s": start.elapsed().as_secs_f64() / o.decode_steps as f64,
+                "step_s": secs / o.decode_steps as f64,
             }),
         );
         for i in 0..batch {

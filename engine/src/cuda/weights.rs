@@ -1,5 +1,6 @@
 //! The CUDA backend's weights on the device, loaded by HF name (docs/model.md §3): FP8 projections stay
-//! e4m3 codes with their block scales (`Precision::Fp8`), everything else is f32. The routed experts of a
+//! e4m3 codes with their block scales (`Precision::Fp8`), wide bf16 matrices (lm_head) stay bf16, the absorbed
+//! W_UK / W_UV are bf16 where exact, everything else is f32. The routed experts of a
 //! layer sit back to back in one buffer per projection, so one launch runs every (token, expert) pair.
 
 use std::sync::Arc;
@@ -26,6 +27,9 @@ pub enum LoadError {
     Cuda(#[from] CudaError),
 }
 
+/// Output rows from which a bf16 linear keeps its bf16 weights ([`DLinear::Bf16`]).
+const BF16_MIN_ROWS: usize = 1024;
+
 /// `mats` matrices `[out, in]` of one shape.
 pub enum DLinear {
     Dense {
@@ -33,8 +37,8 @@ pub enum DLinear {
         out: usize,
         inp: usize,
     },
-    /// One matrix stored as bf16 in the checkpoint (lm_head, the MTP head, eh_proj, the indexer's
-    /// weights_proj): kept as bf16, whose values are exact in f32.
+    /// One wide matrix stored as bf16 in the checkpoint (lm_head, the MTP head, eh_proj): kept as bf16, whose
+    /// values are exact in f32.
     Bf16 {
         w: DBuf<u16>,
         out: usize,
@@ -102,7 +106,9 @@ impl DLinear {
     /// One matrix.
     pub fn load(stream: &Arc<CudaStream>, ckpt: &Checkpoint, name: &str, prec: Precision) -> Result<Self, LoadError> {
         let t = ckpt.tensor(name)?;
-        if t.dtype == Dtype::BF16 && t.shape.len() == 2 {
+        // Wide bf16 matrices (lm_head, the MTP head, eh_proj) stay bf16; narrow ones (the indexer's
+        // weights_proj, 64 rows) keep the f32 kernel, whose one-column warps spread them over more SMs.
+        if t.dtype == Dtype::BF16 && t.shape.len() == 2 && t.shape[0] >= BF16_MIN_ROWS {
             let w: Vec<u16> = t.data.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
             return Ok(DLinear::Bf16 { w: DBuf::upload(stream, &w)?, out: t.shape[0], inp: t.shape[1] });
         }
@@ -490,6 +496,14 @@ fn mlp(stream: &Arc<CudaStream>, ckpt: &Checkpoint, prefixes: &[String], prec: P
     })
 }
 
+/// Whether tensors `a` and `b` are one allocation of the checkpoint (a synthetic model's shared tensors).
+fn same_memory(ckpt: &Checkpoint, a: &str, b: &str) -> bool {
+    match (ckpt.get(a), ckpt.get(b)) {
+        (Some(x), Some(y)) => std::ptr::eq(x.data, y.data),
+        _ => false,
+    }
+}
+
 /// The distinct experts among `prefixes` (experts whose three matrices are the same memory, as a synthetic
 /// model's shared experts are, count once): their prefixes, and each expert's index among them.
 fn distinct_experts(ckpt: &Checkpoint, prefixes: &[String]) -> Result<(Vec<String>, Vec<i32>), CheckpointError> {
@@ -600,12 +614,18 @@ impl DWeights {
                 hnorm: f32s(stream, ckpt, &format!("{p}hnorm.weight"))?,
                 eh_proj: DLinear::load(stream, ckpt, &format!("{p}eh_proj.weight"), prec)?,
                 head_norm: f32s(stream, ckpt, &format!("{p}shared_head.norm.weight"))?,
-                head: if ckpt.contains(&head_name) {
+                // The MTP layer's head and embedding are the main model's (docs/model.md §2.5): where the
+                // checkpoint's tensors are the same memory (a synthetic model's), they are not loaded twice.
+                head: if ckpt.contains(&head_name) && !same_memory(ckpt, &head_name, "lm_head.weight") {
                     Some(DLinear::load(stream, ckpt, &head_name, prec)?)
                 } else {
                     None
                 },
-                embed: if ckpt.contains(&embed_name) { Some(f32s(stream, ckpt, &embed_name)?) } else { None },
+                embed: if ckpt.contains(&embed_name) && !same_memory(ckpt, &embed_name, "model.embed_tokens.weight") {
+                    Some(f32s(stream, ckpt, &embed_name)?)
+                } else {
+                    None
+                },
                 layer: layer(stream, ckpt, i, prec)?,
             })
         } else {
@@ -746,7 +766,9 @@ mod tests {
         let Some(gpu) = Gpu::for_test() else { return };
         let (mut rng, seed) = crate::cpu::test_support::rng();
         let s = gpu.stream();
-        for (out, inp, exact) in [(77, 300, true), (129, 7168, false), (40, 250, false)] {
+        // Widths: 300 and 250 take one-value loads; 264 (a multiple of 8, not of 256: a partial last step)
+        // and 7168 take 16-byte loads.
+        for (out, inp, exact) in [(77, 300, true), (50, 264, true), (129, 7168, false), (40, 250, false)] {
             let w: Vec<f32> = (0..out * inp)
                 .map(|_| if exact { rng.random_range(-4i32..=4) as f32 } else { rng.random::<f32>() * 2.0 - 1.0 })
                 .map(|v| half::bf16::from_f32(v).to_f32())
@@ -777,6 +799,15 @@ mod tests {
                 let got = run(rows);
                 let same = got.iter().zip(&full).all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "{out}x{inp}: the first {rows} rows differ from the same rows of {big} (seed {seed})");
+            }
+            // Two output rows per x row (a_div 2): row m reads x row m / 2.
+            let y = DBuf::<f32>::zeros(s, 2 * 5 * out).unwrap();
+            let mut ws = Workspace::new();
+            lin.forward(&gpu, &mut ws, dx.ptr(), 5, 2, 0, y.ptr()).unwrap();
+            let twice = s.clone_dtoh(y.slice()).unwrap();
+            for m in 0..10 {
+                let (got, want) = (&twice[m * out..(m + 1) * out], &full[(m / 2) * out..(m / 2 + 1) * out]);
+                assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "a_div 2, row {m}");
             }
         }
         let lin = DLinear::Bf16 { w: DBuf::upload(s, &[0u16; 8]).unwrap(), out: 1, inp: 8 };
