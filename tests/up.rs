@@ -49,18 +49,14 @@ fn children_with(pid: u32, needle: &str) -> Vec<u32> {
         .collect()
 }
 
-#[test]
-fn a_dead_worker_is_restarted_and_the_cluster_keeps_serving() {
-    let cache = tempfile::tempdir().unwrap();
-    let (port, grpc) = (free_port(), free_port());
-    let mut up = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["up", "--port", &port.to_string(), "--grpc-port", &grpc.to_string()])
-        .args(["--kv-transport", "tcp", "--precision", "full", "--kv-blocks", "64"])
-        .env("XDG_CACHE_HOME", cache.path())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+/// `tandem up` with `args` (and its model cache in `cache`), its stderr collected; returns the child and a
+/// reader of the log so far.
+fn start_up(args: &[&str], cache: Option<&std::path::Path>) -> (std::process::Child, impl Fn() -> String + use<>) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tandem"));
+    if let Some(dir) = cache {
+        cmd.env("XDG_CACHE_HOME", dir);
+    }
+    let mut up = cmd.arg("up").args(args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
     let log = Arc::new(Mutex::new(String::new()));
     let (l2, stderr) = (log.clone(), up.stderr.take().unwrap());
     std::thread::spawn(move || {
@@ -70,7 +66,29 @@ fn a_dead_worker_is_restarted_and_the_cluster_keeps_serving() {
             g.push('\n');
         }
     });
-    let logs = || log.lock().unwrap().clone();
+    (up, move || log.lock().unwrap().clone())
+}
+
+#[test]
+fn a_dead_worker_is_restarted_and_the_cluster_keeps_serving() {
+    let cache = tempfile::tempdir().unwrap();
+    let (port, grpc) = (free_port(), free_port());
+    let (port_s, grpc_s) = (port.to_string(), grpc.to_string());
+    let (mut up, logs) = start_up(
+        &[
+            "--port",
+            &port_s,
+            "--grpc-port",
+            &grpc_s,
+            "--kv-transport",
+            "tcp",
+            "--precision",
+            "full",
+            "--kv-blocks",
+            "64",
+        ],
+        Some(cache.path()),
+    );
     let ready = || http(port, "GET", "/ready", "").is_some_and(|(s, _)| s == 200);
     assert!(wait_until(Duration::from_secs(240), ready), "cluster not ready:\n{}", logs());
     let req = r#"{"model": "tandem-tiny", "prompt": "Hello", "max_tokens": 4}"#;
@@ -114,13 +132,11 @@ fn a_synthetic_model_serves_through_the_cluster() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("layers=x"), "{}", String::from_utf8_lossy(&bad.stderr));
 
     let (port, grpc) = (free_port(), free_port());
-    let mut up = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["up", "--model", model, "--port", &port.to_string(), "--grpc-port", &grpc.to_string()])
-        .args(["--kv-transport", "tcp", "--kv-blocks", "64"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let (port_s, grpc_s) = (port.to_string(), grpc.to_string());
+    let (mut up, logs) = start_up(
+        &["--model", model, "--port", &port_s, "--grpc-port", &grpc_s, "--kv-transport", "tcp", "--kv-blocks", "64"],
+        None,
+    );
     // A failed assertion still stops the cluster (SIGINT reaches tandem up, which stops its children).
     struct Stop(u32);
     impl Drop for Stop {
@@ -130,16 +146,6 @@ fn a_synthetic_model_serves_through_the_cluster() {
         }
     }
     let _stop = Stop(up.id());
-    let log = Arc::new(Mutex::new(String::new()));
-    let (l2, stderr) = (log.clone(), up.stderr.take().unwrap());
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let mut g = l2.lock().unwrap();
-            g.push_str(&line);
-            g.push('\n');
-        }
-    });
-    let logs = || log.lock().unwrap().clone();
     let ready = || http(port, "GET", "/ready", "").is_some_and(|(s, _)| s == 200);
     assert!(wait_until(Duration::from_secs(240), ready), "cluster not ready:\n{}", logs());
     let (status, body) = http(port, "GET", "/v1/models", "").unwrap();

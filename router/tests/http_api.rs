@@ -401,6 +401,8 @@ async fn a_prefill_failure_before_the_first_token_is_retried_on_another_prefill_
         ..Default::default()
     })
     .await;
+    // The retry needs p1 counted healthy (`/ready` waits for one pair only; a loaded machine probes late).
+    c.wait_all_healthy(Duration::from_secs(10)).await;
     // p0 fails every prefill (but stays reachable, so only the breaker can learn it).
     c.prefill[0].knobs.prefill_failures.store(1000, Ordering::Relaxed);
     for _ in 0..4 {
@@ -428,6 +430,8 @@ async fn a_transfer_failure_reported_by_decode_before_the_first_token_is_retried
         ..Default::default()
     })
     .await;
+    // The retry needs p1 counted healthy (`/ready` waits for one pair only; a loaded machine probes late).
+    c.wait_all_healthy(Duration::from_secs(10)).await;
     c.prefill[0].knobs.transfer_failures.store(1000, Ordering::Relaxed);
     for _ in 0..4 {
         let (s, body) = c.post_json("/v1/completions", json!({"prompt": "x", "max_tokens": 50})).await;
@@ -553,6 +557,7 @@ async fn a_dead_prefill_worker_is_skipped() {
         ..Default::default()
     })
     .await;
+    c.wait_all_healthy(Duration::from_secs(10)).await;
     c.prefill[0].kill();
     tokio::time::sleep(Duration::from_millis(50)).await;
     for _ in 0..6 {
