@@ -150,15 +150,19 @@ __device__ __forceinline__ GemmRowTile gemm_row_tile(const GemmRowTile* __restri
 // First K block of chain c of `chains` over `kblocks` blocks.
 __device__ __forceinline__ int gemm_chain_begin(int c, int chains, int kblocks) { return c * kblocks / chains; }
 
-// Unit u of a launch whose cluster tiles are cut into `per_tile` units (1, or `chains` when split): its
-// output tile (m0, n0), its chain c and the K blocks [kb0, kb1) it covers. Producer and consumers walk the
-// same units.
-__device__ __forceinline__ void gemm_unit(int u, int per_tile, int chains, int kblocks, int rank, int m_tiles,
-                                          int n_pairs, int bn, int& mt, int& n0, int& c, int& kb0, int& kb1) {
+// Unit u of a launch whose cluster tiles are cut into `per_tile` units (1, or `chains` when split): its row
+// tile (rows, matrix; matrix -1 for an unused slot of a grouped launch, which both sides skip), its column
+// tile n0, its chain c and the K blocks [kb0, kb1) it covers. Producer and consumers walk the same units.
+__device__ __forceinline__ GemmRowTile gemm_unit(int u, int per_tile, int chains, int kblocks, int rank,
+                                                 int m_tiles, int n_pairs, int bn,
+                                                 const GemmRowTile* __restrict__ row_tiles, int rows, int& n0,
+                                                 int& c, int& kb0, int& kb1) {
+    int mt;
     gemm_tile(u / per_tile, rank, m_tiles, n_pairs, bn, mt, n0);
     c = u % per_tile;
     kb0 = per_tile > 1 ? gemm_chain_begin(c, chains, kblocks) : 0;
     kb1 = per_tile > 1 ? gemm_chain_begin(c + 1, chains, kblocks) : kblocks;
+    return gemm_row_tile(row_tiles, mt, rows);
 }
 
 template <int BN, int STAGES, bool BF16>
@@ -205,9 +209,9 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
             asm volatile("prefetch.tensormap [%0];" ::"l"((unsigned long long)tsa) : "memory");
             int it = 0;
             for (int u = cluster; u < units; u += clusters) {
-                int mt, n0, c, kb0, kb1;
-                gemm_unit(u, per_tile, chains, kblocks, rank, m_tiles, n_pairs, BN, mt, n0, c, kb0, kb1);
-                const GemmRowTile rt = gemm_row_tile(row_tiles, mt, rows);
+                int n0, c, kb0, kb1;
+                const GemmRowTile rt =
+                    gemm_unit(u, per_tile, chains, kblocks, rank, m_tiles, n_pairs, BN, row_tiles, rows, n0, c, kb0, kb1);
                 if (rt.g < 0) continue;
                 const int m0 = rt.m0, nb = rt.g * n + n0;
                 for (int kb = kb0; kb < kb1; ++kb, ++it) {
@@ -229,9 +233,9 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
         const int row = cw * 64 + warp * 16 + lane / 4;  // this thread's rows in the tile: row, row + 8
         int it = 0;
         for (int u = cluster; u < units; u += clusters) {
-            int mt, n0, c, kb0, kb1;
-            gemm_unit(u, per_tile, chains, kblocks, rank, m_tiles, n_pairs, BN, mt, n0, c, kb0, kb1);
-            const GemmRowTile rt = gemm_row_tile(row_tiles, mt, rows);
+            int n0, c, kb0, kb1;
+            const GemmRowTile rt =
+                gemm_unit(u, per_tile, chains, kblocks, rank, m_tiles, n_pairs, BN, row_tiles, rows, n0, c, kb0, kb1);
             if (rt.g < 0) continue;
             const int m0 = rt.m0, row_end = rt.end;
             // The tile's weight-block scales, one K block ahead (a uniform load whose latency hides under a

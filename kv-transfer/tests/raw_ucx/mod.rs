@@ -152,9 +152,13 @@ impl Raw {
     }
 
     /// Sends one active message `id` (`header`, `payload`) and progresses until it left.
-    fn send_am(&self, id: u32, header: &[u8], payload: &[u8], flags: u32) {
-        // SAFETY: header and payload outlive the request (we wait for it below).
-        let r = unsafe {
+    /// Issues an active message and returns its request.
+    ///
+    /// # Safety
+    /// `header` and `payload` must stay valid until the request completes.
+    unsafe fn issue_am(&self, id: u32, header: &[u8], payload: &[u8], flags: u32) -> ucs_status_ptr_t {
+        // SAFETY: the caller keeps both buffers alive; the parameters are fully initialized.
+        unsafe {
             let mut p: ucp_request_param_t = std::mem::zeroed();
             p.op_attr_mask = ucp_op_attr_t_UCP_OP_ATTR_FIELD_FLAGS;
             p.flags = flags;
@@ -167,7 +171,12 @@ impl Raw {
                 payload.len() as size_t,
                 &p,
             )
-        };
+        }
+    }
+
+    fn send_am(&self, id: u32, header: &[u8], payload: &[u8], flags: u32) {
+        // SAFETY: header and payload outlive the request (we wait for it below).
+        let r = unsafe { self.issue_am(id, header, payload, flags) };
         assert!(self.wait(r, Duration::from_secs(20)), "an active message did not leave in 20 s");
     }
 
@@ -191,22 +200,9 @@ impl Raw {
     /// to the process's end (its request never completes).
     pub fn start_write_and_stall(&self, header: &WriteHeader, payload: Vec<u8>) {
         let header = header.encode().to_vec();
+        let (h, d) = (header.leak(), payload.leak());
         // SAFETY: header and payload are leaked: UCX may read them for as long as the request lives.
-        unsafe {
-            let mut p: ucp_request_param_t = std::mem::zeroed();
-            p.op_attr_mask = ucp_op_attr_t_UCP_OP_ATTR_FIELD_FLAGS;
-            p.flags = ucp_send_am_flags::UCP_AM_SEND_FLAG_RNDV.0;
-            let (h, d) = (header.leak(), payload.leak());
-            (self.lib.ucp_am_send_nbx)(
-                self.ep.expect("connected"),
-                AM_DATA,
-                h.as_ptr() as *const core::ffi::c_void,
-                h.len() as size_t,
-                d.as_ptr() as *const core::ffi::c_void,
-                d.len() as size_t,
-                &p,
-            );
-        }
+        unsafe { self.issue_am(AM_DATA, h, d, ucp_send_am_flags::UCP_AM_SEND_FLAG_RNDV.0) };
         self.stuck.set(true);
     }
 

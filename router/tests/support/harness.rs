@@ -98,37 +98,19 @@ impl Cluster {
         let script = o.script.clone().unwrap_or_else(|| reply_script(&tokenizer));
         let eos = tokenizer.eos_id().unwrap();
         let fabric = Arc::new(Fabric::default());
+        let spawn = |name: String, role: WorkerRole, hash: &str| {
+            let (fp, script, fabric, tls) =
+                (double::fingerprint(MODEL, hash), script.clone(), fabric.clone(), o.worker_tls.clone());
+            async move { double::spawn_tls(&name, role, script, eos, fabric, fp, tls).await }
+        };
         let mut prefill = Vec::new();
         for i in 0..o.prefill {
-            let fp = double::fingerprint(MODEL, "h1");
-            prefill.push(
-                double::spawn_tls(
-                    &format!("p{i}"),
-                    WorkerRole::Prefill,
-                    script.clone(),
-                    eos,
-                    fabric.clone(),
-                    fp,
-                    o.worker_tls.clone(),
-                )
-                .await,
-            );
+            prefill.push(spawn(format!("p{i}"), WorkerRole::Prefill, "h1").await);
         }
         let mut decode = Vec::new();
         for i in 0..o.decode {
-            let fp = double::fingerprint(MODEL, o.decode_hashes.get(i).copied().unwrap_or("h1"));
-            decode.push(
-                double::spawn_tls(
-                    &format!("d{i}"),
-                    WorkerRole::Decode,
-                    script.clone(),
-                    eos,
-                    fabric.clone(),
-                    fp,
-                    o.worker_tls.clone(),
-                )
-                .await,
-            );
+            let hash = o.decode_hashes.get(i).copied().unwrap_or("h1");
+            decode.push(spawn(format!("d{i}"), WorkerRole::Decode, hash).await);
         }
         if let Some(len) = o.worker_max_model_len {
             for d in prefill.iter().chain(&decode) {
