@@ -21,7 +21,7 @@
 #         v32       engine-bench on the GPU with the synthetic DeepSeek-V3.2-dimension model (engine::synthetic;
 #                   V32_MODEL, default synthetic:v32,experts=32: 61 layers, one rank of EP-8), prefill 512 and
 #                   2048 tokens, speculative decode at batch 1..32 over a 2048-token context (V32_ARGS to change),
-#                   with the per-pair and the grouped experts (TANDEM_MOE_GROUPED=1); then bench/gpu/projection.py
+#                   with the per-pair (TANDEM_MOE_GROUPED=0) and the grouped experts (the default); then bench/gpu/projection.py
 #         indexer   bench/gpu/indexer_bench.py: the indexer's scorer + top-k, decode and prefill shapes, next to
 #                   the same-run copy bandwidth and a naive PyTorch version (INDEXER_BENCH_ARGS=--quick: fewer)
 #         gemm      bench/gpu/gemm_bench.py: checks and benchmark of the FP8 block-scaled GEMM on every DeepSeek-V3.2

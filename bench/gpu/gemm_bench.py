@@ -35,6 +35,7 @@ from torch_timing import copy_gbps, timed  # noqa: E402
 KERNELS = os.path.join(ROOT, "engine", "kernels")
 DEV = "cuda"
 BM, BK = 128, 128
+SCALE_BOX = BM + 4  # row scales per TMA box (engine::cuda::gemm::SCALE_BOX)
 THREADS = 384
 STAGES = {128: int(os.environ.get("GEMM_STAGES_128", 6)), 64: int(os.environ.get("GEMM_STAGES_64", 8))}
 
@@ -89,11 +90,12 @@ def tensor_map(t, rows, cols, box_rows):
 
 def scale_map(sa_t, rows):
     """A 2-D TMA map of the transposed activation scales sa_t [groups, ld] (f32, ld >= rows, a multiple of 4)
-    with a [1 x 128] box: one K block's scales of 128 rows, zero past `rows`."""
+    with a [1 x SCALE_BOX] box: one K block's scales of a row tile (from its first row rounded down to a multiple
+    of 4: engine::cuda::gemm::SCALE_BOX), zero past `rows`."""
     m = TensorMap()
     dims = (ctypes.c_uint64 * 2)(rows, sa_t.shape[0])
     strides = (ctypes.c_uint64 * 1)(sa_t.shape[1] * 4)
-    box = (ctypes.c_uint32 * 2)(BM, 1)
+    box = (ctypes.c_uint32 * 2)(SCALE_BOX, 1)
     elem = (ctypes.c_uint32 * 2)(1, 1)
     # FLOAT32 (7), no swizzle, no L2 promotion
     check(_cuda.cuTensorMapEncodeTiled(ctypes.byref(m), 7, 2, ctypes.c_void_p(sa_t.data_ptr()), dims, strides, box,
@@ -187,7 +189,8 @@ class Gemm:
 
 
 def smem_bytes(bn):
-    return 1024 + STAGES[bn] * (BM * BK + bn * BK + BM * 4 + 16)
+    slot = (SCALE_BOX * 4 + 127) // 128 * 128
+    return 1024 + STAGES[bn] * (BM * BK + bn * BK + slot + 16)
 
 
 # ---------------------------------------------------------------------------------------------------------

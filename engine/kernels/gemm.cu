@@ -46,6 +46,7 @@
 #define GEMM_BM 128
 #define GEMM_BK 128
 #define GEMM_THREADS 384
+#define GEMM_SA_BOX (GEMM_BM + 4)  // row scales per TMA box (engine::cuda::gemm::SCALE_BOX)
 #ifndef GEMM_GROUP_M
 #define GEMM_GROUP_M 8
 #endif
@@ -175,10 +176,13 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
     constexpr u32 A_BYTES = GEMM_BM * GEMM_BK;
     constexpr u32 B_BYTES = BN * GEMM_BK;
     constexpr u32 STAGE = A_BYTES + B_BYTES;
-    constexpr u32 SA_BYTES = GEMM_BM * 4;
+    // The K block's row scales: a TMA box of GEMM_SA_BOX floats from the row tile's first row rounded down to
+    // a multiple of 4 (the box's start must be 16-byte aligned, and a grouped tile starts at any row), in a
+    // stage slot of SA_SLOT bytes (a multiple of 128); the tile's scales start `m0 & 3` floats in.
+    constexpr u32 SA_BYTES = GEMM_SA_BOX * 4, SA_SLOT = (SA_BYTES + 127) / 128 * 128;
     const u32 base = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
-    const u32 scales = base + STAGES * STAGE;  // [STAGES][128] f32: the A tile's row scales of the K block
-    const u32 full = scales + STAGES * SA_BYTES, empty = full + STAGES * 8;
+    const u32 scales = base + STAGES * STAGE;  // [STAGES][SA_SLOT / 4] f32: the A tile's row scales of the K block
+    const u32 full = scales + STAGES * SA_SLOT, empty = full + STAGES * 8;
     const float* scales_f = (const float*)(smem_raw + (scales - (u32)__cvta_generic_to_shared(smem_raw)));
     const int rank = (int)tandem_cluster_rank(), peer = rank ^ 1;
 
@@ -223,7 +227,7 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
                     // This CTA's half of the A tile into both CTAs.
                     gemm_tma_2d_pair(a + rank * (A_BYTES / 2), ta, kb * GEMM_BK, m0 + rank * (GEMM_BM / 2), bar);
                     gemm_tma_2d(a + A_BYTES, tb, kb * GEMM_BK, nb, bar);
-                    gemm_tma_2d(scales + s * SA_BYTES, tsa, m0, kb, bar);
+                    gemm_tma_2d(scales + s * SA_SLOT, tsa, m0 & ~3, kb, bar);
                 }
             }
         }
@@ -263,7 +267,8 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
                 const float w = w_next;
                 if (has_n && kb + 1 < kb1) w_next = wsp[kb + 1];
                 tandem_mbar_wait(full + 8 * s, (it / STAGES) & 1);
-                const float f_lo = scales_f[s * GEMM_BM + row] * w, f_hi = scales_f[s * GEMM_BM + row + 8] * w;
+                const float* sas = scales_f + s * (SA_SLOT / 4) + (m0 & 3);
+                const float f_lo = sas[row] * w, f_hi = sas[row + 8] * w;
                 const u32 a = base + s * STAGE + cw * (A_BYTES / 2), b = base + s * STAGE + A_BYTES;
                 tandem_wgmma_fence();
 #pragma unroll

@@ -19,6 +19,10 @@ use support::{Served, device, golden};
 /// `tandem gen-tiny --seed 0`'s weights (vocab 1280) have this fingerprint; the golden file was computed
 /// from exactly those bytes.
 const TANDEM_TINY_FINGERPRINT: &str = "e4c13f067f1073753bd5430178b1d6329b79f41f2b0be20d1b0bd6bb4ee47418";
+/// Teacher-forced FP8 greedy agreement with the golden tokens, at least, of 64 (half of the CPU backend's 18 and
+/// 49; fp8_path_agreement_with_golden_is_reported).
+const FORCED_LEAST_HF: usize = 9;
+const FORCED_LEAST_TANDEM: usize = 24;
 
 /// `tests/golden` of the source tree (`TANDEM_GOLDEN_ROOT` where the binary runs elsewhere, e.g. the GPU
 /// machine).
@@ -171,21 +175,27 @@ fn full_precision_reproduces_golden_greedy_by_one_shot_prefill() {
 #[test]
 fn fp8_path_agreement_with_golden_is_reported() {
     for set in sets() {
-        let (mut agree_total, mut total) = (0, 0);
+        let (mut prefix_total, mut forced_total, mut total) = (0, 0, 0);
         let r = setup(&set, Precision::Fp8);
         for (i, c) in golden::cases(&set.golden).iter().enumerate() {
             let logits = r.prefill_all("oneshot", &c.ids);
             let d = diff(&logits, &c.logits);
             let decoded = greedy_by_decode(&r, &c.ids, c.greedy.len());
-            // Agreement = length of the common prefix: after the first divergence the contexts differ.
-            let agree = decoded.iter().zip(&c.greedy).take_while(|(a, b)| a == b).count();
+            // Free-running agreement = length of the common prefix: after the first divergence the contexts
+            // differ, so one early flip decides it (reported). Teacher-forced agreement = positions where
+            // the argmax after HF's own prefix is HF's token: every position counts on its own (asserted).
+            let prefix = decoded.iter().zip(&c.greedy).take_while(|(a, b)| a == b).count();
+            let forced =
+                greedy_by_one_shot(&r, &c.ids, &c.greedy).iter().zip(&c.greedy).filter(|(a, b)| a == b).count();
             println!(
-                "{} fp8 seq {i} (len {}): logits diff {d:.2e}; greedy agrees on the first {agree}/{}",
+                "{} fp8 seq {i} (len {}): logits diff {d:.2e}; greedy agrees on the first {prefix}/{n}, \
+                 teacher-forced on {forced}/{n}",
                 set.name,
                 c.ids.len(),
-                c.greedy.len()
+                n = c.greedy.len()
             );
-            agree_total += agree;
+            prefix_total += prefix;
+            forced_total += forced;
             total += c.greedy.len();
             // The random hf-tiny-v32 model is very sensitive to FP8: quantizing the cached latent to e4m3
             // tiles alone moves its logits by diff 2.4e-2 on seq 0 (bf16 k_pe alone: 2e-6), and the discrete
@@ -198,11 +208,20 @@ fn fp8_path_agreement_with_golden_is_reported() {
             let bound = if set.name == "hf-tiny-v32" { 0.35 } else { 0.036 };
             assert!(d < bound, "{} seq {i}: FP8 logits diff {d} (bound {bound})", set.name);
         }
-        println!("{} fp8 greedy agreement: {agree_total}/{total} tokens", set.name);
-        // Measured 4/64 (hf-tiny-v32: 1, 2, 0, 1 leading tokens) and 16/64 (tandem-tiny: 11, 1, 1, 3): the
-        // random models flip their argmax under FP8 rounding within a few tokens. Agreement with HF's first
-        // tokens at all is what a broken path loses.
-        let least = if set.name == "hf-tiny-v32" { 3 } else { 13 };
-        assert!(agree_total >= least, "{} fp8 greedy agreement {agree_total}/{total} (at least {least})", set.name);
+        println!(
+            "{} fp8 greedy agreement: {prefix_total}/{total} tokens free-running, {forced_total}/{total} \
+             teacher-forced",
+            set.name
+        );
+        // Free-running, the random models flip their argmax under FP8 rounding within a few tokens (measured
+        // 1-4/64 on hf-tiny-v32 depending on the backend's accumulation order), so that count only gets
+        // reported. Teacher-forced, a flip costs one position: a working FP8 path agrees on most (the
+        // bounds are half the measured counts, CPU and GPU); a broken one agrees by chance (1 in the vocab).
+        let least = if set.name == "hf-tiny-v32" { FORCED_LEAST_HF } else { FORCED_LEAST_TANDEM };
+        assert!(
+            forced_total >= least,
+            "{} fp8 teacher-forced greedy agreement {forced_total}/{total} (at least {least})",
+            set.name
+        );
     }
 }

@@ -24,11 +24,15 @@ const THREADS: u32 = 384;
 const STAGES_128: usize = 6;
 const STAGES_64: usize = 8;
 
+/// Row scales per TMA box (`GEMM_SA_BOX`): a row tile's 128, loaded from its first row rounded down to a
+/// multiple of 4 (a box starts 16-byte aligned; a grouped product's row tiles start at any row).
+pub const SCALE_BOX: usize = BM + 4;
+
 /// Must match the kernel's layout: alignment slack, the stages (A [128 x 128] + B [bn x 128] codes), one K
-/// block's 128 row scales per stage, two mbarriers per stage.
+/// block's row scales per stage (a box, in a slot of a multiple of 128 bytes), two mbarriers per stage.
 pub const fn smem_bytes(bn: usize) -> usize {
     let stages = if bn == 128 { STAGES_128 } else { STAGES_64 };
-    1024 + stages * (BM * BK + bn * BK + BM * 4 + 16)
+    1024 + stages * (BM * BK + bn * BK + (SCALE_BOX * 4).next_multiple_of(128) + 16)
 }
 
 /// Row stride of the transposed activation scales for `rows` rows (a multiple of 4 floats: TMA strides are
@@ -200,7 +204,8 @@ impl TensorMap {
         )
     }
 
-    /// Transposed activation scales `[groups, ld]` f32 of `rows` rows, boxes of one K block's 128 rows.
+    /// Transposed activation scales `[groups, ld]` f32 of `rows` rows, boxes of one K block's [`SCALE_BOX`]
+    /// rows.
     pub fn scales(ptr: u64, groups: usize, rows: usize, ld: usize) -> Result<Self, CudaError> {
         Self::encode(
             ptr,
@@ -210,7 +215,7 @@ impl TensorMap {
             rows,
             ld,
             1,
-            BM,
+            SCALE_BOX,
             sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
         )
     }

@@ -112,13 +112,11 @@ pub fn group(
     Ok(g)
 }
 
-/// Whether the backend runs the routed experts grouped: with `TANDEM_MOE_GROUPED=1`. The grouped path has
-/// not yet run on a GPU (it was written in a session without device time); until its GPU tests and
-/// benchmark have passed (`scripts/gpu-test.sh run kernels` with `TEST_FILTER=cuda::gemm`, then `model` with
-/// the variable set, and `moe`), the per-pair kernel stays the default.
+/// Whether the backend runs the routed experts grouped (the default; `TANDEM_MOE_GROUPED=0` runs one FP8
+/// dot-product kernel per (token, expert) pair instead, the path the grouped one is checked against).
 pub fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TANDEM_MOE_GROUPED").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var("TANDEM_MOE_GROUPED").map_or(true, |v| v != "0"))
 }
 
 /// Whether `m`'s stacked experts can run grouped: FP8 with DeepSeek's 128 x 128 blocks (their tensor maps
