@@ -18,10 +18,11 @@
 #         sanitize  the GPU tests under compute-sanitizer memcheck and racecheck
 #         bench     engine-bench on the GPU (tiny model, both precisions, JSON) and an Nsight Compute
 #                   per-kernel time breakdown of a decode step
-#         v32       engine-bench on the GPU with the synthetic DeepSeek-V3.2-dimension model (engine::synthetic;
+#         v32       engine-bench --kernel-profile on the GPU with the synthetic DeepSeek-V3.2-dimension model (engine::synthetic;
 #                   V32_MODEL, default synthetic:v32,experts=32: 61 layers, one rank of EP-8), prefill 512 and
 #                   2048 tokens, speculative decode at batch 1..32 over a 2048-token context (V32_ARGS to change),
-#                   with the per-pair (TANDEM_MOE_GROUPED=0) and the grouped experts (the default); then bench/gpu/projection.py
+#                   with the grouped experts (V32_GROUPED="1 0" adds the per-pair kernel, TANDEM_MOE_GROUPED=0); then
+#                   bench/gpu/projection.py and bench/gpu/kernel_plot.py (time per kernel per step, SVG)
 #         indexer   bench/gpu/indexer_bench.py: the indexer's scorer + top-k, decode and prefill shapes, next to
 #                   the same-run copy bandwidth and a naive PyTorch version (INDEXER_BENCH_ARGS=--quick: fewer)
 #         gemm      bench/gpu/gemm_bench.py: checks and benchmark of the FP8 block-scaled GEMM on every DeepSeek-V3.2
@@ -220,15 +221,18 @@ phase_gemm() {
 
 phase_v32() {
     local rc=0 model=${V32_MODEL:-synthetic:v32,experts=32}
-    for grouped in 0 1; do
+    for grouped in ${V32_GROUPED:-1}; do
         TANDEM_MOE_GROUPED=$grouped engine-bench --device cuda --model "$model" --json \
             --out "$OUTDIR/engine-bench-v32-grouped$grouped.json" \
-            ${V32_ARGS:---batches 1,8,32 --context 2048 --blocks 2048 --decode-steps 8 --mtp} \
+            ${V32_ARGS:---batches 1,8,32 --context 2048 --blocks 2048 --decode-steps 8 --mtp} --kernel-profile \
             >"$OUTDIR/engine-bench-v32-grouped$grouped.log" 2>&1 || rc=$?
         tail -n 12 "$OUTDIR/engine-bench-v32-grouped$grouped.log"
         # Tokens/s per GPU of the EP rank the model stands for (assumptions printed with it).
         python3 bench/gpu/projection.py --bench "$OUTDIR/engine-bench-v32-grouped$grouped.json" \
             --json "$OUTDIR/projection-v32-grouped$grouped.json" || true
+        # Time per kernel per step (bench/gpu/kernel_plot.py; the split of the profiled runs).
+        python3 bench/gpu/kernel_plot.py "$OUTDIR/engine-bench-v32-grouped$grouped.json" \
+            --out "$OUTDIR/kernels-v32-grouped$grouped.svg" --title "$model, grouped experts $grouped" || true
     done
     echo "| v32 | engine-bench --model $model | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
     ((rc == 0)) || FAILED+=(v32)

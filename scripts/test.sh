@@ -60,6 +60,8 @@ cargo run -q --bin tandem -- compile-kernels --arch sm_90a --out "$(mktemp -d)" 
 
 # The GPU projection's arithmetic (bench/gpu/projection.py: tokens/s per GPU at EP-N from measured steps).
 "$TANDEM_PYTHON" bench/gpu/projection.py --self-test
+# The per-kernel plot of engine-bench --kernel-profile (bench/gpu/kernel_plot.py).
+"$TANDEM_PYTHON" bench/gpu/kernel_plot.py --self-test
 
 # The Helm chart and Dockerfile: lint, render, offline schema validation, --check-config on every rendered
 # command, and a boot of the CPU/tiny values as local processes (deploy/README.md).

@@ -424,4 +424,22 @@ pub trait Backend: Send + Sync {
     fn has_mtp(&self) -> bool {
         self.config().num_nextn_predict_layers > 0
     }
+
+    /// Turns per-kernel GPU timing on or off (a profiling aid, `engine-bench --kernel-profile`: every launch
+    /// is bracketed by two timing events, so calls get slower). A backend without kernels ignores it.
+    fn set_kernel_profile(&self, _on: bool) {}
+
+    /// The kernel times since the previous call, summed per kernel, longest first (none where nothing was
+    /// timed).
+    fn take_kernel_profile(&self) -> Result<Vec<KernelTime>, EngineError> {
+        Ok(Vec::new())
+    }
+}
+
+/// GPU time of one kernel over the launches of a profiled window ([`Backend::take_kernel_profile`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelTime {
+    pub name: String,
+    pub launches: u64,
+    pub seconds: f64,
 }

@@ -30,7 +30,8 @@ pub mod tiny;
 pub mod tolerance;
 
 pub use backend::{
-    AttnForm, Backend, DeviceRows, EngineError, Fence, LayerReady, Logits, MtpInput, Precision, SeqInput, SeqOutput,
+    AttnForm, Backend, DeviceRows, EngineError, Fence, KernelTime, LayerReady, Logits, MtpInput, Precision, SeqInput,
+    SeqOutput,
 };
 pub use config::ModelConfig;
 pub use device::Device;

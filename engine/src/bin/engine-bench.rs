@@ -5,11 +5,17 @@
 //!
 //! cargo run --release -p engine --bin engine-bench -- [--json] [--out FILE] [--precision fp8|full]
 //!     [--device cpu|cuda[:N]] [--threads N] [--decode-steps N] [--decode-only] [--model M]
-//!     [--batches 1,16] [--context 256] [--blocks 2048] [--mtp]
+//!     [--batches 1,16] [--context 256] [--blocks 2048] [--mtp] [--kernel-profile]
 //!
 //! `--mtp` times speculative decode steps (the main model over the token and the MTP draft, then the MTP
 //! layer): with random weights almost no draft is accepted, so tokens/s counts the accepted tokens only and
 //! `extra.step_s` is the step time a projection (bench/gpu/projection.py) combines with an assumed rate.
+//!
+//! `--kernel-profile` (GPU) runs each measurement once more with every launch timed by CUDA events
+//! (engine::cuda::profile) after the timed runs, and adds `extra.kernels` (per kernel: launches and seconds
+//! per prefill or per decode step), `extra.kernel_s` (their sum) and for decode `extra.gpu_idle` = 1 -
+//! kernel_s / step_s: the share of the unprofiled step in which no kernel ran (host work, launch gaps,
+//! synchronization). bench/gpu/kernel_plot.py draws the split as an SVG.
 
 use std::time::Instant;
 
@@ -38,6 +44,8 @@ struct Opts {
     blocks: usize,
     /// Decode steps with MTP speculation (a draft token verified each step) instead of plain steps.
     mtp: bool,
+    /// A per-kernel split of each measurement (one more profiled run).
+    kernel_profile: bool,
 }
 
 fn parse() -> Result<Opts, String> {
@@ -54,6 +62,7 @@ fn parse() -> Result<Opts, String> {
         context: 256,
         blocks: 2048,
         mtp: false,
+        kernel_profile: false,
     };
     let number = |v: Option<String>, what: &str| -> Result<usize, String> {
         v.and_then(|v| v.parse().ok()).filter(|&n| n > 0).ok_or(format!("{what} needs a positive number"))
@@ -83,12 +92,13 @@ fn parse() -> Result<Opts, String> {
             }
             "--context" => o.context = number(args.next(), "--context")?,
             "--mtp" => o.mtp = true,
+            "--kernel-profile" => o.kernel_profile = true,
             "--blocks" => o.blocks = number(args.next(), "--blocks")?,
             "-h" | "--help" => {
                 println!(
                     "engine-bench [--json] [--out FILE] [--precision fp8|full] [--device cpu|cuda[:N]] [--threads N] \
                      [--decode-steps N] [--decode-only] [--model DIR|synthetic:v32[,...]] [--batches 1,16] \
-                     [--context 256] [--blocks 2048] [--mtp]"
+                     [--context 256] [--blocks 2048] [--mtp] [--kernel-profile]"
                 );
                 std::process::exit(0);
             }
@@ -96,6 +106,36 @@ fn parse() -> Result<Opts, String> {
         }
     }
     Ok(o)
+}
+
+/// Decode steps run with the kernel profile on (after the timed ones; the cache blocks reserved cover them).
+const PROFILED_STEPS: usize = 2;
+
+/// The kernel times of `run`, per repetition (`reps` of the measured work in it).
+fn profiled(b: &dyn engine::Backend, reps: usize, run: impl FnOnce()) -> Vec<engine::KernelTime> {
+    b.take_kernel_profile().expect("kernel profile");
+    b.set_kernel_profile(true);
+    run();
+    b.set_kernel_profile(false);
+    let mut k = b.take_kernel_profile().expect("kernel profile");
+    for t in &mut k {
+        t.seconds /= reps as f64;
+        t.launches = t.launches.div_ceil(reps as u64);
+    }
+    k
+}
+
+/// `extra.kernels`, `extra.kernel_s` and, given the unprofiled step time, `extra.gpu_idle`.
+fn add_profile(extra: &mut serde_json::Value, kernels: Vec<engine::KernelTime>, step_s: Option<f64>) {
+    let total: f64 = kernels.iter().map(|k| k.seconds).sum();
+    extra["kernels"] = kernels
+        .iter()
+        .map(|k| serde_json::json!({"name": k.name, "launches": k.launches, "seconds": k.seconds}))
+        .collect();
+    extra["kernel_s"] = total.into();
+    if let Some(s) = step_s {
+        extra["gpu_idle"] = (1.0 - total / s).into();
+    }
 }
 
 fn prompt(n: usize, salt: u32, vocab: u32) -> Vec<u32> {
@@ -131,6 +171,10 @@ fn main() {
     };
     let b = b.as_ref();
     let cfg = b.config().clone();
+    if o.kernel_profile && b.name() != "cuda" {
+        eprintln!("engine-bench: --kernel-profile times GPU kernels: it needs --device cuda");
+        std::process::exit(2);
+    }
     if o.mtp && cfg.num_served_mtp_layers() == 0 {
         eprintln!("engine-bench: --mtp needs a model with an MTP layer");
         std::process::exit(2);
@@ -169,19 +213,27 @@ fn main() {
             best = best.min(start.elapsed().as_secs_f64());
             pool.release(&id).expect("release");
         }
-        record(
-            &format!("prefill_{len}"),
-            len,
-            best,
-            serde_json::json!({"includes_mtp": cfg.num_nextn_predict_layers > 0}),
-        );
+        let mut extra = serde_json::json!({"includes_mtp": cfg.num_nextn_predict_layers > 0});
+        if o.kernel_profile {
+            let id = format!("p{len}-profiled");
+            let t = pool.reserve(&id, len + 2).expect("blocks");
+            let mut s = SeqState::new(toks.clone(), SamplingParams::greedy(1), t.blocks, 0);
+            let kernels = profiled(b, 1, || {
+                generate::prefill(b, &cache, &mut [&mut s], &[len], &mut |_, _| {}).expect("prefill");
+            });
+            pool.release(&id).expect("release");
+            add_profile(&mut extra, kernels, None);
+        }
+        record(&format!("prefill_{len}"), len, best, extra);
     }
 
     for &batch in &o.batches {
         let ctx = o.context;
         let mut seqs: Vec<SeqState> = (0..batch)
             .map(|i| {
-                let t = pool.reserve(&format!("d{batch}-{i}"), ctx + o.decode_steps * 2 + 4).expect("blocks");
+                let t = pool
+                    .reserve(&format!("d{batch}-{i}"), ctx + (o.decode_steps + PROFILED_STEPS) * 2 + 4)
+                    .expect("blocks");
                 let mut s = SeqState::new(
                     prompt(ctx, i as u32, cfg.vocab_size as u32),
                     SamplingParams { ignore_eos: true, ..SamplingParams::greedy(10_000) },
@@ -209,15 +261,20 @@ fn main() {
             }
         }
         let secs = start.elapsed().as_secs_f64();
-        record(
-            &format!("decode_batch_{batch}"),
-            produced,
-            secs,
-            serde_json::json!({
-                "context": ctx, "steps": o.decode_steps, "mtp": o.mtp, "batch": batch,
-                "step_s": secs / o.decode_steps as f64,
-            }),
-        );
+        let step_s = secs / o.decode_steps as f64;
+        let mut extra = serde_json::json!({
+            "context": ctx, "steps": o.decode_steps, "mtp": o.mtp, "batch": batch, "step_s": step_s,
+        });
+        if o.kernel_profile {
+            let kernels = profiled(b, PROFILED_STEPS, || {
+                for _ in 0..PROFILED_STEPS {
+                    let mut refs: Vec<&mut SeqState> = seqs.iter_mut().collect();
+                    generate::decode_step(b, &cache, &mut refs).expect("decode");
+                }
+            });
+            add_profile(&mut extra, kernels, Some(step_s));
+        }
+        record(&format!("decode_batch_{batch}"), produced, secs, extra);
         for i in 0..batch {
             pool.release(&format!("d{batch}-{i}")).expect("release");
         }

@@ -962,8 +962,13 @@ impl CudaBackend {
         let (mut ws, inp) = self.begin(&items, form)?;
         let tokens: Vec<i32> = batch.iter().flat_map(|b| b.tokens.iter().map(|&t| t as i32)).collect();
         let h = self.embed(&mut ws, &self.w.embed, &tokens, None)?;
+        // A layer's intermediates are dead once its last kernel is issued (the residual stream `h` and the
+        // inputs were taken before): every layer reuses the same workspace bytes, so a call holds one layer's
+        // (`activation_bytes`), not 61.
+        let mark = ws.mark();
         for (l, layer) in self.w.layers.iter().enumerate() {
             self.layer(&mut ws, &inp, layer, LayerIdx(l as u32), g, pool, form, h, on_layer)?;
+            ws.rewind(mark);
         }
         self.finish(&mut ws, &items, h, &self.w.norm, &self.w.lm_head)
     }
@@ -1024,6 +1029,14 @@ impl CudaBackend {
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
         "cuda"
+    }
+
+    fn set_kernel_profile(&self, on: bool) {
+        self.gpu.profiler().set(on);
+    }
+
+    fn take_kernel_profile(&self) -> Result<Vec<crate::KernelTime>, EngineError> {
+        Ok(self.gpu.profiler().take()?)
     }
 
     fn config(&self) -> &ModelConfig {

@@ -28,6 +28,7 @@ pub struct Gpu {
     info: GpuInfo,
     arch: Arch,
     functions: HashMap<&'static str, CudaFunction>,
+    profiler: super::profile::Profiler,
 }
 
 /// Number of CUDA devices, or why there are none (no driver library, no device).
@@ -84,7 +85,7 @@ impl Gpu {
             f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
         }
         let stream = ctx.new_stream()?;
-        Ok(Gpu { ctx, stream, info, arch, functions })
+        Ok(Gpu { ctx, stream, info, arch, functions, profiler: Default::default() })
     }
 
     /// Device 0 for a GPU test: `None` (with a message) where there is no GPU, unless the run requires one
@@ -99,6 +100,11 @@ impl Gpu {
             }
             Err(e) => panic!("GPU test could not start: {e}"),
         }
+    }
+
+    /// Per-kernel timing of the launches (engine::cuda::profile).
+    pub fn profiler(&self) -> &super::profile::Profiler {
+        &self.profiler
     }
 
     pub fn info(&self) -> &GpuInfo {

@@ -316,7 +316,11 @@ pub fn launch(gpu: &Gpu, a: &RawGemm, plan: Plan) -> Result<(), CudaError> {
     // SAFETY: the parameters follow GEMM_PARAMS' order and types; the tensor maps cover exactly the buffers
     // the caller sized for these shapes, and TMA never reads outside a map; a split launch writes
     // `partial_len` values of `part`.
-    unsafe { b.launch(cfg) }?;
+    let kernel = kernel_name(bn, a.bf16_out);
+    // The routed experts' launches apart from the dense ones in a kernel profile.
+    let label: std::borrow::Cow<'_, str> =
+        if grouped && gpu.profiler().is_on() { format!("{kernel} (grouped)").into() } else { kernel.into() };
+    gpu.profiler().time(gpu.stream(), &label, || unsafe { b.launch(cfg) }.map(drop).map_err(Into::into))?;
     if plan.split {
         let count = (a.rows * a.n) as i64;
         let name = if a.bf16_out { "tandem_gemm_fp8_combine_bf16" } else { "tandem_gemm_fp8_combine_f32" };

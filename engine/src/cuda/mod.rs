@@ -15,6 +15,7 @@ pub mod kernels;
 pub mod moe;
 pub mod nvrtc;
 pub mod ops;
+pub mod profile;
 pub mod sample;
 pub mod sass;
 pub mod sparse_mla;

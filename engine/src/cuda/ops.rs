@@ -81,6 +81,13 @@ const CHUNK: usize = 64 << 20;
 /// Alignment of every workspace allocation.
 const ALIGN: usize = 256;
 
+/// A position in a [`Workspace`] ([`Workspace::mark`], [`Workspace::rewind`]).
+#[derive(Clone, Copy, Debug)]
+pub struct WorkspaceMark {
+    chunk: usize,
+    used: usize,
+}
+
 /// The per-call workspace: chunks of device memory handed out by a bump pointer and reset at the start of
 /// every forward call (work on the one stream is ordered, so the next call may reuse the bytes at once).
 /// It grows by a chunk when a call needs more than it has ever needed and never shrinks, so after the
@@ -108,6 +115,20 @@ impl Workspace {
     pub fn reset(&mut self) {
         self.chunk = 0;
         self.used = 0;
+    }
+
+    /// Where the next [`take`](Self::take) starts.
+    pub fn mark(&self) -> WorkspaceMark {
+        WorkspaceMark { chunk: self.chunk, used: self.used }
+    }
+
+    /// Hands back everything taken since `mark` (a decoder layer's intermediates once the layer is issued).
+    /// The work is on one stream, so a later kernel that reuses the bytes runs after every kernel that used
+    /// them.
+    pub fn rewind(&mut self, mark: WorkspaceMark) {
+        debug_assert!((mark.chunk, mark.used) <= (self.chunk, self.used), "a workspace mark from the future");
+        self.chunk = mark.chunk;
+        self.used = mark.used;
     }
 
     /// Device bytes held.
@@ -189,8 +210,7 @@ pub fn launch(
     let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
     // SAFETY: every caller passes the kernel's parameters in order with their C types (checked against
     // engine/kernels/model.cu by the GPU tests), and buffers sized for the launch.
-    unsafe { b.launch(cfg) }?;
-    Ok(())
+    gpu.profiler().time(gpu.stream(), name, || unsafe { b.launch(cfg) }.map(drop).map_err(Into::into))
 }
 
 /// Blocks of a grid-stride elementwise launch over `n` values.
