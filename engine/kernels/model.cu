@@ -212,7 +212,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_fp8(
     }
 }
 
-// y[m, c] = x[m / a_div] . w[c] in f32: lane l sums channels l, l + 32, ... then the warp's butterfly.
+// y[m, c] = x[m / a_div] . w[c] in f32: lane l sums channels 4l..4l+3, 4l+128.. (16-byte loads; one
+// channel at a time from l, l + 32, ... where k is not a multiple of 4), then the warp's butterfly.
 extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_f32(
     const float* __restrict__ x, int a_div, const float* __restrict__ w, const int* __restrict__ sel, i64 w_stride,
     float* __restrict__ y, int rows, int n, int k) {
@@ -227,7 +228,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_f32(
         const float* wr = w + mat * w_stride + (i64)c * k;
         const float* xr = x + (i64)(m / a_div) * k;
         float p = 0.0f;
-        for (int ch = lane; ch < k; ch += 32) p = __fmaf_rn(xr[ch], wr[ch], p);
+        if ((k & 3) == 0 && (w_stride & 3) == 0) {
+#pragma unroll 4
+            for (int ch = 4 * lane; ch < k; ch += 128) {
+                const float4 a = *(const float4*)(xr + ch), b = *(const float4*)(wr + ch);
+                p = __fmaf_rn(a.x, b.x, p);
+                p = __fmaf_rn(a.y, b.y, p);
+                p = __fmaf_rn(a.z, b.z, p);
+                p = __fmaf_rn(a.w, b.w, p);
+            }
+        } else {
+            for (int ch = lane; ch < k; ch += 32) p = __fmaf_rn(xr[ch], wr[ch], p);
+        }
         p = tandem_warp_sum(p);
         if (lane == 0) y[(i64)m * n + c] = p;
     }
@@ -378,8 +390,11 @@ __device__ __forceinline__ void tandem_hadamard128(float* v) {
     __syncthreads();
 }
 
-// The lightning indexer after its projections (docs/model.md §2.3), one CTA of 128 threads per row:
-// the key = Hadamard(NeoX-rope(LayerNorm(k))) on the FIRST rd dims, written to keys [rows, 128]; each
+#define INDEXER_POST_HEADS 8  // query heads per CTA (engine::cuda::backend launches heads_pad / 8 per row)
+
+// The lightning indexer after its projections (docs/model.md §2.3), CTAs of 128 threads, grid (rows,
+// ceil(heads_pad / INDEXER_POST_HEADS)): the first CTA of a row computes its key = Hadamard(NeoX-rope(
+// LayerNorm(k))) on the FIRST rd dims, written to keys [rows, 128]; each CTA INDEXER_POST_HEADS heads: each
 // head's query = Hadamard(NeoX-rope(q)), then (fp8) quantized to e4m3 codes with a ue8m0 scale folded
 // into its head weight, w = weights_proj * head_scale (* q scale). Heads past `heads` up to `heads_pad`
 // get zero codes and weights. Outputs: q_codes [rows, heads_pad, 128] (fp8) or q_f32 [rows, heads, 128].
@@ -392,19 +407,22 @@ extern "C" __global__ void __launch_bounds__(128) tandem_indexer_post(
     __shared__ float v[128], cs[64], sn[64], red[32];
     const int r = blockIdx.x, t = threadIdx.x, half = rd / 2;
     tandem_cos_sin(positions[r], inv_freq, attn_factor, half, cs, sn);
-    // Key: LayerNorm with weight and bias.
-    float* kr = k + (i64)r * 128;
-    const float x = kr[t];
-    const float mean = __fdiv_rn(tandem_block_sum(x, red), 128.0f);
-    const float d = __fsub_rn(x, mean);
-    const float var = __fdiv_rn(tandem_block_sum(__fmul_rn(d, d), red), 128.0f);
-    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, norm_eps)));
-    v[t] = __fadd_rn(__fmul_rn(__fmul_rn(d, inv), norm_w[t]), norm_b[t]);
-    __syncthreads();
-    if (t < half) tandem_rotate(&v[t], &v[t + half], cs[t], sn[t]);
-    tandem_hadamard128(v);
-    kr[t] = v[t];
-    for (int h = 0; h < heads_pad; ++h) {
+    if (blockIdx.y == 0) {
+        // Key: LayerNorm with weight and bias.
+        float* kr = k + (i64)r * 128;
+        const float x = kr[t];
+        const float mean = __fdiv_rn(tandem_block_sum(x, red), 128.0f);
+        const float d = __fsub_rn(x, mean);
+        const float var = __fdiv_rn(tandem_block_sum(__fmul_rn(d, d), red), 128.0f);
+        const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, norm_eps)));
+        v[t] = __fadd_rn(__fmul_rn(__fmul_rn(d, inv), norm_w[t]), norm_b[t]);
+        __syncthreads();
+        if (t < half) tandem_rotate(&v[t], &v[t + half], cs[t], sn[t]);
+        tandem_hadamard128(v);
+        kr[t] = v[t];
+    }
+    const int h_end = min(heads_pad, (int)(blockIdx.y + 1) * INDEXER_POST_HEADS);
+    for (int h = blockIdx.y * INDEXER_POST_HEADS; h < h_end; ++h) {
         const i64 qi = ((i64)r * heads_pad + h) * 128 + t;
         if (h >= heads) {
             if (fp8) q_codes[qi] = 0;
@@ -585,16 +603,76 @@ extern "C" __global__ void __launch_bounds__(256) tandem_mla_decode(
 
 // The FP8 decode path's projections around engine/kernels/sparse_mla.cu (docs/model.md §2.2): the absorbed
 // query qb[r, h] = bf16(W_UK^T[h] q_nope[r, h]) then bf16(q_pe[r, h]) (rank + rd values), and after the
-// attention out[r, h] = W_UV[h] lat[r, h]. A warp computes one output for up to MLA_PROJ_ROWS rows of a head
-// (the weight row is read once for all of them); lane l sums inputs l, l + 32, ... then the warp's
-// butterfly: a row's values do not depend on the rows it shares the CTA with.
+// attention out[r, h] = W_UV[h] lat[r, h]. A CTA takes one head and up to MLA_PROJ_ROWS rows (the head's
+// weights are read once for all of them); a warp computes MLA_PROJ_OUTS outputs at a time: lane l sums the
+// inputs 4l..4l+3, 4l+128.. (FMA, in that order), then the warp's butterfly. A row's values do not depend
+// on the rows it shares the CTA with (the CTA's row count only decides which sums are reduced).
 #define MLA_PROJ_ROWS 16
+#define MLA_PROJ_OUTS 4
 
 // A weight value: f32, or bf16 where every value of the absorbed weights is exact in bf16 (an FP8
 // checkpoint with power-of-two block scales: e4m3 times 2^k), which halves the bytes read and gives the
 // same products.
 __device__ __forceinline__ float tandem_wval(const float* w, i64 i) { return w[i]; }
 __device__ __forceinline__ float tandem_wval(const u16* w, i64 i) { return tandem_bf16_val(w[i]); }
+
+// Four consecutive weights at w + i (i a multiple of 4; rows of a multiple of 4 values: 8- or 16-byte loads).
+__device__ __forceinline__ void tandem_wval4(const float* w, i64 i, float (&v)[4]) {
+    const float4 q = *(const float4*)(w + i);
+    v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+}
+__device__ __forceinline__ void tandem_wval4(const u16* w, i64 i, float (&v)[4]) {
+    const uint2 q = *(const uint2*)(w + i);
+    v[0] = __uint_as_float(q.x << 16), v[1] = __uint_as_float(q.x & 0xffff0000u);
+    v[2] = __uint_as_float(q.y << 16), v[3] = __uint_as_float(q.y & 0xffff0000u);
+}
+
+// out(j, o) = sum_i w[o * in + i] * xs[j * in + i] for the CTA's nr rows (xs in shared memory) and outputs
+// o < outs, handed to store(j, o, value) on lane 0.
+template <typename W, typename Store>
+__device__ __forceinline__ void mla_head_proj(const W* __restrict__ w, const float* xs, int in, int outs, int nr,
+                                              Store store) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const bool vec = (in & 3) == 0;
+    for (int o0 = warp * MLA_PROJ_OUTS; o0 < outs; o0 += WARPS * MLA_PROJ_OUTS) {
+        float acc[MLA_PROJ_OUTS][MLA_PROJ_ROWS];
+#pragma unroll
+        for (int u = 0; u < MLA_PROJ_OUTS; ++u)
+#pragma unroll
+            for (int j = 0; j < MLA_PROJ_ROWS; ++j) acc[u][j] = 0.0f;
+        for (int i0 = 4 * lane; i0 < in; i0 += 128) {
+            float wv[MLA_PROJ_OUTS][4];
+#pragma unroll
+            for (int u = 0; u < MLA_PROJ_OUTS; ++u) {
+                const int o = o0 + u;
+                if (o < outs && vec) {
+                    tandem_wval4(w, (i64)o * in + i0, wv[u]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) wv[u][e] = o < outs && i0 + e < in ? tandem_wval(w, (i64)o * in + i0 + e) : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < MLA_PROJ_ROWS; ++j) {
+                if (j >= nr) break;  // uniform
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float x = i0 + e < in ? xs[j * in + i0 + e] : 0.0f;
+#pragma unroll
+                    for (int u = 0; u < MLA_PROJ_OUTS; ++u) acc[u][j] = __fmaf_rn(wv[u][e], x, acc[u][j]);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < MLA_PROJ_OUTS; ++u)
+#pragma unroll
+            for (int j = 0; j < MLA_PROJ_ROWS; ++j) {
+                if (j >= nr) break;  // uniform
+                const float a = tandem_warp_sum(acc[u][j]);
+                if (lane == 0 && o0 + u < outs) store(j, o0 + u, a);
+            }
+    }
+}
 
 template <typename W>
 __device__ __forceinline__ void mla_absorb_q_body(const float* __restrict__ q, const W* __restrict__ w_uk_t,
@@ -603,7 +681,6 @@ __device__ __forceinline__ void mla_absorb_q_body(const float* __restrict__ q, c
     extern __shared__ float qs[];  // [MLA_PROJ_ROWS][nope]
     const int h = blockIdx.x, r0 = blockIdx.y * MLA_PROJ_ROWS;
     const int nr = min(MLA_PROJ_ROWS, rows - r0), qk = nope + rd;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int i = threadIdx.x; i < nr * nope; i += blockDim.x)
         qs[i] = q[((i64)(r0 + i / nope) * heads + h) * qk + i % nope];
     for (int i = threadIdx.x; i < nr * rd; i += blockDim.x) {
@@ -611,23 +688,9 @@ __device__ __forceinline__ void mla_absorb_q_body(const float* __restrict__ q, c
         qb[(row * heads + h) * (rank + rd) + rank + i % rd] = tandem_bf16(q[(row * heads + h) * qk + nope + i % rd]);
     }
     __syncthreads();
-    const W* wk = w_uk_t + (i64)h * rank * nope;
-    for (int c = warp; c < rank; c += WARPS) {
-        float acc[MLA_PROJ_ROWS];
-#pragma unroll
-        for (int j = 0; j < MLA_PROJ_ROWS; ++j) acc[j] = 0.0f;
-        for (int d = lane; d < nope; d += 32) {
-            const float w = tandem_wval(wk, (i64)c * nope + d);
-#pragma unroll
-            for (int j = 0; j < MLA_PROJ_ROWS; ++j)
-                if (j < nr) acc[j] = __fmaf_rn(w, qs[j * nope + d], acc[j]);
-        }
-#pragma unroll
-        for (int j = 0; j < MLA_PROJ_ROWS; ++j) {
-            const float a = tandem_warp_sum(acc[j]);
-            if (j < nr && lane == 0) qb[((i64)(r0 + j) * heads + h) * (rank + rd) + c] = tandem_bf16(a);
-        }
-    }
+    mla_head_proj(w_uk_t + (i64)h * rank * nope, qs, nope, rank, nr, [&](int j, int c, float a) {
+        qb[((i64)(r0 + j) * heads + h) * (rank + rd) + c] = tandem_bf16(a);
+    });
 }
 
 template <typename W>
@@ -636,27 +699,11 @@ __device__ __forceinline__ void mla_up_v_body(const float* __restrict__ lat, con
     extern __shared__ float ls[];  // [MLA_PROJ_ROWS][rank]
     const int h = blockIdx.x, r0 = blockIdx.y * MLA_PROJ_ROWS;
     const int nr = min(MLA_PROJ_ROWS, rows - r0);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int i = threadIdx.x; i < nr * rank; i += blockDim.x)
         ls[i] = lat[((i64)(r0 + i / rank) * heads + h) * rank + i % rank];
     __syncthreads();
-    const W* wv = w_uv + (i64)h * vd * rank;
-    for (int d = warp; d < vd; d += WARPS) {
-        float acc[MLA_PROJ_ROWS];
-#pragma unroll
-        for (int j = 0; j < MLA_PROJ_ROWS; ++j) acc[j] = 0.0f;
-        for (int c = lane; c < rank; c += 32) {
-            const float w = tandem_wval(wv, (i64)d * rank + c);
-#pragma unroll
-            for (int j = 0; j < MLA_PROJ_ROWS; ++j)
-                if (j < nr) acc[j] = __fmaf_rn(w, ls[j * rank + c], acc[j]);
-        }
-#pragma unroll
-        for (int j = 0; j < MLA_PROJ_ROWS; ++j) {
-            const float a = tandem_warp_sum(acc[j]);
-            if (j < nr && lane == 0) out[((i64)(r0 + j) * heads + h) * vd + d] = a;
-        }
-    }
+    mla_head_proj(w_uv + (i64)h * vd * rank, ls, rank, vd, nr,
+                  [&](int j, int d, float a) { out[((i64)(r0 + j) * heads + h) * vd + d] = a; });
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_mla_absorb_q(
@@ -731,84 +778,184 @@ __device__ __forceinline__ bool tandem_ranks_before(float va, int a, float vb, i
 #define MAX_EXPERTS 512
 #define MAX_GROUPS 64
 
-// Routing of one token per thread: scores (sigmoid or softmax of the gate logits); selection scores add
-// the correction bias; group-limited choice of topk_group groups, then the top k experts; ids ascending,
-// weights from the unbiased scores, normalized (in ascending id order) when `norm`, times `scaling`.
-extern "C" __global__ void tandem_route(const float* __restrict__ logits, const float* __restrict__ bias, int tokens,
-                                        int experts, int n_group, int topk_group, int k, int sigmoid_scores,
-                                        int norm, float scaling, int* __restrict__ ids, float* __restrict__ weights) {
-    const int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= tokens) return;
+#define ROUTE_EPL (MAX_EXPERTS / 32)  // experts per lane
+#define ROUTE_MAX_K 32
+#define ROUTE_WARPS 4
+
+// A before b in tandem_ranks_before's order, where an index < 0 is no candidate (after every candidate).
+__device__ __forceinline__ bool route_better(float va, int a, float vb, int b) {
+    if (b < 0) return a >= 0;
+    if (a < 0) return false;
+    return tandem_ranks_before(va, a, vb, b);
+}
+
+// The warp's best candidate (value v, index i, payload p) in that order; every lane gets it. The order is
+// strict and total over distinct indices, so the butterfly's pairing does not change the result.
+__device__ __forceinline__ void route_warp_best(float& v, int& i, float& p) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o), op = __shfl_xor_sync(0xffffffffu, p, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (route_better(ov, oi, v, i)) {
+            v = ov;
+            i = oi;
+            p = op;
+        }
+    }
+}
+
+// Routing, one warp per token (ROUTE_WARPS tokens per CTA); lane l holds experts l, l + 32, ... Scores
+// (sigmoid or softmax of the gate logits); selection scores add the correction bias; group-limited choice
+// of topk_group groups (a group's score: its best, or with a bias its two best added), then the top k
+// experts (engine::cpu::moe::route: ranks_before's order, ties to the lower index, NaN last); ids
+// ascending, weights from the unbiased scores, normalized (summed in ascending id order) when `norm`, times
+// `scaling`. Every value is the CPU's: the elementwise steps are the same operations, the softmax sum and
+// the weight sum run in ascending order on one lane, and the choices are exact comparisons.
+extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
+    tandem_route(const float* __restrict__ logits, const float* __restrict__ bias, int tokens, int experts, int n_group,
+                 int topk_group, int k, int sigmoid_scores, int norm, float scaling, int* __restrict__ ids,
+                 float* __restrict__ weights) {
+    const int lane = threadIdx.x & 31, t = blockIdx.x * ROUTE_WARPS + (threadIdx.x >> 5);
+    if (t >= tokens) return;  // a whole warp
     const float* l = logits + (i64)t * experts;
-    float score[MAX_EXPERTS];
-    float selv[MAX_EXPERTS];
-    bool allowed[MAX_EXPERTS];
-    bool taken[MAX_EXPERTS];
+    float score[ROUTE_EPL], selv[ROUTE_EPL];
     if (sigmoid_scores) {
-        for (int e = 0; e < experts; ++e) score[e] = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-l[e])));
+#pragma unroll
+        for (int j = 0; j < ROUTE_EPL; ++j) {
+            const int e = j * 32 + lane;
+            score[j] = e < experts ? __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-l[e]))) : 0.0f;
+        }
     } else {
         float m = -__int_as_float(0x7f800000);
-        for (int e = 0; e < experts; ++e) m = fmaxf(m, l[e]);
-        float sum = 0.0f;
-        for (int e = 0; e < experts; ++e) {
-            score[e] = expf(__fsub_rn(l[e], m));
-            sum = __fadd_rn(sum, score[e]);
+#pragma unroll
+        for (int j = 0; j < ROUTE_EPL; ++j)
+            if (j * 32 + lane < experts) m = fmaxf(m, l[j * 32 + lane]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+#pragma unroll
+        for (int j = 0; j < ROUTE_EPL; ++j) {
+            const int e = j * 32 + lane;
+            score[j] = e < experts ? expf(__fsub_rn(l[e], m)) : 0.0f;
         }
-        const float inv = __fdiv_rn(1.0f, sum);
-        for (int e = 0; e < experts; ++e) score[e] = __fmul_rn(score[e], inv);
+        // The sum in ascending expert order, on lane 0 (the CPU's order).
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < ROUTE_EPL; ++j) {
+            if (j * 32 >= experts) break;
+            for (int q = 0; q < 32 && j * 32 + q < experts; ++q) {
+                const float v = __shfl_sync(0xffffffffu, score[j], q);
+                if (lane == 0) sum = __fadd_rn(sum, v);
+            }
+        }
+        const float inv = __fdiv_rn(1.0f, __shfl_sync(0xffffffffu, sum, 0));
+#pragma unroll
+        for (int j = 0; j < ROUTE_EPL; ++j) score[j] = __fmul_rn(score[j], inv);
     }
-    for (int e = 0; e < experts; ++e) {
-        selv[e] = bias != nullptr ? __fadd_rn(score[e], bias[e]) : score[e];
-        allowed[e] = true;
-        taken[e] = false;
+#pragma unroll
+    for (int j = 0; j < ROUTE_EPL; ++j) {
+        const int e = j * 32 + lane;
+        selv[j] = bias != nullptr && e < experts ? __fadd_rn(score[j], bias[e]) : score[j];
     }
+    // Allowed groups: bit g of the mask (all of them without group-limited routing).
+    unsigned long long groups = ~0ull;
+    const int per = n_group > 1 ? experts / n_group : experts;
     if (n_group > 1) {
-        const int per = experts / n_group;
-        float gscore[MAX_GROUPS];
-        bool gtaken[MAX_GROUPS];
+        // Group g's score lands on lane g % 32 (gs[g / 32]).
+        float gs[MAX_GROUPS / 32];
+#pragma unroll
+        for (int h = 0; h < MAX_GROUPS / 32; ++h) gs[h] = 0.0f;
         for (int g = 0; g < n_group; ++g) {
-            // Best and second best of the group by the ranking rule.
-            int b1 = -1, b2 = -1;
-            for (int e = g * per; e < (g + 1) * per; ++e) {
-                if (b1 < 0 || tandem_ranks_before(selv[e], e, selv[b1], b1)) {
-                    b2 = b1;
-                    b1 = e;
-                } else if (b2 < 0 || tandem_ranks_before(selv[e], e, selv[b2], b2)) {
-                    b2 = e;
+            float v1 = 0.0f, v2 = 0.0f, unused = 0.0f;
+            int i1 = -1, i2 = -1;
+#pragma unroll
+            for (int j = 0; j < ROUTE_EPL; ++j) {
+                const int e = j * 32 + lane;
+                if (e >= experts || e / per != g) continue;
+                if (route_better(selv[j], e, v1, i1)) {
+                    v2 = v1;
+                    i2 = i1;
+                    v1 = selv[j];
+                    i1 = e;
+                } else if (route_better(selv[j], e, v2, i2)) {
+                    v2 = selv[j];
+                    i2 = e;
                 }
             }
-            gscore[g] = bias != nullptr ? __fadd_rn(selv[b1], selv[b2]) : selv[b1];
-            gtaken[g] = false;
+            // The group's best two: the warp's best, then the best of the rest.
+            float b1 = v1, p1 = unused;
+            int e1 = i1;
+            route_warp_best(b1, e1, p1);
+            float b2 = i1 == e1 ? v2 : v1, p2 = unused;
+            int e2 = i1 == e1 ? i2 : i1;
+            route_warp_best(b2, e2, p2);
+            const float score_g = bias != nullptr && e2 >= 0 ? __fadd_rn(b1, b2) : b1;
+#pragma unroll
+            for (int h = 0; h < MAX_GROUPS / 32; ++h)
+                if (g == h * 32 + lane) gs[h] = score_g;
         }
-        for (int e = 0; e < experts; ++e) allowed[e] = false;
-        for (int j = 0; j < topk_group; ++j) {
-            int best = -1;
-            for (int g = 0; g < n_group; ++g)
-                if (!gtaken[g] && (best < 0 || tandem_ranks_before(gscore[g], g, gscore[best], best))) best = g;
-            gtaken[best] = true;
-            for (int e = best * per; e < (best + 1) * per; ++e) allowed[e] = true;
+        groups = 0;
+        for (int r = 0; r < topk_group; ++r) {
+            float v = 0.0f, unused = 0.0f;
+            int i = -1;
+#pragma unroll
+            for (int h = 0; h < MAX_GROUPS / 32; ++h) {
+                const int g = h * 32 + lane;
+                if (g < n_group && !((groups >> g) & 1ull) && route_better(gs[h], g, v, i)) {
+                    v = gs[h];
+                    i = g;
+                }
+            }
+            route_warp_best(v, i, unused);
+            if (i >= 0) groups |= 1ull << i;
         }
     }
-    for (int j = 0; j < k; ++j) {
-        int best = -1;
-        for (int e = 0; e < experts; ++e)
-            if (allowed[e] && !taken[e] && (best < 0 || tandem_ranks_before(selv[e], e, selv[best], best))) best = e;
-        if (best >= 0) taken[best] = true;
+    // The top k of the allowed experts, best first; lane 0 keeps them.
+    unsigned taken = 0;  // bit j: expert j * 32 + lane
+    int got_id[ROUTE_MAX_K];
+    float got_score[ROUTE_MAX_K];
+    int found = 0;
+    for (int r = 0; r < k; ++r) {
+        float v = 0.0f, p = 0.0f;
+        int i = -1;
+#pragma unroll
+        for (int j = 0; j < ROUTE_EPL; ++j) {
+            const int e = j * 32 + lane;
+            if (e < experts && !((taken >> j) & 1u) && ((groups >> (e / per)) & 1ull) && route_better(selv[j], e, v, i)) {
+                v = selv[j];
+                i = e;
+                p = score[j];
+            }
+        }
+        route_warp_best(v, i, p);
+        if (i < 0) break;
+        if ((i & 31) == lane) taken |= 1u << (i >> 5);
+        if (lane == 0) {
+            got_id[found] = i;
+            got_score[found] = p;
+        }
+        ++found;
     }
-    // Ascending ids, their unbiased scores.
-    int j = 0;
+    if (lane != 0) return;
+    // Ascending ids (insertion sort), their unbiased scores summed in that order.
+    for (int a = 1; a < found; ++a) {
+        const int id = got_id[a];
+        const float sc = got_score[a];
+        int b = a - 1;
+        while (b >= 0 && got_id[b] > id) {
+            got_id[b + 1] = got_id[b];
+            got_score[b + 1] = got_score[b];
+            --b;
+        }
+        got_id[b + 1] = id;
+        got_score[b + 1] = sc;
+    }
     float sum = 0.0f;
-    for (int e = 0; e < experts && j < k; ++e) {
-        if (!taken[e]) continue;
-        ids[(i64)t * k + j] = e;
-        weights[(i64)t * k + j] = score[e];
-        sum = __fadd_rn(sum, score[e]);
-        ++j;
-    }
-    for (int i = 0; i < k; ++i) {
-        float w = weights[(i64)t * k + i];
+    for (int a = 0; a < found; ++a) sum = __fadd_rn(sum, got_score[a]);
+    for (int a = 0; a < k; ++a) {
+        float w = a < found ? got_score[a] : 0.0f;
         if (norm && sum > 0.0f) w = __fdiv_rn(w, sum);
-        weights[(i64)t * k + i] = __fmul_rn(w, scaling);
+        ids[(i64)t * k + a] = a < found ? got_id[a] : -1;
+        weights[(i64)t * k + a] = __fmul_rn(w, scaling);
     }
 }
 

@@ -223,6 +223,9 @@ impl CudaBackend {
         if cfg.n_routed_experts > 512 || cfg.n_group > 64 {
             return bad(format!("{} experts in {} groups: at most 512 in 64", cfg.n_routed_experts, cfg.n_group));
         }
+        if cfg.num_experts_per_tok > 32 {
+            return bad(format!("{} experts per token: the GPU routing takes up to 32", cfg.num_experts_per_tok));
+        }
         Ok(())
     }
 
@@ -400,8 +403,9 @@ impl CudaBackend {
         launch(
             &self.gpu,
             "tandem_route",
-            (rows.div_ceil(64) as u32, 1, 1),
-            64,
+            // One warp per token, four per CTA (ROUTE_WARPS in model.cu).
+            (rows.div_ceil(4) as u32, 1, 1),
+            128,
             0,
             &[
                 Arg::P(logits),
@@ -546,7 +550,8 @@ impl CudaBackend {
         launch(
             g,
             "tandem_indexer_post",
-            (rows as u32, 1, 1),
+            // INDEXER_POST_HEADS (8) query heads per CTA.
+            (rows as u32, ih_pad.div_ceil(8) as u32, 1),
             128,
             0,
             &[
