@@ -397,7 +397,7 @@ fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
 
 #[test]
 fn routing_on_the_gpu_is_the_cpu_rule_ties_included() {
-    use engine::cuda::ops::{Arg, DBuf, launch};
+    use engine::cuda::ops::DBuf;
     let Some(gpu) = engine::cuda::Gpu::for_test() else { return };
     let s = gpu.stream().clone();
     let mut cfg = checkpoint().config().clone();
@@ -431,26 +431,14 @@ fn routing_on_the_gpu_is_the_cpu_rule_ties_included() {
             let d_bias = DBuf::upload(&s, &bias).unwrap();
             let ids = DBuf::<i32>::zeros(&s, tokens * k).unwrap();
             let w = DBuf::<f32>::zeros(&s, tokens * k).unwrap();
-            launch(
+            engine::cuda::moe::route(
                 &gpu,
-                "tandem_route",
-                (tokens.div_ceil(64) as u32, 1, 1),
-                64,
-                0,
-                &[
-                    Arg::P(d_logits.ptr()),
-                    Arg::P(if with_bias { d_bias.ptr() } else { 0 }),
-                    Arg::I(tokens as i32),
-                    Arg::I(experts as i32),
-                    Arg::I(groups as i32),
-                    Arg::I(topk_group as i32),
-                    Arg::I(k as i32),
-                    Arg::I(1),
-                    Arg::I(cfg.norm_topk_prob as i32),
-                    Arg::F(cfg.routed_scaling_factor),
-                    Arg::P(ids.ptr()),
-                    Arg::P(w.ptr()),
-                ],
+                &cfg,
+                d_logits.ptr(),
+                if with_bias { d_bias.ptr() } else { 0 },
+                tokens,
+                ids.ptr(),
+                w.ptr(),
             )
             .unwrap();
             let got_ids = s.clone_dtoh(ids.slice()).unwrap();

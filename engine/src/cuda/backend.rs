@@ -23,7 +23,6 @@ use crate::backend::{
 };
 use crate::cache::{BLOCK_SIZE, CacheFormat, CacheGeometry, KvArena, KvCache, LayerIdx, MemoryKind};
 use crate::checkpoint::Checkpoint;
-use crate::config::ScoringFunc;
 use crate::memory::{MemoryBudget, ServingLimits};
 use crate::rope::Rope;
 use crate::sampling::{History, Sampled, SamplingParams};
@@ -400,28 +399,7 @@ impl CudaBackend {
         m.gate.forward(&self.gpu, ws, x, rows, 1, 0, logits)?;
         let ids = ws.take::<i32>(s, rows * k)?;
         let weights = ws.take::<f32>(s, rows * k)?;
-        launch(
-            &self.gpu,
-            "tandem_route",
-            // One warp per token, four per CTA (ROUTE_WARPS in model.cu).
-            (rows.div_ceil(4) as u32, 1, 1),
-            128,
-            0,
-            &[
-                Arg::P(logits),
-                Arg::P(m.bias.as_ref().map_or(0, DBuf::ptr)),
-                Arg::I(rows as i32),
-                Arg::I(e as i32),
-                Arg::I(c.n_group as i32),
-                Arg::I(c.topk_group as i32),
-                Arg::I(k as i32),
-                Arg::I((c.scoring_func == ScoringFunc::Sigmoid) as i32),
-                Arg::I(c.norm_topk_prob as i32),
-                Arg::F(c.routed_scaling_factor),
-                Arg::P(ids),
-                Arg::P(weights),
-            ],
-        )?;
+        moe::route(&self.gpu, c, logits, m.bias.as_ref().map_or(0, DBuf::ptr), rows, ids, weights)?;
         // Experts that share weights (a synthetic model's) run as the matrix they share.
         let e = match &m.expert_map {
             Some(map) => {

@@ -15,6 +15,7 @@
 use super::ops::{Arg, Workspace, elementwise_grid, launch};
 use super::weights::{DLinear, DMlp, act_quant};
 use super::{CudaError, Gpu, gemm};
+use crate::config::{ModelConfig, ScoringFunc};
 
 /// Threads of the planning CTA.
 const PLAN_THREADS: u32 = 1024;
@@ -110,6 +111,48 @@ pub fn group(
         ],
     )?;
     Ok(g)
+}
+
+/// Routes `tokens` rows of gate logits `[tokens, n_routed_experts]` by `cfg`'s rule (docs/model.md §2.4;
+/// `bias`: the e_score_correction_bias, 0 for none) into `ids` and `weights` `[tokens, k]` (ids ascending).
+/// One warp per token (`tandem_route`, ROUTE_WARPS = 4 per CTA).
+pub fn route(
+    gpu: &Gpu,
+    cfg: &ModelConfig,
+    logits: u64,
+    bias: u64,
+    tokens: usize,
+    ids: u64,
+    weights: u64,
+) -> Result<(), CudaError> {
+    let k = cfg.num_experts_per_tok;
+    if cfg.n_routed_experts > 512 || cfg.n_group > 64 || k > 32 {
+        return Err(CudaError::Shape(format!(
+            "routing {} experts in {} groups, {k} per token: at most 512 in 64, 32 per token",
+            cfg.n_routed_experts, cfg.n_group
+        )));
+    }
+    launch(
+        gpu,
+        "tandem_route",
+        (tokens.div_ceil(4) as u32, 1, 1),
+        128,
+        0,
+        &[
+            Arg::P(logits),
+            Arg::P(bias),
+            Arg::I(tokens as i32),
+            Arg::I(cfg.n_routed_experts as i32),
+            Arg::I(cfg.n_group as i32),
+            Arg::I(cfg.topk_group as i32),
+            Arg::I(k as i32),
+            Arg::I((cfg.scoring_func == ScoringFunc::Sigmoid) as i32),
+            Arg::I(cfg.norm_topk_prob as i32),
+            Arg::F(cfg.routed_scaling_factor),
+            Arg::P(ids),
+            Arg::P(weights),
+        ],
+    )
 }
 
 /// Whether the backend runs the routed experts grouped (the default; `TANDEM_MOE_GROUPED=0` runs one FP8
