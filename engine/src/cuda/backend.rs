@@ -128,7 +128,7 @@ struct Inputs {
     table_width: usize,
     /// Score columns: the longest context of any row.
     score_stride: usize,
-    /// MHA form: every item's context slots, and each row's first context row.
+    /// The MHA form (full-precision prefill): every item's context slots, and each row's first context row.
     ctx: Option<(u64, usize, u64)>,
 }
 
@@ -297,7 +297,8 @@ impl CudaBackend {
         let lengths: Vec<i32> = positions.iter().map(|p| p + 1).collect();
         // A multiple of 4, so every row of scores starts 16-byte aligned (the top-k reads them in vectors).
         let score_stride = (lengths.iter().copied().max().unwrap_or(1) as usize).next_multiple_of(4);
-        let ctx = if form == AttnForm::Prefill {
+        // FP8 prefill attends in the absorbed form over the cache, as decode does (`layer`): no context rows.
+        let ctx = if form == AttnForm::Prefill && self.prec != Precision::Fp8 {
             let mut ctx_slots = Vec::new();
             let mut ctx0 = Vec::with_capacity(rows);
             for it in items {
@@ -726,8 +727,11 @@ impl CudaBackend {
         // Attention over the selected tokens.
         let o = ws.take::<f32>(&s, rows * heads * vd)?;
         let scale = c.softmax_scale();
+        // Full precision prefills in the MHA form over the decompressed latents. FP8 prefill and every decode
+        // take the absorbed form over the FP8 cache on the tensor cores: a row's attention is the same kernel
+        // on the same inputs whether it is prefilled or decoded (docs/model.md §2.2).
         match (form, inp.ctx) {
-            (AttnForm::Prefill, Some((ctx_slots, ctx_rows, ctx0))) => {
+            (AttnForm::Prefill, Some((ctx_slots, ctx_rows, ctx0))) if !fp8 => {
                 let cc = ws.take::<f32>(&s, ctx_rows * rank)?;
                 let ck = ws.take::<f32>(&s, ctx_rows * rd)?;
                 launch(
@@ -799,31 +803,38 @@ impl CudaBackend {
                 } else {
                     (0, 0)
                 };
-                sparse_mla::launch(
-                    g,
-                    &sparse_mla::RawArgs {
-                        q: qb,
-                        queries: rows,
-                        heads,
-                        latent: latent_region,
-                        num_blocks: geometry.num_blocks,
-                        block_table: inp.tables,
-                        max_blocks: inp.table_width,
-                        query_row: 0,
-                        ctx_len: inp.lengths,
-                        sel,
-                        topk,
-                        // The top-k selects min(length, index_topk) positions, then -1.
-                        sel_len: inp.lengths,
-                        split_tiles: sparse_mla::SPLIT_TILES,
-                        scale,
-                        out: latent_out,
-                        out_bf16: false,
-                        lse: 0,
-                        part_o,
-                        part_lse,
-                    },
-                )?;
+                // A launch takes up to 65535 queries (a grid dimension): long prefill chunks in pieces, each
+                // query the same work whatever piece it is in.
+                const QUERIES: usize = 32_768;
+                for q0 in (0..rows).step_by(QUERIES) {
+                    let n = QUERIES.min(rows - q0);
+                    let (at4, at2) = ((q0 * 4) as u64, (q0 * heads * sparse_mla::DQK * 2) as u64);
+                    sparse_mla::launch(
+                        g,
+                        &sparse_mla::RawArgs {
+                            q: qb + at2,
+                            queries: n,
+                            heads,
+                            latent: latent_region,
+                            num_blocks: geometry.num_blocks,
+                            block_table: inp.tables + at4 * inp.table_width as u64,
+                            max_blocks: inp.table_width,
+                            query_row: 0,
+                            ctx_len: inp.lengths + at4,
+                            sel: sel + at4 * topk as u64,
+                            topk,
+                            // The top-k selects min(length, index_topk) positions, then -1.
+                            sel_len: inp.lengths + at4,
+                            split_tiles: sparse_mla::SPLIT_TILES,
+                            scale,
+                            out: latent_out + at4 * (heads * rank) as u64,
+                            out_bf16: false,
+                            lse: 0,
+                            part_o: if part_o == 0 { 0 } else { part_o + at4 * (splits * heads * rank) as u64 },
+                            part_lse: if part_lse == 0 { 0 } else { part_lse + at4 * (splits * heads) as u64 },
+                        },
+                    )?;
+                }
                 launch(
                     g,
                     if a.w_uv.is_bf16() { "tandem_mla_up_v_bf16w" } else { "tandem_mla_up_v" },
