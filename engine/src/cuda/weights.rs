@@ -755,6 +755,44 @@ mod tests {
             outs.push((s.clone_dtoh(qb.slice()).unwrap(), bits));
         }
         assert!(outs[0] == outs[1], "bf16 weights change the absorbed projections (seed {seed})");
+        // A row's values do not depend on how many rows its CTA holds: one and two rows reduce by butterflies,
+        // more by the transposed reduction, with the same bits.
+        let wk = AbsorbedWeights::upload(s, &w_uk, true).unwrap();
+        let wv = AbsorbedWeights::upload(s, &w_uv, true).unwrap();
+        for few in [1usize, 2, 3] {
+            let qb = DBuf::<u16>::zeros(s, few * heads * (rank + rd)).unwrap();
+            let o = DBuf::<f32>::zeros(s, few * heads * vd).unwrap();
+            let i = |v: usize| Arg::I(v as i32);
+            let grid = (heads as u32, 1, 1);
+            launch(
+                &gpu,
+                "tandem_mla_absorb_q_bf16w",
+                grid,
+                256,
+                (16 * nope * 4) as u32,
+                &[Arg::P(dq.ptr()), Arg::P(wk.ptr()), Arg::P(qb.ptr()), i(few), i(heads), i(nope), i(rd), i(rank)],
+            )
+            .unwrap();
+            launch(
+                &gpu,
+                "tandem_mla_up_v_bf16w",
+                grid,
+                256,
+                (16 * rank * 4) as u32,
+                &[Arg::P(dlat.ptr()), Arg::P(wv.ptr()), Arg::P(o.ptr()), i(few), i(heads), i(rank), i(vd)],
+            )
+            .unwrap();
+            let got_q = s.clone_dtoh(qb.slice()).unwrap();
+            let got_o: Vec<u32> = s.clone_dtoh(o.slice()).unwrap().iter().map(|v| v.to_bits()).collect();
+            assert!(
+                got_q[..] == outs[1].0[..got_q.len()],
+                "absorbed q of {few} rows differs from 19 rows (seed {seed})"
+            );
+            assert!(
+                got_o[..] == outs[1].1[..got_o.len()],
+                "up-projection of {few} rows differs from 19 rows (seed {seed})"
+            );
+        }
     }
 
     /// The bf16-weight kernel (lm_head and the other bf16 linears) against f32 sums on the host: exact
