@@ -605,12 +605,10 @@ extern "C" __global__ void __launch_bounds__(256) tandem_mla_decode(
 // query qb[r, h] = bf16(W_UK^T[h] q_nope[r, h]) then bf16(q_pe[r, h]) (rank + rd values), and after the
 // attention out[r, h] = W_UV[h] lat[r, h]. A CTA takes one head and up to MLA_PROJ_ROWS rows (the head's
 // weights are read once for all of them); a warp computes MLA_PROJ_OUTS outputs at a time: lane l sums the
-// inputs 4l..4l+3, 4l+128.. (FMA, in that order), then the lanes' sums are added in tandem_warp_sum's tree
-// (by butterflies for one or two rows, by a transposed reduction for more: the same bits). A row's values
-// do not depend on the rows it shares the CTA with.
+// inputs 4l..4l+3, 4l+128.. (FMA, in that order), then the warp's butterfly. A row's values do not depend
+// on the rows it shares the CTA with (the CTA's row count only decides which sums are reduced).
 #define MLA_PROJ_ROWS 16
 #define MLA_PROJ_OUTS 4
-static_assert(MLA_PROJ_ROWS == 16 && MLA_PROJ_OUTS % 2 == 0, "the transposed reduction pairs 2 outputs x 16 rows");
 
 // A weight value: f32, or bf16 where every value of the absorbed weights is exact in bf16 (an FP8
 // checkpoint with power-of-two block scales: e4m3 times 2^k), which halves the bytes read and gives the
@@ -665,39 +663,14 @@ __device__ __forceinline__ void mla_head_proj(const W* __restrict__ w, const flo
                 }
             }
         }
-        if (nr <= 2) {
-            // Few rows (decode): one butterfly per (output, row).
 #pragma unroll
-            for (int u = 0; u < MLA_PROJ_OUTS; ++u)
+        for (int u = 0; u < MLA_PROJ_OUTS; ++u)
 #pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    if (j >= nr) break;  // uniform
-                    const float a = tandem_warp_sum(acc[u][j]);
-                    if (lane == 0 && o0 + u < outs) store(j, o0 + u, a);
-                }
-        } else {
-            // Many rows (prefill, large batches): 32 (output, row) sums at a time reduced across the warp by
-            // halves, so lane q ends with sum q after 31 shuffles instead of 32 butterflies of 5. At each level
-            // a lane adds its partner's partial at xor distance 16, 8, 4, 2, 1, as the butterfly does: the same
-            // additions in the same tree, so the bits are the butterfly's whatever the CTA's row count.
-#pragma unroll
-            for (int half = 0; half < MLA_PROJ_OUTS / 2; ++half) {
-                float v[32];
-#pragma unroll
-                for (int q = 0; q < 32; ++q) v[q] = acc[2 * half + q / 16][q % 16];
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) {
-                    const bool upper = (lane & o) != 0;
-#pragma unroll
-                    for (int i = 0; i < o; ++i) {
-                        const float send = upper ? v[i] : v[i + o], keep = upper ? v[i + o] : v[i];
-                        v[i] = TandemAdd()(keep, __shfl_xor_sync(0xffffffffu, send, o));
-                    }
-                }
-                const int u = 2 * half + lane / 16, j = lane % 16;
-                if (j < nr && o0 + u < outs) store(j, o0 + u, v[0]);
+            for (int j = 0; j < MLA_PROJ_ROWS; ++j) {
+                if (j >= nr) break;  // uniform
+                const float a = tandem_warp_sum(acc[u][j]);
+                if (lane == 0 && o0 + u < outs) store(j, o0 + u, a);
             }
-        }
     }
 }
 

@@ -755,8 +755,7 @@ mod tests {
             outs.push((s.clone_dtoh(qb.slice()).unwrap(), bits));
         }
         assert!(outs[0] == outs[1], "bf16 weights change the absorbed projections (seed {seed})");
-        // A row's values do not depend on how many rows its CTA holds: one and two rows reduce by butterflies,
-        // more by the transposed reduction, with the same bits.
+        // A row's values do not depend on how many rows its CTA holds.
         let wk = AbsorbedWeights::upload(s, &w_uk, true).unwrap();
         let wv = AbsorbedWeights::upload(s, &w_uv, true).unwrap();
         for few in [1usize, 2, 3] {
