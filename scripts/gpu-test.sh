@@ -20,7 +20,7 @@
 #                   per-kernel time breakdown of a decode step
 #         v32       engine-bench --kernel-profile on the GPU with the synthetic DeepSeek-V3.2-dimension model (engine::synthetic;
 #                   V32_MODEL, default synthetic:v32,experts=32: 61 layers, one rank of EP-8), prefill 512 and
-#                   2048 tokens, speculative decode at batch 1..32 over a 2048-token context (V32_ARGS to change),
+#                   2048 tokens, speculative decode at batch 1, 16, 64 over a 2048-token context (V32_ARGS to change),
 #                   with the grouped experts (V32_GROUPED="1 0" adds the per-pair kernel, TANDEM_MOE_GROUPED=0); then
 #                   bench/gpu/projection.py and bench/gpu/kernel_plot.py (time per kernel per step, SVG)
 #         indexer   bench/gpu/indexer_bench.py: the indexer's scorer + top-k, decode and prefill shapes, next to
@@ -224,7 +224,7 @@ phase_v32() {
     for grouped in ${V32_GROUPED:-1}; do
         TANDEM_MOE_GROUPED=$grouped engine-bench --device cuda --model "$model" --json \
             --out "$OUTDIR/engine-bench-v32-grouped$grouped.json" \
-            ${V32_ARGS:---batches 1,8,32 --context 2048 --blocks 2048 --decode-steps 8 --mtp} --kernel-profile \
+            ${V32_ARGS:---batches 1,16,64 --context 2048 --blocks 4096 --decode-steps 4 --mtp} --kernel-profile \
             >"$OUTDIR/engine-bench-v32-grouped$grouped.log" 2>&1 || rc=$?
         tail -n 12 "$OUTDIR/engine-bench-v32-grouped$grouped.log"
         # Tokens/s per GPU of the EP rank the model stands for (assumptions printed with it).

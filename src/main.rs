@@ -20,7 +20,7 @@ enum Command {
     GenTiny(cli::gen_tiny::Args),
     /// Check a checkpoint's files: every shard listed, parses, sizes match headers, optional sha256.
     Verify(cli::verify::Args),
-    /// Generate text in this process on the CPU backend.
+    /// Generate text in this process (CPU or CUDA backend, --device).
     Generate(cli::generate::Args),
     /// Start a local cluster: router + prefill + decode workers as separate processes.
     Up(cli::up::Args),

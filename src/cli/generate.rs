@@ -43,7 +43,7 @@ pub struct Args {
     /// fp8 (block-scaled FP8 weights/activations, FP8 caches) or full (f32 everything).
     #[arg(long, default_value = "fp8")]
     pub precision: Precision,
-    /// Where the model runs: cpu, or cuda[:N] (the CUDA backend is not built yet).
+    /// Where the model runs: cpu, or cuda[:N] (the CUDA backend on GPU N).
     #[arg(long, default_value = "cpu")]
     pub device: Device,
     /// CPU compute threads (default: one per core).

@@ -15,7 +15,7 @@ pub struct ServeArgs {
     /// fp8: block-scaled FP8 weights, activations and caches; full: f32 (for comparisons).
     #[arg(long, env = "TANDEM_PRECISION", default_value = "fp8")]
     pub precision: Precision,
-    /// Where the model runs: cpu, or cuda[:N] (GPU N; the CUDA backend is not built yet).
+    /// Where the model runs: cpu, or cuda[:N] (the CUDA backend on GPU N).
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
     pub device: Device,
     /// The model name clients send; defaults to the checkpoint directory's name.
