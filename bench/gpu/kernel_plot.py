@@ -41,7 +41,8 @@ def bars(rows, top):
         parts.append(("other kernels", sum(k["seconds"] for k in e["kernels"] if k["name"] not in named)))
         if "step_s" in e:
             parts.append(("GPU idle", max(e["step_s"] - e["kernel_s"], 0.0)))
-        total = e.get("step_s", e["kernel_s"])
+        # The profiled kernels can sum past the unprofiled step (engine-bench: gpu_idle is biased low).
+        total = max(e.get("step_s", 0.0), e["kernel_s"])
         label = "%s (%s)" % (r["bench"], r.get("model", "?"))
         if "context" in e:
             label = "%s, context %d%s" % (r["bench"], e["context"], ", MTP" if e.get("mtp") else "")

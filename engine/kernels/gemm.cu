@@ -11,8 +11,9 @@
 // one (below). Each CTA has three warpgroups. The first is the producer: one thread issues, per K block of
 // 128, TMA loads of its half of the shared A tile [64 x 128] multicast into both CTAs (the pair reads A
 // from L2 once), of its own B tile [BN x 128] (both straight into the 128-byte-swizzled layout wgmma
-// reads) and of the block's 128 row scales, STAGES blocks in flight through full/empty mbarriers (a stage
-// is free when the consumers of both CTAs are done with it). The other two
+// reads) and of the block's row scales, STAGES blocks in flight through full/empty mbarriers (a stage
+// is free when the consumers of both CTAs are done with it; the scales come as a box of GEMM_SA_BOX from the
+// tile's first row rounded down to a multiple of 4). The other two
 // are consumers of 64 rows each: per K block four m64nBNk32 wgmma k-steps into a fresh accumulator, a wait,
 // the stage freed, then the promotion final = fma(acc, sa[row] * ws, final) (DeepGEMM's per-block
 // promotion: the tensor core's own FP8 accumulation is short, the 128-block scales are applied exactly in

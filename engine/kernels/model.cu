@@ -809,8 +809,9 @@ __device__ __forceinline__ void route_warp_best(float& v, int& i, float& p) {
 // of topk_group groups (a group's score: its best, or with a bias its two best added), then the top k
 // experts (engine::cpu::moe::route: ranks_before's order, ties to the lower index, NaN last); ids
 // ascending, weights from the unbiased scores, normalized (summed in ascending id order) when `norm`, times
-// `scaling`. Every value is the CPU's: the elementwise steps are the same operations, the softmax sum and
-// the weight sum run in ascending order on one lane, and the choices are exact comparisons.
+// `scaling`. The steps are the CPU's operations in the CPU's order (the softmax sum and the weight sum in
+// ascending order on one lane, the choices by exact comparisons); expf is within rounding of the CPU's exp,
+// so the ids equal the CPU's wherever the scores do and the weights agree to rounding (engine/tests/gpu.rs).
 extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
     tandem_route(const float* __restrict__ logits, const float* __restrict__ bias, int tokens, int experts, int n_group,
                  int topk_group, int k, int sigmoid_scores, int norm, float scaling, int* __restrict__ ids,

@@ -10,6 +10,7 @@ use std::sync::{Arc, OnceLock};
 
 use engine::cache::{CacheGeometry, KvCache};
 use engine::checkpoint::Checkpoint;
+use engine::config::ScoringFunc;
 use engine::cpu::CpuBackend;
 use engine::cuda::CudaBackend;
 use engine::generate;
@@ -435,37 +436,41 @@ fn routing_on_the_gpu_is_the_cpu_rule_ties_included() {
             }
         }
         let bias = values(experts, 5, 0.2);
-        for with_bias in [false, true] {
-            let d_logits = DBuf::upload(&s, &logits).unwrap();
-            let d_bias = DBuf::upload(&s, &bias).unwrap();
-            let ids = DBuf::<i32>::zeros(&s, tokens * k).unwrap();
-            let w = DBuf::<f32>::zeros(&s, tokens * k).unwrap();
-            engine::cuda::moe::route(
-                &gpu,
-                &cfg,
-                d_logits.ptr(),
-                if with_bias { d_bias.ptr() } else { 0 },
-                tokens,
-                ids.ptr(),
-                w.ptr(),
-            )
-            .unwrap();
-            let got_ids = s.clone_dtoh(ids.slice()).unwrap();
-            let got_w = s.clone_dtoh(w.slice()).unwrap();
-            for t in 0..tokens {
-                let want = engine::cpu::moe::route(
-                    &logits[t * experts..(t + 1) * experts],
-                    with_bias.then_some(bias.as_slice()),
+        // Sigmoid scores (DeepSeek-V3) and softmax scores (the warp's max and its sum in expert order).
+        for scoring in [ScoringFunc::Sigmoid, ScoringFunc::Softmax] {
+            cfg.scoring_func = scoring;
+            for with_bias in [false, true] {
+                let d_logits = DBuf::upload(&s, &logits).unwrap();
+                let d_bias = DBuf::upload(&s, &bias).unwrap();
+                let ids = DBuf::<i32>::zeros(&s, tokens * k).unwrap();
+                let w = DBuf::<f32>::zeros(&s, tokens * k).unwrap();
+                engine::cuda::moe::route(
+                    &gpu,
                     &cfg,
-                );
-                let got: Vec<usize> = got_ids[t * k..(t + 1) * k].iter().map(|&e| e as usize).collect();
-                assert_eq!(
-                    got,
-                    want.iter().map(|x| x.0).collect::<Vec<_>>(),
-                    "token {t}, {experts} experts, bias {with_bias}"
-                );
-                for (j, (_, wv)) in want.iter().enumerate() {
-                    assert!((got_w[t * k + j] - wv).abs() <= 1e-6 * wv.abs().max(1.0), "token {t} weight {j}");
+                    d_logits.ptr(),
+                    if with_bias { d_bias.ptr() } else { 0 },
+                    tokens,
+                    ids.ptr(),
+                    w.ptr(),
+                )
+                .unwrap();
+                let got_ids = s.clone_dtoh(ids.slice()).unwrap();
+                let got_w = s.clone_dtoh(w.slice()).unwrap();
+                for t in 0..tokens {
+                    let want = engine::cpu::moe::route(
+                        &logits[t * experts..(t + 1) * experts],
+                        with_bias.then_some(bias.as_slice()),
+                        &cfg,
+                    );
+                    let got: Vec<usize> = got_ids[t * k..(t + 1) * k].iter().map(|&e| e as usize).collect();
+                    assert_eq!(
+                        got,
+                        want.iter().map(|x| x.0).collect::<Vec<_>>(),
+                        "token {t}, {experts} experts, bias {with_bias}, {scoring:?}"
+                    );
+                    for (j, (_, wv)) in want.iter().enumerate() {
+                        assert!((got_w[t * k + j] - wv).abs() <= 1e-6 * wv.abs().max(1.0), "token {t} weight {j}");
+                    }
                 }
             }
         }

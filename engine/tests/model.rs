@@ -482,7 +482,8 @@ fn re_prefill_after_preemption_continues_the_same_output() {
 
 /// What the re-prefill of a preempted request writes into the cache is byte-for-byte what the
 /// uninterrupted run wrote (every main layer's latent entry at every position), in FP8: the generated
-/// tokens are replayed in the decode form, not re-prefilled in the MHA form.
+/// tokens are replayed in the decode form, not re-prefilled in the prefill form (the MHA form on the CPU;
+/// the GPU's FP8 prefill is the absorbed form with the decode's bits).
 #[test]
 fn re_prefill_after_preemption_writes_the_same_cache_bytes() {
     let e = env(Precision::Fp8);

@@ -14,8 +14,9 @@
 //! `--kernel-profile` (GPU) runs each measurement once more with every launch timed by CUDA events
 //! (engine::cuda::profile) after the timed runs, and adds `extra.kernels` (per kernel: launches and seconds
 //! per prefill or per decode step), `extra.kernel_s` (their sum) and for decode `extra.gpu_idle` = 1 -
-//! kernel_s / step_s: the share of the unprofiled step in which no kernel ran (host work, launch gaps,
-//! synchronization). bench/gpu/kernel_plot.py draws the split as an SVG.
+//! kernel_s / step_s, an estimate of the unprofiled step's share in which no kernel ran, biased low: a
+//! kernel's start event is recorded before the host submits it, so where the slower profiled host falls
+//! behind, its gap counts as kernel time. bench/gpu/kernel_plot.py draws the split as an SVG.
 
 use std::time::Instant;
 

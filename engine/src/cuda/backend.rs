@@ -34,6 +34,8 @@ const INDEX_HEAD_TILE: usize = 8;
 /// Bytes of indexer scores one chunk of rows may hold: the scorer and the top-k run over rows in chunks of
 /// [`score_rows`] so that a long prefill's workspace stays bounded.
 const SCORE_BYTES: usize = 64 << 20;
+/// Query heads per CTA of `tandem_indexer_post` (`INDEXER_POST_HEADS` in model.cu).
+const INDEXER_POST_HEADS: usize = 8;
 /// Rows a CTA of `tandem_mla_absorb_q` / `tandem_mla_up_v` projects (`MLA_PROJ_ROWS` in model.cu).
 const MLA_PROJ_ROWS: usize = 16;
 
@@ -529,8 +531,7 @@ impl CudaBackend {
         launch(
             g,
             "tandem_indexer_post",
-            // INDEXER_POST_HEADS (8) query heads per CTA.
-            (rows as u32, ih_pad.div_ceil(8) as u32, 1),
+            (rows as u32, ih_pad.div_ceil(INDEXER_POST_HEADS) as u32, 1),
             128,
             0,
             &[
@@ -731,7 +732,7 @@ impl CudaBackend {
         // take the absorbed form over the FP8 cache on the tensor cores: a row's attention is the same kernel
         // on the same inputs whether it is prefilled or decoded (docs/model.md §2.2).
         match (form, inp.ctx) {
-            (AttnForm::Prefill, Some((ctx_slots, ctx_rows, ctx0))) if !fp8 => {
+            (AttnForm::Prefill, Some((ctx_slots, ctx_rows, ctx0))) => {
                 let cc = ws.take::<f32>(&s, ctx_rows * rank)?;
                 let ck = ws.take::<f32>(&s, ctx_rows * rd)?;
                 launch(
@@ -1187,11 +1188,10 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
-    /// Workspace bytes of a `max_num_batched_tokens` forward: every per-layer buffer of `layer` at once (the
-    /// bump workspace frees nothing within a call) for the largest of the main and MTP passes, one chunk of
-    /// indexer scores and first-digit counts (at most [`SCORE_BYTES`], or one scorer group of rows at
-    /// `max_position_embeddings`), the MHA form's decompressed context (bounded by the batch), and the logits
-    /// rows.
+    /// Workspace bytes of a `max_num_batched_tokens` forward: every buffer of one `layer` at once (layers
+    /// reuse the same bytes) for the largest of the main and MTP passes, one chunk of indexer scores and
+    /// first-digit counts (at most [`SCORE_BYTES`], or one scorer group of rows at `max_position_embeddings`),
+    /// the MHA form's decompressed context (full precision only; bounded by the batch), and the logits rows.
     fn activation_bytes(&self, l: &ServingLimits) -> u64 {
         let c = &self.cfg;
         let rows = l.max_num_batched_tokens as u64;
@@ -1220,7 +1220,8 @@ impl CudaBackend {
         // max_position_embeddings, so the chunk is bounded by SCORE_BYTES or one scorer group of such rows.
         let row_words = (c.max_position_embeddings + HIST_WORDS + topk::SPLIT_WORDS) as u64;
         let scores = (rows * row_words).min((SCORE_BYTES as u64 / 4).max(indexer::MAX_GROUP as u64 * row_words));
-        let mha = ctx * (rank + rd + heads * (c.qk_nope_head_dim as u64 + vd));
+        let mha =
+            if self.prec == Precision::Fp8 { 0 } else { ctx * (rank + rd + heads * (c.qk_nope_head_dim as u64 + vd)) };
         let logits = 2 * l.max_num_seqs as u64 * c.vocab_size as u64;
         // The grouped experts' indices and quantized activations (engine::cuda::moe).
         let pairs = l.max_num_batched_tokens * c.num_experts_per_tok;

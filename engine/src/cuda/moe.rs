@@ -113,9 +113,12 @@ pub fn group(
     Ok(g)
 }
 
+/// Tokens routed per CTA (`ROUTE_WARPS` in model.cu).
+const ROUTE_WARPS: usize = 4;
+
 /// Routes `tokens` rows of gate logits `[tokens, n_routed_experts]` by `cfg`'s rule (docs/model.md §2.4;
 /// `bias`: the e_score_correction_bias, 0 for none) into `ids` and `weights` `[tokens, k]` (ids ascending).
-/// One warp per token (`tandem_route`, ROUTE_WARPS = 4 per CTA).
+/// One warp per token, [`ROUTE_WARPS`] per CTA (`tandem_route`).
 pub fn route(
     gpu: &Gpu,
     cfg: &ModelConfig,
@@ -135,8 +138,8 @@ pub fn route(
     launch(
         gpu,
         "tandem_route",
-        (tokens.div_ceil(4) as u32, 1, 1),
-        128,
+        (tokens.div_ceil(ROUTE_WARPS) as u32, 1, 1),
+        32 * ROUTE_WARPS as u32,
         0,
         &[
             Arg::P(logits),

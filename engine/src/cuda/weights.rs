@@ -245,6 +245,11 @@ impl DLinear {
                     ],
                 )
             }
+            // The kernel reads rows of a multiple of 4 channels 16 bytes at a time: such an x must be 16-byte
+            // aligned (workspace and DBuf addresses are 256-aligned; a pointer into a row is not).
+            DLinear::Dense { inp, .. } if inp.is_multiple_of(4) && !x.is_multiple_of(16) => {
+                Err(CudaError::Shape(format!("an f32 linear's input at {x:#x} is not 16-byte aligned")))
+            }
             DLinear::Dense { w, out, inp } => launch(
                 gpu,
                 "tandem_gemm_f32",
