@@ -831,8 +831,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
 #pragma unroll
         for (int j = 0; j < ROUTE_EPL; ++j)
             if (j * 32 + lane < experts) m = fmaxf(m, l[j * 32 + lane]);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        m = tandem_warp_reduce(m, TandemMax());
 #pragma unroll
         for (int j = 0; j < ROUTE_EPL; ++j) {
             const int e = j * 32 + lane;

@@ -49,8 +49,7 @@ pub fn quantize_latent_fp8(
     b.arg(c).arg(k_pe).arg(slots).arg(latent).arg(&n_i).arg(&rank_i).arg(&rope_i).arg(&cap);
     // SAFETY: argument types and order match the kernel; sizes were checked above, and the kernel skips
     // slots outside the region's capacity.
-    gpu.profiler()
-        .time(gpu.stream(), "tandem_quantize_latent_fp8", || unsafe { b.launch(cfg) }.map(drop).map_err(Into::into))
+    gpu.profiler().time(gpu.stream(), "tandem_quantize_latent_fp8", || unsafe { b.launch(cfg) })
 }
 
 /// Writes `n` tokens' indexer keys (`keys [n, 128]`) into one layer's indexer region (`num_blocks`
@@ -82,8 +81,7 @@ pub fn quantize_index_keys_fp8(
     let mut b = gpu.stream().launch_builder(f);
     b.arg(keys).arg(slots).arg(index_blocks).arg(&n_i).arg(&cap);
     // SAFETY: as for the latent kernel.
-    gpu.profiler()
-        .time(gpu.stream(), "tandem_quantize_index_keys_fp8", || unsafe { b.launch(cfg) }.map(drop).map_err(Into::into))
+    gpu.profiler().time(gpu.stream(), "tandem_quantize_index_keys_fp8", || unsafe { b.launch(cfg) })
 }
 
 #[cfg(test)]

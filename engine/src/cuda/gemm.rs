@@ -320,7 +320,7 @@ pub fn launch(gpu: &Gpu, a: &RawGemm, plan: Plan) -> Result<(), CudaError> {
     // The routed experts' launches apart from the dense ones in a kernel profile.
     let label: std::borrow::Cow<'_, str> =
         if grouped && gpu.profiler().is_on() { format!("{kernel} (grouped)").into() } else { kernel.into() };
-    gpu.profiler().time(gpu.stream(), &label, || unsafe { b.launch(cfg) }.map(drop).map_err(Into::into))?;
+    gpu.profiler().time(gpu.stream(), &label, || unsafe { b.launch(cfg) })?;
     if plan.split {
         let count = (a.rows * a.n) as i64;
         let name = if a.bf16_out { "tandem_gemm_fp8_combine_bf16" } else { "tandem_gemm_fp8_combine_f32" };

@@ -210,7 +210,7 @@ pub fn launch(
     let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
     // SAFETY: every caller passes the kernel's parameters in order with their C types (checked against
     // engine/kernels/model.cu by the GPU tests), and buffers sized for the launch.
-    gpu.profiler().time(gpu.stream(), name, || unsafe { b.launch(cfg) }.map(drop).map_err(Into::into))
+    gpu.profiler().time(gpu.stream(), name, || unsafe { b.launch(cfg) })
 }
 
 /// Blocks of a grid-stride elementwise launch over `n` values.

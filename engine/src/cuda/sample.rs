@@ -178,7 +178,7 @@ fn run(
     // SAFETY: argument types and order match the kernel; `z` holds `n` values and the other scratch `n`
     // unless greedy (then the kernel does not touch them); every edit's token is below `n` and its bias
     // range inside `bias`; `out` holds the header and MAX_TOP_LOGPROBS pairs.
-    gpu.profiler().time(st, "tandem_sample_row", || unsafe { b.launch(cfg) }.map(drop).map_err(Into::into))?;
+    gpu.profiler().time(st, "tandem_sample_row", || unsafe { b.launch(cfg) })?;
     let words_back = OUT_HEADER + 2 * top_n.max(0) as usize;
     let got = st.clone_dtoh(&out.slice(..words_back))?;
     st.synchronize()?;
@@ -200,7 +200,7 @@ pub fn draft_row(gpu: &Gpu, row: &CudaView<'_, f32>) -> Result<(u32, f32), CudaE
     let mut b = st.launch_builder(f);
     b.arg(row).arg(&n_i).arg(&mut out);
     // SAFETY: argument types and order match the kernel; `row` holds `n` values, `out` two words.
-    gpu.profiler().time(st, "tandem_draft_row", || unsafe { b.launch(cfg) }.map(drop).map_err(Into::into))?;
+    gpu.profiler().time(st, "tandem_draft_row", || unsafe { b.launch(cfg) })?;
     let got = st.clone_dtoh(&out)?;
     st.synchronize()?;
     Ok((got[0], f32::from_bits(got[1])))

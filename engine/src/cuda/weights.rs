@@ -724,27 +724,24 @@ mod tests {
         let q: Vec<f32> = (0..rows * heads * (nope + rd)).map(|_| rng.random::<f32>() - 0.5).collect();
         let lat: Vec<f32> = (0..rows * heads * rank).map(|_| rng.random::<f32>() - 0.5).collect();
         let (dq, dlat) = (DBuf::upload(s, &q).unwrap(), DBuf::upload(s, &lat).unwrap());
-        let grid = (heads as u32, rows.div_ceil(16) as u32, 1);
-        let mut outs = Vec::new();
-        for bf16 in [false, true] {
-            let wk = AbsorbedWeights::upload(s, &w_uk, bf16).unwrap();
-            let wv = AbsorbedWeights::upload(s, &w_uv, bf16).unwrap();
-            assert_eq!((wk.is_bf16(), wv.is_bf16()), (bf16, bf16));
-            let qb = DBuf::<u16>::zeros(s, rows * heads * (rank + rd)).unwrap();
-            let o = DBuf::<f32>::zeros(s, rows * heads * vd).unwrap();
-            let (absorb, up) = if bf16 {
+        // Both projections of the first `n` rows: the absorbed queries and the up-projection's bits.
+        let project = |n: usize, wk: &AbsorbedWeights, wv: &AbsorbedWeights| {
+            let qb = DBuf::<u16>::zeros(s, n * heads * (rank + rd)).unwrap();
+            let o = DBuf::<f32>::zeros(s, n * heads * vd).unwrap();
+            let (absorb, up) = if wk.is_bf16() {
                 ("tandem_mla_absorb_q_bf16w", "tandem_mla_up_v_bf16w")
             } else {
                 ("tandem_mla_absorb_q", "tandem_mla_up_v")
             };
             let (i, ptr) = (|v: usize| Arg::I(v as i32), |b: &AbsorbedWeights| Arg::P(b.ptr()));
+            let grid = (heads as u32, n.div_ceil(16) as u32, 1);
             launch(
                 &gpu,
                 absorb,
                 grid,
                 256,
                 (16 * nope * 4) as u32,
-                &[Arg::P(dq.ptr()), ptr(&wk), Arg::P(qb.ptr()), i(rows), i(heads), i(nope), i(rd), i(rank)],
+                &[Arg::P(dq.ptr()), ptr(wk), Arg::P(qb.ptr()), i(n), i(heads), i(nope), i(rd), i(rank)],
             )
             .unwrap();
             launch(
@@ -753,41 +750,25 @@ mod tests {
                 grid,
                 256,
                 (16 * rank * 4) as u32,
-                &[Arg::P(dlat.ptr()), ptr(&wv), Arg::P(o.ptr()), i(rows), i(heads), i(rank), i(vd)],
+                &[Arg::P(dlat.ptr()), ptr(wv), Arg::P(o.ptr()), i(n), i(heads), i(rank), i(vd)],
             )
             .unwrap();
             let bits: Vec<u32> = s.clone_dtoh(o.slice()).unwrap().iter().map(|v| v.to_bits()).collect();
-            outs.push((s.clone_dtoh(qb.slice()).unwrap(), bits));
+            (s.clone_dtoh(qb.slice()).unwrap(), bits)
+        };
+        let mut outs = Vec::new();
+        for bf16 in [false, true] {
+            let wk = AbsorbedWeights::upload(s, &w_uk, bf16).unwrap();
+            let wv = AbsorbedWeights::upload(s, &w_uv, bf16).unwrap();
+            assert_eq!((wk.is_bf16(), wv.is_bf16()), (bf16, bf16));
+            outs.push(project(rows, &wk, &wv));
         }
         assert!(outs[0] == outs[1], "bf16 weights change the absorbed projections (seed {seed})");
         // A row's values do not depend on how many rows its CTA holds.
         let wk = AbsorbedWeights::upload(s, &w_uk, true).unwrap();
         let wv = AbsorbedWeights::upload(s, &w_uv, true).unwrap();
         for few in [1usize, 2, 3] {
-            let qb = DBuf::<u16>::zeros(s, few * heads * (rank + rd)).unwrap();
-            let o = DBuf::<f32>::zeros(s, few * heads * vd).unwrap();
-            let i = |v: usize| Arg::I(v as i32);
-            let grid = (heads as u32, 1, 1);
-            launch(
-                &gpu,
-                "tandem_mla_absorb_q_bf16w",
-                grid,
-                256,
-                (16 * nope * 4) as u32,
-                &[Arg::P(dq.ptr()), Arg::P(wk.ptr()), Arg::P(qb.ptr()), i(few), i(heads), i(nope), i(rd), i(rank)],
-            )
-            .unwrap();
-            launch(
-                &gpu,
-                "tandem_mla_up_v_bf16w",
-                grid,
-                256,
-                (16 * rank * 4) as u32,
-                &[Arg::P(dlat.ptr()), Arg::P(wv.ptr()), Arg::P(o.ptr()), i(few), i(heads), i(rank), i(vd)],
-            )
-            .unwrap();
-            let got_q = s.clone_dtoh(qb.slice()).unwrap();
-            let got_o: Vec<u32> = s.clone_dtoh(o.slice()).unwrap().iter().map(|v| v.to_bits()).collect();
+            let (got_q, got_o) = project(few, &wk, &wv);
             assert!(
                 got_q[..] == outs[1].0[..got_q.len()],
                 "absorbed q of {few} rows differs from 19 rows (seed {seed})"
