@@ -41,6 +41,10 @@
 #                   synthetic:v32,experts=32; prefill and decode workers sharing the GPU) under `tandem bench`
 #                   (SERVE_BENCH_ARGS; default 64 fixed prompts of 1024 tokens, 128 out, 16 at a time): throughput,
 #                   TTFT, ITL in $OUT/serve-v32.json
+#         kv        kv-transfer between GPU memory pools with the packed CUDA-capable UCX (libucx-cu13): the
+#                   cross-process GPU tests (kv-transfer/tests/gpu_transfer.rs), `tandem up --device cuda
+#                   --kv-transport ucx` checked against `tandem generate` (prefill on GPU 0, decode on the last
+#                   GPU), kv-bench --devices next to ucx_perftest on CUDA memory and a device-to-device copy
 #         all       kernels, sass, loop, sanitize, model, serve
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -66,6 +70,17 @@ for l in sys.stdin:
         grep -q "^$want:" <<<"$built" || { echo "gpu-test.sh: test binary $want not built" >&2; exit 1; }
     done
     mapfile -t -O 2 pairs <<<"$built"
+    # kv-transfer with cache pools in GPU memory: kv-bench, kv-peer and the cross-process GPU test.
+    cargo build --release -p kv-transfer --features cuda,tools --bin kv-bench --bin kv-peer
+    local kv
+    kv=$(cargo test --release -p kv-transfer --features cuda,tools --test gpu_transfer --no-run \
+        --message-format=json 2>/dev/null | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print(m["executable"])')
+    [[ -n "$kv" ]] || { echo "gpu-test.sh: kv-transfer's gpu_transfer test not built" >&2; exit 1; }
+    pairs+=("kv-bench:target/release/kv-bench" "kv-peer:target/release/kv-peer" "kv-gpu-transfer:$kv")
     rm -rf "$BUNDLE" && mkdir -p "$BUNDLE"
     local name src
     for pair in "${pairs[@]}"; do
@@ -74,6 +89,7 @@ for l in sys.stdin:
         strip -o "$BUNDLE/$name" "$src"
         xz -T0 -6 "$BUNDLE/$name"
     done
+    pack_ucx
     {
         echo "commit $(git rev-parse HEAD)$(git diff --quiet HEAD -- . ':!gpu-carry' || echo '+dirty')"
         echo "packed $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m)"
@@ -94,12 +110,40 @@ for l in sys.stdin:
     echo "device command (carry [\"$BUNDLE\"]):  bash scripts/gpu-test.sh run all"
 }
 
+# A CUDA-capable UCX for the GPU machine (its own libucp has no CUDA modules): the libucx-cu13 wheel
+# (ENV-NOTES), trimmed to the libraries, the CUDA and cma modules, ucx_info and ucx_perftest with its CUDA
+# memory module, as gpu-carry/ucx.tar.xz. The wheel is downloaded once into .whl/ (ignored by git).
+UCX_WHEEL_VERSION=1.22.0
+pack_ucx() {
+    local whl dir
+    whl=$(ls .whl/libucx_cu13-"$UCX_WHEEL_VERSION"-*.whl 2>/dev/null | head -n 1 || true)
+    if [[ -z "$whl" ]]; then
+        python3 -m pip download --no-deps "libucx-cu13==$UCX_WHEEL_VERSION" -d .whl >/dev/null
+        whl=$(ls .whl/libucx_cu13-"$UCX_WHEEL_VERSION"-*.whl | head -n 1)
+    fi
+    dir=$(mktemp -d)
+    python3 -m zipfile -e "$whl" "$dir/whl"
+    mkdir -p "$dir/ucx/libucx/bin" "$dir/ucx/libucx/lib/ucx" "$dir/ucx/libucx_cu13.libs"
+    local f
+    for f in libucp libuct libucs libucm; do cp "$dir/whl/libucx/lib/$f.so.0.0.0" "$dir/ucx/libucx/lib/$f.so.0"; done
+    for f in libuct_cuda libucm_cuda libuct_cma libucx_perftest_cuda; do
+        cp "$dir/whl/libucx/lib/ucx/$f.so.0.0.0" "$dir/ucx/libucx/lib/ucx/$f.so.0"
+    done
+    cp "$dir/whl/libucx/bin/ucx_info" "$dir/whl/libucx/bin/ucx_perftest" "$dir/ucx/libucx/bin/"
+    cp "$dir"/whl/libucx_cu13.libs/* "$dir/ucx/libucx_cu13.libs/"
+    chmod +x "$dir"/ucx/libucx/bin/*
+    tar -C "$dir" -cf - ucx | xz -T0 -6 >"$BUNDLE/ucx.tar.xz"
+    rm -rf "$dir"
+}
+
 unpack() {
     mkdir -p /tmp/tandem-gpu
     for f in "$BUNDLE"/*.xz; do
+        [[ $f == */ucx.tar.xz ]] && continue
         xz -dc "$f" >"/tmp/tandem-gpu/$(basename "$f" .xz)"
         chmod +x "/tmp/tandem-gpu/$(basename "$f" .xz)"
     done
+    [[ -f "$BUNDLE/ucx.tar.xz" ]] && xz -dc "$BUNDLE/ucx.tar.xz" | tar -C /tmp/tandem-gpu -xf -
     export PATH="/tmp/tandem-gpu:/usr/local/cuda/bin:$PATH"
     export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export TANDEM_REQUIRE_GPU=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -256,7 +300,7 @@ phase_serve() {
     tandem generate --model "$dir" --device cuda --prompt "The quick brown fox" --max-tokens 12 --ignore-eos --json \
         >"$OUTDIR/generate-cuda.json" 2>"$OUTDIR/generate-cuda.log" || rc=$?
     if ((rc == 0)); then
-        tandem up --model "$dir" --served-model-name tandem-tiny --device cuda --kv-transport tcp --port 18000 \
+        tandem up --model "$dir" --served-model-name tandem-tiny --device cuda --kv-transport "${KV_TRANSPORT:-tcp}" --port 18000 \
             --grpc-port 18001 >"$OUTDIR/up.log" 2>&1 &
         up=$!
         for _ in $(seq 1 120); do
@@ -273,7 +317,7 @@ phase_serve() {
     else
         cat "$OUTDIR/generate-cuda.log"
     fi
-    echo "| serve | tandem up --device cuda + scripts/serve-check.py | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+    echo "| serve | tandem up --device cuda --kv-transport ${KV_TRANSPORT:-tcp} + scripts/serve-check.py | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
     ((rc == 0)) || FAILED+=(serve)
 }
 
@@ -303,6 +347,53 @@ phase_serve_v32() {
     tail -n 20 "$OUTDIR/up-v32.log"
     echo "| serve-v32 | tandem up --model $model + tandem bench | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
     ((rc == 0)) || FAILED+=(serve-v32)
+}
+
+# kv-transfer between GPUs through the packed CUDA-capable UCX: the cross-process GPU tests, then kv-bench
+# with device pools (sender GPU 0, receiver the last GPU) next to ucx_perftest on CUDA memory and a
+# device-to-device copy, all in this run. KV_BENCH_ARGS replaces the sizes and repetitions.
+phase_kv() {
+    local rc=0 ucx=/tmp/tandem-gpu/ucx last
+    export LD_LIBRARY_PATH="$ucx/libucx/lib:$ucx/libucx_cu13.libs:$LD_LIBRARY_PATH" PATH="$ucx/libucx/bin:$PATH"
+    last=$(($(nvidia-smi -L | wc -l) - 1))
+    {
+        ucx_info -v
+        ucx_info -d | grep -E 'Memory domain|Transport|Device:' | tr -s ' '
+        nvidia-smi topo -m
+    } >"$OUTDIR/ucx-info.log" 2>&1 || true
+    grep -E 'Library version|cuda_ipc|cuda_copy' "$OUTDIR/ucx-info.log" | sort -u || true
+    TANDEM_KV_PEER=/tmp/tandem-gpu/kv-peer run_binary kv-gpu kv-gpu-transfer
+    # The cluster end to end over UCX: `tandem up --device cuda` puts prefill on GPU 0 and decode on GPU 1
+    # (both on GPU 0 with one), and its text must equal `tandem generate --device cuda`.
+    KV_TRANSPORT=ucx phase_serve
+    grep -E 'kv-transfer UCX started' "$OUTDIR/up.log" | head -n 4 || true
+    kv-bench --transport ucx --devices "0,$last" ${KV_BENCH_ARGS:---tokens 1024,8192,32768 --layers 62 --reps 5} \
+        --json --no-perftest >"$OUTDIR/kv-bench-device.jsonl" 2>"$OUTDIR/kv-bench-device.log" || rc=$?
+    cat "$OUTDIR/kv-bench-device.jsonl"
+    tail -n 5 "$OUTDIR/kv-bench-device.log"
+    echo "| kv | kv-bench --devices 0,$last | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+    ((rc == 0)) || FAILED+=(kv)
+    # The same path's baseline: ucx_perftest moving CUDA memory between the two GPUs' processes (an active
+    # message bandwidth test, as kv-transfer sends rendezvous active messages), one message per layer size.
+    # The server lists the receiving GPU first (its CUDA device 0) and still sees GPU 0, so cuda_ipc can map
+    # the client's buffers as it maps kv-bench's.
+    local port=23456 bytes order
+    order=$last$(seq 0 $((last - 1)) | sed 's/^/,/' | tr -d '\n')
+    # Which protocols UCX picks for each (a small kv-bench run and the perftest clients print them).
+    UCX_PROTO_INFO=y kv-bench --transport ucx --devices "0,$last" --tokens 8192 --layers 4 --reps 1 --json \
+        --no-perftest --no-baselines >/dev/null 2>"$OUTDIR/kv-bench-proto.log" || true
+    grep -iE 'cuda|rndv' "$OUTDIR/kv-bench-proto.log" | sort | uniq -c | sort -rn | head -n 12 || true
+    for bytes in 26000000 268435456; do
+        for test in ucp_am_bw tag_bw; do
+            CUDA_VISIBLE_DEVICES=$order ucx_perftest -p $port >/dev/null 2>&1 &
+            sleep 1
+            UCX_PROTO_INFO=y timeout 60 ucx_perftest 127.0.0.1 -p $port -t $test -m cuda,cuda -s $bytes -n 40 -w 5 \
+                >"$OUTDIR/perftest-$test-$bytes.log" 2>&1 || true
+            echo "perftest $test $bytes B, client GPU 0 -> server GPU $last: $(grep Final: "$OUTDIR/perftest-$test-$bytes.log" || tail -n 2 "$OUTDIR/perftest-$test-$bytes.log")"
+            wait || true
+            port=$((port + 1))
+        done
+    done
 }
 
 phase_bench() {
@@ -372,6 +463,7 @@ run() {
         serve-v32) phase_serve_v32 ;;
         sparse-mla) phase_sparse_mla ;;
         serve) phase_serve ;;
+        kv) phase_kv ;;
         all) phase_sass; phase_kernels; phase_loop; phase_model; phase_serve; phase_sanitize ;;
         *) echo "gpu-test.sh: unknown phase $phase" >&2; exit 2 ;;
     esac

@@ -58,6 +58,17 @@ pub trait DeviceCopy: Send + Sync {
     fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), String>;
     /// Copies `src` to `offset` of the arena; the bytes are visible to device work queued after it returns.
     fn write(&self, offset: usize, src: &[u8]) -> Result<(), String>;
+    /// Makes the device's context current on the calling thread: for a library that moves the arena's
+    /// memory itself from its own threads (UCX's progress threads with a CUDA-capable UCX).
+    fn bind_thread(&self) -> Result<(), String> {
+        Ok(())
+    }
+    /// The [`crate::hash`] digest of the arena's `segments` (offset, length) concatenated, computed on the
+    /// device after all device work queued before the call; `None` where this device cannot (the caller
+    /// then hashes copies read through [`DeviceCopy::read`]).
+    fn checksum(&self, _segments: &[(u64, u64)]) -> Option<Result<u64, String>> {
+        None
+    }
 }
 
 /// A contiguous byte range with a stable address for its whole life.
@@ -192,6 +203,30 @@ impl KvArena {
         }
         let copier = self.copier.as_ref().ok_or(ArenaError::NotHostAccessible(self.kind))?;
         copier.write(offset, src).map_err(|reason| self.copy_error(offset, src.len(), reason))
+    }
+
+    /// Makes a device arena's context current on the calling thread ([`DeviceCopy::bind_thread`]); nothing
+    /// to do for host memory.
+    pub fn bind_device_thread(&self) -> Result<(), ArenaError> {
+        match &self.copier {
+            Some(c) if !self.kind.host_accessible() => c.bind_thread().map_err(|reason| self.copy_error(0, 0, reason)),
+            _ => Ok(()),
+        }
+    }
+
+    /// The [`crate::hash`] digest of `segments` computed on the device ([`DeviceCopy::checksum`]); `None`
+    /// for host memory or where the device cannot (hash the bytes on the host then).
+    pub fn device_checksum(&self, segments: &[(u64, u64)]) -> Option<Result<u64, ArenaError>> {
+        if self.kind.host_accessible() {
+            return None;
+        }
+        if let Some(&(off, len)) =
+            segments.iter().find(|(off, len)| off.checked_add(*len).is_none_or(|end| end > self.len as u64))
+        {
+            return Some(Err(ArenaError::OutOfRange { offset: off as usize, len: len as usize, size: self.len }));
+        }
+        let copier = self.copier.as_ref()?;
+        Some(copier.checksum(segments)?.map_err(|reason| self.copy_error(0, 0, reason)))
     }
 
     fn copy_error(&self, offset: usize, len: usize, reason: String) -> ArenaError {

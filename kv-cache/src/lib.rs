@@ -8,6 +8,7 @@ pub mod allocator;
 pub mod arena;
 pub mod format;
 pub mod fp8;
+pub mod hash;
 pub mod pool;
 pub mod ready;
 

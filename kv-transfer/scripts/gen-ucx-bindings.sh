@@ -17,6 +17,7 @@ FUNCS=(
     ucp_ep_create ucp_ep_close_nbx ucp_ep_flush_nbx
     ucp_mem_map ucp_mem_unmap ucp_rkey_pack ucp_rkey_buffer_release ucp_ep_rkey_unpack ucp_rkey_destroy
     ucp_put_nbx ucp_am_send_nbx ucp_am_recv_data_nbx ucp_am_data_release
+    ucp_context_query ucp_ep_print_info
     ucp_request_check_status ucp_request_free ucp_request_cancel ucs_status_string
 )
 allow=()

@@ -5,9 +5,9 @@
 //! latent run of the last block carries only the request's tokens (a partial block ships
 //! `tokens % 64` entries); indexer blocks always ship whole (values and scales are split inside a block).
 
+use kv_cache::hash::Sum64;
 use kv_cache::{BLOCK_SIZE, BlockId, CacheGeometry, LayerIdx};
 use proto::v1::{CacheLayout, MemoryRegion};
-use xxhash_rust::xxh3::Xxh3;
 
 /// kv-transfer reads and writes host pools through host pointers (TCP and in-process copies, UCX host
 /// registrations, checksums), and device pools through their `DeviceCopy`, staged through host memory
@@ -210,13 +210,13 @@ pub fn region_for(regions: &[MemoryRegion], addr: u64, len: u64) -> Option<usize
         .position(|r| addr >= r.remote_addr && r.remote_addr.checked_add(r.length).is_some_and(|r_end| end <= r_end))
 }
 
-/// xxh3-64 of a layer's shipped bytes: `segments` in order (latent runs, then indexer runs), read from
-/// `base + offset`.
+/// The [`kv_cache::hash`] digest of a layer's shipped bytes: `segments` in order (latent runs, then
+/// indexer runs), read from `base + offset`.
 ///
 /// # Safety
 /// Every segment must be inside the memory at `base`, with no concurrent writer.
 pub unsafe fn checksum_segments(base: *const u8, segments: impl Iterator<Item = (u64, u64)>) -> u64 {
-    let mut h = Xxh3::new();
+    let mut h = Sum64::new();
     for (off, len) in segments {
         // SAFETY: forwarded contract.
         h.update(unsafe { std::slice::from_raw_parts(base.add(off as usize), len as usize) });

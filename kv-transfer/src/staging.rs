@@ -10,8 +10,8 @@ use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
+use kv_cache::hash::Sum64;
 use kv_cache::{ArenaError, KvArena};
-use xxhash_rust::xxh3::Xxh3;
 
 /// One staging buffer, and the most one staged write carries: large enough that per-write costs (a
 /// device copy call, a message) vanish next to the bytes, small enough that a few per lane stay cheap.
@@ -101,7 +101,7 @@ pub fn piece_bytes(unit: u64, max: u64) -> u64 {
     if unit == 0 || unit > max { max } else { max / unit * unit }
 }
 
-/// xxh3-64 of `segments` (offset, length) of `arena`, read through `buf` with `copy_out`: the same
+/// The digest of `segments` (offset, length) of `arena`, read through `buf` with `copy_out`: the same
 /// digest [`crate::layout::checksum_segments`] computes over host memory.
 ///
 /// # Safety
@@ -111,7 +111,7 @@ pub unsafe fn checksum_copied(
     segments: impl Iterator<Item = (u64, u64)>,
     buf: &mut [u8],
 ) -> Result<u64, ArenaError> {
-    let mut h = Xxh3::new();
+    let mut h = Sum64::new();
     for (off, len) in segments {
         let mut done = 0u64;
         while done < len {
@@ -123,6 +123,24 @@ pub unsafe fn checksum_copied(
         }
     }
     Ok(h.digest())
+}
+
+/// The digest of `segments` of a device arena: computed on the device where its [`kv_cache::DeviceCopy`]
+/// can, else over host copies read through the buffer `buf` gives (called only then).
+///
+/// # Safety
+/// As [`checksum_copied`].
+pub unsafe fn checksum_device<B: DerefMut<Target = [u8]>>(
+    arena: &KvArena,
+    segments: &[(u64, u64)],
+    buf: impl FnOnce() -> Result<B, String>,
+) -> Result<u64, String> {
+    if let Some(r) = arena.device_checksum(segments) {
+        return r.map_err(|e| e.to_string());
+    }
+    let mut buf = buf()?;
+    // SAFETY: forwarded contract.
+    unsafe { checksum_copied(arena, segments.iter().copied(), &mut buf) }.map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

@@ -162,6 +162,25 @@ pub fn device_cache(g: CacheGeometry, seed: u64) -> (Arc<KvCache>, Arc<BlockPool
     (Arc::new(cache), Arc::new(BlockPool::new(g.num_blocks)), device)
 }
 
+/// The [`kv_cache::hash`] digest of a request's cache (every layer's shipped bytes, in plan order) in
+/// `cache`'s `blocks`, read through host copies: the same value on both sides of a correct transfer,
+/// whatever the block ids and the memory (host or device), and computed without the GPU checksum.
+pub fn request_digest(cache: &KvCache, blocks: &[kv_cache::BlockId], tokens: usize) -> u64 {
+    let layout = crate::layout::layout_of(cache.geometry());
+    let plan = crate::layout::PutPlan::new(layout, layout, blocks, blocks, tokens);
+    let mut h = kv_cache::hash::Sum64::new();
+    let mut buf = Vec::new();
+    for l in 0..cache.geometry().num_layers {
+        for p in plan.layer_puts(kv_cache::LayerIdx(l as u32)) {
+            buf.resize(p.len as usize, 0);
+            // SAFETY: test code; the request's blocks are not written during the call.
+            unsafe { cache.arena().copy_out(p.dst_offset as usize, &mut buf) }.expect("read the request's blocks");
+            h.update(&buf);
+        }
+    }
+    h.digest()
+}
+
 /// Encodes a descriptor as one hex line (for passing between processes on stdio).
 pub fn to_hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()

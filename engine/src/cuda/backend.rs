@@ -21,7 +21,7 @@ use crate::backend::{
     AttnForm, Backend, DeviceRows, EngineError, Fence, LayerDone, LayerReady, MtpInput, SeqInput, SeqOutput,
     check_pool_fits, main_items, mtp_items,
 };
-use crate::cache::{BLOCK_SIZE, CacheFormat, CacheGeometry, KvArena, KvCache, LayerIdx, MemoryKind};
+use crate::cache::{BLOCK_SIZE, CacheFormat, CacheGeometry, KvCache, LayerIdx, MemoryKind};
 use crate::checkpoint::Checkpoint;
 use crate::memory::{MemoryBudget, ServingLimits};
 use crate::rope::Rope;
@@ -90,10 +90,6 @@ impl Fence for EventFence {
 }
 
 /// Copies between the device pool and host memory for transports that stage through the host.
-struct PoolOwner {
-    _mem: DBuf<u8>,
-}
-
 pub struct CudaBackend {
     gpu: Gpu,
     cfg: ModelConfig,
@@ -1044,29 +1040,12 @@ impl Backend for CudaBackend {
 
     fn allocate_cache(&self, geometry: CacheGeometry) -> Result<KvCache, EngineError> {
         let s = self.stream();
-        let bytes = geometry.total_bytes();
-        let ordinal = self.gpu.info().ordinal as u32;
         // The workspace for the serving limits the pool was sized with, reserved with it.
         if let Some(l) = *self.limits.lock().unwrap_or_else(|p| p.into_inner()) {
             let need = self.activation_bytes(&l) as usize;
             self.ws.lock().unwrap_or_else(|p| p.into_inner()).reserve(s, need)?;
         }
-        let mem = DBuf::<u8>::zeros(s, bytes).map_err(|e| {
-            EngineError::Unsupported(format!(
-                "cannot allocate a {} MiB cache pool on GPU {ordinal} ({} blocks of {} layers): {e}",
-                bytes >> 20,
-                geometry.num_blocks,
-                geometry.num_layers
-            ))
-        })?;
-        s.synchronize().map_err(dev)?;
-        let ptr = std::ptr::NonNull::new(mem.ptr() as *mut u8)
-            .ok_or_else(|| EngineError::Device("the cache pool has a null device address".into()))?;
-        let copier =
-            Arc::new(PoolCopier { stream: self.gpu.context().new_stream().map_err(dev)?, base: mem.ptr(), len: bytes });
-        // SAFETY: `ptr..ptr + bytes` is the device allocation `mem`, which the arena owns and frees on drop.
-        let arena = unsafe { KvArena::from_device(ptr, bytes, ordinal, Box::new(PoolOwner { _mem: mem }), copier) };
-        KvCache::with_arena(geometry, arena).map_err(|e| EngineError::Unsupported(e.to_string()))
+        super::pool::allocate(&self.gpu, geometry).map_err(|e| EngineError::Unsupported(e.to_string()))
     }
 
     fn memory_budget(&self, limits: &ServingLimits) -> MemoryBudget {
@@ -1259,37 +1238,6 @@ fn keep_freed_memory(gpu: &Gpu) -> Result<(), EngineError> {
         .map_err(|e| EngineError::Device(format!("cuMemPoolSetAttribute: {e}")))?;
     }
     Ok(())
-}
-
-/// Host staging copies of the pool for transports (its own stream, so a copy never waits behind a forward).
-struct PoolCopier {
-    stream: Arc<cudarc::driver::CudaStream>,
-    base: u64,
-    len: usize,
-}
-
-impl crate::cache::DeviceCopy for PoolCopier {
-    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), String> {
-        if offset.checked_add(dst.len()).is_none_or(|e| e > self.len) {
-            return Err(format!("pool read {offset}+{} outside {} bytes", dst.len(), self.len));
-        }
-        self.stream.context().bind_to_thread().map_err(|e| e.to_string())?;
-        // SAFETY: in range (checked); `dst` outlives the synchronous copy.
-        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, self.base + offset as u64, self.stream.cu_stream()) }
-            .map_err(|e| e.to_string())?;
-        self.stream.synchronize().map_err(|e| e.to_string())
-    }
-
-    fn write(&self, offset: usize, src: &[u8]) -> Result<(), String> {
-        if offset.checked_add(src.len()).is_none_or(|e| e > self.len) {
-            return Err(format!("pool write {offset}+{} outside {} bytes", src.len(), self.len));
-        }
-        self.stream.context().bind_to_thread().map_err(|e| e.to_string())?;
-        // SAFETY: in range (checked); the copy completes before returning.
-        unsafe { cudarc::driver::result::memcpy_htod_async(self.base + offset as u64, src, self.stream.cu_stream()) }
-            .map_err(|e| e.to_string())?;
-        self.stream.synchronize().map_err(|e| e.to_string())
-    }
 }
 
 // The `DevicePtr` import keeps `device_ptr` in scope for DBuf's address.

@@ -127,6 +127,14 @@ pub const FAMILIES: &[Family] = &[
         sass_expect: &["F2FP.SATFINITE.E4M3.F32.PACK_AB", "F2FP.BF16.F32.PACK_AB", "SHFL.BFLY"],
     },
     Family {
+        name: "kv_hash",
+        source: include_str!("../../kernels/kv_hash.cu"),
+        functions: &["tandem_kv_hash"],
+        externals: &[],
+        // 64-bit integer products of the term and the atomic add of each CTA's sum.
+        sass_expect: &["IMAD.WIDE.U32", "REDG.E.ADD.64"],
+    },
+    Family {
         name: "topk",
         source: include_str!("../../kernels/topk.cu"),
         functions: &[

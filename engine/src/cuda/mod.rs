@@ -15,6 +15,7 @@ pub mod kernels;
 pub mod moe;
 pub mod nvrtc;
 pub mod ops;
+pub mod pool;
 pub mod profile;
 pub mod sample;
 pub mod sass;

@@ -22,6 +22,8 @@ use kv_transfer::transport::ucx::DataPath;
 
 #[path = "kv-bench/baseline.rs"]
 mod baseline;
+#[path = "kv-bench/device.rs"]
+mod device;
 use baseline::MaybeCopier;
 use kv_transfer::{
     ExpectRequest, KvReceiver, KvSender, ReceiverConfig, SenderConfig, TransferOutcome, TransportConfig, TransportKind,
@@ -60,6 +62,15 @@ struct Args {
     /// an active message the receiver places.
     #[arg(long)]
     one_sided_puts: bool,
+    /// Cache pools in GPU memory: `S,R` = the sender's and the receiver's GPU (needs the `cuda` feature).
+    /// Default: host memory. Adds a device-to-device copy of the same bytes as a baseline.
+    #[arg(long, value_delimiter = ',', num_args = 1)]
+    devices: Vec<usize>,
+    /// Scattered block tables on both sides: pools of twice the blocks with every other block held, so
+    /// every block of a request is its own run (a busy pool's worst case). Default: a fresh pool's
+    /// contiguous blocks.
+    #[arg(long)]
+    scattered: bool,
     /// Internal: run as the receiving process with a pool of this many blocks.
     #[arg(long, hide = true)]
     serve: Option<usize>,
@@ -103,7 +114,10 @@ fn transport_config(kind: TransportKind) -> TransportConfig {
 /// transfer finished and its blocks were released.
 fn serve(args: &Args, blocks: usize) -> anyhow::Result<()> {
     let g = testkit::geometry(args.layers, blocks);
-    let (cache, pool) = testkit::filled_cache(g, 11); // also faults every page in, like a warm worker
+    let (cache, pool) = device::filled(g, 11, args.devices.get(1).copied())?; // every page touched, like a warm worker
+    if args.scattered {
+        scatter(&pool)?;
+    }
     let recv = KvReceiver::start(
         ReceiverConfig::new(transport_config(args.transport)),
         cache,
@@ -208,9 +222,21 @@ fn one(
     Ok(dt)
 }
 
+/// Holds every other block of `pool` (see `--scattered`).
+fn scatter(pool: &kv_cache::BlockPool) -> anyhow::Result<()> {
+    let n = pool.stats().total_blocks;
+    for i in 0..n {
+        pool.reserve(&format!("scatter-{i}"), 1)?;
+    }
+    for i in (1..n).step_by(2) {
+        pool.release(&format!("scatter-{i}"))?;
+    }
+    Ok(())
+}
+
 fn run(args: &Args) -> anyhow::Result<()> {
     let max_tokens = *args.tokens.iter().max().unwrap_or(&1024);
-    let blocks = CacheGeometry::blocks_for(max_tokens);
+    let blocks = CacheGeometry::blocks_for(max_tokens) * if args.scattered { 2 } else { 1 };
     let g = testkit::geometry(args.layers, blocks);
     let exe = std::env::current_exe()?;
     let mut child = Command::new(exe)
@@ -224,6 +250,8 @@ fn run(args: &Args) -> anyhow::Result<()> {
         ])
         .arg("--tokens")
         .arg(max_tokens.to_string())
+        .args(if args.devices.is_empty() { vec![] } else { vec!["--devices".to_string(), device::list(&args.devices)] })
+        .args(if args.scattered { vec!["--scattered"] } else { vec![] })
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -233,7 +261,10 @@ fn run(args: &Args) -> anyhow::Result<()> {
     let stdout = child.stdout.take().context("child stdout")?;
     let mut peer = Peer { child, stdin, lines: BufReader::new(stdout).lines() };
     let served = peer.line("READY ")?;
-    let (cache, pool) = testkit::filled_cache(g, 3);
+    let (cache, pool) = device::filled(g, 3, args.devices.first().copied())?;
+    if args.scattered {
+        scatter(&pool)?;
+    }
     let sender = KvSender::new(SenderConfig::default(), cache.clone(), testkit::fingerprint(&g))?;
     let label = args.transport.as_str().to_string();
     if served != args.transport.as_str() {
@@ -253,7 +284,7 @@ fn run(args: &Args) -> anyhow::Result<()> {
         },
         _ => "-",
     };
-    let mut copy = baseline::Copier::new(&cache, args.no_baselines);
+    let mut copy = baseline::Copier::new(&cache, args.no_baselines || !args.devices.is_empty());
     // Overhead: handshake + completion of a 1-token, 1-layer-sized request.
     let overhead = overhead_us(&sender, &mut peer, &pool, args)?;
     eprintln!(
@@ -287,6 +318,11 @@ fn run(args: &Args) -> anyhow::Result<()> {
         // copies of the same bytes on 1 and `lanes` threads.
         let cold = if args.no_perftest || args.no_baselines { None } else { perftest_cold_gbps(tls.as_deref(), bytes) };
         let (memcpy1, memcpy_n) = (copy.gbps(bytes, 1), copy.gbps(bytes, lanes));
+        // Between GPUs: the same bytes copied device to device (cuMemcpyPeer), in one piece.
+        let peer = match (&args.devices[..], args.no_baselines) {
+            ([s, r], false) => device::peer_copy_gbps(&cache, *s, *r, bytes),
+            _ => None,
+        };
         if args.json {
             println!(
                 "{}",
@@ -297,6 +333,8 @@ fn run(args: &Args) -> anyhow::Result<()> {
                     "perftest_cold_gbps": cold.map(round), "ratio_cold": cold.map(|c| round(gbps / c)),
                     "memcpy_gbps": memcpy1.map(round),
                     "memcpy_lanes_gbps": memcpy_n.map(round),
+                    "devices": args.devices, "scattered": args.scattered, "peer_copy_gbps": peer.map(round),
+                    "ratio_peer_copy": peer.map(|p| round(gbps / p)),
                 })
             );
         } else {

@@ -18,6 +18,9 @@ use kv_transfer::{
 use prost::Message;
 use proto::v1::{GeneratedToken, TransferDescriptor};
 
+#[path = "kv-bench/device.rs"]
+mod device;
+
 #[derive(Parser)]
 #[command(about = "kv-transfer test peer: one side of a transfer in its own process")]
 struct Args {
@@ -76,6 +79,9 @@ struct CacheShape {
     layers: usize,
     #[arg(long, default_value_t = 64)]
     blocks: usize,
+    /// The pool in this GPU's memory (needs the `cuda` feature); default: host memory.
+    #[arg(long)]
+    device: Option<usize>,
 }
 
 fn say(line: String) {
@@ -97,14 +103,14 @@ fn main() -> anyhow::Result<()> {
     match Args::parse().role {
         Role::Recv { transport, tls, cache, tokens, requests, timeout_ms, lanes, one_sided_puts } => {
             let g = testkit::geometry(cache.layers, cache.blocks);
-            let (cache, pool) = testkit::filled_cache(g, 1);
+            let (cache, pool) = device::filled(g, 1, cache.device)?;
             let tc = match transport {
                 TransportKind::Ucx => TransportConfig::Ucx { tls, tcp_fallback: None },
                 k => TransportConfig::of_kind(k),
             };
             let rc =
                 ReceiverConfig { lanes, one_sided_puts: one_sided_puts.then_some(true), ..ReceiverConfig::new(tc) };
-            let recv = KvReceiver::start(rc, cache, pool.clone(), testkit::fingerprint(&g))?;
+            let recv = KvReceiver::start(rc, cache.clone(), pool.clone(), testkit::fingerprint(&g))?;
             for i in 0..requests {
                 let id = format!("peer-{i}");
                 let table = pool.reserve(&id, tokens)?;
@@ -120,8 +126,11 @@ fn main() -> anyhow::Result<()> {
                 let outcome = pending.wait_timeout(Duration::from_millis(timeout_ms) + Duration::from_secs(5));
                 let json = match outcome {
                     Some(Ok(TransferOutcome::Completed(c))) => {
+                        let blocks = pool.table(&id).map(|t| t.blocks).unwrap_or_default();
+                        let digest = testkit::request_digest(&cache, &blocks, tokens);
                         pool.release(&id)?;
-                        serde_json::json!({"completed": c.request_id, "checksum_verified": c.checksum_verified})
+                        serde_json::json!({"completed": c.request_id, "checksum_verified": c.checksum_verified,
+                            "digest": format!("{digest:016x}")})
                     }
                     Some(Ok(TransferOutcome::Released(r))) => serde_json::json!({"released": r.request_id}),
                     Some(Err(e)) => serde_json::json!({"error": e.to_string()}),
@@ -132,7 +141,7 @@ fn main() -> anyhow::Result<()> {
         }
         Role::Send { tls, cache, data_path, lanes, one_sided_puts } => {
             let g = testkit::geometry(cache.layers, cache.blocks);
-            let (cache, pool) = testkit::filled_cache(g, 2);
+            let (cache, pool) = device::filled(g, 2, cache.device)?;
             let cfg = SenderConfig {
                 ucx_tls: tls,
                 ucx_data_path: data_path,
@@ -140,13 +149,14 @@ fn main() -> anyhow::Result<()> {
                 lanes,
                 ..Default::default()
             };
-            let sender = KvSender::new(cfg, cache, testkit::fingerprint(&g))?;
+            let sender = KvSender::new(cfg, cache.clone(), testkit::fingerprint(&g))?;
             let sender = Arc::new(sender);
             for line in std::io::stdin().lock().lines() {
                 let line = line?;
                 let Some(hex) = line.strip_prefix("DESC ") else { continue };
                 let desc = TransferDescriptor::decode(testkit::from_hex(hex).context("bad hex")?.as_slice())?;
                 let src = pool.reserve(&desc.request_id, desc.num_tokens as usize)?;
+                let digest = testkit::request_digest(&cache, &src.blocks, desc.num_tokens as usize);
                 let r = (|| {
                     let s = sender.begin(&desc, &src)?;
                     for l in 0..g.num_layers {
@@ -156,7 +166,10 @@ fn main() -> anyhow::Result<()> {
                 })();
                 pool.release(&desc.request_id)?;
                 match r {
-                    Ok(rep) => say(format!("SENT {}", serde_json::json!({"bytes": rep.bytes}))),
+                    Ok(rep) => say(format!(
+                        "SENT {}",
+                        serde_json::json!({"bytes": rep.bytes, "digest": format!("{digest:016x}")})
+                    )),
                     Err(e) => say(format!("ERROR {e}")),
                 }
             }

@@ -10,8 +10,8 @@ use std::sync::mpsc;
 
 use kv_cache::LayerIdx;
 use kv_cache::LayerReady;
+use kv_cache::hash::Sum64;
 use proto::v1::LayerManifest;
-use xxhash_rust::xxh3::Xxh3;
 
 use super::session::SessionState;
 use crate::TransferError;
@@ -69,10 +69,13 @@ fn ship(shipment: &LayerShipment) {
     // Regions only where the receiver granted one-sided puts; else writes go through the receiver.
     let base = st.dst_regions.first().map(|r| r.remote_addr).unwrap_or(0);
     let src_base = st.cache.arena().as_ptr() as *const u8;
+    // A device pool goes out through host staging buffers unless the link reads device memory itself.
+    let device = !st.cache.memory_kind().host_accessible();
+    let staging = shipment.staging.as_ref().filter(|_| !st.link.moves_device_memory());
     // A staged pool is hashed from the host copies as they go out (the arena is not host memory).
-    let mut staged_hash = (st.checksum && shipment.staging.is_some()).then(Xxh3::new);
+    let mut staged_hash = (st.checksum && staging.is_some()).then(Sum64::new);
     // A device pool on either side: pieces must fit one staging buffer.
-    let own_limit = shipment.staging.as_ref().map(|_| STAGE_BYTES as u64);
+    let own_limit = staging.map(|_| STAGE_BYTES as u64);
     let max_write = [own_limit, st.link.max_write()].into_iter().flatten().min();
     let (mut latent, mut indexer) = (0u64, 0u64);
     let latent_len = st.plan.latent_bytes_per_layer();
@@ -101,7 +104,7 @@ fn ship(shipment: &LayerShipment) {
         };
         for (off, len) in lanes::split(p.len, piece) {
             let lane = if lanes > 1 { st.next_lane.fetch_add(1, Ordering::Relaxed) } else { 0 };
-            let (src, staged) = match &shipment.staging {
+            let (src, staged) = match staging {
                 // SAFETY (of the transport's read): checked against the local geometry in begin().
                 None => (src_base.wrapping_add((p.src_offset + off) as usize), None),
                 Some(pool) => match stage(st, pool, layer, p.src_offset + off, len, staged_hash.as_mut()) {
@@ -118,6 +121,7 @@ fn ship(shipment: &LayerShipment) {
                 dst_addr: dst_addr.wrapping_add(off),
                 region,
                 lane,
+                device: device && staged.is_none(),
                 staged,
             };
             // Holding the control lock while issuing makes "stopped" final: after stop_by_receiver
@@ -139,14 +143,35 @@ fn ship(shipment: &LayerShipment) {
         }
         st.bytes.fetch_add(p.len, Ordering::Relaxed);
     }
-    let checksum = st.checksum.then(|| match staged_hash {
-        Some(h) => h.digest(),
-        None => {
+    let checksum = match (st.checksum, staged_hash) {
+        (false, _) => None,
+        (true, Some(h)) => Some(h.digest()),
+        (true, None) if device => {
+            // Sent straight from the device: hashed there (or through a staging buffer).
+            let segs: Vec<(u64, u64)> = st.plan.layer_puts(layer).map(|p| (p.src_offset, p.len)).collect();
+            let buf = || {
+                let pool = shipment.staging.as_ref().ok_or("no staging buffers")?;
+                pool.take_until(st.deadline).ok_or("no staging buffer came back in time")
+            };
+            // SAFETY: the layer is complete (its marker was reached) and unmodified until the session ends.
+            match unsafe { staging::checksum_device(st.cache.arena(), &segs, || buf().map_err(str::to_string)) } {
+                Ok(h) => Some(h),
+                Err(e) => {
+                    st.set_error(TransferError::Transport(format!(
+                        "request {}: hashing layer {} on the device: {e}",
+                        st.request_id(),
+                        layer.0
+                    )));
+                    return;
+                }
+            }
+        }
+        (true, None) => {
             let segs = st.plan.layer_puts(layer).map(|p| (p.src_offset, p.len));
             // SAFETY: the layer is complete (put_layer's contract) and inside the local host arena.
-            unsafe { checksum_segments(src_base, segs) }
+            Some(unsafe { checksum_segments(src_base, segs) })
         }
-    });
+    };
     st.manifests.lock().unwrap_or_else(|p| p.into_inner())[layer.index()] =
         Some(LayerManifest { layer: layer.0, latent_bytes: latent, indexer_bytes: indexer, checksum });
     if let Some(f) = shipment.fault
@@ -168,7 +193,7 @@ fn stage(
     layer: LayerIdx,
     offset: u64,
     len: u64,
-    hash: Option<&mut Xxh3>,
+    hash: Option<&mut Sum64>,
 ) -> Option<StagedBuf> {
     if st.lock_ctl().stopped.is_some() {
         return None;

@@ -129,6 +129,9 @@ pub struct PutOp {
     /// The host copy `src` points into, for a device pool staged through host memory. Transports hold the
     /// op (or this buffer) until they are done reading `src`; dropping it lends the buffer out again.
     pub staged: Option<StagedBuf>,
+    /// `src` is device memory (a device pool sent without staging, over a link whose
+    /// [`Link::moves_device_memory`]).
+    pub device: bool,
 }
 
 impl PutOp {
@@ -202,6 +205,11 @@ pub trait Link: Send + Sync {
     /// lands each UCX active message whole in one staging buffer. The shipper cuts puts to fit.
     fn max_write(&self) -> Option<u64> {
         None
+    }
+    /// Whether puts may read device memory directly (a CUDA-capable UCX): a sender with a device pool then
+    /// sends from it without host staging. Other links get host memory only.
+    fn moves_device_memory(&self) -> bool {
+        false
     }
     /// Sets up the writes of a session the receiver accepted: makes the regions it granted for one-sided
     /// puts usable by `put` (none granted: every write goes through the receiver) and notes the largest

@@ -15,7 +15,7 @@ use super::{Phase, ReceiverCore, Transfer, ack};
 use crate::TransferError;
 use crate::layout::{self, checksum_segments};
 use crate::receiver::{CompletedTransfer, ReleasedTransfer, TransferOutcome};
-use crate::staging::checksum_copied;
+use crate::staging::checksum_device;
 use crate::transport::{PeerLink, control};
 
 impl ReceiverCore {
@@ -257,11 +257,13 @@ impl ReceiverCore {
                 None => unsafe { checksum_segments(self.cache.arena().as_ptr(), segs) },
                 Some(pool) => {
                     let cannot = |why: String| (TransferStatus::ChecksumMismatch, format!("layer {}: {why}", l.layer));
-                    // Verifications hold a buffer only while hashing: a wait means others are hashing.
+                    let segs: Vec<(u64, u64)> = segs.collect();
+                    // On the device where it can; else through a buffer. Verifications hold a buffer only
+                    // while hashing: a wait means others are hashing.
                     let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
-                    let mut buf = pool.take_until(until).ok_or_else(|| cannot("no staging buffer".into()))?;
+                    let buf = || pool.take_until(until).ok_or_else(|| "no staging buffer".to_string());
                     // SAFETY: as above.
-                    unsafe { checksum_copied(self.cache.arena(), segs, &mut buf) }
+                    unsafe { checksum_device(self.cache.arena(), &segs, buf) }
                         .map_err(|e| cannot(format!("cannot read the pool to verify it: {e}")))?
                 }
             };

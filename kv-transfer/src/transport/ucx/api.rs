@@ -5,7 +5,9 @@ use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::sync::OnceLock;
 
 use super::sys::{
-    UcpLib, ucp_am_cb_flags, ucp_am_handler_param_field, ucp_am_handler_param_t, ucp_am_recv_callback_t, ucs_status_t,
+    UCP_API_MAJOR, UCP_API_MINOR, UcpLib, ucp_am_cb_flags, ucp_am_handler_param_field, ucp_am_handler_param_t,
+    ucp_am_recv_callback_t, ucp_config_t, ucp_context_attr_field, ucp_context_attr_t, ucp_context_h, ucp_feature,
+    ucp_params_field, ucp_params_t, ucs_memory_type_UCS_MEMORY_TYPE_CUDA, ucs_status_t,
 };
 
 static LIB: OnceLock<Result<UcpLib, String>> = OnceLock::new();
@@ -28,6 +30,46 @@ pub fn load() -> Result<&'static UcpLib, String> {
     })
     .as_ref()
     .map_err(Clone::clone)
+}
+
+/// The loaded libucp's version, `major.minor.release` (for start-up logs).
+pub fn version() -> String {
+    let Ok(lib) = load() else { return "not loaded".into() };
+    let (mut major, mut minor, mut release) = (0, 0, 0);
+    // SAFETY: plain out-pointers.
+    unsafe { (lib.ucp_get_version)(&mut major, &mut minor, &mut release) };
+    format!("{major}.{minor}.{release}")
+}
+
+/// Whether the loaded libucp moves CUDA device memory (its context reports the CUDA memory type: built
+/// with CUDA and able to load its CUDA modules here). Asked once per process.
+pub fn cuda_memory() -> bool {
+    static CUDA: OnceLock<bool> = OnceLock::new();
+    *CUDA.get_or_init(|| {
+        let Ok(lib) = load() else { return false };
+        // SAFETY: UCX's initialisation sequence with valid out-pointers; the context is cleaned up here.
+        unsafe {
+            let mut config: *mut ucp_config_t = std::ptr::null_mut();
+            if (lib.ucp_config_read)(std::ptr::null(), std::ptr::null(), &mut config) != ucs_status_t::UCS_OK {
+                return false;
+            }
+            let mut params: ucp_params_t = std::mem::zeroed();
+            params.field_mask = ucp_params_field::UCP_PARAM_FIELD_FEATURES.0 as u64;
+            params.features = ucp_feature::UCP_FEATURE_AM.0 as u64;
+            let mut ctx: ucp_context_h = std::ptr::null_mut();
+            let s = (lib.ucp_init_version)(UCP_API_MAJOR, UCP_API_MINOR, &params, config, &mut ctx);
+            (lib.ucp_config_release)(config);
+            if s != ucs_status_t::UCS_OK {
+                return false;
+            }
+            let mut attr: ucp_context_attr_t = std::mem::zeroed();
+            attr.field_mask = ucp_context_attr_field::UCP_ATTR_FIELD_MEMORY_TYPES.0 as u64;
+            let cuda = (lib.ucp_context_query)(ctx, &mut attr) == ucs_status_t::UCS_OK
+                && attr.memory_types & (1 << ucs_memory_type_UCS_MEMORY_TYPE_CUDA) != 0;
+            (lib.ucp_cleanup)(ctx);
+            cuda
+        }
+    })
 }
 
 thread_local! {

@@ -133,6 +133,10 @@ impl Link for UcxLink {
         Some(Ok(cell))
     }
 
+    fn moves_device_memory(&self) -> bool {
+        self.lanes.iter().all(|(node, _)| node.cuda)
+    }
+
     fn max_write(&self) -> Option<u64> {
         let m = self.max_write.load(Ordering::SeqCst);
         (m > 0).then_some(m)

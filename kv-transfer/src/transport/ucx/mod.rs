@@ -42,6 +42,8 @@ use super::{Inbound, Link, PendingCalls, Served, Transport, TransportKind, next_
 use crate::TransferError;
 use crate::receiver::core::ReceiverCore;
 
+pub use api::cuda_memory;
+
 /// Whether libucp loads here.
 pub fn load() -> Result<(), String> {
     api::load().map(|_| ())
@@ -218,8 +220,8 @@ impl Transport for UcxTransport {
     }
 
     fn serve(&self, core: Arc<ReceiverCore>) -> Result<Served, TransferError> {
-        // A device pool is not registered (that needs a CUDA-capable libucp, the GPUDirect work): senders
-        // send active messages that lanes land through staging buffers.
+        // A device pool is never registered for one-sided puts: senders send active messages, which a
+        // CUDA-capable UCX lands in the device pool itself, and any other UCX through staging buffers.
         let puts = self.one_sided_puts && !core.cache.stages_through_host();
         let sink = Arc::new(ReceiverSink::new(&core, self.tls.as_deref()));
         // Lane 0 takes control messages (and puts, where accepted: it registers the arena); every lane
@@ -228,9 +230,14 @@ impl Transport for UcxTransport {
         for _ in 0..self.lanes {
             let sink: Arc<dyn Sink> = sink.clone();
             let tls = self.tls.as_deref();
-            owners.push(NodeOwner(Node::start("kv-recv", tls, self.net_devices.as_deref(), puts, sink)?));
+            let bind = binder(&core.cache);
+            owners.push(NodeOwner(Node::start("kv-recv", tls, self.net_devices.as_deref(), puts, sink, bind)?));
         }
         let node = owners[0].0.clone();
+        log_start("receiver", &node, &core.cache);
+        if core.cache.stages_through_host() && owners.iter().all(|o| o.0.cuda) {
+            sink.receive_device_memory();
+        }
         if puts {
             let arena = core.cache.arena();
             let rkey = node.mem_map(arena.as_ptr(), arena.len())?;
@@ -251,7 +258,7 @@ impl Transport for UcxTransport {
     fn connect(
         &self,
         endpoint: &TransportEndpoint,
-        _local: &Arc<KvCache>,
+        local_cache: &Arc<KvCache>,
         inbound: Arc<dyn Inbound>,
         deadline: Instant,
     ) -> Result<Arc<dyn Link>, TransferError> {
@@ -276,8 +283,10 @@ impl Transport for UcxTransport {
                         self.net_devices.as_deref(),
                         self.rma(),
                         s,
+                        binder(local_cache),
                     )?));
                 }
+                log_start("sender", &owners[0].0, local_cache);
                 *g = Some((owners, sink));
             }
             let (n, s) = g.as_ref().expect("set above");
@@ -338,6 +347,26 @@ impl Transport for UcxTransport {
         links.insert(origin, Arc::downgrade(&link));
         Ok(link)
     }
+}
+
+/// For a device pool: makes its context current on a progress thread.
+fn binder(cache: &Arc<KvCache>) -> Option<node::Binder> {
+    if cache.memory_kind().host_accessible() {
+        return None;
+    }
+    let cache = cache.clone();
+    Some(Arc::new(move || cache.arena().bind_device_thread().map_err(|e| e.to_string())))
+}
+
+/// Logs, once per sender or receiver, the UCX library in use and how the pool's memory moves.
+fn log_start(side: &str, node: &Node, cache: &KvCache) {
+    let memory = cache.memory_kind();
+    let path = match (memory.host_accessible(), node.cuda) {
+        (true, _) => "host memory in place",
+        (false, true) => "device memory directly (UCX's CUDA transports: cuda_ipc between GPUs of a node)",
+        (false, false) => "device memory through host staging buffers (this libucp has no CUDA support)",
+    };
+    tracing::info!(side, ucx = %api::version(), %memory, cuda_memory = node.cuda, path, "kv-transfer UCX started");
 }
 
 #[cfg(test)]

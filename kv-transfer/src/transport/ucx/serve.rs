@@ -50,8 +50,9 @@ pub(super) struct ReceiverSink {
 struct Grant {
     /// The registered pool, with its remote key, where one-sided puts are accepted (set once, at start).
     puts: std::sync::OnceLock<Vec<MemoryRegion>>,
-    /// The largest write the receiver places (a device pool: one staging buffer); 0 when unbounded.
-    max_write: u64,
+    /// The largest write the receiver places (a device pool staged through the host: one staging
+    /// buffer); 0 when unbounded.
+    max_write: AtomicU64,
 }
 
 #[derive(Default)]
@@ -70,8 +71,13 @@ impl ReceiverSink {
             core: Arc::downgrade(core),
             tls: tls.map(str::to_string),
             peers: Mutex::new(Peers::default()),
-            grant: Arc::new(Grant { puts: Default::default(), max_write }),
+            grant: Arc::new(Grant { puts: Default::default(), max_write: AtomicU64::new(max_write) }),
         }
+    }
+
+    /// The nodes land writes in the device pool themselves (a CUDA-capable UCX): writes of any size.
+    pub(super) fn receive_device_memory(&self) {
+        self.grant.max_write.store(0, Ordering::SeqCst);
     }
 
     /// Accepts one-sided puts into `regions` (the registered pool) from senders that ask for them.
@@ -251,7 +257,7 @@ impl PeerLink for UcxPeer {
             {
                 a.regions = regions.clone();
             }
-            a.max_write = self.grant.max_write;
+            a.max_write = self.grant.max_write.load(Ordering::SeqCst);
         }
         if let Some(n) = self.node.upgrade() {
             let _ = n.send_control(self.ep, &msg);

@@ -125,6 +125,8 @@ pub type size_t = ::std::os::raw::c_ulong;
 pub type __uint8_t = ::std::os::raw::c_uchar;
 pub type __uint32_t = ::std::os::raw::c_uint;
 pub type __uint64_t = ::std::os::raw::c_ulong;
+pub type __off_t = ::std::os::raw::c_long;
+pub type __off64_t = ::std::os::raw::c_long;
 pub type __socklen_t = ::std::os::raw::c_uint;
 pub type socklen_t = __socklen_t;
 pub type sa_family_t = ::std::os::raw::c_ushort;
@@ -490,6 +492,56 @@ pub type ucs_cpu_mask_t = ::std::os::raw::c_ulong;
 #[derive(Debug, Copy, Clone)]
 pub struct ucs_cpu_set_t {
     pub ucs_bits: [ucs_cpu_mask_t; 16usize],
+}
+pub type FILE = _IO_FILE;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct _IO_marker {
+    _unused: [u8; 0],
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct _IO_codecvt {
+    _unused: [u8; 0],
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct _IO_wide_data {
+    _unused: [u8; 0],
+}
+pub type _IO_lock_t = ::core::ffi::c_void;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct _IO_FILE {
+    pub _flags: ::std::os::raw::c_int,
+    pub _IO_read_ptr: *mut ::std::os::raw::c_char,
+    pub _IO_read_end: *mut ::std::os::raw::c_char,
+    pub _IO_read_base: *mut ::std::os::raw::c_char,
+    pub _IO_write_base: *mut ::std::os::raw::c_char,
+    pub _IO_write_ptr: *mut ::std::os::raw::c_char,
+    pub _IO_write_end: *mut ::std::os::raw::c_char,
+    pub _IO_buf_base: *mut ::std::os::raw::c_char,
+    pub _IO_buf_end: *mut ::std::os::raw::c_char,
+    pub _IO_save_base: *mut ::std::os::raw::c_char,
+    pub _IO_backup_base: *mut ::std::os::raw::c_char,
+    pub _IO_save_end: *mut ::std::os::raw::c_char,
+    pub _markers: *mut _IO_marker,
+    pub _chain: *mut _IO_FILE,
+    pub _fileno: ::std::os::raw::c_int,
+    pub _flags2: ::std::os::raw::c_int,
+    pub _old_offset: __off_t,
+    pub _cur_column: ::std::os::raw::c_ushort,
+    pub _vtable_offset: ::std::os::raw::c_schar,
+    pub _shortbuf: [::std::os::raw::c_char; 1usize],
+    pub _lock: *mut _IO_lock_t,
+    pub _offset: __off64_t,
+    pub _codecvt: *mut _IO_codecvt,
+    pub _wide_data: *mut _IO_wide_data,
+    pub _freeres_list: *mut _IO_FILE,
+    pub _freeres_buf: *mut ::core::ffi::c_void,
+    pub __pad5: size_t,
+    pub _mode: ::std::os::raw::c_int,
+    pub _unused2: [::std::os::raw::c_char; 20usize],
 }
 impl ucp_params_field {
     pub const UCP_PARAM_FIELD_FEATURES: ucp_params_field = ucp_params_field(1);
@@ -1843,6 +1895,8 @@ pub struct UcpLib {
         context_p: *mut ucp_context_h,
     ) -> ucs_status_t,
     pub ucp_cleanup: unsafe extern "C" fn(context_p: ucp_context_h),
+    pub ucp_context_query:
+        unsafe extern "C" fn(context_p: ucp_context_h, attr: *mut ucp_context_attr_t) -> ucs_status_t,
     pub ucp_worker_create: unsafe extern "C" fn(
         context: ucp_context_h,
         params: *const ucp_worker_params_t,
@@ -1862,6 +1916,7 @@ pub struct UcpLib {
     pub ucp_ep_create:
         unsafe extern "C" fn(worker: ucp_worker_h, params: *const ucp_ep_params_t, ep_p: *mut ucp_ep_h) -> ucs_status_t,
     pub ucp_ep_close_nbx: unsafe extern "C" fn(ep: ucp_ep_h, param: *const ucp_request_param_t) -> ucs_status_ptr_t,
+    pub ucp_ep_print_info: unsafe extern "C" fn(ep: ucp_ep_h, stream: *mut FILE),
     pub ucp_ep_flush_nbx: unsafe extern "C" fn(ep: ucp_ep_h, param: *const ucp_request_param_t) -> ucs_status_ptr_t,
     pub ucp_mem_map: unsafe extern "C" fn(
         context: ucp_context_h,
@@ -1933,6 +1988,7 @@ impl UcpLib {
         let ucp_get_version = __library.get(b"ucp_get_version\0").map(|sym| *sym)?;
         let ucp_init_version = __library.get(b"ucp_init_version\0").map(|sym| *sym)?;
         let ucp_cleanup = __library.get(b"ucp_cleanup\0").map(|sym| *sym)?;
+        let ucp_context_query = __library.get(b"ucp_context_query\0").map(|sym| *sym)?;
         let ucp_worker_create = __library.get(b"ucp_worker_create\0").map(|sym| *sym)?;
         let ucp_worker_destroy = __library.get(b"ucp_worker_destroy\0").map(|sym| *sym)?;
         let ucp_worker_get_address = __library.get(b"ucp_worker_get_address\0").map(|sym| *sym)?;
@@ -1943,6 +1999,7 @@ impl UcpLib {
         let ucp_worker_signal = __library.get(b"ucp_worker_signal\0").map(|sym| *sym)?;
         let ucp_ep_create = __library.get(b"ucp_ep_create\0").map(|sym| *sym)?;
         let ucp_ep_close_nbx = __library.get(b"ucp_ep_close_nbx\0").map(|sym| *sym)?;
+        let ucp_ep_print_info = __library.get(b"ucp_ep_print_info\0").map(|sym| *sym)?;
         let ucp_ep_flush_nbx = __library.get(b"ucp_ep_flush_nbx\0").map(|sym| *sym)?;
         let ucp_mem_map = __library.get(b"ucp_mem_map\0").map(|sym| *sym)?;
         let ucp_mem_unmap = __library.get(b"ucp_mem_unmap\0").map(|sym| *sym)?;
@@ -1967,6 +2024,7 @@ impl UcpLib {
             ucp_get_version,
             ucp_init_version,
             ucp_cleanup,
+            ucp_context_query,
             ucp_worker_create,
             ucp_worker_destroy,
             ucp_worker_get_address,
@@ -1977,6 +2035,7 @@ impl UcpLib {
             ucp_worker_signal,
             ucp_ep_create,
             ucp_ep_close_nbx,
+            ucp_ep_print_info,
             ucp_ep_flush_nbx,
             ucp_mem_map,
             ucp_mem_unmap,
@@ -2037,6 +2096,9 @@ impl UcpLib {
     pub unsafe fn ucp_cleanup(&self, context_p: ucp_context_h) -> () {
         (self.ucp_cleanup)(context_p)
     }
+    pub unsafe fn ucp_context_query(&self, context_p: ucp_context_h, attr: *mut ucp_context_attr_t) -> ucs_status_t {
+        (self.ucp_context_query)(context_p, attr)
+    }
     pub unsafe fn ucp_worker_create(
         &self,
         context: ucp_context_h,
@@ -2081,6 +2143,9 @@ impl UcpLib {
     }
     pub unsafe fn ucp_ep_close_nbx(&self, ep: ucp_ep_h, param: *const ucp_request_param_t) -> ucs_status_ptr_t {
         (self.ucp_ep_close_nbx)(ep, param)
+    }
+    pub unsafe fn ucp_ep_print_info(&self, ep: ucp_ep_h, stream: *mut FILE) -> () {
+        (self.ucp_ep_print_info)(ep, stream)
     }
     pub unsafe fn ucp_ep_flush_nbx(&self, ep: ucp_ep_h, param: *const ucp_request_param_t) -> ucs_status_ptr_t {
         (self.ucp_ep_flush_nbx)(ep, param)

@@ -124,6 +124,9 @@ enum Cmd {
     Shutdown,
 }
 
+/// Makes a device pool's context current on a progress thread (UCX moves device memory from there).
+pub(crate) type Binder = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+
 /// Reports when a started connection's endpoint exists.
 pub(crate) type Connecting = Arc<Cell<Result<(), TransferError>>>;
 
@@ -137,6 +140,9 @@ pub(crate) struct Node {
     tx: Mutex<mpsc::Sender<Cmd>>,
     wake_fd: i32,
     alive: AtomicBool,
+    /// The context moves CUDA device memory itself (a CUDA-capable libucp, e.g. the `libucx-cu13` wheel):
+    /// device pools are sent and received without host staging.
+    pub cuda: bool,
 }
 
 impl Node {
@@ -144,13 +150,15 @@ impl Node {
     /// `net_devices` standing in for an unset `UCX_NET_DEVICES`) and worker, and starts the progress thread.
     /// `rma`: give the context UCX's RMA feature, which one-sided puts need on both sides. It also installs
     /// UCX's software RMA handlers, which write (and read) wherever a connected peer's put names,
-    /// whatever the key: only nodes that use or accept one-sided puts ask for it.
+    /// whatever the key: only nodes that use or accept one-sided puts ask for it. `bind` runs first on the
+    /// progress thread (a device pool's context, made current for UCX's CUDA transports).
     pub fn start(
         name: &str,
         tls: Option<&str>,
         net_devices: Option<&str>,
         rma: bool,
         sink: Arc<dyn Sink>,
+        bind: Option<Binder>,
     ) -> Result<Arc<Node>, TransferError> {
         let lib = super::api::load().map_err(TransferError::Transport)?;
         let (tx, rx) = mpsc::channel();
@@ -169,8 +177,12 @@ impl Node {
         std::thread::Builder::new()
             .name(thread_name)
             .spawn(move || {
+                let bound = bind.map_or(Ok(()), |b| {
+                    b().map_err(|e| TransferError::Transport(format!("making the cache pool's device current: {e}")))
+                });
                 // SAFETY: the worker state is created and used on this thread only.
-                let st = unsafe { State::create(lib, tls.as_deref(), net_devices.as_deref(), rma) };
+                let st =
+                    bound.and_then(|()| unsafe { State::create(lib, tls.as_deref(), net_devices.as_deref(), rma) });
                 match st {
                     Ok(mut st) => {
                         // The id every message of this node carries and a receiver trusts a sender by: random, so
@@ -186,6 +198,7 @@ impl Node {
                             tx: Mutex::new(mpsc::channel().0),
                             wake_fd,
                             alive: AtomicBool::new(true),
+                            cuda: st.cuda,
                         });
                         if live::enter(id, &node) {
                             init2.set(Ok(node.clone()));
@@ -543,6 +556,9 @@ struct State {
     deferred: VecDeque<(*mut core::ffi::c_void, WritePermit)>,
     /// `resume_staged` is running (an immediately completed receive must not re-enter it).
     resuming: bool,
+    /// The context moves CUDA memory ([`Node::cuda`]): rendezvous writes into a device pool land there
+    /// directly, and device sources are sent as they are.
+    cuda: bool,
 }
 
 /// Lands a received payload: a `memcpy` into a host pool, `copy_in` for a device pool (where a failed copy

@@ -46,6 +46,14 @@ impl State {
             let mut p = self.param(token);
             p.op_attr_mask |= ucp_op_attr_t_UCP_OP_ATTR_FIELD_FLAGS;
             p.flags = ucp_send_am_flags::UCP_AM_SEND_FLAG_RNDV.0;
+            if op.device {
+                if !self.cuda {
+                    self.put_errors.entry(ep).or_insert_with(|| "a device-memory write on a UCX without CUDA".into());
+                    return;
+                }
+                p.op_attr_mask |= ucp_op_attr_t_UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+                p.memory_type = ucs_memory_type_UCS_MEMORY_TYPE_CUDA;
+            }
             self.buffers.insert(token, (Box::new([0; 8]), op.header().encode().to_vec()));
             let hdr = &self.buffers[&token].1;
             // SAFETY: the header lives in self.buffers and the source in the session's arena (or the staging
@@ -312,6 +320,7 @@ impl State {
                 // SAFETY: releasing an unreceived rendezvous descriptor drops its data.
                 unsafe { (self.lib.ucp_am_data_release)(self.worker, desc) };
             }
+            (Payload::Rndv(desc, _), Some(permit)) if permit.staged() && self.cuda => self.recv_device(desc, permit),
             (Payload::Rndv(desc, _), Some(permit)) if permit.staged() => self.recv_staged(desc, permit),
             (Payload::Rndv(desc, _), Some(permit)) => self.recv(desc, permit, None),
             (Payload::Persistent(desc), permit) => {
@@ -346,6 +355,28 @@ impl State {
             (self.lib.ucp_am_recv_data_nbx)(self.worker, desc, dst as *mut core::ffi::c_void, permit.len as size_t, &p)
         };
         self.issued(t, &p, r, Action::Recv(permit, staged));
+    }
+
+    /// A rendezvous write into a device pool, received where it is admitted by UCX's CUDA transports
+    /// (cuda_ipc from another GPU of this node, cuda_copy from host memory).
+    fn recv_device(&mut self, desc: *mut core::ffi::c_void, permit: WritePermit) {
+        let t = next_id();
+        let mut p = self.param(t);
+        p.cb.recv_am = Some(on_recv_done);
+        p.op_attr_mask |= ucp_op_attr_t_UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+        p.memory_type = ucs_memory_type_UCS_MEMORY_TYPE_CUDA;
+        // SAFETY: `permit.len` device bytes at `permit.ptr` (admitted inside the transfer's blocks) stay ours
+        // until the receive completes: the action holds the permit.
+        let r = unsafe {
+            (self.lib.ucp_am_recv_data_nbx)(
+                self.worker,
+                desc,
+                permit.ptr as *mut core::ffi::c_void,
+                permit.len as size_t,
+                &p,
+            )
+        };
+        self.issued(t, &p, r, Action::Recv(permit, None));
     }
 
     /// A rendezvous write into a device pool: received into a staging buffer, then copied in. Without a

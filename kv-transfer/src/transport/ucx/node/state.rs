@@ -59,6 +59,10 @@ impl State {
             if s != ucs_status_t::UCS_OK {
                 return Err(err(lib, "ucp_init", s));
             }
+            let mut attr: ucp_context_attr_t = std::mem::zeroed();
+            attr.field_mask = ucp_context_attr_field::UCP_ATTR_FIELD_MEMORY_TYPES.0 as u64;
+            let cuda = (lib.ucp_context_query)(ctx, &mut attr) == ucs_status_t::UCS_OK
+                && attr.memory_types & (1 << ucs_memory_type_UCS_MEMORY_TYPE_CUDA) != 0;
             let mut wp: ucp_worker_params_t = std::mem::zeroed();
             wp.field_mask = (ucp_worker_params_field::UCP_WORKER_PARAM_FIELD_THREAD_MODE.0
                 | ucp_worker_params_field::UCP_WORKER_PARAM_FIELD_EVENTS.0) as u64;
@@ -125,6 +129,7 @@ impl State {
                 recv_staging: None,
                 deferred: VecDeque::new(),
                 resuming: false,
+                cuda,
             })
         }
     }

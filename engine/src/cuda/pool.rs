@@ -1,0 +1,292 @@
+//! The cache pool in device memory and what transports reach it through.
+//!
+//! The pool is one plain `cuMemAlloc` allocation, not stream-ordered pool memory: UCX's CUDA transports
+//! recognise it as device memory and move it GPU to GPU (cuda_ipc), where memory from a stream-ordered
+//! pool would be treated as managed and staged through the host. kv-transfer reaches it through
+//! [`DeviceCopy`]: host copies on a stream of their own (a copy never waits behind a forward), the
+//! device's context for UCX's progress threads, and the transfer checksum computed on the GPU
+//! (`engine/kernels/kv_hash.cu`, the sum of [`crate::cache::hash`]).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result};
+
+use super::{CudaError, Gpu};
+use crate::cache::{CacheGeometry, DeviceCopy, KvArena, KvCache, hash};
+
+/// Words (8 bytes) one CTA of the checksum kernel sums: 64 KiB, so a 26 MB layer of a 32K-token request
+/// spreads over about 400 CTAs.
+pub const HASH_TASK_WORDS: u64 = 8192;
+/// Threads per CTA of the checksum kernel.
+const HASH_THREADS: u32 = 256;
+
+/// A zeroed device pool for `geometry` on `gpu`, reachable by transports.
+pub fn allocate(gpu: &Gpu, geometry: CacheGeometry) -> Result<KvCache, CudaError> {
+    let bytes = geometry.total_bytes();
+    let ctx = gpu.context().clone();
+    let mem = DeviceAlloc::zeroed(&ctx, bytes).map_err(|e| {
+        CudaError::Driver(format!(
+            "cannot allocate a {} MiB cache pool on GPU {} ({} blocks of {} layers): {e}",
+            bytes >> 20,
+            gpu.info().ordinal,
+            geometry.num_blocks,
+            geometry.num_layers
+        ))
+    })?;
+    let ptr = std::ptr::NonNull::new(mem.ptr as *mut u8)
+        .ok_or_else(|| CudaError::Driver("the cache pool has a null device address".into()))?;
+    let copier = Arc::new(PoolCopier {
+        ctx: ctx.clone(),
+        stream: ctx.new_stream()?,
+        base: mem.ptr,
+        len: bytes,
+        hash: gpu.function("tandem_kv_hash")?.clone(),
+    });
+    let ordinal = gpu.info().ordinal as u32;
+    // SAFETY: `ptr..ptr + bytes` is the allocation `mem`, which the arena owns and frees on drop.
+    let arena = unsafe { KvArena::from_device(ptr, bytes, ordinal, Box::new(mem), copier) };
+    KvCache::with_arena(geometry, arena).map_err(|e| CudaError::Shape(e.to_string()))
+}
+
+/// GB/s of one device-to-device copy of `bytes` from the start of `cache` (a pool on GPU `src`) into a
+/// buffer on GPU `dst` (`cuMemcpyPeerAsync`, best of 3): the same-run baseline of a transfer between two
+/// GPUs of a node.
+pub fn peer_copy_gbps(cache: &KvCache, src: usize, dst: usize, bytes: u64) -> Result<f64, CudaError> {
+    let n = (bytes as usize).min(cache.arena().len());
+    let (sctx, dctx) = (CudaContext::new(src)?, CudaContext::new(dst)?);
+    let buf = DeviceAlloc::zeroed(&dctx, n)?;
+    if src != dst {
+        // Without peer access the driver stages a peer copy through host memory.
+        for (from, to) in [(&sctx, &dctx), (&dctx, &sctx)] {
+            from.bind_to_thread()?;
+            // SAFETY: both are live primary contexts; enabling twice reports "already enabled", ignored.
+            let r = unsafe { cudarc::driver::sys::cuCtxEnablePeerAccess(to.cu_ctx(), 0) };
+            if r != cudarc::driver::sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+                r.result()?;
+            }
+        }
+    }
+    sctx.bind_to_thread()?;
+    let stream = sctx.new_stream()?;
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t0 = std::time::Instant::now();
+        // SAFETY: `n` bytes of the source pool and of the destination buffer, both alive until synchronized.
+        unsafe {
+            cudarc::driver::sys::cuMemcpyPeerAsync(
+                buf.ptr,
+                dctx.cu_ctx(),
+                cache.arena().as_ptr() as u64,
+                sctx.cu_ctx(),
+                n,
+                stream.cu_stream(),
+            )
+        }
+        .result()?;
+        stream.synchronize()?;
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    Ok(n as f64 / best / 1e9)
+}
+
+/// A `cuMemAlloc` allocation, freed on drop.
+struct DeviceAlloc {
+    ctx: Arc<CudaContext>,
+    ptr: u64,
+}
+
+impl DeviceAlloc {
+    fn zeroed(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self, cudarc::driver::DriverError> {
+        ctx.bind_to_thread()?;
+        // SAFETY: a plain allocation on the bound context; zeroed before anyone reads it.
+        let ptr = unsafe { result::malloc_sync(bytes.max(1)) }?;
+        let mem = DeviceAlloc { ctx: ctx.clone(), ptr };
+        // SAFETY: `bytes` bytes of the allocation just made.
+        unsafe { result::memset_d8_sync(ptr, 0, bytes) }?;
+        Ok(mem)
+    }
+}
+
+impl Drop for DeviceAlloc {
+    fn drop(&mut self) {
+        // Nothing else can use the pool now (the arena that owned it is gone); a failure here leaks it.
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by malloc_sync on this context, freed once.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+struct PoolCopier {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    base: u64,
+    len: usize,
+    hash: CudaFunction,
+}
+
+impl PoolCopier {
+    fn check(&self, offset: usize, len: usize) -> Result<(), String> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(format!("pool access {offset}+{len} outside {} bytes", self.len)),
+        }
+    }
+
+    /// The checksum kernel's sum over `segments`, plus the last word's term where the stream ends inside a
+    /// word (read back and added here). `None` where a segment other than the last is not whole words,
+    /// or any starts off an 8-byte boundary (the kernel reads aligned words).
+    fn sum(&self, segments: &[(u64, u64)]) -> Option<Result<(u64, u64), String>> {
+        let (last, whole) = segments.split_last()?;
+        if segments.iter().any(|(off, _)| off % 8 != 0) || whole.iter().any(|(_, len)| len % 8 != 0) {
+            return None;
+        }
+        let total: u64 = segments.iter().map(|s| s.1).sum();
+        Some(self.launch(segments, total, *last))
+    }
+
+    fn launch(&self, segments: &[(u64, u64)], total: u64, last: (u64, u64)) -> Result<(u64, u64), String> {
+        let fail = |e: cudarc::driver::DriverError| e.to_string();
+        // Tasks of at most HASH_TASK_WORDS whole words: (pool offset, first word's index in the stream, words).
+        let mut tasks: Vec<u64> = Vec::new();
+        let mut word = 0u64;
+        for &(off, len) in segments {
+            self.check(off as usize, len as usize)?;
+            let words = len / 8;
+            let mut done = 0;
+            while done < words {
+                let n = (words - done).min(HASH_TASK_WORDS);
+                tasks.extend([off + 8 * done, word + done, n]);
+                done += n;
+            }
+            word += words;
+        }
+        self.ctx.bind_to_thread().map_err(fail)?;
+        let mut sum = 0u64;
+        if !tasks.is_empty() {
+            let n = (tasks.len() / 3) as u32;
+            let d_tasks = self.stream.clone_htod(&tasks).map_err(fail)?;
+            let d_sum = self.stream.alloc_zeros::<u64>(1).map_err(fail)?;
+            let cfg = LaunchConfig { grid_dim: (n, 1, 1), block_dim: (HASH_THREADS, 1, 1), shared_mem_bytes: 0 };
+            let mut b = self.stream.launch_builder(&self.hash);
+            b.arg(&self.base).arg(&d_tasks).arg(&d_sum);
+            // SAFETY: every task's words lie inside the pool (checked above); the kernel reads them and adds
+            // into the one-word sum.
+            unsafe { b.launch(cfg) }.map_err(fail)?;
+            sum = self.stream.clone_dtoh(&d_sum).map_err(fail)?[0];
+        }
+        let tail = last.1 % 8;
+        if tail != 0 {
+            let mut w = [0u8; 8];
+            self.read(last.0 as usize + (last.1 - tail) as usize, &mut w[..tail as usize])?;
+            sum = sum.wrapping_add(hash::term(u64::from_le_bytes(w), total / 8));
+        }
+        Ok((sum, total))
+    }
+}
+
+impl DeviceCopy for PoolCopier {
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), String> {
+        self.check(offset, dst.len())?;
+        self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
+        // SAFETY: in range (checked); `dst` outlives the synchronous copy.
+        unsafe { result::memcpy_dtoh_async(dst, self.base + offset as u64, self.stream.cu_stream()) }
+            .map_err(|e| e.to_string())?;
+        self.stream.synchronize().map_err(|e| e.to_string())
+    }
+
+    fn write(&self, offset: usize, src: &[u8]) -> Result<(), String> {
+        self.check(offset, src.len())?;
+        self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
+        // SAFETY: in range (checked); the copy completes before returning.
+        unsafe { result::memcpy_htod_async(self.base + offset as u64, src, self.stream.cu_stream()) }
+            .map_err(|e| e.to_string())?;
+        self.stream.synchronize().map_err(|e| e.to_string())
+    }
+
+    fn bind_thread(&self) -> Result<(), String> {
+        self.ctx.bind_to_thread().map_err(|e| e.to_string())
+    }
+
+    fn checksum(&self, segments: &[(u64, u64)]) -> Option<Result<u64, String>> {
+        if segments.is_empty() {
+            return Some(Ok(hash::finish(0, 0)));
+        }
+        Some(self.sum(segments)?.map(|(sum, len)| hash::finish(sum, len)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::{RngExt, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    use super::*;
+    use crate::cache::{CacheFormat, EntryDims};
+
+    /// The GPU's digest of any segments equals the host's over the same bytes: segments of whole words
+    /// (latent runs of 656-byte entries, 8448-byte indexer blocks, task-sized and larger), a last one
+    /// ending inside a word, and the ones the kernel leaves to the host copies (`None`).
+    #[test]
+    fn device_checksums_equal_the_host_digest() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let g = CacheGeometry::new(CacheFormat::Fp8, EntryDims::DEEPSEEK_V32, 2, 40);
+        let cache = allocate(&gpu, g).unwrap();
+        let arena = cache.arena();
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let bytes: Vec<u8> = (0..arena.len()).map(|_| rng.random()).collect();
+        unsafe { arena.copy_in(0, &bytes) }.unwrap();
+        let host = |segs: &[(u64, u64)]| {
+            let mut h = hash::Sum64::new();
+            for &(o, l) in segs {
+                h.update(&bytes[o as usize..(o + l) as usize]);
+            }
+            h.digest()
+        };
+        let big = HASH_TASK_WORDS * 8;
+        let cases: Vec<Vec<(u64, u64)>> = vec![
+            vec![(0, 656 * 64)],
+            vec![(656 * 128, 656 * 37), (g.indexer_region_offset() as u64, 8448 * 3)],
+            vec![(8, big), (big + 64, big * 2 + 8), (0, 8)],
+            vec![(0, 656 * 5), (4096, 13)],
+            vec![(16, 5)],
+            vec![],
+        ];
+        for segs in &cases {
+            let got = arena.device_checksum(segs).expect("whole-word segments hash on the device").unwrap();
+            assert_eq!(got, host(segs), "segments {segs:?}");
+        }
+        // Not whole words before the end, or off an 8-byte boundary: the caller hashes host copies.
+        assert!(arena.device_checksum(&[(0, 13), (4096, 8)]).is_none());
+        assert!(arena.device_checksum(&[(4, 16)]).is_none());
+        // Outside the pool: an error, nothing read.
+        let len = arena.len() as u64;
+        assert!(arena.device_checksum(&[(len - 8, 16)]).unwrap().is_err());
+        // A changed byte on the device changes the digest.
+        let before = arena.device_checksum(&cases[0]).unwrap().unwrap();
+        unsafe { arena.copy_in(1000, &[bytes[1000] ^ 0x10]) }.unwrap();
+        assert_ne!(arena.device_checksum(&cases[0]).unwrap().unwrap(), before);
+    }
+
+    /// UCX moves the pool from its own threads: binding the context there works, and the pool is plain
+    /// device memory (not a stream-ordered allocation, which UCX would stage).
+    #[test]
+    fn the_pool_is_plain_device_memory_bindable_on_any_thread() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let g = CacheGeometry::new(CacheFormat::Fp8, EntryDims::DEEPSEEK_V32, 1, 4);
+        let cache = Arc::new(allocate(&gpu, g).unwrap());
+        let c = cache.clone();
+        std::thread::spawn(move || c.arena().bind_device_thread().unwrap()).join().unwrap();
+        let mut pool_attr: u64 = 1;
+        // SAFETY: querying a pointer attribute of our own allocation into a u64.
+        let r = unsafe {
+            cudarc::driver::sys::cuPointerGetAttribute(
+                &mut pool_attr as *mut u64 as *mut std::ffi::c_void,
+                cudarc::driver::sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+                cache.arena().as_ptr() as u64,
+            )
+        };
+        assert!(r.result().is_ok());
+        assert_eq!(pool_attr, 0, "the pool must not come from a stream-ordered memory pool");
+    }
+}
