@@ -349,9 +349,11 @@ phase_serve_v32() {
     ((rc == 0)) || FAILED+=(serve-v32)
 }
 
-# kv-transfer between GPUs through the packed CUDA-capable UCX: the cross-process GPU tests, then kv-bench
-# with device pools (sender GPU 0, receiver the last GPU) next to ucx_perftest on CUDA memory and a
-# device-to-device copy, all in this run. KV_BENCH_ARGS replaces the sizes and repetitions.
+# kv-transfer between GPUs through the packed CUDA-capable UCX: the cross-process GPU tests, the cluster
+# over UCX, then kv-bench with device pools (sender GPU 0, receiver the last GPU), contiguous and scattered
+# block tables, each next to ucx_perftest on CUDA memory (same transport, the mean message size, and one
+# request-sized message) and a device-to-device copy of the same bytes, all in this run. KV_BENCH_ARGS
+# replaces the sizes and repetitions.
 phase_kv() {
     local rc=0 ucx=/tmp/tandem-gpu/ucx last
     export LD_LIBRARY_PATH="$ucx/libucx/lib:$ucx/libucx_cu13.libs:$LD_LIBRARY_PATH" PATH="$ucx/libucx/bin:$PATH"
@@ -367,33 +369,22 @@ phase_kv() {
     # (both on GPU 0 with one), and its text must equal `tandem generate --device cuda`.
     KV_TRANSPORT=ucx phase_serve
     grep -E 'kv-transfer UCX started' "$OUTDIR/up.log" | head -n 4 || true
-    kv-bench --transport ucx --devices "0,$last" ${KV_BENCH_ARGS:---tokens 1024,8192,32768 --layers 62 --reps 5} \
-        --json --no-perftest >"$OUTDIR/kv-bench-device.jsonl" 2>"$OUTDIR/kv-bench-device.log" || rc=$?
-    cat "$OUTDIR/kv-bench-device.jsonl"
-    tail -n 5 "$OUTDIR/kv-bench-device.log"
-    echo "| kv | kv-bench --devices 0,$last | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
-    ((rc == 0)) || FAILED+=(kv)
-    # The same path's baseline: ucx_perftest moving CUDA memory between the two GPUs' processes (an active
-    # message bandwidth test, as kv-transfer sends rendezvous active messages), one message per layer size.
-    # The server lists the receiving GPU first (its CUDA device 0) and still sees GPU 0, so cuda_ipc can map
-    # the client's buffers as it maps kv-bench's.
-    local port=23456 bytes order
-    order=$last$(seq 0 $((last - 1)) | sed 's/^/,/' | tr -d '\n')
-    # Which protocols UCX picks for each (a small kv-bench run and the perftest clients print them).
-    UCX_PROTO_INFO=y kv-bench --transport ucx --devices "0,$last" --tokens 8192 --layers 4 --reps 1 --json \
-        --no-perftest --no-baselines >/dev/null 2>"$OUTDIR/kv-bench-proto.log" || true
-    grep -iE 'cuda|rndv' "$OUTDIR/kv-bench-proto.log" | sort | uniq -c | sort -rn | head -n 12 || true
-    for bytes in 26000000 268435456; do
-        for test in ucp_am_bw tag_bw; do
-            CUDA_VISIBLE_DEVICES=$order ucx_perftest -p $port >/dev/null 2>&1 &
-            sleep 1
-            UCX_PROTO_INFO=y timeout 60 ucx_perftest 127.0.0.1 -p $port -t $test -m cuda,cuda -s $bytes -n 40 -w 5 \
-                >"$OUTDIR/perftest-$test-$bytes.log" 2>&1 || true
-            echo "perftest $test $bytes B, client GPU 0 -> server GPU $last: $(grep Final: "$OUTDIR/perftest-$test-$bytes.log" || tail -n 2 "$OUTDIR/perftest-$test-$bytes.log")"
-            wait || true
-            port=$((port + 1))
-        done
+    # Which protocols UCX picks (a small run with UCX_PROTO_INFO).
+    UCX_PROTO_INFO=y timeout 60 kv-bench --transport ucx --devices "0,$last" --tokens 8192 --layers 4 --reps 1 \
+        --json --no-perftest --no-baselines >/dev/null 2>"$OUTDIR/kv-bench-proto.log" || true
+    grep -E 'cuda_ipc' "$OUTDIR/kv-bench-proto.log" | sed 's/^.*\] *//' | sort | uniq -c | head -n 6 || true
+    local mode
+    for mode in contiguous scattered; do
+        local flag=""
+        [[ $mode == scattered ]] && flag=--scattered
+        timeout 240 kv-bench --transport ucx --devices "0,$last" $flag \
+            ${KV_BENCH_ARGS:---tokens 1024,8192,32768 --layers 62 --reps 5} --json \
+            >"$OUTDIR/kv-bench-device-$mode.jsonl" 2>"$OUTDIR/kv-bench-device-$mode.log" || rc=$?
+        cat "$OUTDIR/kv-bench-device-$mode.jsonl"
+        tail -n 3 "$OUTDIR/kv-bench-device-$mode.log"
     done
+    echo "| kv | kv-bench --devices 0,$last (contiguous, scattered) | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+    ((rc == 0)) || FAILED+=(kv)
 }
 
 phase_bench() {

@@ -69,6 +69,32 @@ pub trait DeviceCopy: Send + Sync {
     fn checksum(&self, _segments: &[(u64, u64)]) -> Option<Result<u64, String>> {
         None
     }
+    /// Copies each `(src, dst, len)` between device addresses (the arena and buffers from
+    /// [`DeviceCopy::alloc`]) after the device work queued before the call, and returns once the bytes are
+    /// in place: how a scattered request is gathered before it is sent and scattered when it lands.
+    /// `None` where this device cannot.
+    ///
+    /// # Safety
+    /// Every range lies in the arena or in a live buffer from `alloc`, and no one else accesses the
+    /// destination ranges during the call.
+    unsafe fn copy_pieces(&self, _pieces: &[(u64, u64, u64)]) -> Option<Result<(), String>> {
+        None
+    }
+    /// `bytes` of device memory on the arena's device for transports to gather into or land in, freed
+    /// when dropped; `None` where this device cannot.
+    fn alloc(&self, _bytes: usize) -> Option<Result<Box<dyn DeviceBuffer>, String>> {
+        None
+    }
+}
+
+/// Device memory a [`DeviceCopy`] lent a transport ([`DeviceCopy::alloc`]).
+pub trait DeviceBuffer: Send + Sync {
+    /// The device address of the first byte.
+    fn addr(&self) -> u64;
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// A contiguous byte range with a stable address for its whole life.
@@ -227,6 +253,11 @@ impl KvArena {
         }
         let copier = self.copier.as_ref()?;
         Some(copier.checksum(segments)?.map_err(|reason| self.copy_error(0, 0, reason)))
+    }
+
+    /// The arena's [`DeviceCopy`] where it is device memory (for device-side gathers, scatters and buffers).
+    pub fn device_copier(&self) -> Option<&Arc<dyn DeviceCopy>> {
+        self.copier.as_ref().filter(|_| !self.kind.host_accessible())
     }
 
     fn copy_error(&self, offset: usize, len: usize, reason: String) -> ArenaError {

@@ -17,7 +17,7 @@
 //! zero from vanishing, and `key(j)` makes the sum depend on where each word sits (moved or swapped blocks
 //! change it). It detects what transfers get wrong (lost, duplicated, misplaced, zeroed or flipped bytes);
 //! like xxh3 it is not a defence against a peer who forges data. The GPU side is
-//! `engine/kernels/kv_hash.cu`; both sides are held to [`digest`] by tests.
+//! `engine/kernels/kv_transfer.cu`; both sides are held to [`digest`] by tests.
 
 /// xxh3's PRIME64 constants.
 const P1: u64 = 0x9E37_79B1_85EB_CA87;

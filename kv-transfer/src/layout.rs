@@ -177,6 +177,56 @@ impl PutPlan {
         });
         latent.chain(indexer)
     }
+
+    /// The pieces of stream range `lo..hi` of `layer`, as (pool offset, length) on the source side
+    /// (`src`) or the destination side. A layer's stream is its puts' bytes back to back: the latent
+    /// entries of its tokens in order, then its indexer blocks in order. It is the same on both sides
+    /// whatever the block ids (the checksum covers it too), so a range of it names the same bytes there.
+    pub fn stream_pieces(&self, layer: LayerIdx, lo: u64, hi: u64, src: bool) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        let mut at = 0u64;
+        for p in self.layer_puts(layer) {
+            let (start, end) = (at.max(lo), (at + p.len).min(hi));
+            if start < end {
+                let base = if src { p.src_offset } else { p.dst_offset };
+                match out.last_mut() {
+                    // Consecutive in the pool too (a run split only on the other side): one piece.
+                    Some((o, l)) if *o + *l == base + (start - at) => *l += end - start,
+                    _ => out.push((base + (start - at), end - start)),
+                }
+            }
+            at += p.len;
+            if at >= hi {
+                break;
+            }
+        }
+        out
+    }
+
+    /// A layer's stream cut into ranges of at most `max` bytes (at least one item each) that split no
+    /// latent entry or indexer block and hold only latent or only indexer bytes: how a gathered layer
+    /// travels.
+    pub fn stream_chunks(&self, max: u64) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        let lat = self.latent_bytes_per_layer();
+        for (start, len, unit) in
+            [(0, lat, self.unit_bytes(true)), (lat, self.indexer_bytes_per_layer(), self.unit_bytes(false))]
+        {
+            let step = (max / unit).max(1) * unit;
+            let mut at = 0;
+            while at < len {
+                let n = step.min(len - at);
+                out.push((start + at, start + at + n));
+                at += n;
+            }
+        }
+        out
+    }
+
+    /// Puts of `layer` (a measure of how scattered its blocks are).
+    pub fn layer_put_count(&self) -> usize {
+        2 * self.runs.len()
+    }
 }
 
 /// Checks descriptor block ids and token count against a layout: every id inside the pool, no id twice,
@@ -231,6 +281,47 @@ mod tests {
 
     fn geo(blocks: usize) -> CacheGeometry {
         CacheGeometry::new(CacheFormat::Fp8, EntryDims::DEEPSEEK_V32, 3, blocks)
+    }
+
+    #[test]
+    fn a_layers_stream_names_the_same_bytes_on_both_sides() {
+        let g = geo(40);
+        let l = layout_of(&g);
+        let b = |v: &[u32]| v.iter().map(|&x| BlockId(x)).collect::<Vec<_>>();
+        let (src, dst) = (b(&[3, 4, 5, 9, 10, 20, 21]), b(&[30, 31, 7, 8, 9, 2, 1]));
+        let tokens = 64 * 6 + 5;
+        let plan = PutPlan::new(l, l, &src, &dst, tokens);
+        let layer = LayerIdx(1);
+        let total = plan.bytes_per_layer();
+        // Every chunking of the stream covers it once and maps to the puts' own bytes, on either side.
+        for max in [1u64, 656 * 100, 8448 * 3, 1 << 30] {
+            let chunks = plan.stream_chunks(max);
+            assert_eq!(chunks.first().map(|c| c.0), Some(0));
+            assert_eq!(chunks.last().map(|c| c.1), Some(total));
+            assert!(chunks.windows(2).all(|w| w[0].1 == w[1].0), "back to back");
+            for side in [true, false] {
+                let mut got = Vec::new();
+                for &(lo, hi) in &chunks {
+                    let p = plan.stream_pieces(layer, lo, hi, side);
+                    assert_eq!(p.iter().map(|x| x.1).sum::<u64>(), hi - lo);
+                    got.extend(p);
+                }
+                let mut want: Vec<(u64, u64)> =
+                    plan.layer_puts(layer).map(|p| (if side { p.src_offset } else { p.dst_offset }, p.len)).collect();
+                // Pieces may merge or split differently; compare byte by byte.
+                let flat = |v: &mut Vec<(u64, u64)>| v.iter().flat_map(|&(o, l)| o..o + l).collect::<Vec<_>>();
+                assert_eq!(flat(&mut got), flat(&mut want), "max {max}, src side {side}");
+            }
+        }
+        // Chunks never split an entry or a block, nor mix latent and indexer bytes.
+        let lat = plan.latent_bytes_per_layer();
+        for &(lo, hi) in &plan.stream_chunks(656 * 100 + 5) {
+            if hi <= lat {
+                assert!(lo.is_multiple_of(656) && hi.is_multiple_of(656));
+            } else {
+                assert!(lo >= lat && (lo - lat).is_multiple_of(8448) && (hi - lat).is_multiple_of(8448));
+            }
+        }
     }
 
     #[test]

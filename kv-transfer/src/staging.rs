@@ -11,7 +11,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
 use kv_cache::hash::Sum64;
-use kv_cache::{ArenaError, KvArena};
+use kv_cache::{ArenaError, DeviceBuffer, KvArena};
 
 /// One staging buffer, and the most one staged write carries: large enough that per-write costs (a
 /// device copy call, a message) vanish next to the bytes, small enough that a few per lane stay cheap.
@@ -86,6 +86,107 @@ impl DerefMut for StagedBuf {
 }
 
 impl Drop for StagedBuf {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            self.pool.free.lock().unwrap_or_else(|p| p.into_inner()).push(buf);
+            self.pool.returned.notify_one();
+        }
+    }
+}
+
+/// The most one gathered write carries (a CUDA-capable UCX moving a scattered request: the pieces of a
+/// layer's stream are gathered on the sender's GPU, sent as one message and scattered on the receiver's):
+/// a 32K-token layer (26 MB) in one.
+pub const STREAM_CHUNK: usize = 32 << 20;
+
+/// Device buffers of [`STREAM_CHUNK`] a sender gathers into, and a receiver lands gathered writes in.
+pub const DEVICE_BUFFERS: usize = 4;
+
+/// Layers with more puts than this (a scattered block table) are gathered on the device and sent as a
+/// few large messages; fewer, larger puts go as they are.
+pub const GATHER_MIN_PUTS: usize = 16;
+
+/// Fixed-size device buffers, lent out and returned (the device side of [`StagingPool`]).
+pub struct DevicePool {
+    free: Mutex<Vec<Box<dyn DeviceBuffer>>>,
+    returned: Condvar,
+}
+
+impl DevicePool {
+    /// [`DEVICE_BUFFERS`] buffers of [`STREAM_CHUNK`] from `arena`'s device; `None` where the arena is
+    /// not device memory that can lend buffers.
+    pub fn for_arena(arena: &KvArena) -> Option<Result<Arc<DevicePool>, String>> {
+        let copier = arena.device_copier()?;
+        let mut free = Vec::new();
+        for _ in 0..DEVICE_BUFFERS {
+            match copier.alloc(STREAM_CHUNK)? {
+                Ok(b) => free.push(b),
+                Err(e) => return Some(Err(e)),
+            }
+        }
+        Some(Ok(Arc::new(DevicePool { free: Mutex::new(free), returned: Condvar::new() })))
+    }
+
+    /// A free buffer, waiting for one until `deadline` (`None` then).
+    pub fn take_until(self: &Arc<Self>, deadline: Instant) -> Option<DeviceBuf> {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(buf) = free.pop() {
+                return Some(DeviceBuf { buf: Some(buf), pool: self.clone() });
+            }
+            let left = deadline.checked_duration_since(Instant::now())?;
+            free = self.returned.wait_timeout(free, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
+    /// A free buffer if one is there now (for progress threads, which must not wait).
+    pub fn try_take(self: &Arc<Self>) -> Option<DeviceBuf> {
+        let buf = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
+        Some(DeviceBuf { buf: Some(buf), pool: self.clone() })
+    }
+
+    pub fn available(&self) -> usize {
+        self.free.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+}
+
+/// A [`DevicePool`] made on first use (device memory only for a side that gathers or lands scattered
+/// layers); its error is kept and reported to every later use.
+#[derive(Default)]
+pub struct LazyDevicePool(std::sync::OnceLock<Result<Arc<DevicePool>, String>>);
+
+impl LazyDevicePool {
+    /// The pool for `arena`'s device, made now if need be; `None` where the arena cannot lend buffers.
+    pub fn get(&self, arena: &KvArena) -> Option<Result<Arc<DevicePool>, String>> {
+        arena.device_copier()?;
+        let r = self.0.get_or_init(|| {
+            DevicePool::for_arena(arena).unwrap_or_else(|| Err("the device cannot lend transfer buffers".into()))
+        });
+        Some(r.clone())
+    }
+}
+
+/// A device buffer on loan from a [`DevicePool`]; dropping it returns it.
+pub struct DeviceBuf {
+    buf: Option<Box<dyn DeviceBuffer>>,
+    pool: Arc<DevicePool>,
+}
+
+impl DeviceBuf {
+    pub fn addr(&self) -> u64 {
+        self.buf.as_ref().map_or(0, |b| b.addr())
+    }
+
+    pub fn len(&self) -> usize {
+        self.buf.as_ref().map_or(0, |b| b.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Drop for DeviceBuf {
     fn drop(&mut self) {
         if let Some(buf) = self.buf.take() {
             self.pool.free.lock().unwrap_or_else(|p| p.into_inner()).push(buf);

@@ -121,18 +121,21 @@ fn gpu_pools_ship_between_processes_intact() {
     let mut args = vec!["send".to_string()];
     args.extend(shape(send_gpu));
     let (mut child, mut stdin, out) = peer(&args, None);
-    // Fragment the receiver's pool: every other block is held by a filler request.
-    let fillers: Vec<String> = (0..40).map(|i| format!("filler-{i}")).collect();
-    for (i, f) in fillers.iter().enumerate() {
+    // Fragment the receiver's pool: every other block stays held by a filler request, so the only free
+    // blocks are single ones (the allocator would otherwise hand out one contiguous run).
+    let all: Vec<String> = (0..BLOCKS).map(|i| format!("filler-{i}")).collect();
+    for f in &all {
         pool.reserve(f, 64).unwrap();
-        if i % 2 == 0 {
-            pool.reserve(&format!("gap-{i}"), 64).unwrap();
-        }
     }
-    for i in (0..40).step_by(2) {
-        pool.release(&format!("gap-{i}")).unwrap();
+    for f in all.iter().skip(1).step_by(2) {
+        pool.release(f).unwrap();
     }
+    let fillers: Vec<&String> = all.iter().step_by(2).collect();
+    // Few runs go as one message per run; the 51 scattered blocks (102 puts a layer) are gathered on the
+    // sender's GPU and scattered on this one.
+    let direct = kv_transfer::transport::ucx::cuda_memory();
     for (n, tokens) in [(0, 1), (1, 64 * 3 + 17), (2, 64 * 50 + 5)] {
+        let before = recv.stats().stream_bytes_received;
         let id = format!("r{n}");
         let table = pool.reserve(&id, tokens).unwrap();
         let req = ExpectRequest {
@@ -151,6 +154,9 @@ fn gpu_pools_ship_between_processes_intact() {
         }
         let got = testkit::request_digest(&cache, &table.blocks, tokens);
         assert_eq!(sent["digest"].as_str().unwrap(), format!("{got:016x}"), "{tokens} tokens: received bytes");
+        let gathered = recv.stats().stream_bytes_received - before;
+        let want = if direct && n == 2 { sent["bytes"].as_u64().unwrap() } else { 0 };
+        assert_eq!(gathered, want, "{tokens} tokens: bytes that came gathered");
         pool.release(&id).unwrap();
     }
     for f in &fillers {

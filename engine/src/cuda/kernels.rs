@@ -127,12 +127,13 @@ pub const FAMILIES: &[Family] = &[
         sass_expect: &["F2FP.SATFINITE.E4M3.F32.PACK_AB", "F2FP.BF16.F32.PACK_AB", "SHFL.BFLY"],
     },
     Family {
-        name: "kv_hash",
-        source: include_str!("../../kernels/kv_hash.cu"),
-        functions: &["tandem_kv_hash"],
+        name: "kv_transfer",
+        source: include_str!("../../kernels/kv_transfer.cu"),
+        functions: &["tandem_kv_hash", "tandem_kv_copy"],
         externals: &[],
-        // 64-bit integer products of the term and the atomic add of each CTA's sum.
-        sass_expect: &["IMAD.WIDE.U32", "REDG.E.ADD.64"],
+        // 64-bit integer products of the checksum term, the atomic add of each CTA's sum, and the copy's
+        // 16-byte streaming global loads and stores.
+        sass_expect: &["IMAD.WIDE.U32", "REDG.E.ADD.64", "LDG.E.EF.128", "STG.E.EF.128"],
     },
     Family {
         name: "topk",

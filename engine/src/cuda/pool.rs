@@ -5,20 +5,24 @@
 //! pool would be treated as managed and staged through the host. kv-transfer reaches it through
 //! [`DeviceCopy`]: host copies on a stream of their own (a copy never waits behind a forward), the
 //! device's context for UCX's progress threads, and the transfer checksum computed on the GPU
-//! (`engine/kernels/kv_hash.cu`, the sum of [`crate::cache::hash`]).
+//! (`engine/kernels/kv_transfer.cu`, the sum of [`crate::cache::hash`]).
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result};
 
 use super::{CudaError, Gpu};
-use crate::cache::{CacheGeometry, DeviceCopy, KvArena, KvCache, hash};
+use crate::cache::{CacheGeometry, DeviceBuffer, DeviceCopy, KvArena, KvCache, hash};
 
 /// Words (8 bytes) one CTA of the checksum kernel sums: 64 KiB, so a 26 MB layer of a 32K-token request
 /// spreads over about 400 CTAs.
 pub const HASH_TASK_WORDS: u64 = 8192;
 /// Threads per CTA of the checksum kernel.
 const HASH_THREADS: u32 = 256;
+/// Bytes one CTA of the copy kernel moves (tasks split at multiples of it keep their 16-byte alignment).
+pub const COPY_TASK_BYTES: u64 = 64 << 10;
+/// Threads per CTA of the copy kernel.
+const COPY_THREADS: u32 = 256;
 
 /// A zeroed device pool for `geometry` on `gpu`, reachable by transports.
 pub fn allocate(gpu: &Gpu, geometry: CacheGeometry) -> Result<KvCache, CudaError> {
@@ -41,6 +45,7 @@ pub fn allocate(gpu: &Gpu, geometry: CacheGeometry) -> Result<KvCache, CudaError
         base: mem.ptr,
         len: bytes,
         hash: gpu.function("tandem_kv_hash")?.clone(),
+        copy: gpu.function("tandem_kv_copy")?.clone(),
     });
     let ordinal = gpu.info().ordinal as u32;
     // SAFETY: `ptr..ptr + bytes` is the allocation `mem`, which the arena owns and frees on drop.
@@ -93,6 +98,7 @@ pub fn peer_copy_gbps(cache: &KvCache, src: usize, dst: usize, bytes: u64) -> Re
 struct DeviceAlloc {
     ctx: Arc<CudaContext>,
     ptr: u64,
+    len: usize,
 }
 
 impl DeviceAlloc {
@@ -100,7 +106,7 @@ impl DeviceAlloc {
         ctx.bind_to_thread()?;
         // SAFETY: a plain allocation on the bound context; zeroed before anyone reads it.
         let ptr = unsafe { result::malloc_sync(bytes.max(1)) }?;
-        let mem = DeviceAlloc { ctx: ctx.clone(), ptr };
+        let mem = DeviceAlloc { ctx: ctx.clone(), ptr, len: bytes };
         // SAFETY: `bytes` bytes of the allocation just made.
         unsafe { result::memset_d8_sync(ptr, 0, bytes) }?;
         Ok(mem)
@@ -117,12 +123,22 @@ impl Drop for DeviceAlloc {
     }
 }
 
+impl DeviceBuffer for DeviceAlloc {
+    fn addr(&self) -> u64 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
 struct PoolCopier {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     base: u64,
     len: usize,
     hash: CudaFunction,
+    copy: CudaFunction,
 }
 
 impl PoolCopier {
@@ -214,6 +230,45 @@ impl DeviceCopy for PoolCopier {
         }
         Some(self.sum(segments)?.map(|(sum, len)| hash::finish(sum, len)))
     }
+
+    unsafe fn copy_pieces(&self, pieces: &[(u64, u64, u64)]) -> Option<Result<(), String>> {
+        Some(self.copy_tasks(pieces).map_err(|e| e.to_string()))
+    }
+
+    fn alloc(&self, bytes: usize) -> Option<Result<Box<dyn DeviceBuffer>, String>> {
+        Some(
+            DeviceAlloc::zeroed(&self.ctx, bytes)
+                .map(|b| Box::new(b) as Box<dyn DeviceBuffer>)
+                .map_err(|e| format!("allocating a {bytes}-byte transfer buffer: {e}")),
+        )
+    }
+}
+
+impl PoolCopier {
+    /// One launch of the copy kernel over `pieces` cut into tasks of at most [`COPY_TASK_BYTES`].
+    fn copy_tasks(&self, pieces: &[(u64, u64, u64)]) -> Result<(), cudarc::driver::DriverError> {
+        let mut tasks: Vec<u64> = Vec::new();
+        for &(src, dst, len) in pieces {
+            let mut at = 0;
+            while at < len {
+                let n = (len - at).min(COPY_TASK_BYTES);
+                tasks.extend([src + at, dst + at, n]);
+                at += n;
+            }
+        }
+        if tasks.is_empty() {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread()?;
+        let d_tasks = self.stream.clone_htod(&tasks)?;
+        let n = (tasks.len() / 3) as u32;
+        let cfg = LaunchConfig { grid_dim: (n, 1, 1), block_dim: (COPY_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&self.copy);
+        b.arg(&d_tasks);
+        // SAFETY: the caller's contract (copy_pieces): every range is device memory it may access.
+        unsafe { b.launch(cfg) }?;
+        self.stream.synchronize()
+    }
 }
 
 #[cfg(test)]
@@ -266,6 +321,47 @@ mod tests {
         let before = arena.device_checksum(&cases[0]).unwrap().unwrap();
         unsafe { arena.copy_in(1000, &[bytes[1000] ^ 0x10]) }.unwrap();
         assert_ne!(arena.device_checksum(&cases[0]).unwrap().unwrap(), before);
+    }
+
+    /// Gathering scattered pieces into a buffer and scattering them back elsewhere moves exactly those
+    /// bytes: aligned block-sized pieces, pieces longer than a task, and unaligned ones (the byte path).
+    #[test]
+    fn gathers_and_scatters_move_exactly_the_pieces() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let g = CacheGeometry::new(CacheFormat::Fp8, EntryDims::DEEPSEEK_V32, 2, 40);
+        let cache = allocate(&gpu, g).unwrap();
+        let arena = cache.arena();
+        let copier = arena.device_copier().expect("a device pool has a copier");
+        let mut rng = ChaCha8Rng::seed_from_u64(9);
+        let bytes: Vec<u8> = (0..arena.len()).map(|_| rng.random()).collect();
+        unsafe { arena.copy_in(0, &bytes) }.unwrap();
+        let buf = copier.alloc(1 << 20).unwrap().unwrap();
+        let base = arena.as_ptr() as u64;
+        // (pool offset, length) pieces, gathered back to back into the buffer.
+        let pieces =
+            [(656 * 64 * 3, 656 * 64), (0, 656 * 5), (8448 * 7 + 16, 8448), (100_003, 777), (300_000, 200_000)];
+        let mut at = 0u64;
+        let gather: Vec<(u64, u64, u64)> = pieces
+            .iter()
+            .map(|&(off, len)| {
+                let p = (base + off, buf.addr() + at, len);
+                at += len;
+                p
+            })
+            .collect();
+        unsafe { copier.copy_pieces(&gather) }.unwrap().unwrap();
+        // Scatter the buffer to the pool's second half and read it back.
+        let dst0 = arena.len() as u64 / 2;
+        unsafe { copier.copy_pieces(&[(buf.addr(), base + dst0, at)]) }.unwrap().unwrap();
+        let mut back = vec![0u8; at as usize];
+        unsafe { arena.copy_out(dst0 as usize, &mut back) }.unwrap();
+        let want: Vec<u8> =
+            pieces.iter().flat_map(|&(off, len)| bytes[off as usize..(off + len) as usize].to_vec()).collect();
+        assert_eq!(back, want);
+        let mut after = vec![0u8; arena.len()];
+        unsafe { arena.copy_out(0, &mut after) }.unwrap();
+        assert_eq!(after[..dst0 as usize], bytes[..dst0 as usize], "nothing else changed");
+        assert_eq!(after[(dst0 + at) as usize..], bytes[(dst0 + at) as usize..], "nothing else changed");
     }
 
     /// UCX moves the pool from its own threads: binding the context there works, and the pool is plain

@@ -274,7 +274,8 @@ fn run(args: &Args) -> anyhow::Result<()> {
         TransportKind::Tcp => Some("tcp".to_string()),
         _ => std::env::var("UCX_TLS").ok(),
     };
-    let lanes = kv_transfer::transport::lanes::lanes_or_default(None);
+    let device_direct = !args.devices.is_empty() && served == "ucx" && kv_transfer::transport::ucx::cuda_memory();
+    let lanes = kv_transfer::transport::lanes::for_pool(None, device_direct);
     let puts = kv_transfer::transport::ucx::one_sided_puts_from_env().map_err(|e| anyhow!(e))?;
     let data_path = match served.as_str() {
         // Both processes run on this host and read the same variables: puts only where both allow them.
@@ -310,13 +311,23 @@ fn run(args: &Args) -> anyhow::Result<()> {
         }
         let mean = times.iter().map(Duration::as_secs_f64).sum::<f64>() / times.len() as f64;
         let gbps = bytes as f64 / mean / 1e9;
-        let msg = bytes / (2 * args.layers as u64);
-        let perf = if args.no_perftest { None } else { perftest_gbps(tls.as_deref(), msg, bytes) };
+        // The mean message: a put per layer and region, or (a scattered device layer) the gathered layer.
+        let msg = if args.scattered && device_direct {
+            (bytes / args.layers as u64).min(kv_transfer::staging::STREAM_CHUNK as u64)
+        } else {
+            bytes / (2 * args.layers as u64)
+        };
+        let gpus = match args.devices[..] {
+            [s, r] => Some((s, r)),
+            _ => None,
+        };
+        let perf = if args.no_perftest { None } else { perftest_gbps(tls.as_deref(), gpus, msg, bytes) };
         let ratio = perf.map(|p| gbps / p);
         // Like-for-like references (not the ratio): perftest streaming a buffer as large as the
         // request (capped at 1 GiB) instead of re-sending one cache-resident message, and plain DRAM
         // copies of the same bytes on 1 and `lanes` threads.
-        let cold = if args.no_perftest || args.no_baselines { None } else { perftest_cold_gbps(tls.as_deref(), bytes) };
+        let cold =
+            if args.no_perftest || args.no_baselines { None } else { perftest_cold_gbps(tls.as_deref(), gpus, bytes) };
         let (memcpy1, memcpy_n) = (copy.gbps(bytes, 1), copy.gbps(bytes, lanes));
         // Between GPUs: the same bytes copied device to device (cuMemcpyPeer), in one piece.
         let peer = match (&args.devices[..], args.no_baselines) {
@@ -391,22 +402,29 @@ fn overhead_us(
     Ok((round(v[v.len() / 2]), round(v[v.len() * 99 / 100])))
 }
 
-/// ucx_perftest on loopback: the better of ucp_put_bw and tag_bw for `msg`-byte messages, in GB/s.
-fn perftest_gbps(tls: Option<&str>, msg: u64, bytes: u64) -> Option<f64> {
+/// GPUs of a device run: (sender's, receiver's).
+type Gpus = Option<(usize, usize)>;
+
+/// ucx_perftest on loopback: the better of ucp_put_bw and tag_bw for `msg`-byte messages, in GB/s. Between
+/// GPUs (`gpus`): CUDA memory on both sides, each process seeing only its GPU (as `CUDA_VISIBLE_DEVICES`
+/// pins it; UCX still moves the bytes GPU to GPU over cuda_ipc), the better of ucp_am_bw (what kv-transfer
+/// sends) and tag_bw.
+fn perftest_gbps(tls: Option<&str>, gpus: Gpus, msg: u64, bytes: u64) -> Option<f64> {
     let iters = (bytes.max(2 << 30) / msg.max(1)).clamp(50, 20_000);
-    perftest_best(tls, msg, iters, (iters / 10).max(5))
+    perftest_best(tls, gpus, msg, iters, (iters / 10).max(5))
 }
 
 /// The same with one message as large as the request (at most 1 GiB): the buffer streams from DRAM.
-fn perftest_cold_gbps(tls: Option<&str>, bytes: u64) -> Option<f64> {
+fn perftest_cold_gbps(tls: Option<&str>, gpus: Gpus, bytes: u64) -> Option<f64> {
     let msg = bytes.min(1 << 30);
-    perftest_best(tls, msg, ((2u64 << 30) / msg).clamp(2, 10), 1)
+    perftest_best(tls, gpus, msg, ((2u64 << 30) / msg).clamp(2, 10), 1)
 }
 
-fn perftest_best(tls: Option<&str>, msg: u64, iters: u64, warmup: u64) -> Option<f64> {
+fn perftest_best(tls: Option<&str>, gpus: Gpus, msg: u64, iters: u64, warmup: u64) -> Option<f64> {
     let mut best: Option<f64> = None;
-    for test in ["ucp_put_bw", "tag_bw"] {
-        match perftest_once(tls, test, msg, iters, warmup) {
+    let tests = if gpus.is_some() { ["ucp_am_bw", "tag_bw"] } else { ["ucp_put_bw", "tag_bw"] };
+    for test in tests {
+        match perftest_once(tls, gpus, test, msg, iters, warmup) {
             Ok(g) => best = Some(best.map_or(g, |b: f64| b.max(g))),
             Err(e) => eprintln!("kv-bench: ucx_perftest {test} {msg} B: {e}"),
         }
@@ -436,7 +454,7 @@ fn output_within(mut cmd: Command, deadline: Duration) -> anyhow::Result<(std::p
     }
 }
 
-fn perftest_once(tls: Option<&str>, test: &str, msg: u64, iters: u64, warmup: u64) -> anyhow::Result<f64> {
+fn perftest_once(tls: Option<&str>, gpus: Gpus, test: &str, msg: u64, iters: u64, warmup: u64) -> anyhow::Result<f64> {
     let port = 20000 + (std::process::id() % 20000) as u16 + (msg % 97) as u16;
     let env = |c: &mut Command| {
         if let Some(t) = tls {
@@ -446,6 +464,9 @@ fn perftest_once(tls: Option<&str>, test: &str, msg: u64, iters: u64, warmup: u6
     let mut server = Command::new("ucx_perftest");
     server.args(["-p", &port.to_string()]).stdout(Stdio::null()).stderr(Stdio::null());
     env(&mut server);
+    if let Some((_, r)) = gpus {
+        server.env("CUDA_VISIBLE_DEVICES", r.to_string());
+    }
     let mut server = server.spawn().context("ucx_perftest not found (apt install ucx-utils)")?;
     let mut last = String::new();
     let mut result = Err(anyhow!("no result"));
@@ -459,6 +480,9 @@ fn perftest_once(tls: Option<&str>, test: &str, msg: u64, iters: u64, warmup: u6
             &warmup.to_string(),
         ]);
         env(&mut c);
+        if let Some((s, _)) = gpus {
+            c.env("CUDA_VISIBLE_DEVICES", s.to_string()).args(["-m", "cuda,cuda"]);
+        }
         let (out, killed) = output_within(c, PERFTEST_DEADLINE)?;
         let text = String::from_utf8_lossy(&out.stdout).to_string();
         if let Some(line) = text.lines().find(|l| l.starts_with("Final:")) {

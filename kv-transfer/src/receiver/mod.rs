@@ -118,6 +118,8 @@ pub struct ReceiverStats {
     /// Blocks held back after a one-sided sender was lost (freed when the quarantine ends).
     pub quarantined_blocks: usize,
     pub bytes_received: u64,
+    /// Of those, the bytes that came as gathered writes (scattered layers of a device pool).
+    pub stream_bytes_received: u64,
 }
 
 /// The receiving side of kv-transfer, one per decode worker.
@@ -255,6 +257,7 @@ impl KvReceiver {
             cut_off_peers: c.cut_off_peers.load(Ordering::Relaxed),
             quarantined_blocks: c.quarantined_blocks.load(Ordering::SeqCst),
             bytes_received: c.bytes_received.load(Ordering::Relaxed),
+            stream_bytes_received: c.stream_bytes_received.load(Ordering::Relaxed),
         }
     }
 }

@@ -85,6 +85,8 @@ pub(crate) struct SenderShared {
     pub shipper: Shipper,
     /// Host buffers a device pool is shipped through (`None` for host pools, shipped in place).
     pub staging: Option<Arc<StagingPool>>,
+    /// Device buffers a scattered layer of a device pool is gathered into (allocated on first use).
+    pub gather: Arc<crate::staging::LazyDevicePool>,
 }
 
 /// Routes receiver-initiated messages to sessions.
@@ -181,6 +183,7 @@ impl KvSender {
                 router: Arc::new(Router::default()),
                 shipper: Shipper::start()?,
                 staging,
+                gather: Arc::default(),
             }),
         })
     }

@@ -273,6 +273,7 @@ impl SendSession {
             ready,
             fault: self.shared.fault,
             staging: self.shared.staging.clone(),
+            gather: self.shared.gather.clone(),
         };
         if !self.shared.shipper.submit(shipment) {
             self.st.shipment_done();

@@ -29,6 +29,8 @@ pub(crate) struct LayerShipment {
     pub fault: Option<Fault>,
     /// The sender's staging buffers when its pool is device memory.
     pub staging: Option<Arc<StagingPool>>,
+    /// The sender's device buffers for gathering scattered layers.
+    pub gather: Arc<staging::LazyDevicePool>,
 }
 
 pub(crate) struct Shipper {
@@ -79,7 +81,20 @@ fn ship(shipment: &LayerShipment) {
     let max_write = [own_limit, st.link.max_write()].into_iter().flatten().min();
     let (mut latent, mut indexer) = (0u64, 0u64);
     let latent_len = st.plan.latent_bytes_per_layer();
-    for p in st.plan.layer_puts(layer) {
+    // A scattered layer of a device pool on a link that moves device memory: gathered on the device and
+    // sent as a few large writes instead of a message per run.
+    let gathered =
+        device && staging.is_none() && st.link.stream_writes() && st.plan.layer_put_count() > staging::GATHER_MIN_PUTS;
+    let puts: Vec<crate::layout::Put> = if gathered { Vec::new() } else { st.plan.layer_puts(layer).collect() };
+    if gathered {
+        if !ship_gathered(st, shipment, layer) {
+            return;
+        }
+        latent = latent_len;
+        indexer = st.plan.indexer_bytes_per_layer();
+        st.bytes.fetch_add(latent + indexer, Ordering::Relaxed);
+    }
+    for p in puts {
         let is_latent = latent < latent_len;
         let dst_addr = base.wrapping_add(p.dst_offset);
         let region = if st.dst_regions.is_empty() {
@@ -123,6 +138,8 @@ fn ship(shipment: &LayerShipment) {
                 lane,
                 device: device && staged.is_none(),
                 staged,
+                stream_layer: None,
+                device_buf: None,
             };
             // Holding the control lock while issuing makes "stopped" final: after stop_by_receiver
             // returns, no put of this session enters the transport.
@@ -183,6 +200,75 @@ fn ship(shipment: &LayerShipment) {
         }
         f.fire(st.request_id());
     }
+}
+
+/// Gathers `layer`'s stream chunk by chunk into device buffers and hands each to the link as one write;
+/// false after recording why the session cannot go on.
+fn ship_gathered(st: &SessionState, shipment: &LayerShipment, layer: LayerIdx) -> bool {
+    let arena = st.cache.arena();
+    let fail = |why: String| {
+        st.set_error(TransferError::Transport(format!("request {}: layer {}: {why}", st.request_id(), layer.0)));
+        false
+    };
+    let (Some(copier), Some(pool)) = (arena.device_copier(), shipment.gather.get(arena)) else {
+        return fail("a scattered device layer needs the device's transfer buffers".into());
+    };
+    let pool = match pool {
+        Ok(p) => p,
+        Err(e) => return fail(e),
+    };
+    let base = arena.as_ptr() as u64;
+    for (lo, hi) in st.plan.stream_chunks(staging::STREAM_CHUNK as u64) {
+        if st.lock_ctl().stopped.is_some() {
+            return false;
+        }
+        let Some(buf) = pool.take_until(st.deadline) else {
+            st.set_error(st.timeout_error());
+            return false;
+        };
+        let mut at = buf.addr();
+        let copies: Vec<(u64, u64, u64)> = st
+            .plan
+            .stream_pieces(layer, lo, hi, true)
+            .into_iter()
+            .map(|(off, len)| {
+                let c = (base + off, at, len);
+                at += len;
+                c
+            })
+            .collect();
+        // SAFETY: the pieces lie in the pool (the plan was checked against its geometry in begin()) and the
+        // buffer holds the chunk (STREAM_CHUNK bytes at most); the layer is complete and the buffer ours.
+        match unsafe { copier.copy_pieces(&copies) } {
+            Some(Ok(())) => {}
+            Some(Err(e)) => return fail(format!("gathering on the device: {e}")),
+            None => return fail("the device cannot gather".into()),
+        }
+        let op = PutOp {
+            session_id: st.session_id,
+            token: *st.token().as_bytes(),
+            src: buf.addr() as *const u8,
+            len: hi - lo,
+            dst_offset: lo,
+            dst_addr: 0,
+            region: 0,
+            lane: st.next_lane.fetch_add(1, Ordering::Relaxed),
+            staged: None,
+            device: true,
+            stream_layer: Some(layer.0),
+            device_buf: Some(buf),
+        };
+        let c = st.lock_ctl();
+        if c.stopped.is_some() {
+            return false;
+        }
+        if let Err(e) = st.link.put(st.regions, op) {
+            drop(c);
+            st.set_error(super::map_link_error(st.request_id(), e));
+            return false;
+        }
+    }
+    true
 }
 
 /// Copies `len` bytes at `offset` of the device pool into a staging buffer (waiting for one until the

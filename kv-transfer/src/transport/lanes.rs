@@ -28,6 +28,23 @@ fn lanes_for_cores(cores: usize) -> usize {
     (cores / 4).max(cores.min(2)).clamp(1, 8)
 }
 
+/// Lanes per link for a pool in GPU memory that UCX moves itself (cuda_ipc), when neither the
+/// configuration nor `TANDEM_KV_LANES` says: one. On the H200 pair one lane moved a 32K-token request at
+/// 326 GB/s and 2 to 16 lanes at 171-178 (bench/RESULTS.md, "GPU to GPU"): the copies of several UCX
+/// workers into one GPU slow each other down, and one lane's thread keeps NVLink busy.
+pub const DEVICE_LANES: usize = 1;
+
+/// The lane count for a link: `configured`, else `TANDEM_KV_LANES`, else [`DEVICE_LANES`] where the pool
+/// is GPU memory moved by a CUDA-capable UCX (`device_direct`), else [`default_lanes`].
+pub fn for_pool(configured: Option<usize>, device_direct: bool) -> usize {
+    let env = std::env::var("TANDEM_KV_LANES").ok().and_then(|v| v.trim().parse::<usize>().ok());
+    match configured.or(env) {
+        Some(n) => n.clamp(1, 64),
+        None if device_direct => DEVICE_LANES,
+        None => default_lanes(),
+    }
+}
+
 /// Resolves a configured lane count (`None`: [`default_lanes`]).
 pub fn lanes_or_default(lanes: Option<usize>) -> usize {
     lanes.map(|n| n.clamp(1, 64)).unwrap_or_else(default_lanes)

@@ -132,6 +132,11 @@ pub struct PutOp {
     /// `src` is device memory (a device pool sent without staging, over a link whose
     /// [`Link::moves_device_memory`]).
     pub device: bool,
+    /// A gathered write of this layer's stream ([`crate::receiver::core::StreamPermit`]): `dst_offset` is
+    /// the offset in the layer's stream, `src` the device buffer it was gathered into.
+    pub stream_layer: Option<u32>,
+    /// The device buffer `src` points into for a gathered write, held until the transport is done.
+    pub device_buf: Option<crate::staging::DeviceBuf>,
 }
 
 impl PutOp {
@@ -179,6 +184,48 @@ impl WriteHeader {
     }
 }
 
+/// What a gathered write carries ahead of its payload (UCX active messages `AM_STREAM`):
+/// `[session: u64][session token: 16 bytes][layer: u32][stream offset: u64][len: u64]`, little-endian.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct StreamHeader {
+    pub session: u64,
+    pub token: [u8; TOKEN_BYTES],
+    pub layer: u32,
+    pub offset: u64,
+    pub len: u64,
+}
+
+impl StreamHeader {
+    pub const BYTES: usize = 8 + TOKEN_BYTES + 4 + 16;
+
+    pub fn encode(&self) -> [u8; Self::BYTES] {
+        let mut b = [0u8; Self::BYTES];
+        let t = 8 + TOKEN_BYTES;
+        b[..8].copy_from_slice(&self.session.to_le_bytes());
+        b[8..t].copy_from_slice(&self.token);
+        b[t..t + 4].copy_from_slice(&self.layer.to_le_bytes());
+        b[t + 4..t + 12].copy_from_slice(&self.offset.to_le_bytes());
+        b[t + 12..t + 20].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// `None` unless `b` is exactly [`StreamHeader::BYTES`] long.
+    pub fn decode(b: &[u8]) -> Option<Self> {
+        if b.len() != Self::BYTES {
+            return None;
+        }
+        let t = 8 + TOKEN_BYTES;
+        let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap_or([0; 8]));
+        Some(StreamHeader {
+            session: word(0),
+            token: b[8..t].try_into().ok()?,
+            layer: u32::from_le_bytes(b[t..t + 4].try_into().ok()?),
+            offset: word(t + 4),
+            len: word(t + 12),
+        })
+    }
+}
+
 // SAFETY: `src` points into an arena the session keeps alive (Arc<KvCache>) until its puts are flushed,
 // or into `staged`, which the op owns.
 unsafe impl Send for PutOp {}
@@ -209,6 +256,10 @@ pub trait Link: Send + Sync {
     /// Whether puts may read device memory directly (a CUDA-capable UCX): a sender with a device pool then
     /// sends from it without host staging. Other links get host memory only.
     fn moves_device_memory(&self) -> bool {
+        false
+    }
+    /// Whether the receiver lands gathered writes (`TransferAccept::stream_writes`, noted by `accepted`).
+    fn stream_writes(&self) -> bool {
         false
     }
     /// Sets up the writes of a session the receiver accepted: makes the regions it granted for one-sided

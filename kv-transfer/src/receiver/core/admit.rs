@@ -93,7 +93,124 @@ impl Drop for WritePermit {
     }
 }
 
+/// Permission to land bytes `offset..offset + len` of one layer's stream (a gathered write: the layer's
+/// latent entries, then its indexer blocks, back to back) in one transfer's blocks: `pieces` are where
+/// they go, as (pool offset, length), in stream order. Like a [`WritePermit`], it holds the transfer
+/// until dropped; `commit` first when the bytes are in place.
+pub struct StreamPermit {
+    core: Arc<ReceiverCore>,
+    t: Arc<Transfer>,
+    pub pieces: Vec<(u64, u64)>,
+    pub len: u64,
+    layer: usize,
+    latent: u64,
+    committed: bool,
+}
+
+impl StreamPermit {
+    /// The pool's device copier (a stream permit exists only for a device pool).
+    pub fn arena(&self) -> &kv_cache::KvArena {
+        self.core.cache.arena()
+    }
+
+    /// The bytes could not be placed: fails the transfer with `why` (as [`WritePermit::fail`]).
+    pub fn fail(self, why: &str) {
+        let why = format!("request {}: placing a gathered write: {why}", self.t.request_id);
+        self.core.fail(&self.t, TransferError::Transport(why.clone()), &why);
+    }
+
+    pub fn commit(mut self) {
+        self.committed = true;
+    }
+}
+
+impl Drop for StreamPermit {
+    fn drop(&mut self) {
+        if self.committed {
+            self.t.latent_written[self.layer].fetch_add(self.latent, Ordering::Relaxed);
+            self.t.indexer_written[self.layer].fetch_add(self.len - self.latent, Ordering::Relaxed);
+            self.core.counters.bytes_received.fetch_add(self.len, Ordering::Relaxed);
+            self.core.counters.stream_bytes_received.fetch_add(self.len, Ordering::Relaxed);
+        }
+        if self.t.inflight.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.core.on_quiescent(&self.t);
+        }
+    }
+}
+
 impl ReceiverCore {
+    /// Admits a gathered write of `len` bytes at `offset` of `layer`'s stream for `session` (see
+    /// [`StreamPermit`]), whose writer presents `token`. As for [`ReceiverCore::admit_write`], a wrong
+    /// token is refused and counted, and a range outside the layer's stream or splitting an entry or a
+    /// block fails the transfer. The destination comes from the transfer's own blocks only.
+    pub fn admit_stream(
+        self: &Arc<Self>,
+        session: u64,
+        token: &[u8; TOKEN_BYTES],
+        layer: u32,
+        offset: u64,
+        len: u64,
+    ) -> Result<StreamPermit, Refusal> {
+        let Some(t) = self.tables().by_session.get(&session).cloned() else { return Err(Refusal::Stale) };
+        if !t.session_token.matches(token) {
+            self.count_dropped_untrusted(1);
+            return Err(Refusal::WrongToken);
+        }
+        t.inflight.fetch_add(1, Ordering::SeqCst);
+        let plan = t.stream_plan.get_or_init(|| {
+            let blocks: Vec<kv_cache::BlockId> = t.blocks.iter().map(|&b| kv_cache::BlockId(b)).collect();
+            crate::layout::PutPlan::new(self.layout, self.layout, &blocks, &blocks, t.num_tokens as usize)
+        });
+        let lat = plan.latent_bytes_per_layer();
+        let permit = |pieces, latent| StreamPermit {
+            core: self.clone(),
+            t: t.clone(),
+            pieces,
+            len,
+            layer: layer as usize,
+            latent,
+            committed: false,
+        };
+        if !t.active.load(Ordering::SeqCst) {
+            drop(permit(Vec::new(), 0));
+            return Err(Refusal::Stale);
+        }
+        let end = offset.saturating_add(len);
+        let aligned = |at: u64| {
+            if at <= lat {
+                at.is_multiple_of(plan.unit_bytes(true))
+            } else {
+                (at - lat).is_multiple_of(plan.unit_bytes(false))
+            }
+        };
+        let why = if layer as usize >= self.geometry.num_layers {
+            Some(format!("gathered write into layer {layer} of {}", self.geometry.num_layers))
+        } else if len == 0 || end > plan.bytes_per_layer() {
+            Some(format!("gathered write {offset}+{len} outside the layer's {} bytes", plan.bytes_per_layer()))
+        } else if !aligned(offset) || !(aligned(end) || end == plan.bytes_per_layer()) || (offset < lat && end > lat) {
+            Some(format!("gathered write {offset}+{len} splits an entry or a block, or mixes latent and indexer bytes"))
+        } else {
+            None
+        };
+        match why {
+            None => {
+                let pieces = plan.stream_pieces(kv_cache::LayerIdx(layer), offset, end, false);
+                let latent = if offset < lat { len } else { 0 };
+                Ok(permit(pieces, latent))
+            }
+            Some(why) => {
+                drop(permit(Vec::new(), 0));
+                let why = format!("request {}: {why}", t.request_id);
+                self.fail(
+                    &t,
+                    TransferError::BadCompletion { request_id: t.request_id.clone(), reason: why.clone() },
+                    &why,
+                );
+                Err(Refusal::Invalid(why))
+            }
+        }
+    }
+
     /// Admits a receiver-mediated write of `len` bytes at pool offset `offset` for `session`, whose
     /// writer presents `token` (the session token of its Accept). A wrong token is refused (and counted)
     /// without touching the transfer (the writer is not its sender); a write outside the transfer's
@@ -184,5 +301,84 @@ impl ReceiverCore {
             return Err("latent write not aligned to entries".into());
         }
         Ok((layer, latent))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::testkit;
+    use crate::token::TransferToken;
+
+    fn core() -> (Arc<ReceiverCore>, tokio::runtime::Runtime) {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let (cache, pool) = testkit::filled_cache(testkit::geometry(2, 16), 3);
+        let timings = super::super::ReceiverTimings {
+            abort_ack_timeout: Duration::from_secs(1),
+            quarantine: Duration::from_secs(1),
+            write_stall: Duration::from_secs(1),
+        };
+        let core = ReceiverCore::new(
+            cache,
+            pool,
+            testkit::fingerprint(&testkit::geometry(2, 16)),
+            timings,
+            rt.handle().clone(),
+        );
+        (Arc::new(core), rt)
+    }
+
+    /// A gathered write lands only in the transfer's own blocks, in stream order, as whole entries or
+    /// blocks of one kind; anything else fails the transfer, and a stranger's is refused untouched.
+    #[test]
+    fn stream_writes_map_to_the_transfers_blocks_and_nothing_else() {
+        let (core, _rt) = core();
+        let tokens = 64 * 2 + 10;
+        let blocks = vec![5u32, 3, 9];
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let t = core.register("r", TransferToken::generate().unwrap(), tokens, blocks, deadline, false).unwrap();
+        let token = *t.session_token.as_bytes();
+        let g = core.geometry;
+        let (entry, block) = (g.latent_bytes_per_token() as u64, g.indexer_bytes_per_block() as u64);
+        let lat = tokens as u64 * entry;
+        // Not yet active: stale.
+        assert_eq!(core.admit_stream(t.session, &token, 1, 0, lat).err(), Some(Refusal::Stale));
+        t.active.store(true, Ordering::SeqCst);
+        assert_eq!(core.admit_stream(t.session, &[7; TOKEN_BYTES], 1, 0, lat).err(), Some(Refusal::WrongToken));
+        // The latent part of layer 1: blocks 5, 3, 9 of that layer, in the request's order.
+        let p = core.admit_stream(t.session, &token, 1, 0, lat).unwrap();
+        let at = |b: u64| g.latent_layer_stride() as u64 + b * 64 * entry;
+        assert_eq!(p.pieces, vec![(at(5), 64 * entry), (at(3), 64 * entry), (at(9), 10 * entry)]);
+        p.commit();
+        assert_eq!(t.latent_written[1].load(Ordering::Relaxed), lat);
+        // The indexer part from its second block: blocks 3 and 9.
+        let p = core.admit_stream(t.session, &token, 1, lat + block, 2 * block).unwrap();
+        let ix = |b: u64| g.indexer_region_offset() as u64 + g.indexer_layer_stride() as u64 + b * block;
+        assert_eq!(p.pieces, vec![(ix(3), block), (ix(9), block)]);
+        drop(p);
+        assert_eq!(t.indexer_written[1].load(Ordering::Relaxed), 0, "an uncommitted write counts nothing");
+        // Splitting an entry fails the transfer; later writes find it stale.
+        assert!(matches!(core.admit_stream(t.session, &token, 0, entry / 2, entry), Err(Refusal::Invalid(_))));
+        assert!(!t.active.load(Ordering::SeqCst));
+        assert_eq!(core.admit_stream(t.session, &token, 0, 0, entry).err(), Some(Refusal::Stale));
+    }
+
+    #[test]
+    fn stream_writes_outside_the_layer_or_mixing_kinds_fail_the_transfer() {
+        for (layer, offset, len) in
+            [(2u32, 0u64, 656u64), (0, 0, 0), (0, 0, 138 * 656 + 8448), (0, 138 * 656, 8448 * 4)]
+        {
+            let (core, _rt) = core();
+            let deadline = Instant::now() + Duration::from_secs(60);
+            let t =
+                core.register("r", TransferToken::generate().unwrap(), 138, vec![1, 2, 3], deadline, false).unwrap();
+            t.active.store(true, Ordering::SeqCst);
+            let token = *t.session_token.as_bytes();
+            let r = core.admit_stream(t.session, &token, layer, offset, len);
+            assert!(matches!(r, Err(Refusal::Invalid(_))), "layer {layer} {offset}+{len}");
+            assert!(!t.active.load(Ordering::SeqCst));
+        }
     }
 }

@@ -21,7 +21,7 @@
 mod admit;
 mod messages;
 
-pub use admit::{Refusal, WritePermit};
+pub use admit::{Refusal, StreamPermit, WritePermit};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -92,6 +92,9 @@ pub(crate) struct Transfer {
     free: Mutex<FreeState>,
     /// Complete waiting for writes in progress to drain.
     deferred_complete: Mutex<Option<DeferredComplete>>,
+    /// This side's put plan of the request (its blocks to themselves), built on the first gathered write:
+    /// it maps a layer's stream ranges to the transfer's blocks.
+    stream_plan: std::sync::OnceLock<layout::PutPlan>,
 }
 
 #[derive(Default)]
@@ -136,6 +139,7 @@ pub(crate) struct Counters {
     pub cut_off_peers: AtomicU64,
     pub quarantined_blocks: AtomicUsize,
     pub bytes_received: AtomicU64,
+    pub stream_bytes_received: AtomicU64,
 }
 
 pub struct ReceiverCore {
@@ -150,6 +154,8 @@ pub struct ReceiverCore {
     pub(crate) counters: Counters,
     /// Buffers checksums of a device pool are read through (`None` for host pools, hashed in place).
     pub(crate) staging: Option<Arc<StagingPool>>,
+    /// Device buffers gathered writes land in (allocated on the first one).
+    pub(crate) landing: staging::LazyDevicePool,
 }
 
 impl ReceiverCore {
@@ -171,6 +177,7 @@ impl ReceiverCore {
             tables: Mutex::new(Tables::default()),
             counters: Counters::default(),
             staging: cache.stages_through_host().then(|| StagingPool::new(staging::VERIFY_BUFFERS)),
+            landing: Default::default(),
             cache,
         }
     }
@@ -227,6 +234,7 @@ impl ReceiverCore {
             terminal: Mutex::new(None),
             free: Mutex::new(FreeState::default()),
             deferred_complete: Mutex::new(None),
+            stream_plan: std::sync::OnceLock::new(),
         });
         {
             let mut tb = self.tables();

@@ -54,6 +54,8 @@ pub(super) struct UcxLink {
     /// The largest write the receiver places (from its `Accept`; a device pool it stages through host
     /// memory); 0 when unbounded.
     pub max_write: AtomicU64,
+    /// The receiver lands gathered writes (its last `Accept` said so).
+    pub stream_writes: AtomicBool,
     pub id: u64,
     /// (node, endpoint) per lane; lane 0 carries control messages.
     pub lanes: Vec<(Arc<Node>, u64)>,
@@ -137,6 +139,10 @@ impl Link for UcxLink {
         self.lanes.iter().all(|(node, _)| node.cuda)
     }
 
+    fn stream_writes(&self) -> bool {
+        self.stream_writes.load(Ordering::SeqCst)
+    }
+
     fn max_write(&self) -> Option<u64> {
         let m = self.max_write.load(Ordering::SeqCst);
         (m > 0).then_some(m)
@@ -146,6 +152,7 @@ impl Link for UcxLink {
         if accept.max_write > 0 {
             self.max_write.store(accept.max_write, Ordering::SeqCst);
         }
+        self.stream_writes.store(accept.stream_writes, Ordering::SeqCst);
         let regions = &accept.regions;
         if regions.is_empty() {
             // No puts granted (the receiver does not take them, or its pool is in device memory): it lands

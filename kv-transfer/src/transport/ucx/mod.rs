@@ -165,6 +165,8 @@ pub struct UcxTransport {
     one_sided_puts: bool,
     /// Nodes (workers, progress threads) per link on each side.
     lanes: usize,
+    /// The lane count the configuration asked for (`None`: chosen per pool, [`lanes::for_pool`]).
+    lanes_configured: Option<usize>,
     sender: Mutex<Option<(Vec<NodeOwner>, Arc<SenderSink>)>>,
 }
 
@@ -193,8 +195,16 @@ impl UcxTransport {
             data_path,
             one_sided_puts,
             lanes: lanes_or_default(lanes),
+            lanes_configured: lanes,
             sender: Mutex::new(None),
         })
+    }
+
+    /// Lanes for a link of `cache`: a GPU pool moved by a CUDA-capable UCX takes [`lanes::DEVICE_LANES`]
+    /// unless configured.
+    fn lanes_for(&self, cache: &KvCache) -> usize {
+        let direct = !cache.memory_kind().host_accessible() && cache.stages_through_host() && api::cuda_memory();
+        if direct { super::lanes::for_pool(self.lanes_configured, true) } else { self.lanes }
     }
 
     /// Whether this side's nodes use or accept one-sided puts (and so need UCX's RMA feature): only with
@@ -227,7 +237,7 @@ impl Transport for UcxTransport {
         // Lane 0 takes control messages (and puts, where accepted: it registers the arena); every lane
         // places active-message writes (senders spread theirs over all of them).
         let mut owners = Vec::new();
-        for _ in 0..self.lanes {
+        for _ in 0..self.lanes_for(&core.cache) {
             let sink: Arc<dyn Sink> = sink.clone();
             let tls = self.tls.as_deref();
             let bind = binder(&core.cache);
@@ -275,7 +285,7 @@ impl Transport for UcxTransport {
             if g.as_ref().is_none_or(|(n, _)| n.iter().any(|n| !n.0.is_alive())) {
                 let sink = Arc::new(SenderSink { links: Mutex::new(HashMap::new()), inbound: inbound.clone() });
                 let mut owners = Vec::new();
-                for _ in 0..self.lanes {
+                for _ in 0..self.lanes_for(local_cache) {
                     let s: Arc<dyn Sink> = sink.clone();
                     owners.push(NodeOwner(Node::start(
                         "kv-send",
@@ -317,6 +327,7 @@ impl Transport for UcxTransport {
         let link = Arc::new(UcxLink {
             receiver_mediated: AtomicBool::new(am),
             max_write: AtomicU64::new(0),
+            stream_writes: AtomicBool::new(false),
             id: next_id(),
             epochs: Arc::new(LaneEpochs::new(lanes.len())),
             lanes,

@@ -22,10 +22,10 @@ use proto::v1::{MemoryRegion, TransferControl};
 
 use super::node::{Node, Sink};
 use super::{host, lock};
-use crate::receiver::core::{ReceiverCore, Refusal, WritePermit};
-use crate::staging::STAGE_BYTES;
+use crate::receiver::core::{ReceiverCore, Refusal, StreamPermit, WritePermit};
+use crate::staging::{DevicePool, STAGE_BYTES};
 use crate::transport::lanes::decode_address;
-use crate::transport::{PeerLink, WriteHeader, next_id};
+use crate::transport::{PeerLink, StreamHeader, WriteHeader, next_id};
 
 /// Temporary endpoints for refusing strangers' handshakes, opened per [`STRANGER_TTL`].
 pub const STRANGER_EPS: usize = 16;
@@ -53,6 +53,8 @@ struct Grant {
     /// The largest write the receiver places (a device pool staged through the host: one staging
     /// buffer); 0 when unbounded.
     max_write: AtomicU64,
+    /// Gathered writes are landed (see `TransferAccept::stream_writes`).
+    stream_writes: AtomicBool,
 }
 
 #[derive(Default)]
@@ -71,13 +73,19 @@ impl ReceiverSink {
             core: Arc::downgrade(core),
             tls: tls.map(str::to_string),
             peers: Mutex::new(Peers::default()),
-            grant: Arc::new(Grant { puts: Default::default(), max_write: AtomicU64::new(max_write) }),
+            grant: Arc::new(Grant {
+                puts: Default::default(),
+                max_write: AtomicU64::new(max_write),
+                stream_writes: AtomicBool::new(false),
+            }),
         }
     }
 
-    /// The nodes land writes in the device pool themselves (a CUDA-capable UCX): writes of any size.
+    /// The nodes land writes in the device pool themselves (a CUDA-capable UCX): writes of any size, and
+    /// gathered writes.
     pub(super) fn receive_device_memory(&self) {
         self.grant.max_write.store(0, Ordering::SeqCst);
+        self.grant.stream_writes.store(true, Ordering::SeqCst);
     }
 
     /// Accepts one-sided puts into `regions` (the registered pool) from senders that ask for them.
@@ -194,6 +202,19 @@ impl Sink for ReceiverSink {
         Some(core.admit_write(h.session, &h.token, h.offset, h.len))
     }
 
+    fn admit_stream(&self, h: &StreamHeader) -> Option<Result<StreamPermit, Refusal>> {
+        if !self.grant.stream_writes.load(Ordering::SeqCst) {
+            return None;
+        }
+        let core = self.core.upgrade()?;
+        Some(core.admit_stream(h.session, &h.token, h.layer, h.offset, h.len))
+    }
+
+    fn landing(&self) -> Option<Result<Arc<DevicePool>, String>> {
+        let core = self.core.upgrade()?;
+        core.landing.get(core.cache.arena())
+    }
+
     fn on_ep_error(&self, ep: u64, reason: &str) {
         let lost: Vec<Arc<UcxPeer>> = {
             let mut peers = lock(&self.peers);
@@ -258,6 +279,7 @@ impl PeerLink for UcxPeer {
                 a.regions = regions.clone();
             }
             a.max_write = self.grant.max_write.load(Ordering::SeqCst);
+            a.stream_writes = self.grant.stream_writes.load(Ordering::SeqCst);
         }
         if let Some(n) = self.node.upgrade() {
             let _ = n.send_control(self.ep, &msg);

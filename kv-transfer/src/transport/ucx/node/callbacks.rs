@@ -96,6 +96,35 @@ pub(super) unsafe extern "C" fn on_am_data(
     ucs_status_t::UCS_OK
 }
 
+pub(super) unsafe extern "C" fn on_am_stream(
+    arg: *mut core::ffi::c_void,
+    header: *const core::ffi::c_void,
+    header_length: size_t,
+    data: *mut core::ffi::c_void,
+    length: size_t,
+    param: *const ucp_am_recv_param_t,
+) -> ucs_status_t {
+    // SAFETY: as on_am_data.
+    unsafe {
+        let q = events(arg);
+        if header.is_null() || header_length as usize != StreamHeader::BYTES {
+            return ucs_status_t::UCS_OK;
+        }
+        let Some(hdr) = StreamHeader::decode(std::slice::from_raw_parts(header as *const u8, StreamHeader::BYTES))
+        else {
+            return ucs_status_t::UCS_OK;
+        };
+        let attr = (*param).recv_attr;
+        if attr & ucp_am_recv_attr_t_UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0 {
+            q.push(Event::Stream(hdr, Payload::Rndv(data, length)));
+            return ucs_status_t::UCS_INPROGRESS;
+        }
+        // Gathered writes come by rendezvous only; an eager one is refused (and its sender failed).
+        q.push(Event::Stream(hdr, Payload::Copied(Vec::new())));
+    }
+    ucs_status_t::UCS_OK
+}
+
 pub(super) unsafe extern "C" fn on_recv_done(
     request: *mut core::ffi::c_void,
     status: ucs_status_t,

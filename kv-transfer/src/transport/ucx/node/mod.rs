@@ -16,10 +16,10 @@ use proto::v1::TransferControl;
 use super::api::{StatusPtr, classify, status_str};
 use super::sys::*;
 use crate::TransferError;
-use crate::receiver::core::{Refusal, WritePermit};
-use crate::staging::{RECEIVER_LANE_BUFFERS, STAGE_BYTES, StagedBuf, StagingPool};
+use crate::receiver::core::{Refusal, StreamPermit, WritePermit};
+use crate::staging::{DeviceBuf, DevicePool, RECEIVER_LANE_BUFFERS, STAGE_BYTES, STREAM_CHUNK, StagedBuf, StagingPool};
 use crate::transport::lanes::{FlushJoin, encode_address};
-use crate::transport::{PutOp, WriteHeader, next_id};
+use crate::transport::{PutOp, StreamHeader, WriteHeader, next_id};
 use crate::wait::Cell;
 
 mod callbacks;
@@ -32,6 +32,8 @@ use callbacks::*;
 pub const AM_CONTROL: u32 = 7101;
 /// AM id of data writes (header: a [`WriteHeader`]; payload by rendezvous).
 pub const AM_DATA: u32 = 7102;
+/// AM id of gathered writes (header: a [`StreamHeader`]; payload by rendezvous, device memory).
+pub const AM_STREAM: u32 = 7103;
 /// How long the loop keeps polling after activity before it sleeps on the event fd ([`spin_time`]).
 const SPIN: Duration = Duration::from_micros(200);
 /// The same on machines of at most [`FEW_CORES`] cores, where a polling thread takes the core another
@@ -68,6 +70,14 @@ pub(crate) trait Sink: Send + Sync {
     fn on_control(&self, node: &Arc<Node>, origin: u64, msg: TransferControl);
     /// Admits an active-message write (receivers); `None` where this node receives no data.
     fn admit(&self, _header: &WriteHeader) -> Option<Result<WritePermit, Refusal>> {
+        None
+    }
+    /// Admits a gathered write (receivers that land them); `None` where this node takes none.
+    fn admit_stream(&self, _header: &StreamHeader) -> Option<Result<StreamPermit, Refusal>> {
+        None
+    }
+    /// The device buffers gathered writes land in before they are scattered.
+    fn landing(&self) -> Option<Result<Arc<DevicePool>, String>> {
         None
     }
     fn on_ep_error(&self, ep: u64, reason: &str);
@@ -488,6 +498,8 @@ enum Event {
     /// An active-message write: its header, then the payload (rendezvous or persistent descriptor, or a
     /// copy of a small eager payload).
     Data(WriteHeader, Payload),
+    /// A gathered write: its header and its payload.
+    Stream(StreamHeader, Payload),
     EpError(u64, ucs_status_t),
     Am(u64, Vec<u8>),
     /// Control messages dropped in the callback (too large, or the queue was full).
@@ -507,8 +519,10 @@ enum Payload {
 /// request completes.
 enum Action {
     Put(u64, Option<StagedBuf>),
-    /// An active-message data send on endpoint `.0`.
-    DataSend(u64, Option<StagedBuf>),
+    /// An active-message data send on endpoint `.0`, with the host or device buffer it reads.
+    DataSend(u64, Option<StagedBuf>, Option<DeviceBuf>),
+    /// Receiving a gathered write into a device buffer, scattered into the blocks when it lands.
+    RecvStream(StreamPermit, DeviceBuf),
     /// Receiving a rendezvous payload into admitted memory, or into a staging buffer for a device pool.
     Recv(WritePermit, Option<StagedBuf>),
     /// A control send on endpoint `.0`.
@@ -556,6 +570,12 @@ struct State {
     deferred: VecDeque<(*mut core::ffi::c_void, WritePermit)>,
     /// `resume_staged` is running (an immediately completed receive must not re-enter it).
     resuming: bool,
+    /// `resume_stream` is running.
+    resuming_stream: bool,
+    /// Gathered writes waiting for a landing buffer to come back.
+    deferred_stream: VecDeque<(*mut core::ffi::c_void, StreamPermit)>,
+    /// The receiver's landing buffers (taken from the sink on the first gathered write).
+    landing: Option<Arc<DevicePool>>,
     /// The context moves CUDA memory ([`Node::cuda`]): rendezvous writes into a device pool land there
     /// directly, and device sources are sent as they are.
     cuda: bool,
@@ -574,6 +594,34 @@ fn place(permit: WritePermit, src: &[u8]) {
         // SAFETY: the permit owns `permit.len` bytes at its pointer in the host arena.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), permit.ptr, src.len()) };
         permit.commit();
+    }
+}
+
+/// Scatters a gathered write that landed in `buf` into its pieces of the pool (on the device), then
+/// commits it; a failed copy fails the transfer.
+fn scatter(permit: StreamPermit, buf: &DeviceBuf) {
+    let (base, mut at) = (permit.arena().as_ptr() as u64, buf.addr());
+    if permit.len > buf.len() as u64 {
+        return permit.fail("larger than its landing buffer");
+    }
+    let copies: Vec<(u64, u64, u64)> = permit
+        .pieces
+        .iter()
+        .map(|&(off, len)| {
+            let c = (at, base + off, len);
+            at += len;
+            c
+        })
+        .collect();
+    let Some(copier) = permit.arena().device_copier().cloned() else {
+        return permit.fail("the pool is not device memory");
+    };
+    // SAFETY: the pieces are the transfer's own blocks (the permit mapped them from its table) and lie in
+    // the pool; the landing buffer holds `permit.len` bytes; the permit is the only writer of the pieces.
+    match unsafe { copier.copy_pieces(&copies) } {
+        Some(Ok(())) => permit.commit(),
+        Some(Err(e)) => permit.fail(&format!("scattering on the device: {e}")),
+        None => permit.fail("the device cannot scatter"),
     }
 }
 

@@ -42,6 +42,9 @@ impl State {
             }
         };
         let token = next_id();
+        if let Some(layer) = op.stream_layer {
+            return self.send_stream(ep, h, token, layer, op);
+        }
         if am {
             let mut p = self.param(token);
             p.op_attr_mask |= ucp_op_attr_t_UCP_OP_ATTR_FIELD_FLAGS;
@@ -70,7 +73,7 @@ impl State {
                 )
             };
             *self.data_inflight.entry(ep).or_insert(0) += 1;
-            self.issued(token, &p, r, Action::DataSend(ep, op.staged));
+            self.issued(token, &p, r, Action::DataSend(ep, op.staged, None));
             return;
         }
         let Some(rkey) = self.rkeys.get(&rkeys).and_then(|(_, v)| v.get(op.region).copied()) else {
@@ -84,6 +87,36 @@ impl State {
             (self.lib.ucp_put_nbx)(h, op.src as *const core::ffi::c_void, op.len as size_t, op.dst_addr, rkey, &p)
         };
         self.issued(token, &p, r, Action::Put(ep, op.staged));
+    }
+
+    /// A gathered write: the device buffer `op.src` points into goes out as one rendezvous message.
+    fn send_stream(&mut self, ep: u64, h: ucp_ep_h, token: u64, layer: u32, op: PutOp) {
+        if !self.cuda {
+            self.put_errors.entry(ep).or_insert_with(|| "a gathered device write on a UCX without CUDA".into());
+            return;
+        }
+        let mut p = self.param(token);
+        p.op_attr_mask |= ucp_op_attr_t_UCP_OP_ATTR_FIELD_FLAGS | ucp_op_attr_t_UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+        p.flags = ucp_send_am_flags::UCP_AM_SEND_FLAG_RNDV.0;
+        p.memory_type = ucs_memory_type_UCS_MEMORY_TYPE_CUDA;
+        let hdr = StreamHeader { session: op.session_id, token: op.token, layer, offset: op.dst_offset, len: op.len };
+        self.buffers.insert(token, (Box::new([0; 8]), hdr.encode().to_vec()));
+        let hdr = &self.buffers[&token].1;
+        // SAFETY: the header lives in self.buffers and the source in the device buffer the action holds until
+        // the send completes.
+        let r = unsafe {
+            (self.lib.ucp_am_send_nbx)(
+                h,
+                AM_STREAM,
+                hdr.as_ptr() as *const core::ffi::c_void,
+                hdr.len() as size_t,
+                op.src as *const core::ffi::c_void,
+                op.len as size_t,
+                &p,
+            )
+        };
+        *self.data_inflight.entry(ep).or_insert(0) += 1;
+        self.issued(token, &p, r, Action::DataSend(ep, None, op.device_buf));
     }
 
     pub(super) fn flush(&mut self, ep: u64, join: Arc<FlushJoin>) {
@@ -266,6 +299,7 @@ impl State {
                     self.fail_ep(sink, ep, why, true);
                 }
                 Event::Data(hdr, payload) => self.on_data(sink, hdr, payload),
+                Event::Stream(hdr, payload) => self.on_stream(sink, hdr, payload),
                 Event::Am(origin, bytes) => match TransferControl::decode(bytes.as_slice()) {
                     Ok(msg) => sink.on_control(node, origin, msg),
                     Err(e) => {
@@ -338,6 +372,90 @@ impl State {
             (Payload::Copied(bytes), Some(permit)) => place(permit, &bytes),
             (Payload::Copied(_), None) => {}
         }
+    }
+
+    /// A gathered write: admitted as a range of a layer's stream, received into a landing buffer on the
+    /// device, then scattered into the transfer's blocks ([`scatter`]).
+    pub(super) fn on_stream(&mut self, sink: &dyn Sink, hdr: StreamHeader, payload: Payload) {
+        let admitted = match sink.admit_stream(&hdr) {
+            Some(Ok(p)) => Some(p),
+            Some(Err(Refusal::Invalid(why))) => {
+                tracing::warn!(why, "dropping an invalid gathered write");
+                None
+            }
+            _ => None,
+        };
+        let landing = match (&admitted, &self.landing) {
+            (Some(_), None) => match sink.landing() {
+                Some(Ok(pool)) => Some(self.landing.insert(pool).clone()),
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "no device buffers to land gathered writes in");
+                    None
+                }
+                None => None,
+            },
+            (_, l) => l.clone(),
+        };
+        match (payload, admitted) {
+            (Payload::Rndv(desc, announced), Some(permit))
+                if announced == hdr.len && hdr.len <= STREAM_CHUNK as u64 && landing.is_some() =>
+            {
+                self.deferred_stream.push_back((desc, permit));
+                self.resume_stream();
+            }
+            (Payload::Rndv(desc, announced), Some(permit)) => {
+                permit.fail(&format!(
+                    "a gathered write of {announced} bytes under a {}-byte header (at most {STREAM_CHUNK}), or no \
+                     device buffer to land it",
+                    hdr.len
+                ));
+                // SAFETY: releasing an unreceived rendezvous descriptor drops its data.
+                unsafe { (self.lib.ucp_am_data_release)(self.worker, desc) };
+            }
+            (Payload::Rndv(desc, _), None) => {
+                // SAFETY: as above.
+                unsafe { (self.lib.ucp_am_data_release)(self.worker, desc) };
+            }
+            (Payload::Persistent(desc), permit) => {
+                if let Some(p) = permit {
+                    p.fail("a gathered write must come by rendezvous");
+                }
+                // SAFETY: a descriptor kept by returning UCS_INPROGRESS.
+                unsafe { (self.lib.ucp_am_data_release)(self.worker, desc) };
+            }
+            (Payload::Copied(_), Some(p)) => p.fail("a gathered write must come by rendezvous"),
+            (Payload::Copied(_), None) => {}
+        }
+    }
+
+    /// Starts deferred gathered receives while landing buffers are free.
+    pub(super) fn resume_stream(&mut self) {
+        if self.resuming_stream {
+            return;
+        }
+        self.resuming_stream = true;
+        while !self.deferred_stream.is_empty() {
+            let Some(buf) = self.landing.as_ref().and_then(|p| p.try_take()) else { break };
+            let Some((desc, permit)) = self.deferred_stream.pop_front() else { break };
+            let t = next_id();
+            let mut p = self.param(t);
+            p.cb.recv_am = Some(on_recv_done);
+            p.op_attr_mask |= ucp_op_attr_t_UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+            p.memory_type = ucs_memory_type_UCS_MEMORY_TYPE_CUDA;
+            // SAFETY: `permit.len` bytes (at most STREAM_CHUNK: the permit checked the range against the
+            // layer, and a layer chunk never exceeds it) fit the landing buffer the action holds.
+            let r = unsafe {
+                (self.lib.ucp_am_recv_data_nbx)(
+                    self.worker,
+                    desc,
+                    buf.addr() as *mut core::ffi::c_void,
+                    (permit.len as usize).min(buf.len()) as size_t,
+                    &p,
+                )
+            };
+            self.issued(t, &p, r, Action::RecvStream(permit, buf));
+        }
+        self.resuming_stream = false;
     }
 
     /// Receives a rendezvous payload into `staged`, else straight into the admitted range.
@@ -472,6 +590,10 @@ impl State {
         }
         for (desc, _permit) in std::mem::take(&mut self.deferred) {
             // SAFETY: an unreceived rendezvous descriptor; releasing it drops its data.
+            unsafe { (self.lib.ucp_am_data_release)(self.worker, desc) };
+        }
+        for (desc, _permit) in std::mem::take(&mut self.deferred_stream) {
+            // SAFETY: as above.
             unsafe { (self.lib.ucp_am_data_release)(self.worker, desc) };
         }
         // Requests still in flight keep their memory (staging buffers, permits) until `destroy` has

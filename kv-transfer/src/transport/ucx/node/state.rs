@@ -102,6 +102,11 @@ impl State {
                 hp.flags |= ucp_am_cb_flags::UCP_AM_FLAG_PERSISTENT_DATA.0;
                 s = (lib.ucp_worker_set_am_recv_handler)(worker, &hp);
             }
+            if s == ucs_status_t::UCS_OK {
+                hp = super::super::api::whole_message_handler(AM_STREAM, Some(on_am_stream), arg);
+                hp.flags |= ucp_am_cb_flags::UCP_AM_FLAG_PERSISTENT_DATA.0;
+                s = (lib.ucp_worker_set_am_recv_handler)(worker, &hp);
+            }
             if s != ucs_status_t::UCS_OK {
                 (lib.ucp_worker_destroy)(worker);
                 (lib.ucp_cleanup)(ctx);
@@ -129,6 +134,9 @@ impl State {
                 recv_staging: None,
                 deferred: VecDeque::new(),
                 resuming: false,
+                resuming_stream: false,
+                deferred_stream: VecDeque::new(),
+                landing: None,
                 cuda,
             })
         }
@@ -187,7 +195,7 @@ impl State {
                     }
                 }
             }
-            Action::DataSend(ep, _source) => {
+            Action::DataSend(ep, _source, _device) => {
                 self.buffers.remove(&token);
                 if !ok {
                     self.put_errors.entry(ep).or_insert_with(|| status_str(self.lib, s));
@@ -212,6 +220,14 @@ impl State {
                 }
                 // The staging buffer is back: a deferred write may take it.
                 self.resume_staged();
+            }
+            Action::RecvStream(permit, buf) => {
+                if ok {
+                    scatter(permit, &buf);
+                }
+                drop(buf);
+                // The landing buffer is back: a deferred gathered write may take it.
+                self.resume_stream();
             }
             Action::Flush(join) => {
                 join.part(if ok { Ok(()) } else { Err(err(self.lib, "link lost: flush", s)) });
