@@ -353,6 +353,13 @@ impl Transport for UcxTransport {
             }
             return Err(e);
         }
+        // What UCX chose for the first link of this process (transports, lanes), once.
+        static LOGGED: AtomicBool = AtomicBool::new(false);
+        if !LOGGED.swap(true, std::sync::atomic::Ordering::SeqCst)
+            && let Some((node, ep)) = link.lanes.first()
+        {
+            tracing::info!(lanes = link.lanes.len(), ucx_lanes = %node.describe(*ep), "kv-transfer UCX link to a receiver");
+        }
         let mut links = lock(&sink.links);
         links.retain(|_, l| l.strong_count() > 0);
         links.insert(origin, Arc::downgrade(&link));

@@ -126,6 +126,11 @@ enum Cmd {
     CloseEp {
         ep: u64,
     },
+    /// The lanes and transports UCX chose for `ep` (`ucp_ep_print_info`'s lane lines).
+    Describe {
+        ep: u64,
+        done: Arc<Cell<String>>,
+    },
     /// Closes `ep` once its control sends completed, and at `by` at the latest.
     CloseWhenSent {
         ep: u64,
@@ -310,6 +315,15 @@ impl Node {
 
     pub fn close_ep(&self, ep: u64) {
         let _ = self.cmd(Cmd::CloseEp { ep });
+    }
+
+    /// The lanes and transports UCX uses for `ep` (for start-up logs); empty if it cannot tell.
+    pub fn describe(&self, ep: u64) -> String {
+        let done = Cell::new();
+        if self.cmd(Cmd::Describe { ep, done: done.clone() }).is_err() {
+            return String::new();
+        }
+        done.wait_until(Instant::now() + Duration::from_secs(5)).unwrap_or_default()
     }
 
     /// Closes `ep` once what was sent on it went out, or after `within` (a peer that never reads).

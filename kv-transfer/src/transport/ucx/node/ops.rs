@@ -186,6 +186,30 @@ impl State {
         }
     }
 
+    /// `ucp_ep_print_info`'s lane lines for `ep`, whitespace squeezed, `; `-joined.
+    fn describe(&self, ep: u64) -> String {
+        let Ok(h) = self.ep(ep) else { return String::new() };
+        let (mut buf, mut len): (*mut libc::c_char, libc::size_t) = (ptr::null_mut(), 0);
+        // SAFETY: open_memstream with valid out-pointers; UCX writes the text into the stream, which is
+        // closed (flushing it into `buf`) before `buf` is read and freed.
+        let text = unsafe {
+            let f = libc::open_memstream(&mut buf, &mut len);
+            if f.is_null() {
+                return String::new();
+            }
+            (self.lib.ucp_ep_print_info)(h, f as *mut FILE);
+            libc::fclose(f);
+            let text = String::from_utf8_lossy(std::slice::from_raw_parts(buf as *const u8, len)).into_owned();
+            libc::free(buf as *mut libc::c_void);
+            text
+        };
+        text.lines()
+            .filter(|l| l.contains("lane["))
+            .map(|l| l.trim_start_matches('#').split_whitespace().collect::<Vec<_>>().join(" "))
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+
     pub(super) fn close_ep(&mut self, ep: u64) {
         self.control_inflight.remove(&ep);
         self.closing.remove(&ep);
@@ -551,6 +575,9 @@ impl State {
                 done.set(unsafe { self.mem_map(addr, len) });
             }
             Cmd::CloseEp { ep } => self.close_ep(ep),
+            Cmd::Describe { ep, done } => {
+                done.set(self.describe(ep));
+            }
             Cmd::CloseWhenSent { ep, by } => {
                 if self.control_inflight.contains_key(&ep) {
                     self.closing.insert(ep, by);
