@@ -2,8 +2,9 @@
 # GPU tests on a machine without Rust, in two halves.
 #
 #   scripts/gpu-test.sh pack          (here, with the Rust toolchain)
-#       Builds `tandem` and the engine's test binary (release), strips and compresses them into gpu-carry/
-#       (ignored by git) with a manifest, prints the size of everything a device call carries, refuses a
+#       Builds `tandem`, engine-bench, the engine's test binaries and kv-transfer's kv-bench, kv-peer and GPU
+#       transfer test (release, `--features cuda`), strips and compresses them into gpu-carry/ (ignored by git)
+#       with a trimmed CUDA-capable UCX (the libucx-cu13 wheel, downloaded once into .whl/) and a manifest, prints the size of everything a device call carries, refuses a
 #       bundle over the 64 MiB carry limit, and prints the device command.
 #   scripts/gpu-test.sh run PHASE     (on the GPU machine, from the repository root)
 #       Unpacks gpu-carry/, sets the environment (CUDA libraries, TANDEM_REQUIRE_GPU=1 so a GPU test that

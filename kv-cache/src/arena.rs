@@ -85,7 +85,18 @@ pub trait DeviceCopy: Send + Sync {
     fn alloc(&self, _bytes: usize) -> Option<Result<Box<dyn DeviceBuffer>, String>> {
         None
     }
+    /// Whether the arena is CUDA device memory a CUDA-capable UCX may read and write itself (a plain
+    /// `cuMemAlloc` allocation). False for anything else a copier stands for (a simulated device).
+    fn cuda_memory(&self) -> bool {
+        false
+    }
 }
+
+/// The largest message a transport gathers a scattered layer into (kv-transfer's stream writes).
+pub const TRANSFER_CHUNK: usize = 32 << 20;
+/// Device buffers of [`TRANSFER_CHUNK`] a transport borrows per lane of a device pool (gathering on the
+/// sender, landing on the receiver): device memory a backend counts in its budget.
+pub const TRANSFER_BUFFERS: usize = 4;
 
 /// Device memory a [`DeviceCopy`] lent a transport ([`DeviceCopy::alloc`]).
 pub trait DeviceBuffer: Send + Sync {
@@ -253,6 +264,11 @@ impl KvArena {
         }
         let copier = self.copier.as_ref()?;
         Some(copier.checksum(segments)?.map_err(|reason| self.copy_error(0, 0, reason)))
+    }
+
+    /// Whether the arena is CUDA memory a CUDA-capable UCX moves itself ([`DeviceCopy::cuda_memory`]).
+    pub fn cuda_memory(&self) -> bool {
+        self.device_copier().is_some_and(|c| c.cuda_memory())
     }
 
     /// The arena's [`DeviceCopy`] where it is device memory (for device-side gathers, scatters and buffers).

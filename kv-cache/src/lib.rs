@@ -13,7 +13,9 @@ pub mod pool;
 pub mod ready;
 
 pub use allocator::{AllocError, BlockAllocator, BlockRun, BlockTable, runs_of};
-pub use arena::{ArenaError, DeviceBuffer, DeviceCopy, KvArena, MemoryKind, arenas_created};
+pub use arena::{
+    ArenaError, DeviceBuffer, DeviceCopy, KvArena, MemoryKind, TRANSFER_BUFFERS, TRANSFER_CHUNK, arenas_created,
+};
 pub use format::{BLOCK_SIZE, BlockId, CacheFormat, CacheGeometry, EntryDims, LayerIdx};
 pub use pool::{BlockPool, PoolError, PoolStats};
 pub use ready::{Fence, FenceError, LayerReady};

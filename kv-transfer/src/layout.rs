@@ -25,15 +25,17 @@ pub fn check_reachable(cache: &kv_cache::KvCache) -> Result<(), crate::TransferE
     }
 }
 
-/// Logs, once per sender or receiver, that its device pool moves through host staging buffers.
+/// Logs, once per sender or receiver, that its device pool has host staging buffers (used by TCP,
+/// in-process and a UCX without CUDA; a CUDA-capable UCX moves CUDA memory itself, which its transport
+/// logs at start).
 pub(crate) fn log_staging(side: &str, cache: &kv_cache::KvCache) {
     if cache.stages_through_host() {
         tracing::info!(
             side,
             memory = %cache.memory_kind(),
             buffer_bytes = crate::staging::STAGE_BYTES,
-            "kv-transfer: the cache pool is in device memory; transfers stage it through reused host buffers \
-             (GPUDirect not built yet)"
+            "kv-transfer: the cache pool is in device memory; transports that cannot move it stage it through \
+             reused host buffers"
         );
     }
 }
@@ -223,7 +225,7 @@ impl PutPlan {
         out
     }
 
-    /// Puts of `layer` (a measure of how scattered its blocks are).
+    /// Puts per layer (a measure of how scattered the request's blocks are on either side).
     pub fn layer_put_count(&self) -> usize {
         2 * self.runs.len()
     }

@@ -12,9 +12,9 @@
 //!   [`SendSession::complete`], [`SendSession::release`] or [`SendSession::abort`] end it.
 //! - [`transport`]: UCX (libucp loaded at run time, TCP fallback), TCP (tokio), in-process, one trait.
 //! - [`layout`]: the put plan (runs contiguous on both sides go as single puts) and checksums.
-//! - [`staging`]: a pool in GPU memory (`KvArena::from_device`) moves through bounded, reused host buffers
-//!   on every transport, with the same protocol and guarantees; host pools move without that copy. The
-//!   later GPUDirect work lets UCX register the device memory and drops the copy.
+//! - [`staging`]: a pool in GPU memory (`KvArena::from_device`) moves GPU to GPU where UCX is CUDA-capable
+//!   (scattered layers gathered and scattered on the GPUs), else through bounded, reused host buffers, with
+//!   the same protocol and guarantees; host pools move without a copy.
 //!
 //! See the crate README for the message sequence, failure semantics and the block-freeing policy.
 

@@ -1,6 +1,8 @@
-//! Cache pools in device memory, staged through host memory until the GPUDirect data path exists.
+//! Buffers for cache pools in device memory: host staging buffers for transports that cannot move device
+//! memory (TCP, in-process, a UCX without CUDA), and the device buffers a CUDA-capable UCX gathers
+//! scattered layers into and lands them in ([`DevicePool`]).
 //!
-//! The sender copies each piece of a put out of the device arena ([`kv_cache::KvArena::copy_out`]) into a
+//! Staged, the sender copies each piece of a put out of the device arena ([`kv_cache::KvArena::copy_out`]) into a
 //! host buffer that the transport sends from; the receiver places each write through a host buffer and
 //! [`kv_cache::KvArena::copy_in`]. Buffers are few, of one fixed size and reused (a buffer goes back to its
 //! pool when the transport is done with its bytes), so a transfer allocates nothing per block and the host
@@ -95,12 +97,13 @@ impl Drop for StagedBuf {
 }
 
 /// The most one gathered write carries (a CUDA-capable UCX moving a scattered request: the pieces of a
-/// layer's stream are gathered on the sender's GPU, sent as one message and scattered on the receiver's):
-/// a 32K-token layer (26 MB) in one.
-pub const STREAM_CHUNK: usize = 32 << 20;
+/// layer's stream are gathered on the sender's GPU, sent as a few messages and scattered on the
+/// receiver's): a 32K-token layer's latent entries (21.5 MB) in one, its indexer blocks in another.
+pub const STREAM_CHUNK: usize = kv_cache::TRANSFER_CHUNK;
 
-/// Device buffers of [`STREAM_CHUNK`] a sender gathers into, and a receiver lands gathered writes in.
-pub const DEVICE_BUFFERS: usize = 4;
+/// Device buffers of [`STREAM_CHUNK`] a sender gathers into, and each receiver lane lands gathered writes
+/// in (128 MiB a side per lane, counted in the backend's memory budget).
+pub const DEVICE_BUFFERS: usize = kv_cache::TRANSFER_BUFFERS;
 
 /// Layers with more puts than this (a scattered block table) are gathered on the device and sent as a
 /// few large messages; fewer, larger puts go as they are.

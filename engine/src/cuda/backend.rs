@@ -1054,7 +1054,9 @@ impl Backend for CudaBackend {
             weights: self.w.bytes(),
             activations: self.activation_bytes(limits),
             graphs: 0,
-            communication: 0,
+            // kv-transfer's device buffers for one lane (gathering scattered layers on a prefill worker,
+            // landing them on a decode worker).
+            communication: (crate::cache::TRANSFER_BUFFERS * crate::cache::TRANSFER_CHUNK) as u64,
         }
     }
 

@@ -235,6 +235,10 @@ impl DeviceCopy for PoolCopier {
         Some(self.copy_tasks(pieces).map_err(|e| e.to_string()))
     }
 
+    fn cuda_memory(&self) -> bool {
+        true
+    }
+
     fn alloc(&self, bytes: usize) -> Option<Result<Box<dyn DeviceBuffer>, String>> {
         Some(
             DeviceAlloc::zeroed(&self.ctx, bytes)

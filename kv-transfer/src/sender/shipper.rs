@@ -73,7 +73,8 @@ fn ship(shipment: &LayerShipment) {
     let src_base = st.cache.arena().as_ptr() as *const u8;
     // A device pool goes out through host staging buffers unless the link reads device memory itself.
     let device = !st.cache.memory_kind().host_accessible();
-    let staging = shipment.staging.as_ref().filter(|_| !st.link.moves_device_memory());
+    let direct = st.link.moves_device_memory() && st.cache.arena().cuda_memory();
+    let staging = shipment.staging.as_ref().filter(|_| !direct);
     // A staged pool is hashed from the host copies as they go out (the arena is not host memory).
     let mut staged_hash = (st.checksum && staging.is_some()).then(Sum64::new);
     // A device pool on either side: pieces must fit one staging buffer.
@@ -83,11 +84,15 @@ fn ship(shipment: &LayerShipment) {
     let latent_len = st.plan.latent_bytes_per_layer();
     // A scattered layer of a device pool on a link that moves device memory: gathered on the device and
     // sent as a few large writes instead of a message per run.
-    let gathered =
-        device && staging.is_none() && st.link.stream_writes() && st.plan.layer_put_count() > staging::GATHER_MIN_PUTS;
-    let puts: Vec<crate::layout::Put> = if gathered { Vec::new() } else { st.plan.layer_puts(layer).collect() };
-    if gathered {
-        if !ship_gathered(st, shipment, layer) {
+    let gather = (device
+        && staging.is_none()
+        && st.link.stream_writes()
+        && st.plan.layer_put_count() > staging::GATHER_MIN_PUTS)
+        .then(|| gather_pool(st, shipment))
+        .flatten();
+    let puts: Vec<crate::layout::Put> = if gather.is_some() { Vec::new() } else { st.plan.layer_puts(layer).collect() };
+    if let Some(pool) = gather {
+        if !ship_gathered(st, &pool, layer) {
             return;
         }
         latent = latent_len;
@@ -202,20 +207,32 @@ fn ship(shipment: &LayerShipment) {
     }
 }
 
-/// Gathers `layer`'s stream chunk by chunk into device buffers and hands each to the link as one write;
-/// false after recording why the session cannot go on.
-fn ship_gathered(st: &SessionState, shipment: &LayerShipment, layer: LayerIdx) -> bool {
+/// The sender's gather buffers, made on first use; `None` (the layer then goes a message per run, with a
+/// warning once per process) where the device cannot lend them.
+fn gather_pool(st: &SessionState, shipment: &LayerShipment) -> Option<Arc<staging::DevicePool>> {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    match shipment.gather.get(st.cache.arena()) {
+        Some(Ok(p)) => Some(p),
+        Some(Err(e)) => {
+            if !WARNED.swap(true, Ordering::Relaxed) {
+                tracing::warn!(error = %e, "no device buffers to gather scattered layers: they go a message per run");
+            }
+            None
+        }
+        None => None,
+    }
+}
+
+/// Gathers `layer`'s stream chunk by chunk into device buffers of `pool` and hands each to the link as
+/// one write; false after recording why the session cannot go on.
+fn ship_gathered(st: &SessionState, pool: &Arc<staging::DevicePool>, layer: LayerIdx) -> bool {
     let arena = st.cache.arena();
     let fail = |why: String| {
         st.set_error(TransferError::Transport(format!("request {}: layer {}: {why}", st.request_id(), layer.0)));
         false
     };
-    let (Some(copier), Some(pool)) = (arena.device_copier(), shipment.gather.get(arena)) else {
-        return fail("a scattered device layer needs the device's transfer buffers".into());
-    };
-    let pool = match pool {
-        Ok(p) => p,
-        Err(e) => return fail(e),
+    let Some(copier) = arena.device_copier() else {
+        return fail("a gathered layer needs a device pool".into());
     };
     let base = arena.as_ptr() as u64;
     for (lo, hi) in st.plan.stream_chunks(staging::STREAM_CHUNK as u64) {
@@ -226,6 +243,9 @@ fn ship_gathered(st: &SessionState, shipment: &LayerShipment, layer: LayerIdx) -
             st.set_error(st.timeout_error());
             return false;
         };
+        if hi - lo > buf.len() as u64 {
+            return fail(format!("a {}-byte chunk exceeds the {}-byte gather buffer", hi - lo, buf.len()));
+        }
         let mut at = buf.addr();
         let copies: Vec<(u64, u64, u64)> = st
             .plan

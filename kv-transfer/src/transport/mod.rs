@@ -8,9 +8,12 @@
 //! puts (a trusted network, see the crate README) lets them write its memory unseen; it then relies on the
 //! sender's flush-then-acknowledge and cannot bound where the puts land.
 //!
-//! A pool in device memory is staged through host memory ([`crate::staging`]): a sender's puts then point
-//! into host buffers they own ([`PutOp::staged`]), and a receiver's writes land through
-//! [`WritePermit::copy_in`](crate::receiver::core::WritePermit::copy_in). UCX never registers device memory.
+//! A pool in device memory moves device to device where UCX is CUDA-capable (puts from the pool with
+//! [`PutOp::device`], scattered layers as gathered writes, [`PutOp::stream_layer`]); elsewhere it is
+//! staged through host memory ([`crate::staging`]): a sender's puts then point into host buffers they own
+//! ([`PutOp::staged`]), and a receiver's writes land through
+//! [`WritePermit::copy_in`](crate::receiver::core::WritePermit::copy_in). No device pool is ever registered
+//! for one-sided puts.
 
 pub mod inproc;
 pub mod lanes;

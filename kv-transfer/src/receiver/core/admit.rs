@@ -22,8 +22,8 @@ pub enum Refusal {
 }
 
 /// Permission to write `len` bytes at `ptr`, inside one layer of one transfer's blocks. Dropping it ends
-/// the write; call `commit` first when the bytes arrived. For a pool staged through host memory
-/// (`staged()`), `ptr` is a device address: the bytes go in through [`WritePermit::copy_in`] instead.
+/// the write; call `commit` first when the bytes arrived. For a device pool (`staged()`), `ptr` is a
+/// device address: the bytes go in through [`WritePermit::copy_in`], or a CUDA-capable UCX writes them.
 pub struct WritePermit {
     core: Arc<ReceiverCore>,
     t: Arc<Transfer>,
@@ -52,9 +52,15 @@ impl WritePermit {
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 
-    /// Whether the pool is device memory staged through host memory: write it with `copy_in`.
+    /// Whether the pool is device memory: write it with `copy_in`, or (CUDA memory, [`Self::cuda_memory`])
+    /// let a CUDA-capable UCX write `ptr` directly.
     pub fn staged(&self) -> bool {
         self.staged
+    }
+
+    /// Whether the pool is CUDA memory a CUDA-capable UCX may write itself.
+    pub fn cuda_memory(&self) -> bool {
+        self.core.cache.arena().cuda_memory()
     }
 
     /// Copies `src` to `at` bytes into the permit's range, through the arena's copier for a device pool

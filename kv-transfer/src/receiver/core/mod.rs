@@ -154,8 +154,6 @@ pub struct ReceiverCore {
     pub(crate) counters: Counters,
     /// Buffers checksums of a device pool are read through (`None` for host pools, hashed in place).
     pub(crate) staging: Option<Arc<StagingPool>>,
-    /// Device buffers gathered writes land in (allocated on the first one).
-    pub(crate) landing: staging::LazyDevicePool,
 }
 
 impl ReceiverCore {
@@ -177,7 +175,6 @@ impl ReceiverCore {
             tables: Mutex::new(Tables::default()),
             counters: Counters::default(),
             staging: cache.stages_through_host().then(|| StagingPool::new(staging::VERIFY_BUFFERS)),
-            landing: Default::default(),
             cache,
         }
     }

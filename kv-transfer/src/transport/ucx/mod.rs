@@ -41,6 +41,7 @@ use super::lanes::{FlushJoin, LaneEpochs, decode_address, encode_address, lanes_
 use super::{Inbound, Link, PendingCalls, Served, Transport, TransportKind, next_id};
 use crate::TransferError;
 use crate::receiver::core::ReceiverCore;
+use crate::staging;
 
 pub use api::cuda_memory;
 
@@ -203,8 +204,7 @@ impl UcxTransport {
     /// Lanes for a link of `cache`: a GPU pool moved by a CUDA-capable UCX takes [`lanes::DEVICE_LANES`]
     /// unless configured.
     fn lanes_for(&self, cache: &KvCache) -> usize {
-        let direct = !cache.memory_kind().host_accessible() && cache.stages_through_host() && api::cuda_memory();
-        if direct { super::lanes::for_pool(self.lanes_configured, true) } else { self.lanes }
+        if device_direct(cache) { super::lanes::for_pool(self.lanes_configured, true) } else { self.lanes }
     }
 
     /// Whether this side's nodes use or accept one-sided puts (and so need UCX's RMA feature): only with
@@ -236,17 +236,35 @@ impl Transport for UcxTransport {
         let sink = Arc::new(ReceiverSink::new(&core, self.tls.as_deref()));
         // Lane 0 takes control messages (and puts, where accepted: it registers the arena); every lane
         // places active-message writes (senders spread theirs over all of them).
+        let lanes = self.lanes_for(&core.cache);
+        // A GPU pool moved by UCX itself: each lane lands gathered writes in device buffers of its own,
+        // allocated now; without them the receiver does not offer gathered writes.
+        let direct = device_direct(&core.cache);
+        let mut landing = Vec::new();
+        if direct {
+            for _ in 0..lanes {
+                match staging::DevicePool::for_arena(core.cache.arena()) {
+                    Some(Ok(p)) => landing.push(p),
+                    Some(Err(e)) => {
+                        tracing::warn!(error = %e, "no device buffers for gathered writes: scattered requests go a message per run");
+                        landing.clear();
+                        break;
+                    }
+                    None => break,
+                }
+            }
+        }
         let mut owners = Vec::new();
-        for _ in 0..self.lanes_for(&core.cache) {
+        for lane in 0..lanes {
             let sink: Arc<dyn Sink> = sink.clone();
             let tls = self.tls.as_deref();
-            let bind = binder(&core.cache);
-            owners.push(NodeOwner(Node::start("kv-recv", tls, self.net_devices.as_deref(), puts, sink, bind)?));
+            let (bind, land) = (binder(&core.cache), landing.get(lane).cloned());
+            owners.push(NodeOwner(Node::start("kv-recv", tls, self.net_devices.as_deref(), puts, sink, bind, land)?));
         }
         let node = owners[0].0.clone();
         log_start("receiver", &node, &core.cache);
-        if core.cache.stages_through_host() && owners.iter().all(|o| o.0.cuda) {
-            sink.receive_device_memory();
+        if direct && owners.iter().all(|o| o.0.cuda) {
+            sink.receive_device_memory(landing.len() == lanes);
         }
         if puts {
             let arena = core.cache.arena();
@@ -294,6 +312,7 @@ impl Transport for UcxTransport {
                         self.rma(),
                         s,
                         binder(local_cache),
+                        None,
                     )?));
                 }
                 log_start("sender", &owners[0].0, local_cache);
@@ -367,6 +386,11 @@ impl Transport for UcxTransport {
     }
 }
 
+/// Whether `cache` is GPU memory the loaded libucp moves itself (cuda_ipc): no host staging, one lane.
+fn device_direct(cache: &KvCache) -> bool {
+    cache.arena().cuda_memory() && api::cuda_memory()
+}
+
 /// For a device pool: makes its context current on a progress thread.
 fn binder(cache: &Arc<KvCache>) -> Option<node::Binder> {
     if cache.memory_kind().host_accessible() {
@@ -379,10 +403,10 @@ fn binder(cache: &Arc<KvCache>) -> Option<node::Binder> {
 /// Logs, once per sender or receiver, the UCX library in use and how the pool's memory moves.
 fn log_start(side: &str, node: &Node, cache: &KvCache) {
     let memory = cache.memory_kind();
-    let path = match (memory.host_accessible(), node.cuda) {
+    let path = match (memory.host_accessible(), node.cuda && cache.arena().cuda_memory()) {
         (true, _) => "host memory in place",
         (false, true) => "device memory directly (UCX's CUDA transports: cuda_ipc between GPUs of a node)",
-        (false, false) => "device memory through host staging buffers (this libucp has no CUDA support)",
+        (false, false) => "device memory through host staging buffers (no CUDA-capable libucp, or not CUDA memory)",
     };
     tracing::info!(side, ucx = %api::version(), %memory, cuda_memory = node.cuda, path, "kv-transfer UCX started");
 }

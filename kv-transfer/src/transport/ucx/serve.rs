@@ -23,7 +23,7 @@ use proto::v1::{MemoryRegion, TransferControl};
 use super::node::{Node, Sink};
 use super::{host, lock};
 use crate::receiver::core::{ReceiverCore, Refusal, StreamPermit, WritePermit};
-use crate::staging::{DevicePool, STAGE_BYTES};
+use crate::staging::STAGE_BYTES;
 use crate::transport::lanes::decode_address;
 use crate::transport::{PeerLink, StreamHeader, WriteHeader, next_id};
 
@@ -82,10 +82,10 @@ impl ReceiverSink {
     }
 
     /// The nodes land writes in the device pool themselves (a CUDA-capable UCX): writes of any size, and
-    /// gathered writes.
-    pub(super) fn receive_device_memory(&self) {
+    /// gathered writes where every lane has its landing buffers (`stream_writes`).
+    pub(super) fn receive_device_memory(&self, stream_writes: bool) {
         self.grant.max_write.store(0, Ordering::SeqCst);
-        self.grant.stream_writes.store(true, Ordering::SeqCst);
+        self.grant.stream_writes.store(stream_writes, Ordering::SeqCst);
     }
 
     /// Accepts one-sided puts into `regions` (the registered pool) from senders that ask for them.
@@ -208,11 +208,6 @@ impl Sink for ReceiverSink {
         }
         let core = self.core.upgrade()?;
         Some(core.admit_stream(h.session, &h.token, h.layer, h.offset, h.len))
-    }
-
-    fn landing(&self) -> Option<Result<Arc<DevicePool>, String>> {
-        let core = self.core.upgrade()?;
-        core.landing.get(core.cache.arena())
     }
 
     fn on_ep_error(&self, ep: u64, reason: &str) {

@@ -76,10 +76,7 @@ pub(crate) trait Sink: Send + Sync {
     fn admit_stream(&self, _header: &StreamHeader) -> Option<Result<StreamPermit, Refusal>> {
         None
     }
-    /// The device buffers gathered writes land in before they are scattered.
-    fn landing(&self) -> Option<Result<Arc<DevicePool>, String>> {
-        None
-    }
+
     fn on_ep_error(&self, ep: u64, reason: &str);
     /// The node closed `ep` because its peer misbehaved (see [`CONTROL_INFLIGHT`]).
     fn on_cut_off(&self, ep: u64, reason: &str) {
@@ -166,7 +163,8 @@ impl Node {
     /// `rma`: give the context UCX's RMA feature, which one-sided puts need on both sides. It also installs
     /// UCX's software RMA handlers, which write (and read) wherever a connected peer's put names,
     /// whatever the key: only nodes that use or accept one-sided puts ask for it. `bind` runs first on the
-    /// progress thread (a device pool's context, made current for UCX's CUDA transports).
+    /// progress thread (a device pool's context, made current for UCX's CUDA transports); `landing`: the
+    /// device buffers this receiver lane lands gathered writes in (none: it refuses them).
     pub fn start(
         name: &str,
         tls: Option<&str>,
@@ -174,6 +172,7 @@ impl Node {
         rma: bool,
         sink: Arc<dyn Sink>,
         bind: Option<Binder>,
+        landing: Option<Arc<DevicePool>>,
     ) -> Result<Arc<Node>, TransferError> {
         let lib = super::api::load().map_err(TransferError::Transport)?;
         let (tx, rx) = mpsc::channel();
@@ -200,6 +199,7 @@ impl Node {
                     bound.and_then(|()| unsafe { State::create(lib, tls.as_deref(), net_devices.as_deref(), rma) });
                 match st {
                     Ok(mut st) => {
+                        st.landing = landing;
                         // The id every message of this node carries and a receiver trusts a sender by: random, so
                         // that a stranger cannot claim a trusted sender's id by guessing it (a process counter
                         // mixed with the pid could be guessed). 0 stays free for "no origin".
@@ -588,7 +588,8 @@ struct State {
     resuming_stream: bool,
     /// Gathered writes waiting for a landing buffer to come back.
     deferred_stream: VecDeque<(*mut core::ffi::c_void, StreamPermit)>,
-    /// The receiver's landing buffers (taken from the sink on the first gathered write).
+    /// This receiver lane's landing buffers for gathered writes (its own: a buffer coming back wakes the
+    /// lane's deferred writes).
     landing: Option<Arc<DevicePool>>,
     /// The context moves CUDA memory ([`Node::cuda`]): rendezvous writes into a device pool land there
     /// directly, and device sources are sent as they are.

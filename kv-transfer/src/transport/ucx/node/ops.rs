@@ -199,6 +199,9 @@ impl State {
             }
             (self.lib.ucp_ep_print_info)(h, f as *mut FILE);
             libc::fclose(f);
+            if buf.is_null() {
+                return String::new();
+            }
             let text = String::from_utf8_lossy(std::slice::from_raw_parts(buf as *const u8, len)).into_owned();
             libc::free(buf as *mut libc::c_void);
             text
@@ -378,7 +381,9 @@ impl State {
                 // SAFETY: releasing an unreceived rendezvous descriptor drops its data.
                 unsafe { (self.lib.ucp_am_data_release)(self.worker, desc) };
             }
-            (Payload::Rndv(desc, _), Some(permit)) if permit.staged() && self.cuda => self.recv_device(desc, permit),
+            (Payload::Rndv(desc, _), Some(permit)) if permit.staged() && self.cuda && permit.cuda_memory() => {
+                self.recv_device(desc, permit)
+            }
             (Payload::Rndv(desc, _), Some(permit)) if permit.staged() => self.recv_staged(desc, permit),
             (Payload::Rndv(desc, _), Some(permit)) => self.recv(desc, permit, None),
             (Payload::Persistent(desc), permit) => {
@@ -409,20 +414,10 @@ impl State {
             }
             _ => None,
         };
-        let landing = match (&admitted, &self.landing) {
-            (Some(_), None) => match sink.landing() {
-                Some(Ok(pool)) => Some(self.landing.insert(pool).clone()),
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "no device buffers to land gathered writes in");
-                    None
-                }
-                None => None,
-            },
-            (_, l) => l.clone(),
-        };
+        let landing = self.landing.is_some();
         match (payload, admitted) {
             (Payload::Rndv(desc, announced), Some(permit))
-                if announced == hdr.len && hdr.len <= STREAM_CHUNK as u64 && landing.is_some() =>
+                if announced == hdr.len && hdr.len <= STREAM_CHUNK as u64 && landing =>
             {
                 self.deferred_stream.push_back((desc, permit));
                 self.resume_stream();
