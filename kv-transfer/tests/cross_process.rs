@@ -132,6 +132,32 @@ fn receiver_killed_mid_transfer(kind: &Kind) {
     assert!(t0.elapsed() < Duration::from_millis(4500), "took {:?}", t0.elapsed());
 }
 
+/// Runs test `name` in a process of its own (this binary re-entered with `TANDEM_ISOLATED=1`, where `body`
+/// runs directly), and once more if that process died of UCX 1.13's assertion on a wireup reply purged
+/// from a killed peer's endpoint ("got REP message" in `ucp_request_send_state_ff`): a libucp bug on the
+/// error path, not one of ours, which aborted one CI run in several (later UCX releases do not have it).
+/// Any other failure, or the same one twice, fails the test.
+fn isolated(name: &str, body: impl FnOnce()) {
+    if std::env::var_os("TANDEM_ISOLATED").is_some() {
+        return body();
+    }
+    for attempt in 1..=2 {
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--nocapture", "--test-threads=1"])
+            .env("TANDEM_ISOLATED", "1")
+            .output()
+            .expect("re-run the test binary");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        if out.status.success() {
+            assert!(text.contains("test result: ok. 1 passed"), "{name} did not run in its process:\n{text}");
+            return;
+        }
+        let known = text.contains("got REP message") && text.contains("ucp_request_send_state_ff");
+        assert!(known && attempt == 1, "{name} failed in its process (attempt {attempt}):\n{text}");
+        eprintln!("{name}: UCX 1.13's wireup assertion aborted the process (a libucp bug); running it again");
+    }
+}
+
 #[test]
 fn tcp_sender_killed_mid_transfer() {
     sender_killed_mid_transfer(&Kind::Tcp)
@@ -139,12 +165,12 @@ fn tcp_sender_killed_mid_transfer() {
 
 #[test]
 fn ucx_tcp_sender_killed_mid_transfer() {
-    sender_killed_mid_transfer(&Kind::Ucx("tcp"))
+    isolated("ucx_tcp_sender_killed_mid_transfer", || sender_killed_mid_transfer(&Kind::Ucx("tcp")))
 }
 
 #[test]
 fn ucx_shm_sender_killed_mid_transfer() {
-    sender_killed_mid_transfer(&Kind::Ucx("sm,self"))
+    isolated("ucx_shm_sender_killed_mid_transfer", || sender_killed_mid_transfer(&Kind::Ucx("sm,self")))
 }
 
 #[test]
@@ -154,27 +180,33 @@ fn tcp_receiver_killed_mid_transfer() {
 
 #[test]
 fn ucx_tcp_receiver_killed_mid_transfer() {
-    receiver_killed_mid_transfer(&Kind::Ucx("tcp"))
+    isolated("ucx_tcp_receiver_killed_mid_transfer", || receiver_killed_mid_transfer(&Kind::Ucx("tcp")))
 }
 
 #[test]
 fn ucx_shm_receiver_killed_mid_transfer() {
-    receiver_killed_mid_transfer(&Kind::Ucx("sm,self"))
+    isolated("ucx_shm_receiver_killed_mid_transfer", || receiver_killed_mid_transfer(&Kind::Ucx("sm,self")))
 }
 
 #[test]
 fn ucx_tcp_striped_sender_killed_mid_transfer() {
-    sender_killed_mid_transfer(&Kind::Striped(Box::new(Kind::Ucx("tcp")), 3))
+    isolated("ucx_tcp_striped_sender_killed_mid_transfer", || {
+        sender_killed_mid_transfer(&Kind::Striped(Box::new(Kind::Ucx("tcp")), 3))
+    })
 }
 
 #[test]
 fn ucx_tcp_am_striped_sender_killed_mid_transfer() {
-    sender_killed_mid_transfer(&Kind::Striped(Box::new(Kind::UcxAm("tcp")), 3))
+    isolated("ucx_tcp_am_striped_sender_killed_mid_transfer", || {
+        sender_killed_mid_transfer(&Kind::Striped(Box::new(Kind::UcxAm("tcp")), 3))
+    })
 }
 
 #[test]
 fn ucx_tcp_am_striped_receiver_killed_mid_transfer() {
-    receiver_killed_mid_transfer(&Kind::Striped(Box::new(Kind::UcxAm("tcp")), 3))
+    isolated("ucx_tcp_am_striped_receiver_killed_mid_transfer", || {
+        receiver_killed_mid_transfer(&Kind::Striped(Box::new(Kind::UcxAm("tcp")), 3))
+    })
 }
 
 #[test]
