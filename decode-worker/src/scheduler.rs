@@ -508,6 +508,9 @@ mod tests {
     #[tokio::test]
     async fn requests_beyond_the_pool_are_preempted_not_failed() {
         let e = env();
+        // Slow steps: `a` must still be decoding when `b` arrives (on a busy 2-core CI machine an instant
+        // fake finished `a` first once, and nothing needed preempting).
+        e.fake.delay_us.store(1000, Ordering::SeqCst);
         // 32 blocks of 64 tokens: two requests that each grow past 16 blocks cannot both finish.
         let (_, mut a) = admit(&e, "a", 64 * 14, 64 * 4);
         let (_, mut b) = admit(&e, "b", 64 * 14, 64 * 4);

@@ -16,24 +16,7 @@ use prost::Message;
 use proto::v1::{GeneratedToken, TransferDescriptor};
 
 fn peer(args: &[&str], fault: Option<&str>) -> (Child, ChildStdin, std::sync::mpsc::Receiver<String>) {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kv-peer"));
-    cmd.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
-    match fault {
-        Some(f) => cmd.env("TANDEM_KV_FAULT", f),
-        None => cmd.env_remove("TANDEM_KV_FAULT"),
-    };
-    let mut child = cmd.spawn().expect("spawn kv-peer");
-    let stdin = child.stdin.take().unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    (child, stdin, rx)
+    common::spawn_peer(env!("CARGO_BIN_EXE_kv-peer"), args, fault)
 }
 
 fn tls_args(kind: &Kind) -> Vec<String> {

@@ -10,8 +10,8 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::io::Write;
+use std::process::{Child, ChildStdin};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -73,24 +73,8 @@ fn receiver(cache: &Arc<KvCache>, pool: &Arc<BlockPool>) -> KvReceiver {
 fn peer(args: &[String], fault: Option<&str>) -> (Child, ChildStdin, std::sync::mpsc::Receiver<String>) {
     // A bundle run on the GPU machine names the unpacked binary (the build path does not exist there).
     let exe = std::env::var("TANDEM_KV_PEER").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kv-peer").to_string());
-    let mut cmd = Command::new(exe);
-    cmd.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
-    match fault {
-        Some(f) => cmd.env("TANDEM_KV_FAULT", f),
-        None => cmd.env_remove("TANDEM_KV_FAULT"),
-    };
-    let mut child = cmd.spawn().expect("spawn kv-peer");
-    let stdin = child.stdin.take().unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    (child, stdin, rx)
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    common::spawn_peer(&exe, &args, fault)
 }
 
 fn shape(device: usize) -> Vec<String> {

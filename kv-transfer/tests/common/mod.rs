@@ -351,3 +351,32 @@ pub fn put_all(s: &kv_transfer::SendSession, layers: usize) {
         s.put_layer(LayerIdx(l as u32)).unwrap();
     }
 }
+
+/// Starts the `kv-peer` binary `exe` with `args` (and the fault knob `TANDEM_KV_FAULT` = `fault`, or none);
+/// its stdout lines arrive on the channel.
+pub fn spawn_peer(
+    exe: &str,
+    args: &[&str],
+    fault: Option<&str>,
+) -> (std::process::Child, std::process::ChildStdin, std::sync::mpsc::Receiver<String>) {
+    use std::io::BufRead;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.args(args).stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped());
+    cmd.stderr(std::process::Stdio::inherit());
+    match fault {
+        Some(f) => cmd.env("TANDEM_KV_FAULT", f),
+        None => cmd.env_remove("TANDEM_KV_FAULT"),
+    };
+    let mut child = cmd.spawn().expect("spawn kv-peer");
+    let stdin = child.stdin.take().expect("piped stdin");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (child, stdin, rx)
+}

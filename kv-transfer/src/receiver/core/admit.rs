@@ -157,12 +157,7 @@ impl ReceiverCore {
         offset: u64,
         len: u64,
     ) -> Result<StreamPermit, Refusal> {
-        let Some(t) = self.tables().by_session.get(&session).cloned() else { return Err(Refusal::Stale) };
-        if !t.session_token.matches(token) {
-            self.count_dropped_untrusted(1);
-            return Err(Refusal::WrongToken);
-        }
-        t.inflight.fetch_add(1, Ordering::SeqCst);
+        let t = self.enter_write(session, token)?;
         let plan = t.stream_plan.get_or_init(|| {
             let blocks: Vec<kv_cache::BlockId> = t.blocks.iter().map(|&b| kv_cache::BlockId(b)).collect();
             crate::layout::PutPlan::new(self.layout, self.layout, &blocks, &blocks, t.num_tokens as usize)
@@ -228,12 +223,7 @@ impl ReceiverCore {
         offset: u64,
         len: u64,
     ) -> Result<WritePermit, Refusal> {
-        let Some(t) = self.tables().by_session.get(&session).cloned() else { return Err(Refusal::Stale) };
-        if !t.session_token.matches(token) {
-            self.count_dropped_untrusted(1);
-            return Err(Refusal::WrongToken);
-        }
-        t.inflight.fetch_add(1, Ordering::SeqCst);
+        let t = self.enter_write(session, token)?;
         let permit = |layer, latent| WritePermit {
             core: self.clone(),
             t: t.clone(),
@@ -263,6 +253,18 @@ impl ReceiverCore {
                 Err(Refusal::Invalid(why))
             }
         }
+    }
+
+    /// The session's transfer with one more write in progress (the permit built from it ends it), if the
+    /// writer presents the session token; a wrong token is counted and refused.
+    fn enter_write(&self, session: u64, token: &[u8; TOKEN_BYTES]) -> Result<Arc<Transfer>, Refusal> {
+        let Some(t) = self.tables().by_session.get(&session).cloned() else { return Err(Refusal::Stale) };
+        if !t.session_token.matches(token) {
+            self.count_dropped_untrusted(1);
+            return Err(Refusal::WrongToken);
+        }
+        t.inflight.fetch_add(1, Ordering::SeqCst);
+        Ok(t)
     }
 
     /// (layer, is_latent) of a write, if it lies inside one layer's blocks of `t`.

@@ -43,38 +43,12 @@ impl State {
         };
         let token = next_id();
         if let Some(layer) = op.stream_layer {
-            return self.send_stream(ep, h, token, layer, op);
+            let hdr =
+                StreamHeader { session: op.session_id, token: op.token, layer, offset: op.dst_offset, len: op.len };
+            return self.send_data(ep, h, token, AM_STREAM, hdr.encode().to_vec(), op);
         }
         if am {
-            let mut p = self.param(token);
-            p.op_attr_mask |= ucp_op_attr_t_UCP_OP_ATTR_FIELD_FLAGS;
-            p.flags = ucp_send_am_flags::UCP_AM_SEND_FLAG_RNDV.0;
-            if op.device {
-                if !self.cuda {
-                    self.put_errors.entry(ep).or_insert_with(|| "a device-memory write on a UCX without CUDA".into());
-                    return;
-                }
-                p.op_attr_mask |= ucp_op_attr_t_UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-                p.memory_type = ucs_memory_type_UCS_MEMORY_TYPE_CUDA;
-            }
-            self.buffers.insert(token, (Box::new([0; 8]), op.header().encode().to_vec()));
-            let hdr = &self.buffers[&token].1;
-            // SAFETY: the header lives in self.buffers and the source in the session's arena (or the staging
-            // buffer the action holds) until the send completes.
-            let r = unsafe {
-                (self.lib.ucp_am_send_nbx)(
-                    h,
-                    AM_DATA,
-                    hdr.as_ptr() as *const core::ffi::c_void,
-                    hdr.len() as size_t,
-                    op.src as *const core::ffi::c_void,
-                    op.len as size_t,
-                    &p,
-                )
-            };
-            *self.data_inflight.entry(ep).or_insert(0) += 1;
-            self.issued(token, &p, r, Action::DataSend(ep, op.staged, None));
-            return;
+            return self.send_data(ep, h, token, AM_DATA, op.header().encode().to_vec(), op);
         }
         let Some(rkey) = self.rkeys.get(&rkeys).and_then(|(_, v)| v.get(op.region).copied()) else {
             self.put_errors.entry(ep).or_insert_with(|| "put without its remote key".into());
@@ -89,25 +63,31 @@ impl State {
         self.issued(token, &p, r, Action::Put(ep, op.staged));
     }
 
-    /// A gathered write: the device buffer `op.src` points into goes out as one rendezvous message.
-    fn send_stream(&mut self, ep: u64, h: ucp_ep_h, token: u64, layer: u32, op: PutOp) {
-        if !self.cuda {
-            self.put_errors.entry(ep).or_insert_with(|| "a gathered device write on a UCX without CUDA".into());
-            return;
-        }
+    /// A data write as a rendezvous active message `id` with header `hdr`: a receiver-placed write
+    /// (`AM_DATA`) from the pool or a staging buffer, or a gathered write (`AM_STREAM`) from a device
+    /// buffer. Device sources go as CUDA memory.
+    fn send_data(&mut self, ep: u64, h: ucp_ep_h, token: u64, id: u32, hdr: Vec<u8>, op: PutOp) {
         let mut p = self.param(token);
-        p.op_attr_mask |= ucp_op_attr_t_UCP_OP_ATTR_FIELD_FLAGS | ucp_op_attr_t_UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+        p.op_attr_mask |= ucp_op_attr_t_UCP_OP_ATTR_FIELD_FLAGS;
         p.flags = ucp_send_am_flags::UCP_AM_SEND_FLAG_RNDV.0;
-        p.memory_type = ucs_memory_type_UCS_MEMORY_TYPE_CUDA;
-        let hdr = StreamHeader { session: op.session_id, token: op.token, layer, offset: op.dst_offset, len: op.len };
-        self.buffers.insert(token, (Box::new([0; 8]), hdr.encode().to_vec()));
+        if op.device {
+            if !self.cuda {
+                // SAFETY: the request was never issued; reclaim its callback argument.
+                drop(unsafe { Box::from_raw(p.user_data as *mut (usize, u64)) });
+                self.put_errors.entry(ep).or_insert_with(|| "a device-memory write on a UCX without CUDA".into());
+                return;
+            }
+            p.op_attr_mask |= ucp_op_attr_t_UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+            p.memory_type = ucs_memory_type_UCS_MEMORY_TYPE_CUDA;
+        }
+        self.buffers.insert(token, (Box::new([0; 8]), hdr));
         let hdr = &self.buffers[&token].1;
-        // SAFETY: the header lives in self.buffers and the source in the device buffer the action holds until
-        // the send completes.
+        // SAFETY: the header lives in self.buffers and the source in the session's arena, or in the staging
+        // or device buffer the action holds, until the send completes.
         let r = unsafe {
             (self.lib.ucp_am_send_nbx)(
                 h,
-                AM_STREAM,
+                id,
                 hdr.as_ptr() as *const core::ffi::c_void,
                 hdr.len() as size_t,
                 op.src as *const core::ffi::c_void,
@@ -116,7 +96,7 @@ impl State {
             )
         };
         *self.data_inflight.entry(ep).or_insert(0) += 1;
-        self.issued(token, &p, r, Action::DataSend(ep, None, op.device_buf));
+        self.issued(token, &p, r, Action::DataSend(ep, op.staged, op.device_buf));
     }
 
     pub(super) fn flush(&mut self, ep: u64, join: Arc<FlushJoin>) {
