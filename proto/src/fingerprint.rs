@@ -128,7 +128,7 @@ mod tests {
         let fp_old: ModelFingerprint = serde_json::from_str(old).unwrap();
         assert_eq!(fp_old.kv_transfer_protocol, 0);
         let e = fp().check_compatible(&fp_old).unwrap_err().to_string();
-        assert!(e.contains("kv-transfer protocol 2 != 1 (unversioned)"), "{e}");
+        assert!(e.contains(&format!("kv-transfer protocol {KV_TRANSFER_PROTOCOL} != 1 (unversioned)")), "{e}");
         let json = serde_json::to_string(&fp()).unwrap();
         assert_eq!(serde_json::from_str::<ModelFingerprint>(&json).unwrap(), fp());
     }
