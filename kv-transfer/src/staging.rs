@@ -30,25 +30,30 @@ pub const RECEIVER_LANE_BUFFERS: usize = 4;
 /// Buffers a receiver verifies checksums through (verifications run concurrently on blocking threads).
 pub const VERIFY_BUFFERS: usize = 2;
 
-/// Fixed-size host buffers, lent out and returned.
-pub struct StagingPool {
-    free: Mutex<Vec<Box<[u8]>>>,
+/// Buffers of one kind, lent out and returned: host staging buffers ([`StagingPool`]) or device buffers
+/// ([`DevicePool`]).
+pub struct Pool<B> {
+    free: Mutex<Vec<B>>,
     returned: Condvar,
 }
 
-impl StagingPool {
-    /// `buffers` buffers of [`STAGE_BYTES`], allocated now.
-    pub fn new(buffers: usize) -> Arc<StagingPool> {
-        let free = (0..buffers).map(|_| vec![0u8; STAGE_BYTES].into_boxed_slice()).collect();
-        Arc::new(StagingPool { free: Mutex::new(free), returned: Condvar::new() })
+/// Fixed-size host buffers ([`STAGE_BYTES`]).
+pub type StagingPool = Pool<Box<[u8]>>;
+/// A host buffer on loan from a [`StagingPool`]. Its bytes keep their address while it is lent, so a
+/// transport may send from a pointer into it for as long as it holds the buffer.
+pub type StagedBuf = Loan<Box<[u8]>>;
+
+impl<B> Pool<B> {
+    fn of(free: Vec<B>) -> Arc<Self> {
+        Arc::new(Pool { free: Mutex::new(free), returned: Condvar::new() })
     }
 
     /// A free buffer, waiting for one to come back until `deadline` (`None` then).
-    pub fn take_until(self: &Arc<Self>, deadline: Instant) -> Option<StagedBuf> {
+    pub fn take_until(self: &Arc<Self>, deadline: Instant) -> Option<Loan<B>> {
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             if let Some(buf) = free.pop() {
-                return Some(StagedBuf { buf: Some(buf), pool: self.clone() });
+                return Some(Loan { buf: Some(buf), pool: self.clone() });
             }
             let left = deadline.checked_duration_since(Instant::now())?;
             free = self.returned.wait_timeout(free, left).unwrap_or_else(|p| p.into_inner()).0;
@@ -56,9 +61,9 @@ impl StagingPool {
     }
 
     /// A free buffer if one is there now (for progress threads, which must not wait).
-    pub fn try_take(self: &Arc<Self>) -> Option<StagedBuf> {
+    pub fn try_take(self: &Arc<Self>) -> Option<Loan<B>> {
         let buf = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
-        Some(StagedBuf { buf: Some(buf), pool: self.clone() })
+        Some(Loan { buf: Some(buf), pool: self.clone() })
     }
 
     /// Buffers not lent out (tests check none leaks).
@@ -67,11 +72,26 @@ impl StagingPool {
     }
 }
 
-/// A buffer on loan from a [`StagingPool`]; dropping it returns it. Its bytes keep their address while
-/// it is lent, so a transport may send from a pointer into it for as long as it holds the buffer.
-pub struct StagedBuf {
-    buf: Option<Box<[u8]>>,
-    pool: Arc<StagingPool>,
+impl StagingPool {
+    /// `buffers` buffers of [`STAGE_BYTES`], allocated now.
+    pub fn new(buffers: usize) -> Arc<StagingPool> {
+        Pool::of((0..buffers).map(|_| vec![0u8; STAGE_BYTES].into_boxed_slice()).collect())
+    }
+}
+
+/// A buffer on loan from a [`Pool`]; dropping it returns it.
+pub struct Loan<B> {
+    buf: Option<B>,
+    pool: Arc<Pool<B>>,
+}
+
+impl<B> Drop for Loan<B> {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            self.pool.free.lock().unwrap_or_else(|p| p.into_inner()).push(buf);
+            self.pool.returned.notify_one();
+        }
+    }
 }
 
 impl Deref for StagedBuf {
@@ -84,15 +104,6 @@ impl Deref for StagedBuf {
 impl DerefMut for StagedBuf {
     fn deref_mut(&mut self) -> &mut [u8] {
         self.buf.as_deref_mut().unwrap_or_default()
-    }
-}
-
-impl Drop for StagedBuf {
-    fn drop(&mut self) {
-        if let Some(buf) = self.buf.take() {
-            self.pool.free.lock().unwrap_or_else(|p| p.into_inner()).push(buf);
-            self.pool.returned.notify_one();
-        }
     }
 }
 
@@ -109,11 +120,10 @@ pub const DEVICE_BUFFERS: usize = kv_cache::TRANSFER_BUFFERS;
 /// few large messages; fewer, larger puts go as they are.
 pub const GATHER_MIN_PUTS: usize = 16;
 
-/// Fixed-size device buffers, lent out and returned (the device side of [`StagingPool`]).
-pub struct DevicePool {
-    free: Mutex<Vec<Box<dyn DeviceBuffer>>>,
-    returned: Condvar,
-}
+/// Fixed-size device buffers ([`STREAM_CHUNK`]).
+pub type DevicePool = Pool<Box<dyn DeviceBuffer>>;
+/// A device buffer on loan from a [`DevicePool`].
+pub type DeviceBuf = Loan<Box<dyn DeviceBuffer>>;
 
 impl DevicePool {
     /// [`DEVICE_BUFFERS`] buffers of [`STREAM_CHUNK`] from `arena`'s device; `None` where the arena is
@@ -127,52 +137,8 @@ impl DevicePool {
                 Err(e) => return Some(Err(e)),
             }
         }
-        Some(Ok(Arc::new(DevicePool { free: Mutex::new(free), returned: Condvar::new() })))
+        Some(Ok(Pool::of(free)))
     }
-
-    /// A free buffer, waiting for one until `deadline` (`None` then).
-    pub fn take_until(self: &Arc<Self>, deadline: Instant) -> Option<DeviceBuf> {
-        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-        loop {
-            if let Some(buf) = free.pop() {
-                return Some(DeviceBuf { buf: Some(buf), pool: self.clone() });
-            }
-            let left = deadline.checked_duration_since(Instant::now())?;
-            free = self.returned.wait_timeout(free, left).unwrap_or_else(|p| p.into_inner()).0;
-        }
-    }
-
-    /// A free buffer if one is there now (for progress threads, which must not wait).
-    pub fn try_take(self: &Arc<Self>) -> Option<DeviceBuf> {
-        let buf = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
-        Some(DeviceBuf { buf: Some(buf), pool: self.clone() })
-    }
-
-    pub fn available(&self) -> usize {
-        self.free.lock().unwrap_or_else(|p| p.into_inner()).len()
-    }
-}
-
-/// A [`DevicePool`] made on first use (device memory only for a side that gathers or lands scattered
-/// layers); its error is kept and reported to every later use.
-#[derive(Default)]
-pub struct LazyDevicePool(std::sync::OnceLock<Result<Arc<DevicePool>, String>>);
-
-impl LazyDevicePool {
-    /// The pool for `arena`'s device, made now if need be; `None` where the arena cannot lend buffers.
-    pub fn get(&self, arena: &KvArena) -> Option<Result<Arc<DevicePool>, String>> {
-        arena.device_copier()?;
-        let r = self.0.get_or_init(|| {
-            DevicePool::for_arena(arena).unwrap_or_else(|| Err("the device cannot lend transfer buffers".into()))
-        });
-        Some(r.clone())
-    }
-}
-
-/// A device buffer on loan from a [`DevicePool`]; dropping it returns it.
-pub struct DeviceBuf {
-    buf: Option<Box<dyn DeviceBuffer>>,
-    pool: Arc<DevicePool>,
 }
 
 impl DeviceBuf {
@@ -189,12 +155,19 @@ impl DeviceBuf {
     }
 }
 
-impl Drop for DeviceBuf {
-    fn drop(&mut self) {
-        if let Some(buf) = self.buf.take() {
-            self.pool.free.lock().unwrap_or_else(|p| p.into_inner()).push(buf);
-            self.pool.returned.notify_one();
-        }
+/// A [`DevicePool`] made on first use (device memory only for a side that gathers or lands scattered
+/// layers); its error is kept and reported to every later use.
+#[derive(Default)]
+pub struct LazyDevicePool(std::sync::OnceLock<Result<Arc<DevicePool>, String>>);
+
+impl LazyDevicePool {
+    /// The pool for `arena`'s device, made now if need be; `None` where the arena cannot lend buffers.
+    pub fn get(&self, arena: &KvArena) -> Option<Result<Arc<DevicePool>, String>> {
+        arena.device_copier()?;
+        let r = self.0.get_or_init(|| {
+            DevicePool::for_arena(arena).unwrap_or_else(|| Err("the device cannot lend transfer buffers".into()))
+        });
+        Some(r.clone())
     }
 }
 

@@ -90,7 +90,7 @@ fn ship(shipment: &LayerShipment) {
         && st.plan.layer_put_count() > staging::GATHER_MIN_PUTS)
         .then(|| gather_pool(st, shipment))
         .flatten();
-    let puts: Vec<crate::layout::Put> = if gather.is_some() { Vec::new() } else { st.plan.layer_puts(layer).collect() };
+    let puts = gather.is_none().then(|| st.plan.layer_puts(layer)).into_iter().flatten();
     if let Some(pool) = gather {
         if !ship_gathered(st, &pool, layer) {
             return;

@@ -25,8 +25,7 @@ pub enum Refusal {
 /// the write; call `commit` first when the bytes arrived. For a device pool (`staged()`), `ptr` is a
 /// device address: the bytes go in through [`WritePermit::copy_in`], or a CUDA-capable UCX writes them.
 pub struct WritePermit {
-    core: Arc<ReceiverCore>,
-    t: Arc<Transfer>,
+    w: InFlight,
     pub ptr: *mut u8,
     pub len: usize,
     /// Where `ptr` is, from the pool base.
@@ -60,7 +59,7 @@ impl WritePermit {
 
     /// Whether the pool is CUDA memory a CUDA-capable UCX may write itself.
     pub fn cuda_memory(&self) -> bool {
-        self.core.cache.arena().cuda_memory()
+        self.w.core.cache.arena().cuda_memory()
     }
 
     /// Copies `src` to `at` bytes into the permit's range, through the arena's copier for a device pool
@@ -70,14 +69,13 @@ impl WritePermit {
             return Err(format!("{}+{} outside the {}-byte write", at, src.len(), self.len));
         }
         // SAFETY: admitted range inside the arena, owned by this transfer; only this permit writes it.
-        unsafe { self.core.cache.arena().copy_in(self.offset + at, src) }.map_err(|e| e.to_string())
+        unsafe { self.w.core.cache.arena().copy_in(self.offset + at, src) }.map_err(|e| e.to_string())
     }
 
     /// The bytes could not be placed (the copier failed): fails the transfer with `why`. The sender is
     /// told to stop, and the blocks are freed once writes in progress (this one included) end.
     pub fn fail(self, why: &str) {
-        let why = format!("request {}: placing a write: {why}", self.t.request_id);
-        self.core.fail(&self.t, TransferError::Transport(why.clone()), &why);
+        self.w.fail("placing a write", why);
     }
 
     /// Records that every byte of the permit was written.
@@ -89,10 +87,36 @@ impl WritePermit {
 impl Drop for WritePermit {
     fn drop(&mut self) {
         if self.committed {
-            let c = if self.latent { &self.t.latent_written } else { &self.t.indexer_written };
-            c[self.layer].fetch_add(self.len as u64, Ordering::Relaxed);
-            self.core.counters.bytes_received.fetch_add(self.len as u64, Ordering::Relaxed);
+            let (latent, indexer) = if self.latent { (self.len as u64, 0) } else { (0, self.len as u64) };
+            self.w.landed(self.layer, latent, indexer);
         }
+    }
+}
+
+/// One write in progress on a transfer (a permit's): the transfer is not freed before it is dropped.
+struct InFlight {
+    core: Arc<ReceiverCore>,
+    t: Arc<Transfer>,
+}
+
+impl InFlight {
+    /// Fails the transfer: the sender is told to stop, and the blocks are freed once writes in progress
+    /// (this one included) end.
+    fn fail(&self, what: &str, why: &str) {
+        let why = format!("request {}: {what}: {why}", self.t.request_id);
+        self.core.fail(&self.t, TransferError::Transport(why.clone()), &why);
+    }
+
+    /// Counts `latent` and `indexer` bytes of `layer` as landed.
+    fn landed(&self, layer: usize, latent: u64, indexer: u64) {
+        self.t.latent_written[layer].fetch_add(latent, Ordering::Relaxed);
+        self.t.indexer_written[layer].fetch_add(indexer, Ordering::Relaxed);
+        self.core.counters.bytes_received.fetch_add(latent + indexer, Ordering::Relaxed);
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
         if self.t.inflight.fetch_sub(1, Ordering::SeqCst) == 1 {
             self.core.on_quiescent(&self.t);
         }
@@ -104,8 +128,7 @@ impl Drop for WritePermit {
 /// they go, as (pool offset, length), in stream order. Like a [`WritePermit`], it holds the transfer
 /// until dropped; `commit` first when the bytes are in place.
 pub struct StreamPermit {
-    core: Arc<ReceiverCore>,
-    t: Arc<Transfer>,
+    w: InFlight,
     pub pieces: Vec<(u64, u64)>,
     pub len: u64,
     layer: usize,
@@ -116,13 +139,12 @@ pub struct StreamPermit {
 impl StreamPermit {
     /// The pool's device copier (a stream permit exists only for a device pool).
     pub fn arena(&self) -> &kv_cache::KvArena {
-        self.core.cache.arena()
+        self.w.core.cache.arena()
     }
 
     /// The bytes could not be placed: fails the transfer with `why` (as [`WritePermit::fail`]).
     pub fn fail(self, why: &str) {
-        let why = format!("request {}: placing a gathered write: {why}", self.t.request_id);
-        self.core.fail(&self.t, TransferError::Transport(why.clone()), &why);
+        self.w.fail("placing a gathered write", why);
     }
 
     pub fn commit(mut self) {
@@ -133,13 +155,8 @@ impl StreamPermit {
 impl Drop for StreamPermit {
     fn drop(&mut self) {
         if self.committed {
-            self.t.latent_written[self.layer].fetch_add(self.latent, Ordering::Relaxed);
-            self.t.indexer_written[self.layer].fetch_add(self.len - self.latent, Ordering::Relaxed);
-            self.core.counters.bytes_received.fetch_add(self.len, Ordering::Relaxed);
-            self.core.counters.stream_bytes_received.fetch_add(self.len, Ordering::Relaxed);
-        }
-        if self.t.inflight.fetch_sub(1, Ordering::SeqCst) == 1 {
-            self.core.on_quiescent(&self.t);
+            self.w.landed(self.layer, self.latent, self.len - self.latent);
+            self.w.core.counters.stream_bytes_received.fetch_add(self.len, Ordering::Relaxed);
         }
     }
 }
@@ -157,25 +174,13 @@ impl ReceiverCore {
         offset: u64,
         len: u64,
     ) -> Result<StreamPermit, Refusal> {
-        let t = self.enter_write(session, token)?;
+        let w = self.enter_write(session, token)?;
+        let t = w.t.clone();
         let plan = t.stream_plan.get_or_init(|| {
             let blocks: Vec<kv_cache::BlockId> = t.blocks.iter().map(|&b| kv_cache::BlockId(b)).collect();
             crate::layout::PutPlan::new(self.layout, self.layout, &blocks, &blocks, t.num_tokens as usize)
         });
         let lat = plan.latent_bytes_per_layer();
-        let permit = |pieces, latent| StreamPermit {
-            core: self.clone(),
-            t: t.clone(),
-            pieces,
-            len,
-            layer: layer as usize,
-            latent,
-            committed: false,
-        };
-        if !t.active.load(Ordering::SeqCst) {
-            drop(permit(Vec::new(), 0));
-            return Err(Refusal::Stale);
-        }
         let end = offset.saturating_add(len);
         let aligned = |at: u64| {
             if at <= lat {
@@ -194,21 +199,15 @@ impl ReceiverCore {
             None
         };
         match why {
-            None => {
-                let pieces = plan.stream_pieces(kv_cache::LayerIdx(layer), offset, end, false);
-                let latent = if offset < lat { len } else { 0 };
-                Ok(permit(pieces, latent))
-            }
-            Some(why) => {
-                drop(permit(Vec::new(), 0));
-                let why = format!("request {}: {why}", t.request_id);
-                self.fail(
-                    &t,
-                    TransferError::BadCompletion { request_id: t.request_id.clone(), reason: why.clone() },
-                    &why,
-                );
-                Err(Refusal::Invalid(why))
-            }
+            None => Ok(StreamPermit {
+                pieces: plan.stream_pieces(kv_cache::LayerIdx(layer), offset, end, false),
+                w,
+                len,
+                layer: layer as usize,
+                latent: if offset < lat { len } else { 0 },
+                committed: false,
+            }),
+            Some(why) => Err(self.refuse(w, why)),
         }
     }
 
@@ -223,48 +222,46 @@ impl ReceiverCore {
         offset: u64,
         len: u64,
     ) -> Result<WritePermit, Refusal> {
-        let t = self.enter_write(session, token)?;
-        let permit = |layer, latent| WritePermit {
-            core: self.clone(),
-            t: t.clone(),
-            // SAFETY (of later use): the range is checked below to lie inside the arena.
-            ptr: self.cache.arena().as_ptr().wrapping_add(offset as usize),
-            len: len as usize,
-            offset: offset as usize,
-            staged: self.staging.is_some(),
-            layer,
-            latent,
-            committed: false,
-        };
-        if !t.active.load(Ordering::SeqCst) {
-            drop(permit(0, true));
-            return Err(Refusal::Stale);
-        }
-        match self.classify(&t, offset, len) {
-            Ok((layer, latent)) => Ok(permit(layer, latent)),
-            Err(why) => {
-                drop(permit(0, true));
-                let why = format!("request {}: {why}", t.request_id);
-                self.fail(
-                    &t,
-                    TransferError::BadCompletion { request_id: t.request_id.clone(), reason: why.clone() },
-                    &why,
-                );
-                Err(Refusal::Invalid(why))
-            }
+        let w = self.enter_write(session, token)?;
+        match self.classify(&w.t, offset, len) {
+            Ok((layer, latent)) => Ok(WritePermit {
+                w,
+                // SAFETY (of later use): classify checked the range lies inside the arena.
+                ptr: self.cache.arena().as_ptr().wrapping_add(offset as usize),
+                len: len as usize,
+                offset: offset as usize,
+                staged: self.staging.is_some(),
+                layer,
+                latent,
+                committed: false,
+            }),
+            Err(why) => Err(self.refuse(w, why)),
         }
     }
 
-    /// The session's transfer with one more write in progress (the permit built from it ends it), if the
-    /// writer presents the session token; a wrong token is counted and refused.
-    fn enter_write(&self, session: u64, token: &[u8; TOKEN_BYTES]) -> Result<Arc<Transfer>, Refusal> {
+    /// One more write in progress on the session's active transfer, if the writer presents the session
+    /// token; a wrong token is counted and refused, an inactive transfer is stale.
+    fn enter_write(self: &Arc<Self>, session: u64, token: &[u8; TOKEN_BYTES]) -> Result<InFlight, Refusal> {
         let Some(t) = self.tables().by_session.get(&session).cloned() else { return Err(Refusal::Stale) };
         if !t.session_token.matches(token) {
             self.count_dropped_untrusted(1);
             return Err(Refusal::WrongToken);
         }
         t.inflight.fetch_add(1, Ordering::SeqCst);
-        Ok(t)
+        let w = InFlight { core: self.clone(), t };
+        if !w.t.active.load(Ordering::SeqCst) {
+            return Err(Refusal::Stale);
+        }
+        Ok(w)
+    }
+
+    /// Ends the write `w` and fails its transfer for a write outside its blocks (`why`).
+    fn refuse(self: &Arc<Self>, w: InFlight, why: String) -> Refusal {
+        let t = w.t.clone();
+        drop(w);
+        let why = format!("request {}: {why}", t.request_id);
+        self.fail(&t, TransferError::BadCompletion { request_id: t.request_id.clone(), reason: why.clone() }, &why);
+        Refusal::Invalid(why)
     }
 
     /// (layer, is_latent) of a write, if it lies inside one layer's blocks of `t`.

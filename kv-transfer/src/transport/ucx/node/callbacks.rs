@@ -59,6 +59,23 @@ pub(super) unsafe extern "C" fn on_am(
     ucs_status_t::UCS_OK
 }
 
+/// A data message's header: `decode` sees the `header_length` bytes at `header` (it refuses a wrong
+/// length), none for a null header.
+///
+/// # Safety
+/// `header` points to `header_length` readable bytes, or is null.
+unsafe fn data_header<H>(
+    header: *const core::ffi::c_void,
+    header_length: size_t,
+    decode: impl FnOnce(&[u8]) -> Option<H>,
+) -> Option<H> {
+    if header.is_null() {
+        return None;
+    }
+    // SAFETY: the caller's contract.
+    decode(unsafe { std::slice::from_raw_parts(header as *const u8, header_length as usize) })
+}
+
 pub(super) unsafe extern "C" fn on_am_data(
     arg: *mut core::ffi::c_void,
     header: *const core::ffi::c_void,
@@ -71,12 +88,7 @@ pub(super) unsafe extern "C" fn on_am_data(
     // return UCS_INPROGRESS for rendezvous and persistent payloads (released or received later).
     unsafe {
         let q = events(arg);
-        if header.is_null() || header_length as usize != WriteHeader::BYTES {
-            return ucs_status_t::UCS_OK;
-        }
-        let Some(hdr) = WriteHeader::decode(std::slice::from_raw_parts(header as *const u8, WriteHeader::BYTES)) else {
-            return ucs_status_t::UCS_OK;
-        };
+        let Some(hdr) = data_header(header, header_length, WriteHeader::decode) else { return ucs_status_t::UCS_OK };
         let attr = (*param).recv_attr;
         if attr & ucp_am_recv_attr_t_UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0 {
             // `length` is what the rendezvous will deliver; the progress loop compares it with the header's.
@@ -107,15 +119,8 @@ pub(super) unsafe extern "C" fn on_am_stream(
     // SAFETY: as on_am_data.
     unsafe {
         let q = events(arg);
-        if header.is_null() || header_length as usize != StreamHeader::BYTES {
-            return ucs_status_t::UCS_OK;
-        }
-        let Some(hdr) = StreamHeader::decode(std::slice::from_raw_parts(header as *const u8, StreamHeader::BYTES))
-        else {
-            return ucs_status_t::UCS_OK;
-        };
-        let attr = (*param).recv_attr;
-        if attr & ucp_am_recv_attr_t_UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0 {
+        let Some(hdr) = data_header(header, header_length, StreamHeader::decode) else { return ucs_status_t::UCS_OK };
+        if (*param).recv_attr & ucp_am_recv_attr_t_UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0 {
             q.push(Event::Stream(hdr, Payload::Rndv(data, length)));
             return ucs_status_t::UCS_INPROGRESS;
         }

@@ -362,10 +362,10 @@ impl State {
                 unsafe { (self.lib.ucp_am_data_release)(self.worker, desc) };
             }
             (Payload::Rndv(desc, _), Some(permit)) if permit.staged() && self.cuda && permit.cuda_memory() => {
-                self.recv_device(desc, permit)
+                self.recv(desc, permit, None, true)
             }
             (Payload::Rndv(desc, _), Some(permit)) if permit.staged() => self.recv_staged(desc, permit),
-            (Payload::Rndv(desc, _), Some(permit)) => self.recv(desc, permit, None),
+            (Payload::Rndv(desc, _), Some(permit)) => self.recv(desc, permit, None, false),
             (Payload::Persistent(desc), permit) => {
                 if let Some(permit) = permit {
                     // SAFETY: `len` payload bytes (checked in the callback), valid until released below.
@@ -436,64 +436,45 @@ impl State {
         while !self.deferred_stream.is_empty() {
             let Some(buf) = self.landing.as_ref().and_then(|p| p.try_take()) else { break };
             let Some((desc, permit)) = self.deferred_stream.pop_front() else { break };
-            let t = next_id();
-            let mut p = self.param(t);
-            p.cb.recv_am = Some(on_recv_done);
-            p.op_attr_mask |= ucp_op_attr_t_UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-            p.memory_type = ucs_memory_type_UCS_MEMORY_TYPE_CUDA;
-            // SAFETY: `permit.len` bytes (at most STREAM_CHUNK: the permit checked the range against the
-            // layer, and a layer chunk never exceeds it) fit the landing buffer the action holds.
-            let r = unsafe {
-                (self.lib.ucp_am_recv_data_nbx)(
-                    self.worker,
-                    desc,
-                    buf.addr() as *mut core::ffi::c_void,
-                    (permit.len as usize).min(buf.len()) as size_t,
-                    &p,
-                )
-            };
-            self.issued(t, &p, r, Action::RecvStream(permit, buf));
+            let (dst, len) = (buf.addr() as *mut u8, (permit.len as usize).min(buf.len()));
+            // SAFETY: `len` bytes fit the landing buffer (on_stream admitted at most STREAM_CHUNK), which the
+            // action holds until the receive completes.
+            unsafe { self.recv_data(desc, dst, len, true, Action::RecvStream(permit, buf)) };
         }
         self.resuming_stream = false;
     }
 
-    /// Receives a rendezvous payload into `staged`, else straight into the admitted range.
-    fn recv(&mut self, desc: *mut core::ffi::c_void, permit: WritePermit, mut staged: Option<StagedBuf>) {
+    /// Receives a rendezvous payload into `staged`, else straight into the admitted range (device memory
+    /// with `cuda`: UCX's CUDA transports, cuda_ipc from another GPU of this node).
+    fn recv(&mut self, desc: *mut core::ffi::c_void, permit: WritePermit, mut staged: Option<StagedBuf>, cuda: bool) {
         let dst = match staged.as_deref_mut() {
             Some(buf) => buf.as_mut_ptr(),
             None => permit.ptr,
         };
-        let t = next_id();
-        let mut p = self.param(t);
-        p.cb.recv_am = Some(on_recv_done);
-        // SAFETY: `permit.len` bytes at `dst` (the admitted host range, or a staging buffer of at least that
-        // size) stay ours until the receive completes: the action holds the permit and the buffer.
-        let r = unsafe {
-            (self.lib.ucp_am_recv_data_nbx)(self.worker, desc, dst as *mut core::ffi::c_void, permit.len as size_t, &p)
-        };
-        self.issued(t, &p, r, Action::Recv(permit, staged));
+        let len = permit.len;
+        // SAFETY: `len` bytes at `dst` (the admitted range, or a staging buffer of at least that size) stay
+        // ours until the receive completes: the action holds the permit and the buffer.
+        unsafe { self.recv_data(desc, dst, len, cuda, Action::Recv(permit, staged)) };
     }
 
-    /// A rendezvous write into a device pool, received where it is admitted by UCX's CUDA transports
-    /// (cuda_ipc from another GPU of this node, cuda_copy from host memory).
-    fn recv_device(&mut self, desc: *mut core::ffi::c_void, permit: WritePermit) {
+    /// Receives rendezvous descriptor `desc` into `len` bytes at `dst` (CUDA memory with `cuda`); `action`
+    /// runs when it lands.
+    ///
+    /// # Safety
+    /// `dst..dst + len` stays writable and unused by anyone else until the action completes.
+    unsafe fn recv_data(&mut self, desc: *mut core::ffi::c_void, dst: *mut u8, len: usize, cuda: bool, action: Action) {
         let t = next_id();
         let mut p = self.param(t);
         p.cb.recv_am = Some(on_recv_done);
-        p.op_attr_mask |= ucp_op_attr_t_UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-        p.memory_type = ucs_memory_type_UCS_MEMORY_TYPE_CUDA;
-        // SAFETY: `permit.len` device bytes at `permit.ptr` (admitted inside the transfer's blocks) stay ours
-        // until the receive completes: the action holds the permit.
+        if cuda {
+            p.op_attr_mask |= ucp_op_attr_t_UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+            p.memory_type = ucs_memory_type_UCS_MEMORY_TYPE_CUDA;
+        }
+        // SAFETY: the caller's contract.
         let r = unsafe {
-            (self.lib.ucp_am_recv_data_nbx)(
-                self.worker,
-                desc,
-                permit.ptr as *mut core::ffi::c_void,
-                permit.len as size_t,
-                &p,
-            )
+            (self.lib.ucp_am_recv_data_nbx)(self.worker, desc, dst as *mut core::ffi::c_void, len as size_t, &p)
         };
-        self.issued(t, &p, r, Action::Recv(permit, None));
+        self.issued(t, &p, r, action);
     }
 
     /// A rendezvous write into a device pool: received into a staging buffer, then copied in. Without a
@@ -522,7 +503,7 @@ impl State {
         while !self.deferred.is_empty() {
             let Some(buf) = self.recv_staging.as_ref().and_then(|p| p.try_take()) else { break };
             let Some((desc, permit)) = self.deferred.pop_front() else { break };
-            self.recv(desc, permit, Some(buf));
+            self.recv(desc, permit, Some(buf), false);
         }
         self.resuming = false;
     }
