@@ -29,6 +29,9 @@
 #         gemm      bench/gpu/gemm_bench.py: checks and benchmark of the FP8 block-scaled GEMM on every DeepSeek-V3.2
 #                   linear shape, M = 1..8192, next to cuBLASLt (torch._scaled_mm) and the copy bandwidth
 #                   (GEMM_BENCH_ARGS=--quick: fewer)
+#         bf16      bench/gpu/bf16_bench.py: the bf16-weight products on the tensor cores (lm_head, eh_proj, the
+#                   absorbed MLA projections over 128 heads, 1..4096 rows) next to the CUDA-core kernels they
+#                   replace, cuBLAS bf16 and the copy bandwidth (BF16_BENCH_ARGS=--quick: fewer)
 #         moe       bench/gpu/moe_bench.py: the routed experts' grouped FP8 GEMM (DeepSeek-V3.2's expert shapes, 8 and 32
 #                   local experts, 1..1024 tokens each) next to the copy bandwidth and the plain product of one
 #                   expert (MOE_BENCH_ARGS=--quick: fewer)
@@ -294,6 +297,7 @@ python_bench_phase() {
 
 phase_indexer() { python_bench_phase indexer "${INDEXER_BENCH_ARGS:-}"; }
 phase_moe() { python_bench_phase moe "${MOE_BENCH_ARGS:-}"; }
+phase_bf16() { python_bench_phase bf16 "${BF16_BENCH_ARGS:-}"; }
 
 phase_serve() {
     local rc=0 dir=/tmp/tandem-gpu/tiny up
@@ -423,7 +427,7 @@ PY
 }
 
 run() {
-    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|gemm|moe|sparse-mla|serve|v32|serve-v32|all}
+    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|gemm|moe|bf16|sparse-mla|serve|v32|serve-v32|all}
     [[ -d "$BUNDLE" ]] || { echo "gpu-test.sh: $BUNDLE/ is missing: run 'scripts/gpu-test.sh pack' here and carry it" >&2; exit 1; }
     unpack
     OUTDIR=${OUT:-bench/out}
@@ -451,6 +455,7 @@ run() {
         indexer) phase_indexer ;;
         gemm) phase_gemm ;;
         moe) phase_moe ;;
+        bf16) phase_bf16 ;;
         v32) phase_v32 ;;
         serve-v32) phase_serve_v32 ;;
         sparse-mla) phase_sparse_mla ;;

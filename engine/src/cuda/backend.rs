@@ -16,7 +16,7 @@ use cudarc::driver::{CudaEvent, DevicePtr, sys};
 use super::ops::{Arg, DBuf, Workspace, elementwise_grid, launch};
 use super::topk::{self, HIST_WORDS, RawTopk, launch_topk};
 use super::weights::{DFfn, DLayer, DLinear, DMlp, DWeights, LoadError};
-use super::{CudaError, Gpu, indexer, moe, sparse_mla};
+use super::{CudaError, Gpu, bf16_mma, indexer, moe, sparse_mla};
 use crate::backend::{
     AttnForm, Backend, DeviceRows, EngineError, Fence, LayerDone, LayerReady, MtpInput, SeqInput, SeqOutput,
     check_pool_fits, main_items, mtp_items,
@@ -36,9 +36,6 @@ const INDEX_HEAD_TILE: usize = 8;
 const SCORE_BYTES: usize = 64 << 20;
 /// Query heads per CTA of `tandem_indexer_post` (`INDEXER_POST_HEADS` in model.cu).
 const INDEXER_POST_HEADS: usize = 8;
-/// Rows a CTA of `tandem_mla_absorb_q` / `tandem_mla_up_v` projects (`MLA_PROJ_ROWS` in model.cu).
-const MLA_PROJ_ROWS: usize = 16;
-
 /// Rows per scoring chunk at a score stride of `stride` positions (at least one scorer group).
 fn score_rows(stride: usize, score_bytes: usize) -> usize {
     (score_bytes / (4 * stride.max(1))).max(indexer::MAX_GROUP)
@@ -775,24 +772,7 @@ impl CudaBackend {
                 // The absorbed form on the tensor cores (engine/kernels/sparse_mla.cu): q_abs in bf16, the
                 // latent attention, then W_UV. The FP8 entry fixes rank 512 and rope 64 (CacheGeometry).
                 let qb = ws.take::<u16>(&s, rows * heads * sparse_mla::DQK)?;
-                let proj_grid = (heads as u32, rows.div_ceil(MLA_PROJ_ROWS) as u32, 1);
-                launch(
-                    g,
-                    if a.w_uk_t.is_bf16() { "tandem_mla_absorb_q_bf16w" } else { "tandem_mla_absorb_q" },
-                    proj_grid,
-                    256,
-                    (MLA_PROJ_ROWS * nope * 4) as u32,
-                    &[
-                        Arg::P(q),
-                        Arg::P(a.w_uk_t.ptr()),
-                        Arg::P(qb),
-                        Arg::I(rows as i32),
-                        Arg::I(heads as i32),
-                        Arg::I(nope as i32),
-                        Arg::I(rd as i32),
-                        Arg::I(rank as i32),
-                    ],
-                )?;
+                bf16_mma::absorb_q(g, &a.w_uk_t, q, qb, rows, heads, nope, rd, rank)?;
                 let latent_out = ws.take::<f32>(&s, rows * heads * rank)?;
                 let splits = sparse_mla::max_splits(topk, sparse_mla::SPLIT_TILES);
                 let (part_o, part_lse) = if splits > 1 {
@@ -832,22 +812,7 @@ impl CudaBackend {
                         },
                     )?;
                 }
-                launch(
-                    g,
-                    if a.w_uv.is_bf16() { "tandem_mla_up_v_bf16w" } else { "tandem_mla_up_v" },
-                    proj_grid,
-                    256,
-                    (MLA_PROJ_ROWS * rank * 4) as u32,
-                    &[
-                        Arg::P(latent_out),
-                        Arg::P(a.w_uv.ptr()),
-                        Arg::P(o),
-                        Arg::I(rows as i32),
-                        Arg::I(heads as i32),
-                        Arg::I(rank as i32),
-                        Arg::I(vd as i32),
-                    ],
-                )?;
+                bf16_mma::up_v(g, &a.w_uv, latent_out, o, rows, heads, rank, vd)?;
             }
             _ => {
                 // The f32 decode reads f32 weights (bf16 ones exist only for the FP8 path above).

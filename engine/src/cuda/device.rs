@@ -80,6 +80,7 @@ impl Gpu {
             ("tandem_gemm_fp8_n128_bf16", super::gemm::smem_bytes(128)),
             ("tandem_gemm_fp8_n64_f32", super::gemm::smem_bytes(64)),
             ("tandem_gemm_fp8_n64_bf16", super::gemm::smem_bytes(64)),
+            ("tandem_gemm_bf16_mma", super::bf16_mma::SHARED_BYTES),
         ] {
             let f = functions.get(name).ok_or_else(|| CudaError::Driver(format!("kernel `{name}` is not loaded")))?;
             f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;

@@ -182,6 +182,14 @@ pub const FAMILIES: &[Family] = &[
         sass_expect: &["QGMMA.64x128x32.F32.E4M3.E4M3", "QGMMA.64x64x32.F32.E4M3.E4M3", "UTMALDG.2D", "SYNCS"],
     },
     Family {
+        name: "bf16_mma",
+        source: include_str!("../../kernels/bf16_mma.cu"),
+        functions: &["tandem_gemm_bf16_mma"],
+        externals: &[],
+        // bf16 MMA with f32 accumulation, ldmatrix operands, cp.async stages.
+        sass_expect: &["HMMA.16816.F32.BF16", "LDSM.16.M88.4", "LDGSTS.E.BYPASS.128"],
+    },
+    Family {
         name: "moe",
         source: include_str!("../../kernels/moe.cu"),
         functions: &["tandem_moe_plan", "tandem_moe_scatter", "tandem_moe_map_ids"],

@@ -1,12 +1,13 @@
 //! The GPU side: CUDA C kernels compiled by NVRTC at start-up ([`kernels`], [`nvrtc`]), the device they
 //! run on ([`device`]) and one Rust module per kernel family with its launch checks ([`cache_quant`], [`gemm`],
-//! [`moe`], [`indexer`], [`topk`], [`sparse_mla`]).
+//! [`bf16_mma`], [`moe`], [`indexer`], [`topk`], [`sparse_mla`]).
 //!
 //! Everything loads the CUDA libraries at run time (cudarc's dynamic loading): a binary built without
 //! CUDA runs anywhere, and a missing library or GPU is a clear [`CudaError`], never a panic and never a
 //! silent fall-back to the CPU.
 
 pub mod backend;
+pub mod bf16_mma;
 pub mod cache_quant;
 pub mod device;
 pub mod gemm;

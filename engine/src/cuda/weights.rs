@@ -9,7 +9,7 @@ use cudarc::driver::CudaStream;
 use safetensors::Dtype;
 
 use super::ops::{Arg, DBuf, Workspace, launch};
-use super::{CudaError, gemm};
+use super::{CudaError, bf16_mma, gemm};
 use crate::checkpoint::names::{layer_prefix, scale_name};
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::config::Fp8Quant;
@@ -226,6 +226,29 @@ impl DLinear {
             DLinear::Bf16 { w, out, inp } => {
                 if sel != 0 {
                     return Err(CudaError::Shape("a bf16 linear is one matrix: no per-row selection".into()));
+                }
+                if bf16_mma::serves_linear(*out, *inp) {
+                    // The tensor cores, by the weight's shape (a misaligned x is an error, never the other kernel).
+                    return bf16_mma::launch(
+                        gpu,
+                        &bf16_mma::Product {
+                            x,
+                            x_row: *inp,
+                            x_batch: 0,
+                            a_div,
+                            w: w.ptr(),
+                            w_batch: 0,
+                            y,
+                            y_row: *out,
+                            y_batch: 0,
+                            y_bf16: false,
+                            tail: None,
+                            rows,
+                            n: *out,
+                            k: *inp,
+                            batch: 1,
+                        },
+                    );
                 }
                 // Four columns per warp, 16 rows per CTA (BF16W_COLS, BF16W_ROWS in model.cu).
                 launch(
@@ -706,13 +729,16 @@ mod tests {
         assert!(exact_bf16(&[f32::NAN]).is_none());
     }
 
-    /// The absorbed projections give the same bits from bf16 weights as from the same values in f32.
+    /// The absorbed projections from bf16 weights (the tensor cores, activations split into hi + lo) agree
+    /// with the same values in f32 (the CUDA-core kernels, f32 sums) and with f64 sums, to the split's 2^-18
+    /// and f32 rounding; a row's bits do not depend on how many rows the launch holds.
     #[test]
-    fn absorbed_projections_read_bf16_weights_with_the_same_bits() {
+    fn absorbed_projections_on_the_tensor_cores_match_f32_weights() {
         let Some(gpu) = Gpu::for_test() else { return };
         let (mut rng, seed) = crate::cpu::test_support::rng();
         let s = gpu.stream();
-        let (rows, heads, nope, rd, rank, vd): (usize, usize, usize, usize, usize, usize) = (19, 3, 128, 64, 512, 128);
+        // DeepSeek-V3.2's per-head shapes over 3 heads; 37 rows: a partial second row tile.
+        let (rows, heads, nope, rd, rank, vd): (usize, usize, usize, usize, usize, usize) = (37, 3, 128, 64, 512, 128);
         let code = |rng: &mut rand_chacha::ChaCha8Rng| loop {
             let v = crate::fp8::e4m3_to_f32(rng.random::<u8>());
             if v.is_finite() {
@@ -724,37 +750,13 @@ mod tests {
         let q: Vec<f32> = (0..rows * heads * (nope + rd)).map(|_| rng.random::<f32>() - 0.5).collect();
         let lat: Vec<f32> = (0..rows * heads * rank).map(|_| rng.random::<f32>() - 0.5).collect();
         let (dq, dlat) = (DBuf::upload(s, &q).unwrap(), DBuf::upload(s, &lat).unwrap());
-        // Both projections of the first `n` rows: the absorbed queries and the up-projection's bits.
+        // Both projections of the first `n` rows: the absorbed queries (bf16 bits) and the up-projection (f32).
         let project = |n: usize, wk: &AbsorbedWeights, wv: &AbsorbedWeights| {
             let qb = DBuf::<u16>::zeros(s, n * heads * (rank + rd)).unwrap();
             let o = DBuf::<f32>::zeros(s, n * heads * vd).unwrap();
-            let (absorb, up) = if wk.is_bf16() {
-                ("tandem_mla_absorb_q_bf16w", "tandem_mla_up_v_bf16w")
-            } else {
-                ("tandem_mla_absorb_q", "tandem_mla_up_v")
-            };
-            let (i, ptr) = (|v: usize| Arg::I(v as i32), |b: &AbsorbedWeights| Arg::P(b.ptr()));
-            let grid = (heads as u32, n.div_ceil(16) as u32, 1);
-            launch(
-                &gpu,
-                absorb,
-                grid,
-                256,
-                (16 * nope * 4) as u32,
-                &[Arg::P(dq.ptr()), ptr(wk), Arg::P(qb.ptr()), i(n), i(heads), i(nope), i(rd), i(rank)],
-            )
-            .unwrap();
-            launch(
-                &gpu,
-                up,
-                grid,
-                256,
-                (16 * rank * 4) as u32,
-                &[Arg::P(dlat.ptr()), ptr(wv), Arg::P(o.ptr()), i(n), i(heads), i(rank), i(vd)],
-            )
-            .unwrap();
-            let bits: Vec<u32> = s.clone_dtoh(o.slice()).unwrap().iter().map(|v| v.to_bits()).collect();
-            (s.clone_dtoh(qb.slice()).unwrap(), bits)
+            bf16_mma::absorb_q(&gpu, wk, dq.ptr(), qb.ptr(), n, heads, nope, rd, rank).unwrap();
+            bf16_mma::up_v(&gpu, wv, dlat.ptr(), o.ptr(), n, heads, rank, vd).unwrap();
+            (s.clone_dtoh(qb.slice()).unwrap(), s.clone_dtoh(o.slice()).unwrap())
         };
         let mut outs = Vec::new();
         for bf16 in [false, true] {
@@ -763,24 +765,63 @@ mod tests {
             assert_eq!((wk.is_bf16(), wv.is_bf16()), (bf16, bf16));
             outs.push(project(rows, &wk, &wv));
         }
-        assert!(outs[0] == outs[1], "bf16 weights change the absorbed projections (seed {seed})");
-        // A row's values do not depend on how many rows its CTA holds.
+        let bf = |b: u16| half::bf16::from_bits(b).to_f32() as f64;
+        for r in 0..rows {
+            for h in 0..heads {
+                let qr = &q[(r * heads + h) * (nope + rd)..][..nope + rd];
+                for c in 0..rank + rd {
+                    let at = (r * heads + h) * (rank + rd) + c;
+                    let (f32w, tc) = (bf(outs[0].0[at]), bf(outs[1].0[at]));
+                    if c >= rank {
+                        // The rope part is copied: bf16(q_pe) on both paths.
+                        assert_eq!(outs[0].0[at], outs[1].0[at], "q_pe [{r},{h},{c}] (seed {seed})");
+                        continue;
+                    }
+                    let w = &w_uk[(h * rank + c) * nope..][..nope];
+                    let want: f64 = w.iter().zip(qr).map(|(a, b)| *a as f64 * *b as f64).sum();
+                    let mag: f64 = w.iter().zip(qr).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+                    // Both round to bf16 (2^-9 relative) after sums within 2^-16 of the magnitude sum.
+                    let tol = want.abs() * 2f64.powi(-8) + mag * 2f64.powi(-16);
+                    assert!((tc - want).abs() <= tol, "absorbed q [{r},{h},{c}] {tc} vs f64 {want} (seed {seed})");
+                    assert!(
+                        (tc - f32w).abs() <= tol,
+                        "absorbed q [{r},{h},{c}] {tc} vs f32 weights {f32w} (seed {seed})"
+                    );
+                }
+                let lr = &lat[(r * heads + h) * rank..][..rank];
+                for d in 0..vd {
+                    let at = (r * heads + h) * vd + d;
+                    let w = &w_uv[(h * vd + d) * rank..][..rank];
+                    let want: f64 = w.iter().zip(lr).map(|(a, b)| *a as f64 * *b as f64).sum();
+                    let mag: f64 = w.iter().zip(lr).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+                    let (f32w, tc) = (outs[0].1[at] as f64, outs[1].1[at] as f64);
+                    let tol = mag * 2f64.powi(-16);
+                    assert!((tc - want).abs() <= tol, "up_v [{r},{h},{d}] {tc} vs f64 {want} (seed {seed})");
+                    assert!(
+                        (tc - f32w).abs() <= 2.0 * tol,
+                        "up_v [{r},{h},{d}] {tc} vs f32 weights {f32w} (seed {seed})"
+                    );
+                }
+            }
+        }
+        // A row's values do not depend on how many rows the launch holds (row tiles of 32, partial ones).
         let wk = AbsorbedWeights::upload(s, &w_uk, true).unwrap();
         let wv = AbsorbedWeights::upload(s, &w_uv, true).unwrap();
-        for few in [1usize, 2, 3] {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for few in [1usize, 2, 7, 8, 9, 31, 32, 33] {
             let (got_q, got_o) = project(few, &wk, &wv);
             assert!(
                 got_q[..] == outs[1].0[..got_q.len()],
-                "absorbed q of {few} rows differs from 19 rows (seed {seed})"
+                "absorbed q of {few} rows differs from {rows} (seed {seed})"
             );
             assert!(
-                got_o[..] == outs[1].1[..got_o.len()],
-                "up-projection of {few} rows differs from 19 rows (seed {seed})"
+                bits(&got_o) == bits(&outs[1].1[..got_o.len()]),
+                "up-projection of {few} rows differs from {rows} rows (seed {seed})"
             );
         }
     }
 
-    /// The bf16-weight kernel (lm_head and the other bf16 linears) against f32 sums on the host: exact
+    /// The bf16-weight kernels (lm_head and the other bf16 linears) against f32 sums on the host: exact
     /// small-integer inputs give the same bits; random inputs agree to f32 rounding; a row's result does not
     /// depend on the rows beside it (every row count through 16-row CTAs and a partial last one), including
     /// widths that are not a multiple of 8 channels (the one-value loads).
@@ -791,7 +832,16 @@ mod tests {
         let s = gpu.stream();
         // Widths: 300 and 250 take one-value loads; 264 (a multiple of 8, not of 256: a partial last step)
         // and 7168 take 16-byte loads.
-        for (out, inp, exact) in [(77, 300, true), (50, 264, true), (129, 7168, false), (40, 250, false)] {
+        // From MIN_LINEAR_OUT outputs (1030 with 264 channels, 1100 with 7168) the tensor cores compute them
+        // (bf16_mma): exact inputs still give the same bits, random ones agree to the split's 2^-18.
+        for (out, inp, exact) in [
+            (77, 300, true),
+            (50, 264, true),
+            (129, 7168, false),
+            (40, 250, false),
+            (1030, 264, true),
+            (1100, 7168, false),
+        ] {
             let w: Vec<f32> = (0..out * inp)
                 .map(|_| if exact { rng.random_range(-4i32..=4) as f32 } else { rng.random::<f32>() * 2.0 - 1.0 })
                 .map(|v| half::bf16::from_f32(v).to_f32())
@@ -818,7 +868,7 @@ mod tests {
                     assert!((got - want).abs() <= tol, "{out}x{inp} y[{r},{c}] = {got}, f64 sum {want} (seed {seed})");
                 }
             }
-            for rows in [1, 2, 15, 16, 17, 33] {
+            for rows in [1, 2, 8, 9, 15, 16, 17, 32, 33] {
                 let got = run(rows);
                 let same = got.iter().zip(&full).all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "{out}x{inp}: the first {rows} rows differ from the same rows of {big} (seed {seed})");
