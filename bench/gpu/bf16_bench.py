@@ -31,7 +31,10 @@ from torch_timing import copy_gbps, timed  # noqa: E402
 
 KERNELS = os.path.join(ROOT, "engine", "kernels")
 DEV = "cuda"
-ROWS, N, K, STAGES = 32, 128, 64, 3  # engine::cuda::bf16_mma
+# engine::cuda::bf16_mma; BF16_DEFINES (e.g. "-DBMMA_ROWS=64 -DBMMA_STAGES=2") times a variant of the kernel.
+DEFINES = os.environ.get("BF16_DEFINES", "").split()
+_D = dict(d[2:].split("=") for d in DEFINES if d.startswith("-D") and "=" in d)
+ROWS, N, K, STAGES = int(_D.get("BMMA_ROWS", 32)), 128, 64, int(_D.get("BMMA_STAGES", 3))
 SHARED = STAGES * (N * (K + 8) * 2 + ROWS * K * 4) + 2 * (2 * ROWS * (K + 8) * 2)
 MLA_PROJ_ROWS = 16
 
@@ -49,7 +52,7 @@ def build(src, names):
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     out = os.path.join(tempfile.gettempdir(), f"tandem-{os.path.basename(src)}.cubin")
     subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-std=c++17", "-lineinfo", "-I", os.path.abspath(KERNELS),
-                    os.path.join(KERNELS, src), "-o", out], check=True)
+                    os.path.join(KERNELS, src), "-o", out] + (DEFINES if src == "bf16_mma.cu" else []), check=True)
     torch.zeros(1, device=DEV)
     mod = ctypes.c_void_p()
     check(_cuda.cuModuleLoad(ctypes.byref(mod), out.encode()), "cuModuleLoad")
@@ -155,16 +158,31 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--profile", action="store_true",
+                    help="launch lm_head at M = 128 and both projections at 2048 rows once each, untimed (for ncu)")
+    ap.add_argument("--only", default="", help="comma-separated products to time (lm_head,eh_proj,heads)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     kern = Kernels()
+    if args.profile:
+        w = (torch.rand(129280, 7168, device=DEV) - 0.5).to(torch.bfloat16)
+        x = torch.rand(128, 7168, device=DEV) - 0.5
+        run(kern.linear(x, w, torch.empty(128, 129280, device=DEV)))
+        wk = (torch.rand(128, 512, 128, device=DEV) - 0.5).to(torch.bfloat16)
+        wv = (torch.rand(128, 128, 512, device=DEV) - 0.5).to(torch.bfloat16)
+        q, lat = torch.rand(2048, 128, 192, device=DEV), torch.rand(2048, 128, 512, device=DEV)
+        run(kern.absorb(q, wk, torch.empty(2048, 128, 576, device=DEV, dtype=torch.bfloat16), 2048, 128, 128, 64, 512))
+        run(kern.up_v(lat, wv, torch.empty(2048, 128, 128, device=DEV), 2048, 128, 512, 128))
+        return
+    only = set(filter(None, args.only.split(",")))
     failures = []
-    checks(kern, failures)
+    if not args.quick:
+        checks(kern, failures)
     copy = copy_gbps()
     print(f"same-run copy: {copy:.0f} GB/s; {torch.cuda.get_device_name(0)}", flush=True)
     gen = torch.Generator(device=DEV).manual_seed(1)
     out_rows = []
-    ms = [1, 16, 64, 128, 256, 1024, 2048] if not args.quick else [1, 64, 256, 2048]
+    ms = [1, 16, 64, 128, 256, 1024, 2048] if not args.quick else [1, 64, 128, 2048]
     print(f"{'product':>10} {'N x K':>13} {'M':>5} {'ours us':>9} {'TFLOPS':>7} {'w %copy':>7} {'old us':>9} "
           f"{'x old':>6} {'cuBLAS bf16 us':>14}", flush=True)
 
@@ -179,12 +197,14 @@ def main():
               flush=True)
 
     for name, n, k in [("lm_head", 129280, 7168), ("eh_proj", 7168, 14336)]:
+        if only and name not in only:
+            continue
         w = (torch.rand(n, k, device=DEV, generator=gen) - 0.5).to(torch.bfloat16)
         for m in ms:
             x = torch.rand(m, k, device=DEV, generator=gen) - 0.5
             y = torch.empty(m, n, device=DEV)
             ours = timed(kern.linear(x, w, y), args.reps)
-            old = timed(kern.linear_old(x, w, y), 3) if m <= 256 else None
+            old = timed(kern.linear_old(x, w, y), 3) if m <= 256 and not args.quick else None
             xb = x.to(torch.bfloat16)
             cub = timed(lambda: torch.matmul(xb, w.t()), args.reps)
             row(name, n, k, m, ours, old, cub, n * k * 2, 2.0 * m * n * k)
@@ -193,7 +213,7 @@ def main():
     heads, nope, rd, rank, vd = 128, 128, 64, 512, 128
     wk = (torch.rand(heads, rank, nope, device=DEV, generator=gen) - 0.5).to(torch.bfloat16)
     wv = (torch.rand(heads, vd, rank, device=DEV, generator=gen) - 0.5).to(torch.bfloat16)
-    for m in ([1, 16, 64, 128, 512, 2048, 4096] if not args.quick else [1, 64, 2048]):
+    for m in ([1, 16, 64, 128, 512, 2048, 4096] if not args.quick else [1, 64, 2048]) if not only or "heads" in only else []:
         q = torch.rand(m, heads, nope + rd, device=DEV, generator=gen) - 0.5
         qb = torch.empty(m, heads, rank + rd, device=DEV, dtype=torch.bfloat16)
         lat = torch.rand(m, heads, rank, device=DEV, generator=gen) - 0.5
@@ -208,7 +228,7 @@ def main():
              rank, wv, lambda: torch.bmm(lat_b, wv.transpose(1, 2))),
         ]:
             ours = timed(f, args.reps)
-            old = timed(fo, 3)
+            old = timed(fo, 3) if not args.quick else None
             cub = timed(cubf, args.reps)
             row(name, n, k, m, ours, old, cub, heads * n * k * 2, 2.0 * m * heads * n * k)
         # The projections against f64 (one row tile's worth of rows).
@@ -222,7 +242,8 @@ def main():
         if not torch.equal(qb[:r, :, rank:], q[:r, :, nope:].to(torch.bfloat16)):
             failures.append(f"absorb_q rows {m}: the rope part is not bf16(q_pe)")
         del q, qb, lat, o, qn_b, lat_b
-    out = {"device": torch.cuda.get_device_name(0), "copy_gbps": copy, "rows": out_rows, "failures": failures}
+    out = {"device": torch.cuda.get_device_name(0), "copy_gbps": copy, "defines": DEFINES, "rows": out_rows,
+           "failures": failures}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

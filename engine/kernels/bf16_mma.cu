@@ -22,10 +22,15 @@
 #include "common.cuh"
 
 #define BMMA_THREADS 256
+// (BMMA_ROWS and BMMA_STAGES can be overridden for timing experiments: bench/gpu/bf16_bench.py BF16_DEFINES.)
+#ifndef BMMA_ROWS
 #define BMMA_ROWS 32  // rows of x per CTA: 4 m16 tiles of 8 rows (hi) + 8 rows (lo)
+#endif
 #define BMMA_N 128    // output columns per CTA: 8 warps x 2 n8 tiles
 #define BMMA_K 64     // channels per stage
+#ifndef BMMA_STAGES
 #define BMMA_STAGES 3
+#endif
 // Row pitches of the ldmatrix operands with 16 bytes of padding (144 bytes): the 8 row addresses of an
 // ldmatrix fall on distinct banks. The staged activations are read row by row (no padding needed).
 #define BMMA_W_PITCH (BMMA_K + 8)  // bf16
