@@ -18,7 +18,8 @@
 // A CTA of 8 warps computes BMMA_ROWS rows x BMMA_N columns: warp w owns columns 16 w .. 16 w + 15 for all the
 // CTA's rows (decode batches of a few rows keep every warp busy). Weights and activations stream through
 // BMMA_STAGES cp.async stages; each stage's activations are split once by the whole CTA into a bf16 MMA
-// layout (double-buffered), then read with ldmatrix as the weights are.
+// layout (double-buffered; each thread splits the chunks it loaded), then read with ldmatrix as the weights
+// are: one barrier per stage.
 #include "common.cuh"
 
 #define BMMA_THREADS 256
@@ -102,26 +103,39 @@ extern "C" __global__ void __launch_bounds__(BMMA_THREADS, 2) tandem_gemm_bf16_m
     }
 
     // Stage `slot` <- k block `kt`: weights [BMMA_N][BMMA_K] and activations [BMMA_ROWS][BMMA_K] (k is a
-    // multiple of 8, so a 16-byte chunk is wholly inside or outside the matrices).
-    auto load = [&](int slot, int kt) {
-        u8* ws = stages + slot * (BMMA_W_BYTES + BMMA_X_BYTES);
-        u8* xs = ws + BMMA_W_BYTES;
-        const int k0 = kt * BMMA_K;
+    // multiple of 8, so a 16-byte chunk is wholly inside or outside the matrices). A thread's chunks keep
+    // their row and channel offset in every stage: their sources, destinations and row checks are set once.
+#define BMMA_W_CHUNKS (BMMA_N * (BMMA_K / 8) / BMMA_THREADS)
+#define BMMA_X_CHUNKS (BMMA_ROWS * (BMMA_K / 4) / BMMA_THREADS)
+    const int wc = tid % (BMMA_K / 8), xc = tid % (BMMA_K / 4);
+    const u16* w_src[BMMA_W_CHUNKS];
+    const float* x_src[BMMA_X_CHUNKS];
+    u32 w_dst[BMMA_W_CHUNKS], x_dst[BMMA_X_CHUNKS];
 #pragma unroll
-        for (int i = tid; i < BMMA_N * (BMMA_K / 8); i += BMMA_THREADS) {
-            const int r = i / (BMMA_K / 8), c = i % (BMMA_K / 8);
-            const int col = n0 + r, kk = k0 + 8 * c;
-            const bool ok = col < n && kk < k;
-            bmma_cp16(bmma_smem(ws + (r * BMMA_W_PITCH + 8 * c) * 2), ok ? w + (i64)col * k + kk : w, ok ? 16 : 0);
+    for (int j = 0; j < BMMA_W_CHUNKS; ++j) {
+        const int r = tid / (BMMA_K / 8) + j * (BMMA_THREADS / (BMMA_K / 8));
+        w_src[j] = n0 + r < n ? w + (i64)(n0 + r) * k + 8 * wc : nullptr;
+        w_dst[j] = bmma_smem(stages) + (r * BMMA_W_PITCH + 8 * wc) * 2;
+    }
+#pragma unroll
+    for (int j = 0; j < BMMA_X_CHUNKS; ++j) {
+        const int r = tid / (BMMA_K / 4) + j * (BMMA_THREADS / (BMMA_K / 4));
+        x_src[j] = m0 + r < rows ? x + ((m0 + r) / a_div) * x_row + 4 * xc : nullptr;
+        x_dst[j] = bmma_smem(stages) + BMMA_W_BYTES + (r * BMMA_X_PITCH + 4 * xc) * 4;
+    }
+    auto load = [&](int slot, int kt) {
+        const int k0 = kt * BMMA_K;
+        const u32 at = slot * (BMMA_W_BYTES + BMMA_X_BYTES);
+        const bool w_in = k0 + 8 * wc < k, x_in = k0 + 4 * xc < k;
+#pragma unroll
+        for (int j = 0; j < BMMA_W_CHUNKS; ++j) {
+            const bool ok = w_in && w_src[j] != nullptr;
+            bmma_cp16(w_dst[j] + at, ok ? w_src[j] + k0 : w, ok ? 16 : 0);
         }
 #pragma unroll
-        for (int i = tid; i < BMMA_ROWS * (BMMA_K / 4); i += BMMA_THREADS) {
-            const int r = i / (BMMA_K / 4), c = i % (BMMA_K / 4);
-            const i64 m = m0 + r;
-            const int kk = k0 + 4 * c;
-            const bool ok = m < rows && kk < k;
-            bmma_cp16(bmma_smem(xs + (r * BMMA_X_PITCH + 4 * c) * 4), ok ? x + (m / a_div) * x_row + kk : x,
-                      ok ? 16 : 0);
+        for (int j = 0; j < BMMA_X_CHUNKS; ++j) {
+            const bool ok = x_in && x_src[j] != nullptr;
+            bmma_cp16(x_dst[j] + at, ok ? x_src[j] + k0 : x, ok ? 16 : 0);
         }
     };
 
@@ -145,24 +159,29 @@ extern "C" __global__ void __launch_bounds__(BMMA_THREADS, 2) tandem_gemm_bf16_m
     const u32 a_lane = ((8 * (q & 1) + r8) * BMMA_A_PITCH + 8 * (q >> 1)) * 2;
     for (int kt = 0; kt < kt_n; ++kt) {
         asm volatile("cp.async.wait_group %0;" ::"n"(BMMA_STAGES - 2) : "memory");
-        __syncthreads();  // stage kt landed for every thread; stage kt - 1 and split buffer kt - 2 are free
-        if (kt + BMMA_STAGES - 1 < kt_n) load((kt + BMMA_STAGES - 1) % BMMA_STAGES, kt + BMMA_STAGES - 1);
-        asm volatile("cp.async.commit_group;");
         const u8* ws = stages + (kt % BMMA_STAGES) * (BMMA_W_BYTES + BMMA_X_BYTES);
         const float* xs = (const float*)(ws + BMMA_W_BYTES);
         u8* ab = abuf + (kt & 1) * BMMA_A_BYTES;
-        // Split the stage's activations: real row r = 8 t + i goes to MMA rows 16 t + i (hi), 16 t + 8 + i (lo).
-        for (int i = tid; i < tiles * 8 * (BMMA_K / 4); i += BMMA_THREADS) {
-            const int r = i / (BMMA_K / 4), c = 4 * (i % (BMMA_K / 4));
-            const float4 v = *(const float4*)(xs + r * BMMA_X_PITCH + c);
+        // Each thread splits the activation chunks it loaded (its own cp.async writes are visible to it after
+        // the wait): real row r = 8 t + i goes to MMA rows 16 t + i (hi) and 16 t + 8 + i (lo). Split buffer
+        // kt & 1 was last read by stage kt - 2, which every thread finished before the previous barrier.
+#pragma unroll
+        for (int j = 0; j < BMMA_X_CHUNKS; ++j) {
+            const int r = tid / (BMMA_K / 4) + j * (BMMA_THREADS / (BMMA_K / 4));
+            if (r >= tiles * 8) break;  // rows ascend with j
+            const float4 v = *(const float4*)(xs + r * BMMA_X_PITCH + 4 * xc);
             uint2 hi, lo;
             bmma_split(v.x, v.y, hi.x, lo.x);
             bmma_split(v.z, v.w, hi.y, lo.y);
             const int mr = 16 * (r >> 3) + (r & 7);
-            *(uint2*)(ab + (mr * BMMA_A_PITCH + c) * 2) = hi;
-            *(uint2*)(ab + ((mr + 8) * BMMA_A_PITCH + c) * 2) = lo;
+            *(uint2*)(ab + (mr * BMMA_A_PITCH + 4 * xc) * 2) = hi;
+            *(uint2*)(ab + ((mr + 8) * BMMA_A_PITCH + 4 * xc) * 2) = lo;
         }
+        // Stage kt landed and is split for every thread; every thread finished stage kt - 1, whose slot the
+        // next load takes.
         __syncthreads();
+        if (kt + BMMA_STAGES - 1 < kt_n) load((kt + BMMA_STAGES - 1) % BMMA_STAGES, kt + BMMA_STAGES - 1);
+        asm volatile("cp.async.commit_group;");
         const u32 w_base = bmma_smem(ws) + w_lane, a_base = bmma_smem(ab) + a_lane;
 #pragma unroll
         for (int kk = 0; kk < BMMA_K / 16; ++kk) {
@@ -182,6 +201,8 @@ extern "C" __global__ void __launch_bounds__(BMMA_THREADS, 2) tandem_gemm_bf16_m
 
     const int g = lane >> 2, t4 = lane & 3;
     float* yf = (float*)y + b * y_batch;
+    // Even strides from an 8-byte aligned y: a thread's two neighbouring columns are one 8-byte store.
+    const bool pairs = ((y_row | y_batch) & 1) == 0 && ((unsigned long long)y & 7) == 0;
     u16* yb = (u16*)y + b * y_batch;
 #pragma unroll
     for (int t = 0; t < BMMA_ROWS / 8; ++t) {
@@ -195,6 +216,8 @@ extern "C" __global__ void __launch_bounds__(BMMA_THREADS, 2) tandem_gemm_bf16_m
             if (y_bf16) {
                 if (col < n) yb[m * y_row + col] = tandem_bf16(v0);
                 if (col + 1 < n) yb[m * y_row + col + 1] = tandem_bf16(v1);
+            } else if (pairs && col + 1 < n) {
+                *(float2*)(yf + m * y_row + col) = make_float2(v0, v1);
             } else {
                 if (col < n) yf[m * y_row + col] = v0;
                 if (col + 1 < n) yf[m * y_row + col + 1] = v1;
