@@ -32,6 +32,8 @@
 #         bf16      bench/gpu/bf16_bench.py: the bf16-weight products on the tensor cores (lm_head, eh_proj, the
 #                   absorbed MLA projections over 128 heads, 1..4096 rows) next to the CUDA-core kernels they
 #                   replace, cuBLAS bf16 and the copy bandwidth (BF16_BENCH_ARGS=--quick: fewer)
+#         f32       bench/gpu/f32_bench.py: the f32 linears (router gate, weights_proj) through the tiled kernel next to
+#                   the row kernel with the same bits
 #         moe       bench/gpu/moe_bench.py: the routed experts' grouped FP8 GEMM (DeepSeek-V3.2's expert shapes, 8 and 32
 #                   local experts, 1..1024 tokens each) next to the copy bandwidth and the plain product of one
 #                   expert (MOE_BENCH_ARGS=--quick: fewer)
@@ -298,6 +300,7 @@ python_bench_phase() {
 phase_indexer() { python_bench_phase indexer "${INDEXER_BENCH_ARGS:-}"; }
 phase_moe() { python_bench_phase moe "${MOE_BENCH_ARGS:-}"; }
 phase_bf16() { python_bench_phase bf16 "${BF16_BENCH_ARGS:-}"; }
+phase_f32() { python_bench_phase f32 "${F32_BENCH_ARGS:-}"; }
 
 phase_serve() {
     local rc=0 dir=/tmp/tandem-gpu/tiny up
@@ -427,7 +430,7 @@ PY
 }
 
 run() {
-    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|gemm|moe|bf16|sparse-mla|serve|v32|serve-v32|all}
+    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|gemm|moe|bf16|f32|sparse-mla|serve|v32|serve-v32|all}
     [[ -d "$BUNDLE" ]] || { echo "gpu-test.sh: $BUNDLE/ is missing: run 'scripts/gpu-test.sh pack' here and carry it" >&2; exit 1; }
     unpack
     OUTDIR=${OUT:-bench/out}
@@ -456,6 +459,7 @@ run() {
         gemm) phase_gemm ;;
         moe) phase_moe ;;
         bf16) phase_bf16 ;;
+        f32) phase_f32 ;;
         v32) phase_v32 ;;
         serve-v32) phase_serve_v32 ;;
         sparse-mla) phase_sparse_mla ;;

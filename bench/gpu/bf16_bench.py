@@ -48,11 +48,11 @@ def check(r, what):
         raise RuntimeError(f"{what}: {name.value.decode() if name.value else r}")
 
 
-def build(src, names):
+def build(src, names, defines=()):
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     out = os.path.join(tempfile.gettempdir(), f"tandem-{os.path.basename(src)}.cubin")
     subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-std=c++17", "-lineinfo", "-I", os.path.abspath(KERNELS),
-                    os.path.join(KERNELS, src), "-o", out] + (DEFINES if src == "bf16_mma.cu" else []), check=True)
+                    os.path.join(KERNELS, src), "-o", out] + list(defines), check=True)
     torch.zeros(1, device=DEV)
     mod = ctypes.c_void_p()
     check(_cuda.cuModuleLoad(ctypes.byref(mod), out.encode()), "cuModuleLoad")
@@ -79,7 +79,7 @@ P, L, I = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32
 
 class Kernels:
     def __init__(self):
-        self.mma = build("bf16_mma.cu", ["tandem_gemm_bf16_mma"])["tandem_gemm_bf16_mma"]
+        self.mma = build("bf16_mma.cu", ["tandem_gemm_bf16_mma"], DEFINES)["tandem_gemm_bf16_mma"]
         check(_cuda.cuFuncSetAttribute(self.mma, 8, SHARED), "max dynamic shared memory")
         self.old = build("model.cu", ["tandem_gemm_bf16w", "tandem_mla_absorb_q_bf16w", "tandem_mla_up_v_bf16w"])
 

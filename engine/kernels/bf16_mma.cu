@@ -5,7 +5,7 @@
 //
 // f32 activations on bf16 tensor cores: each activation is split into two bf16 values, hi = bf16(x) and
 // lo = bf16(x - hi) (x - hi is exact in f32), so hi + lo carries 16 significant bits and differs from x by at
-// most 2^-18 |x|. Products of bf16 values are exact in f32, so y is the f32 dot product of w and hi + lo up to
+// most 2^-17 |x|. Products of bf16 values are exact in f32, so y is the f32 dot product of w and hi + lo up to
 // the tensor cores' f32 accumulation. An m16 MMA tile holds 8 rows of x: rows 0-7 are their hi parts, rows
 // 8-15 their lo parts, so a thread's accumulators c0/c1 (row g) and c2/c3 (row g + 8) are the hi and lo sums
 // of the same output, added once at the end (hi + lo, in that order).
@@ -71,10 +71,14 @@ __device__ __forceinline__ u32 bmma_bf16x2(float a, float b) {
     return r;
 }
 
+// The rest x - hi of an activation, 0 where hi is not finite (an infinite x, or one that rounds to infinity in
+// bf16: hi alone carries it; a NaN x stays NaN through hi).
+__device__ __forceinline__ float bmma_rest(float x, float h) { return isfinite(h) ? __fsub_rn(x, h) : 0.0f; }
+
 // The hi and lo bf16 pairs of two activations.
 __device__ __forceinline__ void bmma_split(float a, float b, u32& hi, u32& lo) {
     hi = bmma_bf16x2(a, b);
-    lo = bmma_bf16x2(__fsub_rn(a, __uint_as_float(hi << 16)), __fsub_rn(b, __uint_as_float(hi & 0xffff0000u)));
+    lo = bmma_bf16x2(bmma_rest(a, __uint_as_float(hi << 16)), bmma_rest(b, __uint_as_float(hi & 0xffff0000u)));
 }
 
 extern "C" __global__ void __launch_bounds__(BMMA_THREADS, 2) tandem_gemm_bf16_mma(

@@ -145,28 +145,47 @@ extern "C" __global__ void tandem_gather_rows(const float* __restrict__ x, const
 // [rows, kpad] (zero past k) and scales [rows, kpad / 128], or with `scale_ld` > 0 transposed,
 // [kpad / 128, scale_ld] (the FP8 GEMM's layout, engine::cuda::gemm). Row r quantizes x's row
 // row_src[r] where a row map is given (the routed experts' grouped rows, engine::cuda::moe), else row r.
-// One warp per (row, group); rows past the grid's y extent are taken in further passes.
+// One warp per (row, group), blockDim / 32 groups per CTA; rows past the grid's y extent are taken in further
+// passes. Where k is a multiple of 4, lane l takes channels 4l..4l+3 of its group (one 16-byte load, one
+// 4-byte store), else l, l + 32, ...: the same codes and scales either way (the amax is order-free).
 extern "C" __global__ void tandem_act_quant(const float* __restrict__ x, int k, int kpad, int ue8m0,
                                             u8* __restrict__ codes, float* __restrict__ scales, int scale_ld,
                                             int rows, const int* __restrict__ row_src) {
-    const int g = blockIdx.x, lane = threadIdx.x;
+    const int lane = threadIdx.x & 31, g = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (g * ACT_GROUP >= kpad) return;  // a warp past the last group (whole warps: no barrier below)
+    const bool vec = (k & 3) == 0;
     for (int r = blockIdx.y; r < rows; r += gridDim.y) {
         const float* xr = x + (i64)(row_src != nullptr ? row_src[r] : r) * k;
+        u8* out = codes + (i64)r * kpad + g * ACT_GROUP;
         float v[4];
+        if (vec) {
+            const int c = g * ACT_GROUP + 4 * lane;
+            const float4 q = c < k ? *(const float4*)(xr + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int c = g * ACT_GROUP + j * 32 + lane;
+                v[j] = c < k ? xr[c] : 0.0f;
+            }
+        }
         float amax = 0.0f;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int c = g * ACT_GROUP + j * 32 + lane;
-            v[j] = c < k ? xr[c] : 0.0f;
-            amax = fmaxf(amax, fabsf(v[j]));
-        }
+        for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fabsf(v[j]));
         amax = tandem_warp_amax(amax);
         const float s = tandem_group_scale(amax, ue8m0);
-        u8* out = codes + (i64)r * kpad + g * ACT_GROUP;
+        if (vec) {
+            // Channels past k hold zeros, whose code is 0.
+            u32 word = 0;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int c = g * ACT_GROUP + j * 32 + lane;
-            out[j * 32 + lane] = c < k ? tandem_quant(v[j], s, ue8m0) : (u8)0;
+            for (int j = 0; j < 4; ++j) word |= (u32)tandem_quant(v[j], s, ue8m0) << (8 * j);
+            *(u32*)(out + 4 * lane) = word;
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int c = g * ACT_GROUP + j * 32 + lane;
+                out[j * 32 + lane] = c < k ? tandem_quant(v[j], s, ue8m0) : (u8)0;
+            }
         }
         if (lane == 0) scales[scale_ld > 0 ? (i64)g * scale_ld + r : (i64)r * (kpad / ACT_GROUP) + g] = s;
     }
@@ -243,6 +262,73 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_f32(
         p = tandem_warp_sum(p);
         if (lane == 0) y[(i64)m * n + c] = p;
     }
+}
+
+// (F32T_COLS and F32T_ROWS can be overridden for timing experiments: bench/gpu/f32_bench.py F32_DEFINES.)
+#ifndef F32T_COLS
+#define F32T_COLS 2  // columns per warp
+#endif
+#ifndef F32T_ROWS
+#define F32T_ROWS 8  // rows per CTA
+#endif
+#define F32T_K 128  // channels per step: 32 lanes x 4
+
+// tandem_gemm_f32's product for one matrix and k a multiple of 4 (the router gate, the indexer's weights_proj
+// and every f32 linear of the full-precision path), with the same bits: lane l sums channels 4l..4l+3,
+// 4l+128, ... by FMA in that order, then the warp's butterfly. It reads each weight once per F32T_ROWS rows
+// instead of once per row: a CTA stages its rows' next 128 channels of x in shared memory, and each warp keeps
+// the sums of F32T_COLS columns for all of them. A row's sums are the same operations whatever rows share the
+// CTA, so its bits depend neither on the batch nor on which of the two kernels ran.
+extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_f32_tiled(const float* __restrict__ x, int a_div,
+                                                                              const float* __restrict__ w,
+                                                                              float* __restrict__ y, int rows, int n,
+                                                                              int k) {
+    __shared__ __align__(16) float xs[F32T_ROWS][F32T_K];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int c0 = (blockIdx.x * WARPS + warp) * F32T_COLS, r0 = blockIdx.y * F32T_ROWS;
+    const int nr = min(F32T_ROWS, rows - r0);
+    float acc[F32T_COLS][F32T_ROWS];
+#pragma unroll
+    for (int j = 0; j < F32T_COLS; ++j)
+#pragma unroll
+        for (int r = 0; r < F32T_ROWS; ++r) acc[j][r] = 0.0f;
+    for (int kb = 0; kb < k; kb += F32T_K) {
+        for (int i = threadIdx.x; i < F32T_ROWS * (F32T_K / 4); i += WARPS * 32) {
+            const int r = i / (F32T_K / 4), q = 4 * (i % (F32T_K / 4)), m = r0 + r;
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (m < rows && kb + q < k) v = *(const float4*)(x + (i64)(m / a_div) * k + kb + q);
+            *(float4*)&xs[r][q] = v;
+        }
+        __syncthreads();
+        const int ch = kb + 4 * lane;
+        if (ch < k) {  // a lane past k adds nothing, as the row kernel's loop skips it
+            float4 wv[F32T_COLS];
+#pragma unroll
+            for (int j = 0; j < F32T_COLS; ++j)
+                wv[j] = c0 + j < n ? *(const float4*)(w + (i64)(c0 + j) * k + ch) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+            for (int r = 0; r < F32T_ROWS; ++r) {
+                if (r >= nr) break;  // uniform
+                const float4 a = *(const float4*)&xs[r][4 * lane];
+#pragma unroll
+                for (int j = 0; j < F32T_COLS; ++j) {
+                    acc[j][r] = __fmaf_rn(a.x, wv[j].x, acc[j][r]);
+                    acc[j][r] = __fmaf_rn(a.y, wv[j].y, acc[j][r]);
+                    acc[j][r] = __fmaf_rn(a.z, wv[j].z, acc[j][r]);
+                    acc[j][r] = __fmaf_rn(a.w, wv[j].w, acc[j][r]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int j = 0; j < F32T_COLS; ++j)
+#pragma unroll
+        for (int r = 0; r < F32T_ROWS; ++r) {
+            if (r >= nr) break;
+            const float v = tandem_warp_sum(acc[j][r]);
+            if (lane == 0 && c0 + j < n) y[(i64)(r0 + r) * n + c0 + j] = v;
+        }
 }
 
 #define BF16W_COLS 4   // columns per warp

@@ -3,7 +3,7 @@
 //! one head per batch entry, from f32 activations.
 //!
 //! Each activation enters the bf16 MMA as two bf16 values, `hi = bf16(x)` and `lo = bf16(x - hi)` (16
-//! significant bits, within 2^-18 |x| of x), so the result is an f32 dot product up to that and the tensor
+//! significant bits, within 2^-17 |x| of x), so the result is an f32 dot product up to that and the tensor
 //! cores' f32 accumulation (docs/model.md §2.1). Which kernel a product takes depends only on the weight's
 //! shape ([`serves_linear`], [`serves_heads`]), and a row's bits do not depend on the batch: the k order is
 //! fixed and rows never share sums.
@@ -91,8 +91,21 @@ pub fn launch(gpu: &Gpu, p: &Product) -> Result<(), CudaError> {
     if !p.w.is_multiple_of(16) || !p.w_batch.is_multiple_of(8) {
         return bad(format!("weights at {:#x} (batch stride {}) are not 16-byte aligned", p.w, p.w_batch));
     }
-    if p.a_div == 0 || p.rows > i32::MAX as usize || p.n > i32::MAX as usize || p.k > i32::MAX as usize {
-        return bad(format!("{} rows (a_div {}), {} columns, {} channels", p.rows, p.a_div, p.n, p.k));
+    let int = |v: usize| v <= i32::MAX as usize;
+    let tail_n = p.tail.map_or(0, |t| t.n);
+    if p.a_div == 0 || !int(p.a_div) || !int(p.rows) || !int(p.n) || !int(p.k) || !int(tail_n) {
+        return bad(format!(
+            "{} rows (a_div {}), {} columns, {} channels, {tail_n} tail columns",
+            p.rows, p.a_div, p.n, p.k
+        ));
+    }
+    // Column tiles and batch entries are the grid's y and z.
+    if p.n.div_ceil(N) > 65_535 || p.batch > 65_535 {
+        return bad(format!("{} columns in {} batch entries exceed the grid", p.n, p.batch));
+    }
+    let y_align = if p.y_bf16 { 2 } else { 4 };
+    if !p.y.is_multiple_of(y_align) {
+        return bad(format!("output at {:#x} is not {y_align}-byte aligned", p.y));
     }
     if p.tail.is_some() && !p.y_bf16 {
         return bad("tail columns are bf16: the output must be bf16".into());
@@ -373,6 +386,42 @@ mod tests {
         }
     }
 
+    /// An infinite activation (or one that rounds to infinity in bf16) is carried by its hi part alone: the
+    /// output is infinite, not NaN.
+    #[test]
+    fn infinite_activations_give_infinite_outputs() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let s = gpu.stream();
+        let (n, k) = (8usize, 16usize);
+        let w: Vec<u16> = vec![bf16(0.5); n * k];
+        let mut x = vec![1.0f32; 3 * k];
+        x[0] = f32::INFINITY;
+        x[k + 3] = f32::MAX;
+        let (dx, dw) = (DBuf::upload(s, &x).unwrap(), DBuf::upload(s, &w).unwrap());
+        let y = DBuf::<f32>::zeros(s, 3 * n).unwrap();
+        let p = Product {
+            x: dx.ptr(),
+            x_row: k,
+            x_batch: 0,
+            a_div: 1,
+            w: dw.ptr(),
+            w_batch: 0,
+            y: y.ptr(),
+            y_row: n,
+            y_batch: 0,
+            y_bf16: false,
+            tail: None,
+            rows: 3,
+            n,
+            k,
+            batch: 1,
+        };
+        launch(&gpu, &p).unwrap();
+        let got = s.clone_dtoh(y.slice()).unwrap();
+        assert!(got[..2 * n].iter().all(|v| *v == f32::INFINITY), "{got:?}");
+        assert!(got[2 * n..].iter().all(|v| *v == 8.0), "{got:?}");
+    }
+
     /// What the kernel cannot take is an error before the launch.
     #[test]
     fn bad_products_are_errors() {
@@ -404,6 +453,9 @@ mod tests {
             (Product { w: ok.w + 8, ..ok }, "not 16-byte aligned"),
             (Product { a_div: 0, ..ok }, "a_div 0"),
             (Product { tail: Some(Tail { src: ok.x, row: 0, batch: 0, n: 1 }), ..ok }, "must be bf16"),
+            (Product { batch: 70_000, ..ok }, "exceed the grid"),
+            (Product { n: 128 * 65_536, ..ok }, "exceed the grid"),
+            (Product { y: ok.y + 2, ..ok }, "not 4-byte aligned"),
         ] {
             let e = launch(&gpu, &p).unwrap_err().to_string();
             assert!(e.contains(what), "{e}");

@@ -27,6 +27,10 @@ pub enum LoadError {
     Cuda(#[from] CudaError),
 }
 
+/// Columns and rows of a CTA of `tandem_gemm_f32_tiled` (8 warps x `F32T_COLS`, `F32T_ROWS` in model.cu).
+const F32T_COLS_PER_CTA: usize = 16;
+const F32T_ROWS: usize = 8;
+
 /// Output rows from which a bf16 linear keeps its bf16 weights ([`DLinear::Bf16`]).
 const BF16_MIN_ROWS: usize = 1024;
 
@@ -273,6 +277,23 @@ impl DLinear {
             DLinear::Dense { inp, .. } if inp.is_multiple_of(4) && !x.is_multiple_of(16) => {
                 Err(CudaError::Shape(format!("an f32 linear's input at {x:#x} is not 16-byte aligned")))
             }
+            // One matrix: rows share the weight reads (tandem_gemm_f32_tiled), with the row kernel's bits.
+            DLinear::Dense { w, out, inp } if sel == 0 && inp.is_multiple_of(4) => launch(
+                gpu,
+                "tandem_gemm_f32_tiled",
+                (out.div_ceil(F32T_COLS_PER_CTA) as u32, rows.div_ceil(F32T_ROWS) as u32, 1),
+                256,
+                0,
+                &[
+                    Arg::P(x),
+                    Arg::I(a_div as i32),
+                    Arg::P(w.ptr()),
+                    Arg::P(y),
+                    Arg::I(rows as i32),
+                    Arg::I(*out as i32),
+                    Arg::I(*inp as i32),
+                ],
+            ),
             DLinear::Dense { w, out, inp } => launch(
                 gpu,
                 "tandem_gemm_f32",
@@ -369,13 +390,18 @@ pub(super) fn act_quant(
     row_src: u64,
 ) -> Result<(u64, u64), CudaError> {
     let groups = kpad / ACT_GROUP;
+    // Rows of a multiple of 4 channels are read 16 bytes at a time.
+    if inp.is_multiple_of(4) && !x.is_multiple_of(16) {
+        return Err(CudaError::Shape(format!("activations to quantize at {x:#x} are not 16-byte aligned")));
+    }
     let qa = ws.take::<u8>(gpu.stream(), rows * kpad)?;
     let sa = ws.take::<f32>(gpu.stream(), groups * if scale_ld > 0 { scale_ld } else { rows })?;
+    // Four groups (warps) per CTA.
     launch(
         gpu,
         "tandem_act_quant",
-        (groups as u32, rows.min(65535) as u32, 1),
-        32,
+        (groups.div_ceil(4) as u32, rows.min(65535) as u32, 1),
+        128,
         0,
         &[
             Arg::P(x),
@@ -730,7 +756,7 @@ mod tests {
     }
 
     /// The absorbed projections from bf16 weights (the tensor cores, activations split into hi + lo) agree
-    /// with the same values in f32 (the CUDA-core kernels, f32 sums) and with f64 sums, to the split's 2^-18
+    /// with the same values in f32 (the CUDA-core kernels, f32 sums) and with f64 sums, to the split's 2^-17
     /// and f32 rounding; a row's bits do not depend on how many rows the launch holds.
     #[test]
     fn absorbed_projections_on_the_tensor_cores_match_f32_weights() {
@@ -822,6 +848,67 @@ mod tests {
         }
     }
 
+    /// The tiled f32 kernel (one matrix, rows sharing weight reads) gives the row kernel's bits for every
+    /// shape (partial column and row tiles, k not a multiple of 128, a_div), and f64 sums within f32 rounding.
+    #[test]
+    fn tiled_f32_linears_have_the_row_kernels_bits() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        let s = gpu.stream();
+        for (out, inp) in [(256, 7168), (64, 7168), (17, 132), (300, 4), (5, 8), (33, 260)] {
+            let w: Vec<f32> = (0..out * inp).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect();
+            let big = 70;
+            let x: Vec<f32> = (0..big * inp).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect();
+            let lin = DLinear::dense(s, &w, out, inp).unwrap();
+            let dx = DBuf::upload(s, &x).unwrap();
+            let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for (rows, a_div) in [(1, 1), (7, 1), (8, 1), (9, 1), (33, 1), (big, 1), (20, 3)] {
+                let x_rows = rows / a_div;
+                let tiled = DBuf::<f32>::zeros(s, rows * out).unwrap();
+                let mut ws = Workspace::new();
+                lin.forward(&gpu, &mut ws, dx.ptr(), x_rows, a_div, 0, tiled.ptr()).unwrap();
+                let row = DBuf::<f32>::zeros(s, rows * out).unwrap();
+                let DLinear::Dense { w: dw, .. } = &lin else { unreachable!() };
+                let i = |v: usize| Arg::I(v as i32);
+                launch(
+                    &gpu,
+                    "tandem_gemm_f32",
+                    (out.div_ceil(8) as u32, rows.div_ceil(8) as u32, 1),
+                    256,
+                    0,
+                    &[
+                        Arg::P(dx.ptr()),
+                        i(a_div),
+                        Arg::P(dw.ptr()),
+                        Arg::P(0),
+                        Arg::L((out * inp) as i64),
+                        Arg::P(row.ptr()),
+                        i(rows),
+                        i(out),
+                        i(inp),
+                    ],
+                )
+                .unwrap();
+                let (got, want) = (s.clone_dtoh(tiled.slice()).unwrap(), s.clone_dtoh(row.slice()).unwrap());
+                assert!(
+                    bits(got.clone()) == bits(want),
+                    "{out}x{inp}, {rows} rows (a_div {a_div}): bits differ (seed {seed})"
+                );
+                for m in 0..rows {
+                    for c in 0..out {
+                        let xr = &x[(m / a_div) * inp..][..inp];
+                        let f: f64 = xr.iter().zip(&w[c * inp..][..inp]).map(|(a, b)| *a as f64 * *b as f64).sum();
+                        let g = got[m * out + c] as f64;
+                        assert!(
+                            (g - f).abs() <= 1e-5 * (inp as f64).sqrt(),
+                            "{out}x{inp} y[{m},{c}] {g} vs {f} (seed {seed})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     /// The bf16-weight kernels (lm_head and the other bf16 linears) against f32 sums on the host: exact
     /// small-integer inputs give the same bits; random inputs agree to f32 rounding; a row's result does not
     /// depend on the rows beside it (every row count through 16-row CTAs and a partial last one), including
@@ -834,7 +921,7 @@ mod tests {
         // Widths: 300 and 250 take one-value loads; 264 (a multiple of 8, not of 256: a partial last step)
         // and 7168 take 16-byte loads.
         // From MIN_LINEAR_OUT outputs (1030 with 264 channels, 1100 with 7168) the tensor cores compute them
-        // (bf16_mma): exact inputs still give the same bits, random ones agree to the split's 2^-18.
+        // (bf16_mma): exact inputs still give the same bits, random ones agree to the split's 2^-17.
         for (out, inp, exact) in [
             (77, 300, true),
             (50, 264, true),
