@@ -22,7 +22,7 @@ from torch_timing import copy_gbps, timed  # noqa: E402
 
 DEFINES = os.environ.get("F32_DEFINES", "").split()
 _D = dict(d[2:].split("=") for d in DEFINES if d.startswith("-D") and "=" in d)
-COLS, ROWS, WARPS = int(_D.get("F32T_COLS", 2)), int(_D.get("F32T_ROWS", 8)), 8
+COLS, ROWS, WARPS = int(_D.get("F32T_COLS", 4)), int(_D.get("F32T_ROWS", 8)), 8
 
 
 def main():

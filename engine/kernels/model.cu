@@ -264,21 +264,26 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_f32(
     }
 }
 
-// (F32T_COLS and F32T_ROWS can be overridden for timing experiments: bench/gpu/f32_bench.py F32_DEFINES.)
+// (F32T_COLS, F32T_ROWS and F32T_SUB can be overridden for timing experiments: bench/gpu/f32_bench.py F32_DEFINES.)
 #ifndef F32T_COLS
-#define F32T_COLS 2  // columns per warp
+#define F32T_COLS 4  // columns per warp
 #endif
 #ifndef F32T_ROWS
 #define F32T_ROWS 8  // rows per CTA
 #endif
-#define F32T_K 128  // channels per step: 32 lanes x 4
+#ifndef F32T_SUB
+#define F32T_SUB 4  // 128-channel sub-steps per step: their weight loads are in flight together
+#endif
+#define F32T_K (128 * F32T_SUB)  // channels per step
 
 // tandem_gemm_f32's product for one matrix and k a multiple of 4 (the router gate, the indexer's weights_proj
 // and every f32 linear of the full-precision path), with the same bits: lane l sums channels 4l..4l+3,
 // 4l+128, ... by FMA in that order, then the warp's butterfly. It reads each weight once per F32T_ROWS rows
-// instead of once per row: a CTA stages its rows' next 128 channels of x in shared memory, and each warp keeps
-// the sums of F32T_COLS columns for all of them. A row's sums are the same operations whatever rows share the
-// CTA, so its bits depend neither on the batch nor on which of the two kernels ran.
+// instead of once per row: a CTA stages its rows' next F32T_K channels of x in shared memory, each warp loads
+// its F32T_COLS columns' weights for all F32T_SUB sub-steps first, then keeps the sums of those columns for
+// all the rows. A row's sums are the same operations whatever rows share the CTA, so its bits depend neither
+// on the batch nor on which of the two kernels ran (the backend takes this one from 64 rows,
+// engine::cuda::weights).
 extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_f32_tiled(const float* __restrict__ x, int a_div,
                                                                               const float* __restrict__ w,
                                                                               float* __restrict__ y, int rows, int n,
@@ -299,23 +304,29 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_f32_tiled(c
             if (m < rows && kb + q < k) v = *(const float4*)(x + (i64)(m / a_div) * k + kb + q);
             *(float4*)&xs[r][q] = v;
         }
-        __syncthreads();
-        const int ch = kb + 4 * lane;
-        if (ch < k) {  // a lane past k adds nothing, as the row kernel's loop skips it
-            float4 wv[F32T_COLS];
+        float4 wv[F32T_SUB][F32T_COLS];
+#pragma unroll
+        for (int u = 0; u < F32T_SUB; ++u) {
+            const int ch = kb + 128 * u + 4 * lane;
 #pragma unroll
             for (int j = 0; j < F32T_COLS; ++j)
-                wv[j] = c0 + j < n ? *(const float4*)(w + (i64)(c0 + j) * k + ch) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                wv[u][j] = c0 + j < n && ch < k ? *(const float4*)(w + (i64)(c0 + j) * k + ch)
+                                                : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int u = 0; u < F32T_SUB; ++u) {
+            if (kb + 128 * u + 4 * lane >= k) break;  // a lane past k adds nothing, as the row kernel skips it
 #pragma unroll
             for (int r = 0; r < F32T_ROWS; ++r) {
                 if (r >= nr) break;  // uniform
-                const float4 a = *(const float4*)&xs[r][4 * lane];
+                const float4 a = *(const float4*)&xs[r][128 * u + 4 * lane];
 #pragma unroll
                 for (int j = 0; j < F32T_COLS; ++j) {
-                    acc[j][r] = __fmaf_rn(a.x, wv[j].x, acc[j][r]);
-                    acc[j][r] = __fmaf_rn(a.y, wv[j].y, acc[j][r]);
-                    acc[j][r] = __fmaf_rn(a.z, wv[j].z, acc[j][r]);
-                    acc[j][r] = __fmaf_rn(a.w, wv[j].w, acc[j][r]);
+                    acc[j][r] = __fmaf_rn(a.x, wv[u][j].x, acc[j][r]);
+                    acc[j][r] = __fmaf_rn(a.y, wv[u][j].y, acc[j][r]);
+                    acc[j][r] = __fmaf_rn(a.z, wv[u][j].z, acc[j][r]);
+                    acc[j][r] = __fmaf_rn(a.w, wv[u][j].w, acc[j][r]);
                 }
             }
         }

@@ -28,8 +28,43 @@ pub enum LoadError {
 }
 
 /// Columns and rows of a CTA of `tandem_gemm_f32_tiled` (8 warps x `F32T_COLS`, `F32T_ROWS` in model.cu).
-const F32T_COLS_PER_CTA: usize = 16;
+const F32T_COLS_PER_CTA: usize = 32;
 const F32T_ROWS: usize = 8;
+/// Rows from which an f32 linear of one matrix takes the tiled kernel: below, the row kernel's one warp per
+/// column spreads a few rows' weight reads over more SMs (bench/gpu/f32_bench.py: router gate at 2 rows 31 us
+/// against 73, at 128 rows 122 against 97).
+const F32T_MIN_ROWS: usize = 64;
+
+/// `y [rows, out] = x [rows / a_div, inp] . w^T` through `tandem_gemm_f32_tiled` (`inp` a multiple of 4, `x`
+/// 16-byte aligned).
+#[allow(clippy::too_many_arguments)]
+fn f32_tiled(
+    gpu: &Gpu,
+    x: u64,
+    a_div: usize,
+    w: u64,
+    y: u64,
+    rows: usize,
+    out: usize,
+    inp: usize,
+) -> Result<(), CudaError> {
+    launch(
+        gpu,
+        "tandem_gemm_f32_tiled",
+        (out.div_ceil(F32T_COLS_PER_CTA) as u32, rows.div_ceil(F32T_ROWS) as u32, 1),
+        256,
+        0,
+        &[
+            Arg::P(x),
+            Arg::I(a_div as i32),
+            Arg::P(w),
+            Arg::P(y),
+            Arg::I(rows as i32),
+            Arg::I(out as i32),
+            Arg::I(inp as i32),
+        ],
+    )
+}
 
 /// Output rows from which a bf16 linear keeps its bf16 weights ([`DLinear::Bf16`]).
 const BF16_MIN_ROWS: usize = 1024;
@@ -277,23 +312,11 @@ impl DLinear {
             DLinear::Dense { inp, .. } if inp.is_multiple_of(4) && !x.is_multiple_of(16) => {
                 Err(CudaError::Shape(format!("an f32 linear's input at {x:#x} is not 16-byte aligned")))
             }
-            // One matrix: rows share the weight reads (tandem_gemm_f32_tiled), with the row kernel's bits.
-            DLinear::Dense { w, out, inp } if sel == 0 && inp.is_multiple_of(4) => launch(
-                gpu,
-                "tandem_gemm_f32_tiled",
-                (out.div_ceil(F32T_COLS_PER_CTA) as u32, rows.div_ceil(F32T_ROWS) as u32, 1),
-                256,
-                0,
-                &[
-                    Arg::P(x),
-                    Arg::I(a_div as i32),
-                    Arg::P(w.ptr()),
-                    Arg::P(y),
-                    Arg::I(rows as i32),
-                    Arg::I(*out as i32),
-                    Arg::I(*inp as i32),
-                ],
-            ),
+            // One matrix and enough rows: rows share the weight reads (tandem_gemm_f32_tiled). Both kernels give
+            // the same bits (tested), so the row count picks the faster one and changes no result.
+            DLinear::Dense { w, out, inp } if sel == 0 && inp.is_multiple_of(4) && rows >= F32T_MIN_ROWS => {
+                f32_tiled(gpu, x, a_div, w.ptr(), y, rows, *out, *inp)
+            }
             DLinear::Dense { w, out, inp } => launch(
                 gpu,
                 "tandem_gemm_f32",
@@ -849,7 +872,8 @@ mod tests {
     }
 
     /// The tiled f32 kernel (one matrix, rows sharing weight reads) gives the row kernel's bits for every
-    /// shape (partial column and row tiles, k not a multiple of 128, a_div), and f64 sums within f32 rounding.
+    /// shape (partial column and row tiles, k not a multiple of 128, a_div), and f64 sums within f32 rounding;
+    /// so does `DLinear::forward`, which picks one of them by the row count.
     #[test]
     fn tiled_f32_linears_have_the_row_kernels_bits() {
         let Some(gpu) = Gpu::for_test() else { return };
@@ -862,13 +886,16 @@ mod tests {
             let lin = DLinear::dense(s, &w, out, inp).unwrap();
             let dx = DBuf::upload(s, &x).unwrap();
             let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            for (rows, a_div) in [(1, 1), (7, 1), (8, 1), (9, 1), (33, 1), (big, 1), (20, 3)] {
-                let x_rows = rows / a_div;
-                let tiled = DBuf::<f32>::zeros(s, rows * out).unwrap();
-                let mut ws = Workspace::new();
-                lin.forward(&gpu, &mut ws, dx.ptr(), x_rows, a_div, 0, tiled.ptr()).unwrap();
-                let row = DBuf::<f32>::zeros(s, rows * out).unwrap();
+            for (rows, a_div) in [(1, 1), (7, 1), (8, 1), (9, 1), (33, 1), (64, 1), (big, 1), (21, 3)] {
                 let DLinear::Dense { w: dw, .. } = &lin else { unreachable!() };
+                let tiled = DBuf::<f32>::zeros(s, rows * out).unwrap();
+                f32_tiled(&gpu, dx.ptr(), a_div, dw.ptr(), tiled.ptr(), rows, out, inp).unwrap();
+                // DLinear::forward picks one of the two kernels by the row count.
+                let picked = DBuf::<f32>::zeros(s, rows * out).unwrap();
+                let mut ws = Workspace::new();
+                lin.forward(&gpu, &mut ws, dx.ptr(), rows / a_div, a_div, 0, picked.ptr()).unwrap();
+                let picked = s.clone_dtoh(picked.slice()).unwrap();
+                let row = DBuf::<f32>::zeros(s, rows * out).unwrap();
                 let i = |v: usize| Arg::I(v as i32);
                 launch(
                     &gpu,
@@ -894,6 +921,7 @@ mod tests {
                     bits(got.clone()) == bits(want),
                     "{out}x{inp}, {rows} rows (a_div {a_div}): bits differ (seed {seed})"
                 );
+                assert!(bits(picked) == bits(got.clone()), "{out}x{inp}, {rows} rows: forward's bits (seed {seed})");
                 for m in 0..rows {
                     for c in 0..out {
                         let xr = &x[(m / a_div) * inp..][..inp];
