@@ -282,7 +282,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_f32(
 // instead of once per row: a CTA stages its rows' next F32T_K channels of x in shared memory, each warp loads
 // its F32T_COLS columns' weights for all F32T_SUB sub-steps first, then keeps the sums of those columns for
 // all the rows. A row's sums are the same operations whatever rows share the CTA, so its bits depend neither
-// on the batch nor on which of the two kernels ran (the backend takes this one from 64 rows,
+// on the batch nor on which of the two kernels ran (the backend takes this one from 16 rows,
 // engine::cuda::weights).
 extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_f32_tiled(const float* __restrict__ x, int a_div,
                                                                               const float* __restrict__ w,

@@ -690,12 +690,15 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) tandem_sample_row(
     }
 }
 
-// The MTP draft (CpuBackend::draft): argmax of the row (NaN never, equal: lower id; 0 when every value is
-// NaN) and its softmax probability. out: token, probability bits.
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) tandem_draft_row(const float* __restrict__ row, int n,
-                                                                              u32* out) {
+// The MTP drafts (CpuBackend::draft) of several rows, one CTA per row (rows[b] holds n values): argmax of
+// the row (NaN never, equal: lower id; 0 when every value is NaN) and its softmax probability. out[2b]: token,
+// out[2b + 1]: probability bits. A row's result is its CTA's alone.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) tandem_draft_rows(const float* const* __restrict__ rows,
+                                                                               int n, u32* out) {
     __shared__ SampleSmem sh;
     const int tid = threadIdx.x;
+    const float* __restrict__ row = rows[blockIdx.x];
+    out += 2 * blockIdx.x;
     const float neg_inf = tandem_neg_inf();
     float mv = __int_as_float(0x7fffffff);
     int mi = NO_ID;

@@ -393,6 +393,12 @@ pub trait Backend: Send + Sync {
     /// The MTP draft of row `row`: its argmax token and that token's probability.
     fn draft(&self, logits: &DeviceRows, row: usize) -> Result<(u32, f32), EngineError>;
 
+    /// [`Backend::draft`] of several `(logits, row)` pairs, in their order. The default asks for each in turn;
+    /// a device backend takes them in one launch.
+    fn draft_rows(&self, rows: &[(&DeviceRows, usize)]) -> Result<Vec<(u32, f32)>, EngineError> {
+        rows.iter().map(|&(logits, row)| self.draft(logits, row)).collect()
+    }
+
     /// Copies rows to the host (tests, diagnostics). The default copies rows a backend keeps in host memory.
     fn rows_to_host(&self, rows: &DeviceRows) -> Result<Vec<f32>, EngineError> {
         Ok(rows.host_values()?.to_vec())

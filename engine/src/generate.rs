@@ -262,16 +262,19 @@ fn run_mtp(
     }
     let mtp_out = backend.mtp(cache, &inputs, form, on_layer)?;
     drop(inputs);
-    for (i, out) in idx.into_iter().zip(mtp_out) {
+    // A draft only where the range ends at the pending token (the prompt is done) and drafts are used; all of
+    // the step's drafts in one call.
+    let wants: Vec<bool> = idx.iter().map(|&i| ranges[i].1 + 1 == seqs[i].tokens.len() && seqs[i].speculate).collect();
+    let rows: Vec<(&DeviceRows, usize)> =
+        mtp_out.iter().zip(&wants).filter(|(_, w)| **w).map(|(out, _)| (&out.logits, 0)).collect();
+    let mut drafts = backend.draft_rows(&rows)?.into_iter();
+    for (&i, want) in idx.iter().zip(wants) {
         let s = &mut seqs[i];
-        let b = ranges[i].1;
-        // A draft only where the range ends at the pending token (the prompt is done) and drafts are used.
-        if b + 1 == s.tokens.len() && s.speculate {
-            let (d, p) = backend.draft(&out.logits, 0)?;
+        s.draft = None;
+        if want {
+            let (d, p) = drafts.next().ok_or_else(|| EngineError::Device("a draft per row was not returned".into()))?;
             s.draft = Some(d);
             s.draft_prob = p;
-        } else {
-            s.draft = None;
         }
     }
     Ok(())

@@ -1054,6 +1054,21 @@ impl Backend for CudaBackend {
         Ok(super::sample::draft_row(&self.gpu, &view)?)
     }
 
+    fn draft_rows(&self, rows: &[(&DeviceRows, usize)]) -> Result<Vec<(u32, f32)>, EngineError> {
+        let Some(&(first, _)) = rows.first() else { return Ok(Vec::new()) };
+        let n = first.width();
+        let mut ptrs = Vec::with_capacity(rows.len());
+        for &(logits, row) in rows {
+            if logits.width() != n {
+                return Err(EngineError::InvalidInput(format!("logits rows of {} and {n} values", logits.width())));
+            }
+            let view = self.logits_row(logits, row)?;
+            ptrs.push(view.device_ptr(self.stream()).0);
+        }
+        self.gpu.context().bind_to_thread().map_err(dev)?;
+        Ok(super::sample::draft_rows(&self.gpu, &ptrs, n)?)
+    }
+
     fn rows_to_host(&self, rows: &DeviceRows) -> Result<Vec<f32>, EngineError> {
         let g = self.rows_of(rows)?;
         let n = rows.rows() * rows.width();

@@ -23,7 +23,7 @@
 
 use std::collections::BTreeMap;
 
-use cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaView, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::{CudaError, Gpu};
 use crate::sampling::{History, PURPOSE_TOKEN, Sampled, SamplingParams};
@@ -192,18 +192,31 @@ fn run(
 pub fn draft_row(gpu: &Gpu, row: &CudaView<'_, f32>) -> Result<(u32, f32), CudaError> {
     let n = row.len();
     shape(n > 0 && n <= i32::MAX as usize, || format!("a logits row of {n} values"))?;
+    let (ptr, _sync) = row.device_ptr(gpu.stream());
+    Ok(draft_rows(gpu, &[ptr], n)?[0])
+}
+
+/// [`draft_row`] of several rows of `n` values each (device addresses), in one launch and one wait.
+pub fn draft_rows(gpu: &Gpu, rows: &[u64], n: usize) -> Result<Vec<(u32, f32)>, CudaError> {
+    shape(n > 0 && n <= i32::MAX as usize, || format!("logits rows of {n} values"))?;
+    shape(rows.len() <= u32::MAX as usize, || format!("{} rows", rows.len()))?;
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
     let st = gpu.stream();
-    let mut out = st.alloc_zeros::<u32>(2)?;
-    let f = gpu.function("tandem_draft_row")?;
-    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    let ptrs = st.clone_htod(rows)?;
+    let mut out = st.alloc_zeros::<u32>(2 * rows.len())?;
+    let f = gpu.function("tandem_draft_rows")?;
+    let cfg = LaunchConfig { grid_dim: (rows.len() as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
     let n_i = n as i32;
     let mut b = st.launch_builder(f);
-    b.arg(row).arg(&n_i).arg(&mut out);
-    // SAFETY: argument types and order match the kernel; `row` holds `n` values, `out` two words.
-    gpu.profiler().time(st, "tandem_draft_row", || unsafe { b.launch(cfg) })?;
+    b.arg(&ptrs).arg(&n_i).arg(&mut out);
+    // SAFETY: argument types and order match the kernel; every address holds `n` values (the callers' rows),
+    // `out` two words per row.
+    gpu.profiler().time(st, "tandem_draft_rows", || unsafe { b.launch(cfg) })?;
     let got = st.clone_dtoh(&out)?;
     st.synchronize()?;
-    Ok((got[0], f32::from_bits(got[1])))
+    Ok(got.chunks_exact(2).map(|w| (w[0], f32::from_bits(w[1]))).collect())
 }
 
 #[cfg(test)]
@@ -496,6 +509,30 @@ mod tests {
                 Some(f) => assert_eq!(&got, f, "row at {at}"),
             }
         }
+    }
+
+    /// Several rows' drafts in one launch (rows in any order of one buffer, one repeated) are each row's
+    /// draft alone.
+    #[test]
+    fn drafts_of_many_rows_in_one_launch_are_each_rows_draft() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        let styles =
+            [Style::Uniform(4.0), Style::FewValues, Style::NegInf, Style::Nan, Style::AllNegInf, Style::Uniform(0.2)];
+        let host: Vec<f32> = styles.iter().flat_map(|&st| row(&mut rng, BIG, st)).collect();
+        let dev = gpu.stream().clone_htod(&host).unwrap();
+        let (base_ptr, _sync) = dev.device_ptr(gpu.stream());
+        let order = [3usize, 0, 5, 1, 1, 4, 2];
+        let ptrs: Vec<u64> = order.iter().map(|&i| base_ptr + (i * BIG * 4) as u64).collect();
+        let got = draft_rows(&gpu, &ptrs, BIG).unwrap();
+        assert_eq!(got.len(), order.len());
+        for (&i, (token, prob)) in order.iter().zip(got) {
+            let (want_t, want_p) = draft_row(&gpu, &dev.slice(i * BIG..(i + 1) * BIG)).unwrap();
+            assert_eq!(token, want_t, "row {i} ({:?}), seed {seed}", styles[i]);
+            assert_eq!(prob.to_bits(), want_p.to_bits(), "row {i} ({:?}), seed {seed}", styles[i]);
+        }
+        assert!(draft_rows(&gpu, &[], BIG).unwrap().is_empty());
+        assert!(draft_rows(&gpu, &ptrs, 0).is_err());
     }
 
     #[test]

@@ -31,9 +31,9 @@ pub enum LoadError {
 const F32T_COLS_PER_CTA: usize = 32;
 const F32T_ROWS: usize = 8;
 /// Rows from which an f32 linear of one matrix takes the tiled kernel: below, the row kernel's one warp per
-/// column spreads a few rows' weight reads over more SMs (bench/gpu/f32_bench.py: router gate at 2 rows 31 us
-/// against 73, at 128 rows 122 against 97).
-const F32T_MIN_ROWS: usize = 64;
+/// column is as fast (bench/gpu/f32_bench.py, router gate 256 x 7168 on an H200: 2 rows 32 us tiled against
+/// 31, 16 rows 62 against 95, 128 rows 66 against 122, 2048 rows 489 against 1656).
+const F32T_MIN_ROWS: usize = 16;
 
 /// `y [rows, out] = x [rows / a_div, inp] . w^T` through `tandem_gemm_f32_tiled` (`inp` a multiple of 4, `x`
 /// 16-byte aligned).
