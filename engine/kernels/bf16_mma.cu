@@ -205,8 +205,10 @@ extern "C" __global__ void __launch_bounds__(BMMA_THREADS, 2) tandem_gemm_bf16_m
 
     const int g = lane >> 2, t4 = lane & 3;
     float* yf = (float*)y + b * y_batch;
-    // Even strides from an 8-byte aligned y: a thread's two neighbouring columns are one 8-byte store.
+    // Even strides from an aligned y: a thread's two neighbouring columns are one store (8 bytes of f32 or 4 of
+    // bf16, rounded as tandem_bf16 rounds one value).
     const bool pairs = ((y_row | y_batch) & 1) == 0 && ((unsigned long long)y & 7) == 0;
+    const bool pairs_bf16 = ((y_row | y_batch) & 1) == 0 && ((unsigned long long)y & 3) == 0;
     u16* yb = (u16*)y + b * y_batch;
 #pragma unroll
     for (int t = 0; t < BMMA_ROWS / 8; ++t) {
@@ -217,7 +219,9 @@ extern "C" __global__ void __launch_bounds__(BMMA_THREADS, 2) tandem_gemm_bf16_m
         for (int j = 0; j < 2; ++j) {
             const int col = n0 + 16 * warp + 8 * j + 2 * t4;
             const float v0 = __fadd_rn(acc[t][j][0], acc[t][j][2]), v1 = __fadd_rn(acc[t][j][1], acc[t][j][3]);
-            if (y_bf16) {
+            if (y_bf16 && pairs_bf16 && col + 1 < n) {
+                *(u32*)(yb + m * y_row + col) = bmma_bf16x2(v0, v1);
+            } else if (y_bf16) {
                 if (col < n) yb[m * y_row + col] = tandem_bf16(v0);
                 if (col + 1 < n) yb[m * y_row + col + 1] = tandem_bf16(v1);
             } else if (pairs && col + 1 < n) {
