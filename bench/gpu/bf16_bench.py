@@ -12,25 +12,18 @@ script checks every kernel against f64 sums (the split's bound: 2^-16 of the mag
 bits do not depend on the row count.
 """
 import argparse
-import ctypes
-import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 
 try:
     import torch
 except ImportError:  # pragma: no cover - the GPU machine has PyTorch
     sys.exit("bf16_bench.py needs PyTorch (installed on the GPU machine)")
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_driver import DEV, I, L, P, build, check, cuda, launcher, report  # noqa: E402
 from torch_timing import copy_gbps, timed  # noqa: E402
 
-KERNELS = os.path.join(ROOT, "engine", "kernels")
-DEV = "cuda"
 # engine::cuda::bf16_mma; BF16_DEFINES (e.g. "-DBMMA_ROWS=64 -DBMMA_STAGES=2") times a variant of the kernel.
 DEFINES = os.environ.get("BF16_DEFINES", "").split()
 _D = dict(d[2:].split("=") for d in DEFINES if d.startswith("-D") and "=" in d)
@@ -38,49 +31,12 @@ ROWS, N, K, STAGES = int(_D.get("BMMA_ROWS", 32)), 128, 64, int(_D.get("BMMA_STA
 SHARED = STAGES * (N * (K + 8) * 2 + ROWS * K * 4) + 2 * (2 * ROWS * (K + 8) * 2)
 MLA_PROJ_ROWS = 16
 
-_cuda = ctypes.CDLL("libcuda.so.1")
-
-
-def check(r, what):
-    if r != 0:
-        name = ctypes.c_char_p()
-        _cuda.cuGetErrorName(r, ctypes.byref(name))
-        raise RuntimeError(f"{what}: {name.value.decode() if name.value else r}")
-
-
-def build(src, names, defines=()):
-    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    out = os.path.join(tempfile.gettempdir(), f"tandem-{os.path.basename(src)}.cubin")
-    subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-std=c++17", "-lineinfo", "-I", os.path.abspath(KERNELS),
-                    os.path.join(KERNELS, src), "-o", out] + list(defines), check=True)
-    torch.zeros(1, device=DEV)
-    mod = ctypes.c_void_p()
-    check(_cuda.cuModuleLoad(ctypes.byref(mod), out.encode()), "cuModuleLoad")
-    fns = {}
-    for n in names:
-        f = ctypes.c_void_p()
-        check(_cuda.cuModuleGetFunction(ctypes.byref(f), mod, n.encode()), n)
-        fns[n] = f
-    return fns
-
-
-def launcher(fn, grid, block, smem, vals, keep):
-    params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
-
-    def launch():
-        _ = (keep, vals, params)
-        stream = torch.cuda.current_stream().cuda_stream
-        check(_cuda.cuLaunchKernel(fn, *grid, block, 1, 1, smem, ctypes.c_void_p(stream), params, None), "launch")
-    return launch
-
-
-P, L, I = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32
 
 
 class Kernels:
     def __init__(self):
         self.mma = build("bf16_mma.cu", ["tandem_gemm_bf16_mma"], DEFINES)["tandem_gemm_bf16_mma"]
-        check(_cuda.cuFuncSetAttribute(self.mma, 8, SHARED), "max dynamic shared memory")
+        check(cuda.cuFuncSetAttribute(self.mma, 8, SHARED), "max dynamic shared memory")
         self.old = build("model.cu", ["tandem_gemm_bf16w", "tandem_mla_absorb_q_bf16w", "tandem_mla_up_v_bf16w"])
 
     def product(self, x, x_row, x_batch, w, w_batch, y, y_row, y_batch, rows, n, k, batch, tail=None):
@@ -242,14 +198,8 @@ def main():
         if not torch.equal(qb[:r, :, rank:], q[:r, :, nope:].to(torch.bfloat16)):
             failures.append(f"absorb_q rows {m}: the rope part is not bf16(q_pe)")
         del q, qb, lat, o, qn_b, lat_b
-    out = {"device": torch.cuda.get_device_name(0), "copy_gbps": copy, "defines": DEFINES, "rows": out_rows,
-           "failures": failures}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    if failures:
-        print("FAILURES:\n  " + "\n  ".join(failures))
-        sys.exit(1)
+    report(args.json, {"device": torch.cuda.get_device_name(0), "copy_gbps": copy, "defines": DEFINES,
+                       "rows": out_rows}, failures)
 
 
 if __name__ == "__main__":

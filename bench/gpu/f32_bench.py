@@ -9,15 +9,14 @@ F32_DEFINES (e.g. "-DF32T_COLS=4 -DF32T_ROWS=16") times a variant of the tiled k
 replay after an L2 flush, median of the runs. The script checks that both kernels give the same bits first.
 """
 import argparse
-import ctypes
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bf16_bench import DEV, I, P, build, launcher, run  # noqa: E402
+from bf16_bench import run  # noqa: E402
+from cuda_driver import DEV, I, L, P, build, launcher, report  # noqa: E402
 from torch_timing import copy_gbps, timed  # noqa: E402
 
 DEFINES = os.environ.get("F32_DEFINES", "").split()
@@ -45,7 +44,7 @@ def main():
     def rowk(x, w, y):
         m, k = x.shape
         n = w.shape[0]
-        vals = [P(x.data_ptr()), I(1), P(w.data_ptr()), P(0), ctypes.c_int64(n * k), P(y.data_ptr()), I(m), I(n),
+        vals = [P(x.data_ptr()), I(1), P(w.data_ptr()), P(0), L(n * k), P(y.data_ptr()), I(m), I(n),
                 I(k)]
         return launcher(fns["tandem_gemm_f32"], (-(-n // 8), -(-m // 8), 1), 256, 0, vals, (x, w, y))
 
@@ -66,14 +65,8 @@ def main():
                          "weight_of_copy": n * k * 4 / t / 1e6 / copy})
             print(f"{name:>12} {n:>4}x{k:<5} {m:>5} {t * 1e3:9.1f} {r * 1e3:9.1f} {r / t:6.1f} "
                   f"{100 * rows[-1]['weight_of_copy']:6.0f}%", flush=True)
-    out = {"device": torch.cuda.get_device_name(0), "copy_gbps": copy, "defines": DEFINES, "rows": rows,
-           "failures": failures}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    if failures:
-        print("FAILURES:\n  " + "\n  ".join(failures))
-        sys.exit(1)
+    report(args.json, {"device": torch.cuda.get_device_name(0), "copy_gbps": copy, "defines": DEFINES, "rows": rows},
+           failures)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ The kernels are loaded through the CUDA driver (ctypes): their tensor-map parame
 """
 import argparse
 import ctypes
-import json
 import os
 import shutil
 import subprocess
@@ -61,14 +60,7 @@ MS = [1, 16, 64, 128, 256, 1024, 2048, 4096, 8192]
 # ---------------------------------------------------------------------------------------------------------
 # The CUDA driver through ctypes.
 
-_cuda = ctypes.CDLL("libcuda.so.1")
-
-
-def check(r, what):
-    if r != 0:
-        name = ctypes.c_char_p()
-        _cuda.cuGetErrorName(r, ctypes.byref(name))
-        raise RuntimeError(f"{what}: {name.value.decode() if name.value else r}")
+from cuda_driver import check, cuda as _cuda, report  # noqa: E402,F401 (check: moe_bench imports it here)
 
 
 class TensorMap(ctypes.Structure):
@@ -359,14 +351,8 @@ def main():
                   f"{(tt * 1e3 if tt else float('nan')):9.1f}"
                   + (f"  (64: {both[64] * 1e3:.1f}, 128: {both[128] * 1e3:.1f})" if both else ""), flush=True)
             del qa, sa, qw, sw, y
-    out = {"device": torch.cuda.get_device_name(0), "copy_gbps": copy, "sms": g.sms, "stages": STAGES,
-           "defines": os.environ.get("TANDEM_LOOP_DEFINES", ""), "rows": rows, "failures": failures}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    if failures:
-        print("FAILURES:\n  " + "\n  ".join(failures))
-        sys.exit(1)
+    report(args.json, {"device": torch.cuda.get_device_name(0), "copy_gbps": copy, "sms": g.sms, "stages": STAGES,
+                       "defines": os.environ.get("TANDEM_LOOP_DEFINES", ""), "rows": rows}, failures)
 
 
 if __name__ == "__main__":
