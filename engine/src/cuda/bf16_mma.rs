@@ -157,37 +157,25 @@ pub fn absorb_q(
     rank: usize,
 ) -> Result<(), CudaError> {
     let qk = nope + rd;
-    if w_uk_t.is_bf16() && serves_heads(nope) {
-        return launch(
-            gpu,
-            &Product {
-                x: q,
-                x_row: heads * qk,
-                x_batch: qk,
-                a_div: 1,
-                w: w_uk_t.ptr(),
-                w_batch: rank * nope,
-                y: qb,
-                y_row: heads * (rank + rd),
-                y_batch: rank + rd,
-                y_bf16: true,
-                tail: Some(Tail { src: q + (nope * 4) as u64, row: heads * qk, batch: qk, n: rd }),
-                rows,
-                n: rank,
-                k: nope,
-                batch: heads,
-            },
-        );
-    }
+    let product = Product {
+        x: q,
+        x_row: heads * qk,
+        x_batch: qk,
+        a_div: 1,
+        w: w_uk_t.ptr(),
+        w_batch: rank * nope,
+        y: qb,
+        y_row: heads * (rank + rd),
+        y_batch: rank + rd,
+        y_bf16: true,
+        tail: Some(Tail { src: q + (nope * 4) as u64, row: heads * qk, batch: qk, n: rd }),
+        rows,
+        n: rank,
+        k: nope,
+        batch: heads,
+    };
     let i = |v: usize| Arg::I(v as i32);
-    launch_kernel(
-        gpu,
-        if w_uk_t.is_bf16() { "tandem_mla_absorb_q_bf16w" } else { "tandem_mla_absorb_q" },
-        (heads as u32, rows.div_ceil(MLA_PROJ_ROWS) as u32, 1),
-        256,
-        (MLA_PROJ_ROWS * nope * 4) as u32,
-        &[Arg::P(q), Arg::P(w_uk_t.ptr()), Arg::P(qb), i(rows), i(heads), i(nope), i(rd), i(rank)],
-    )
+    head_product(gpu, w_uk_t, &product, "tandem_mla_absorb_q", &[i(rows), i(heads), i(nope), i(rd), i(rank)])
 }
 
 /// The FP8 decode's up-projection: `out[r, h] = W_UV[h] lat[r, h]` (f32) from `lat [rows, heads, rank]`.
@@ -202,37 +190,38 @@ pub fn up_v(
     rank: usize,
     vd: usize,
 ) -> Result<(), CudaError> {
-    if w_uv.is_bf16() && serves_heads(rank) {
-        return launch(
-            gpu,
-            &Product {
-                x: lat,
-                x_row: heads * rank,
-                x_batch: rank,
-                a_div: 1,
-                w: w_uv.ptr(),
-                w_batch: vd * rank,
-                y: out,
-                y_row: heads * vd,
-                y_batch: vd,
-                y_bf16: false,
-                tail: None,
-                rows,
-                n: vd,
-                k: rank,
-                batch: heads,
-            },
-        );
-    }
+    let product = Product {
+        x: lat,
+        x_row: heads * rank,
+        x_batch: rank,
+        a_div: 1,
+        w: w_uv.ptr(),
+        w_batch: vd * rank,
+        y: out,
+        y_row: heads * vd,
+        y_batch: vd,
+        y_bf16: false,
+        tail: None,
+        rows,
+        n: vd,
+        k: rank,
+        batch: heads,
+    };
     let i = |v: usize| Arg::I(v as i32);
-    launch_kernel(
-        gpu,
-        if w_uv.is_bf16() { "tandem_mla_up_v_bf16w" } else { "tandem_mla_up_v" },
-        (heads as u32, rows.div_ceil(MLA_PROJ_ROWS) as u32, 1),
-        256,
-        (MLA_PROJ_ROWS * rank * 4) as u32,
-        &[Arg::P(lat), Arg::P(w_uv.ptr()), Arg::P(out), i(rows), i(heads), i(rank), i(vd)],
-    )
+    head_product(gpu, w_uv, &product, "tandem_mla_up_v", &[i(rows), i(heads), i(rank), i(vd)])
+}
+
+/// One absorbed projection (a batch entry per head): `p` on the tensor cores where the weights are bf16 and
+/// its channels fit ([`serves_heads`]), else the CUDA-core kernel `cuda_core` (`_bf16w` for bf16 weights,
+/// one CTA per head and MLA_PROJ_ROWS rows) with its arguments after x, w and y.
+fn head_product(gpu: &Gpu, w: &AbsorbedWeights, p: &Product, cuda_core: &str, shape: &[Arg]) -> Result<(), CudaError> {
+    if w.is_bf16() && serves_heads(p.k) {
+        return launch(gpu, p);
+    }
+    let name = if w.is_bf16() { format!("{cuda_core}_bf16w") } else { cuda_core.to_string() };
+    let args: Vec<Arg> = [Arg::P(p.x), Arg::P(p.w), Arg::P(p.y)].into_iter().chain(shape.iter().copied()).collect();
+    let grid = (p.batch as u32, p.rows.div_ceil(MLA_PROJ_ROWS) as u32, 1);
+    launch_kernel(gpu, &name, grid, 256, (MLA_PROJ_ROWS * p.k * 4) as u32, &args)
 }
 
 #[cfg(test)]
