@@ -232,7 +232,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_fp8(
 }
 
 // y[m, c] = x[m / a_div] . w[c] in f32: lane l sums channels 4l..4l+3, 4l+128.. (16-byte loads; one
-// channel at a time from l, l + 32, ... where k is not a multiple of 4), then the warp's butterfly.
+// channel at a time from l, l + 32, ... where k is not a multiple of 4), then the warp's butterfly. The loop
+// is unrolled F32R_UNROLL times (its loads in flight together; the sums keep their order).
+#ifndef F32R_UNROLL
+#define F32R_UNROLL 4
+#endif
+#define TANDEM_PRAGMA(x) _Pragma(#x)
+#define TANDEM_UNROLL(n) TANDEM_PRAGMA(unroll n)
 extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_f32(
     const float* __restrict__ x, int a_div, const float* __restrict__ w, const int* __restrict__ sel, i64 w_stride,
     float* __restrict__ y, int rows, int n, int k) {
@@ -248,7 +254,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_f32(
         const float* xr = x + (i64)(m / a_div) * k;
         float p = 0.0f;
         if ((k & 3) == 0 && (w_stride & 3) == 0) {
-#pragma unroll 4
+            TANDEM_UNROLL(F32R_UNROLL)
             for (int ch = 4 * lane; ch < k; ch += 128) {
                 const float4 a = *(const float4*)(xr + ch), b = *(const float4*)(wr + ch);
                 p = __fmaf_rn(a.x, b.x, p);
