@@ -390,6 +390,12 @@ pub trait Backend: Send + Sync {
         Ok(crate::sampling::sample(logits.host_row(row)?, params, history, eos))
     }
 
+    /// [`Backend::sample`] of several requests' rows, in their order. The default samples each in turn; a
+    /// device backend takes them in one launch. Each result is the one `sample` gives it alone.
+    fn sample_rows(&self, reqs: &[SampleRequest<'_>], eos: &[u32]) -> Result<Vec<Sampled>, EngineError> {
+        reqs.iter().map(|r| self.sample(r.logits, r.row, r.params, r.history, eos)).collect()
+    }
+
     /// The MTP draft of row `row`: its argmax token and that token's probability.
     fn draft(&self, logits: &DeviceRows, row: usize) -> Result<(u32, f32), EngineError>;
 
@@ -440,6 +446,15 @@ pub trait Backend: Send + Sync {
     fn take_kernel_profile(&self) -> Result<Vec<KernelTime>, EngineError> {
         Ok(Vec::new())
     }
+}
+
+/// One request's row to sample ([`Backend::sample_rows`]).
+#[derive(Clone, Copy)]
+pub struct SampleRequest<'a> {
+    pub logits: &'a DeviceRows,
+    pub row: usize,
+    pub params: &'a SamplingParams,
+    pub history: History<'a>,
 }
 
 /// GPU time of one kernel over the launches of a profiled window ([`Backend::take_kernel_profile`]).

@@ -18,7 +18,9 @@
 //! Logits and hidden states stay in the backend ([`crate::DeviceRows`]): this module asks the backend to
 //! sample and to draft, and gets back tokens and requested logprobs only.
 
-use crate::backend::{AttnForm, Backend, DeviceRows, EngineError, LayerDone, Logits, MtpInput, SeqInput, SeqOutput};
+use crate::backend::{
+    AttnForm, Backend, DeviceRows, EngineError, LayerDone, Logits, MtpInput, SampleRequest, SeqInput, SeqOutput,
+};
 use crate::cache::{BlockId, KvCache, LayerIdx};
 use crate::sampling::{self, Finish, History, Sampled, SamplingParams};
 
@@ -123,6 +125,22 @@ impl SeqState {
     pub fn positions_needed(&self) -> usize {
         self.fed + 1 + usize::from(self.draft.is_some())
     }
+}
+
+/// Samples row `row` of the logits of each sequence `idx[j]` (its next output position), in one backend call.
+fn sample_rows(
+    backend: &dyn Backend,
+    seqs: &[&mut SeqState],
+    outs: &[SeqOutput],
+    idx: &[usize],
+    row: usize,
+    eos: &[u32],
+) -> Result<Vec<Sampled>, EngineError> {
+    let reqs: Vec<SampleRequest<'_>> = idx
+        .iter()
+        .map(|&i| SampleRequest { logits: &outs[i].logits, row, params: &seqs[i].params, history: history(seqs[i]) })
+        .collect();
+    backend.sample_rows(&reqs, eos)
 }
 
 fn history(s: &SeqState) -> History<'_> {
@@ -304,31 +322,43 @@ pub fn decode_step(
         .collect();
     let outs = backend.decode(cache, &inputs)?;
     drop(inputs);
+    // Every sequence's pending position from its row 0, in one call (a sequence's sample depends on its own
+    // history only, so the order across sequences changes nothing).
+    let firsts = sample_rows(backend, seqs, &outs, &(0..seqs.len()).collect::<Vec<_>>(), 0, &eos)?;
     let mut results = vec![StepOutput::default(); seqs.len()];
-    let mut ranges = Vec::with_capacity(seqs.len());
-    for ((s, out), (res, draft)) in seqs.iter_mut().zip(&outs).zip(results.iter_mut().zip(&drafts)) {
-        let start = s.fed;
-        let mut fed = 1;
+    let mut fed = vec![1usize; seqs.len()];
+    let mut seconds = Vec::new();
+    for (i, ((s, t), draft)) in seqs.iter_mut().zip(firsts).zip(&drafts).enumerate() {
         match draft {
             Some(d) => {
                 s.drafts_proposed += 1;
-                let t = backend.sample(&out.logits, 0, &s.params, history(s), &eos)?;
                 let (tok, accepted) = verify(t, *d);
                 push(s, tok.clone(), &eos);
-                res.tokens.push(tok);
+                results[i].tokens.push(tok);
                 if accepted {
                     s.drafts_accepted += 1;
-                    fed = 2;
+                    fed[i] = 2;
                     if s.finished.is_none() {
-                        res.tokens.push(take(backend, s, &out.logits, 1, &eos)?);
+                        seconds.push(i);
                     }
                 }
             }
-            None => res.tokens.push(take(backend, s, &out.logits, 0, &eos)?),
+            None => {
+                push(s, t.clone(), &eos);
+                results[i].tokens.push(t);
+            }
         }
+    }
+    // Accepted drafts: the next position from row 1, its history holding the accepted token.
+    for (&i, t) in seconds.iter().zip(sample_rows(backend, seqs, &outs, &seconds, 1, &eos)?) {
+        push(seqs[i], t.clone(), &eos);
+        results[i].tokens.push(t);
+    }
+    let mut ranges = Vec::with_capacity(seqs.len());
+    for ((s, res), fed) in seqs.iter_mut().zip(results.iter_mut()).zip(fed) {
         res.finished = s.finished;
         s.draft = None;
-        ranges.push((start, start + fed));
+        ranges.push((s.fed, s.fed + fed));
     }
     run_mtp(backend, cache, seqs, &ranges, &outs, AttnForm::Decode, &mut |_, _| {})?;
     for (s, &(_, b)) in seqs.iter_mut().zip(&ranges) {

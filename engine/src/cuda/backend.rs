@@ -18,8 +18,8 @@ use super::topk::{self, HIST_WORDS, RawTopk, launch_topk};
 use super::weights::{DFfn, DLayer, DLinear, DMlp, DWeights, LoadError};
 use super::{CudaError, Gpu, bf16_mma, indexer, moe, sparse_mla};
 use crate::backend::{
-    AttnForm, Backend, DeviceRows, EngineError, Fence, LayerDone, LayerReady, MtpInput, SeqInput, SeqOutput,
-    check_pool_fits, main_items, mtp_items,
+    AttnForm, Backend, DeviceRows, EngineError, Fence, LayerDone, LayerReady, MtpInput, SampleRequest, SeqInput,
+    SeqOutput, check_pool_fits, main_items, mtp_items,
 };
 use crate::cache::{BLOCK_SIZE, CacheFormat, CacheGeometry, KvCache, LayerIdx, MemoryKind};
 use crate::checkpoint::Checkpoint;
@@ -1046,6 +1046,21 @@ impl Backend for CudaBackend {
         let view = self.logits_row(logits, row)?;
         self.gpu.context().bind_to_thread().map_err(dev)?;
         Ok(super::sample::sample_row(&self.gpu, &view, params, history, eos)?)
+    }
+
+    fn sample_rows(&self, reqs: &[SampleRequest<'_>], eos: &[u32]) -> Result<Vec<Sampled>, EngineError> {
+        let mut rows = Vec::with_capacity(reqs.len());
+        for r in reqs {
+            let view = self.logits_row(r.logits, r.row)?;
+            rows.push(super::sample::RowRequest {
+                row: view.device_ptr(self.stream()).0,
+                n: view.len(),
+                params: r.params,
+                history: r.history,
+            });
+        }
+        self.gpu.context().bind_to_thread().map_err(dev)?;
+        Ok(super::sample::sample_rows(&self.gpu, &rows, eos)?)
     }
 
     fn draft(&self, logits: &DeviceRows, row: usize) -> Result<(u32, f32), EngineError> {

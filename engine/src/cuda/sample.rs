@@ -23,7 +23,7 @@
 
 use std::collections::BTreeMap;
 
-use cudarc::driver::{CudaView, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::{CudaError, Gpu};
 use crate::sampling::{History, PURPOSE_TOKEN, Sampled, SamplingParams};
@@ -125,6 +125,121 @@ pub fn sample_row(
         tracing::warn!(flags = o.flags, kept = o.kept, "sampler kernel took a fallback path");
     }
     Ok(o.sampled)
+}
+
+/// One row of [`sample_rows`]: a logits row on the device (`n` f32 at `row`) and its request.
+pub struct RowRequest<'a> {
+    pub row: u64,
+    pub n: usize,
+    pub params: &'a SamplingParams,
+    pub history: History<'a>,
+}
+
+/// [`sample_row`] of several rows in one launch (one CTA per row) and one wait: each row's result is the one
+/// `sample_row` gives it alone (the same kernel body on the same arguments).
+pub fn sample_rows(gpu: &Gpu, rows: &[RowRequest<'_>], eos: &[u32]) -> Result<Vec<Sampled>, CudaError> {
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    shape(rows.len() <= u32::MAX as usize, || format!("{} rows", rows.len()))?;
+    let mut top_ns = Vec::with_capacity(rows.len());
+    for r in rows {
+        shape(r.n > 0 && r.n <= i32::MAX as usize, || format!("a logits row of {} values", r.n))?;
+        top_ns.push(match r.params.logprobs {
+            None => -1i32,
+            Some(k) => {
+                shape(k <= MAX_TOP_LOGPROBS, || format!("logprobs {k}: at most {MAX_TOP_LOGPROBS}"))?;
+                k as i32
+            }
+        });
+    }
+    // Every row's edits in one buffer of words and one of biases (each row's bias ends are relative to its
+    // own biases, as the kernel reads them), and scratch for every row (sampling rows: four buffers of n).
+    let (mut words, mut bias, mut at) = (Vec::new(), Vec::new(), Vec::with_capacity(rows.len()));
+    for r in rows {
+        let e = Edits::new(r.n, r.params, r.history, eos);
+        at.push((words.len(), e.words.len() / 4, bias.len()));
+        words.extend(e.words);
+        bias.extend(e.bias);
+    }
+    let st = gpu.stream();
+    let dwords = st.clone_htod(if words.is_empty() { &[0u32][..] } else { &words })?;
+    let dbias = st.clone_htod(if bias.is_empty() { &[0f32][..] } else { &bias })?;
+    let z_len: usize = rows.iter().map(|r| r.n).sum();
+    let s_len: usize = rows.iter().filter(|r| !r.params.is_greedy()).map(|r| r.n).sum::<usize>().max(1);
+    let z = st.alloc_zeros::<f32>(z_len)?;
+    let prob = st.alloc_zeros::<f32>(s_len)?;
+    let sort_a = st.alloc_zeros::<u32>(s_len)?;
+    let sort_b = st.alloc_zeros::<u32>(s_len)?;
+    let out_words = OUT_HEADER + 2 * MAX_TOP_LOGPROBS as usize;
+    let out = st.alloc_zeros::<u32>(out_words * rows.len())?;
+    let base = |b: &CudaSlice<f32>| b.device_ptr(st).0;
+    let (z0, p0) = (base(&z), base(&prob));
+    let (a0, b0) = (sort_a.device_ptr(st).0, sort_b.device_ptr(st).0);
+    let (w0, bias0, o0) = (dwords.device_ptr(st).0, dbias.device_ptr(st).0, out.device_ptr(st).0);
+    // RowArgs (`SampleRowArgs` in the kernel): 9 eight-byte words, then 14 four-byte ones (the last padding).
+    let mut args = Vec::with_capacity(rows.len() * 128);
+    let (mut z_at, mut s_at) = (0usize, 0usize);
+    for (i, r) in rows.iter().enumerate() {
+        let p = r.params;
+        let (w_at, n_edits, b_at) = at[i];
+        let scratch = if p.is_greedy() { 0 } else { r.n };
+        for v in [
+            r.row,
+            w0 + (4 * w_at) as u64,
+            bias0 + (4 * b_at) as u64,
+            z0 + (4 * z_at) as u64,
+            p0 + (4 * s_at) as u64,
+            a0 + (4 * s_at) as u64,
+            b0 + (4 * s_at) as u64,
+            o0 + (4 * out_words * i) as u64,
+            p.seed,
+        ] {
+            args.extend_from_slice(&v.to_le_bytes());
+        }
+        for v in [r.n as u32, n_edits as u32] {
+            args.extend_from_slice(&v.to_le_bytes());
+        }
+        for v in [p.repetition_penalty, p.frequency_penalty, p.presence_penalty] {
+            args.extend_from_slice(&v.to_le_bytes());
+        }
+        args.extend_from_slice(&(p.is_greedy() as i32).to_le_bytes());
+        args.extend_from_slice(&p.temperature.to_le_bytes());
+        args.extend_from_slice(&p.top_k.to_le_bytes());
+        args.extend_from_slice(&p.top_p.to_le_bytes());
+        args.extend_from_slice(&p.min_p.to_le_bytes());
+        args.extend_from_slice(&(r.history.output.len() as u32).to_le_bytes());
+        args.extend_from_slice(&PURPOSE_TOKEN.to_le_bytes());
+        args.extend_from_slice(&top_ns[i].to_le_bytes());
+        args.extend_from_slice(&0i32.to_le_bytes());
+        z_at += r.n;
+        s_at += scratch;
+    }
+    debug_assert_eq!(args.len(), rows.len() * 128);
+    let dargs = st.clone_htod(&args)?;
+    let f = gpu.function("tandem_sample_rows")?;
+    let cfg = LaunchConfig { grid_dim: (rows.len() as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    let mut b = st.launch_builder(f);
+    b.arg(&dargs);
+    // SAFETY: each 128-byte record is SampleRowArgs: its row holds n values, its edits and biases are its own
+    // slices of the uploaded buffers (tokens below n, bias ends inside its biases), z holds n values and the
+    // other scratch n unless greedy, and its out slot the header and MAX_TOP_LOGPROBS pairs.
+    gpu.profiler().time(st, "tandem_sample_rows", || unsafe { b.launch(cfg) })?;
+    let got = st.clone_dtoh(&out)?;
+    st.synchronize()?;
+    let mut sampled = Vec::with_capacity(rows.len());
+    for (i, r) in rows.iter().enumerate() {
+        let g = &got[i * out_words..(i + 1) * out_words];
+        if g[OUT_FLAGS] != 0 {
+            // Diagnostics only: the token is still the CPU's.
+            tracing::warn!(flags = g[OUT_FLAGS], kept = g[OUT_KEPT], "sampler kernel took a fallback path");
+        }
+        let top_count = if top_ns[i] < 0 { 0 } else { g[OUT_TOP_COUNT] as usize };
+        let top = (0..top_count).map(|j| (g[OUT_HEADER + 2 * j], f32::from_bits(g[OUT_HEADER + 2 * j + 1]))).collect();
+        let logprob = if r.params.logprobs.is_some() { f32::from_bits(g[OUT_LOGPROB]) } else { 0.0 };
+        sampled.push(Sampled { token: g[OUT_TOKEN], logprob, top });
+    }
+    Ok(sampled)
 }
 
 /// What one launch returns: the sample, how many candidates the race saw (the CPU's
@@ -509,6 +624,58 @@ mod tests {
                 Some(f) => assert_eq!(&got, f, "row at {at}"),
             }
         }
+    }
+
+    /// Rows sampled in one launch (every filter combination with seeds, penalties, biases, min_tokens and
+    /// logprobs; rows of two widths; one row twice) give each row's `sample_row` result bit for bit.
+    #[test]
+    fn rows_sampled_in_one_launch_are_each_rows_sample() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        let mut params: Vec<SamplingParams> = combos().into_iter().map(|(_, p)| p).collect();
+        params.push(SamplingParams {
+            repetition_penalty: 1.2,
+            presence_penalty: 0.3,
+            frequency_penalty: 0.6,
+            logit_bias: vec![(5, 2.5), (5, -1.0), (9, 100.0)],
+            min_tokens: 100,
+            stop_token_ids: vec![3, 11],
+            logprobs: Some(7),
+            ..base(0.9)
+        });
+        for (i, p) in params.iter_mut().enumerate() {
+            p.seed = seed ^ i as u64;
+        }
+        let widths: Vec<usize> = (0..params.len()).map(|i| if i % 3 == 2 { 50 } else { BIG }).collect();
+        let hosts: Vec<Vec<f32>> = widths.iter().map(|&n| row(&mut rng, n, Style::Uniform(4.0))).collect();
+        let devs: Vec<CudaSlice<f32>> = hosts.iter().map(|h| gpu.stream().clone_htod(h).unwrap()).collect();
+        let prompt: Vec<u32> = (0..300).map(|_| rng.random_range(0..50)).collect();
+        let output: Vec<u32> = (0..12).map(|i| [1, 3, 7, 11, 5, 9][i % 6]).collect();
+        let h = History { prompt: &prompt, output: &output };
+        let mut order: Vec<usize> = (0..params.len()).collect();
+        order.push(1);
+        let reqs: Vec<RowRequest<'_>> = order
+            .iter()
+            .map(|&i| RowRequest {
+                row: devs[i].device_ptr(gpu.stream()).0,
+                n: widths[i],
+                params: &params[i],
+                history: h,
+            })
+            .collect();
+        let got = sample_rows(&gpu, &reqs, EOS).unwrap();
+        assert_eq!(got.len(), order.len());
+        let bits = |s: &Sampled| {
+            (s.token, s.logprob.to_bits(), s.top.iter().map(|t| (t.0, t.1.to_bits())).collect::<Vec<_>>())
+        };
+        for (&i, g) in order.iter().zip(&got) {
+            let want = sample_row(&gpu, &devs[i].slice(..), &params[i], h, EOS).unwrap();
+            assert_eq!(bits(g), bits(&want), "row {i} ({:?}), seed {seed}", params[i]);
+        }
+        assert!(sample_rows(&gpu, &[], EOS).unwrap().is_empty());
+        let too_many = SamplingParams { logprobs: Some(MAX_TOP_LOGPROBS + 1), ..base(1.0) };
+        let bad = [RowRequest { row: reqs[0].row, n: BIG, params: &too_many, history: h }];
+        assert!(sample_rows(&gpu, &bad, EOS).unwrap_err().to_string().contains("logprobs"));
     }
 
     /// Several rows' drafts in one launch (rows in any order of one buffer, one repeated) are each row's
