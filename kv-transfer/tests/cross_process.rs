@@ -9,11 +9,9 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{Kind, Opts, pair, wait_pool_used};
-use kv_cache::LayerIdx;
 use kv_transfer::transport::ucx::DataPath;
 use kv_transfer::{ExpectRequest, TransferError, testkit};
 use prost::Message;
-use proto::v1::{GeneratedToken, TransferDescriptor};
 
 fn peer(args: &[&str], fault: Option<&str>) -> (Child, ChildStdin, std::sync::mpsc::Receiver<String>) {
     common::spawn_peer(env!("CARGO_BIN_EXE_kv-peer"), args, fault)
@@ -88,31 +86,9 @@ fn receiver_killed_mid_transfer(kind: &Kind) {
         args.push("--one-sided-puts".into());
     }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (mut child, _stdin, out) = peer(&args, None);
-    let line = out.recv_timeout(Duration::from_secs(30)).expect("descriptor line");
-    let desc =
-        TransferDescriptor::decode(testkit::from_hex(line.strip_prefix("DESC ").unwrap()).unwrap().as_slice()).unwrap();
-    let g = testkit::geometry(4, 64);
-    let (cache, pool) = testkit::filled_cache(g, 5);
-    let sender = kv_transfer::KvSender::new(kind.sender_config(), cache, testkit::fingerprint(&g)).unwrap();
-    let src = pool.reserve("s", 300).unwrap();
-    let s = sender.begin(&desc, &src).unwrap();
-    s.put_layer(LayerIdx(0)).unwrap();
-    s.put_layer(LayerIdx(1)).unwrap();
-    std::thread::sleep(Duration::from_millis(100));
-    child.kill().unwrap();
-    child.wait().unwrap();
-    let t0 = Instant::now();
-    let _ = s.put_layer(LayerIdx(2));
-    let _ = s.put_layer(LayerIdx(3));
-    let r = s.complete(GeneratedToken { token_id: 1, logprobs: None }, None);
-    let e = r.expect_err("the receiver is dead");
-    assert!(
-        matches!(e, TransferError::PeerLost { .. } | TransferError::DeadlineExceeded(_) | TransferError::Transport(_)),
-        "{e:?}"
-    );
-    // Bounded by the descriptor's deadline (3 s) plus the reply grace (1 s).
-    assert!(t0.elapsed() < Duration::from_millis(4500), "took {:?}", t0.elapsed());
+    let (child, _stdin, out) = peer(&args, None);
+    let (cache, pool) = testkit::filled_cache(testkit::geometry(4, 64), 5);
+    common::sender_sees_the_receiver_die(child, &out, Duration::from_secs(30), kind.sender_config(), cache, &pool);
 }
 
 /// Runs test `name` in a process of its own (this binary re-entered with `TANDEM_ISOLATED=1`, where `body`

@@ -16,13 +16,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::wait_pool_used;
-use kv_cache::{BlockPool, KvCache, LayerIdx};
+use kv_cache::{BlockPool, KvCache};
 use kv_transfer::{
-    ExpectRequest, KvReceiver, KvSender, ReceiverConfig, SenderConfig, TransferError, TransferOutcome, TransportConfig,
-    testkit,
+    ExpectRequest, KvReceiver, ReceiverConfig, SenderConfig, TransferError, TransferOutcome, TransportConfig, testkit,
 };
 use prost::Message;
-use proto::v1::{GeneratedToken, TransferDescriptor};
 
 const LAYERS: usize = 4;
 const BLOCKS: usize = 160;
@@ -186,27 +184,7 @@ fn gpu_receiver_killed_mid_transfer_fails_the_sender() {
     let mut args = vec!["recv".to_string(), "--transport".into(), "ucx".into()];
     args.extend(["--tokens", "300", "--timeout-ms", "3000"].map(String::from));
     args.extend(shape(recv_gpu));
-    let (mut child, _stdin, out) = peer(&args, None);
-    let line = out.recv_timeout(Duration::from_secs(60)).expect("descriptor line");
-    let desc =
-        TransferDescriptor::decode(testkit::from_hex(line.strip_prefix("DESC ").unwrap()).unwrap().as_slice()).unwrap();
+    let (child, _stdin, out) = peer(&args, None);
     let (cache, pool) = device_pool(send_gpu, 43);
-    let g = *cache.geometry();
-    let sender = KvSender::new(SenderConfig::default(), cache, testkit::fingerprint(&g)).unwrap();
-    let src = pool.reserve("s", 300).unwrap();
-    let s = sender.begin(&desc, &src).unwrap();
-    s.put_layer(LayerIdx(0)).unwrap();
-    s.put_layer(LayerIdx(1)).unwrap();
-    std::thread::sleep(Duration::from_millis(100));
-    child.kill().unwrap();
-    child.wait().unwrap();
-    let t0 = Instant::now();
-    let _ = s.put_layer(LayerIdx(2));
-    let _ = s.put_layer(LayerIdx(3));
-    let e = s.complete(GeneratedToken { token_id: 1, logprobs: None }, None).expect_err("the receiver is dead");
-    assert!(
-        matches!(e, TransferError::PeerLost { .. } | TransferError::DeadlineExceeded(_) | TransferError::Transport(_)),
-        "{e:?}"
-    );
-    assert!(t0.elapsed() < Duration::from_millis(4500), "took {:?}", t0.elapsed());
+    common::sender_sees_the_receiver_die(child, &out, Duration::from_secs(60), SenderConfig::default(), cache, &pool);
 }

@@ -352,6 +352,48 @@ pub fn put_all(s: &kv_transfer::SendSession, layers: usize) {
     }
 }
 
+/// The sender's side of "the receiving kv-peer dies mid-transfer": reads the peer's `DESC` line (within
+/// `within`), sends layers 0 and 1 of a 300-token request from `cache` / `pool` through `config`, kills the
+/// peer, then sends layers 2 and 3 and completes. The completion must fail (a lost peer, the deadline or the
+/// transport) within 4.5 s of the kill: the descriptor's 3 s deadline plus the reply grace of 1 s.
+pub fn sender_sees_the_receiver_die(
+    mut child: std::process::Child,
+    out: &std::sync::mpsc::Receiver<String>,
+    within: Duration,
+    config: SenderConfig,
+    cache: Arc<KvCache>,
+    pool: &BlockPool,
+) {
+    use prost::Message;
+    let line = out.recv_timeout(within).expect("descriptor line");
+    let hex = line.strip_prefix("DESC ").unwrap();
+    let desc = TransferDescriptor::decode(testkit::from_hex(hex).unwrap().as_slice()).unwrap();
+    let g = *cache.geometry();
+    let sender = KvSender::new(config, cache, testkit::fingerprint(&g)).unwrap();
+    let src = pool.reserve("s", 300).unwrap();
+    let s = sender.begin(&desc, &src).unwrap();
+    s.put_layer(LayerIdx(0)).unwrap();
+    s.put_layer(LayerIdx(1)).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let t0 = Instant::now();
+    let _ = s.put_layer(LayerIdx(2));
+    let _ = s.put_layer(LayerIdx(3));
+    let r = s.complete(proto::v1::GeneratedToken { token_id: 1, logprobs: None }, None);
+    let e = r.expect_err("the receiver is dead");
+    assert!(
+        matches!(
+            e,
+            kv_transfer::TransferError::PeerLost { .. }
+                | kv_transfer::TransferError::DeadlineExceeded(_)
+                | kv_transfer::TransferError::Transport(_)
+        ),
+        "{e:?}"
+    );
+    assert!(t0.elapsed() < Duration::from_millis(4500), "took {:?}", t0.elapsed());
+}
+
 /// Starts the `kv-peer` binary `exe` with `args` (and the fault knob `TANDEM_KV_FAULT` = `fault`, or none);
 /// its stdout lines arrive on the channel.
 pub fn spawn_peer(
