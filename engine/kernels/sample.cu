@@ -478,7 +478,7 @@ __device__ u32 tandem_top_p_cut(const KeyOf& lp_key, const float* prob, int n, u
     return sh.s_keep;
 }
 
-// One row's sample (the body of tandem_sample_row and of each CTA of tandem_sample_rows).
+// One row's sample (each CTA of tandem_sample_rows).
 __device__ __forceinline__ void tandem_sample_body(
     const float* __restrict__ row,    // [n] raw logits
     int n,
@@ -691,15 +691,7 @@ __device__ __forceinline__ void tandem_sample_body(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) tandem_sample_row(
-    const float* __restrict__ row, int n, const u32* __restrict__ edits, int n_edits, const float* __restrict__ bias,
-    float rep, float frequency, float presence, int greedy, float temperature, int top_k, float top_p, float min_p,
-    u64 seed, u32 position, u32 purpose, int top_n, float* z, float* prob, u32* sort_a, u32* sort_b, u32* out) {
-    tandem_sample_body(row, n, edits, n_edits, bias, rep, frequency, presence, greedy, temperature, top_k, top_p,
-                       min_p, seed, position, purpose, top_n, z, prob, sort_a, sort_b, out);
-}
-
-// tandem_sample_row's arguments for one row of tandem_sample_rows (engine::cuda::sample::RowArgs: pointers and
+// tandem_sample_body's arguments for one row of tandem_sample_rows (engine::cuda::sample::RowArgs: pointers and
 // the seed first, then the 4-byte values; 128 bytes).
 struct SampleRowArgs {
     const float* row;
@@ -722,8 +714,7 @@ struct SampleRowArgs {
     int pad;
 };
 
-// Several rows' samples in one launch, one CTA per row (args[b]): each row's result is its CTA's alone, the
-// same as tandem_sample_row's on the same arguments.
+// Rows' samples, one CTA per row (args[b]): each row's result is its CTA's alone, whatever the other rows.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) tandem_sample_rows(const SampleRowArgs* __restrict__ args) {
     const SampleRowArgs a = args[blockIdx.x];
     tandem_sample_body(a.row, a.n, a.edits, a.n_edits, a.bias, a.rep, a.frequency, a.presence, a.greedy,

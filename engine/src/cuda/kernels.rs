@@ -201,7 +201,7 @@ pub const FAMILIES: &[Family] = &[
     Family {
         name: "sample",
         source: include_str!("../../kernels/sample.cu"),
-        functions: &["tandem_sample_row", "tandem_sample_rows", "tandem_draft_rows"],
+        functions: &["tandem_sample_rows", "tandem_draft_rows"],
         externals: &[],
         // Butterfly reductions in a fixed order, stable radix-sort ranks from warp matches, Philox's
         // 32x32 -> 64-bit products, and the race keys in f64.

@@ -119,12 +119,7 @@ pub fn sample_row(
     history: History<'_>,
     eos: &[u32],
 ) -> Result<Sampled, CudaError> {
-    let o = run(gpu, row, params, history, eos)?;
-    if o.flags != 0 {
-        // Diagnostics only: the token is still the CPU's.
-        tracing::warn!(flags = o.flags, kept = o.kept, "sampler kernel took a fallback path");
-    }
-    Ok(o.sampled)
+    Ok(warn_fallback(run(gpu, row, params, history, eos)?))
 }
 
 /// One row of [`sample_rows`]: a logits row on the device (`n` f32 at `row`) and its request.
@@ -136,8 +131,21 @@ pub struct RowRequest<'a> {
 }
 
 /// [`sample_row`] of several rows in one launch (one CTA per row) and one wait: each row's result is the one
-/// `sample_row` gives it alone (the same kernel body on the same arguments).
+/// `sample_row` gives it alone (a launch of that row only).
 pub fn sample_rows(gpu: &Gpu, rows: &[RowRequest<'_>], eos: &[u32]) -> Result<Vec<Sampled>, CudaError> {
+    Ok(launch_rows(gpu, rows, eos)?.into_iter().map(warn_fallback).collect())
+}
+
+/// The sample, after logging a fallback the kernel reported (diagnostics only: the token is still the CPU's).
+fn warn_fallback(o: Outcome) -> Sampled {
+    if o.flags != 0 {
+        tracing::warn!(flags = o.flags, kept = o.kept, "sampler kernel took a fallback path");
+    }
+    o.sampled
+}
+
+/// One launch of `tandem_sample_rows` over `rows`, and what each CTA returned.
+fn launch_rows(gpu: &Gpu, rows: &[RowRequest<'_>], eos: &[u32]) -> Result<Vec<Outcome>, CudaError> {
     if rows.is_empty() {
         return Ok(Vec::new());
     }
@@ -227,19 +235,19 @@ pub fn sample_rows(gpu: &Gpu, rows: &[RowRequest<'_>], eos: &[u32]) -> Result<Ve
     gpu.profiler().time(st, "tandem_sample_rows", || unsafe { b.launch(cfg) })?;
     let got = st.clone_dtoh(&out)?;
     st.synchronize()?;
-    let mut sampled = Vec::with_capacity(rows.len());
+    let mut outcomes = Vec::with_capacity(rows.len());
     for (i, r) in rows.iter().enumerate() {
         let g = &got[i * out_words..(i + 1) * out_words];
-        if g[OUT_FLAGS] != 0 {
-            // Diagnostics only: the token is still the CPU's.
-            tracing::warn!(flags = g[OUT_FLAGS], kept = g[OUT_KEPT], "sampler kernel took a fallback path");
-        }
         let top_count = if top_ns[i] < 0 { 0 } else { g[OUT_TOP_COUNT] as usize };
         let top = (0..top_count).map(|j| (g[OUT_HEADER + 2 * j], f32::from_bits(g[OUT_HEADER + 2 * j + 1]))).collect();
         let logprob = if r.params.logprobs.is_some() { f32::from_bits(g[OUT_LOGPROB]) } else { 0.0 };
-        sampled.push(Sampled { token: g[OUT_TOKEN], logprob, top });
+        outcomes.push(Outcome {
+            sampled: Sampled { token: g[OUT_TOKEN], logprob, top },
+            kept: g[OUT_KEPT],
+            flags: g[OUT_FLAGS],
+        });
     }
-    Ok(sampled)
+    Ok(outcomes)
 }
 
 /// What one launch returns: the sample, how many candidates the race saw (the CPU's
@@ -257,50 +265,8 @@ fn run(
     history: History<'_>,
     eos: &[u32],
 ) -> Result<Outcome, CudaError> {
-    let n = row.len();
-    shape(n > 0 && n <= i32::MAX as usize, || format!("a logits row of {n} values"))?;
-    let top_n = match params.logprobs {
-        None => -1i32,
-        Some(k) => {
-            shape(k <= MAX_TOP_LOGPROBS, || format!("logprobs {k}: at most {MAX_TOP_LOGPROBS}"))?;
-            k as i32
-        }
-    };
-    let edits = Edits::new(n, params, history, eos);
-    let n_edits = (edits.words.len() / 4) as i32;
-    let st = gpu.stream();
-    // cudarc cannot upload an empty slice: a placeholder word the kernel never reads.
-    let words = st.clone_htod(if edits.words.is_empty() { &[0u32][..] } else { &edits.words })?;
-    let bias = st.clone_htod(if edits.bias.is_empty() { &[0f32][..] } else { &edits.bias })?;
-    // Greedy rows use no probabilities and no sort: placeholders keep the argument list fixed.
-    let scratch = if params.is_greedy() { 1 } else { n };
-    let z = st.alloc_zeros::<f32>(n)?;
-    let prob = st.alloc_zeros::<f32>(scratch)?;
-    let sort_a = st.alloc_zeros::<u32>(scratch)?;
-    let sort_b = st.alloc_zeros::<u32>(scratch)?;
-    let mut out = st.alloc_zeros::<u32>(OUT_HEADER + 2 * MAX_TOP_LOGPROBS as usize)?;
-
-    let f = gpu.function("tandem_sample_row")?;
-    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-    let (n_i, greedy) = (n as i32, params.is_greedy() as i32);
-    let position = history.output.len() as u32;
-    let mut b = st.launch_builder(f);
-    b.arg(row).arg(&n_i).arg(&words).arg(&n_edits).arg(&bias);
-    b.arg(&params.repetition_penalty).arg(&params.frequency_penalty).arg(&params.presence_penalty);
-    b.arg(&greedy).arg(&params.temperature).arg(&params.top_k).arg(&params.top_p).arg(&params.min_p);
-    b.arg(&params.seed).arg(&position).arg(&PURPOSE_TOKEN).arg(&top_n);
-    b.arg(&z).arg(&prob).arg(&sort_a).arg(&sort_b).arg(&mut out);
-    // SAFETY: argument types and order match the kernel; `z` holds `n` values and the other scratch `n`
-    // unless greedy (then the kernel does not touch them); every edit's token is below `n` and its bias
-    // range inside `bias`; `out` holds the header and MAX_TOP_LOGPROBS pairs.
-    gpu.profiler().time(st, "tandem_sample_row", || unsafe { b.launch(cfg) })?;
-    let words_back = OUT_HEADER + 2 * top_n.max(0) as usize;
-    let got = st.clone_dtoh(&out.slice(..words_back))?;
-    st.synchronize()?;
-    let top_count = got[OUT_TOP_COUNT] as usize;
-    let top = (0..top_count).map(|i| (got[OUT_HEADER + 2 * i], f32::from_bits(got[OUT_HEADER + 2 * i + 1]))).collect();
-    let logprob = if params.logprobs.is_some() { f32::from_bits(got[OUT_LOGPROB]) } else { 0.0 };
-    Ok(Outcome { sampled: Sampled { token: got[OUT_TOKEN], logprob, top }, kept: got[OUT_KEPT], flags: got[OUT_FLAGS] })
+    let req = RowRequest { row: row.device_ptr(gpu.stream()).0, n: row.len(), params, history };
+    Ok(launch_rows(gpu, &[req], eos)?.remove(0))
 }
 
 /// The MTP draft: argmax (ties: lowest id, NaN never) and its softmax probability (as `CpuBackend::draft`).
