@@ -51,6 +51,12 @@
 #                   cross-process GPU tests (kv-transfer/tests/gpu_transfer.rs), `tandem up --device cuda
 #                   --kv-transport ucx` checked against `tandem generate` (prefill on GPU 0, decode on the last
 #                   GPU), kv-bench --devices next to ucx_perftest on CUDA memory and a device-to-device copy
+#         ep        expert parallelism on 2 GPUs (engine::cuda::ep): engine/tests/ep.rs (EP-2 logits == one GPU's, bit
+#                   for bit; a stopped or killed rank ends the other's steps, and the group is formed again;
+#                   TANDEM_REQUIRE_GPUS=2), a group of one under compute-sanitizer memcheck, then two engine-bench ranks (--ep) with EP_MODEL (default
+#                   synthetic:v32,layers=4,experts=128): the exchange at EP_EXCHANGE rows per rank next to plain
+#                   NCCL all-to-alls ($OUT/ep-exchange.jsonl), and EP_BENCH_ARGS measurements at EP-2 and on one GPU
+#                   ($OUT/ep-bench-rank{0,1}.json, ep-bench-one.json)
 #         all       kernels, sass, loop, sanitize, model, serve
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -63,7 +69,7 @@ pack() {
     cargo build --release -p engine --bin engine-bench
     # The engine's unit tests (engine-tests) and the integration tests that run on the GPU.
     local built pairs=("tandem:target/release/tandem" "engine-bench:target/release/engine-bench")
-    built=$(cargo test --release -p engine --lib --test model --test golden --test gpu --test synthetic --no-run \
+    built=$(cargo test --release -p engine --lib --test model --test golden --test gpu --test synthetic --test ep --no-run \
         --message-format=json 2>/dev/null |
         python3 -c 'import json,sys
 for l in sys.stdin:
@@ -72,7 +78,7 @@ for l in sys.stdin:
         t = m["target"]
         name = "engine-tests" if t["name"] == "engine" and "lib" in t["kind"] else "engine-" + t["name"]
         print(name + ":" + m["executable"])')
-    for want in engine-tests engine-model engine-golden engine-gpu engine-synthetic; do
+    for want in engine-tests engine-model engine-golden engine-gpu engine-synthetic engine-ep; do
         grep -q "^$want:" <<<"$built" || { echo "gpu-test.sh: test binary $want not built" >&2; exit 1; }
     done
     mapfile -t -O 2 pairs <<<"$built"
@@ -395,6 +401,50 @@ phase_kv() {
     ((rc == 0)) || FAILED+=(kv)
 }
 
+# cudarc opens libnccl.so: where only PyTorch's libnccl.so.2 exists, a link to it on the library path.
+nccl_lib() {
+    ldconfig -p 2>/dev/null | grep -q 'libnccl.so ' && return 0
+    local so
+    so=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(nvidia.nccl.__path__[0], "lib", "libnccl.so.2"))' 2>/dev/null || true)
+    [[ -n "$so" && -f "$so" ]] || so=$(ls /usr/lib/x86_64-linux-gnu/libnccl.so.2 2>/dev/null || true)
+    [[ -n "$so" ]] || { echo "gpu-test.sh: no libnccl found" >&2; return 1; }
+    mkdir -p /tmp/tandem-gpu/lib && ln -sf "$so" /tmp/tandem-gpu/lib/libnccl.so
+    export LD_LIBRARY_PATH="/tmp/tandem-gpu/lib:$LD_LIBRARY_PATH"
+}
+
+phase_ep() {
+    nccl_lib
+    TANDEM_REQUIRE_GPUS=2 run_binary ep engine-ep
+    # The exchange's kernels under memcheck, in one process (a group of one rank).
+    if [[ ${EP_SANITIZE:-1} == 1 ]] && command -v compute-sanitizer >/dev/null; then
+        local src=0
+        TANDEM_TEST_DEVICE=cuda compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 /tmp/tandem-gpu/engine-ep --exact \
+            a_group_of_one_gives_the_plain_backends_logits_bit_for_bit --test-threads=1 --nocapture \
+            >"$OUTDIR/ep-memcheck.log" 2>&1 || src=$?
+        tail -n 3 "$OUTDIR/ep-memcheck.log"
+        echo "| ep | memcheck: a_group_of_one_gives_the_plain_backends_logits_bit_for_bit | $([[ $src == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+        ((src == 0)) || FAILED+=(ep-memcheck)
+    fi
+    local rc=0 r port=$((29500 + RANDOM % 1000)) model=${EP_MODEL:-synthetic:v32,layers=4,experts=128}
+    local args=${EP_BENCH_ARGS:---decode-only --batches 16 --context 512 --decode-steps 4}
+    for r in 0 1; do
+        # shellcheck disable=SC2086
+        timeout 400 engine-bench --device "cuda:$r" --ep "$r/2@127.0.0.1:$port" --model "$model" \
+            --ep-exchange "${EP_EXCHANGE:-16,64,256,1024,4096}" $args --json --out "$OUTDIR/ep-bench-rank$r.json" \
+            >"$OUTDIR/ep-bench-rank$r.log" 2>&1 &
+    done
+    wait -n || rc=$?
+    wait -n || rc=$?
+    grep -h '"ep_exchange"' "$OUTDIR/ep-bench-rank0.log" >"$OUTDIR/ep-exchange.jsonl" || true
+    tail -n 4 "$OUTDIR"/ep-bench-rank*.log
+    # shellcheck disable=SC2086
+    timeout 300 engine-bench --device cuda:0 --model "$model" $args --json --out "$OUTDIR/ep-bench-one.json" \
+        >"$OUTDIR/ep-bench-one.log" 2>&1 || rc=$?
+    tail -n 3 "$OUTDIR/ep-bench-one.log"
+    echo "| ep | engine-bench --ep (2 ranks) and one GPU | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+    ((rc == 0)) || FAILED+=(ep)
+}
+
 phase_bench() {
     local rc=0
     for prec in fp8 full; do
@@ -430,7 +480,7 @@ PY
 }
 
 run() {
-    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|gemm|moe|bf16|f32|sparse-mla|serve|v32|serve-v32|all}
+    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|gemm|moe|bf16|f32|sparse-mla|serve|v32|serve-v32|kv|ep|all}
     [[ -d "$BUNDLE" ]] || { echo "gpu-test.sh: $BUNDLE/ is missing: run 'scripts/gpu-test.sh pack' here and carry it" >&2; exit 1; }
     unpack
     OUTDIR=${OUT:-bench/out}
@@ -465,6 +515,7 @@ run() {
         sparse-mla) phase_sparse_mla ;;
         serve) phase_serve ;;
         kv) phase_kv ;;
+        ep) phase_ep ;;
         all) phase_sass; phase_kernels; phase_loop; phase_model; phase_serve; phase_sanitize ;;
         *) echo "gpu-test.sh: unknown phase $phase" >&2; exit 2 ;;
     esac

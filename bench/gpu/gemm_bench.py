@@ -155,7 +155,7 @@ class Gemm:
         vals = [ta, tb, tsa, ctypes.c_uint64(ws.data_ptr()), ctypes.c_int32(ws.shape[1]),
                 ctypes.c_uint64(y.data_ptr()), ctypes.c_uint64(part.data_ptr() if split else 0),
                 ctypes.c_int32(chains), ctypes.c_int32(m), ctypes.c_int32(n), ctypes.c_int32(kpad),
-                ctypes.c_uint64(0), ctypes.c_int32(0)]  # no row tiles: not a grouped product
+                ctypes.c_uint64(0), ctypes.c_int32(0), ctypes.c_uint64(0)]  # no row tiles: not a grouped product
         params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
         units = -(-m // BM) * ((-(-n // bn) + 1) // 2) * (chains if split else 1)
         grid = 2 * min(units, self.sms // 2)  # persistent clusters of two, one CTA per SM at most

@@ -73,7 +73,7 @@ class Grouped:
         vals = [ta, tb, tsa, ctypes.c_uint64(ws.data_ptr()), ctypes.c_int32(ws.shape[1]),
                 ctypes.c_uint64(y.data_ptr()), ctypes.c_uint64(0), ctypes.c_int32(chains(n, kpad)),
                 ctypes.c_int32(p), ctypes.c_int32(n), ctypes.c_int32(kpad), ctypes.c_uint64(t.data_ptr()),
-                ctypes.c_int32(slots)]
+                ctypes.c_int32(slots), ctypes.c_uint64(0)]  # no output row map
         params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
         units = slots * ((-(-n // bn) + 1) // 2)
         grid = 2 * min(units, self.g.sms // 2)

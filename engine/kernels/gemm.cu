@@ -33,7 +33,8 @@
 // (at most 128; the TMA box reads up to 128 rows from m0, of the next group too, which are computed and never
 // stored), so no group pads its rows. Unused tile slots have g = -1 and are skipped. The host sizes the
 // launch for the most tiles any routing can give; the device writes the list (graph-friendly). Grouped
-// launches are never split.
+// launches are never split. `out_rows` (grouped launches, or null) stores grouped row r at row out_rows[r]
+// instead: expert parallelism's down projection writes each pair's output into its combine row.
 //
 // Batch invariance: an output element is the same sequence of operations in every configuration: the
 // same four k-steps per K block (a wgmma element does not depend on the tile's N), the same chains, the
@@ -96,7 +97,7 @@ __device__ __forceinline__ void gemm_mma<64>(float (&d)[32], unsigned long long 
 
 template <bool BF16>
 __device__ __forceinline__ void gemm_store(void* y, int rows, int n, int r, int c, float v0, float v1) {
-    if (r >= rows || c >= n) return;
+    if (r < 0 || r >= rows || c >= n) return;
     const i64 at = (i64)r * n + c;
     if (BF16) {
         u16* o = (u16*)y + at;
@@ -172,7 +173,8 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
                                               const TandemTensorMap* tsa, const float* __restrict__ ws,
                                               int scale_cols, void* __restrict__ y, float* __restrict__ part,
                                               int chains, int rows, int n, int kpad,
-                                              const GemmRowTile* __restrict__ row_tiles, int tile_slots) {
+                                              const GemmRowTile* __restrict__ row_tiles, int tile_slots,
+                                              const int* __restrict__ out_rows) {
     extern __shared__ __align__(1024) u8 smem_raw[];
     constexpr u32 A_BYTES = GEMM_BM * GEMM_BK;
     constexpr u32 B_BYTES = BN * GEMM_BK;
@@ -310,11 +312,15 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
 #pragma unroll
                     for (int i = 0; i < BN / 2; ++i) fin[i] = tot[i] + fin[i];
                 }
+                // With `out_rows`, row r is stored at row out_rows[r] (expert parallelism's combine buffer).
+                const int lim = out_rows != nullptr ? 0x7fffffff : row_end;
+                const int ra = r < row_end ? (out_rows != nullptr ? out_rows[r] : r) : -1;
+                const int rb = r + 8 < row_end ? (out_rows != nullptr ? out_rows[r + 8] : r + 8) : -1;
 #pragma unroll
                 for (int j = 0; j < BN / 8; ++j) {
                     const int col = n0 + 8 * j + 2 * (lane % 4);
-                    gemm_store<BF16>(y, row_end, n, r, col, fin[4 * j + 0], fin[4 * j + 1]);
-                    gemm_store<BF16>(y, row_end, n, r + 8, col, fin[4 * j + 2], fin[4 * j + 3]);
+                    gemm_store<BF16>(y, lim, n, ra, col, fin[4 * j + 0], fin[4 * j + 1]);
+                    gemm_store<BF16>(y, lim, n, rb, col, fin[4 * j + 2], fin[4 * j + 3]);
                 }
             }
         }
@@ -354,17 +360,21 @@ extern "C" __global__ void tandem_gemm_fp8_combine_bf16(const float* __restrict_
     const __grid_constant__ TandemTensorMap ta, const __grid_constant__ TandemTensorMap tb,                      \
         const __grid_constant__ TandemTensorMap tsa, const float *__restrict__ ws, int scale_cols,                \
         void *__restrict__ y, float *__restrict__ part, int chains, int rows, int n, int kpad,                 \
-        const GemmRowTile *__restrict__ row_tiles, int tile_slots
+        const GemmRowTile *__restrict__ row_tiles, int tile_slots, const int *__restrict__ out_rows
 
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n128_f32(GEMM_PARAMS) {
-    gemm_fp8_body<128, GEMM_STAGES_128, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad, row_tiles, tile_slots);
+    gemm_fp8_body<128, GEMM_STAGES_128, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad, row_tiles, tile_slots,
+                                               out_rows);
 }
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n64_f32(GEMM_PARAMS) {
-    gemm_fp8_body<64, GEMM_STAGES_64, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad, row_tiles, tile_slots);
+    gemm_fp8_body<64, GEMM_STAGES_64, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad, row_tiles, tile_slots,
+                                               out_rows);
 }
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n128_bf16(GEMM_PARAMS) {
-    gemm_fp8_body<128, GEMM_STAGES_128, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad, row_tiles, tile_slots);
+    gemm_fp8_body<128, GEMM_STAGES_128, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad, row_tiles, tile_slots,
+                                               out_rows);
 }
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n64_bf16(GEMM_PARAMS) {
-    gemm_fp8_body<64, GEMM_STAGES_64, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad, row_tiles, tile_slots);
+    gemm_fp8_body<64, GEMM_STAGES_64, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad, row_tiles, tile_slots,
+                                               out_rows);
 }

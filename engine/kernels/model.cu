@@ -1062,11 +1062,19 @@ extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
     }
 }
 
+__device__ __forceinline__ float tandem_moe_pair_value(float v) { return v; }
+__device__ __forceinline__ float tandem_moe_pair_value(u16 v) { return __uint_as_float((u32)v << 16); }
+
 // out[t] = sum_j y[slot(t, j)] * w[t, j] (experts in ascending id order) + shared[t], where slot(t, j) is
-// slot[t * k + j] for grouped expert rows (engine::cuda::moe; negative: routed to no expert), else t * k + j.
-extern "C" __global__ void tandem_moe_combine(const float* __restrict__ y, const float* __restrict__ w,
-                                              const float* __restrict__ shared, float* __restrict__ out, int k,
-                                              int hidden, const int* __restrict__ slot) {
+// slot[t * k + j] for grouped expert rows (engine::cuda::moe; the combine rows of engine::cuda::ep;
+// negative: routed to no expert), else t * k + j. The routed experts of an FP8 model give bf16 outputs
+// (docs/model.md §2.4): the grouped and expert-parallel paths keep them in bf16, the per-pair path rounds its
+// f32 ones (`round_bf16`); either way the same values add in the same order.
+template <typename Y>
+__device__ __forceinline__ void tandem_moe_combine_row(const Y* __restrict__ y, const float* __restrict__ w,
+                                                       const float* __restrict__ shared, float* __restrict__ out,
+                                                       int k, int hidden, const int* __restrict__ slot,
+                                                       bool round_bf16) {
     const int t = blockIdx.x;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
         float a = 0.0f;
@@ -1074,9 +1082,64 @@ extern "C" __global__ void tandem_moe_combine(const float* __restrict__ y, const
             const i64 p = (i64)t * k + j;
             const i64 at = slot != nullptr ? (i64)slot[p] : p;
             if (at < 0) continue;
-            a = __fadd_rn(a, __fmul_rn(y[at * hidden + i], w[p]));
+            float v = tandem_moe_pair_value(y[at * hidden + i]);
+            if (round_bf16) v = tandem_moe_pair_value(tandem_bf16(v));
+            a = __fadd_rn(a, __fmul_rn(v, w[p]));
         }
         if (shared != nullptr) a = __fadd_rn(a, shared[(i64)t * hidden + i]);
         out[(i64)t * hidden + i] = a;
     }
+}
+
+extern "C" __global__ void tandem_moe_combine(const float* __restrict__ y, const float* __restrict__ w,
+                                              const float* __restrict__ shared, float* __restrict__ out, int k,
+                                              int hidden, const int* __restrict__ slot, int round_bf16) {
+    tandem_moe_combine_row(y, w, shared, out, k, hidden, slot, round_bf16 != 0);
+}
+
+// The bf16 form, 8 channels a thread (16-byte loads of each pair's row): grid (rows, ceil(hidden / 8 / 128)),
+// 128 threads; each channel is the sum above, in the same order.
+extern "C" __global__ void tandem_moe_combine_bf16(const u16* __restrict__ y, const float* __restrict__ w,
+                                                   const float* __restrict__ shared, float* __restrict__ out, int k,
+                                                   int hidden, const int* __restrict__ slot) {
+    const int t = blockIdx.x, c0 = 8 * (blockIdx.y * blockDim.x + threadIdx.x);
+    if (c0 >= hidden) return;
+    if ((hidden & 7) != 0) {
+        // Rows not a multiple of 8 channels: one channel at a time (no 16-byte alignment).
+        for (int i = c0; i < min(c0 + 8, hidden); ++i) {
+            float a = 0.0f;
+            for (int j = 0; j < k; ++j) {
+                const i64 p = (i64)t * k + j, at = slot != nullptr ? (i64)slot[p] : p;
+                if (at >= 0) a = __fadd_rn(a, __fmul_rn(tandem_moe_pair_value(y[at * hidden + i]), w[p]));
+            }
+            if (shared != nullptr) a = __fadd_rn(a, shared[(i64)t * hidden + i]);
+            out[(i64)t * hidden + i] = a;
+        }
+        return;
+    }
+    float a[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) a[u] = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        const i64 p = (i64)t * k + j, at = slot != nullptr ? (i64)slot[p] : p;
+        if (at < 0) continue;
+        const uint4 v = *(const uint4*)(y + at * hidden + c0);
+        const float wp = w[p];
+        const u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            a[2 * u] = __fadd_rn(a[2 * u], __fmul_rn(__uint_as_float(words[u] << 16), wp));
+            a[2 * u + 1] = __fadd_rn(a[2 * u + 1], __fmul_rn(__uint_as_float(words[u] & 0xffff0000u), wp));
+        }
+    }
+    float* o = out + (i64)t * hidden + c0;
+    if (shared != nullptr) {
+        const float* sh = shared + (i64)t * hidden + c0;
+        const float4 s0 = *(const float4*)sh, s1 = *(const float4*)(sh + 4);
+        const float sv[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+#pragma unroll
+        for (int u = 0; u < 8; ++u) a[u] = __fadd_rn(a[u], sv[u]);
+    }
+    *(float4*)o = make_float4(a[0], a[1], a[2], a[3]);
+    *(float4*)(o + 4) = make_float4(a[4], a[5], a[6], a[7]);
 }

@@ -55,10 +55,10 @@ extern "C" __global__ void tandem_moe_plan(const int* __restrict__ ids, int pair
 }
 
 // Every pair takes the next row of its expert: slot_of_pair[p] = its row (-1: no expert), src_row[row] = its
-// token (p / k).
+// token (p / k), pair_of_row[row] = p.
 extern "C" __global__ void tandem_moe_scatter(const int* __restrict__ ids, int pairs, int k, int experts,
                                               int* __restrict__ cursor, int* __restrict__ slot_of_pair,
-                                              int* __restrict__ src_row) {
+                                              int* __restrict__ src_row, int* __restrict__ pair_of_row) {
     for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < pairs; p += gridDim.x * blockDim.x) {
         const int e = ids[p];
         if (e < 0 || e >= experts) {
@@ -68,6 +68,7 @@ extern "C" __global__ void tandem_moe_scatter(const int* __restrict__ ids, int p
         const int row = atomicAdd(&cursor[e], 1);
         slot_of_pair[p] = row;
         src_row[row] = p / k;
+        pair_of_row[row] = p;
     }
 }
 
@@ -80,4 +81,53 @@ extern "C" __global__ void tandem_moe_map_ids(int* __restrict__ ids, int n, cons
         const int e = ids[p];
         if (e >= 0 && e < experts) ids[p] = map[e];
     }
+}
+
+// ---- Expert parallelism (engine::cuda::ep): one rank's tokens go out as a dispatch record of `cap` rows
+// (FP8 codes [cap][kpad], their scales [kpad / 128][cap], the route's expert ids [cap][k]; rows past the
+// rank's own are id -1), every rank gathers every record, computes the pairs of its own experts and sends
+// each pair's bf16 output back to the pair's rank (the down projection stores it at the pair's row of the
+// combine buffer: gemm.cu's out_rows), which adds a token's pairs in slot order.
+
+// The id block of this rank's record (rows [rows, cap) get -1), and for each own pair p the row of the
+// combine buffer its output comes back in: owner * cap * k + p (owner = id / per_rank).
+extern "C" __global__ void tandem_ep_pack_ids(const int* __restrict__ ids, int rows, int cap, int k, int per_rank,
+                                              int* __restrict__ out_ids, int* __restrict__ at) {
+    const int n = cap * k, own = rows * k;
+    for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < n; p += gridDim.x * blockDim.x) {
+        const int e = p < own ? ids[p] : -1;
+        out_ids[p] = e;
+        if (p < own) at[p] = e >= 0 ? (e / per_rank) * n + p : -1;
+    }
+}
+
+// Each gathered pair's matrix on this rank: the pair's expert minus `lo` where it is one of this rank's
+// `per_rank` experts (through `map` where experts share matrices), else -1 (no row here).
+extern "C" __global__ void tandem_ep_local_ids(const u8* __restrict__ recv, i64 record, i64 ids_off, int ranks,
+                                               int slots, int lo, int per_rank, const int* __restrict__ map,
+                                               int* __restrict__ lids) {
+    const int n = ranks * slots;
+    for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < n; p += gridDim.x * blockDim.x) {
+        const int q = p / slots, j = p - q * slots;
+        const int e = ((const int*)(recv + q * record + ids_off))[j];
+        const int l = e - lo;
+        lids[p] = (e >= lo && l < per_rank) ? (map != nullptr ? map[l] : l) : -1;
+    }
+}
+
+// Grouped row r takes the FP8 codes and scales of its gathered token (src_row[r] = rank * cap + row): the
+// rows a plain grouping quantizes from that token, copied. One CTA per row; rows past the grouping's used
+// rows (*used: the last expert's cursor once scattered) are left alone. 16-byte copies: kpad % 128 == 0.
+extern "C" __global__ void tandem_ep_gather(const u8* __restrict__ recv, i64 record, i64 scales_off, int cap,
+                                            int kpad, const int* __restrict__ src_row, const int* __restrict__ used,
+                                            u8* __restrict__ qa, float* __restrict__ sa, int ld) {
+    const int r = blockIdx.x;
+    if (r >= *used) return;
+    const int src = src_row[r], q = src / cap, t = src - q * cap;
+    const u8* rec = recv + q * record;
+    const uint4* from = (const uint4*)(rec + (i64)t * kpad);
+    uint4* to = (uint4*)(qa + (i64)r * kpad);
+    for (int i = threadIdx.x; i < kpad / 16; i += blockDim.x) to[i] = from[i];
+    const float* sc = (const float*)(rec + scales_off);
+    for (int b = threadIdx.x; b < kpad / 128; b += blockDim.x) sa[(i64)b * ld + r] = sc[(i64)b * cap + t];
 }

@@ -47,6 +47,10 @@ struct Opts {
     mtp: bool,
     /// A per-kernel split of each measurement (one more profiled run).
     kernel_profile: bool,
+    /// This process as one rank of an expert-parallel group (`RANK/WORLD@HOST:PORT`).
+    ep: Option<engine::cuda::ep::EpConfig>,
+    /// Capacities (rows per rank) to time the expert-parallel exchange at, before the other measurements.
+    ep_exchange: Vec<usize>,
 }
 
 fn parse() -> Result<Opts, String> {
@@ -64,6 +68,8 @@ fn parse() -> Result<Opts, String> {
         blocks: 2048,
         mtp: false,
         kernel_profile: false,
+        ep: None,
+        ep_exchange: Vec::new(),
     };
     let number = |v: Option<String>, what: &str| -> Result<usize, String> {
         v.and_then(|v| v.parse().ok()).filter(|&n| n > 0).ok_or(format!("{what} needs a positive number"))
@@ -95,11 +101,23 @@ fn parse() -> Result<Opts, String> {
             "--mtp" => o.mtp = true,
             "--kernel-profile" => o.kernel_profile = true,
             "--blocks" => o.blocks = number(args.next(), "--blocks")?,
+            "--ep" => {
+                o.ep = Some(engine::cuda::ep::EpConfig::parse(&args.next().ok_or("--ep needs RANK/WORLD@HOST:PORT")?)?)
+            }
+            "--ep-exchange" => {
+                let v = args.next().ok_or("--ep-exchange needs a list of rows per rank such as 64,1024")?;
+                o.ep_exchange = v
+                    .split(',')
+                    .map(|b| b.trim().parse().ok().filter(|&n: &usize| n > 0))
+                    .collect::<Option<_>>()
+                    .ok_or(format!("--ep-exchange {v}: positive numbers, comma-separated"))?;
+            }
             "-h" | "--help" => {
                 println!(
                     "engine-bench [--json] [--out FILE] [--precision fp8|full] [--device cpu|cuda[:N]] [--threads N] \
                      [--decode-steps N] [--decode-only] [--model DIR|synthetic:v32[,...]] [--batches 1,16] \
-                     [--context 256] [--blocks 2048] [--mtp] [--kernel-profile]"
+                     [--context 256] [--blocks 2048] [--mtp] [--kernel-profile] [--ep RANK/WORLD@HOST:PORT \
+                     [--ep-exchange 64,1024]]"
                 );
                 std::process::exit(0);
             }
@@ -107,6 +125,44 @@ fn parse() -> Result<Opts, String> {
         }
     }
     Ok(o)
+}
+
+/// The expert-parallel exchange alone at each `--ep-exchange` capacity, next to plain NCCL all-to-alls of the
+/// same bytes (engine::cuda::ep::time_exchange), one JSON line each: bus bandwidth = (world - 1) / world x
+/// bytes received per rank / time, NCCL's convention for all-to-all.
+fn exchange(cb: &engine::cuda::CudaBackend, o: &Opts, cfg: &engine::ModelConfig) {
+    let ep = cb.ep_group().expect("an expert-parallel backend");
+    let world = ep.shard().world as f64;
+    for &cap in &o.ep_exchange {
+        let cap = cap.next_multiple_of(4);
+        let t = engine::cuda::ep::time_exchange(cb.gpu(), ep, cfg, cap, 20).expect("exchange");
+        let bus = |bytes: usize, s: f64| (world - 1.0) / world * bytes as f64 / s / 1e9;
+        let line = serde_json::json!({
+            "bench": "ep_exchange", "cap": cap, "world": world, "hidden": cfg.hidden_size, "k": cfg.num_experts_per_tok,
+            "dispatch_mib_per_rank": t.dispatch_bytes as f64 / 1048576.0,
+            "combine_mib_per_rank": t.combine_bytes as f64 / 1048576.0,
+            "dispatch_us": t.dispatch_s * 1e6, "a2a_dispatch_us": t.a2a_dispatch_s * 1e6,
+            "combine_us": t.combine_s * 1e6, "a2a_combine_us": t.a2a_combine_s * 1e6,
+            "dispatch_gbps": bus(t.dispatch_bytes, t.dispatch_s), "a2a_dispatch_gbps": bus(t.dispatch_bytes, t.a2a_dispatch_s),
+            "combine_gbps": bus(t.combine_bytes, t.combine_s), "a2a_combine_gbps": bus(t.combine_bytes, t.a2a_combine_s),
+            "dispatch_vs_a2a": t.a2a_dispatch_s / t.dispatch_s, "combine_vs_a2a": t.a2a_combine_s / t.combine_s,
+            "gather_us": t.gather_s * 1e6, "gather_p2p_us": t.gather_p2p_s * 1e6,
+            "gather_vs_a2a": t.a2a_dispatch_s / t.gather_s, "gather_p2p_vs_a2a": t.a2a_dispatch_s / t.gather_p2p_s,
+        });
+        if o.json {
+            println!("{line}");
+        } else {
+            println!(
+                "ep_exchange cap {cap:>5}: dispatch {:>7.1} MiB {:>8.1} us ({:.2}x a2a), combine {:>7.1} MiB {:>8.1} us ({:.2}x a2a)",
+                t.dispatch_bytes as f64 / 1048576.0,
+                t.dispatch_s * 1e6,
+                t.a2a_dispatch_s / t.dispatch_s,
+                t.combine_bytes as f64 / 1048576.0,
+                t.combine_s * 1e6,
+                t.a2a_combine_s / t.combine_s
+            );
+        }
+    }
 }
 
 /// Decode steps run with the kernel profile on (after the timed ones; the cache blocks reserved cover them).
@@ -163,7 +219,23 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let b = match load_backend(&ckpt, BackendOptions { device: o.device, precision: o.precision, threads: o.threads }) {
+    // Under expert parallelism the CUDA backend itself (its group times the exchange).
+    let mut cuda = None;
+    let loaded = match (&o.ep, o.device) {
+        (Some(ep), engine::Device::Cuda(n)) => {
+            let cache = engine::cuda::kernels::default_cache_dir();
+            engine::cuda::CudaBackend::load_ep(&ckpt, o.precision, n as usize, &cache, ep).map(|c| {
+                let c = std::sync::Arc::new(c);
+                cuda = Some(c.clone());
+                c as std::sync::Arc<dyn engine::Backend>
+            })
+        }
+        (Some(_), _) => Err(engine::EngineError::Unsupported("--ep needs --device cuda[:N]".into())),
+        (None, _) => {
+            load_backend(&ckpt, BackendOptions { device: o.device, precision: o.precision, threads: o.threads })
+        }
+    };
+    let b = match loaded {
         Ok(b) => b,
         Err(e) => {
             eprintln!("engine-bench: {e}");
@@ -172,6 +244,16 @@ fn main() {
     };
     let b = b.as_ref();
     let cfg = b.config().clone();
+    if let Some(ep) = &o.ep {
+        // Every rank runs the same measurements on its own requests (data-parallel attention), in lockstep.
+        eprintln!("engine-bench: rank {} of {} (expert parallelism)", ep.rank, ep.world);
+        if !o.ep_exchange.is_empty() {
+            exchange(cuda.as_deref().expect("the CUDA backend"), &o, &cfg);
+        }
+    } else if !o.ep_exchange.is_empty() {
+        eprintln!("engine-bench: --ep-exchange times the expert-parallel exchange: it needs --ep");
+        std::process::exit(2);
+    }
     if o.kernel_profile && b.name() != "cuda" {
         eprintln!("engine-bench: --kernel-profile times GPU kernels: it needs --device cuda");
         std::process::exit(2);

@@ -3,6 +3,7 @@
 use rayon::prelude::*;
 
 use super::kernels::{matmul_t, sigmoid, silu, softmax};
+use super::linear::Linear;
 use super::weights::{Ffn, Mlp, Moe};
 use crate::ModelConfig;
 use crate::config::ScoringFunc;
@@ -84,6 +85,11 @@ pub fn route(logits: &[f32], bias: Option<&[f32]>, cfg: &ModelConfig) -> Vec<(us
     experts.into_iter().zip(weights).map(|(e, w)| (e, w * cfg.routed_scaling_factor)).collect()
 }
 
+/// `v` rounded to the nearest bf16 (ties to even), as the GPU's `cvt.rn.bf16.f32`; NaN stays NaN.
+pub fn bf16_round(v: f32) -> f32 {
+    half::bf16::from_f32(v).to_f32()
+}
+
 pub fn moe_forward(m: &Moe, cfg: &ModelConfig, x: &[f32], rows: usize) -> Vec<f32> {
     let hidden = cfg.hidden_size;
     let logits = matmul_t(x, rows, hidden, &m.gate, cfg.n_routed_experts);
@@ -108,7 +114,15 @@ pub fn moe_forward(m: &Moe, cfg: &ModelConfig, x: &[f32], rows: usize) -> Vec<f3
             for &r in rs {
                 xe.extend_from_slice(&x[r * hidden..(r + 1) * hidden]);
             }
-            Some(mlp_forward(&m.experts[e], &xe, rs.len()))
+            let mut out = mlp_forward(&m.experts[e], &xe, rs.len());
+            // An FP8 model's routed experts give bf16 outputs (the GPU's grouped experts and the exchange
+            // of expert parallelism keep them so).
+            if matches!(m.experts[e].down, Linear::Fp8(_)) {
+                for v in &mut out {
+                    *v = bf16_round(*v);
+                }
+            }
+            Some(out)
         })
         .collect();
     let shared = m.shared.as_ref().map(|s| mlp_forward(s, x, rows));

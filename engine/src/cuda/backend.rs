@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{CudaEvent, DevicePtr, sys};
 
+use super::ep::{self, EpConfig, EpGroup, Pass, Shard};
 use super::ops::{Arg, DBuf, Workspace, elementwise_grid, launch};
 use super::topk::{self, HIST_WORDS, RawTopk, launch_topk};
 use super::weights::{DFfn, DLayer, DLinear, DMlp, DWeights, LoadError};
@@ -106,6 +107,10 @@ pub struct CudaBackend {
     topk_form: Option<topk::Form>,
     /// Top-k launches (one a chunk of rows) in the single and the split form, for tests.
     topk_launches: [std::sync::atomic::AtomicU64; 2],
+    /// This rank's expert-parallel group (engine::cuda::ep), if any.
+    ep: Option<EpGroup>,
+    /// The running call's agreed expert-parallel capacity (rows).
+    ep_cap: std::sync::atomic::AtomicUsize,
 }
 
 use crate::backend::BatchItem as Item;
@@ -130,15 +135,45 @@ struct Inputs {
 impl CudaBackend {
     /// Opens GPU `ordinal`, compiles (or finds cached) every kernel and loads the checkpoint's weights.
     pub fn load(ckpt: &Checkpoint, prec: Precision, ordinal: usize, kernel_cache: &Path) -> Result<Self, EngineError> {
-        let gpu = Gpu::open(ordinal, kernel_cache)?;
+        Self::load_with(ckpt, prec, ordinal, kernel_cache, None)
+    }
+
+    /// [`load`](Self::load) as one rank of an expert-parallel group (engine::cuda::ep): this rank's routed
+    /// experts only, and every forward call in lockstep with the other ranks. Returns once every rank of
+    /// the group has joined.
+    pub fn load_ep(
+        ckpt: &Checkpoint,
+        prec: Precision,
+        ordinal: usize,
+        kernel_cache: &Path,
+        ep: &EpConfig,
+    ) -> Result<Self, EngineError> {
+        Self::load_with(ckpt, prec, ordinal, kernel_cache, Some(ep))
+    }
+
+    fn load_with(
+        ckpt: &Checkpoint,
+        prec: Precision,
+        ordinal: usize,
+        kernel_cache: &Path,
+        ep: Option<&EpConfig>,
+    ) -> Result<Self, EngineError> {
         let cfg = ckpt.config().clone();
+        let shard = ep.map_or(Shard::SINGLE, EpConfig::shard);
+        shard.check(&cfg).map_err(EngineError::InvalidInput)?;
+        if ep.is_some() && (prec != Precision::Fp8 || !moe::enabled()) {
+            return Err(EngineError::Unsupported(
+                "expert parallelism runs the grouped FP8 experts: --precision fp8, TANDEM_MOE_GROUPED unset".into(),
+            ));
+        }
+        let gpu = Gpu::open(ordinal, kernel_cache)?;
         Self::check_config(&cfg)?;
         // One stream carries all work; buffers are ordered by it, so cudarc's per-buffer events are not needed.
         // SAFETY: no buffer of this context is used on another stream.
         unsafe { gpu.context().disable_event_tracking() };
         keep_freed_memory(&gpu)?;
         let stream = gpu.stream().clone();
-        let w = DWeights::load(&stream, ckpt, prec).map_err(|e| match e {
+        let w = DWeights::load(&stream, ckpt, prec, shard).map_err(|e| match e {
             LoadError::Checkpoint(c) => EngineError::Checkpoint(c),
             LoadError::Cuda(c) => EngineError::Device(format!(
                 "loading the weights onto GPU {ordinal} ({}, {} MiB): {c}",
@@ -149,6 +184,12 @@ impl CudaBackend {
         let rope = Rope::new(&cfg);
         let inv_freq = DBuf::upload(&stream, rope.inv_freq())?;
         stream.synchronize().map_err(dev)?;
+        // A group of one runs the exchange with itself (the kernels' single-GPU check).
+        let ep = ep.map(|e| EpGroup::connect(&gpu, e)).transpose()?;
+        if let Some(e) = &ep {
+            let m = e.shard();
+            tracing::info!(rank = m.rank, world = m.world, experts = ?m.experts(cfg.n_routed_experts), "expert-parallel group joined");
+        }
         Ok(CudaBackend {
             attn_factor: rope.attn_factor(),
             inv_freq,
@@ -163,6 +204,8 @@ impl CudaBackend {
             score_bytes: SCORE_BYTES,
             topk_form: None,
             topk_launches: Default::default(),
+            ep,
+            ep_cap: Default::default(),
         })
     }
 
@@ -391,11 +434,24 @@ impl CudaBackend {
         };
         let c = &self.cfg;
         let (s, hidden, e, k) = (self.stream(), c.hidden_size, c.n_routed_experts, c.num_experts_per_tok);
-        let logits = ws.take::<f32>(s, rows * e)?;
-        m.gate.forward(&self.gpu, ws, x, rows, 1, 0, logits)?;
-        let ids = ws.take::<i32>(s, rows * k)?;
-        let weights = ws.take::<f32>(s, rows * k)?;
-        moe::route(&self.gpu, c, logits, m.bias.as_ref().map_or(0, DBuf::ptr), rows, ids, weights)?;
+        let ids = ws.take::<i32>(s, (rows * k).max(1))?;
+        let weights = ws.take::<f32>(s, (rows * k).max(1))?;
+        let mut shared = 0;
+        if rows > 0 {
+            let logits = ws.take::<f32>(s, rows * e)?;
+            m.gate.forward(&self.gpu, ws, x, rows, 1, 0, logits)?;
+            moe::route(&self.gpu, c, logits, m.bias.as_ref().map_or(0, DBuf::ptr), rows, ids, weights)?;
+            if let Some(sh) = &m.shared {
+                shared = ws.take::<f32>(s, rows * hidden)?;
+                self.mlp(ws, sh, x, rows, 1, 0, shared)?;
+            }
+        }
+        // Expert parallelism: the routed experts of every rank (engine::cuda::ep); a rank without rows still
+        // computes the others' pairs on its experts.
+        if let Some(ep) = &self.ep {
+            let cap = self.ep_cap.load(std::sync::atomic::Ordering::Relaxed);
+            return ep::moe_forward(&self.gpu, ws, ep, c, m, x, rows, cap, ids, weights, shared, y);
+        }
         // Experts that share weights (a synthetic model's) run as the matrix they share.
         let e = match &m.expert_map {
             Some(map) => {
@@ -411,26 +467,19 @@ impl CudaBackend {
             }
             None => e,
         };
-        let pairs = ws.take::<f32>(s, rows * k * hidden)?;
         // FP8 experts with 128 x 128 blocks, where enabled: grouped by expert, one tensor-core GEMM per
-        // matrix over all of them (engine::cuda::moe); pair p's output at its grouped row. Otherwise one
-        // matrix-vector product per pair, at row p.
-        let slot = if moe::enabled() && moe::supported(&m.experts) {
+        // matrix over all of them (engine::cuda::moe); pair p's output at its grouped row, in bf16. Otherwise
+        // one matrix-vector product per pair, at row p, in f32.
+        // An FP8 model's routed experts give bf16 outputs either way (docs/model.md §2.4).
+        if moe::enabled() && moe::supported(&m.experts) {
+            let pairs = ws.take::<u16>(s, rows * k * hidden)?;
             let g = moe::group(&self.gpu, ws, ids, rows * k, k, e)?;
             moe::forward(&self.gpu, ws, &m.experts, x, &g, pairs)?;
-            g.slot_of_pair
-        } else {
-            self.mlp(ws, &m.experts, x, rows, k, ids, pairs)?;
-            0
-        };
-        let shared = match &m.shared {
-            Some(sh) => {
-                let out = ws.take::<f32>(s, rows * hidden)?;
-                self.mlp(ws, sh, x, rows, 1, 0, out)?;
-                out
-            }
-            None => 0,
-        };
+            return moe::combine_bf16(&self.gpu, pairs, g.slot_of_pair, weights, shared, y, rows, k, hidden);
+        }
+        let pairs = ws.take::<f32>(s, rows * k * hidden)?;
+        self.mlp(ws, &m.experts, x, rows, k, ids, pairs)?;
+        let round = matches!(m.experts.down, DLinear::Fp8 { .. });
         launch(
             &self.gpu,
             "tandem_moe_combine",
@@ -444,7 +493,8 @@ impl CudaBackend {
                 Arg::P(y),
                 Arg::I(k as i32),
                 Arg::I(hidden as i32),
-                Arg::P(slot),
+                Arg::P(0),
+                Arg::I(round as i32),
             ],
         )
     }
@@ -909,13 +959,17 @@ impl CudaBackend {
         form: AttnForm,
         on_layer: LayerDone<'_>,
     ) -> Result<Vec<SeqOutput>, EngineError> {
-        let pool = self.check_cache(cache)?;
         let g = cache.geometry();
-        let items = main_items(&self.cfg, g.num_blocks, batch)?;
-        if items.is_empty() {
-            return Ok(Vec::new());
-        }
-        let (mut ws, inp) = self.begin(&items, form)?;
+        // Under expert parallelism a rank with nothing to run (or a batch it refuses) still joins the pass.
+        let checked = self.check_cache(cache).and_then(|pool| Ok((pool, main_items(&self.cfg, g.num_blocks, batch)?)));
+        let (pool, items) = match checked {
+            Ok((pool, items)) if !items.is_empty() => (pool, items),
+            other => {
+                self.ep_idle(Pass::Main)?;
+                return other.map(|_| Vec::new());
+            }
+        };
+        let (mut ws, inp) = self.begin(&items, form, Pass::Main)?;
         let tokens: Vec<i32> = batch.iter().flat_map(|b| b.tokens.iter().map(|&t| t as i32)).collect();
         let h = self.embed(&mut ws, &self.w.embed, &tokens, None)?;
         // A layer's intermediates are dead once its last kernel is issued (the residual stream `h` and the
@@ -926,17 +980,63 @@ impl CudaBackend {
             self.layer(&mut ws, &inp, layer, LayerIdx(l as u32), g, pool, form, h, on_layer)?;
             ws.rewind(mark);
         }
-        self.finish(&mut ws, &items, h, &self.w.norm, &self.w.lm_head)
+        let out = self.finish(&mut ws, &items, h, &self.w.norm, &self.w.lm_head)?;
+        self.ep_step_issued()?;
+        Ok(out)
     }
 
     /// Starts a call over `items` (not empty): the context bound to this thread, the workspace reset, the
     /// call's inputs uploaded.
-    fn begin(&self, items: &[Item<'_>], form: AttnForm) -> Result<(MutexGuard<'_, Workspace>, Inputs), EngineError> {
+    /// Under expert parallelism, the call's capacity agreed with the other ranks first (engine::cuda::ep).
+    fn begin(
+        &self,
+        items: &[Item<'_>],
+        form: AttnForm,
+        pass: Pass,
+    ) -> Result<(MutexGuard<'_, Workspace>, Inputs), EngineError> {
         self.gpu.context().bind_to_thread().map_err(dev)?;
         let mut ws = self.ws.lock().unwrap_or_else(|p| p.into_inner());
         ws.reset();
+        if let Some(ep) = &self.ep {
+            let rows = items.iter().map(|it| it.n).sum();
+            self.ep_cap.store(ep.agree(rows, pass)?, std::sync::atomic::Ordering::Relaxed);
+        }
         let inp = self.inputs(&mut ws, items, form)?;
         Ok((ws, inp))
+    }
+
+    /// A rank's share of `pass` without rows of its own (expert parallelism; nothing otherwise): the
+    /// agreement, then every MoE layer of the pass with an empty batch, computing the other ranks' pairs on
+    /// this rank's experts.
+    fn ep_idle(&self, pass: Pass) -> Result<(), EngineError> {
+        let Some(ep) = &self.ep else { return Ok(()) };
+        self.gpu.context().bind_to_thread().map_err(dev)?;
+        let mut ws = self.ws.lock().unwrap_or_else(|p| p.into_inner());
+        ws.reset();
+        self.ep_cap.store(ep.agree(0, pass)?, std::sync::atomic::Ordering::Relaxed);
+        let layers: Vec<&DLayer> = match pass {
+            Pass::Main => self.w.layers.iter().map(|l| &**l).collect(),
+            Pass::Mtp => self.w.mtp.iter().map(|m| &m.layer).collect(),
+        };
+        let mark = ws.mark();
+        for l in layers.into_iter().filter(|l| matches!(l.ffn, DFfn::Moe(_))) {
+            self.ffn(&mut ws, &l.ffn, 0, 0, 0)?;
+            ws.rewind(mark);
+        }
+        self.ep_step_issued()
+    }
+
+    /// Under expert parallelism, the end of a call's work on the stream for the watchdog.
+    fn ep_step_issued(&self) -> Result<(), EngineError> {
+        if let Some(ep) = &self.ep {
+            ep.step_issued()?;
+        }
+        Ok(())
+    }
+
+    /// This rank's expert-parallel group, if it is one.
+    pub fn ep_group(&self) -> Option<&EpGroup> {
+        self.ep.as_ref()
     }
 
     /// The rows of embedding `table` for `tokens`; the rows that `zero` (one flag per row) marks are zeros.
@@ -1121,18 +1221,24 @@ impl Backend for CudaBackend {
                 "this checkpoint has no MTP layer (num_nextn_predict_layers = 0)".into(),
             ));
         };
-        let pool = self.check_cache(cache)?;
         let g = cache.geometry();
         let hidden = self.cfg.hidden_size;
-        let items = mtp_items(&self.cfg, g.num_blocks, batch)?;
-        for m in batch {
-            self.rows_of(m.hidden)?;
-        }
+        let checked = self.check_cache(cache).and_then(|pool| {
+            let items = mtp_items(&self.cfg, g.num_blocks, batch)?;
+            for m in batch {
+                self.rows_of(m.hidden)?;
+            }
+            Ok((pool, items))
+        });
+        let (pool, items) = match checked {
+            Ok((pool, items)) if !items.is_empty() => (pool, items),
+            other => {
+                self.ep_idle(Pass::Mtp)?;
+                return other.map(|_| Vec::new());
+            }
+        };
         let row0: usize = items.iter().map(|it| it.n).sum();
-        if items.is_empty() {
-            return Ok(Vec::new());
-        }
-        let (mut ws, inp) = self.begin(&items, form)?;
+        let (mut ws, inp) = self.begin(&items, form, Pass::Mtp)?;
         let s = self.stream().clone();
         let tokens: Vec<i32> = batch.iter().flat_map(|m| m.next_tokens.iter().map(|&t| t as i32)).collect();
         // The MTP input embedding at position 0 is zeroed (docs/model.md §2.5).
@@ -1159,7 +1265,9 @@ impl Backend for CudaBackend {
         let li = LayerIdx(self.cfg.num_hidden_layers as u32);
         self.layer(&mut ws, &inp, &mtp.layer, li, g, pool, form, h, on_layer)?;
         let head = mtp.head.as_ref().unwrap_or(&self.w.lm_head);
-        self.finish(&mut ws, &items, h, &mtp.head_norm, head)
+        let out = self.finish(&mut ws, &items, h, &mtp.head_norm, head)?;
+        self.ep_step_issued()?;
+        Ok(out)
     }
 }
 
@@ -1199,10 +1307,17 @@ impl CudaBackend {
         let mha =
             if self.prec == Precision::Fp8 { 0 } else { ctx * (rank + rd + heads * (c.qk_nope_head_dim as u64 + vd)) };
         let logits = 2 * l.max_num_seqs as u64 * c.vocab_size as u64;
-        // The grouped experts' indices and quantized activations (engine::cuda::moe).
-        let pairs = l.max_num_batched_tokens * c.num_experts_per_tok;
+        // The grouped experts' indices and quantized activations (engine::cuda::moe). Under expert
+        // parallelism a rank groups every rank's pairs (at the agreed capacity) and holds the dispatch and
+        // combine buffers (engine::cuda::ep).
+        let world = self.ep.as_ref().map_or(1, |e| e.shard().world);
+        let pairs = world * l.max_num_batched_tokens * c.num_experts_per_tok;
         let grouped = if c.n_routed_experts > 0 && moe::enabled() {
-            moe::workspace_bytes(pairs, c.n_routed_experts, c.hidden_size, c.moe_intermediate_size) as u64
+            let kpad = c.hidden_size.next_multiple_of(128);
+            let ep = ep::workspace_bytes(world, l.max_num_batched_tokens, c.num_experts_per_tok, kpad, c.hidden_size);
+            let wider = (world - 1) * l.max_num_batched_tokens * c.num_experts_per_tok * 2 * c.moe_intermediate_size;
+            (moe::workspace_bytes(pairs, c.n_routed_experts, c.hidden_size, c.moe_intermediate_size)
+                + if world > 1 { ep + 4 * wider } else { 0 }) as u64
         } else {
             0
         };

@@ -251,6 +251,8 @@ pub struct RawGemm {
     pub row_tiles: u64,
     pub tile_slots: usize,
     pub groups: usize,
+    /// Grouped products: i32 `[rows]`, the row of `y` each grouped row is stored at (0: row r at r).
+    pub out_rows: u64,
 }
 
 /// Queues `y = qa . w^T` with the block scales, as `plan` says (normally [`Plan::new`]; the tests force
@@ -278,9 +280,12 @@ pub fn launch(gpu: &Gpu, a: &RawGemm, plan: Plan) -> Result<(), CudaError> {
         return Err(CudaError::Shape("gemm: a split launch needs its partial buffer".into()));
     }
     let grouped = a.row_tiles != 0;
-    if a.groups == 0 || (grouped && (plan.split || a.tile_slots == 0)) || (!grouped && a.groups != 1) {
+    if a.groups == 0
+        || (grouped && (plan.split || a.tile_slots == 0))
+        || (!grouped && (a.groups != 1 || a.out_rows != 0))
+    {
         return Err(CudaError::Shape(format!(
-            "gemm: a grouped product needs row tiles ({}) and is never split; {} matrices",
+            "gemm: a grouped product needs row tiles ({}) and is never split, a plain one has no output rows; {} matrices",
             a.tile_slots, a.groups
         )));
     }
@@ -307,7 +312,7 @@ pub fn launch(gpu: &Gpu, a: &RawGemm, plan: Plan) -> Result<(), CudaError> {
     let mut b = gpu.stream().launch_builder(f);
     b.arg(&ta).arg(&tb).arg(&tsa).arg(&a.ws).arg(&scale_cols).arg(&a.y).arg(&part).arg(&chains);
     let tile_slots = a.tile_slots as i32;
-    b.arg(&rows).arg(&n).arg(&kpad).arg(&a.row_tiles).arg(&tile_slots);
+    b.arg(&rows).arg(&n).arg(&kpad).arg(&a.row_tiles).arg(&tile_slots).arg(&a.out_rows);
     let cfg = cudarc::driver::LaunchConfig {
         grid_dim: (2 * clusters as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
@@ -455,6 +460,7 @@ mod tests {
             row_tiles: 0,
             tile_slots: 0,
             groups: 1,
+            out_rows: 0,
         };
         if bf16 {
             let y = DBuf::<u16>::zeros(s, rows * w.out).unwrap();
@@ -653,7 +659,7 @@ mod tests {
             ws_e.iter().map(|w| gpu_forward(&gpu, &x, tokens, w, plan(&gpu, tokens, w, |_| {}), false)).collect();
         for tile in [64, 128] {
             let y = DBuf::<f32>::zeros(s, pairs * out).unwrap();
-            crate::cuda::moe::grouped_linear(&gpu, &lin, qa, sa, ld, &g, y.ptr(), Some(tile)).unwrap();
+            crate::cuda::moe::grouped_linear(&gpu, &lin, qa, sa, ld, &g, y.ptr(), false, 0, Some(tile)).unwrap();
             let got = s.clone_dtoh(y.slice()).unwrap();
             for (p, &e) in ids.iter().enumerate() {
                 if e < 0 {
@@ -690,6 +696,7 @@ mod tests {
             row_tiles: 0,
             tile_slots: 0,
             groups: 1,
+            out_rows: 0,
         };
         let p = Plan { tile: 64, chains: 1, split: false };
         assert!(launch(&gpu, &RawGemm { kpad: 100, ..ok }, p).unwrap_err().to_string().contains("kpad"));

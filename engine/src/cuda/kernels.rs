@@ -192,7 +192,14 @@ pub const FAMILIES: &[Family] = &[
     Family {
         name: "moe",
         source: include_str!("../../kernels/moe.cu"),
-        functions: &["tandem_moe_plan", "tandem_moe_scatter", "tandem_moe_map_ids"],
+        functions: &[
+            "tandem_moe_plan",
+            "tandem_moe_scatter",
+            "tandem_moe_map_ids",
+            "tandem_ep_pack_ids",
+            "tandem_ep_local_ids",
+            "tandem_ep_gather",
+        ],
         externals: &[],
         // Shared-memory counts per expert (warp-aggregated increments), then global cursors the pairs take
         // their rows from.
@@ -234,6 +241,7 @@ pub const FAMILIES: &[Family] = &[
             "tandem_mla_prefill",
             "tandem_route",
             "tandem_moe_combine",
+            "tandem_moe_combine_bf16",
         ],
         externals: &[],
         // e4m3 activation quantization and decoding, the warps' butterfly sums, double-precision RoPE angles.

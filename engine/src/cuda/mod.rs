@@ -10,6 +10,7 @@ pub mod backend;
 pub mod bf16_mma;
 pub mod cache_quant;
 pub mod device;
+pub mod ep;
 pub mod gemm;
 pub mod indexer;
 pub mod kernels;

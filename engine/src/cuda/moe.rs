@@ -52,6 +52,10 @@ pub struct Grouping {
     /// i32 `[tile_slots][3]`: {first row, expert or -1, end row} per row tile.
     pub tiles: u64,
     pub tile_slots: usize,
+    /// i32: the grouped rows in use (the last expert's cursor, once scattered).
+    pub used: u64,
+    /// i32 `[pairs]`: the pair grouped row r holds (rows past `used`: unset).
+    pub pair_of_row: u64,
 }
 
 /// Groups the `pairs` expert ids `ids` (i32, token-major, `k` per token) by expert.
@@ -73,7 +77,9 @@ pub fn group(
     let slot_of_pair = ws.take::<i32>(s, pairs.max(1))?;
     let src_row = ws.take::<i32>(s, pairs.max(1))?;
     let tiles = ws.take::<i32>(s, 3 * slots.max(1))?;
-    let g = Grouping { pairs, slot_of_pair, src_row, tiles, tile_slots: slots };
+    let pair_of_row = ws.take::<i32>(s, pairs.max(1))?;
+    let used = cursor + 4 * (experts as u64 - 1);
+    let g = Grouping { pairs, slot_of_pair, src_row, tiles, tile_slots: slots, used, pair_of_row };
     if pairs == 0 {
         return Ok(g);
     }
@@ -108,6 +114,7 @@ pub fn group(
             Arg::P(cursor),
             Arg::P(slot_of_pair),
             Arg::P(src_row),
+            Arg::P(pair_of_row),
         ],
     )?;
     Ok(g)
@@ -158,6 +165,42 @@ pub fn route(
     )
 }
 
+/// `y [rows, hidden]` f32 = each row's bf16 pair outputs `pairs` (pair p at row `slot[p]`, -1: none) times
+/// `weights [rows, k]`, added in slot order, plus `shared` (f32 `[rows, hidden]`, or 0): the combine of the
+/// grouped experts and of expert parallelism (`tandem_moe_combine_bf16`, 8 channels a thread).
+#[allow(clippy::too_many_arguments)]
+pub fn combine_bf16(
+    gpu: &Gpu,
+    pairs: u64,
+    slot: u64,
+    weights: u64,
+    shared: u64,
+    y: u64,
+    rows: usize,
+    k: usize,
+    hidden: usize,
+) -> Result<(), CudaError> {
+    if rows == 0 {
+        return Ok(());
+    }
+    launch(
+        gpu,
+        "tandem_moe_combine_bf16",
+        (rows as u32, hidden.div_ceil(8 * 128) as u32, 1),
+        128,
+        0,
+        &[
+            Arg::P(pairs),
+            Arg::P(weights),
+            Arg::P(shared),
+            Arg::P(y),
+            Arg::I(k as i32),
+            Arg::I(hidden as i32),
+            Arg::P(slot),
+        ],
+    )
+}
+
 /// Whether the backend runs the routed experts grouped (the default; `TANDEM_MOE_GROUPED=0` runs one FP8
 /// dot-product kernel per (token, expert) pair instead, the path the grouped one is checked against).
 pub fn enabled() -> bool {
@@ -171,9 +214,10 @@ pub fn supported(m: &DMlp) -> bool {
     [&m.gate, &m.up, &m.down].iter().all(|l| matches!(l, DLinear::Fp8 { block: [128, 128], maps: Some(_), .. }))
 }
 
-/// `y [pairs, out] f32 = qa . w_e^T` per grouped row, `w_e` the row's expert's matrix of the stacked `lin`,
-/// in output tiles `tile` (64 or 128) wide, or as wide as the batch calls for (`None`): the same bits
-/// either way.
+/// `y [pairs, out] f32 (bf16 with bf16_out) = qa . w_e^T` per grouped row, `w_e` the row's expert's matrix
+/// of the stacked `lin`, in output tiles `tile` (64 or 128) wide, or as wide as the batch calls for
+/// (`None`): the same bits either way. With `out_rows` (device i32 `[pairs]`, 0 for none) grouped row r is
+/// stored at row `out_rows[r]` of `y`.
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_linear(
     gpu: &Gpu,
@@ -183,6 +227,8 @@ pub fn grouped_linear(
     scale_ld: usize,
     g: &Grouping,
     y: u64,
+    bf16_out: bool,
+    out_rows: u64,
     tile: Option<usize>,
 ) -> Result<(), CudaError> {
     let tile = tile.unwrap_or_else(|| {
@@ -205,7 +251,7 @@ pub fn grouped_linear(
         scale_cols: inp.div_ceil(gemm::BK),
         y,
         part: 0,
-        bf16_out: false,
+        bf16_out,
         rows: g.pairs,
         n: *out,
         kpad: *kpad,
@@ -213,31 +259,57 @@ pub fn grouped_linear(
         row_tiles: g.tiles,
         tile_slots: g.tile_slots,
         groups,
+        out_rows,
     };
     gemm::launch(gpu, &raw, plan)
 }
 
-/// `down(silu(gate(x)) * up(x))` of every pair's expert into `y [pairs, hidden] f32`, row `slot_of_pair[p]`
-/// for pair p (the combine reads it there). `x [tokens, hidden]` f32.
+/// `down(silu(gate(x)) * up(x))` of every pair's expert into `y [pairs, hidden]` bf16, row
+/// `slot_of_pair[p]` for pair p (the combine reads it there). `x [tokens, hidden]` f32.
 pub fn forward(gpu: &Gpu, ws: &mut Workspace, m: &DMlp, x: u64, g: &Grouping, y: u64) -> Result<(), CudaError> {
     if g.pairs == 0 {
         return Ok(());
     }
-    let s = gpu.stream();
-    let fp8 = |l: &DLinear| match l {
+    let (hidden, kpad_h, ue8m0_h) = fp8_dims(&m.gate)?;
+    let ld = gemm::scale_ld(g.pairs);
+    let (qa, sa) = act_quant(gpu, ws, x, g.pairs, hidden, kpad_h, ue8m0_h, ld, g.src_row)?;
+    forward_quantized(gpu, ws, m, qa, sa, ld, g, y, 0)
+}
+
+/// `(in_features, kpad, ue8m0)` of an FP8 expert matrix.
+pub fn fp8_dims(l: &DLinear) -> Result<(usize, usize, bool), CudaError> {
+    match l {
         DLinear::Fp8 { inp, kpad, ue8m0, .. } => Ok((*inp, *kpad, *ue8m0)),
         DLinear::Dense { .. } | DLinear::Bf16 { .. } => {
             Err(CudaError::Shape("moe: grouped experts need FP8 weights".into()))
         }
-    };
-    let (hidden, kpad_h, ue8m0_h) = fp8(&m.gate)?;
-    let (inter, kpad_i, ue8m0_i) = fp8(&m.down)?;
-    let ld = gemm::scale_ld(g.pairs);
-    let (qa, sa) = act_quant(gpu, ws, x, g.pairs, hidden, kpad_h, ue8m0_h, ld, g.src_row)?;
+    }
+}
+
+/// [`forward`] from the grouped rows already quantized: `qa [pairs, kpad]` FP8 codes with their scales
+/// `sa [kpad / 128, ld]` (expert parallelism gathers them from the ranks' dispatch records). With
+/// `out_rows` (0 for none) grouped row r's output goes to row `out_rows[r]` of `y`.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_quantized(
+    gpu: &Gpu,
+    ws: &mut Workspace,
+    m: &DMlp,
+    qa: u64,
+    sa: u64,
+    ld: usize,
+    g: &Grouping,
+    y: u64,
+    out_rows: u64,
+) -> Result<(), CudaError> {
+    if g.pairs == 0 {
+        return Ok(());
+    }
+    let s = gpu.stream();
+    let (inter, kpad_i, ue8m0_i) = fp8_dims(&m.down)?;
     let gate = ws.take::<f32>(s, g.pairs * inter)?;
     let up = ws.take::<f32>(s, g.pairs * inter)?;
-    grouped_linear(gpu, &m.gate, qa, sa, ld, g, gate, None)?;
-    grouped_linear(gpu, &m.up, qa, sa, ld, g, up, None)?;
+    grouped_linear(gpu, &m.gate, qa, sa, ld, g, gate, false, 0, None)?;
+    grouped_linear(gpu, &m.up, qa, sa, ld, g, up, false, 0, None)?;
     let n = g.pairs * inter;
     launch(
         gpu,
@@ -248,7 +320,7 @@ pub fn forward(gpu: &Gpu, ws: &mut Workspace, m: &DMlp, x: u64, g: &Grouping, y:
         &[Arg::P(gate), Arg::P(up), Arg::P(gate), Arg::L(n as i64)],
     )?;
     let (qh, sh) = act_quant(gpu, ws, gate, g.pairs, inter, kpad_i, ue8m0_i, ld, 0)?;
-    grouped_linear(gpu, &m.down, qh, sh, ld, g, y, None)
+    grouped_linear(gpu, &m.down, qh, sh, ld, g, y, true, out_rows, None)
 }
 
 #[cfg(test)]

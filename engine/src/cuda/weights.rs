@@ -8,6 +8,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use safetensors::Dtype;
 
+use super::ep::Shard;
 use super::ops::{Arg, DBuf, Workspace, launch};
 use super::{CudaError, bf16_mma, gemm};
 use crate::checkpoint::names::{layer_prefix, scale_name};
@@ -361,6 +362,7 @@ impl DLinear {
                     row_tiles: 0,
                     tile_slots: 0,
                     groups: 1,
+                    out_rows: 0,
                 };
                 gemm::launch(gpu, &raw, plan)
             }
@@ -413,12 +415,35 @@ pub(super) fn act_quant(
     row_src: u64,
 ) -> Result<(u64, u64), CudaError> {
     let groups = kpad / ACT_GROUP;
+    let qa = ws.take::<u8>(gpu.stream(), rows * kpad)?;
+    let sa = ws.take::<f32>(gpu.stream(), groups * if scale_ld > 0 { scale_ld } else { rows })?;
+    act_quant_into(gpu, x, rows, inp, kpad, ue8m0, scale_ld, row_src, qa, sa)?;
+    Ok((qa, sa))
+}
+
+/// [`act_quant`] into given buffers: codes `qa [rows, kpad]`, scales `sa` (`[kpad / 128, scale_ld]`, or
+/// `[rows, kpad / 128]` with `scale_ld` 0).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn act_quant_into(
+    gpu: &Gpu,
+    x: u64,
+    rows: usize,
+    inp: usize,
+    kpad: usize,
+    ue8m0: bool,
+    scale_ld: usize,
+    row_src: u64,
+    qa: u64,
+    sa: u64,
+) -> Result<(), CudaError> {
+    let groups = kpad / ACT_GROUP;
     // Rows of a multiple of 4 channels are read 16 bytes at a time.
     if inp.is_multiple_of(4) && !x.is_multiple_of(16) {
         return Err(CudaError::Shape(format!("activations to quantize at {x:#x} are not 16-byte aligned")));
     }
-    let qa = ws.take::<u8>(gpu.stream(), rows * kpad)?;
-    let sa = ws.take::<f32>(gpu.stream(), groups * if scale_ld > 0 { scale_ld } else { rows })?;
+    if scale_ld > 0 && scale_ld < rows {
+        return Err(CudaError::Shape(format!("{rows} rows of scales in rows of {scale_ld}")));
+    }
     // Four groups (warps) per CTA.
     launch(
         gpu,
@@ -437,8 +462,7 @@ pub(super) fn act_quant(
             Arg::I(rows as i32),
             Arg::P(row_src),
         ],
-    )?;
-    Ok((qa, sa))
+    )
 }
 
 pub struct DMlp {
@@ -451,10 +475,10 @@ pub struct DMoe {
     /// Router weights `[experts, hidden]` (f32 logits).
     pub gate: DLinear,
     pub bias: Option<DBuf<f32>>,
-    /// Every distinct routed expert, stacked.
+    /// Every distinct routed expert of this rank's shard (all of them without expert parallelism), stacked.
     pub experts: DMlp,
-    /// i32 `[n_routed_experts]`: each routed expert's matrix among `experts`, where experts share their
-    /// weights (a synthetic model standing for one rank of expert parallelism); `None`: expert e is matrix e.
+    /// i32 `[shard's experts]`: each of the shard's routed experts' matrix among `experts`, where experts
+    /// share their weights (a synthetic model's); `None`: the shard's expert e is matrix e.
     pub expert_map: Option<DBuf<i32>>,
     pub shared: Option<DMlp>,
 }
@@ -600,7 +624,13 @@ fn distinct_experts(ckpt: &Checkpoint, prefixes: &[String]) -> Result<(Vec<Strin
     Ok((distinct, map))
 }
 
-fn layer(stream: &Arc<CudaStream>, ckpt: &Checkpoint, index: usize, prec: Precision) -> Result<DLayer, LoadError> {
+fn layer(
+    stream: &Arc<CudaStream>,
+    ckpt: &Checkpoint,
+    index: usize,
+    prec: Precision,
+    shard: Shard,
+) -> Result<DLayer, LoadError> {
     let cfg = ckpt.config();
     let p = layer_prefix(index);
     let a = format!("{p}self_attn.");
@@ -611,7 +641,8 @@ fn layer(stream: &Arc<CudaStream>, ckpt: &Checkpoint, index: usize, prec: Precis
         let m = format!("{p}mlp.");
         let bias_name = format!("{m}gate.e_score_correction_bias");
         let gate = ckpt.f32(&format!("{m}gate.weight"))?;
-        let experts: Vec<String> = (0..cfg.n_routed_experts).map(|e| format!("{m}experts.{e}.")).collect();
+        // This rank's routed experts only (all of them without expert parallelism).
+        let experts: Vec<String> = shard.experts(cfg.n_routed_experts).map(|e| format!("{m}experts.{e}.")).collect();
         let (distinct, map) = distinct_experts(ckpt, &experts)?;
         let expert_map = if distinct.len() < experts.len() { Some(DBuf::upload(stream, &map)?) } else { None };
         DFfn::Moe(Box::new(DMoe {
@@ -656,7 +687,8 @@ fn layer(stream: &Arc<CudaStream>, ckpt: &Checkpoint, index: usize, prec: Precis
 }
 
 impl DWeights {
-    pub fn load(stream: &Arc<CudaStream>, ckpt: &Checkpoint, prec: Precision) -> Result<Self, LoadError> {
+    /// Every weight, the routed experts of `shard` only (its rank's under expert parallelism).
+    pub fn load(stream: &Arc<CudaStream>, ckpt: &Checkpoint, prec: Precision, shard: Shard) -> Result<Self, LoadError> {
         let cfg: &ModelConfig = ckpt.config();
         let embed_host = ckpt.f32("model.embed_tokens.weight")?;
         let embed = DBuf::upload(stream, &embed_host)?;
@@ -674,7 +706,7 @@ impl DWeights {
             let l = match loaded.get(&src) {
                 Some(l) => l.clone(),
                 None => {
-                    let l = Arc::new(layer(stream, ckpt, src, prec)?);
+                    let l = Arc::new(layer(stream, ckpt, src, prec, shard)?);
                     loaded.insert(src, l.clone());
                     l
                 }
@@ -703,7 +735,7 @@ impl DWeights {
                 } else {
                     None
                 },
-                layer: layer(stream, ckpt, i, prec)?,
+                layer: layer(stream, ckpt, i, prec, shard)?,
             })
         } else {
             None

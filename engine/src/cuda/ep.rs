@@ -1,0 +1,878 @@
+//! Expert parallelism over NCCL (docs/model.md §5.1): one process per GPU, each a data-parallel rank that
+//! owns its requests and caches (DP attention), the routed experts split across the ranks in contiguous
+//! ranges, the shared experts on every rank.
+//!
+//! A MoE layer on rank r (`moe_forward`, one call per MoE layer, every rank in lockstep):
+//! 1. **Dispatch.** r routes its own rows, quantizes each row once to FP8 (the per-128 scales a plain
+//!    grouping would compute for each of its pairs) and writes a *dispatch record* of `cap` rows: codes
+//!    `[cap][kpad]`, scales `[kpad / 128][cap]`, expert ids `[cap][k]` (rows past its own: id -1). Every
+//!    rank gathers every record (point-to-point sends of the one record to every rank): with NCCL the sizes are fixed on the host, and a record
+//!    of `cap` rows is what a rank must be able to send any one peer, so gathering whole records costs no
+//!    more bytes than a fixed-capacity all-to-all and needs no counts on the host (a CUDA graph can hold it).
+//! 2. **Experts.** Each rank groups the gathered pairs that route to its experts (engine::cuda::moe), copies
+//!    their codes into the grouped layout and runs the same grouped FP8 GEMMs as one GPU, into bf16 rows.
+//! 3. **Combine.** Pair outputs go back unsummed, bf16, each to its token's rank (`ncclSend`/`ncclRecv` of
+//!    `cap * k` rows per peer), and the token's rank adds its pairs in slot order with the shared expert:
+//!    the single-GPU combine over the same bf16 values, so EP-N output equals one GPU's bit for bit.
+//!
+//! Lockstep: every forward call starts with [`EpGroup::agree`], one all-reduce of (rows, pass) that gives
+//! the call's capacity (the largest rank's rows) and refuses ranks that are not running the same pass. A
+//! rank without rows calls the same pass with an empty batch ([`super::CudaBackend`] does so for an empty
+//! `decode`, `prefill` or `mtp`): it computes the others' pairs on its experts and joins every collective.
+//!
+//! Ranks find each other through a leader address (`host:port`, rank 0 listens): each rank says hello with
+//! its rank and world size, and the leader answers with the NCCL unique id once every rank has arrived.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaStream;
+use cudarc::nccl::sys as nccl;
+
+use super::moe;
+use super::ops::{Arg, DBuf, Workspace, elementwise_grid, launch};
+use super::weights::DMoe;
+use super::{CudaError, Gpu, gemm};
+use crate::ModelConfig;
+
+/// The routed experts a rank holds: `world` contiguous ranges of `n_routed_experts / world`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl Shard {
+    /// Every expert on one GPU.
+    pub const SINGLE: Shard = Shard { rank: 0, world: 1 };
+
+    /// Rank `rank`'s experts of `n` routed experts.
+    pub fn experts(&self, n: usize) -> Range<usize> {
+        let per = n / self.world.max(1);
+        self.rank * per..(self.rank + 1) * per
+    }
+
+    /// Whether `cfg`'s routed experts split evenly into `world` ranges.
+    pub fn check(&self, cfg: &ModelConfig) -> Result<(), String> {
+        if self.world == 0 || self.rank >= self.world {
+            return Err(format!("rank {} of {} ranks", self.rank, self.world));
+        }
+        if self.world > 1 && (cfg.n_routed_experts == 0 || !cfg.n_routed_experts.is_multiple_of(self.world)) {
+            return Err(format!(
+                "expert parallelism over {} ranks needs routed experts in equal shares; the model has {}",
+                self.world, cfg.n_routed_experts
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// How a rank joins its expert-parallel group.
+#[derive(Debug, Clone)]
+pub struct EpConfig {
+    pub rank: usize,
+    pub world: usize,
+    /// `host:port` rank 0 listens on and the others connect to.
+    pub leader: String,
+    /// How long the ranks wait for each other at start-up.
+    pub timeout: Duration,
+    /// The watchdog's bound on one forward call (a step): past it the communicator is aborted, as a peer
+    /// that died or hangs (SIGSTOP raises no NCCL error) would otherwise stall this rank forever.
+    pub step_timeout: Duration,
+}
+
+impl EpConfig {
+    /// `RANK/WORLD@HOST:PORT` (e.g. `1/2@10.0.0.5:29500`).
+    pub fn parse(spec: &str) -> Result<Self, String> {
+        let bad = || format!("`{spec}`: expert parallelism is RANK/WORLD@HOST:PORT, e.g. 0/2@127.0.0.1:29500");
+        let (ranks, leader) = spec.split_once('@').ok_or_else(bad)?;
+        let (rank, world) = ranks.split_once('/').ok_or_else(bad)?;
+        let (rank, world): (usize, usize) = (rank.parse().map_err(|_| bad())?, world.parse().map_err(|_| bad())?);
+        if world == 0 || rank >= world {
+            return Err(format!("`{spec}`: rank {rank} is not one of {world} ranks"));
+        }
+        if !leader.contains(':') {
+            return Err(bad());
+        }
+        Ok(EpConfig {
+            rank,
+            world,
+            leader: leader.to_string(),
+            timeout: Duration::from_secs(120),
+            step_timeout: DEFAULT_STEP_TIMEOUT,
+        })
+    }
+
+    pub fn shard(&self) -> Shard {
+        Shard { rank: self.rank, world: self.world }
+    }
+}
+
+const HELLO: &[u8; 4] = b"TDEP";
+
+/// The default bound on one step (a forward call): above the longest prefill chunk a rank runs (a few
+/// seconds at DeepSeek-V3.2's depth), short enough that a lost peer ends the others' steps within seconds.
+pub const DEFAULT_STEP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The leader's side of the start-up: the NCCL id to every other rank, once all have said hello.
+fn serve_id(cfg: &EpConfig, id: &nccl::ncclUniqueId) -> Result<(), String> {
+    let listener = TcpListener::bind(&cfg.leader).map_err(|e| format!("listening on {}: {e}", cfg.leader))?;
+    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + cfg.timeout;
+    let mut peers: Vec<Option<TcpStream>> = (0..cfg.world).map(|_| None).collect();
+    while peers.iter().skip(1).any(Option::is_none) {
+        match listener.accept() {
+            Ok((mut conn, from)) => {
+                conn.set_nonblocking(false).map_err(|e| e.to_string())?;
+                conn.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
+                let mut hello = [0u8; 12];
+                if conn.read_exact(&mut hello).is_err() || &hello[..4] != HELLO {
+                    tracing::warn!("expert parallelism: {from} is not a tandem rank; ignored");
+                    continue;
+                }
+                let rank = u32::from_le_bytes(hello[4..8].try_into().unwrap()) as usize;
+                let world = u32::from_le_bytes(hello[8..12].try_into().unwrap()) as usize;
+                if world != cfg.world || rank == 0 || rank >= cfg.world {
+                    return Err(format!(
+                        "{from} says it is rank {rank} of {world}; this group has {} ranks",
+                        cfg.world
+                    ));
+                }
+                if peers[rank].is_some() {
+                    return Err(format!("two processes say they are rank {rank} (the second from {from})"));
+                }
+                peers[rank] = Some(conn);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() > deadline {
+                    let missing: Vec<usize> = (1..cfg.world).filter(|&r| peers[r].is_none()).collect();
+                    return Err(format!("ranks {missing:?} did not arrive within {:?}", cfg.timeout));
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => return Err(format!("accepting ranks on {}: {e}", cfg.leader)),
+        }
+    }
+    let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
+    for conn in peers.iter_mut().flatten() {
+        conn.write_all(HELLO).and_then(|()| conn.write_all(&bytes)).map_err(|e| format!("sending the NCCL id: {e}"))?;
+    }
+    Ok(())
+}
+
+/// A non-leader's side: hello to the leader (retried until it listens), then its NCCL id.
+fn fetch_id(cfg: &EpConfig) -> Result<nccl::ncclUniqueId, String> {
+    let deadline = Instant::now() + cfg.timeout;
+    let mut conn = loop {
+        let addrs: Vec<_> = cfg.leader.to_socket_addrs().map_err(|e| format!("{}: {e}", cfg.leader))?.collect();
+        match addrs.first().map(|a| TcpStream::connect_timeout(a, Duration::from_secs(2))) {
+            Some(Ok(c)) => break c,
+            _ if Instant::now() > deadline => {
+                return Err(format!("the leader at {} did not answer within {:?}", cfg.leader, cfg.timeout));
+            }
+            _ => std::thread::sleep(Duration::from_millis(50)),
+        }
+    };
+    let mut hello = HELLO.to_vec();
+    hello.extend((cfg.rank as u32).to_le_bytes());
+    hello.extend((cfg.world as u32).to_le_bytes());
+    conn.write_all(&hello).map_err(|e| format!("greeting the leader: {e}"))?;
+    conn.set_read_timeout(Some(cfg.timeout)).map_err(|e| e.to_string())?;
+    let mut answer = [0u8; 4 + 128];
+    conn.read_exact(&mut answer).map_err(|e| format!("waiting for the NCCL id from {}: {e}", cfg.leader))?;
+    if &answer[..4] != HELLO {
+        return Err(format!("{} is not a tandem leader", cfg.leader));
+    }
+    let mut internal = [0 as std::ffi::c_char; 128];
+    for (d, s) in internal.iter_mut().zip(&answer[4..]) {
+        *d = *s as std::ffi::c_char;
+    }
+    Ok(nccl::ncclUniqueId { internal })
+}
+
+/// Which forward pass a collective belongs to: ranks must run the same one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass {
+    Main = 1,
+    Mtp = 2,
+}
+
+/// The communicator and what the watchdog shares with the forward calls.
+struct Shared {
+    /// Null once aborted. Collectives hold the read lock while they enqueue; the abort takes the write lock.
+    comm: std::sync::RwLock<CommPtr>,
+    /// Set once a collective failed or the group was aborted: every later call is refused.
+    broken: Mutex<Option<String>>,
+    /// The step in flight: when it began, and the event its last work records (once enqueued).
+    armed: Mutex<Option<(Instant, Option<cudarc::driver::CudaEvent>)>>,
+    rank: usize,
+    step_timeout: Duration,
+}
+
+#[derive(Clone, Copy)]
+struct CommPtr(nccl::ncclComm_t);
+// SAFETY: an NCCL communicator may be used from any thread; the lock around it orders use and abort.
+unsafe impl Send for CommPtr {}
+unsafe impl Sync for CommPtr {}
+
+impl Shared {
+    fn mark_broken(&self, why: String) {
+        let mut b = self.broken.lock().unwrap_or_else(|p| p.into_inner());
+        b.get_or_insert(why);
+    }
+
+    /// Aborts the communicator (once): pending collectives end, later ones are refused.
+    fn abort(&self, why: &str) {
+        self.mark_broken(why.to_string());
+        let mut c = self.comm.write().unwrap_or_else(|p| p.into_inner());
+        if !c.0.is_null() {
+            tracing::error!(rank = self.rank, "expert-parallel group aborted: {why}");
+            // SAFETY: the write lock excludes every other use; the pointer is cleared after.
+            unsafe { nccl::ncclCommAbort(c.0) };
+            c.0 = std::ptr::null_mut();
+        }
+    }
+
+    /// One watchdog check: the step in flight past its bound, or an asynchronous NCCL error.
+    fn check_step(&self) {
+        let overdue = {
+            let mut armed = self.armed.lock().unwrap_or_else(|p| p.into_inner());
+            match &*armed {
+                Some((_, Some(ev))) if ev.is_complete() => {
+                    *armed = None;
+                    None
+                }
+                Some((since, _)) if since.elapsed() > self.step_timeout => Some(since.elapsed()),
+                _ => None,
+            }
+        };
+        if let Some(t) = overdue {
+            self.abort(&format!(
+                "rank {}: a step has not finished after {:.1} s (bound {:?}): another rank died or hangs",
+                self.rank,
+                t.as_secs_f64(),
+                self.step_timeout
+            ));
+            return;
+        }
+        let c = self.comm.read().unwrap_or_else(|p| p.into_inner());
+        if c.0.is_null() {
+            return;
+        }
+        let mut r = nccl::ncclResult_t::ncclSuccess;
+        // SAFETY: a live communicator (read lock held); valid out-pointer.
+        unsafe { nccl::ncclCommGetAsyncError(c.0, &mut r) };
+        drop(c);
+        if r != nccl::ncclResult_t::ncclSuccess && r != nccl::ncclResult_t::ncclInProgress {
+            self.abort(&format!("rank {}: NCCL reports {r:?} (a peer's connection was lost)", self.rank));
+        }
+    }
+}
+
+/// One rank's membership of an expert-parallel group: its NCCL communicator on the backend's stream, and
+/// a watchdog thread that aborts it when a step overruns [`EpConfig::step_timeout`].
+pub struct EpGroup {
+    shared: Arc<Shared>,
+    shard: Shard,
+    stream: Arc<CudaStream>,
+    /// i32 `[3]`: (rows, pass, -pass) reduced by max.
+    agree_buf: DBuf<i32>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    watchdog: Option<std::thread::JoinHandle<()>>,
+}
+
+fn check(what: &str, r: nccl::ncclResult_t) -> Result<(), CudaError> {
+    if r == nccl::ncclResult_t::ncclSuccess {
+        Ok(())
+    } else {
+        // SAFETY: a plain NCCL call returning a static string.
+        let text = unsafe { std::ffi::CStr::from_ptr(nccl::ncclGetErrorString(r)) };
+        Err(CudaError::Driver(format!("NCCL {what}: {r:?} ({})", text.to_string_lossy())))
+    }
+}
+
+impl EpGroup {
+    /// Joins the group `cfg` describes on `gpu` (every rank calls it; it returns once all have joined).
+    pub fn connect(gpu: &Gpu, cfg: &EpConfig) -> Result<Self, CudaError> {
+        // SAFETY: only looks the library up.
+        if !unsafe { nccl::is_culib_present() } {
+            return Err(CudaError::NoGpu("expert parallelism needs NCCL (libnccl.so) and none was found".into()));
+        }
+        let id = if cfg.rank == 0 {
+            let mut id = std::mem::MaybeUninit::uninit();
+            // SAFETY: the out-pointer is valid.
+            check("ncclGetUniqueId", unsafe { nccl::ncclGetUniqueId(id.as_mut_ptr()) })?;
+            // SAFETY: initialized by the successful call.
+            let id = unsafe { id.assume_init() };
+            serve_id(cfg, &id).map_err(|e| CudaError::Driver(format!("expert parallelism start-up: {e}")))?;
+            id
+        } else {
+            fetch_id(cfg).map_err(|e| CudaError::Driver(format!("expert parallelism start-up: {e}")))?
+        };
+        gpu.context().bind_to_thread()?;
+        let mut comm = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; every rank calls with the same id and world size.
+        check("ncclCommInitRank", unsafe { nccl::ncclCommInitRank(&mut comm, cfg.world as i32, id, cfg.rank as i32) })?;
+        let stream = gpu.stream().clone();
+        let agree_buf = DBuf::zeros(&stream, 3)?;
+        let shared = Arc::new(Shared {
+            comm: std::sync::RwLock::new(CommPtr(comm)),
+            broken: Mutex::new(None),
+            armed: Mutex::new(None),
+            rank: cfg.rank,
+            step_timeout: cfg.step_timeout,
+        });
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let watchdog = {
+            let (shared, stop, ctx) = (shared.clone(), stop.clone(), gpu.context().clone());
+            std::thread::Builder::new()
+                .name(format!("ep-watchdog-{}", cfg.rank))
+                .spawn(move || {
+                    ctx.bind_to_thread().ok();
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        shared.check_step();
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                })
+                .map_err(|e| CudaError::Driver(format!("starting the expert-parallel watchdog: {e}")))?
+        };
+        let g = EpGroup { shared, shard: cfg.shard(), stream, agree_buf, stop, watchdog: Some(watchdog) };
+        // Every collective once, so the point-to-point connections exist before the first step (a first
+        // connection waits for the peer, which the watchdog could not interrupt).
+        g.agree(0, Pass::Main)?;
+        let mut ws = Workspace::new();
+        let (a, b) = (ws.take::<u8>(&g.stream, 256 * cfg.world)?, ws.take::<u8>(&g.stream, 256 * cfg.world)?);
+        g.gather_p2p(a, b, 256)?;
+        g.all_to_all(a, b, 256)?;
+        g.all_gather(a, b, 256)?;
+        g.step_issued()?;
+        g.stream.synchronize()?;
+        Ok(g)
+    }
+
+    /// Runs `f` (a collective's enqueue) with the communicator under the read lock, or returns the group's error.
+    fn with_comm<T>(&self, f: impl FnOnce(nccl::ncclComm_t) -> Result<T, CudaError>) -> Result<T, CudaError> {
+        self.usable()?;
+        let c = self.shared.comm.read().unwrap_or_else(|p| p.into_inner());
+        if c.0.is_null() {
+            drop(c);
+            self.usable()?;
+            return Err(CudaError::Driver("the expert-parallel group is down".into()));
+        }
+        let r = f(c.0);
+        drop(c);
+        r.map_err(|e| self.fail(e))
+    }
+
+    /// Marks the end of the step's work on the stream: the watchdog disarms once it has run.
+    pub fn step_issued(&self) -> Result<(), CudaError> {
+        let ev = self.stream.context().new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
+        ev.record(&self.stream)?;
+        let mut armed = self.shared.armed.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, e)) = armed.as_mut() {
+            *e = Some(ev);
+        }
+        Ok(())
+    }
+
+    pub fn shard(&self) -> Shard {
+        self.shard
+    }
+
+    fn cu_stream(&self) -> nccl::cudaStream_t {
+        self.stream.cu_stream() as nccl::cudaStream_t
+    }
+
+    fn usable(&self) -> Result<(), CudaError> {
+        match &*self.shared.broken.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(why) => Err(CudaError::Driver(format!("the expert-parallel group is down: {why}"))),
+            None => Ok(()),
+        }
+    }
+
+    fn fail(&self, e: CudaError) -> CudaError {
+        self.shared.mark_broken(e.to_string());
+        e
+    }
+
+    /// Whether the group has failed (a collective's error, the watchdog, [`abort`](Self::abort)): every
+    /// later call is an error, and the ranks must form a new group.
+    pub fn is_down(&self) -> Option<String> {
+        self.shared.broken.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The call's capacity: the most rows any rank brings to this `pass` (rounded up to 4, the FP8 scales'
+    /// row alignment). One all-reduce, then a wait for it: the one host-side agreement of a forward call.
+    /// Ranks in different passes are an error on every rank.
+    pub fn agree(&self, rows: usize, pass: Pass) -> Result<usize, CudaError> {
+        self.usable()?;
+        // A step begins: the watchdog bounds it from here (the wait below included).
+        *self.shared.armed.lock().unwrap_or_else(|p| p.into_inner()) = Some((Instant::now(), None));
+        let host = [rows as i32, pass as i32, -(pass as i32)];
+        let mut got = [0i32; 3];
+        let (dev, cs) = (self.agree_buf.ptr(), self.stream.cu_stream());
+        self.with_comm(|comm| {
+            // SAFETY: 3 i32 to the 3-element buffer; the host array outlives the synchronize below.
+            unsafe { cudarc::driver::result::memcpy_htod_async(dev, &host, cs) }?;
+            let p = dev as *mut std::ffi::c_void;
+            // SAFETY: 3 i32 in place on this communicator's stream.
+            check("all-reduce (step agreement)", unsafe {
+                nccl::ncclAllReduce(
+                    p,
+                    p,
+                    3,
+                    nccl::ncclDataType_t::ncclInt32,
+                    nccl::ncclRedOp_t::ncclMax,
+                    comm,
+                    cs as nccl::cudaStream_t,
+                )
+            })
+        })?;
+        // The wait is outside the lock: the watchdog can abort a collective that never completes.
+        let waited = (|| -> Result<(), CudaError> {
+            // SAFETY: 3 i32 back; synchronized before `got` is read.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut got, dev, cs) }?;
+            self.stream.synchronize()?;
+            Ok(())
+        })();
+        self.usable()?;
+        waited.map_err(|e| self.fail(e))?;
+        if got[1] != -got[2] {
+            let e = CudaError::Driver(format!(
+                "expert-parallel ranks are out of lockstep: this rank runs the {pass:?} pass, another a different one"
+            ));
+            self.shared.abort(&e.to_string());
+            return Err(e);
+        }
+        Ok((got[0].max(1) as usize).next_multiple_of(4))
+    }
+
+    /// Every rank's `bytes` at `send` into `recv` (`world * bytes`, rank order).
+    pub fn all_gather(&self, send: u64, recv: u64, bytes: usize) -> Result<(), CudaError> {
+        let s = self.cu_stream();
+        self.with_comm(|comm| {
+            // SAFETY: device buffers of `bytes` and `world * bytes` on this communicator's stream.
+            check("all-gather", unsafe {
+                nccl::ncclAllGather(
+                    send as *const std::ffi::c_void,
+                    recv as *mut std::ffi::c_void,
+                    bytes,
+                    nccl::ncclDataType_t::ncclUint8,
+                    comm,
+                    s,
+                )
+            })
+        })
+    }
+
+    /// [`all_gather`](Self::all_gather) as point-to-point calls: `send` to every rank, rank q's into block q
+    /// of `recv`.
+    pub fn gather_p2p(&self, send: u64, recv: u64, bytes: usize) -> Result<(), CudaError> {
+        self.exchange(|_| send, recv, bytes)
+    }
+
+    /// Block q of `send` (`bytes` each) to rank q, and rank q's block for this rank into block q of `recv`.
+    pub fn all_to_all(&self, send: u64, recv: u64, bytes: usize) -> Result<(), CudaError> {
+        self.exchange(|q| send + (q * bytes) as u64, recv, bytes)
+    }
+
+    /// One grouped round of point-to-point calls: `from(q)` to rank q, rank q's into block q of `recv`.
+    fn exchange(&self, from: impl Fn(usize) -> u64, recv: u64, bytes: usize) -> Result<(), CudaError> {
+        let (s, world) = (self.cu_stream(), self.shard.world);
+        self.with_comm(|c| {
+            // SAFETY: grouped point-to-point calls over device buffers of `bytes` per rank.
+            unsafe {
+                check("group start", nccl::ncclGroupStart())?;
+                for q in 0..world {
+                    let d = nccl::ncclDataType_t::ncclUint8;
+                    let sent = check("send", nccl::ncclSend(from(q) as *const _, bytes, d, q as i32, c, s));
+                    let got = sent.and_then(|()| {
+                        check("recv", nccl::ncclRecv((recv + (q * bytes) as u64) as *mut _, bytes, d, q as i32, c, s))
+                    });
+                    if let Err(e) = got {
+                        nccl::ncclGroupEnd();
+                        return Err(e);
+                    }
+                }
+                check("group end", nccl::ncclGroupEnd())
+            }
+        })
+    }
+
+    /// Ends the communicator at once (another rank died or hangs): pending collectives return, and every
+    /// later call of this group is an error.
+    pub fn abort(&self, why: &str) {
+        self.shared.abort(why);
+    }
+}
+
+impl Drop for EpGroup {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(w) = self.watchdog.take() {
+            drop(w.join());
+        }
+        let mut c = self.shared.comm.write().unwrap_or_else(|p| p.into_inner());
+        if c.0.is_null() {
+            return;
+        }
+        // SAFETY: the communicator is not used after this; a broken one is aborted rather than destroyed
+        // (destroy waits for pending work that may never finish).
+        unsafe {
+            if self.is_down().is_some() {
+                nccl::ncclCommAbort(c.0);
+            } else {
+                nccl::ncclCommDestroy(c.0);
+            }
+        }
+        c.0 = std::ptr::null_mut();
+    }
+}
+
+/// Byte layout of one dispatch record of `cap` rows.
+#[derive(Debug, Clone, Copy)]
+pub struct Record {
+    pub cap: usize,
+    pub scales_off: usize,
+    pub ids_off: usize,
+    pub bytes: usize,
+}
+
+impl Record {
+    pub fn new(cap: usize, kpad: usize, k: usize) -> Self {
+        let scales_off = cap * kpad;
+        let ids_off = scales_off + 4 * (kpad / gemm::BK) * cap;
+        Record { cap, scales_off, ids_off, bytes: (ids_off + 4 * cap * k).next_multiple_of(256) }
+    }
+}
+
+/// Device bytes one expert-parallel MoE layer takes from the workspace beyond the local grouping's
+/// (`moe::workspace_bytes` of `world * cap * k` pairs): the records, the two combine buffers, the gathered
+/// rows' codes and scales and the indices.
+pub fn workspace_bytes(world: usize, cap: usize, k: usize, kpad: usize, hidden: usize) -> usize {
+    let rec = Record::new(cap, kpad, k).bytes;
+    let pairs = world * cap * k;
+    (world + 1) * rec
+        + 2 * 2 * pairs * hidden
+        + pairs * (kpad + 4 * kpad / gemm::BK)
+        + 4 * (2 * pairs + cap * k)
+        + 8 * 256
+}
+
+/// This rank's dispatch record sent and every rank's gathered.
+#[derive(Debug, Clone, Copy)]
+pub struct Dispatched {
+    pub rec: Record,
+    /// `world` records, rank order.
+    pub recv: u64,
+    /// i32 `[rows, k]`: each own pair's row in the combine buffers.
+    pub at: u64,
+}
+
+/// Step 1: this rank's `rows` of `x [rows, hidden]` f32 quantized once into its record with their route
+/// `ids [rows, k]`, then every rank's record gathered.
+#[allow(clippy::too_many_arguments)]
+pub fn dispatch(
+    gpu: &Gpu,
+    ws: &mut Workspace,
+    ep: &EpGroup,
+    cfg: &ModelConfig,
+    (kpad, ue8m0): (usize, bool),
+    x: u64,
+    rows: usize,
+    cap: usize,
+    ids: u64,
+) -> Result<Dispatched, CudaError> {
+    let s = gpu.stream();
+    let (world, k, hidden) = (ep.shard.world, cfg.num_experts_per_tok, cfg.hidden_size);
+    if rows > cap || !cap.is_multiple_of(4) || !hidden.is_multiple_of(8) || kpad < hidden {
+        return Err(CudaError::Shape(format!("ep: {rows} rows of {hidden} at capacity {cap} (kpad {kpad})")));
+    }
+    let rec = Record::new(cap, kpad, k);
+    let send = ws.take::<u8>(s, rec.bytes)?;
+    let recv = ws.take::<u8>(s, world * rec.bytes)?;
+    let at = ws.take::<i32>(s, (rows * k).max(1))?;
+    if rows > 0 {
+        super::weights::act_quant_into(gpu, x, rows, hidden, kpad, ue8m0, cap, 0, send, send + rec.scales_off as u64)?;
+    }
+    launch(
+        gpu,
+        "tandem_ep_pack_ids",
+        elementwise_grid(cap * k),
+        256,
+        0,
+        &[
+            Arg::P(ids),
+            Arg::I(rows as i32),
+            Arg::I(cap as i32),
+            Arg::I(k as i32),
+            Arg::I((cfg.n_routed_experts / world) as i32),
+            Arg::P(send + rec.ids_off as u64),
+            Arg::P(at),
+        ],
+    )?;
+    // Point-to-point sends of the one record to every rank: measured at the same speed as a plain all-to-all
+    // of those bytes, where ncclAllGather ran at 0.87-0.91x on two H200s (bench/RESULTS.md).
+    gpu.profiler().time(s, "nccl_ep_dispatch", || ep.gather_p2p(send, recv, rec.bytes))?;
+    Ok(Dispatched { rec, recv, at })
+}
+
+/// The combine buffer of `d`'s call: `[world][cap * k]` bf16 rows of `hidden`, rank q's pairs in block q
+/// (the down projection stores each pair's output there).
+pub fn combine_buffer(
+    gpu: &Gpu,
+    ws: &mut Workspace,
+    cfg: &ModelConfig,
+    d: &Dispatched,
+    world: usize,
+) -> Result<u64, CudaError> {
+    ws.take::<u16>(gpu.stream(), world * d.rec.cap * cfg.num_experts_per_tok * cfg.hidden_size)
+}
+
+/// Step 3: `back` (the [`combine_buffer`] with this rank's pairs' outputs in their rows) to the pairs'
+/// ranks, and this rank's `rows` combined into `y [rows, hidden]` f32 in slot order with
+/// `weights [rows, k]` and `shared` (f32 `[rows, hidden]` or 0).
+#[allow(clippy::too_many_arguments)]
+pub fn combine(
+    gpu: &Gpu,
+    ws: &mut Workspace,
+    ep: &EpGroup,
+    cfg: &ModelConfig,
+    d: &Dispatched,
+    back: u64,
+    rows: usize,
+    weights: u64,
+    shared: u64,
+    y: u64,
+) -> Result<(), CudaError> {
+    let s = gpu.stream();
+    let (world, k, hidden, cap) = (ep.shard.world, cfg.num_experts_per_tok, cfg.hidden_size, d.rec.cap);
+    let home = ws.take::<u16>(s, world * cap * k * hidden)?;
+    gpu.profiler().time(s, "nccl_ep_combine", || ep.all_to_all(back, home, cap * k * hidden * 2))?;
+    moe::combine_bf16(gpu, home, d.at, weights, shared, y, rows, k, hidden)
+}
+
+/// The routed experts of a MoE layer under expert parallelism: `x [rows, hidden]` f32 this rank's rows
+/// (`rows` may be 0), `ids`/`weights [rows, k]` their routing, `shared [rows, hidden]` f32 or 0, into
+/// `y [rows, hidden]` f32. `cap` is the call's agreed capacity (>= every rank's rows).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_forward(
+    gpu: &Gpu,
+    ws: &mut Workspace,
+    ep: &EpGroup,
+    cfg: &ModelConfig,
+    m: &DMoe,
+    x: u64,
+    rows: usize,
+    cap: usize,
+    ids: u64,
+    weights: u64,
+    shared: u64,
+    y: u64,
+) -> Result<(), CudaError> {
+    let s = gpu.stream();
+    let (world, k, hidden) = (ep.shard.world, cfg.num_experts_per_tok, cfg.hidden_size);
+    let (inp, kpad, ue8m0) = moe::fp8_dims(&m.experts.gate)?;
+    if inp != hidden {
+        return Err(CudaError::Shape(format!("ep: the experts take {inp} channels, the model has {hidden}")));
+    }
+    let d = dispatch(gpu, ws, ep, cfg, (kpad, ue8m0), x, rows, cap, ids)?;
+
+    // Step 2: this rank's experts over every rank's pairs.
+    let pairs = world * cap * k;
+    let lids = ws.take::<i32>(s, pairs)?;
+    launch(
+        gpu,
+        "tandem_ep_local_ids",
+        elementwise_grid(pairs),
+        256,
+        0,
+        &[
+            Arg::P(d.recv),
+            Arg::L(d.rec.bytes as i64),
+            Arg::L(d.rec.ids_off as i64),
+            Arg::I(world as i32),
+            Arg::I((cap * k) as i32),
+            Arg::I(ep.shard.experts(cfg.n_routed_experts).start as i32),
+            Arg::I((cfg.n_routed_experts / world) as i32),
+            Arg::P(m.expert_map.as_ref().map_or(0, DBuf::ptr)),
+            Arg::P(lids),
+        ],
+    )?;
+    let g = moe::group(gpu, ws, lids, pairs, k, m.experts.down.groups())?;
+    let ld = gemm::scale_ld(pairs);
+    let qa = ws.take::<u8>(s, pairs * kpad)?;
+    let sa = ws.take::<f32>(s, (kpad / gemm::BK) * ld)?;
+    launch(
+        gpu,
+        "tandem_ep_gather",
+        (pairs as u32, 1, 1),
+        128,
+        0,
+        &[
+            Arg::P(d.recv),
+            Arg::L(d.rec.bytes as i64),
+            Arg::L(d.rec.scales_off as i64),
+            Arg::I(cap as i32),
+            Arg::I(kpad as i32),
+            Arg::P(g.src_row),
+            Arg::P(g.used),
+            Arg::P(qa),
+            Arg::P(sa),
+            Arg::I(ld as i32),
+        ],
+    )?;
+    let back = combine_buffer(gpu, ws, cfg, &d, world)?;
+    moe::forward_quantized(gpu, ws, &m.experts, qa, sa, ld, &g, back, g.pair_of_row)?;
+    combine(gpu, ws, ep, cfg, &d, back, rows, weights, shared, y)
+}
+
+/// Seconds per call of the exchange alone at capacity `cap` (every rank full: `cap` rows each), next to
+/// plain NCCL all-to-alls of the same bytes, measured on this rank (every rank calls it together).
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct ExchangeTimes {
+    pub cap: usize,
+    /// Bytes each rank receives in a dispatch (every rank's record) and in a combine.
+    pub dispatch_bytes: usize,
+    pub combine_bytes: usize,
+    /// Quantize + pack + gather (point-to-point).
+    pub dispatch_s: f64,
+    /// All-to-all + the slot-order combine (the down projection writes the pairs into the buffer).
+    pub combine_s: f64,
+    /// `ncclSend`/`ncclRecv` all-to-alls of the same bytes per peer.
+    pub a2a_dispatch_s: f64,
+    pub a2a_combine_s: f64,
+    /// The dispatch's collective alone: `ncclAllGather`, and the same as point-to-point calls.
+    pub gather_s: f64,
+    pub gather_p2p_s: f64,
+}
+
+/// Times [`dispatch`] and [`combine`] over random rows and routings (`iters` of each after a warm-up).
+pub fn time_exchange(
+    gpu: &Gpu,
+    ep: &EpGroup,
+    cfg: &ModelConfig,
+    cap: usize,
+    iters: usize,
+) -> Result<ExchangeTimes, CudaError> {
+    let s = gpu.stream();
+    let (world, k, hidden, e) = (ep.shard.world, cfg.num_experts_per_tok, cfg.hidden_size, cfg.n_routed_experts);
+    let kpad = hidden.next_multiple_of(gemm::BK);
+    let mut rng = 0x2545_f491_4f6c_dd1du64 ^ ep.shard.rank as u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let x: Vec<f32> = (0..cap * hidden).map(|_| (next() % 2001) as f32 / 1000.0 - 1.0).collect();
+    let mut ids = Vec::with_capacity(cap * k);
+    for _ in 0..cap {
+        let mut row: Vec<i32> = Vec::with_capacity(k);
+        while row.len() < k {
+            let c = (next() % e as u64) as i32;
+            if !row.contains(&c) {
+                row.push(c);
+            }
+        }
+        row.sort_unstable();
+        ids.extend(row);
+    }
+    let w: Vec<f32> = (0..cap * k).map(|_| 1.0 / k as f32).collect();
+    let (dx, dids, dw) = (DBuf::upload(s, &x)?, DBuf::upload(s, &ids)?, DBuf::upload(s, &w)?);
+    let pairs = world * cap * k;
+    // The combine buffer as the down projection leaves it (every row written: the worst case).
+    let back = DBuf::<u16>::upload(s, &(0..pairs * hidden).map(|i| 0x3f80 + (i % 64) as u16).collect::<Vec<_>>())?;
+    let y = DBuf::<f32>::zeros(s, cap * hidden)?;
+    let mut ws = Workspace::new();
+    let ctx = s.context();
+    let event = || ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT));
+    let mut timed = |f: &mut dyn FnMut(&mut Workspace) -> Result<(), CudaError>| -> Result<f64, CudaError> {
+        ws.reset();
+        f(&mut ws)?;
+        s.synchronize()?;
+        let (a, b) = (event()?, event()?);
+        a.record(s)?;
+        for _ in 0..iters {
+            ws.reset();
+            f(&mut ws)?;
+        }
+        b.record(s)?;
+        b.synchronize()?;
+        Ok(a.elapsed_ms(&b)? as f64 / 1e3 / iters as f64)
+    };
+    let mut last = None;
+    let dispatch_s = timed(&mut |ws| {
+        last = Some(dispatch(gpu, ws, ep, cfg, (kpad, true), dx.ptr(), cap, cap, dids.ptr())?);
+        Ok(())
+    })?;
+    let d = last.expect("dispatched");
+    // The combine rows of the dispatch's pairs, kept outside the workspace the combine reuses.
+    let per_rank = (e / world) as i32;
+    let at: Vec<i32> = ids.iter().enumerate().map(|(p, &id)| (id / per_rank) * (cap * k) as i32 + p as i32).collect();
+    let at = DBuf::upload(s, &at)?;
+    let d = Dispatched { at: at.ptr(), ..d };
+    let combine_s = timed(&mut |ws| combine(gpu, ws, ep, cfg, &d, back.ptr(), cap, dw.ptr(), 0, y.ptr()))?;
+    let (db, cb) = (d.rec.bytes, cap * k * hidden * 2);
+    let a2a = |bytes: usize, ws: &mut Workspace| -> Result<(), CudaError> {
+        let send = ws.take::<u8>(s, world * bytes)?;
+        let recv = ws.take::<u8>(s, world * bytes)?;
+        ep.all_to_all(send, recv, bytes)
+    };
+    let a2a_dispatch_s = timed(&mut |ws| a2a(db, ws))?;
+    let gather = |p2p: bool, ws: &mut Workspace| -> Result<(), CudaError> {
+        let send = ws.take::<u8>(s, db)?;
+        let recv = ws.take::<u8>(s, world * db)?;
+        if p2p { ep.gather_p2p(send, recv, db) } else { ep.all_gather(send, recv, db) }
+    };
+    let gather_s = timed(&mut |ws| gather(false, ws))?;
+    let gather_p2p_s = timed(&mut |ws| gather(true, ws))?;
+    let a2a_combine_s = timed(&mut |ws| a2a(cb, ws))?;
+    Ok(ExchangeTimes {
+        cap,
+        dispatch_bytes: world * db,
+        combine_bytes: world * cb,
+        dispatch_s,
+        combine_s,
+        a2a_dispatch_s,
+        a2a_combine_s,
+        gather_s,
+        gather_p2p_s,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_split_the_experts_into_equal_ranges() {
+        let s = Shard { rank: 1, world: 4 };
+        assert_eq!(s.experts(256), 64..128);
+        assert_eq!(Shard::SINGLE.experts(16), 0..16);
+        let cfg = ModelConfig::from_json(&crate::tiny::config_json(64)).unwrap();
+        assert!(Shard { rank: 0, world: 2 }.check(&cfg).is_ok());
+        assert!(Shard { rank: 0, world: 3 }.check(&cfg).unwrap_err().contains("equal shares"));
+        assert!(Shard { rank: 2, world: 2 }.check(&cfg).is_err());
+    }
+
+    #[test]
+    fn ep_specs_parse_or_say_what_is_wrong() {
+        let c = EpConfig::parse("1/2@127.0.0.1:29500").unwrap();
+        assert_eq!((c.rank, c.world, c.leader.as_str()), (1, 2, "127.0.0.1:29500"));
+        for bad in ["1/2", "2/2@h:1", "a/2@h:1", "1/0@h:1", "0/2@host"] {
+            assert!(EpConfig::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn records_keep_their_parts_aligned() {
+        let r = Record::new(64, 7168, 8);
+        assert_eq!(r.scales_off, 64 * 7168);
+        assert_eq!(r.ids_off, r.scales_off + 4 * 56 * 64);
+        assert!(r.bytes >= r.ids_off + 4 * 64 * 8 && r.bytes.is_multiple_of(256));
+    }
+}

@@ -1,0 +1,402 @@
+//! Expert parallelism on two GPUs (engine::cuda::ep): two processes, one a GPU, each a data-parallel rank
+//! with half of the requests and half of the routed experts, produce the logits of one GPU that runs every
+//! request with every expert, bit for bit; a rank with no requests left joins each pass with an empty
+//! batch; the MTP layer's MoE runs in lockstep too.
+//!
+//! The test runs itself as the ranks (`TANDEM_EP_TEST_RANK`). Below two GPUs it is skipped, a failure under
+//! `TANDEM_REQUIRE_GPUS=2` (`scripts/gpu-test.sh run ep`).
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use engine::cuda::CudaBackend;
+use engine::cuda::ep::EpConfig;
+use engine::sampling::argmax;
+use engine::{AttnForm, Backend, Logits, MtpInput, Precision, SeqInput};
+use support::{Served, VOCAB, xorshift};
+
+const BLOCKS: usize = 64;
+const RANK: &str = "TANDEM_EP_TEST_RANK";
+
+/// Requests: prompt length and decode steps. Request i runs on rank i % 2; rank 1's requests end early, so
+/// it is idle for the last steps while rank 0 still decodes.
+const REQUESTS: [(usize, usize); 4] = [(37, 7), (90, 4), (5, 7), (64, 3)];
+
+fn gpus() -> usize {
+    // SAFETY: only looks the driver library up.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return 0;
+    }
+    cudarc::driver::CudaContext::device_count().map_or(0, |n| n as usize)
+}
+
+/// Rows of logits as bits, per request: the prefill's last row, then per step the decode row and the
+/// MTP row.
+type Trace = BTreeMap<usize, Vec<Vec<u32>>>;
+
+fn prompt(i: usize, seed: u64) -> Vec<u32> {
+    xorshift(seed ^ ((i as u64 + 1) * 0x9e37_79b9))
+        .take(REQUESTS[i].0)
+        .map(|s| 7 + (s % (VOCAB as u64 - 7)) as u32)
+        .collect()
+}
+
+fn bits(b: &dyn Backend, rows: &engine::DeviceRows) -> Vec<u32> {
+    b.rows_to_host(rows).unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
+/// Runs `mine` of the requests in lockstep steps (every step a decode call and an MTP call, empty where
+/// none of `mine` is left), greedy.
+fn run(b: Arc<dyn Backend>, mine: &[usize], seed: u64) -> Trace {
+    let s = Served::new(b, BLOCKS);
+    let b = &*s.b;
+    let prompts: Vec<Vec<u32>> = mine.iter().map(|&i| prompt(i, seed)).collect();
+    let tables: Vec<_> =
+        mine.iter().zip(&prompts).map(|(i, p)| s.pool.reserve(&i.to_string(), p.len() + 16).unwrap()).collect();
+    let mut trace = Trace::new();
+    // One prefill of every request, then the MTP layer over each prompt (its next tokens: the prompt's
+    // own, then the first generated one).
+    let batch: Vec<SeqInput> = prompts
+        .iter()
+        .zip(&tables)
+        .map(|(p, t)| SeqInput { tokens: p, start: 0, blocks: &t.blocks, logits: Logits::Last })
+        .collect();
+    let out = b.prefill(&s.cache, &batch, &mut |_, _| {}).unwrap();
+    let mut next: Vec<u32> = Vec::new();
+    for (&i, o) in mine.iter().zip(&out) {
+        let row = bits(b, &o.logits);
+        next.push(argmax(&b.rows_to_host(&o.logits).unwrap()));
+        trace.entry(i).or_default().push(row);
+    }
+    let follow: Vec<Vec<u32>> = prompts.iter().zip(&next).map(|(p, &n)| [&p[1..], &[n]].concat()).collect();
+    let mtp: Vec<MtpInput> = follow
+        .iter()
+        .zip(&out)
+        .zip(&tables)
+        .map(|((f, o), t)| MtpInput {
+            next_tokens: f,
+            hidden: &o.hidden,
+            start: 0,
+            blocks: &t.blocks,
+            logits: Logits::Last,
+        })
+        .collect();
+    for (&i, o) in mine.iter().zip(b.mtp(&s.cache, &mtp, AttnForm::Prefill, &mut |_, _| {}).unwrap()) {
+        trace.entry(i).or_default().push(bits(b, &o.logits));
+    }
+    let mut pos: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    let steps = REQUESTS.iter().map(|r| r.1).max().unwrap();
+    for step in 0..steps {
+        let live: Vec<usize> = (0..mine.len()).filter(|&j| step < REQUESTS[mine[j]].1).collect();
+        let toks: Vec<[u32; 1]> = live.iter().map(|&j| [next[j]]).collect();
+        let batch: Vec<SeqInput> = live
+            .iter()
+            .zip(&toks)
+            .map(|(&j, t)| SeqInput { tokens: t, start: pos[j], blocks: &tables[j].blocks, logits: Logits::Last })
+            .collect();
+        let out = b.decode(&s.cache, &batch).unwrap();
+        let mut after: Vec<[u32; 1]> = Vec::new();
+        for (&j, o) in live.iter().zip(&out) {
+            trace.entry(mine[j]).or_default().push(bits(b, &o.logits));
+            after.push([argmax(&b.rows_to_host(&o.logits).unwrap())]);
+        }
+        let mtp: Vec<MtpInput> = live
+            .iter()
+            .zip(&out)
+            .zip(&after)
+            .map(|((&j, o), a)| MtpInput {
+                next_tokens: a,
+                hidden: &o.hidden,
+                start: pos[j],
+                blocks: &tables[j].blocks,
+                logits: Logits::Last,
+            })
+            .collect();
+        for (&j, o) in live.iter().zip(b.mtp(&s.cache, &mtp, AttnForm::Decode, &mut |_, _| {}).unwrap()) {
+            trace.entry(mine[j]).or_default().push(bits(b, &o.logits));
+        }
+        for (&j, a) in live.iter().zip(&after) {
+            next[j] = a[0];
+            pos[j] += 1;
+        }
+    }
+    trace
+}
+
+fn checkpoint(dir: &Path) {
+    engine::tiny::write(dir, 1, VOCAB).unwrap();
+}
+
+fn encode(t: &Trace) -> String {
+    t.iter()
+        .map(|(i, rows)| {
+            let rows: Vec<String> =
+                rows.iter().map(|r| r.iter().map(|b| format!("{b:08x}")).collect::<Vec<_>>().join("")).collect();
+            format!("{i} {}", rows.join(","))
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn var(k: &str) -> String {
+    std::env::var(k).unwrap_or_else(|_| panic!("{k} is not set"))
+}
+
+/// This rank's backend in the group `spec` (`TANDEM_EP_TEST_SPEC` or another), with a short step bound.
+fn rank_backend(rank: usize, spec: &str) -> Result<CudaBackend, engine::EngineError> {
+    let ckpt = engine::checkpoint::Checkpoint::open(Path::new(&var("TANDEM_EP_TEST_CKPT"))).unwrap();
+    let mut ep = EpConfig::parse(spec).unwrap();
+    ep.step_timeout = Duration::from_secs(3);
+    let cache = std::env::temp_dir().join("tandem-test-kernels");
+    CudaBackend::load_ep(&ckpt, Precision::Fp8, rank, &cache, &ep)
+}
+
+/// One prefill of a short prompt: a step of the group.
+fn one_step(s: &Served) -> Result<(), engine::EngineError> {
+    let toks: Vec<u32> = (0..24).map(|i| 7 + i).collect();
+    let t = s.pool.reserve("step", toks.len()).unwrap();
+    let r = s.b.prefill(
+        &s.cache,
+        &[SeqInput { tokens: &toks, start: 0, blocks: &t.blocks, logits: Logits::Last }],
+        &mut |_, _| {},
+    );
+    s.pool.release("step").unwrap();
+    r.map(|o| drop(s.b.rows_to_host(&o[0].logits)))
+}
+
+/// A rank (`TANDEM_EP_TEST_MODE`): `equal` runs its requests under EP-2 and writes the trace; `fault` steps
+/// until a step fails (writing `stepping` after a few), then joins the group `TANDEM_EP_TEST_SPEC2` and
+/// steps once; `rejoin` only joins that group and steps once. What happened goes to `TANDEM_EP_TEST_OUT`.
+fn rank_main(rank: usize) {
+    let out = var("TANDEM_EP_TEST_OUT");
+    match var("TANDEM_EP_TEST_MODE").as_str() {
+        "equal" => {
+            let b = rank_backend(rank, &var("TANDEM_EP_TEST_SPEC")).unwrap();
+            let seed: u64 = var("TANDEM_EP_TEST_SEED").parse().unwrap();
+            let mine: Vec<usize> = (0..REQUESTS.len()).filter(|i| i % 2 == rank).collect();
+            let t = run(Arc::new(b), &mine, seed);
+            std::fs::write(out, encode(&t)).unwrap();
+        }
+        "fault" => {
+            let s = Served::new(Arc::new(rank_backend(rank, &var("TANDEM_EP_TEST_SPEC")).unwrap()), BLOCKS);
+            let mut n = 0u64;
+            let mut last = Instant::now();
+            let err = loop {
+                match one_step(&s) {
+                    Ok(()) => {
+                        n += 1;
+                        last = Instant::now();
+                        if n == 3 {
+                            std::fs::write(format!("{out}.stepping"), "").unwrap();
+                        }
+                    }
+                    Err(e) => break e,
+                }
+            };
+            let waited = last.elapsed().as_secs_f64();
+            std::fs::write(&out, format!("error after {n} steps, {waited:.2} s after the last: {err}\n")).unwrap();
+            drop(s);
+            rejoin(rank, &out);
+        }
+        "rejoin" => rejoin(rank, &out),
+        m => panic!("unknown mode {m}"),
+    }
+}
+
+/// The recovery policy: every rank leaves the broken group and the ranks form a new one.
+fn rejoin(rank: usize, out: &str) {
+    let s = Served::new(Arc::new(rank_backend(rank, &var("TANDEM_EP_TEST_SPEC2")).unwrap()), BLOCKS);
+    one_step(&s).unwrap();
+    let mut o = std::fs::read_to_string(out).unwrap_or_default();
+    o.push_str("recovered\n");
+    std::fs::write(out, o).unwrap();
+}
+
+/// Rank `r` of a test in `dir` as a child process.
+fn spawn_rank(dir: &Path, r: usize, mode: &str, env: &[(&str, String)]) -> std::process::Child {
+    let tag = format!("{mode}-rank{r}");
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", "two_expert_parallel_ranks_give_one_gpus_logits_bit_for_bit", "--nocapture"])
+        .env(RANK, r.to_string())
+        .env("TANDEM_EP_TEST_MODE", mode)
+        .env("TANDEM_EP_TEST_CKPT", dir)
+        .env("TANDEM_EP_TEST_OUT", dir.join(format!("{tag}.txt")))
+        .stdout(Stdio::from(std::fs::File::create(dir.join(format!("{tag}.log"))).unwrap()))
+        .stderr(Stdio::from(std::fs::File::create(dir.join(format!("{tag}.err"))).unwrap()));
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.spawn().unwrap()
+}
+
+/// Waits for `kids` to exit (killing them all past `secs`); panics with a rank's output where it failed.
+fn wait_all(dir: &Path, kids: &mut [(String, std::process::Child)], secs: u64) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    let mut done: Vec<Option<std::process::ExitStatus>> = kids.iter().map(|_| None).collect();
+    while done.iter().any(Option::is_none) {
+        for (d, (_, k)) in done.iter_mut().zip(kids.iter_mut()) {
+            if d.is_none() {
+                *d = k.try_wait().unwrap();
+            }
+        }
+        if Instant::now() > deadline {
+            kids.iter_mut().for_each(|(_, k)| drop(k.kill()));
+            panic!("the ranks did not finish within {secs} s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for (st, (tag, _)) in done.iter().zip(kids.iter()) {
+        if !st.unwrap().success() {
+            let read = |ext: &str| std::fs::read_to_string(dir.join(format!("{tag}.{ext}"))).unwrap_or_default();
+            panic!("{tag} failed ({st:?}):\n{}\n{}", read("log"), read("err"));
+        }
+    }
+}
+
+fn two_gpus_or_skip() -> bool {
+    if gpus() >= 2 {
+        return true;
+    }
+    assert!(
+        std::env::var("TANDEM_REQUIRE_GPUS").is_err(),
+        "TANDEM_REQUIRE_GPUS is set and this machine has {} GPUs",
+        gpus()
+    );
+    eprintln!("skipped: expert parallelism needs 2 GPUs, this machine has {}", gpus());
+    false
+}
+
+/// Rank 1 stopped (`STOP`) or killed (`KILL`) mid-run: rank 0's step fails within seconds (its watchdog
+/// aborts the communicator), and the two form a new group (rank 1 restarted) that steps again.
+fn fault_case(signal: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    checkpoint(dir.path());
+    let spec = |r: usize, port: u16| format!("{r}/2@127.0.0.1:{port}");
+    let (p1, p2) = (free_port(), free_port());
+    let env = |r: usize| vec![("TANDEM_EP_TEST_SPEC", spec(r, p1)), ("TANDEM_EP_TEST_SPEC2", spec(r, p2))];
+    let mut r0 = spawn_rank(dir.path(), 0, "fault", &env(0));
+    let mut r1 = spawn_rank(dir.path(), 1, "fault", &env(1));
+    let stepping = |r: usize| dir.path().join(format!("fault-rank{r}.txt.stepping")).exists();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !(stepping(0) && stepping(1)) {
+        assert!(Instant::now() < deadline, "the ranks did not start stepping within 120 s");
+        assert!(r0.try_wait().unwrap().is_none() && r1.try_wait().unwrap().is_none(), "a rank exited early");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let hit = Instant::now();
+    let st = Command::new("kill").args([&format!("-{signal}"), &r1.id().to_string()]).status().unwrap();
+    assert!(st.success(), "kill -{signal}");
+    let out0 = dir.path().join("fault-rank0.txt");
+    while !std::fs::read_to_string(&out0).is_ok_and(|o| o.starts_with("error")) {
+        assert!(hit.elapsed() < Duration::from_secs(60), "rank 0 still steps 60 s after rank 1 got SIG{signal}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let after = hit.elapsed().as_secs_f64();
+    let msg = std::fs::read_to_string(&out0).unwrap();
+    eprintln!("SIG{signal}: rank 0's step failed {after:.2} s after the signal: {}", msg.trim());
+    assert!(msg.contains("expert-parallel group is down"), "rank 0's error: {msg}");
+    // Restart all ranks: rank 1 anew, rank 0 (already rejoining) with it.
+    drop(r1.kill());
+    drop(r1.wait());
+    let r1 = spawn_rank(dir.path(), 1, "rejoin", &env(1));
+    wait_all(dir.path(), &mut [("fault-rank0".into(), r0), ("rejoin-rank1".into(), r1)], 180);
+    assert!(std::fs::read_to_string(&out0).unwrap().contains("recovered"), "rank 0 did not step in the new group");
+    assert!(std::fs::read_to_string(dir.path().join("rejoin-rank1.txt")).unwrap().contains("recovered"));
+}
+
+/// A group of one rank runs every step of expert parallelism (record, exchange with itself, gather, the
+/// down projection into the combine rows, the combine) in one process: the same bits as without it.
+#[test]
+fn a_group_of_one_gives_the_plain_backends_logits_bit_for_bit() {
+    if std::env::var(RANK).is_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    checkpoint(dir.path());
+    let ckpt = engine::checkpoint::Checkpoint::open(dir.path()).unwrap();
+    let cache = std::env::temp_dir().join("tandem-test-kernels");
+    let one = match CudaBackend::load(&ckpt, Precision::Fp8, 0, &cache) {
+        Ok(b) => b,
+        Err(e) if !engine::cuda::gpu_required() && e.to_string().contains("no usable GPU") => {
+            eprintln!("skipped: {e}; TANDEM_REQUIRE_GPU=1 makes this a failure");
+            return;
+        }
+        Err(e) => panic!("the CUDA backend did not load: {e}"),
+    };
+    let seed = 7;
+    let want = encode(&run(Arc::new(one), &[0, 1, 2, 3], seed));
+    let ep = EpConfig::parse(&format!("0/1@127.0.0.1:{}", free_port())).unwrap();
+    let grouped = CudaBackend::load_ep(&ckpt, Precision::Fp8, 0, &cache, &ep).unwrap();
+    assert!(grouped.ep_group().is_some());
+    assert!(encode(&run(Arc::new(grouped), &[0, 1, 2, 3], seed)) == want, "EP-1 differs from the plain backend");
+}
+
+#[test]
+fn a_stopped_rank_ends_the_others_steps_and_the_group_is_formed_again() {
+    if std::env::var(RANK).is_ok() || !two_gpus_or_skip() {
+        return;
+    }
+    fault_case("STOP");
+}
+
+#[test]
+fn a_killed_rank_ends_the_others_steps_and_the_group_is_formed_again() {
+    if std::env::var(RANK).is_ok() || !two_gpus_or_skip() {
+        return;
+    }
+    fault_case("KILL");
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[test]
+fn two_expert_parallel_ranks_give_one_gpus_logits_bit_for_bit() {
+    if let Ok(r) = std::env::var(RANK) {
+        return rank_main(r.parse().unwrap());
+    }
+    if !two_gpus_or_skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    checkpoint(dir.path());
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    eprintln!("prompt seed {seed}");
+    let port = free_port();
+    let env = |r: usize| {
+        vec![("TANDEM_EP_TEST_SPEC", format!("{r}/2@127.0.0.1:{port}")), ("TANDEM_EP_TEST_SEED", seed.to_string())]
+    };
+    let mut kids: Vec<(String, std::process::Child)> =
+        (0..2).map(|r| (format!("equal-rank{r}"), spawn_rank(dir.path(), r, "equal", &env(r)))).collect();
+    wait_all(dir.path(), &mut kids, 300);
+    let outs: Vec<PathBuf> = (0..2).map(|r| dir.path().join(format!("equal-rank{r}.txt"))).collect();
+    // One GPU, every request, every expert.
+    let ckpt = engine::checkpoint::Checkpoint::open(dir.path()).unwrap();
+    let cache = std::env::temp_dir().join("tandem-test-kernels");
+    let one = CudaBackend::load(&ckpt, Precision::Fp8, 0, &cache).unwrap();
+    let want = encode(&run(Arc::new(one), &[0, 1, 2, 3], seed));
+    let mut got: Vec<String> = outs
+        .iter()
+        .flat_map(|o| std::fs::read_to_string(o).unwrap().lines().map(str::to_string).collect::<Vec<_>>())
+        .collect();
+    got.sort_by_key(|l| l.split(' ').next().unwrap().parse::<usize>().unwrap());
+    let want: Vec<&str> = want.lines().collect();
+    assert_eq!(got.len(), want.len(), "requests traced");
+    for (g, w) in got.iter().zip(&want) {
+        let req = w.split(' ').next().unwrap();
+        let (gr, wr): (Vec<&str>, Vec<&str>) = (g.split(',').collect(), w.split(',').collect());
+        assert_eq!(gr.len(), wr.len(), "request {req}: rows");
+        for (n, (a, b)) in gr.iter().zip(&wr).enumerate() {
+            assert!(
+                a == b,
+                "request {req}, row {n} (0: prefill, then decode and MTP rows by turns): EP-2 differs from one GPU"
+            );
+        }
+    }
+}
