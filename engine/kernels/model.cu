@@ -145,49 +145,68 @@ extern "C" __global__ void tandem_gather_rows(const float* __restrict__ x, const
 // [rows, kpad] (zero past k) and scales [rows, kpad / 128], or with `scale_ld` > 0 transposed,
 // [kpad / 128, scale_ld] (the FP8 GEMM's layout, engine::cuda::gemm). Row r quantizes x's row
 // row_src[r] where a row map is given (the routed experts' grouped rows, engine::cuda::moe), else row r.
-// One warp per (row, group), blockDim / 32 groups per CTA; rows past the grid's y extent are taken in further
+// One warp per (row, group), blockDim / 32 groups per CTA, ACT_ROWS rows per pass (their loads issued before
+// any row's reduction, so a warp keeps several in flight); rows past the grid's y extent are taken in further
 // passes. Where k is a multiple of 4, lane l takes channels 4l..4l+3 of its group (one 16-byte load, one
-// 4-byte store), else l, l + 32, ...: the same codes and scales either way (the amax is order-free).
+// 4-byte store), else l, l + 32, ...: the same codes and scales either way (the amax is order-free), and a
+// row's codes do not depend on the rows beside it.
+#ifndef ACT_ROWS
+#define ACT_ROWS 4
+#endif
 extern "C" __global__ void tandem_act_quant(const float* __restrict__ x, int k, int kpad, int ue8m0,
                                             u8* __restrict__ codes, float* __restrict__ scales, int scale_ld,
                                             int rows, const int* __restrict__ row_src) {
     const int lane = threadIdx.x & 31, g = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (g * ACT_GROUP >= kpad) return;  // a warp past the last group (whole warps: no barrier below)
     const bool vec = (k & 3) == 0;
-    for (int r = blockIdx.y; r < rows; r += gridDim.y) {
-        const float* xr = x + (i64)(row_src != nullptr ? row_src[r] : r) * k;
-        u8* out = codes + (i64)r * kpad + g * ACT_GROUP;
-        float v[4];
-        if (vec) {
-            const int c = g * ACT_GROUP + 4 * lane;
-            const float4 q = c < k ? *(const float4*)(xr + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
-        } else {
+    for (int r0 = blockIdx.y * ACT_ROWS; r0 < rows; r0 += gridDim.y * ACT_ROWS) {
+        float v[ACT_ROWS][4];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int c = g * ACT_GROUP + j * 32 + lane;
-                v[j] = c < k ? xr[c] : 0.0f;
+        for (int i = 0; i < ACT_ROWS; ++i) {
+            const int r = r0 + i;
+            if (r >= rows) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) v[i][j] = 0.0f;
+                continue;
+            }
+            const float* xr = x + (i64)(row_src != nullptr ? row_src[r] : r) * k;
+            if (vec) {
+                const int c = g * ACT_GROUP + 4 * lane;
+                const float4 q = c < k ? *(const float4*)(xr + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                v[i][0] = q.x, v[i][1] = q.y, v[i][2] = q.z, v[i][3] = q.w;
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int c = g * ACT_GROUP + j * 32 + lane;
+                    v[i][j] = c < k ? xr[c] : 0.0f;
+                }
             }
         }
-        float amax = 0.0f;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fabsf(v[j]));
-        amax = tandem_warp_amax(amax);
-        const float s = tandem_group_scale(amax, ue8m0);
-        if (vec) {
-            // Channels past k hold zeros, whose code is 0.
-            u32 word = 0;
+        for (int i = 0; i < ACT_ROWS; ++i) {
+            const int r = r0 + i;
+            if (r >= rows) break;  // uniform across the warp
+            u8* out = codes + (i64)r * kpad + g * ACT_GROUP;
+            float amax = 0.0f;
 #pragma unroll
-            for (int j = 0; j < 4; ++j) word |= (u32)tandem_quant(v[j], s, ue8m0) << (8 * j);
-            *(u32*)(out + 4 * lane) = word;
-        } else {
+            for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fabsf(v[i][j]));
+            amax = tandem_warp_amax(amax);
+            const float s = tandem_group_scale(amax, ue8m0);
+            if (vec) {
+                // Channels past k hold zeros, whose code is 0.
+                u32 word = 0;
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int c = g * ACT_GROUP + j * 32 + lane;
-                out[j * 32 + lane] = c < k ? tandem_quant(v[j], s, ue8m0) : (u8)0;
+                for (int j = 0; j < 4; ++j) word |= (u32)tandem_quant(v[i][j], s, ue8m0) << (8 * j);
+                *(u32*)(out + 4 * lane) = word;
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int c = g * ACT_GROUP + j * 32 + lane;
+                    out[j * 32 + lane] = c < k ? tandem_quant(v[i][j], s, ue8m0) : (u8)0;
+                }
             }
+            if (lane == 0) scales[scale_ld > 0 ? (i64)g * scale_ld + r : (i64)r * (kpad / ACT_GROUP) + g] = s;
         }
-        if (lane == 0) scales[scale_ld > 0 ? (i64)g * scale_ld + r : (i64)r * (kpad / ACT_GROUP) + g] = s;
     }
 }
 

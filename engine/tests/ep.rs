@@ -51,7 +51,7 @@ fn bits(b: &dyn Backend, rows: &engine::DeviceRows) -> Vec<u32> {
 }
 
 /// Runs `mine` of the requests in lockstep steps (every step a decode call and an MTP call, empty where
-/// none of `mine` is left), greedy.
+/// none of `mine` is left), greedy, then one step where every rank is idle.
 fn run(b: Arc<dyn Backend>, mine: &[usize], seed: u64) -> Trace {
     let s = Served::new(b, BLOCKS);
     let b = &*s.b;
@@ -125,6 +125,9 @@ fn run(b: Arc<dyn Backend>, mine: &[usize], seed: u64) -> Trace {
             pos[j] += 1;
         }
     }
+    // A step where every rank is idle: the agreement alone.
+    assert!(b.decode(&s.cache, &[]).unwrap().is_empty());
+    assert!(b.mtp(&s.cache, &[], AttnForm::Decode, &mut |_, _| {}).unwrap().is_empty());
     trace
 }
 

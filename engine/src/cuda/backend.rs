@@ -999,7 +999,7 @@ impl CudaBackend {
         ws.reset();
         if let Some(ep) = &self.ep {
             let rows = items.iter().map(|it| it.n).sum();
-            self.ep_cap.store(ep.agree(rows, pass)?, std::sync::atomic::Ordering::Relaxed);
+            self.ep_cap.store(ep::capacity(ep.agree(rows, pass)?), std::sync::atomic::Ordering::Relaxed);
         }
         let inp = self.inputs(&mut ws, items, form)?;
         Ok((ws, inp))
@@ -1007,13 +1007,18 @@ impl CudaBackend {
 
     /// A rank's share of `pass` without rows of its own (expert parallelism; nothing otherwise): the
     /// agreement, then every MoE layer of the pass with an empty batch, computing the other ranks' pairs on
-    /// this rank's experts.
+    /// this rank's experts; the agreement alone where every rank is idle.
     fn ep_idle(&self, pass: Pass) -> Result<(), EngineError> {
         let Some(ep) = &self.ep else { return Ok(()) };
         self.gpu.context().bind_to_thread().map_err(dev)?;
         let mut ws = self.ws.lock().unwrap_or_else(|p| p.into_inner());
         ws.reset();
-        self.ep_cap.store(ep.agree(0, pass)?, std::sync::atomic::Ordering::Relaxed);
+        let most = ep.agree(0, pass)?;
+        if most == 0 {
+            // Every rank is idle: no rank has a pair to exchange, so the pass is the agreement alone.
+            return self.ep_step_issued();
+        }
+        self.ep_cap.store(ep::capacity(most), std::sync::atomic::Ordering::Relaxed);
         let layers: Vec<&DLayer> = match pass {
             Pass::Main => self.w.layers.iter().map(|l| &**l).collect(),
             Pass::Mtp => self.w.mtp.iter().map(|m| &m.layer).collect(),

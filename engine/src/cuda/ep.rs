@@ -404,8 +404,8 @@ impl EpGroup {
         self.shared.broken.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// The call's capacity: the most rows any rank brings to this `pass` (rounded up to 4, the FP8 scales'
-    /// row alignment). One all-reduce, then a wait for it: the one host-side agreement of a forward call.
+    /// The most rows any rank brings to this `pass` (0: every rank is idle); [`capacity`] turns it into the
+    /// call's capacity. One all-reduce, then a wait for it: the one host-side agreement of a forward call.
     /// Ranks in different passes are an error on every rank.
     pub fn agree(&self, rows: usize, pass: Pass) -> Result<usize, CudaError> {
         self.usable()?;
@@ -447,7 +447,12 @@ impl EpGroup {
             self.shared.abort(&e.to_string());
             return Err(e);
         }
-        Ok((got[0].max(1) as usize).next_multiple_of(4))
+        if got[0] < 0 {
+            let e = CudaError::Driver(format!("expert-parallel agreement returned {} rows", got[0]));
+            self.shared.abort(&e.to_string());
+            return Err(e);
+        }
+        Ok(got[0] as usize)
     }
 
     /// Every rank's `bytes` at `send` into `recv` (`world * bytes`, rank order).
@@ -530,6 +535,12 @@ impl Drop for EpGroup {
         }
         c.0 = std::ptr::null_mut();
     }
+}
+
+/// A call's capacity from the agreed most rows of any rank: rounded up to 4 (the FP8 scales' row
+/// alignment), at least 4.
+pub fn capacity(max_rows: usize) -> usize {
+    max_rows.max(1).next_multiple_of(4)
 }
 
 /// Byte layout of one dispatch record of `cap` rows.

@@ -421,6 +421,9 @@ pub(super) fn act_quant(
     Ok((qa, sa))
 }
 
+/// Rows one `tandem_act_quant` warp takes per pass (`ACT_ROWS` in model.cu).
+const ACT_ROWS: usize = 4;
+
 /// [`act_quant`] into given buffers: codes `qa [rows, kpad]`, scales `sa` (`[kpad / 128, scale_ld]`, or
 /// `[rows, kpad / 128]` with `scale_ld` 0).
 #[allow(clippy::too_many_arguments)]
@@ -444,11 +447,11 @@ pub(super) fn act_quant_into(
     if scale_ld > 0 && scale_ld < rows {
         return Err(CudaError::Shape(format!("{rows} rows of scales in rows of {scale_ld}")));
     }
-    // Four groups (warps) per CTA.
+    // Four groups (warps) per CTA, ACT_ROWS rows a pass.
     launch(
         gpu,
         "tandem_act_quant",
-        (groups.div_ceil(4) as u32, rows.min(65535) as u32, 1),
+        (groups.div_ceil(4) as u32, rows.div_ceil(ACT_ROWS).min(65535) as u32, 1),
         128,
         0,
         &[
