@@ -146,15 +146,31 @@ fn encode(t: &Trace) -> String {
         .join("\n")
 }
 
+/// Writes `body` to `path` whole (a temporary file renamed), so a parent polling it never reads half.
+fn write_whole(path: &str, body: &str) {
+    let tmp = format!("{path}.tmp");
+    std::fs::write(&tmp, body).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// The multi-process tests take both GPUs: one at a time, whatever the test harness's threads.
+fn gpus_lock() -> std::sync::MutexGuard<'static, ()> {
+    static L: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    L.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn var(k: &str) -> String {
     std::env::var(k).unwrap_or_else(|_| panic!("{k} is not set"))
 }
 
-/// This rank's backend in the group `spec` (`TANDEM_EP_TEST_SPEC` or another), with a short step bound.
+/// This rank's backend in the group `spec` (`TANDEM_EP_TEST_SPEC` or another); the fault tests bound a step
+/// to 3 s.
 fn rank_backend(rank: usize, spec: &str) -> Result<CudaBackend, engine::EngineError> {
     let ckpt = engine::checkpoint::Checkpoint::open(Path::new(&var("TANDEM_EP_TEST_CKPT"))).unwrap();
     let mut ep = EpConfig::parse(spec).unwrap();
-    ep.step_timeout = Duration::from_secs(3);
+    if var("TANDEM_EP_TEST_MODE") != "equal" {
+        ep.step_timeout = Duration::from_secs(3);
+    }
     let cache = std::env::temp_dir().join("tandem-test-kernels");
     CudaBackend::load_ep(&ckpt, Precision::Fp8, rank, &cache, &ep)
 }
@@ -183,7 +199,7 @@ fn rank_main(rank: usize) {
             let seed: u64 = var("TANDEM_EP_TEST_SEED").parse().unwrap();
             let mine: Vec<usize> = (0..REQUESTS.len()).filter(|i| i % 2 == rank).collect();
             let t = run(Arc::new(b), &mine, seed);
-            std::fs::write(out, encode(&t)).unwrap();
+            write_whole(&out, &encode(&t));
         }
         "fault" => {
             let s = Served::new(Arc::new(rank_backend(rank, &var("TANDEM_EP_TEST_SPEC")).unwrap()), BLOCKS);
@@ -202,7 +218,7 @@ fn rank_main(rank: usize) {
                 }
             };
             let waited = last.elapsed().as_secs_f64();
-            std::fs::write(&out, format!("error after {n} steps, {waited:.2} s after the last: {err}\n")).unwrap();
+            write_whole(&out, &format!("error after {n} steps, {waited:.2} s after the last: {err}\n"));
             drop(s);
             rejoin(rank, &out);
         }
@@ -217,7 +233,7 @@ fn rejoin(rank: usize, out: &str) {
     one_step(&s).unwrap();
     let mut o = std::fs::read_to_string(out).unwrap_or_default();
     o.push_str("recovered\n");
-    std::fs::write(out, o).unwrap();
+    write_whole(out, &o);
 }
 
 /// Rank `r` of a test in `dir` as a child process.
@@ -277,6 +293,7 @@ fn two_gpus_or_skip() -> bool {
 /// Rank 1 stopped (`STOP`) or killed (`KILL`) mid-run: rank 0's step fails within seconds (its watchdog
 /// aborts the communicator), and the two form a new group (rank 1 restarted) that steps again.
 fn fault_case(signal: &str) {
+    let _gpus = gpus_lock();
     let dir = tempfile::tempdir().unwrap();
     checkpoint(dir.path());
     let spec = |r: usize, port: u16| format!("{r}/2@127.0.0.1:{port}");
@@ -319,6 +336,7 @@ fn a_group_of_one_gives_the_plain_backends_logits_bit_for_bit() {
     if std::env::var(RANK).is_ok() {
         return;
     }
+    let _gpus = gpus_lock();
     let dir = tempfile::tempdir().unwrap();
     checkpoint(dir.path());
     let ckpt = engine::checkpoint::Checkpoint::open(dir.path()).unwrap();
@@ -367,6 +385,7 @@ fn two_expert_parallel_ranks_give_one_gpus_logits_bit_for_bit() {
     if !two_gpus_or_skip() {
         return;
     }
+    let _gpus = gpus_lock();
     let dir = tempfile::tempdir().unwrap();
     checkpoint(dir.path());
     let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;

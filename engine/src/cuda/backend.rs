@@ -184,6 +184,22 @@ impl CudaBackend {
         let rope = Rope::new(&cfg);
         let inv_freq = DBuf::upload(&stream, rope.inv_freq())?;
         stream.synchronize().map_err(dev)?;
+        if ep.is_some() {
+            // The exchange moves FP8 rows of 128-channel groups and bf16 rows 16 bytes at a time, into the
+            // grouped experts.
+            let moe_layers = w.layers.iter().map(|l| &**l).chain(w.mtp.iter().map(|m| &m.layer));
+            for l in moe_layers {
+                if let DFfn::Moe(m) = &l.ffn
+                    && (!moe::supported(&m.experts) || !cfg.hidden_size.is_multiple_of(8))
+                {
+                    return Err(EngineError::Unsupported(format!(
+                        "expert parallelism needs FP8 experts with 128 x 128 blocks and a hidden size that is a \
+                         multiple of 8 (hidden {})",
+                        cfg.hidden_size
+                    )));
+                }
+            }
+        }
         // A group of one runs the exchange with itself (the kernels' single-GPU check).
         let ep = ep.map(|e| EpGroup::connect(&gpu, e)).transpose()?;
         if let Some(e) = &ep {
@@ -969,20 +985,23 @@ impl CudaBackend {
                 return other.map(|_| Vec::new());
             }
         };
-        let (mut ws, inp) = self.begin(&items, form, Pass::Main)?;
-        let tokens: Vec<i32> = batch.iter().flat_map(|b| b.tokens.iter().map(|&t| t as i32)).collect();
-        let h = self.embed(&mut ws, &self.w.embed, &tokens, None)?;
-        // A layer's intermediates are dead once its last kernel is issued (the residual stream `h` and the
-        // inputs were taken before): every layer reuses the same workspace bytes, so a call holds one layer's
-        // (`activation_bytes`), not 61.
-        let mark = ws.mark();
-        for (l, layer) in self.w.layers.iter().enumerate() {
-            self.layer(&mut ws, &inp, layer, LayerIdx(l as u32), g, pool, form, h, on_layer)?;
-            ws.rewind(mark);
-        }
-        let out = self.finish(&mut ws, &items, h, &self.w.norm, &self.w.lm_head)?;
-        self.ep_step_issued()?;
-        Ok(out)
+        let mut run = || -> Result<Vec<SeqOutput>, EngineError> {
+            let (mut ws, inp) = self.begin(&items, form, Pass::Main)?;
+            let tokens: Vec<i32> = batch.iter().flat_map(|b| b.tokens.iter().map(|&t| t as i32)).collect();
+            let h = self.embed(&mut ws, &self.w.embed, &tokens, None)?;
+            // A layer's intermediates are dead once its last kernel is issued (the residual stream `h` and the
+            // inputs were taken before): every layer reuses the same workspace bytes, so a call holds one
+            // layer's (`activation_bytes`), not 61.
+            let mark = ws.mark();
+            for (l, layer) in self.w.layers.iter().enumerate() {
+                self.layer(&mut ws, &inp, layer, LayerIdx(l as u32), g, pool, form, h, on_layer)?;
+                ws.rewind(mark);
+            }
+            let out = self.finish(&mut ws, &items, h, &self.w.norm, &self.w.lm_head)?;
+            self.ep_step_issued()?;
+            Ok(out)
+        };
+        self.ep_fail_fast(run())
     }
 
     /// Starts a call over `items` (not empty): the context bound to this thread, the workspace reset, the
@@ -1024,11 +1043,14 @@ impl CudaBackend {
             Pass::Mtp => self.w.mtp.iter().map(|m| &m.layer).collect(),
         };
         let mark = ws.mark();
-        for l in layers.into_iter().filter(|l| matches!(l.ffn, DFfn::Moe(_))) {
-            self.ffn(&mut ws, &l.ffn, 0, 0, 0)?;
-            ws.rewind(mark);
-        }
-        self.ep_step_issued()
+        let run = || -> Result<(), EngineError> {
+            for l in layers.into_iter().filter(|l| matches!(l.ffn, DFfn::Moe(_))) {
+                self.ffn(&mut ws, &l.ffn, 0, 0, 0)?;
+                ws.rewind(mark);
+            }
+            self.ep_step_issued()
+        };
+        self.ep_fail_fast(run())
     }
 
     /// Under expert parallelism, the end of a call's work on the stream for the watchdog.
@@ -1037,6 +1059,26 @@ impl CudaBackend {
             ep.step_issued()?;
         }
         Ok(())
+    }
+
+    /// Under expert parallelism, a call that failed after its agreement leaves the other ranks waiting in
+    /// its collectives: the group is aborted at once (every rank's calls fail from then on).
+    fn ep_fail_fast<T>(&self, r: Result<T, EngineError>) -> Result<T, EngineError> {
+        if let (Err(e), Some(ep)) = (&r, &self.ep) {
+            ep.abort(&format!("a step failed on this rank after the ranks agreed on it: {e}"));
+        }
+        r
+    }
+
+    /// Results read back (logits, samples) after the group was aborted may come from collectives that never
+    /// delivered their data: an error instead (expert parallelism; nothing otherwise).
+    fn ep_outputs_valid(&self) -> Result<(), EngineError> {
+        match self.ep.as_ref().and_then(EpGroup::is_down) {
+            Some(why) => Err(EngineError::Device(format!(
+                "the expert-parallel group is down, so this step's outputs are lost: {why}"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// This rank's expert-parallel group, if it is one.
@@ -1150,7 +1192,9 @@ impl Backend for CudaBackend {
     ) -> Result<Sampled, EngineError> {
         let view = self.logits_row(logits, row)?;
         self.gpu.context().bind_to_thread().map_err(dev)?;
-        Ok(super::sample::sample_row(&self.gpu, &view, params, history, eos)?)
+        let out = super::sample::sample_row(&self.gpu, &view, params, history, eos)?;
+        self.ep_outputs_valid()?;
+        Ok(out)
     }
 
     fn sample_rows(&self, reqs: &[SampleRequest<'_>], eos: &[u32]) -> Result<Vec<Sampled>, EngineError> {
@@ -1165,13 +1209,17 @@ impl Backend for CudaBackend {
             });
         }
         self.gpu.context().bind_to_thread().map_err(dev)?;
-        Ok(super::sample::sample_rows(&self.gpu, &rows, eos)?)
+        let out = super::sample::sample_rows(&self.gpu, &rows, eos)?;
+        self.ep_outputs_valid()?;
+        Ok(out)
     }
 
     fn draft(&self, logits: &DeviceRows, row: usize) -> Result<(u32, f32), EngineError> {
         let view = self.logits_row(logits, row)?;
         self.gpu.context().bind_to_thread().map_err(dev)?;
-        Ok(super::sample::draft_row(&self.gpu, &view)?)
+        let out = super::sample::draft_row(&self.gpu, &view)?;
+        self.ep_outputs_valid()?;
+        Ok(out)
     }
 
     fn draft_rows(&self, rows: &[(&DeviceRows, usize)]) -> Result<Vec<(u32, f32)>, EngineError> {
@@ -1186,7 +1234,9 @@ impl Backend for CudaBackend {
             ptrs.push(view.device_ptr(self.stream()).0);
         }
         self.gpu.context().bind_to_thread().map_err(dev)?;
-        Ok(super::sample::draft_rows(&self.gpu, &ptrs, n)?)
+        let out = super::sample::draft_rows(&self.gpu, &ptrs, n)?;
+        self.ep_outputs_valid()?;
+        Ok(out)
     }
 
     fn rows_to_host(&self, rows: &DeviceRows) -> Result<Vec<f32>, EngineError> {
@@ -1198,6 +1248,7 @@ impl Backend for CudaBackend {
             s.memcpy_dtoh(&g.buf.slice().slice(g.offset..g.offset + n), &mut out).map_err(dev)?;
             s.synchronize().map_err(dev)?;
         }
+        self.ep_outputs_valid()?;
         Ok(out)
     }
 
@@ -1243,36 +1294,39 @@ impl Backend for CudaBackend {
             }
         };
         let row0: usize = items.iter().map(|it| it.n).sum();
-        let (mut ws, inp) = self.begin(&items, form, Pass::Mtp)?;
-        let s = self.stream().clone();
-        let tokens: Vec<i32> = batch.iter().flat_map(|m| m.next_tokens.iter().map(|&t| t as i32)).collect();
-        // The MTP input embedding at position 0 is zeroed (docs/model.md §2.5).
-        let zero: Vec<i32> =
-            items.iter().flat_map(|it| (0..it.n).map(move |i| (it.start == 0 && i == 0) as i32)).collect();
-        let table = mtp.embed.as_ref().unwrap_or(&self.w.embed);
-        let emb = self.embed(&mut ws, table, &tokens, Some(&zero))?;
-        // [enorm(emb) | hnorm(hidden)] per row.
-        let cat = ws.take::<f32>(&s, row0 * 2 * hidden)?;
-        self.rms_norm(emb, hidden, &mtp.enorm, cat, 2 * hidden, row0)?;
-        for (m, it) in batch.iter().zip(&items) {
-            let rows = self.rows_of(m.hidden)?;
-            self.rms_norm(
-                rows.addr(0, hidden),
-                hidden,
-                &mtp.hnorm,
-                cat + ((it.row0 * 2 + 1) * hidden * 4) as u64,
-                2 * hidden,
-                it.n,
-            )?;
-        }
-        let h = ws.take::<f32>(&s, row0 * hidden)?;
-        mtp.eh_proj.forward(&self.gpu, &mut ws, cat, row0, 1, 0, h)?;
-        let li = LayerIdx(self.cfg.num_hidden_layers as u32);
-        self.layer(&mut ws, &inp, &mtp.layer, li, g, pool, form, h, on_layer)?;
-        let head = mtp.head.as_ref().unwrap_or(&self.w.lm_head);
-        let out = self.finish(&mut ws, &items, h, &mtp.head_norm, head)?;
-        self.ep_step_issued()?;
-        Ok(out)
+        let mut run = || -> Result<Vec<SeqOutput>, EngineError> {
+            let (mut ws, inp) = self.begin(&items, form, Pass::Mtp)?;
+            let s = self.stream().clone();
+            let tokens: Vec<i32> = batch.iter().flat_map(|m| m.next_tokens.iter().map(|&t| t as i32)).collect();
+            // The MTP input embedding at position 0 is zeroed (docs/model.md §2.5).
+            let zero: Vec<i32> =
+                items.iter().flat_map(|it| (0..it.n).map(move |i| (it.start == 0 && i == 0) as i32)).collect();
+            let table = mtp.embed.as_ref().unwrap_or(&self.w.embed);
+            let emb = self.embed(&mut ws, table, &tokens, Some(&zero))?;
+            // [enorm(emb) | hnorm(hidden)] per row.
+            let cat = ws.take::<f32>(&s, row0 * 2 * hidden)?;
+            self.rms_norm(emb, hidden, &mtp.enorm, cat, 2 * hidden, row0)?;
+            for (m, it) in batch.iter().zip(&items) {
+                let rows = self.rows_of(m.hidden)?;
+                self.rms_norm(
+                    rows.addr(0, hidden),
+                    hidden,
+                    &mtp.hnorm,
+                    cat + ((it.row0 * 2 + 1) * hidden * 4) as u64,
+                    2 * hidden,
+                    it.n,
+                )?;
+            }
+            let h = ws.take::<f32>(&s, row0 * hidden)?;
+            mtp.eh_proj.forward(&self.gpu, &mut ws, cat, row0, 1, 0, h)?;
+            let li = LayerIdx(self.cfg.num_hidden_layers as u32);
+            self.layer(&mut ws, &inp, &mtp.layer, li, g, pool, form, h, on_layer)?;
+            let head = mtp.head.as_ref().unwrap_or(&self.w.lm_head);
+            let out = self.finish(&mut ws, &items, h, &mtp.head_norm, head)?;
+            self.ep_step_issued()?;
+            Ok(out)
+        };
+        self.ep_fail_fast(run())
     }
 }
 
@@ -1315,17 +1369,24 @@ impl CudaBackend {
         // The grouped experts' indices and quantized activations (engine::cuda::moe). Under expert
         // parallelism a rank groups every rank's pairs (at the agreed capacity) and holds the dispatch and
         // combine buffers (engine::cuda::ep).
-        let world = self.ep.as_ref().map_or(1, |e| e.shard().world);
-        let pairs = world * l.max_num_batched_tokens * c.num_experts_per_tok;
+        let (k, inter) = (c.num_experts_per_tok, c.moe_intermediate_size);
         let grouped = if c.n_routed_experts > 0 && moe::enabled() {
-            let kpad = c.hidden_size.next_multiple_of(128);
-            let ep = ep::workspace_bytes(world, l.max_num_batched_tokens, c.num_experts_per_tok, kpad, c.hidden_size);
-            let wider = (world - 1) * l.max_num_batched_tokens * c.num_experts_per_tok * 2 * c.moe_intermediate_size;
-            (moe::workspace_bytes(pairs, c.n_routed_experts, c.hidden_size, c.moe_intermediate_size)
-                + if world > 1 { ep + 4 * wider } else { 0 }) as u64
+            let grouping = |pairs: usize| moe::workspace_bytes(pairs, c.n_routed_experts, c.hidden_size, inter);
+            match &self.ep {
+                None => grouping(l.max_num_batched_tokens * k),
+                Some(e) => {
+                    let (world, cap) = (e.shard().world, ep::capacity(l.max_num_batched_tokens));
+                    let kpad = c.hidden_size.next_multiple_of(128);
+                    // The per-row terms above count gate and up for this rank's own pairs only.
+                    let more_pairs = (world * cap - l.max_num_batched_tokens) * k;
+                    grouping(world * cap * k)
+                        + ep::workspace_bytes(world, cap, k, kpad, c.hidden_size)
+                        + 4 * 2 * more_pairs * inter
+                }
+            }
         } else {
             0
-        };
+        } as u64;
         4 * (rows * per_row + scores + mha + logits) + grouped + CONTEXT_RESERVE
     }
 }

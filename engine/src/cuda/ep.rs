@@ -8,7 +8,8 @@
 //!    `[cap][kpad]`, scales `[kpad / 128][cap]`, expert ids `[cap][k]` (rows past its own: id -1). Every
 //!    rank gathers every record (point-to-point sends of the one record to every rank): with NCCL the sizes are fixed on the host, and a record
 //!    of `cap` rows is what a rank must be able to send any one peer, so gathering whole records costs no
-//!    more bytes than a fixed-capacity all-to-all and needs no counts on the host (a CUDA graph can hold it).
+//!    more bytes than a fixed-capacity all-to-all and needs no counts on the host (a CUDA graph captured per
+//!    capacity bucket could hold it; the capacity itself is agreed on the host once per call).
 //! 2. **Experts.** Each rank groups the gathered pairs that route to its experts (engine::cuda::moe), copies
 //!    their codes into the grouped layout and runs the same grouped FP8 GEMMs as one GPU, into bf16 rows.
 //! 3. **Combine.** Pair outputs go back unsummed, bf16, each to its token's rank (`ncclSend`/`ncclRecv` of
@@ -282,7 +283,15 @@ pub struct EpGroup {
     agree_buf: DBuf<i32>,
     stop: Arc<std::sync::atomic::AtomicBool>,
     watchdog: Option<std::thread::JoinHandle<()>>,
+    /// Events recorded after the latest MoE layers' exchanges: the host issues at most [`PACE_LAYERS`] ahead
+    /// of the GPU, so a hung collective never fills CUDA's launch queue and blocks an enqueue (which would
+    /// hold the communicator's read lock against the watchdog's abort).
+    paced: Mutex<std::collections::VecDeque<cudarc::driver::CudaEvent>>,
 }
+
+/// MoE layers the host may run ahead of the GPU under expert parallelism (a DeepSeek-V3.2 layer is about 40
+/// launches; CUDA's pending-launch queue holds about a thousand).
+pub const PACE_LAYERS: usize = 2;
 
 fn check(what: &str, r: nccl::ncclResult_t) -> Result<(), CudaError> {
     if r == nccl::ncclResult_t::ncclSuccess {
@@ -339,7 +348,15 @@ impl EpGroup {
                 })
                 .map_err(|e| CudaError::Driver(format!("starting the expert-parallel watchdog: {e}")))?
         };
-        let g = EpGroup { shared, shard: cfg.shard(), stream, agree_buf, stop, watchdog: Some(watchdog) };
+        let g = EpGroup {
+            shared,
+            shard: cfg.shard(),
+            stream,
+            agree_buf,
+            stop,
+            watchdog: Some(watchdog),
+            paced: Mutex::new(std::collections::VecDeque::new()),
+        };
         // Every collective once, so the point-to-point connections exist before the first step (a first
         // connection waits for the peer, which the watchdog could not interrupt).
         g.agree(0, Pass::Main)?;
@@ -380,6 +397,27 @@ impl EpGroup {
 
     pub fn shard(&self) -> Shard {
         self.shard
+    }
+
+    /// Waits (spinning, checking the group) until the GPU is at most [`PACE_LAYERS`] MoE layers behind.
+    pub fn pace(&self) -> Result<(), CudaError> {
+        let mut q = self.paced.lock().unwrap_or_else(|p| p.into_inner());
+        while q.len() >= PACE_LAYERS {
+            while !q.front().is_some_and(cudarc::driver::CudaEvent::is_complete) {
+                self.usable()?;
+                std::thread::yield_now();
+            }
+            q.pop_front();
+        }
+        Ok(())
+    }
+
+    /// Marks the end of a MoE layer's exchange on the stream (for [`pace`](Self::pace)).
+    pub fn layer_issued(&self) -> Result<(), CudaError> {
+        let ev = self.stream.context().new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
+        ev.record(&self.stream)?;
+        self.paced.lock().unwrap_or_else(|p| p.into_inner()).push_back(ev);
+        Ok(())
     }
 
     fn cu_stream(&self) -> nccl::cudaStream_t {
@@ -625,8 +663,8 @@ pub fn dispatch(
             Arg::P(at),
         ],
     )?;
-    // Point-to-point sends of the one record to every rank: measured at the same speed as a plain all-to-all
-    // of those bytes, where ncclAllGather ran at 0.87-0.91x on two H200s (bench/RESULTS.md).
+    // Point-to-point sends of the one record to every rank: measured at the speed of a plain all-to-all of
+    // those bytes, where ncclAllGather ran at 0.76-0.94x of it on two H200s (bench/RESULTS.md).
     gpu.profiler().time(s, "nccl_ep_dispatch", || ep.gather_p2p(send, recv, rec.bytes))?;
     Ok(Dispatched { rec, recv, at })
 }
@@ -690,6 +728,7 @@ pub fn moe_forward(
     if inp != hidden {
         return Err(CudaError::Shape(format!("ep: the experts take {inp} channels, the model has {hidden}")));
     }
+    ep.pace()?;
     let d = dispatch(gpu, ws, ep, cfg, (kpad, ue8m0), x, rows, cap, ids)?;
 
     // Step 2: this rank's experts over every rank's pairs.
@@ -738,7 +777,8 @@ pub fn moe_forward(
     )?;
     let back = combine_buffer(gpu, ws, cfg, &d, world)?;
     moe::forward_quantized(gpu, ws, &m.experts, qa, sa, ld, &g, back, g.pair_of_row)?;
-    combine(gpu, ws, ep, cfg, &d, back, rows, weights, shared, y)
+    combine(gpu, ws, ep, cfg, &d, back, rows, weights, shared, y)?;
+    ep.layer_issued()
 }
 
 /// Seconds per call of the exchange alone at capacity `cap` (every rank full: `cap` rows each), next to

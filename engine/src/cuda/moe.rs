@@ -30,11 +30,12 @@ pub fn tile_slots(pairs: usize, experts: usize) -> usize {
 }
 
 /// Workspace bytes of [`group`] and [`forward`] beyond the f32 buffers the per-pair path also needs: the
-/// grouping's indices and the two quantized activations with their scales.
+/// grouping's indices (slot of pair, source row, pair of row, cursors, tiles) and the two quantized
+/// activations with their scales.
 pub fn workspace_bytes(pairs: usize, experts: usize, hidden: usize, inter: usize) -> usize {
     let pad = |k: usize| k.div_ceil(gemm::BK) * gemm::BK;
     let ld = gemm::scale_ld(pairs);
-    4 * (experts + 2 * pairs + 3 * tile_slots(pairs, experts))
+    4 * (experts + 3 * pairs + 3 * tile_slots(pairs, experts))
         + pairs * (pad(hidden) + pad(inter))
         + 4 * ld * (pad(hidden) + pad(inter)) / gemm::BK
         + 4 * 256 // the workspace's alignment slack per buffer, roughly
