@@ -491,28 +491,13 @@ impl CudaBackend {
             let pairs = ws.take::<u16>(s, rows * k * hidden)?;
             let g = moe::group(&self.gpu, ws, ids, rows * k, k, e)?;
             moe::forward(&self.gpu, ws, &m.experts, x, &g, pairs)?;
-            return moe::combine_bf16(&self.gpu, pairs, g.slot_of_pair, weights, shared, y, rows, k, hidden);
+            let pairs = moe::PairRows::Bf16 { rows: pairs, slot: g.slot_of_pair };
+            return moe::combine(&self.gpu, pairs, weights, shared, y, rows, k, hidden);
         }
         let pairs = ws.take::<f32>(s, rows * k * hidden)?;
         self.mlp(ws, &m.experts, x, rows, k, ids, pairs)?;
-        let round = matches!(m.experts.down, DLinear::Fp8 { .. });
-        launch(
-            &self.gpu,
-            "tandem_moe_combine",
-            (rows as u32, 1, 1),
-            256,
-            0,
-            &[
-                Arg::P(pairs),
-                Arg::P(weights),
-                Arg::P(shared),
-                Arg::P(y),
-                Arg::I(k as i32),
-                Arg::I(hidden as i32),
-                Arg::P(0),
-                Arg::I(round as i32),
-            ],
-        )
+        let round_bf16 = matches!(m.experts.down, DLinear::Fp8 { .. });
+        moe::combine(&self.gpu, moe::PairRows::F32 { rows: pairs, round_bf16 }, weights, shared, y, rows, k, hidden)
     }
 
     /// One decoder layer (cache layer `li`) over the batch, updating the residual stream `h` in place.

@@ -701,7 +701,7 @@ pub fn combine(
     let (world, k, hidden, cap) = (ep.shard.world, cfg.num_experts_per_tok, cfg.hidden_size, d.rec.cap);
     let home = ws.take::<u16>(s, world * cap * k * hidden)?;
     gpu.profiler().time(s, "nccl_ep_combine", || ep.all_to_all(back, home, cap * k * hidden * 2))?;
-    moe::combine_bf16(gpu, home, d.at, weights, shared, y, rows, k, hidden)
+    moe::combine(gpu, moe::PairRows::Bf16 { rows: home, slot: d.at }, weights, shared, y, rows, k, hidden)
 }
 
 /// The routed experts of a MoE layer under expert parallelism: `x [rows, hidden]` f32 this rank's rows

@@ -166,14 +166,21 @@ pub fn route(
     )
 }
 
-/// `y [rows, hidden]` f32 = each row's bf16 pair outputs `pairs` (pair p at row `slot[p]`, -1: none) times
-/// `weights [rows, k]`, added in slot order, plus `shared` (f32 `[rows, hidden]`, or 0): the combine of the
-/// grouped experts and of expert parallelism (`tandem_moe_combine_bf16`, 8 channels a thread).
+/// Where a combine finds each pair's output row.
+#[derive(Debug, Clone, Copy)]
+pub enum PairRows {
+    /// bf16 rows, pair p at row `slot[p]` (-1: none): the grouped experts and expert parallelism.
+    Bf16 { rows: u64, slot: u64 },
+    /// f32 rows, pair p at row p (the per-pair path), rounded to bf16 first with `round_bf16` (FP8 experts).
+    F32 { rows: u64, round_bf16: bool },
+}
+
+/// `y [rows, hidden]` f32 = each row's pair outputs times `weights [rows, k]`, added in slot order, plus
+/// `shared` (f32 `[rows, hidden]`, or 0). bf16 pairs: `tandem_moe_combine_bf16`, 8 channels a thread.
 #[allow(clippy::too_many_arguments)]
-pub fn combine_bf16(
+pub fn combine(
     gpu: &Gpu,
-    pairs: u64,
-    slot: u64,
+    pairs: PairRows,
     weights: u64,
     shared: u64,
     y: u64,
@@ -184,22 +191,20 @@ pub fn combine_bf16(
     if rows == 0 {
         return Ok(());
     }
-    launch(
-        gpu,
-        "tandem_moe_combine_bf16",
-        (rows as u32, hidden.div_ceil(8 * 128) as u32, 1),
-        128,
-        0,
-        &[
-            Arg::P(pairs),
-            Arg::P(weights),
-            Arg::P(shared),
-            Arg::P(y),
-            Arg::I(k as i32),
-            Arg::I(hidden as i32),
-            Arg::P(slot),
-        ],
-    )
+    let mut args = vec![Arg::P(0), Arg::P(weights), Arg::P(shared), Arg::P(y), Arg::I(k as i32), Arg::I(hidden as i32)];
+    let (name, grid, threads) = match pairs {
+        PairRows::Bf16 { rows: p, slot } => {
+            args[0] = Arg::P(p);
+            args.push(Arg::P(slot));
+            ("tandem_moe_combine_bf16", (rows as u32, hidden.div_ceil(8 * 128) as u32, 1), 128)
+        }
+        PairRows::F32 { rows: p, round_bf16 } => {
+            args[0] = Arg::P(p);
+            args.extend([Arg::P(0), Arg::I(round_bf16 as i32)]);
+            ("tandem_moe_combine", (rows as u32, 1, 1), 256)
+        }
+    };
+    launch(gpu, name, grid, threads, 0, &args)
 }
 
 /// Whether the backend runs the routed experts grouped (the default; `TANDEM_MOE_GROUPED=0` runs one FP8
