@@ -175,8 +175,15 @@ fn tcp_striped_sender_killed_mid_transfer() {
 
 /// UCX's own log lines go to stderr without truncating a file stderr is redirected to: UCX reopens a
 /// path such as `/dev/stderr` with O_TRUNC, which wiped the log of a process started as `... 2>>log`.
+/// In a process of its own, like the UCX kill tests: loading libucp (its check of the library) runs UCX's
+/// library constructors, which this binary's in-process TCP tests should not run beside (the binary died of
+/// a SIGSEGV once under a loaded CI run, with no test of ours failing).
 #[test]
 fn ucx_logs_append_to_a_redirected_stderr() {
+    isolated("ucx_logs_append_to_a_redirected_stderr", ucx_logs_append);
+}
+
+fn ucx_logs_append() {
     if !Kind::Ucx("tcp").available() {
         return;
     }
