@@ -168,8 +168,10 @@ fn var(k: &str) -> String {
 fn rank_backend(rank: usize, spec: &str) -> Result<CudaBackend, engine::EngineError> {
     let ckpt = engine::checkpoint::Checkpoint::open(Path::new(&var("TANDEM_EP_TEST_CKPT"))).unwrap();
     let mut ep = EpConfig::parse(spec).unwrap();
-    if var("TANDEM_EP_TEST_MODE") != "equal" {
-        ep.step_timeout = Duration::from_secs(3);
+    match var("TANDEM_EP_TEST_MODE").as_str() {
+        "equal" => {}
+        "init-fault" => ep.timeout = Duration::from_secs(10),
+        _ => ep.step_timeout = Duration::from_secs(3),
     }
     let cache = std::env::temp_dir().join("tandem-test-kernels");
     CudaBackend::load_ep(&ckpt, Precision::Fp8, rank, &cache, &ep)
@@ -223,6 +225,18 @@ fn rank_main(rank: usize) {
             rejoin(rank, &out);
         }
         "rejoin" => rejoin(rank, &out),
+        "init-fault" => {
+            let t0 = Instant::now();
+            let got = rank_backend(rank, &var("TANDEM_EP_TEST_SPEC"));
+            let took = t0.elapsed().as_secs_f64();
+            write_whole(
+                &out,
+                &match got {
+                    Ok(_) => format!("joined after {took:.1} s\n"),
+                    Err(e) => format!("error after {took:.1} s: {e}\n"),
+                },
+            );
+        }
         m => panic!("unknown mode {m}"),
     }
 }
@@ -355,6 +369,29 @@ fn a_group_of_one_gives_the_plain_backends_logits_bit_for_bit() {
     let grouped = CudaBackend::load_ep(&ckpt, Precision::Fp8, 0, &cache, &ep).unwrap();
     assert!(grouped.ep_group().is_some());
     assert!(encode(&run(Arc::new(grouped), &[0, 1, 2, 3], seed)) == want, "EP-1 differs from the plain backend");
+}
+
+/// Rank 1 dies between the rendezvous and NCCL's communicator set-up: rank 0's start-up fails with the
+/// reason instead of waiting forever.
+#[test]
+fn a_rank_lost_before_the_communicator_exists_fails_the_others_start_up() {
+    if std::env::var(RANK).is_ok() || !two_gpus_or_skip() {
+        return;
+    }
+    let _gpus = gpus_lock();
+    let dir = tempfile::tempdir().unwrap();
+    checkpoint(dir.path());
+    let spec = |r: usize, port: u16| ("TANDEM_EP_TEST_SPEC", format!("{r}/2@127.0.0.1:{port}"));
+    let port = free_port();
+    let mut r1 =
+        spawn_rank(dir.path(), 1, "init-fault", &[spec(1, port), (engine::cuda::ep::FAULT_EXIT_AFTER_ID, "1".into())]);
+    let r0 = spawn_rank(dir.path(), 0, "init-fault", &[spec(0, port)]);
+    wait_all(dir.path(), &mut [("init-fault-rank0".into(), r0)], 120);
+    assert_eq!(r1.wait().unwrap().code(), Some(3), "rank 1 exits as injected");
+    let out = std::fs::read_to_string(dir.path().join("init-fault-rank0.txt")).unwrap();
+    eprintln!("rank 0: {}", out.trim());
+    assert!(out.starts_with("error"), "rank 0 joined a group whose rank 1 is gone: {out}");
+    assert!(out.contains("start-up") || out.contains("ncclCommInitRank"), "{out}");
 }
 
 #[test]

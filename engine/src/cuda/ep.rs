@@ -6,12 +6,14 @@
 //! 1. **Dispatch.** r routes its own rows, quantizes each row once to FP8 (the per-128 scales a plain
 //!    grouping would compute for each of its pairs) and writes a *dispatch record* of `cap` rows: codes
 //!    `[cap][kpad]`, scales `[kpad / 128][cap]`, expert ids `[cap][k]` (rows past its own: id -1). Every
-//!    rank gathers every record (point-to-point sends of the one record to every rank): with NCCL the sizes are fixed on the host, and a record
-//!    of `cap` rows is what a rank must be able to send any one peer, so gathering whole records costs no
-//!    more bytes than a fixed-capacity all-to-all and needs no counts on the host (a CUDA graph captured per
-//!    capacity bucket could hold it; the capacity itself is agreed on the host once per call).
+//!    rank gathers every record (point-to-point sends of the one record to every rank): with NCCL the
+//!    sizes are fixed on the host, and a record of `cap` rows is what a rank must be able to send any one
+//!    peer, so gathering whole records costs no more bytes than a fixed-capacity all-to-all and needs no
+//!    counts on the host (a CUDA graph captured per capacity bucket could hold it; the capacity itself is
+//!    agreed on the host once per call).
 //! 2. **Experts.** Each rank groups the gathered pairs that route to its experts (engine::cuda::moe), copies
-//!    their codes into the grouped layout and runs the same grouped FP8 GEMMs as one GPU, into bf16 rows.
+//!    their codes into the grouped layout and runs the same grouped FP8 GEMMs as one GPU; the down
+//!    projection stores each pair's bf16 output in the pair's row of the combine buffer.
 //! 3. **Combine.** Pair outputs go back unsummed, bf16, each to its token's rank (`ncclSend`/`ncclRecv` of
 //!    `cap * k` rows per peer), and the token's rank adds its pairs in slot order with the shared expert:
 //!    the single-GPU combine over the same bf16 values, so EP-N output equals one GPU's bit for bit.
@@ -194,6 +196,38 @@ fn fetch_id(cfg: &EpConfig) -> Result<nccl::ncclUniqueId, String> {
     Ok(nccl::ncclUniqueId { internal })
 }
 
+/// Set in a rank's environment (tests only), the rank exits right after it received the NCCL id.
+pub const FAULT_EXIT_AFTER_ID: &str = "TANDEM_EP_FAULT_EXIT_AFTER_ID";
+
+/// `ncclCommInitRank` within `cfg.timeout`: it waits for every rank, and a rank that died after the
+/// rendezvous would otherwise hold this one forever. On the deadline the set-up thread is left blocked in
+/// NCCL and the rank reports the error (the recovery is restarting every rank's process).
+fn init_comm(gpu: &Gpu, cfg: &EpConfig, id: nccl::ncclUniqueId) -> Result<nccl::ncclComm_t, CudaError> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (ctx, world, rank) = (gpu.context().clone(), cfg.world as i32, cfg.rank as i32);
+    std::thread::Builder::new()
+        .name(format!("ep-init-{rank}"))
+        .spawn(move || {
+            let made = ctx.bind_to_thread().map_err(CudaError::from).and_then(|()| {
+                let mut comm = std::ptr::null_mut();
+                // SAFETY: valid out-pointer; every rank calls with the same id and world size.
+                check("ncclCommInitRank", unsafe { nccl::ncclCommInitRank(&mut comm, world, id, rank) })?;
+                Ok(CommPtr(comm))
+            });
+            // The receiver may have given up (the deadline): the communicator is then never used.
+            drop(tx.send(made));
+        })
+        .map_err(|e| CudaError::Driver(format!("starting NCCL's set-up: {e}")))?;
+    match rx.recv_timeout(cfg.timeout) {
+        Ok(made) => Ok(made?.0),
+        Err(_) => Err(CudaError::Driver(format!(
+            "expert parallelism start-up: NCCL's communicator set-up did not finish within {:?}: a rank died or \
+             hangs after the rendezvous (restart every rank)",
+            cfg.timeout
+        ))),
+    }
+}
+
 /// Which forward pass a collective belongs to: ranks must run the same one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pass {
@@ -321,10 +355,12 @@ impl EpGroup {
         } else {
             fetch_id(cfg).map_err(|e| CudaError::Driver(format!("expert parallelism start-up: {e}")))?
         };
+        if std::env::var_os(FAULT_EXIT_AFTER_ID).is_some() {
+            // Fault injection for the tests: this rank dies between the rendezvous and NCCL's set-up.
+            std::process::exit(3);
+        }
         gpu.context().bind_to_thread()?;
-        let mut comm = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; every rank calls with the same id and world size.
-        check("ncclCommInitRank", unsafe { nccl::ncclCommInitRank(&mut comm, cfg.world as i32, id, cfg.rank as i32) })?;
+        let comm = init_comm(gpu, cfg, id)?;
         let stream = gpu.stream().clone();
         let agree_buf = DBuf::zeros(&stream, 3)?;
         let shared = Arc::new(Shared {
