@@ -28,11 +28,7 @@ const RANK: &str = "TANDEM_EP_TEST_RANK";
 const REQUESTS: [(usize, usize); 4] = [(37, 7), (90, 4), (5, 7), (64, 3)];
 
 fn gpus() -> usize {
-    // SAFETY: only looks the driver library up.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return 0;
-    }
-    cudarc::driver::CudaContext::device_count().map_or(0, |n| n as usize)
+    engine::cuda::device::device_count().unwrap_or(0)
 }
 
 /// Rows of logits as bits, per request: the prefill's last row, then per step the decode row and the
