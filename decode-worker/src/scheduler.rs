@@ -4,6 +4,9 @@
 //! MTP verification, stream the tokens, and retire finished, aborted or disconnected requests, releasing
 //! their blocks. It streams domain events (`DecodeEvent`); the service wraps them for gRPC. A device
 //! failure ends every request and fails the worker ([`worker::Drain::fail`]): nothing decodes anymore.
+//! Under expert parallelism every turn joins the group's step ([`compute_loop::lockstep_turn`]); when the
+//! group fails because of another rank, the requests are preempted instead (the router continues them on
+//! another decode worker, as after any preemption), and the worker exits to be restarted with its group.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -67,6 +70,7 @@ impl Scheduler {
     ) -> std::io::Result<Arc<Scheduler>> {
         let running = Arc::new(AtomicUsize::new(0));
         let count = running.clone();
+        let model_lockstep = model.backend.expert_parallel().is_some();
         let handle = compute_loop::spawn("decode-loop", move |_events| Decode {
             model,
             metrics,
@@ -75,6 +79,7 @@ impl Scheduler {
             max_batch: max_batch.max(1),
             running: Vec::new(),
             count,
+            lockstep: model_lockstep,
             failed: None,
         })?;
         Ok(Arc::new(Scheduler { handle, running }))
@@ -103,8 +108,20 @@ struct Decode {
     max_batch: usize,
     running: Vec<Running>,
     count: Arc<AtomicUsize>,
-    /// The error every request gets once the device failed.
-    failed: Option<String>,
+    /// A rank of an expert-parallel group: every turn is one step of the group.
+    lockstep: bool,
+    /// How every request ends once the device (or the group) failed.
+    failed: Option<Ending>,
+}
+
+/// How a worker failure ends a request.
+#[derive(Clone)]
+enum Ending {
+    /// With this error (this worker's device failed).
+    Error(String),
+    /// Preempted with this reason: the request is not at fault and this device works (another rank of the
+    /// expert-parallel group failed), so the router continues it elsewhere.
+    Preempt(String),
 }
 
 impl Batcher for Decode {
@@ -128,11 +145,24 @@ impl Batcher for Decode {
     fn turn(&mut self) -> Turn {
         self.drop_disconnected();
         self.make_room();
-        if self.running.is_empty() {
-            return Turn::Wait;
+        let ran = !self.running.is_empty();
+        if ran {
+            self.step();
         }
-        self.step();
-        Turn::Busy
+        if !self.lockstep || self.failed.is_some() {
+            return if ran { Turn::Busy } else { Turn::Wait };
+        }
+        match compute_loop::lockstep_turn(self.model.backend.as_ref(), ran) {
+            Ok(turn) => turn,
+            Err(e) => {
+                self.fail_worker(&e);
+                Turn::Wait
+            }
+        }
+    }
+
+    fn idle_wait(&self) -> std::time::Duration {
+        if self.lockstep && self.failed.is_none() { compute_loop::LOCKSTEP_POLL } else { compute_loop::IDLE_WAIT }
     }
 
     fn publish(&mut self) {
@@ -147,10 +177,9 @@ impl Batcher for Decode {
 
 impl Decode {
     fn admit(&mut self, mut a: Admitted) {
-        if let Some(error) = &self.failed {
+        if let Some(ending) = self.failed.clone() {
             // Its transfer completed after the device failed.
-            let error = error.clone();
-            return self.retire(Running { a, stepped: false }, FinishReason::Error, error, "error");
+            return self.end(Running { a, stepped: false }, &ending);
         }
         if !self.speculate || !self.model.backend.has_mtp() {
             a.state.speculate = false;
@@ -230,27 +259,45 @@ impl Decode {
                         error = %e,
                         "out of cache blocks: preempting for re-prefill"
                     );
-                    let _ = r.a.events.send(event(Event::Preempted(Preempted { reason: e.to_string() })));
-                    self.release(&r.a.id);
-                    self.metrics.preemptions.inc();
-                    self.metrics.requests.with_label_values(&["preempted"]).inc();
+                    self.preempt(r, e.to_string());
                 }
             }
         }
     }
 
+    /// Tells the router to continue `r` elsewhere (re-prefilling what it generated) and releases its blocks.
+    fn preempt(&self, r: Running, reason: String) {
+        let _ = r.a.events.send(event(Event::Preempted(Preempted { reason })));
+        self.release(&r.a.id);
+        self.metrics.preemptions.inc();
+        self.metrics.requests.with_label_values(&["preempted"]).inc();
+    }
+
+    fn end(&self, r: Running, how: &Ending) {
+        match how {
+            Ending::Error(e) => self.retire(r, FinishReason::Error, e.clone(), "error"),
+            Ending::Preempt(why) => self.preempt(r, why.clone()),
+        }
+    }
+
     /// The device is unusable: every running request ends with the error (its blocks released), later
-    /// ones too, and the worker deregisters and exits.
+    /// ones too, and the worker deregisters and exits. When the expert-parallel group failed because of
+    /// another rank, the requests are preempted instead, so the router continues them elsewhere.
     fn fail_worker(&mut self, e: &engine::EngineError) {
-        let reason = format!("device failure in a decode step: {e}");
-        tracing::error!(%reason, requests = self.running.len(), "failing every request; the worker stops");
-        let error = drain::failed_request_error(&reason);
+        let group = matches!(e, engine::EngineError::GroupDown(_));
+        let reason = format!("{} in a decode step: {e}", if group { "group failure" } else { "device failure" });
+        tracing::error!(%reason, requests = self.running.len(), "ending every request; the worker stops");
+        let ending = if group {
+            Ending::Preempt(format!("{reason}; this worker restarts with its group, continue elsewhere"))
+        } else {
+            Ending::Error(drain::failed_request_error(&reason))
+        };
         // First: the worker refuses new work and starts deregistering while the requests end.
         self.drain.fail(reason);
         for r in std::mem::take(&mut self.running) {
-            self.retire(r, FinishReason::Error, error.clone(), "error");
+            self.end(r, &ending);
         }
-        self.failed = Some(error);
+        self.failed = Some(ending);
     }
 
     fn step(&mut self) {
@@ -341,7 +388,10 @@ mod tests {
     }
 
     fn env_with_batch(max_batch: usize) -> Env {
-        let fake = FakeBackend::new(1280);
+        env_on(FakeBackend::new(1280), max_batch)
+    }
+
+    fn env_on(fake: Arc<FakeBackend>, max_batch: usize) -> Env {
         let model = Arc::new(LoadedModel::from_backend(fake.clone(), 32, "fake").unwrap());
         let metrics = Arc::new(DecodeMetrics::new(&prometheus::Registry::new()).unwrap());
         let drain = Drain::new();
@@ -491,6 +541,83 @@ mod tests {
         assert!(fin.error.contains("injected device failure"), "{}", fin.error);
         wait_pool_empty(&e.model).await;
         assert_eq!(e.fake.calls.load(std::sync::atomic::Ordering::SeqCst), calls);
+    }
+
+    /// Two decode workers that are the ranks of one expert-parallel group (agreements time out after
+    /// `timeout`).
+    fn ep_pair(timeout: Duration) -> (Arc<worker::fake_backend::FakeGroup>, Vec<Env>) {
+        let g = worker::fake_backend::FakeGroup::new(2, timeout);
+        let ranks = (0..2).map(|r| env_on(FakeBackend::ep_rank(1280, &g, r), 8)).collect();
+        (g, ranks)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn expert_parallel_ranks_step_in_lockstep_and_an_idle_rank_joins_every_pass() {
+        use engine::lockstep::Pass;
+        let (g, ranks) = ep_pair(Duration::from_secs(5));
+        // Rank 0 decodes two requests, rank 1 one that ends sooner: it idles through the last steps.
+        let (p0, mut a) = admit(&ranks[0], "a", 10, 30);
+        let (_, mut b) = admit(&ranks[0], "b", 20, 12);
+        let (_, mut c) = admit(&ranks[1], "c", 7, 5);
+        let mut streams = Vec::new();
+        for (rx, n) in [(&mut a, 30), (&mut b, 12), (&mut c, 5)] {
+            let (tokens, fin) = drain_events(rx).await;
+            assert_eq!((tokens.len(), fin.reason), (n, FinishReason::Length as i32));
+            streams.push(tokens);
+        }
+        // Each token follows the previous one as the fake predicts: lockstep changes no output.
+        let mut prev = *p0.last().unwrap();
+        for (i, &t) in streams[0].iter().enumerate() {
+            assert_eq!(t, ranks[0].fake.next(prev, p0.len() - 1 + i), "token {i}");
+            prev = t;
+        }
+        let (tokens, _) = drain_events(&mut admit(&ranks[1], "d", 7, 3).1).await;
+        assert_eq!(tokens.len(), 3, "the idle rank serves again");
+        let (l0, l1) = (g.log(0), g.log(1));
+        let n = l0.len().min(l1.len());
+        let passes = |l: &[(Pass, usize)]| l[..n].iter().map(|x| x.0).collect::<Vec<_>>();
+        assert_eq!(passes(&l0), passes(&l1), "the ranks issue the same passes");
+        // A decode step is Main and MTP with rows, the prefill-form pass joined empty in between.
+        let busy: Vec<usize> = (0..n).filter(|&i| l0[i].1 > 0 || l1[i].1 > 0).collect();
+        // "a": 29 tokens after the prefill's, two a step (the fake's drafts are accepted): 15 steps.
+        assert!(busy.len() >= 2 * 15, "rank 0 decoded 15 steps of a: {} busy passes", busy.len());
+        assert!(busy.iter().all(|&i| l0[i].0 != Pass::MainPrefill), "a decode worker never prefills");
+        for r in &ranks {
+            wait_pool_empty(&r.model).await;
+            assert_eq!(r.drain.failure(), None);
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lost_rank_preempts_the_others_requests_and_fails_the_worker() {
+        let (g, ranks) = ep_pair(Duration::from_millis(300));
+        let e = &ranks[0];
+        e.fake.delay_us.store(1_000, Ordering::SeqCst);
+        let (_, mut rx) = admit(e, "long", 10, 100_000);
+        for _ in 0..3 {
+            assert!(matches!(rx.recv().await.unwrap().event, Some(Event::Tokens(_))));
+        }
+        // Admitted by the service now; its caches arrive after the failure.
+        let late_guard = e.drain.admit().unwrap();
+        g.vanish(1);
+        let preempted = loop {
+            let ev = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await.expect("an event").expect("open");
+            match ev.event {
+                Some(Event::Tokens(_)) => continue,
+                Some(Event::Preempted(p)) => break p,
+                other => panic!("a lost rank preempts the request (the router continues it): {other:?}"),
+            }
+        };
+        assert!(preempted.reason.contains("group") && preempted.reason.contains("did not join"), "{preempted:?}");
+        wait_pool_empty(&e.model).await;
+        let reason = e.drain.failure().expect("the worker failed");
+        assert!(reason.contains("group failure"), "{reason}");
+        // A transfer that completes afterwards is preempted at once too.
+        let (_, mut late) = admit_with(e, "late", 10, 5, late_guard);
+        let ev = tokio::time::timeout(Duration::from_secs(10), late.recv()).await.unwrap().unwrap();
+        assert!(matches!(ev.event, Some(Event::Preempted(_))), "{ev:?}");
+        wait_pool_empty(&e.model).await;
+        assert_eq!(e.metrics.requests.with_label_values(&["error"]).get(), 0, "no request failed");
     }
 
     #[tokio::test]

@@ -196,6 +196,10 @@ pub enum EngineError {
     Unsupported(String),
     #[error("device: {0}")]
     Device(String),
+    /// The expert-parallel group this backend is a rank of failed because of another rank (lost, hung,
+    /// failed) or its watchdog: this device is fine, but no step can run until every rank has restarted.
+    #[error("expert-parallel group down: {0}")]
+    GroupDown(String),
 }
 
 /// The indexer's top-k selections of one call, recorded for diagnostics (GPU against CPU: how many positions
@@ -437,6 +441,21 @@ pub trait Backend: Send + Sync {
         self.config().num_nextn_predict_layers > 0
     }
 
+    /// This backend's rank in an expert-parallel group, if it is one. Every rank must then issue the same
+    /// forward passes each scheduling step, in lockstep: a rank with nothing to run still calls
+    /// [`Backend::end_step`] once a step, as often as the busiest rank steps.
+    fn expert_parallel(&self) -> Option<EpRank> {
+        None
+    }
+
+    /// Ends one scheduling step (expert parallelism; `Ok(false)` at once otherwise): joins with an empty
+    /// batch every pass of the step this rank did not run (all of them on an idle rank), so every rank
+    /// issues the same collectives. Returns whether any rank had rows in the step: while one has, the others
+    /// keep stepping; when none has, the ranks may wait for work.
+    fn end_step(&self) -> Result<bool, EngineError> {
+        Ok(false)
+    }
+
     /// Turns per-kernel GPU timing on or off (a profiling aid, `engine-bench --kernel-profile`: every launch
     /// is bracketed by two timing events, so calls get slower). A backend without kernels ignores it.
     fn set_kernel_profile(&self, _on: bool) {}
@@ -446,6 +465,13 @@ pub trait Backend: Send + Sync {
     fn take_kernel_profile(&self) -> Result<Vec<KernelTime>, EngineError> {
         Ok(Vec::new())
     }
+}
+
+/// A backend's place in an expert-parallel group ([`Backend::expert_parallel`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EpRank {
+    pub rank: usize,
+    pub world: usize,
 }
 
 /// One request's row to sample ([`Backend::sample_rows`]).

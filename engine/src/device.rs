@@ -77,12 +77,31 @@ pub fn check_available(device: Device) -> Result<(), EngineError> {
 
 /// Builds the backend for `opts.device` over an opened checkpoint.
 pub fn load_backend(ckpt: &Checkpoint, opts: BackendOptions) -> Result<Arc<dyn Backend>, EngineError> {
-    match opts.device {
-        Device::Cpu => Ok(Arc::new(CpuBackend::from_checkpoint(ckpt, opts.precision)?.with_threads(opts.threads)?)),
-        Device::Cuda(n) => {
+    load_backend_ep(ckpt, opts, None)
+}
+
+/// [`load_backend`] as one rank of an expert-parallel group when `ep` is given (GPUs only): returns once
+/// every rank has joined.
+pub fn load_backend_ep(
+    ckpt: &Checkpoint,
+    opts: BackendOptions,
+    ep: Option<&crate::cuda::ep::EpConfig>,
+) -> Result<Arc<dyn Backend>, EngineError> {
+    match (opts.device, ep) {
+        (Device::Cpu, None) => {
+            Ok(Arc::new(CpuBackend::from_checkpoint(ckpt, opts.precision)?.with_threads(opts.threads)?))
+        }
+        (Device::Cpu, Some(_)) => {
+            Err(EngineError::Unsupported("expert parallelism runs on GPUs (--device cuda:N), not on the CPU".into()))
+        }
+        (Device::Cuda(n), ep) => {
             check_available(opts.device)?;
             let cache = crate::cuda::kernels::default_cache_dir();
-            Ok(Arc::new(crate::cuda::CudaBackend::load(ckpt, opts.precision, n as usize, &cache)?))
+            let (n, prec) = (n as usize, opts.precision);
+            Ok(Arc::new(match ep {
+                Some(ep) => crate::cuda::CudaBackend::load_ep(ckpt, prec, n, &cache, ep)?,
+                None => crate::cuda::CudaBackend::load(ckpt, prec, n, &cache)?,
+            }))
         }
     }
 }

@@ -22,6 +22,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod device;
 pub mod generate;
+pub mod lockstep;
 pub mod memory;
 pub mod rope;
 pub mod sampling;
@@ -30,8 +31,8 @@ pub mod tiny;
 pub mod tolerance;
 
 pub use backend::{
-    AttnForm, Backend, DeviceRows, EngineError, Fence, KernelTime, LayerReady, Logits, MtpInput, Precision, SeqInput,
-    SeqOutput,
+    AttnForm, Backend, DeviceRows, EngineError, EpRank, Fence, KernelTime, LayerReady, Logits, MtpInput, Precision,
+    SeqInput, SeqOutput,
 };
 pub use config::ModelConfig;
 pub use device::Device;

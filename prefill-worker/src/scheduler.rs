@@ -151,6 +151,7 @@ impl Scheduler {
     ) -> std::io::Result<Arc<Scheduler>> {
         let load = Arc::new(Mutex::new(Load::default()));
         let l = load.clone();
+        let lockstep = model.backend.expert_parallel().is_some();
         let handle = compute_loop::spawn("prefill-loop", move |events| Prefill {
             model,
             sender,
@@ -165,6 +166,7 @@ impl Scheduler {
             settling: 0,
             cache: PrefixCache::default(),
             load: l,
+            lockstep,
             failed: None,
         })?;
         Ok(Arc::new(Scheduler { handle, load }))
@@ -223,6 +225,8 @@ struct Prefill {
     settling: usize,
     cache: PrefixCache,
     load: Arc<Mutex<Load>>,
+    /// A rank of an expert-parallel group: every turn is one step of the group.
+    lockstep: bool,
     /// The error every request gets once the device failed.
     failed: Option<PrefillError>,
 }
@@ -268,12 +272,26 @@ impl Batcher for Prefill {
     fn turn(&mut self) -> Turn {
         self.drop_cancelled();
         self.start_waiting();
-        if self.active.is_empty() {
-            // Idle, or waiting for handshakes and settling transfers: their events wake the loop.
-            return Turn::Wait;
+        // Idle, or waiting for handshakes and settling transfers (their events wake the loop), unless
+        // there is a batch to run.
+        let ran = !self.active.is_empty();
+        if ran {
+            self.run_batch();
         }
-        self.run_batch();
-        Turn::Busy
+        if !self.lockstep || self.failed.is_some() {
+            return if ran { Turn::Busy } else { Turn::Wait };
+        }
+        match compute_loop::lockstep_turn(self.model.backend.as_ref(), ran) {
+            Ok(turn) => turn,
+            Err(e) => {
+                self.fail_worker(&e);
+                Turn::Wait
+            }
+        }
+    }
+
+    fn idle_wait(&self) -> std::time::Duration {
+        if self.lockstep && self.failed.is_none() { compute_loop::LOCKSTEP_POLL } else { compute_loop::IDLE_WAIT }
     }
 
     fn publish(&mut self) {
@@ -533,7 +551,8 @@ impl Prefill {
     /// so the decode side frees its blocks, and release theirs), later ones too, and the worker
     /// deregisters and exits.
     fn fail_worker(&mut self, e: &engine::EngineError) {
-        let reason = format!("device failure in a prefill batch: {e}");
+        let what = if matches!(e, engine::EngineError::GroupDown(_)) { "group failure" } else { "device failure" };
+        let reason = format!("{what} in a prefill batch: {e}");
         let requests = self.waiting.len() + self.handshaking.len() + self.active.len();
         tracing::error!(%reason, requests, "failing every request; the worker stops");
         let err = PrefillError::Device(drain::failed_request_error(&reason));
@@ -653,7 +672,10 @@ mod tests {
     }
 
     fn env_with_seqs(blocks: usize, prefix_caching: bool, max_num_seqs: usize) -> Env {
-        let fake = FakeBackend::new(1280);
+        env_on(FakeBackend::new(1280), blocks, prefix_caching, max_num_seqs)
+    }
+
+    fn env_on(fake: Arc<FakeBackend>, blocks: usize, prefix_caching: bool, max_num_seqs: usize) -> Env {
         let model = Arc::new(LoadedModel::from_backend(fake.clone(), blocks, "fake").unwrap());
         let geometry = *model.cache.geometry();
         let rcache = Arc::new(KvCache::new_host(CacheGeometry { num_blocks: 64, ..geometry }).unwrap());
@@ -768,6 +790,34 @@ mod tests {
         // Prefill-side blocks come back once each transfer settled.
         wait_pool_used(&e.model.pool, 0).await;
         assert_eq!(e.sched.load().running, 0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_idle_expert_parallel_rank_joins_every_pass_of_a_busy_ones_prefill() {
+        use engine::lockstep::Pass;
+        let g = worker::fake_backend::FakeGroup::new(2, Duration::from_secs(5));
+        let ranks: Vec<Env> = (0..2).map(|r| env_on(FakeBackend::ep_rank(1280, &g, r), 32, false, 8)).collect();
+        // Four chunks of the 96-token budget on rank 0; rank 1 has nothing to do.
+        let p = prompt(300, 5);
+        let (rx, pending, _) = submit(&ranks[0], "r0", &p);
+        let resp = outcome(rx).await.expect("delivered");
+        assert_eq!(resp.first_token.unwrap().token_id, ranks[0].fake.next(p[p.len() - 1], p.len() - 1));
+        let done = tokio::time::timeout(Duration::from_secs(10), pending).await.unwrap().unwrap();
+        assert!(matches!(done, TransferOutcome::Completed(_)), "{done:?}");
+        let (a, b) = (g.log(0), g.log(1));
+        let n = a.len().min(b.len());
+        let passes = |l: &[(Pass, usize)]| l[..n].iter().map(|x| x.0).collect::<Vec<_>>();
+        assert_eq!(passes(&a), passes(&b), "the ranks issue the same passes");
+        let prefilled: usize = a.iter().filter(|x| x.0 == Pass::MainPrefill).map(|x| x.1).sum();
+        assert_eq!(prefilled, 300, "rank 0's chunks");
+        assert!(b.iter().all(|x| x.1 == 0), "rank 1 brought no rows");
+        assert!(a.iter().filter(|x| x.0 == Pass::MainPrefill && x.1 > 0).count() == 4, "{a:?}");
+        wait_pool_used(&ranks[0].model.pool, 0).await;
+        // Idle ranks poll the group instead of spinning: a few passes per LOCKSTEP_POLL.
+        let before = g.log(0).len();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let polled = g.log(0).len() - before;
+        assert!((3..3_000).contains(&polled), "{polled} passes in 200 ms of idling");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

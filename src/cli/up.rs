@@ -41,6 +41,14 @@ pub struct Args {
     /// Decode worker processes.
     #[arg(long, default_value_t = 1)]
     pub decode: usize,
+    /// Expert parallelism of the prefill workers (GPU only): groups of this many consecutive workers, one
+    /// GPU each, split the routed experts (`--ep` of each worker). --prefill must be a multiple of it.
+    #[arg(long, default_value_t = 1)]
+    pub prefill_ep: usize,
+    /// Expert parallelism of the decode workers, as --prefill-ep. A group's ranks restart together: when one
+    /// dies, the others leave the group, their requests continue on other decode workers, and all rejoin.
+    #[arg(long, default_value_t = 1)]
+    pub decode_ep: usize,
     /// etcd endpoint(s): workers register there and the router follows them (default: static discovery).
     #[arg(long)]
     pub etcd: Option<String>,
@@ -386,6 +394,21 @@ pub fn placements(a: &Args, gpus: usize) -> anyhow::Result<Vec<(engine::Device, 
         engine::Device::Cuda(0) if gpus > 1 => (0..workers).map(|i| (i % gpus) as u32).collect(),
         engine::Device::Cuda(n) => vec![n; workers],
     };
+    for (role, first, n, ep) in [("prefill", 0, a.prefill, a.prefill_ep), ("decode", a.prefill, a.decode, a.decode_ep)]
+    {
+        if ep <= 1 {
+            continue;
+        }
+        for g in 0..n / ep {
+            let gpus: Vec<u32> = ordinals[first + g * ep..first + (g + 1) * ep].to_vec();
+            let distinct: std::collections::HashSet<u32> = gpus.iter().copied().collect();
+            anyhow::ensure!(
+                distinct.len() == ep,
+                "--{role}-ep {ep}: the ranks of {role} group {g} would share GPUs {gpus:?} (each rank needs its own \
+                 GPU: use --device cuda on a machine with at least {ep} GPUs)"
+            );
+        }
+    }
     let mut sharing = std::collections::HashMap::<u32, usize>::new();
     for &o in &ordinals {
         *sharing.entry(o).or_default() += 1;
@@ -403,6 +426,46 @@ pub fn placements(a: &Args, gpus: usize) -> anyhow::Result<Vec<(engine::Device, 
         .into_iter()
         .map(|o| (engine::Device::Cuda(o), Some(a.gpu_memory_utilization.unwrap_or(0.9 / sharing[&o] as f64))))
         .collect())
+}
+
+/// Checks the expert-parallel flags.
+fn check_ep(a: &Args) -> anyhow::Result<()> {
+    for (role, n, ep) in [("prefill", a.prefill, a.prefill_ep), ("decode", a.decode, a.decode_ep)] {
+        anyhow::ensure!(ep >= 1, "--{role}-ep must be at least 1");
+        anyhow::ensure!(
+            n.is_multiple_of(ep),
+            "--{role} {n} is not a multiple of --{role}-ep {ep} (each group has {ep} workers)"
+        );
+        anyhow::ensure!(
+            ep == 1 || matches!(a.device, engine::Device::Cuda(_)),
+            "--{role}-ep {ep}: expert parallelism runs on GPUs (--device cuda)"
+        );
+        anyhow::ensure!(
+            ep == 1 || a.precision == "fp8",
+            "--{role}-ep {ep}: expert parallelism runs the FP8 experts (--precision fp8)"
+        );
+    }
+    Ok(())
+}
+
+/// Each worker's `--ep` (prefill workers first, then decode): rank `i % ep` of its group, whose leader
+/// listens on the group's own port.
+fn ep_specs(a: &Args) -> anyhow::Result<Vec<Option<String>>> {
+    let mut specs = Vec::new();
+    for (n, ep) in [(a.prefill, a.prefill_ep), (a.decode, a.decode_ep)] {
+        let mut port = 0;
+        for i in 0..n {
+            if ep <= 1 {
+                specs.push(None);
+                continue;
+            }
+            if i % ep == 0 {
+                port = free_port()?;
+            }
+            specs.push(Some(format!("{}/{ep}@127.0.0.1:{port}", i % ep)));
+        }
+    }
+    Ok(specs)
 }
 
 fn worker_args(a: &Args, role: &str, model: &Path, port: u16, place: (engine::Device, Option<f64>)) -> Vec<String> {
@@ -445,6 +508,7 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     if a.prefill == 0 || a.decode == 0 {
         bail!("--prefill and --decode must each be at least 1");
     }
+    check_ep(&a)?;
     a.check_tls()?;
     engine::device::check_available(a.device)?;
     let gpus = match a.device {
@@ -484,13 +548,20 @@ pub fn run(a: Args) -> anyhow::Result<ExitCode> {
     let result = (|| -> anyhow::Result<()> {
         let timeout = Duration::from_secs(a.ready_timeout);
         let (tx, rx) = mpsc::channel();
+        let ep = ep_specs(&a)?;
+        let with_ep = |mut args: Vec<String>, spec: &Option<String>| {
+            if let Some(s) = spec {
+                args.extend(["--ep".into(), s.clone()]);
+            }
+            args
+        };
         for (i, &p) in place[..a.prefill].iter().enumerate() {
-            let args = worker_args(&a, "prefill-worker", &model, free_port()?, p);
+            let args = with_ep(worker_args(&a, "prefill-worker", &model, free_port()?, p), &ep[i]);
             procs.push(spawn(&format!("prefill-{i}"), &args, Some(tx.clone()))?);
         }
         let prefill = wait_ready(&rx, a.prefill, timeout, &mut procs)?;
         for (i, &p) in place[a.prefill..].iter().enumerate() {
-            let args = worker_args(&a, "decode-worker", &model, free_port()?, p);
+            let args = with_ep(worker_args(&a, "decode-worker", &model, free_port()?, p), &ep[a.prefill + i]);
             procs.push(spawn(&format!("decode-{i}"), &args, Some(tx.clone()))?);
         }
         let decode = wait_ready(&rx, a.decode, timeout, &mut procs)?;
@@ -605,6 +676,42 @@ mod tests {
         let e = placements(&args(&["--device", "cuda", "--gpu-memory-utilization", "0.6"]), 1).unwrap_err();
         assert!(e.to_string().contains("2 workers share GPU 0"), "{e}");
         assert_eq!(placements(&args(&[]), 0).unwrap(), vec![(Cpu, None), (Cpu, None)]);
+    }
+
+    #[test]
+    fn expert_parallel_groups_get_a_gpu_per_rank_and_a_leader_each() {
+        use engine::Device::Cuda;
+        // Two GPUs: prefill on GPU 0, the decode group's ranks on GPUs 1 and 0.
+        let a = args(&["--device", "cuda", "--decode", "2", "--decode-ep", "2"]);
+        check_ep(&a).unwrap();
+        let p = placements(&a, 2).unwrap();
+        assert_eq!(p.iter().map(|x| x.0).collect::<Vec<_>>(), vec![Cuda(0), Cuda(1), Cuda(0)]);
+        let specs = ep_specs(&a).unwrap();
+        assert_eq!(specs[0], None);
+        let (d0, d1) = (specs[1].clone().unwrap(), specs[2].clone().unwrap());
+        assert!(d0.starts_with("0/2@127.0.0.1:") && d1.starts_with("1/2@127.0.0.1:"), "{d0} {d1}");
+        assert_eq!(d0.split('@').nth(1), d1.split('@').nth(1), "one leader per group");
+        // Two groups of two: two leaders.
+        let a = args(&["--device", "cuda", "--prefill", "2", "--prefill-ep", "2", "--decode", "4", "--decode-ep", "2"]);
+        check_ep(&a).unwrap();
+        let specs = ep_specs(&a).unwrap();
+        let leader = |i: usize| specs[i].as_ref().unwrap().split('@').nth(1).unwrap().to_string();
+        assert_eq!(leader(2), leader(3));
+        assert_ne!(leader(3), leader(4));
+        assert_ne!(leader(0), leader(2), "prefill and decode groups are separate");
+        placements(&a, 8).unwrap();
+        // One GPU cannot hold two ranks of a group.
+        let e = placements(&args(&["--device", "cuda", "--decode", "2", "--decode-ep", "2"]), 1).unwrap_err();
+        assert!(e.to_string().contains("would share GPUs [0, 0]"), "{e}");
+        for (flags, want) in [
+            (&["--decode", "3", "--decode-ep", "2", "--device", "cuda"][..], "not a multiple of --decode-ep 2"),
+            (&["--decode", "2", "--decode-ep", "2"][..], "runs on GPUs"),
+            (&["--decode-ep", "0"][..], "at least 1"),
+            (&["--decode", "2", "--decode-ep", "2", "--device", "cuda", "--precision", "full"][..], "FP8"),
+        ] {
+            let e = check_ep(&args(flags)).unwrap_err();
+            assert!(e.to_string().contains(want), "{flags:?}: {e}");
+        }
     }
 
     #[test]

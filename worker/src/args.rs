@@ -18,6 +18,19 @@ pub struct ServeArgs {
     /// Where the model runs: cpu, or cuda[:N] (the CUDA backend on GPU N).
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
     pub device: Device,
+    /// Expert parallelism: this worker is rank RANK of a group of WORLD workers, one GPU each, that split
+    /// the routed experts and step in lockstep (`RANK/WORLD@HOST:PORT`; rank 0 listens on HOST:PORT and
+    /// the others connect to it). Each rank is a worker of its own (its requests, caches and address).
+    /// When one rank fails, every rank of the group exits and is restarted (docs/model.md §5.1).
+    #[arg(long, env = "TANDEM_EP")]
+    pub ep: Option<String>,
+    /// Expert parallelism: the longest one forward pass may take before the group is declared down (a rank
+    /// lost or hung). Above the longest prefill chunk.
+    #[arg(long, env = "TANDEM_EP_STEP_TIMEOUT_SECS", default_value_t = 10.0)]
+    pub ep_step_timeout_secs: f64,
+    /// Expert parallelism: how long the ranks wait for each other at start-up.
+    #[arg(long, env = "TANDEM_EP_START_TIMEOUT_SECS", default_value_t = 300.0)]
+    pub ep_start_timeout_secs: f64,
     /// The model name clients send; defaults to the checkpoint directory's name.
     #[arg(long, env = "TANDEM_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
@@ -111,6 +124,7 @@ impl ServeArgs {
         anyhow::ensure!(self.max_num_batched_tokens > 0, "--max-num-batched-tokens must be at least 1");
         anyhow::ensure!(self.max_model_len != Some(0), "--max-model-len must be at least 1");
         anyhow::ensure!(self.threads != Some(0), "--threads must be at least 1");
+        self.ep_config()?;
         anyhow::ensure!(!self.model.as_os_str().is_empty(), "--model must name a checkpoint directory");
         if let Some(m) = self.model.to_str().filter(|m| engine::synthetic::is_synthetic(m)) {
             m.parse::<engine::synthetic::SyntheticSpec>().map_err(|e| anyhow::anyhow!("--model {e}"))?;
@@ -181,6 +195,28 @@ impl ServeArgs {
         })
     }
 
+    /// The expert-parallel group this worker joins (`--ep`), checked.
+    pub fn ep_config(&self) -> anyhow::Result<Option<engine::cuda::ep::EpConfig>> {
+        let Some(spec) = &self.ep else { return Ok(None) };
+        let mut cfg = engine::cuda::ep::EpConfig::parse(spec).map_err(|e| anyhow::anyhow!("--ep {e}"))?;
+        anyhow::ensure!(
+            matches!(self.device, Device::Cuda(_)),
+            "--ep {spec}: expert parallelism runs on GPUs (--device cuda:N), not on {}",
+            self.device
+        );
+        anyhow::ensure!(
+            self.precision == Precision::Fp8,
+            "--ep {spec}: expert parallelism runs the FP8 experts (--precision fp8)"
+        );
+        let secs = |flag: &str, v: f64| -> anyhow::Result<std::time::Duration> {
+            anyhow::ensure!(v.is_finite() && v > 0.0 && v <= 86_400.0, "{flag} must be in (0, 86400] seconds, got {v}");
+            Ok(std::time::Duration::from_secs_f64(v))
+        };
+        cfg.step_timeout = secs("--ep-step-timeout-secs", self.ep_step_timeout_secs)?;
+        cfg.timeout = secs("--ep-start-timeout-secs", self.ep_start_timeout_secs)?;
+        Ok(Some(cfg))
+    }
+
     /// The backend this worker builds.
     pub fn backend_options(&self) -> engine::device::BackendOptions {
         engine::device::BackendOptions { device: self.device, precision: self.precision, threads: self.threads }
@@ -245,6 +281,27 @@ mod tests {
         assert!(with("synthetic:v32,layers=8,experts=32").is_ok());
         let err = with("synthetic:v32,layers=zero").unwrap_err().to_string();
         assert!(err.contains("--model") && err.contains("layers=zero"), "{err}");
+    }
+
+    #[test]
+    fn expert_parallel_flags_are_checked_before_anything_loads() {
+        let cfg = parse(&["--device", "cuda:1", "--ep", "1/2@10.0.0.5:29500", "--ep-step-timeout-secs", "30"])
+            .ep_config()
+            .unwrap()
+            .unwrap();
+        assert_eq!((cfg.rank, cfg.world, cfg.leader.as_str()), (1, 2, "10.0.0.5:29500"));
+        assert_eq!(cfg.step_timeout, std::time::Duration::from_secs(30));
+        assert!(parse(&[]).ep_config().unwrap().is_none());
+        for (flags, want) in [
+            (&["--ep", "0/2@127.0.0.1:29500"][..], "runs on GPUs"),
+            (&["--device", "cuda", "--ep", "2/2@127.0.0.1:29500"][..], "rank 2 is not one of 2 ranks"),
+            (&["--device", "cuda", "--ep", "0/2"][..], "RANK/WORLD@HOST:PORT"),
+            (&["--device", "cuda", "--ep", "0/2@h:1", "--precision", "full"][..], "--precision fp8"),
+            (&["--device", "cuda", "--ep", "0/2@h:1", "--ep-step-timeout-secs", "0"][..], "--ep-step-timeout-secs"),
+        ] {
+            let err = parse(flags).validate().unwrap_err().to_string();
+            assert!(err.contains("--ep") && err.contains(want), "{flags:?}: {err}");
+        }
     }
 
     #[test]

@@ -2,6 +2,11 @@
 //! aborts, events from helper threads), one turn of work at a time, a blocking wait when nothing can
 //! progress, load published while idle. The roles plug in a [`Batcher`]: the prefill batcher (chunked
 //! prefill, prefix cache, kv-transfer) and the decode batcher (continuous batching, MTP, preemption).
+//!
+//! Under expert parallelism ([`engine::Backend::expert_parallel`]) the ranks of a group step in lockstep:
+//! every turn ends with [`engine::Backend::end_step`] (an idle rank joins the others' passes with an empty
+//! batch), a turn is busy while any rank had rows, and an idle loop polls every [`LOCKSTEP_POLL`] so that a
+//! rank that gets work finds the others at its first step within that time ([`lockstep_turn`]).
 
 use std::sync::mpsc;
 use std::time::Duration;
@@ -10,6 +15,10 @@ use engine::cache::BlockPool;
 
 /// How long an idle loop sleeps before publishing its load again.
 pub const IDLE_WAIT: Duration = Duration::from_millis(200);
+
+/// How long an idle rank of an expert-parallel group waits before it joins the group's next step (every
+/// rank idle: one small all-reduce per pass of the step).
+pub const LOCKSTEP_POLL: Duration = Duration::from_millis(2);
 
 /// What a turn left behind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +44,18 @@ pub trait Batcher: Send + 'static {
     fn turn(&mut self) -> Turn;
     /// Publishes load and metrics (also while idle).
     fn publish(&mut self);
+    /// How long a waiting loop blocks before it publishes and turns again.
+    fn idle_wait(&self) -> Duration {
+        IDLE_WAIT
+    }
+}
+
+/// The end of a turn of a rank in an expert-parallel group: joins the rest of the step
+/// ([`engine::Backend::end_step`]). Busy when this rank ran a batch or another rank had rows (this rank
+/// must join the next step at once); the backend's error when the group failed.
+pub fn lockstep_turn(backend: &dyn engine::Backend, ran: bool) -> Result<Turn, engine::EngineError> {
+    let others = backend.end_step()?;
+    Ok(if ran || others { Turn::Busy } else { Turn::Wait })
 }
 
 enum Command<W, E> {
@@ -125,7 +146,7 @@ fn run<B: Batcher>(mut b: B, rx: mpsc::Receiver<Command<B::Work, B::Event>>) {
     let mut turn = Turn::Wait;
     loop {
         if turn == Turn::Wait {
-            match rx.recv_timeout(IDLE_WAIT) {
+            match rx.recv_timeout(b.idle_wait()) {
                 Ok(cmd) => {
                     if !handle(&mut b, cmd) {
                         return;

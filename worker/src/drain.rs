@@ -18,9 +18,10 @@ pub struct Drain {
 }
 
 /// Whether a backend error leaves this process's device unusable (a sticky CUDA error such as an illegal
-/// address or an ECC error, device memory exhausted): the worker must stop, not only fail the batch.
+/// address or an ECC error, device memory exhausted) or its expert-parallel group down: the worker must
+/// stop, not only fail the batch.
 pub fn is_fatal(e: &EngineError) -> bool {
-    matches!(e, EngineError::Device(_))
+    matches!(e, EngineError::Device(_) | EngineError::GroupDown(_))
 }
 
 /// The error every request that a worker failure ends is given.
@@ -185,6 +186,7 @@ mod tests {
     #[test]
     fn only_device_errors_are_fatal() {
         assert!(is_fatal(&EngineError::Device("illegal address".into())));
+        assert!(is_fatal(&EngineError::GroupDown("rank 1 lost".into())));
         assert!(!is_fatal(&EngineError::InvalidInput("bad token".into())));
         assert!(!is_fatal(&EngineError::Unsupported("fp4".into())));
     }

@@ -3,9 +3,16 @@
 //! row, sampled by the real sampler), the MTP layer predicts exactly that (so drafts are accepted), every
 //! position's cache entries get bytes derived from (layer, position, token), and each layer is announced.
 //! A test can make a chosen call fail ([`FakeBackend::fail_at`]).
+//!
+//! [`FakeBackend::ep_rank`] makes it one rank of a [`FakeGroup`]: an expert-parallel group in one process
+//! whose agreement is a barrier (the CUDA backend's all-reduce), with the same step rule
+//! ([`engine::lockstep`]), the ranks' passes recorded, and a rank that can be made to vanish.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use engine::lockstep::{Pass, Steps};
 
 use engine::backend::{
     AttnForm, Backend, DeviceRows, EngineError, LayerDone, LayerReady, MtpInput, SeqInput, SeqOutput,
@@ -34,6 +41,106 @@ pub struct FakeBackend {
     pub calls: AtomicUsize,
     /// Microseconds each call takes (tests that act while a request computes).
     pub delay_us: AtomicU64,
+    /// This backend's group and rank, if it is one.
+    group: Option<(Arc<FakeGroup>, usize)>,
+    steps: Steps,
+}
+
+/// An expert-parallel group of fake ranks in one process.
+pub struct FakeGroup {
+    world: usize,
+    /// How long a rank waits for the others in an agreement before the group is down (the watchdog).
+    timeout: Duration,
+    state: Mutex<GroupState>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct GroupState {
+    /// Agreements completed.
+    round: u64,
+    /// This round's arrivals: (pass, rows) per rank.
+    arrived: Vec<Option<(Pass, usize)>>,
+    /// The last completed round's most rows.
+    most: usize,
+    down: Option<String>,
+    /// Ranks made to vanish.
+    gone: Vec<bool>,
+    /// Every pass each rank joined, with its rows.
+    log: Vec<Vec<(Pass, usize)>>,
+}
+
+impl FakeGroup {
+    pub fn new(world: usize, timeout: Duration) -> Arc<Self> {
+        let state = GroupState {
+            arrived: vec![None; world],
+            gone: vec![false; world],
+            log: vec![Vec::new(); world],
+            ..Default::default()
+        };
+        Arc::new(FakeGroup { world, timeout, state: Mutex::new(state), cv: Condvar::new() })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, GroupState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Rank `rank` stops taking part without a word (as a SIGKILLed or SIGSTOPped process): the others
+    /// find the group down at their next agreement, after the timeout.
+    pub fn vanish(&self, rank: usize) {
+        self.lock().gone[rank] = true;
+        self.cv.notify_all();
+    }
+
+    /// Every pass rank `rank` joined so far, with the rows it brought.
+    pub fn log(&self, rank: usize) -> Vec<(Pass, usize)> {
+        self.lock().log[rank].clone()
+    }
+
+    /// The agreement: waits for every rank to bring `pass`; the most rows any brought.
+    fn agree(&self, rank: usize, pass: Pass, rows: usize) -> Result<usize, EngineError> {
+        let mut st = self.lock();
+        if st.gone[rank] {
+            // A vanished rank's process would be gone; its calls never return in a real group.
+            return Err(EngineError::GroupDown(format!("rank {rank} left the group")));
+        }
+        if let Some(why) = &st.down {
+            return Err(EngineError::GroupDown(why.clone()));
+        }
+        st.log[rank].push((pass, rows));
+        st.arrived[rank] = Some((pass, rows));
+        if st.arrived.iter().all(Option::is_some) {
+            let passes: Vec<Pass> = st.arrived.iter().flatten().map(|a| a.0).collect();
+            if passes.iter().any(|&p| p != pass) {
+                let why = format!("ranks out of lockstep: {passes:?}");
+                st.down = Some(why.clone());
+                self.cv.notify_all();
+                return Err(EngineError::GroupDown(why));
+            }
+            st.most = st.arrived.iter().flatten().map(|a| a.1).max().unwrap_or(0);
+            st.arrived.iter_mut().for_each(|a| *a = None);
+            st.round += 1;
+            self.cv.notify_all();
+            return Ok(st.most);
+        }
+        let (round, deadline) = (st.round, Instant::now() + self.timeout);
+        while st.round == round && st.down.is_none() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let missing: Vec<usize> = (0..self.world).filter(|&r| st.arrived[r].is_none()).collect();
+                let why =
+                    format!("watchdog: ranks {missing:?} did not join the {pass:?} pass within {:?}", self.timeout);
+                st.down = Some(why);
+                self.cv.notify_all();
+                break;
+            }
+            st = self.cv.wait_timeout(st, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+        match &st.down {
+            Some(why) => Err(EngineError::GroupDown(why.clone())),
+            None => Ok(st.most),
+        }
+    }
 }
 
 impl FakeBackend {
@@ -46,7 +153,26 @@ impl FakeBackend {
             broken: Mutex::new(None),
             calls: AtomicUsize::new(0),
             delay_us: AtomicU64::new(0),
+            group: None,
+            steps: Steps::default(),
         })
+    }
+
+    /// [`FakeBackend::new`] as rank `rank` of `group`.
+    pub fn ep_rank(vocab_size: usize, group: &Arc<FakeGroup>, rank: usize) -> Arc<Self> {
+        let mut b = Arc::into_inner(Self::new(vocab_size)).expect("just made");
+        b.group = Some((group.clone(), rank));
+        Arc::new(b)
+    }
+
+    /// In a group: `pass` in its place in the step, with `rows` rows.
+    fn lockstep(&self, pass: Pass, rows: usize) -> Result<(), EngineError> {
+        let Some((g, rank)) = &self.group else { return Ok(()) };
+        self.steps.enter(pass, &mut |p| Ok(g.agree(*rank, p, 0)? > 0))?;
+        if g.agree(*rank, pass, rows)? > 0 {
+            self.steps.mark_busy();
+        }
+        Ok(())
     }
 
     /// Main-model or MTP call number `call` (1-based, counting all calls made so far) fails with `failure`.
@@ -131,8 +257,10 @@ impl FakeBackend {
         &self,
         cache: &KvCache,
         batch: &[SeqInput<'_>],
+        form: AttnForm,
         on_layer: LayerDone<'_>,
     ) -> Result<Vec<SeqOutput>, EngineError> {
+        self.lockstep(Pass::main(form), batch.iter().map(|s| s.tokens.len()).sum())?;
         self.begin_call()?;
         let layers = 0..self.cfg.num_hidden_layers;
         let outs = batch
@@ -170,6 +298,15 @@ impl Backend for FakeBackend {
         MemoryBudget::default()
     }
 
+    fn expert_parallel(&self) -> Option<engine::EpRank> {
+        self.group.as_ref().map(|(g, rank)| engine::EpRank { rank: *rank, world: g.world })
+    }
+
+    fn end_step(&self) -> Result<bool, EngineError> {
+        let Some((g, rank)) = &self.group else { return Ok(false) };
+        self.steps.finish(&mut |p| Ok(g.agree(*rank, p, 0)? > 0))
+    }
+
     fn draft(&self, logits: &DeviceRows, row: usize) -> Result<(u32, f32), EngineError> {
         Ok((sampling::argmax(logits.host_row(row)?), 1.0))
     }
@@ -180,11 +317,11 @@ impl Backend for FakeBackend {
         batch: &[SeqInput<'_>],
         on_layer: LayerDone<'_>,
     ) -> Result<Vec<SeqOutput>, EngineError> {
-        self.main(cache, batch, on_layer)
+        self.main(cache, batch, AttnForm::Prefill, on_layer)
     }
 
     fn decode(&self, cache: &KvCache, batch: &[SeqInput<'_>]) -> Result<Vec<SeqOutput>, EngineError> {
-        self.main(cache, batch, &mut |_, _| {})
+        self.main(cache, batch, AttnForm::Decode, &mut |_, _| {})
     }
 
     fn mtp(
@@ -194,6 +331,7 @@ impl Backend for FakeBackend {
         _form: AttnForm,
         on_layer: LayerDone<'_>,
     ) -> Result<Vec<SeqOutput>, EngineError> {
+        self.lockstep(Pass::Mtp, batch.iter().map(|m| m.next_tokens.len()).sum())?;
         self.begin_call()?;
         let l = self.cfg.num_hidden_layers;
         let outs = batch

@@ -30,7 +30,11 @@ impl LoadedModel {
         engine::device::check_available(args.device)?;
         let ckpt = Checkpoint::open_model(&args.model)
             .with_context(|| format!("opening checkpoint {}", args.model.display()))?;
-        let backend = engine::device::load_backend(&ckpt, args.backend_options())
+        let ep = args.ep_config()?;
+        if let Some(e) = &ep {
+            tracing::info!(rank = e.rank, world = e.world, leader = %e.leader, "joining the expert-parallel group");
+        }
+        let backend = engine::device::load_backend_ep(&ckpt, args.backend_options(), ep.as_ref())
             .with_context(|| format!("loading {} on {}", args.model.display(), args.device))?;
         let cfg: ModelConfig = backend.config().clone();
         let limits =

@@ -111,6 +111,8 @@ pub struct CudaBackend {
     ep: Option<EpGroup>,
     /// The running call's agreed expert-parallel capacity (rows).
     ep_cap: std::sync::atomic::AtomicUsize,
+    /// Where this rank is in the current step's passes ([`Pass::STEP`]).
+    ep_step: crate::lockstep::Steps,
 }
 
 use crate::backend::BatchItem as Item;
@@ -222,6 +224,7 @@ impl CudaBackend {
             topk_launches: Default::default(),
             ep,
             ep_cap: Default::default(),
+            ep_step: Default::default(),
         })
     }
 
@@ -966,12 +969,13 @@ impl CudaBackend {
         let (pool, items) = match checked {
             Ok((pool, items)) if !items.is_empty() => (pool, items),
             other => {
-                self.ep_idle(Pass::Main)?;
+                self.ep_idle(Pass::main(form))?;
                 return other.map(|_| Vec::new());
             }
         };
+        self.ep_enter(Pass::main(form))?;
         let mut run = || -> Result<Vec<SeqOutput>, EngineError> {
-            let (mut ws, inp) = self.begin(&items, form, Pass::Main)?;
+            let (mut ws, inp) = self.begin(&items, form, Pass::main(form))?;
             let tokens: Vec<i32> = batch.iter().flat_map(|b| b.tokens.iter().map(|&t| t as i32)).collect();
             let h = self.embed(&mut ws, &self.w.embed, &tokens, None)?;
             // A layer's intermediates are dead once its last kernel is issued (the residual stream `h` and the
@@ -991,7 +995,8 @@ impl CudaBackend {
 
     /// Starts a call over `items` (not empty): the context bound to this thread, the workspace reset, the
     /// call's inputs uploaded.
-    /// Under expert parallelism, the call's capacity agreed with the other ranks first (engine::cuda::ep).
+    /// Under expert parallelism, the call's capacity agreed with the other ranks first (engine::cuda::ep;
+    /// [`ep_enter`](Self::ep_enter) before).
     fn begin(
         &self,
         items: &[Item<'_>],
@@ -1004,36 +1009,61 @@ impl CudaBackend {
         if let Some(ep) = &self.ep {
             let rows = items.iter().map(|it| it.n).sum();
             self.ep_cap.store(ep::capacity(ep.agree(rows, pass)?), std::sync::atomic::Ordering::Relaxed);
+            self.ep_step.mark_busy();
         }
         let inp = self.inputs(&mut ws, items, form)?;
         Ok((ws, inp))
     }
 
-    /// A rank's share of `pass` without rows of its own (expert parallelism; nothing otherwise): the
-    /// agreement, then every MoE layer of the pass with an empty batch, computing the other ranks' pairs on
-    /// this rank's experts; the agreement alone where every rank is idle.
+    /// A rank's share of `pass` without rows of its own (expert parallelism; nothing otherwise), in its
+    /// place in the step ([`ep_enter`](Self::ep_enter)).
     fn ep_idle(&self, pass: Pass) -> Result<(), EngineError> {
-        let Some(ep) = &self.ep else { return Ok(()) };
-        self.gpu.context().bind_to_thread().map_err(dev)?;
-        let mut ws = self.ws.lock().unwrap_or_else(|p| p.into_inner());
-        ws.reset();
-        let most = ep.agree(0, pass)?;
-        if most == 0 {
-            // Every rank is idle: no rank has a pair to exchange, so the pass is the agreement alone.
-            return self.ep_step_issued();
+        self.ep_enter(pass)?;
+        if self.ep_join_empty(pass)? {
+            self.ep_step.mark_busy();
         }
-        self.ep_cap.store(ep::capacity(most), std::sync::atomic::Ordering::Relaxed);
-        let layers: Vec<&DLayer> = match pass {
-            Pass::Main => self.w.layers.iter().map(|l| &**l).collect(),
-            Pass::Mtp => self.w.mtp.iter().map(|m| &m.layer).collect(),
-        };
-        let mark = ws.mark();
-        let run = || -> Result<(), EngineError> {
+        Ok(())
+    }
+
+    /// Before this rank issues `pass` (expert parallelism; nothing otherwise): the passes of the step it
+    /// skips are joined empty, or the last step is completed first (crate::lockstep::Steps).
+    fn ep_enter(&self, pass: Pass) -> Result<(), EngineError> {
+        if self.ep.is_none() {
+            return Ok(());
+        }
+        self.ep_step.enter(pass, &mut |p| self.ep_join_empty(p))
+    }
+
+    /// `pass` with an empty batch: the agreement, then every MoE layer of the pass, computing the other
+    /// ranks' pairs on this rank's experts; the agreement alone where every rank is idle. A model without
+    /// an MTP layer has no MTP pass. Whether some rank had rows.
+    fn ep_join_empty(&self, pass: Pass) -> Result<bool, EngineError> {
+        let Some(ep) = &self.ep else { return Ok(false) };
+        if pass == Pass::Mtp && self.w.mtp.is_none() {
+            return Ok(false);
+        }
+        let run = || -> Result<bool, EngineError> {
+            self.gpu.context().bind_to_thread().map_err(dev)?;
+            let mut ws = self.ws.lock().unwrap_or_else(|p| p.into_inner());
+            ws.reset();
+            let most = ep.agree(0, pass)?;
+            if most == 0 {
+                // Every rank is idle: no rank has a pair to exchange, so the pass is the agreement alone.
+                self.ep_step_issued()?;
+                return Ok(false);
+            }
+            self.ep_cap.store(ep::capacity(most), std::sync::atomic::Ordering::Relaxed);
+            let layers: Vec<&DLayer> = match pass {
+                Pass::Main | Pass::MainPrefill => self.w.layers.iter().map(|l| &**l).collect(),
+                Pass::Mtp => self.w.mtp.iter().map(|m| &m.layer).collect(),
+            };
+            let mark = ws.mark();
             for l in layers.into_iter().filter(|l| matches!(l.ffn, DFfn::Moe(_))) {
                 self.ffn(&mut ws, &l.ffn, 0, 0, 0)?;
                 ws.rewind(mark);
             }
-            self.ep_step_issued()
+            self.ep_step_issued()?;
+            Ok(true)
         };
         self.ep_fail_fast(run())
     }
@@ -1047,11 +1077,14 @@ impl CudaBackend {
     }
 
     /// Under expert parallelism, a call that failed after its agreement leaves the other ranks waiting in
-    /// its collectives: the group is aborted at once (every rank's calls fail from then on).
+    /// its collectives: the group is aborted at once (every rank's calls fail from then on). A failure
+    /// because the group was already down (another rank lost, the watchdog) is [`EngineError::GroupDown`].
     fn ep_fail_fast<T>(&self, r: Result<T, EngineError>) -> Result<T, EngineError> {
-        if let (Err(e), Some(ep)) = (&r, &self.ep) {
-            ep.abort(&format!("a step failed on this rank after the ranks agreed on it: {e}"));
+        let (Err(e), Some(ep)) = (&r, &self.ep) else { return r };
+        if let Some(why) = ep.is_down() {
+            return Err(EngineError::GroupDown(why));
         }
+        ep.abort(&format!("a step failed on this rank after the ranks agreed on it: {e}"));
         r
     }
 
@@ -1059,9 +1092,7 @@ impl CudaBackend {
     /// delivered their data: an error instead (expert parallelism; nothing otherwise).
     fn ep_outputs_valid(&self) -> Result<(), EngineError> {
         match self.ep.as_ref().and_then(EpGroup::is_down) {
-            Some(why) => Err(EngineError::Device(format!(
-                "the expert-parallel group is down, so this step's outputs are lost: {why}"
-            ))),
+            Some(why) => Err(EngineError::GroupDown(format!("this step's outputs are lost: {why}"))),
             None => Ok(()),
         }
     }
@@ -1125,6 +1156,17 @@ impl Backend for CudaBackend {
 
     fn take_kernel_profile(&self) -> Result<Vec<crate::KernelTime>, EngineError> {
         Ok(self.gpu.profiler().take()?)
+    }
+
+    fn expert_parallel(&self) -> Option<crate::EpRank> {
+        self.ep.as_ref().map(|e| crate::EpRank { rank: e.shard().rank, world: e.shard().world })
+    }
+
+    fn end_step(&self) -> Result<bool, EngineError> {
+        if self.ep.is_none() {
+            return Ok(false);
+        }
+        self.ep_step.finish(&mut |p| self.ep_join_empty(p))
     }
 
     fn config(&self) -> &ModelConfig {
@@ -1278,6 +1320,7 @@ impl Backend for CudaBackend {
                 return other.map(|_| Vec::new());
             }
         };
+        self.ep_enter(Pass::Mtp)?;
         let row0: usize = items.iter().map(|it| it.n).sum();
         let mut run = || -> Result<Vec<SeqOutput>, EngineError> {
             let (mut ws, inp) = self.begin(&items, form, Pass::Mtp)?;

@@ -20,8 +20,11 @@
 //!
 //! Lockstep: every forward call starts with [`EpGroup::agree`], one all-reduce of (rows, pass) that gives
 //! the call's capacity (the largest rank's rows) and refuses ranks that are not running the same pass. A
-//! rank without rows calls the same pass with an empty batch ([`super::CudaBackend`] does so for an empty
-//! `decode`, `prefill` or `mtp`): it computes the others' pairs on its experts and joins every collective.
+//! scheduling step is the three passes of [`Pass::STEP`] in order (main layers in the decode form, in the
+//! prefill form, the MTP layer); [`super::CudaBackend`] joins every pass a rank has no rows for with an
+//! empty batch (an empty call, a pass skipped on the way to a later one, the rest of the step at
+//! `Backend::end_step`): it computes the others' pairs on its experts and joins every collective. A pass
+//! where every rank is idle is the agreement alone.
 //!
 //! Ranks find each other through a leader address (`host:port`, rank 0 listens): each rank says hello with
 //! its rank and world size, and the leader answers with the NCCL unique id once every rank has arrived.
@@ -228,12 +231,7 @@ fn init_comm(gpu: &Gpu, cfg: &EpConfig, id: nccl::ncclUniqueId) -> Result<nccl::
     }
 }
 
-/// Which forward pass a collective belongs to: ranks must run the same one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Pass {
-    Main = 1,
-    Mtp = 2,
-}
+pub use crate::lockstep::Pass;
 
 /// The communicator and what the watchdog shares with the forward calls.
 struct Shared {

@@ -54,6 +54,9 @@ pub enum AttemptEnd {
     Failed(ApiError),
     /// The decode worker gave the request back; prefill prompt + generated again on any pair.
     Preempted(String),
+    /// The decode worker was lost mid-stream; continued as after a preemption, at most `--max-retries`
+    /// times (a request that brings workers down is not handed to every worker in turn).
+    DecodeLost(String),
     /// Prefill failed before producing the first token of this attempt.
     RetryPrefill(String),
     /// The decode worker could not reserve (full) or could not be reached.
@@ -308,10 +311,7 @@ impl<'a> Attempt<'a> {
     async fn decode_ended(&mut self, finish: Option<FinishReason>) -> Step {
         match finish {
             Some(reason) => ControlFlow::Break(self.finish(reason).await),
-            None => {
-                self.guard.reason = "decode stream ended early";
-                ControlFlow::Break(self.closed_early())
-            }
+            None => ControlFlow::Break(self.decode_lost("closed the stream without finishing the request")),
         }
     }
 
@@ -331,12 +331,19 @@ impl<'a> Attempt<'a> {
                     return ControlFlow::Continue(State::AwaitPrefill { call, finish: None });
                 }
                 decode.breaker.failure();
-                self.guard.reason = "decode stream ended early";
-                return ControlFlow::Break(self.closed_early());
+                // The worker went away mid-stream (it died, or its expert-parallel group failed):
+                // continued elsewhere, as after a preemption.
+                return ControlFlow::Break(self.decode_lost("closed the stream without finishing the request"));
             }
             Err(status) => {
                 if is_worker_fault(&status) {
                     decode.breaker.failure();
+                }
+                // The connection broke (the worker died or was cut off), not an answer from a live worker.
+                let lost =
+                    matches!(status.code(), tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled);
+                if lost && call.is_none() {
+                    return ControlFlow::Break(self.decode_lost(status.message()));
                 }
                 self.guard.reason = "decode failed";
                 if call.is_some() && !self.progressed() && is_full(&status) {
@@ -420,10 +427,12 @@ impl<'a> Attempt<'a> {
         }
     }
 
-    fn closed_early(&self) -> AttemptEnd {
-        AttemptEnd::Failed(ApiError::upstream(format!(
-            "decode worker {} closed the stream without finishing the request",
-            self.pair.decode.id
-        )))
+    /// The decode worker was lost while it decoded the request (its stream broke or closed without a
+    /// `Finished`): its blocks are gone with it, and the request continues on another pair from what it
+    /// generated (prefill prompt + generated again), as after a preemption: the output is the same.
+    fn decode_lost(&mut self, why: &str) -> AttemptEnd {
+        self.guard.decode = None;
+        self.guard.reason = "decode worker lost";
+        AttemptEnd::DecodeLost(format!("decode worker {} lost mid-stream: {why}", self.pair.decode.id))
     }
 }

@@ -212,7 +212,7 @@ impl Dispatcher {
         // Why each decode worker refused a reservation for lack of room (its own words: the sequence
         // limit or the cache blocks), for the 429 message.
         let mut decode_full: Vec<String> = Vec::new();
-        let (mut retries, mut preemptions) = (0u32, 0u32);
+        let (mut retries, mut preemptions, mut lost) = (0u32, 0u32, 0u32);
         let mut last_failure = String::new();
         let mut attempt = 0u32;
         // A request waiting for decode room holds a place among the waiters only while it waits: an
@@ -231,9 +231,10 @@ impl Dispatcher {
                 &excluded_decode,
             ) {
                 Ok(p) => p,
-                Err(_) if !decode_full.is_empty() => {
-                    // Every decode worker is full: wait for room (bounded), then try them all again.
-                    let preempted = preemptions > 0;
+                // Every decode worker is full, or a started stream lost its decode worker and none can take it
+                // now (a restarting expert-parallel group): wait for room (bounded), then try them all again.
+                Err(_) if !decode_full.is_empty() || lost > 0 => {
+                    let preempted = preemptions > 0 || lost > 0;
                     if waiter.is_none() {
                         waiter = self.capacity.enter(preempted, wait_deadline);
                         if waiter.is_some() {
@@ -258,6 +259,11 @@ impl Dispatcher {
                         decode_full.clear();
                         excluded_decode.clear();
                         continue;
+                    }
+                    if decode_full.is_empty() {
+                        return Err(ApiError::unavailable(format!(
+                            "The request's decode worker was lost and no decode worker could continue it within --preempted-wait-secs; last failure: {last_failure}"
+                        )));
                     }
                     let message =
                         format!("Every decode worker is at capacity; retry shortly. {}", decode_full.join("; "));
@@ -302,6 +308,18 @@ impl Dispatcher {
                     if preemptions > MAX_PREEMPTIONS {
                         return Err(ApiError::upstream(format!("request preempted {preemptions} times; giving up")));
                     }
+                }
+                AttemptEnd::DecodeLost(why) => {
+                    retries += 1;
+                    lost += 1;
+                    wait_deadline = None;
+                    self.metrics.retries.with_label_values(&["decode_lost"]).inc();
+                    warn!(worker = %pair.decode.id, reason = %why, generated = out.generated().len(), retries, "decode worker lost; continuing the request elsewhere");
+                    last_failure = why.clone();
+                    if retries > self.limits.max_retries {
+                        return Err(ApiError::upstream(format!("{why}; gave up after {retries} attempts")));
+                    }
+                    excluded_decode.insert(pair.decode.id.clone());
                 }
                 AttemptEnd::RetryPrefill(why) => {
                     retries += 1;
