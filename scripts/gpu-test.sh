@@ -57,6 +57,12 @@
 #                   synthetic:v32,layers=4,experts=128): the exchange at EP_EXCHANGE rows per rank next to plain
 #                   NCCL all-to-alls ($OUT/ep-exchange.jsonl), and EP_BENCH_ARGS measurements at EP-2 and on one GPU
 #                   ($OUT/ep-bench-rank{0,1}.json, ep-bench-one.json)
+#         serve-ep  expert-parallel workers in the cluster (2 GPUs): `tandem up --device cuda --decode 4 --decode-ep 2`
+#                   (two decode groups of two ranks, one rank of each on each GPU) checked by scripts/serve-check.py
+#                   against `tandem generate --device cuda`; scripts/fault-check.py SIGKILLs a decode rank while 8
+#                   streams of EP_FAULT_TOKENS (3000) decode, and SIGSTOPs another group's leader for 6 s: every
+#                   stream must end with generate's text; the restarted group serves again; then
+#                   `--prefill 2 --prefill-ep 2` checked the same way
 #         all       kernels, sass, loop, sanitize, model, serve
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -445,6 +451,81 @@ phase_ep() {
     ((rc == 0)) || FAILED+=(ep)
 }
 
+# One `tandem up` layout (its extra flags) until ready on port 18020; the up process id in UP_PID.
+up_ep() {
+    local name=$1
+    shift
+    # A 3 s step bound (the workers read it from the environment tandem up passes on): a 6 s SIGSTOP is a lost rank.
+    TANDEM_EP_STEP_TIMEOUT_SECS=${EP_STEP_TIMEOUT:-3} tandem up --model /tmp/tandem-gpu/tiny --served-model-name tandem-tiny \
+        --device cuda --kv-transport tcp --port 18020 --grpc-port 18021 --ready-timeout 240 "$@" >"$OUTDIR/up-ep-$name.log" 2>&1 &
+    UP_PID=$!
+    local i
+    for i in $(seq 1 240); do
+        curl -sf http://127.0.0.1:18020/ready >/dev/null 2>&1 && return 0
+        kill -0 "$UP_PID" 2>/dev/null || break
+        sleep 1
+    done
+    tail -n 30 "$OUTDIR/up-ep-$name.log"
+    return 1
+}
+
+# A check of the serve-ep phase: runs the command, logs it, and adds its row.
+ep_check() {
+    local what=$1 src=0
+    shift
+    echo "== $what" >>"$OUTDIR/serve-ep.log"
+    if declare -F "$1" >/dev/null; then
+        "$@" >>"$OUTDIR/serve-ep.log" 2>&1 || src=$?
+    else
+        timeout 400 "$@" >>"$OUTDIR/serve-ep.log" 2>&1 || src=$?
+    fi
+    echo "| serve-ep | $what | $([[ $src == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+    ((src == 0)) || FAILED+=("serve-ep: $what")
+    return $src
+}
+
+# Waits until `pattern` appears `n` times in the layout's log (ranks that joined a group), at most 180 s.
+wait_log() {
+    local log=$1 pattern=$2 n=$3 i
+    for i in $(seq 1 180); do
+        (($(grep -c "$pattern" "$log" || true) >= n)) && return 0
+        sleep 1
+    done
+    return 1
+}
+
+phase_serve_ep() {
+    nccl_lib
+    local dir=/tmp/tandem-gpu/tiny gen=$OUTDIR/generate-cuda.json long=$OUTDIR/generate-cuda-long.json log
+    [[ -f "$dir/tokenizer.json" ]] || tandem gen-tiny "$dir" >/dev/null
+    : >"$OUTDIR/serve-ep.log"
+    ep_check "tandem generate --device cuda" bash -c "tandem generate --model $dir --device cuda --prompt 'The quick brown fox' \
+        --max-tokens 12 --ignore-eos --json >$gen && tandem generate --model $dir --device cuda \
+        --prompt 'The quick brown fox' --max-tokens ${EP_FAULT_TOKENS:-3000} --ignore-eos --json >$long" || return 0
+    log=$OUTDIR/up-ep-decode.log
+    if ep_check "tandem up --decode 4 --decode-ep 2 ready" up_ep decode --decode 4 --decode-ep 2; then
+        ep_check "decode EP: serve-check" python3 scripts/serve-check.py http://127.0.0.1:18020 tandem-tiny "$gen"
+        ep_check "decode EP: SIGKILL of a rank under 8 streams" python3 scripts/fault-check.py http://127.0.0.1:18020 \
+            tandem-tiny "$long" "decode-worker 1/2@" KILL 8
+        ep_check "decode EP: the group re-forms" wait_log "$log" "expert-parallel group joined" 6
+        ep_check "decode EP: serve-check after the restart" python3 scripts/serve-check.py http://127.0.0.1:18020 tandem-tiny "$gen"
+        ep_check "decode EP: SIGSTOP of a leader for 6 s" python3 scripts/fault-check.py http://127.0.0.1:18020 \
+            tandem-tiny "$long" "decode-worker 0/2@" STOP 8
+        ep_check "decode EP: the group re-forms again" wait_log "$log" "expert-parallel group joined" 8
+        ep_check "decode EP: serve-check at the end" python3 scripts/serve-check.py http://127.0.0.1:18020 tandem-tiny "$gen"
+        curl -s http://127.0.0.1:18020/metrics | grep -E 'tandem_router_retries_total' >>"$OUTDIR/serve-ep.log" || true
+    fi
+    kill -INT "$UP_PID" 2>/dev/null || true
+    timeout 60 tail --pid="$UP_PID" -f /dev/null || kill -KILL "$UP_PID" 2>/dev/null || true
+    grep -E 'exited|restarted|group joined|group failure|lost mid-stream' "$log" | cut -c1-240 | head -n 40 >>"$OUTDIR/serve-ep.log" || true
+    if ep_check "tandem up --prefill 2 --prefill-ep 2 ready" up_ep prefill --prefill 2 --prefill-ep 2; then
+        ep_check "prefill EP: serve-check" python3 scripts/serve-check.py http://127.0.0.1:18020 tandem-tiny "$gen"
+    fi
+    kill -INT "$UP_PID" 2>/dev/null || true
+    timeout 60 tail --pid="$UP_PID" -f /dev/null || kill -KILL "$UP_PID" 2>/dev/null || true
+    tail -n 40 "$OUTDIR/serve-ep.log"
+}
+
 phase_bench() {
     local rc=0
     for prec in fp8 full; do
@@ -480,7 +561,7 @@ PY
 }
 
 run() {
-    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|gemm|moe|bf16|f32|sparse-mla|serve|v32|serve-v32|kv|ep|all}
+    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|gemm|moe|bf16|f32|sparse-mla|serve|v32|serve-v32|kv|ep|serve-ep|all}
     [[ -d "$BUNDLE" ]] || { echo "gpu-test.sh: $BUNDLE/ is missing: run 'scripts/gpu-test.sh pack' here and carry it" >&2; exit 1; }
     unpack
     OUTDIR=${OUT:-bench/out}
@@ -516,6 +597,7 @@ run() {
         serve) phase_serve ;;
         kv) phase_kv ;;
         ep) phase_ep ;;
+        serve-ep) phase_serve_ep ;;
         all) phase_sass; phase_kernels; phase_loop; phase_model; phase_serve; phase_sanitize ;;
         *) echo "gpu-test.sh: unknown phase $phase" >&2; exit 2 ;;
     esac
