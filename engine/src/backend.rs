@@ -450,8 +450,9 @@ pub trait Backend: Send + Sync {
 
     /// Ends one scheduling step (expert parallelism; `Ok(false)` at once otherwise): joins with an empty
     /// batch every pass of the step this rank did not run (all of them on an idle rank), so every rank
-    /// issues the same collectives. Returns whether any rank had rows in the step: while one has, the others
-    /// keep stepping; when none has, the ranks may wait for work.
+    /// issues the same collectives. Every rank calls it once per step, after the step's forward calls (as
+    /// the workers' compute loops do every turn). Returns whether any rank had rows in the step: while one
+    /// has, the others keep stepping; when none has, the ranks may wait for work.
     fn end_step(&self) -> Result<bool, EngineError> {
         Ok(false)
     }
