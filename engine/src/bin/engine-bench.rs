@@ -129,7 +129,9 @@ fn parse() -> Result<Opts, String> {
 
 /// The expert-parallel exchange alone at each `--ep-exchange` capacity, next to plain NCCL all-to-alls of the
 /// same bytes (engine::cuda::ep::time_exchange), one JSON line each: bus bandwidth = (world - 1) / world x
-/// bytes received per rank / time, NCCL's convention for all-to-all.
+/// bytes received per rank / time, NCCL's convention for all-to-all. The dispatch is the ids' pack and the
+/// record's exchange; the rows' FP8 quantization before it (`quantize_us`) is the shared expert's input
+/// quantization too, which every GPU runs with or without expert parallelism.
 fn exchange(cb: &engine::cuda::CudaBackend, o: &Opts, cfg: &engine::ModelConfig) {
     let ep = cb.ep_group().expect("an expert-parallel backend");
     let world = ep.shard().world as f64;
@@ -141,6 +143,7 @@ fn exchange(cb: &engine::cuda::CudaBackend, o: &Opts, cfg: &engine::ModelConfig)
             "bench": "ep_exchange", "cap": cap, "world": world, "hidden": cfg.hidden_size, "k": cfg.num_experts_per_tok,
             "dispatch_mib_per_rank": t.dispatch_bytes as f64 / 1048576.0,
             "combine_mib_per_rank": t.combine_bytes as f64 / 1048576.0,
+            "quantize_us": t.quantize_s * 1e6,
             "dispatch_us": t.dispatch_s * 1e6, "a2a_dispatch_us": t.a2a_dispatch_s * 1e6,
             "combine_us": t.combine_s * 1e6, "a2a_combine_us": t.a2a_combine_s * 1e6,
             "dispatch_gbps": bus(t.dispatch_bytes, t.dispatch_s), "a2a_dispatch_gbps": bus(t.dispatch_bytes, t.a2a_dispatch_s),
@@ -153,7 +156,8 @@ fn exchange(cb: &engine::cuda::CudaBackend, o: &Opts, cfg: &engine::ModelConfig)
             println!("{line}");
         } else {
             println!(
-                "ep_exchange cap {cap:>5}: dispatch {:>7.1} MiB {:>8.1} us ({:.2}x a2a), combine {:>7.1} MiB {:>8.1} us ({:.2}x a2a)",
+                "ep_exchange cap {cap:>5}: quantize {:>7.1} us, dispatch {:>7.1} MiB {:>8.1} us ({:.2}x a2a), combine {:>7.1} MiB {:>8.1} us ({:.2}x a2a)",
+                t.quantize_s * 1e6,
                 t.dispatch_bytes as f64 / 1048576.0,
                 t.dispatch_s * 1e6,
                 t.a2a_dispatch_s / t.dispatch_s,

@@ -16,7 +16,7 @@ use cudarc::driver::{CudaEvent, DevicePtr, sys};
 use super::ep::{self, EpConfig, EpGroup, Pass, Shard};
 use super::ops::{Arg, DBuf, Workspace, elementwise_grid, launch};
 use super::topk::{self, HIST_WORDS, RawTopk, launch_topk};
-use super::weights::{DFfn, DLayer, DLinear, DMlp, DWeights, LoadError};
+use super::weights::{DFfn, DLayer, DLinear, DMlp, DWeights, LoadError, QuantIn};
 use super::{CudaError, Gpu, bf16_mma, indexer, moe, sparse_mla};
 use crate::backend::{
     AttnForm, Backend, DeviceRows, EngineError, Fence, LayerDone, LayerReady, MtpInput, SampleRequest, SeqInput,
@@ -427,13 +427,44 @@ impl CudaBackend {
         sel: u64,
         y: u64,
     ) -> Result<(), CudaError> {
+        self.mlp_from(ws, m, x, x_rows, a_div, sel, None, y)
+    }
+
+    /// [`mlp`](Self::mlp) where gate and up, when they take the same quantized rows (FP8 tensor-core
+    /// linears), share one quantization of x: `pre` when it is in their format (x quantized already, e.g.
+    /// into an expert-parallel dispatch record), else quantized here once.
+    #[allow(clippy::too_many_arguments)]
+    fn mlp_from(
+        &self,
+        ws: &mut Workspace,
+        m: &DMlp,
+        x: u64,
+        x_rows: usize,
+        a_div: usize,
+        sel: u64,
+        pre: Option<&QuantIn>,
+        y: u64,
+    ) -> Result<(), CudaError> {
         let s = self.stream();
         let rows = x_rows * a_div;
         let inter = m.gate.out_features();
         let g = ws.take::<f32>(s, rows * inter)?;
         let u = ws.take::<f32>(s, rows * inter)?;
-        m.gate.forward(&self.gpu, ws, x, x_rows, a_div, sel, g)?;
-        m.up.forward(&self.gpu, ws, x, x_rows, a_div, sel, u)?;
+        let format = m.gate.quant_format().filter(|f| a_div == 1 && sel == 0 && m.up.quant_format() == Some(*f));
+        match format {
+            Some(f) if rows > 0 => {
+                let q = match pre {
+                    Some(q) if q.format == f => *q,
+                    _ => m.gate.quantize_input(&self.gpu, ws, x, x_rows)?,
+                };
+                m.gate.forward_quantized(&self.gpu, ws, &q, x_rows, g)?;
+                m.up.forward_quantized(&self.gpu, ws, &q, x_rows, u)?;
+            }
+            _ => {
+                m.gate.forward(&self.gpu, ws, x, x_rows, a_div, sel, g)?;
+                m.up.forward(&self.gpu, ws, x, x_rows, a_div, sel, u)?;
+            }
+        }
         let n = rows * inter;
         launch(
             &self.gpu,
@@ -453,6 +484,16 @@ impl CudaBackend {
         };
         let c = &self.cfg;
         let (s, hidden, e, k) = (self.stream(), c.hidden_size, c.n_routed_experts, c.num_experts_per_tok);
+        // Expert parallelism: the rows are quantized first, into this rank's dispatch record
+        // (engine::cuda::ep), which the shared expert reads too: one quantization of x for both.
+        let record = match &self.ep {
+            Some(ep) => {
+                ep.pace()?;
+                let cap = self.ep_cap.load(std::sync::atomic::Ordering::Relaxed);
+                Some(ep::quantize(&self.gpu, ws, c, ep::record_format(m, hidden)?, x, rows, cap)?)
+            }
+            None => None,
+        };
         let ids = ws.take::<i32>(s, (rows * k).max(1))?;
         let weights = ws.take::<f32>(s, (rows * k).max(1))?;
         let mut shared = 0;
@@ -462,14 +503,14 @@ impl CudaBackend {
             moe::route(&self.gpu, c, logits, m.bias.as_ref().map_or(0, DBuf::ptr), rows, ids, weights)?;
             if let Some(sh) = &m.shared {
                 shared = ws.take::<f32>(s, rows * hidden)?;
-                self.mlp(ws, sh, x, rows, 1, 0, shared)?;
+                let pre = record.as_ref().map(ep::Quantized::input);
+                self.mlp_from(ws, sh, x, rows, 1, 0, pre.as_ref(), shared)?;
             }
         }
-        // Expert parallelism: the routed experts of every rank (engine::cuda::ep); a rank without rows still
-        // computes the others' pairs on its experts.
-        if let Some(ep) = &self.ep {
-            let cap = self.ep_cap.load(std::sync::atomic::Ordering::Relaxed);
-            return ep::moe_forward(&self.gpu, ws, ep, c, m, x, rows, cap, ids, weights, shared, y);
+        // Expert parallelism: the routed experts of every rank; a rank without rows still computes the others'
+        // pairs on its experts.
+        if let (Some(ep), Some(q)) = (&self.ep, &record) {
+            return ep::moe_forward(&self.gpu, ws, ep, c, m, q, rows, ids, weights, shared, y);
         }
         // Experts that share weights (a synthetic model's) run as the matrix they share.
         let e = match &m.expert_map {

@@ -337,34 +337,9 @@ impl DLinear {
                 ],
             ),
             // Dense rows with DeepSeek's 128 x 128 weight blocks: the tensor-core GEMM (engine::cuda::gemm).
-            DLinear::Fp8 { codes, scales, out, inp, kpad, ue8m0, maps: Some(maps), .. } if sel == 0 && a_div == 1 => {
-                let ld = gemm::scale_ld(x_rows);
-                let (qa, sa) = act_quant(gpu, ws, x, x_rows, *inp, *kpad, *ue8m0, ld, 0)?;
-                let plan = gemm::Plan::new(x_rows, *out, *kpad, gpu.info().multiprocessors as usize);
-                let part = match plan.partial_len(x_rows, *out) {
-                    0 => 0,
-                    len => ws.take::<f32>(gpu.stream(), len)?,
-                };
-                let raw = gemm::RawGemm {
-                    qa,
-                    sa_t: sa,
-                    scale_ld: ld,
-                    w: codes.ptr(),
-                    ws: scales.ptr(),
-                    scale_cols: inp.div_ceil(gemm::BK),
-                    y,
-                    part,
-                    bf16_out: false,
-                    rows: x_rows,
-                    n: *out,
-                    kpad: *kpad,
-                    w_maps: Some(**maps),
-                    row_tiles: 0,
-                    tile_slots: 0,
-                    groups: 1,
-                    out_rows: 0,
-                };
-                gemm::launch(gpu, &raw, plan)
+            DLinear::Fp8 { maps: Some(_), .. } if sel == 0 && a_div == 1 => {
+                let q = self.quantize_input(gpu, ws, x, x_rows)?;
+                self.forward_quantized(gpu, ws, &q, x_rows, y)
             }
             // Routed experts' (token, slot) rows and other weight blocks: one warp per output column.
             DLinear::Fp8 { codes, scales, out, inp, kpad, block, ue8m0, .. } => {
@@ -397,6 +372,98 @@ impl DLinear {
             }
         }
     }
+
+    /// The input format of the tensor-core FP8 path, if this linear takes it: its rows quantized per 128
+    /// channels ([`QuantIn`]). Linears with the same format can share one quantization of the same rows.
+    pub fn quant_format(&self) -> Option<QuantFormat> {
+        match self {
+            DLinear::Fp8 { inp, kpad, ue8m0, maps: Some(_), .. } => {
+                Some(QuantFormat { inp: *inp, kpad: *kpad, ue8m0: *ue8m0 })
+            }
+            _ => None,
+        }
+    }
+
+    /// `x [rows, inp]` f32 quantized as this linear's tensor-core path takes it (workspace codes and
+    /// transposed scales).
+    pub fn quantize_input(&self, gpu: &Gpu, ws: &mut Workspace, x: u64, rows: usize) -> Result<QuantIn, CudaError> {
+        let f = self
+            .quant_format()
+            .ok_or_else(|| CudaError::Shape("only an FP8 linear with 128 x 128 blocks takes quantized rows".into()))?;
+        let ld = gemm::scale_ld(rows);
+        let (qa, sa) = act_quant(gpu, ws, x, rows, f.inp, f.kpad, f.ue8m0, ld, 0)?;
+        Ok(QuantIn { qa, sa, ld, format: f })
+    }
+
+    /// `y [rows, out]` f32 from rows already quantized in this linear's format (the tensor-core GEMM).
+    pub fn forward_quantized(
+        &self,
+        gpu: &Gpu,
+        ws: &mut Workspace,
+        q: &QuantIn,
+        x_rows: usize,
+        y: u64,
+    ) -> Result<(), CudaError> {
+        if x_rows == 0 {
+            return Ok(());
+        }
+        match self {
+            DLinear::Fp8 { codes, scales, out, inp, kpad, maps: Some(maps), .. }
+                if self.quant_format() == Some(q.format) =>
+            {
+                let (qa, sa, ld) = (q.qa, q.sa, q.ld);
+                let plan = gemm::Plan::new(x_rows, *out, *kpad, gpu.info().multiprocessors as usize);
+                let part = match plan.partial_len(x_rows, *out) {
+                    0 => 0,
+                    len => ws.take::<f32>(gpu.stream(), len)?,
+                };
+                let raw = gemm::RawGemm {
+                    qa,
+                    sa_t: sa,
+                    scale_ld: ld,
+                    w: codes.ptr(),
+                    ws: scales.ptr(),
+                    scale_cols: inp.div_ceil(gemm::BK),
+                    y,
+                    part,
+                    bf16_out: false,
+                    rows: x_rows,
+                    n: *out,
+                    kpad: *kpad,
+                    w_maps: Some(**maps),
+                    row_tiles: 0,
+                    tile_slots: 0,
+                    groups: 1,
+                    out_rows: 0,
+                };
+                gemm::launch(gpu, &raw, plan)
+            }
+            _ => Err(CudaError::Shape(format!(
+                "rows quantized as {:?} do not fit this linear ({:?})",
+                q.format,
+                self.quant_format()
+            ))),
+        }
+    }
+}
+
+/// How a tensor-core FP8 linear quantizes its input rows: `inp` channels padded to `kpad`, per-128 scales
+/// (powers of two with `ue8m0`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuantFormat {
+    pub inp: usize,
+    pub kpad: usize,
+    pub ue8m0: bool,
+}
+
+/// Rows quantized in a [`QuantFormat`]: codes `qa [rows, kpad]` and scales `sa [kpad / 128, ld]`
+/// (transposed, `ld` a multiple of 4 of at least the rows).
+#[derive(Debug, Clone, Copy)]
+pub struct QuantIn {
+    pub qa: u64,
+    pub sa: u64,
+    pub ld: usize,
+    pub format: QuantFormat,
 }
 
 /// Quantizes `x [rows, inp]` per row per 128 channels into workspace codes `[rows, kpad]` and scales:
