@@ -172,14 +172,22 @@ fn serve_id(cfg: &EpConfig, id: &nccl::ncclUniqueId) -> Result<(), String> {
 /// A non-leader's side: hello to the leader (retried until it listens), then its NCCL id.
 fn fetch_id(cfg: &EpConfig) -> Result<nccl::ncclUniqueId, String> {
     let deadline = Instant::now() + cfg.timeout;
+    // The leader's name may not resolve yet either (its pod not scheduled, its DNS record not published):
+    // resolution is retried until the deadline like the connection.
     let mut conn = loop {
-        let addrs: Vec<_> = cfg.leader.to_socket_addrs().map_err(|e| format!("{}: {e}", cfg.leader))?.collect();
-        match addrs.first().map(|a| TcpStream::connect_timeout(a, Duration::from_secs(2))) {
-            Some(Ok(c)) => break c,
-            _ if Instant::now() > deadline => {
-                return Err(format!("the leader at {} did not answer within {:?}", cfg.leader, cfg.timeout));
+        let tried = match cfg.leader.to_socket_addrs() {
+            Ok(mut addrs) => match addrs.next() {
+                Some(a) => TcpStream::connect_timeout(&a, Duration::from_secs(2)).map_err(|e| e.to_string()),
+                None => Err("no address".to_string()),
+            },
+            Err(e) => Err(e.to_string()),
+        };
+        match tried {
+            Ok(c) => break c,
+            Err(e) if Instant::now() > deadline => {
+                return Err(format!("the leader at {} did not answer within {:?} ({e})", cfg.leader, cfg.timeout));
             }
-            _ => std::thread::sleep(Duration::from_millis(50)),
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
         }
     };
     let mut hello = HELLO.to_vec();
@@ -1006,6 +1014,39 @@ mod tests {
         for bad in ["1/2", "2/2@h:1", "a/2@h:1", "1/0@h:1", "0/2@host"] {
             assert!(EpConfig::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    fn cfg(rank: usize, leader: &str, timeout_ms: u64) -> EpConfig {
+        EpConfig {
+            timeout: Duration::from_millis(timeout_ms),
+            ..EpConfig::parse(&format!("{rank}/2@{leader}")).unwrap()
+        }
+    }
+
+    #[test]
+    fn a_rank_waits_for_a_leader_that_comes_late_and_gets_its_id() {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let leader = format!("127.0.0.1:{port}");
+        let rank1 = std::thread::spawn({
+            let c = cfg(1, &leader, 10_000);
+            move || fetch_id(&c)
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let mut id = nccl::ncclUniqueId { internal: [0; 128] };
+        for (i, c) in id.internal.iter_mut().enumerate() {
+            *c = i as std::ffi::c_char;
+        }
+        serve_id(&cfg(0, &leader, 10_000), &id).unwrap();
+        assert_eq!(rank1.join().unwrap().unwrap().internal, id.internal);
+    }
+
+    #[test]
+    fn a_leader_name_that_never_resolves_is_retried_until_the_deadline() {
+        // `.invalid` never resolves (RFC 6761): as a leader pod whose DNS record is not published yet.
+        let t0 = Instant::now();
+        let e = fetch_id(&cfg(1, "tandem-leader.invalid:29500", 400)).unwrap_err();
+        assert!(t0.elapsed() >= Duration::from_millis(400), "gave up after {:?}: {e}", t0.elapsed());
+        assert!(e.contains("did not answer within") && e.contains("tandem-leader.invalid"), "{e}");
     }
 
     #[test]
