@@ -4,8 +4,11 @@
   validate FILE...            every document against the pinned Kubernetes schema (strict), CRDs against
                               the pinned schemas in deploy/helm/schemas; an unknown kind fails.
   check-config FILE...        every tandem role container's command, with its environment resolved as the
-                              kubelet would (ConfigMaps, fieldRefs, $(VAR) expansion), run with
-                              --check-config; `tandem verify` init containers must parse their arguments.
+                              kubelet would (ConfigMaps, fieldRefs, $(VAR) expansion from the variables
+                              defined before), run with --check-config; `tandem verify` init containers must
+                              parse their arguments. A LeaderWorkerSet is checked as one group's leader
+                              (worker-index 0) and its rank 1, and each rank's --ep / TANDEM_EP must name
+                              its rank, the group size and its group leader's DNS name and ep port.
                               Secret volumes (TLS) are mounted as a test CA's ca.crt, tls.crt and tls.key.
   boot [--set K=V]...         renders the CPU/tiny values (plus --set values, e.g. tls.enabled) with free
                               ports, starts the rendered commands as local processes (etcd, router, prefill,
@@ -132,32 +135,58 @@ def cmd_validate(args):
 
 
 # ------------------------------------------------------------------------------ pods and their environment
+# The labels the LeaderWorkerSet controller puts on its pods.
+LWS_GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
+LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+
+
+class PodTemplate:
+    """One pod a workload would create: a sample name and labels (what fieldRefs read), and its spec."""
+
+    def __init__(self, workload, name, template, extra_labels=None):
+        self.workload = workload
+        self.name = name
+        self.spec = template["spec"]
+        self.labels = dict(template.get("metadata", {}).get("labels", {}))
+        self.labels.update(extra_labels or {})
+
+
 def pod_templates(docs):
-    """(workload, pod name, pod spec) for every pod template: Deployments, StatefulSets, LeaderWorkerSets."""
+    """Every pod template (Deployments, StatefulSets, LeaderWorkerSets) as PodTemplates. A LeaderWorkerSet
+    gives one group's leader (worker 0, from leaderTemplate or else workerTemplate) and its worker 1, with
+    the labels the LWS controller sets, so that both sides of an expert-parallel group are checked: group 1
+    where there are several (a group index written as 0 then shows), else group 0."""
     out = []
     for _, d in docs:
         kind, name = d["kind"], d["metadata"]["name"]
         if kind == "Deployment":
-            out.append((d, f"{name}-5d8f7c9b4-x2x7q", d["spec"]["template"]["spec"]))
+            out.append(PodTemplate(d, f"{name}-5d8f7c9b4-x2x7q", d["spec"]["template"]))
         elif kind == "StatefulSet":
-            out.append((d, f"{name}-0", d["spec"]["template"]["spec"]))
+            out.append(PodTemplate(d, f"{name}-0", d["spec"]["template"]))
         elif kind == "LeaderWorkerSet":
             lwt = d["spec"]["leaderWorkerTemplate"]
-            if "leaderTemplate" in lwt:
-                out.append((d, f"{name}-0", lwt["leaderTemplate"]["spec"]))
-            out.append((d, f"{name}-0-1", lwt["workerTemplate"]["spec"]))
+            group = 1 if d["spec"].get("replicas", 1) > 1 else 0
+            lws = {"leaderworkerset.sigs.k8s.io/name": name, LWS_GROUP_INDEX: str(group)}
+            out.append(PodTemplate(d, f"{name}-{group}", lwt.get("leaderTemplate", lwt["workerTemplate"]),
+                                   {**lws, LWS_WORKER_INDEX: "0"}))
+            if lwt.get("size", 1) > 1:
+                out.append(PodTemplate(d, f"{name}-{group}-1", lwt["workerTemplate"], {**lws, LWS_WORKER_INDEX: "1"}))
     return out
 
 
-VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+VAR_REF = re.compile(r"\$(\$|\(([A-Za-z_][A-Za-z0-9_]*)\))")
 
 
 def expand(s, env):
-    """The kubelet's $(VAR) expansion: defined variables are replaced, others kept as written."""
-    return VAR_REF.sub(lambda m: env.get(m.group(1), m.group(0)), s)
+    """The kubelet's $(VAR) expansion: a variable defined so far is replaced, an undefined one kept as
+    written, and $$ is an escaped $ ($$(VAR) stays $(VAR))."""
+    return VAR_REF.sub(lambda m: "$" if m.group(1) == "$" else env.get(m.group(2), m.group(0)), s)
 
 
-def container_env(container, pod_name, config_maps):
+def container_env(container, pod, config_maps):
+    """The container's environment as the kubelet builds it: envFrom first, then env in order, each value
+    expanded from the variables defined before it; fieldRefs read the sample pod's name, IP and labels (a
+    missing label reads as "", as in Kubernetes)."""
     env = {}
     for src in container.get("envFrom", []):
         ref = src.get("configMapRef")
@@ -173,12 +202,13 @@ def container_env(container, pod_name, config_maps):
             vf = e["valueFrom"]
             if "fieldRef" in vf:
                 field = vf["fieldRef"]["fieldPath"]
+                label = re.fullmatch(r"metadata\.labels\['([^']+)'\]", field)
                 if field == "metadata.name":
-                    env[e["name"]] = pod_name
+                    env[e["name"]] = pod.name
                 elif field == "status.podIP":
                     env[e["name"]] = POD_IP
-                elif field.startswith("metadata.labels["):
-                    env[e["name"]] = "0"
+                elif label:
+                    env[e["name"]] = pod.labels.get(label.group(1), "")
                 else:
                     raise SystemExit(f"unsupported fieldRef {field}")
             elif "secretKeyRef" in vf:
@@ -189,6 +219,7 @@ def container_env(container, pod_name, config_maps):
 
 
 def container_argv(container, env):
+    """command + args, each expanded from the container's environment (kubelet rules)."""
     argv = list(container.get("command", [])) + list(container.get("args", []))
     return [expand(str(a), env) for a in argv]
 
@@ -250,6 +281,32 @@ def base_env(extra):
 
 
 # ------------------------------------------------------------------------------------------- check-config
+def ep_group_problem(pod, container, argv, env):
+    """For a rank of a LeaderWorkerSet: what is wrong with its expert-parallel group spec, or None. The
+    spec (--ep or TANDEM_EP, resolved) must be RANK/WORLD@HOST:PORT with RANK the pod's worker index, WORLD
+    the LWS size, HOST the group leader's DNS name under the LWS's headless Service (subdomainPolicy
+    Shared: <lws>-<group>.<lws>.<namespace>.svc.<domain>) and PORT the container's "ep" port. tandem's
+    --check-config checks the spec's syntax and values; this checks that it names this pod's group."""
+    lws = pod.workload
+    name, lwt = lws["metadata"]["name"], lws["spec"]["leaderWorkerTemplate"]
+    size = lwt.get("size", 1)
+    if size <= 1:
+        return None
+    policy = (lws["spec"].get("networkConfig") or {}).get("subdomainPolicy", "Shared")
+    if policy != "Shared":
+        return f"networkConfig.subdomainPolicy {policy}: the leader address assumes Shared"
+    spec = argv[argv.index("--ep") + 1] if "--ep" in argv[:-1] else env.get("TANDEM_EP")
+    if spec is None:
+        return f"a rank of a group of {size} without --ep / TANDEM_EP"
+    ports = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
+    group, rank = pod.labels[LWS_GROUP_INDEX], pod.labels[LWS_WORKER_INDEX]
+    want = re.compile(rf"{rank}/{size}@{re.escape(name)}-{group}\.{re.escape(name)}\.[a-z0-9-]+\.svc\.[a-z0-9.-]+:{ports.get('ep')}")
+    if "ep" not in ports or not want.fullmatch(spec):
+        return (f"expert-parallel spec {spec!r}; expected {rank}/{size}@{name}-{group}.{name}.<namespace>.svc.<domain>:"
+                f"<the container's ep port: {ports.get('ep')}>")
+    return None
+
+
 def cmd_check_config(args):
     failures = checked = 0
     root = tempfile.mkdtemp(prefix="tandem-check-config-")
@@ -257,7 +314,8 @@ def cmd_check_config(args):
     for path in args.files:
         docs = load_docs([path])
         cms = config_maps(docs)
-        for workload, pod, spec in pod_templates(docs):
+        for pod in pod_templates(docs):
+            workload, spec = pod.workload, pod.spec
             secrets = secret_volumes(spec)
             for kind, containers in (("init", spec.get("initContainers", [])), ("main", spec["containers"])):
                 for c in containers:
@@ -268,8 +326,14 @@ def cmd_check_config(args):
                     if not argv or argv[0] != "tandem":
                         continue
                     env = base_env(resolved)
-                    what = f"{os.path.basename(path)}: {name_of(workload)} {kind} container {c['name']}"
+                    what = f"{os.path.basename(path)}: {name_of(workload)} pod {pod.name} {kind} container {c['name']}"
                     if argv[1] in ROLES:
+                        problem = (ep_group_problem(pod, c, argv, resolved)
+                                   if workload["kind"] == "LeaderWorkerSet" and argv[1] != "router" else None)
+                        if problem:
+                            print(f"FAIL {what}: {problem}")
+                            failures += 1
+                            continue
                         run = subprocess.run([args.tandem] + argv[1:] + ["--check-config"], env=env,
                                              capture_output=True, text=True, timeout=60)
                         ok = run.returncode == 0 and '"config-ok"' in run.stdout
@@ -311,13 +375,14 @@ def free_ports(n):
 class Pod:
     """One rendered pod run as local processes: init containers in order, then the main containers."""
 
-    def __init__(self, workload, name, spec, cms, services, namespace, root, binaries, pki):
+    def __init__(self, template, cms, services, namespace, root, binaries, pki):
         self.pki = pki
-        self.name = name
-        self.workload = workload
-        self.spec = spec
+        self.template = template
+        self.name = template.name
+        self.workload = template.workload
+        self.spec = template.spec
         self.cms = cms
-        self.dir = os.path.join(root, name)
+        self.dir = os.path.join(root, self.name)
         self.binaries = binaries
         os.makedirs(self.dir)
         self.procs = []
@@ -346,7 +411,7 @@ class Pod:
         return map_str
 
     def command(self, container):
-        env = container_env(container, self.name, self.cms)
+        env = container_env(container, self.template, self.cms)
         m = self.mapper(container)
         env = {k: m(v) for k, v in env.items()}
         argv = [m(a) for a in container_argv(container, env)]
@@ -466,11 +531,14 @@ def cmd_boot(args):
     services = [d["metadata"]["name"] for _, d in docs if d["kind"] == "Service"]
     binaries = {"tandem": os.path.abspath(args.tandem), "etcd": shutil.which("etcd") or "etcd"}
     by_component = {}
-    for workload, pod, spec in pod_templates(docs):
+    for template in pod_templates(docs):
+        workload = template.workload
         comp = workload["metadata"]["labels"]["app.kubernetes.io/component"]
+        if workload["kind"] == "LeaderWorkerSet":
+            raise SystemExit(f"boot: {name_of(workload)}: expert-parallel pools run on GPUs, not in the CPU boot test")
         if workload["spec"].get("replicas", 1) != 1:
             raise SystemExit(f"boot: {name_of(workload)} has {workload['spec']['replicas']} replicas; expected 1")
-        by_component[comp] = Pod(workload, pod, spec, cms, services, namespace, root, binaries, pki)
+        by_component[comp] = Pod(template, cms, services, namespace, root, binaries, pki)
     missing = {"etcd", "router", "prefill", "decode"} - set(by_component)
     if missing:
         raise SystemExit(f"boot: the rendered values lack {sorted(missing)}")

@@ -6,9 +6,11 @@
 #   3. every rendered manifest validated offline against the pinned Kubernetes schema (strict: unknown
 #      fields fail) and the pinned CRD schemas (ServiceMonitor, LeaderWorkerSet); an unknown kind fails;
 #   4. every rendered tandem command run with --check-config (environment resolved as the kubelet does; TLS
-#      Secrets mounted as a test CA's files, made with openssl);
+#      Secrets mounted as a test CA's files, made with openssl; an expert-parallel rank's TANDEM_EP must name
+#      its rank, group size and group leader);
 #   5. control cases: a manifest with a misspelt field or a repeated key, a command with a bad flag, a grace period
-#      shorter than the drain and an unknown value key must each be refused, so the checks can fail;
+#      shorter than the drain, an unknown value key, expert-parallel values without cuda or fp8 and ranks
+#      whose TANDEM_EP is wrong must each be refused, so the checks can fail;
 #   6. hadolint on deploy/docker/Dockerfile;
 #   7. the boot test: the CPU/tiny values rendered, run as local processes, one request served; then again
 #      with mutual TLS between the router and the workers (tls.enabled).
@@ -136,7 +138,43 @@ if "$HELM" template tandem "$CHART" --set etcd.auth.user=tandem >/dev/null 2>"$O
     exit 1
 fi
 grep -q "bundled etcd serves plaintext without authentication" "$OUT/control.log"
-log "control cases refused: misspelt field, repeated key, unknown flag, grace period <= drain timeout, unknown value key, TLS without a Secret, credentials for the bundled etcd"
+# Expert-parallel pools: values EP cannot run, the removed nodesPerWorker, and rendered ranks whose group
+# spec is wrong (a group index written as 0, a variable defined after the TANDEM_EP that uses it, a CPU
+# device under --ep) must be refused.
+refused() { # $1: what; $2: the message to find; the rest: helm template arguments
+    local what=$1 want=$2
+    shift 2
+    if "$HELM" template tandem "$CHART" "$@" >/dev/null 2>"$OUT/control.log"; then
+        log "FAIL: $what rendered"
+        exit 1
+    fi
+    grep -q -- "$want" "$OUT/control.log" || { cat "$OUT/control.log"; log "FAIL: $what: no '$want'"; exit 1; }
+}
+refused "ep > 1 without a CUDA device" "expert parallelism runs on GPUs; set decode.device to cuda" --set decode.ep=2
+refused "ep > 1 at full precision" "set model.precision to fp8" --set decode.ep=2 --set decode.device=cuda \
+    --set model.precision=full
+refused "the removed nodesPerWorker" "Additional property nodesPerWorker is not allowed" --set prefill.nodesPerWorker=2
+sed 's/\$(TANDEM_EP_GROUP)/0/' "$OUT/variants-values.yaml" >"$OUT/control-ep-group.yaml"
+awk '/- name: TANDEM_EP_RANK$/ { held = $0; getline; held = held "\n" $0; getline; held = held "\n" $0; getline;
+         held = held "\n" $0; next }
+     held && /- name: TANDEM_EP$/ { print; getline; print; print held; held = ""; next } { print }' \
+    "$OUT/variants-values.yaml" >"$OUT/control-ep-order.yaml"
+sed '/- prefill-worker$/,/envFrom:/s/- "cuda"$/- "cpu"/' "$OUT/variants-values.yaml" >"$OUT/control-ep-device.yaml"
+for bad in "ep-group:expected 0/2@tandem-prefill-1.tandem-prefill." "ep-order:spec '\$(TANDEM_EP_RANK)/2@" \
+    "ep-device:expert parallelism runs on GPUs"; do
+    want=${bad#*:} bad=${bad%%:*}
+    if cmp -s "$OUT/variants-values.yaml" "$OUT/control-$bad.yaml"; then
+        log "FAIL: the control case $bad did not change the rendered manifest"
+        exit 1
+    fi
+    if "$PY" deploy/scripts/chart_check.py check-config --tandem "$TANDEM" "$OUT/control-$bad.yaml" >"$OUT/control.log" 2>&1 \
+        || ! grep -qF -- "$want" "$OUT/control.log"; then
+        cat "$OUT/control.log"
+        log "FAIL: an expert-parallel rank with a wrong group spec ($bad) was not refused with '$want'"
+        exit 1
+    fi
+done
+log "control cases refused: misspelt field, repeated key, unknown flag, grace period <= drain timeout, unknown value key, TLS without a Secret, credentials for the bundled etcd, ep > 1 without cuda or fp8, nodesPerWorker, a wrong group index, TANDEM_EP before its variables, --ep on the CPU"
 
 # 6. the Dockerfile.
 "$TOOLS/venv/bin/hadolint" deploy/docker/Dockerfile

@@ -206,3 +206,13 @@ capabilities:
   readOnly: true
 {{- end }}
 {{- end -}}
+
+{{/* One pool in NOTES.txt: (dict "root" $ "role" "prefill"|"decode"). */}}
+{{- define "tandem.notesPool" -}}
+{{- $p := index .root.Values .role -}}
+{{- if gt (int $p.ep) 1 -}}
+{{ $p.replicas }} {{ .role }} group(s) of {{ $p.ep }} expert-parallel ranks (LeaderWorkerSet, one pod and {{ $p.gpus }} GPU(s) per rank)
+{{- else -}}
+{{ $p.replicas }} {{ .role }} worker(s)
+{{- end -}}
+{{- end -}}

@@ -1,6 +1,6 @@
 {{/*
 One worker pool's pod template: (dict "root" $ "role" "prefill"|"decode").
-The same spec serves a StatefulSet pod, or a LeaderWorkerSet leader and its followers.
+The same spec serves a StatefulSet pod, or every rank of a LeaderWorkerSet's expert-parallel groups.
 */}}
 {{- define "tandem.workerPodSpec" -}}
 {{- $root := .root -}}
@@ -70,8 +70,10 @@ containers:
       - --kv-advertise-host
       - "$(POD_IP)"
       {{- end }}
+      {{- with $p.kvBlocks }}
       - --kv-blocks
-      - {{ $p.kvBlocks | quote }}
+      - {{ . | quote }}
+      {{- end }}
       - --max-num-seqs
       - {{ $p.maxNumSeqs | quote }}
       - --max-num-batched-tokens
@@ -81,6 +83,16 @@ containers:
       {{- with $p.device }}
       - --device
       - {{ . | quote }}
+      {{- end }}
+      {{- if gt (int $p.ep) 1 }}
+      {{- with $p.epStepTimeoutSecs }}
+      - --ep-step-timeout-secs
+      - {{ . | quote }}
+      {{- end }}
+      {{- with $p.epStartTimeoutSecs }}
+      - --ep-start-timeout-secs
+      - {{ . | quote }}
+      {{- end }}
       {{- end }}
       {{- if eq $role "prefill" }}
       {{- if not $p.prefixCaching }}
@@ -112,14 +124,21 @@ containers:
       - name: TANDEM_KERNEL_CACHE
         value: {{ printf "%s/kernels" $root.Values.kernelCache.mountPath | quote }}
       {{- end }}
-      {{- if gt (int $p.nodesPerWorker) 1 }}
-      # Multi-node workers (expert parallelism, not implemented yet): the group's shape from LeaderWorkerSet.
-      - name: TANDEM_NUM_NODES
-        value: {{ $p.nodesPerWorker | quote }}
-      - name: TANDEM_NODE_RANK
+      {{- if gt (int $p.ep) 1 }}
+      {{- $lws := printf "%s-%s" $full $role }}
+      # Expert parallelism (--ep RANK/WORLD@HOST:PORT): the rank and group from the LeaderWorkerSet's pod
+      # labels (the leader, pod <lws>-G, is worker 0), the leader's stable DNS name under the LWS's headless
+      # Service. The kubelet expands $(VAR) from variables defined above, so this order matters.
+      - name: TANDEM_EP_RANK
         valueFrom:
           fieldRef:
             fieldPath: metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']
+      - name: TANDEM_EP_GROUP
+        valueFrom:
+          fieldRef:
+            fieldPath: metadata.labels['leaderworkerset.sigs.k8s.io/group-index']
+      - name: TANDEM_EP
+        value: {{ printf "$(TANDEM_EP_RANK)/%d@%s-$(TANDEM_EP_GROUP).%s.%s.svc.%s:%d" (int $p.ep) $lws $lws $root.Release.Namespace $root.Values.clusterDomain (int $p.ports.ep) | quote }}
       {{- end }}
       {{- with $p.extraEnv }}
       {{- toYaml . | nindent 6 }}
@@ -133,6 +152,11 @@ containers:
       {{- end }}
       - name: metrics
         containerPort: {{ $p.ports.metrics }}
+      {{- if gt (int $p.ep) 1 }}
+      # The group's rendezvous: rank 0 listens, the other ranks connect (NCCL then opens its own ports).
+      - name: ep
+        containerPort: {{ $p.ports.ep }}
+      {{- end }}
     # The gRPC port opens once the model is loaded (and kernels compiled); readiness is grpc.health.v1,
     # which turns NOT_SERVING when the worker drains. Kubelet gRPC probes cannot speak TLS: with tls on,
     # startup is a TCP check of the port and readiness the metrics port's /ready (503 while draining).
