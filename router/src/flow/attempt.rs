@@ -339,10 +339,12 @@ impl<'a> Attempt<'a> {
                 if is_worker_fault(&status) {
                     decode.breaker.failure();
                 }
-                // The connection broke (the worker died or was cut off), not an answer from a live worker.
+                // The connection broke (the worker died or was cut off), not an answer from a live worker: the
+                // request starts again elsewhere, whether or not prefill answered (a pending Prefill call, which
+                // ships into the lost worker, is aborted by the guard).
                 let lost =
                     matches!(status.code(), tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled);
-                if lost && call.is_none() {
+                if lost {
                     return ControlFlow::Break(self.decode_lost(status.message()));
                 }
                 self.guard.reason = "decode failed";
