@@ -553,7 +553,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn expert_parallel_ranks_step_in_lockstep_and_an_idle_rank_joins_every_pass() {
-        use engine::lockstep::Pass;
+        use worker::fake_backend::Agreement;
         let (g, ranks) = ep_pair(Duration::from_secs(5));
         // Rank 0 decodes two requests, rank 1 one that ends sooner: it idles through the last steps.
         let (p0, mut a) = admit(&ranks[0], "a", 10, 30);
@@ -575,13 +575,13 @@ mod tests {
         assert_eq!(tokens.len(), 3, "the idle rank serves again");
         let (l0, l1) = (g.log(0), g.log(1));
         let n = l0.len().min(l1.len());
-        let passes = |l: &[(Pass, usize)]| l[..n].iter().map(|x| x.0).collect::<Vec<_>>();
-        assert_eq!(passes(&l0), passes(&l1), "the ranks issue the same passes");
-        // A decode step is Main and MTP with rows, the prefill-form pass joined empty in between.
-        let busy: Vec<usize> = (0..n).filter(|&i| l0[i].1 > 0 || l1[i].1 > 0).collect();
+        // One agreement a step, the whole step's shape: every step of both ranks was agreed up front.
+        assert!(l0.iter().chain(&l1).all(|a| a.0 == Agreement::Step), "{l0:?}");
+        // A decode step brings rows to the main and MTP passes, never to the prefill form.
+        let busy = (0..n).filter(|&i| l0[i].1[0] > 0 || l1[i].1[0] > 0).count();
         // "a": 29 tokens after the prefill's, two a step (the fake's drafts are accepted): 15 steps.
-        assert!(busy.len() >= 2 * 15, "rank 0 decoded 15 steps of a: {} busy passes", busy.len());
-        assert!(busy.iter().all(|&i| l0[i].0 != Pass::MainPrefill), "a decode worker never prefills");
+        assert!(busy >= 15, "rank 0 decoded 15 steps of a: {busy} busy steps");
+        assert!(l0.iter().chain(&l1).all(|a| a.1[1] == 0), "a decode worker never prefills");
         for r in &ranks {
             wait_pool_empty(&r.model).await;
             assert_eq!(r.drain.failure(), None);

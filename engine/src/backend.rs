@@ -448,11 +448,21 @@ pub trait Backend: Send + Sync {
         None
     }
 
+    /// Begins one scheduling step (expert parallelism; nothing otherwise): `rows` bounds the rows this rank
+    /// brings to each pass of the step (`crate::lockstep::StepRows`, [`crate::lockstep::Pass::STEP`]
+    /// order: main layers in the decode form, in the prefill form, the MTP layer). The ranks agree on the
+    /// step in one small collective; its passes then run without another, and a pass no rank has rows for is
+    /// skipped. A pass that brings more rows than agreed is an error that fails the group.
+    fn begin_step(&self, _rows: crate::lockstep::StepRows) -> Result<(), EngineError> {
+        Ok(())
+    }
+
     /// Ends one scheduling step (expert parallelism; `Ok(false)` at once otherwise): joins with an empty
     /// batch every pass of the step this rank did not run (all of them on an idle rank), so every rank
-    /// issues the same collectives. Every rank calls it once per step, after the step's forward calls (as
-    /// the workers' compute loops do every turn). Returns whether any rank had rows in the step: while one
-    /// has, the others keep stepping; when none has, the ranks may wait for work.
+    /// issues the same collectives; a rank that began no step agrees on an empty one first. Every rank calls
+    /// it once per step, after the step's forward calls (as the workers' compute loops do every turn).
+    /// Returns whether any rank had rows in the step: while one has, the others keep stepping; when none
+    /// has, the ranks may wait for work.
     fn end_step(&self) -> Result<bool, EngineError> {
         Ok(false)
     }

@@ -213,6 +213,11 @@ pub fn prefill(
         seqs.iter().zip(&ranges).zip(&replay).filter(|(_, r)| **r == want).map(|((s, &rg), _)| input(s, rg)).collect()
     };
     let (replay_in, prefill_in) = (pick(true), pick(false));
+    // Under expert parallelism the step's shape is agreed first (the MTP layer runs over at most the same
+    // positions).
+    let rows = |v: &[SeqInput<'_>]| v.iter().map(|s| s.tokens.len()).sum::<usize>();
+    let (replay_rows, prefill_rows) = (rows(&replay_in), rows(&prefill_in));
+    backend.begin_step([replay_rows, prefill_rows, replay_rows + prefill_rows])?;
     // Replays first: when the prefill form announces a layer, the whole batch has written it.
     let mut replayed = backend.decode(cache, &replay_in)?.into_iter();
     let mut prefilled = if prefill_in.is_empty() {
@@ -320,6 +325,10 @@ pub fn decode_step(
         .zip(&fed_tokens)
         .map(|(s, t)| SeqInput { tokens: t, start: s.fed, blocks: &s.blocks, logits: Logits::All })
         .collect();
+    // Under expert parallelism the step's shape is agreed first: the MTP layer runs over at most the fed
+    // positions.
+    let rows: usize = fed_tokens.iter().map(Vec::len).sum();
+    backend.begin_step([rows, 0, rows])?;
     let outs = backend.decode(cache, &inputs)?;
     drop(inputs);
     // Every sequence's pending position from its row 0, in one call (a sequence's sample depends on its own

@@ -1,8 +1,13 @@
 //! The step rule of expert parallelism (docs/model.md §5.1): the ranks of a group run every MoE layer's
 //! exchange together, so each must issue the same forward passes in the same order. A scheduling step is
 //! the three passes of [`Pass::STEP`]; a rank issues the ones it has rows for and joins the others with an
-//! empty batch ([`Steps`] says which), and [`crate::Backend::end_step`] closes the step. Backends in a
-//! group (the CUDA backend, the worker tests' fake) keep their place in the step here.
+//! empty batch ([`Steps`] says which), and [`crate::Backend::end_step`] closes the step.
+//!
+//! A step the ranks agree on up front ([`crate::Backend::begin_step`], what `engine::generate` and the
+//! workers do) costs one small collective: the most rows of each pass, after which a pass no rank has rows
+//! for is skipped and the others run without another agreement. A rank with nothing to do agrees on an
+//! empty step at `end_step`. Forward calls outside such a step (engine-level use) agree pass by pass.
+//! Backends in a group (the CUDA backend, the worker tests' fake) keep their place in the step here.
 
 use std::sync::Mutex;
 
@@ -40,6 +45,9 @@ impl Pass {
 /// Joins `pass` with an empty batch; returns whether some rank had rows in it.
 pub type JoinEmpty<'a> = &'a mut dyn FnMut(Pass) -> Result<bool, EngineError>;
 
+/// Rows per pass of a step, in [`Pass::STEP`] order (a rank's at most, or the most of any rank).
+pub type StepRows = [usize; 3];
+
 /// A rank's place in the current step.
 #[derive(Debug, Default)]
 pub struct Steps(Mutex<State>);
@@ -50,6 +58,8 @@ struct State {
     next: usize,
     /// Whether some rank had rows in a pass of this step.
     busy: bool,
+    /// The agreed most rows of each pass, for a step agreed up front.
+    plan: Option<StepRows>,
 }
 
 impl Steps {
@@ -75,6 +85,34 @@ impl Steps {
     /// Some rank (this one, at least) had rows in the pass just entered.
     pub fn mark_busy(&self) {
         self.state().busy = true;
+    }
+
+    /// Starts a step agreed up front: the last step is completed first if it had begun, then `agree` gives
+    /// the most rows of each pass over the ranks.
+    pub fn plan(
+        &self,
+        agree: &mut dyn FnMut() -> Result<StepRows, EngineError>,
+        join: JoinEmpty<'_>,
+    ) -> Result<(), EngineError> {
+        if self.state().next > 0 || self.state().plan.is_some() {
+            self.finish(join)?;
+        }
+        let most = agree()?;
+        let mut st = self.state();
+        st.plan = Some(most);
+        st.busy = most.iter().any(|&r| r > 0);
+        Ok(())
+    }
+
+    /// The agreed most rows of `pass` in this step, if it was agreed up front.
+    pub fn planned(&self, pass: Pass) -> Option<usize> {
+        self.state().plan.map(|p| p[pass.index()])
+    }
+
+    /// Whether this step has begun: a pass issued, or agreed up front.
+    pub fn begun(&self) -> bool {
+        let st = self.state();
+        st.next > 0 || st.plan.is_some()
     }
 
     /// Joins the passes of the step this rank did not issue, empty, and starts the next step; whether some
@@ -145,6 +183,35 @@ mod tests {
         let busy = s.finish(&mut |p| Ok(p == Pass::MainPrefill)).unwrap();
         assert!(busy);
         assert!(!s.finish(&mut |_| Ok(false)).unwrap(), "a new step starts idle");
+    }
+
+    #[test]
+    fn a_step_agreed_up_front_keeps_its_plan_until_it_ends() {
+        let s = Steps::default();
+        assert!(!s.begun());
+        s.plan(&mut || Ok([2, 0, 2]), &mut |_| unreachable!("nothing to complete")).unwrap();
+        assert!(s.begun());
+        assert_eq!((s.planned(Pass::Main), s.planned(Pass::MainPrefill)), (Some(2), Some(0)));
+        let mut joined = Vec::new();
+        s.enter(Pass::Main, &mut |_| unreachable!("the first pass skips nothing")).unwrap();
+        s.enter(Pass::Mtp, &mut |p| {
+            joined.push(p);
+            Ok(false)
+        })
+        .unwrap();
+        assert_eq!(joined, [Pass::MainPrefill], "the skipped pass is offered to the backend, which knows the plan");
+        assert!(s.finish(&mut |_| unreachable!("the step is complete")).unwrap(), "the plan had rows");
+        assert_eq!(s.planned(Pass::Main), None, "the next step is not agreed yet");
+        // A new plan while a step is under way completes that step first.
+        s.enter(Pass::Main, &mut |_| Ok(false)).unwrap();
+        let mut done = Vec::new();
+        s.plan(&mut || Ok([0; 3]), &mut |p| {
+            done.push(p);
+            Ok(false)
+        })
+        .unwrap();
+        assert_eq!(done, [Pass::MainPrefill, Pass::Mtp]);
+        assert!(!s.finish(&mut |_| Ok(false)).unwrap(), "an empty step");
     }
 
     #[test]

@@ -62,6 +62,9 @@ fn run(b: Arc<dyn Backend>, mine: &[usize], seed: u64) -> Trace {
         .zip(&tables)
         .map(|(p, t)| SeqInput { tokens: p, start: 0, blocks: &t.blocks, logits: Logits::Last })
         .collect();
+    // Each step agreed up front, as engine::generate does (the final idle step agrees pass by pass).
+    let prompt_rows: usize = prompts.iter().map(Vec::len).sum();
+    b.begin_step([0, prompt_rows, prompt_rows]).unwrap();
     let out = b.prefill(&s.cache, &batch, &mut |_, _| {}).unwrap();
     let mut next: Vec<u32> = Vec::new();
     for (&i, o) in mine.iter().zip(&out) {
@@ -101,6 +104,7 @@ fn run(b: Arc<dyn Backend>, mine: &[usize], seed: u64) -> Trace {
             .zip(&toks)
             .map(|(&j, t)| SeqInput { tokens: t, start: pos[j], blocks: &tables[j].blocks, logits: Logits::Last })
             .collect();
+        b.begin_step([live.len(), 0, live.len()]).unwrap();
         let out = b.decode(&s.cache, &batch).unwrap();
         let mut after: Vec<[u32; 1]> = Vec::new();
         for (&j, o) in live.iter().zip(&out) {

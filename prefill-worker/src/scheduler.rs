@@ -794,7 +794,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_idle_expert_parallel_rank_joins_every_pass_of_a_busy_ones_prefill() {
-        use engine::lockstep::Pass;
+        use worker::fake_backend::Agreement;
         let g = worker::fake_backend::FakeGroup::new(2, Duration::from_secs(5));
         let ranks: Vec<Env> = (0..2).map(|r| env_on(FakeBackend::ep_rank(1280, &g, r), 32, false, 8)).collect();
         // Four chunks of the 96-token budget on rank 0; rank 1 has nothing to do.
@@ -805,19 +805,18 @@ mod tests {
         let done = tokio::time::timeout(Duration::from_secs(10), pending).await.unwrap().unwrap();
         assert!(matches!(done, TransferOutcome::Completed(_)), "{done:?}");
         let (a, b) = (g.log(0), g.log(1));
-        let n = a.len().min(b.len());
-        let passes = |l: &[(Pass, usize)]| l[..n].iter().map(|x| x.0).collect::<Vec<_>>();
-        assert_eq!(passes(&a), passes(&b), "the ranks issue the same passes");
-        let prefilled: usize = a.iter().filter(|x| x.0 == Pass::MainPrefill).map(|x| x.1).sum();
+        // One agreement a step (the step's shape): rank 0's four chunks in the prefill-form pass, rank 1 empty.
+        assert!(a.iter().chain(&b).all(|x| x.0 == Agreement::Step), "{a:?}");
+        let prefilled: usize = a.iter().map(|x| x.1[1]).sum();
         assert_eq!(prefilled, 300, "rank 0's chunks");
-        assert!(b.iter().all(|x| x.1 == 0), "rank 1 brought no rows");
-        assert!(a.iter().filter(|x| x.0 == Pass::MainPrefill && x.1 > 0).count() == 4, "{a:?}");
+        assert_eq!(a.iter().filter(|x| x.1[1] > 0).count(), 4, "{a:?}");
+        assert!(b.iter().all(|x| x.1 == [0; 3]), "rank 1 brought no rows");
         wait_pool_used(&ranks[0].model.pool, 0).await;
-        // Idle ranks poll the group instead of spinning: a few passes per LOCKSTEP_POLL.
+        // Idle ranks poll the group instead of spinning: one agreement per LOCKSTEP_POLL.
         let before = g.log(0).len();
         tokio::time::sleep(Duration::from_millis(200)).await;
         let polled = g.log(0).len() - before;
-        assert!((3..3_000).contains(&polled), "{polled} passes in 200 ms of idling");
+        assert!((3..3_000).contains(&polled), "{polled} agreements in 200 ms of idling");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use engine::lockstep::{Pass, Steps};
+use engine::lockstep::{Pass, StepRows, Steps};
 
 use engine::backend::{
     AttnForm, Backend, DeviceRows, EngineError, LayerDone, LayerReady, MtpInput, SeqInput, SeqOutput,
@@ -59,15 +59,24 @@ pub struct FakeGroup {
 struct GroupState {
     /// Agreements completed.
     round: u64,
-    /// This round's arrivals: (pass, rows) per rank.
-    arrived: Vec<Option<(Pass, usize)>>,
+    /// This round's arrivals: what and the rows per rank.
+    arrived: Vec<Option<(Agreement, StepRows)>>,
     /// The last completed round's most rows.
-    most: usize,
+    most: StepRows,
     down: Option<String>,
     /// Ranks made to vanish.
     gone: Vec<bool>,
-    /// Every pass each rank joined, with its rows.
-    log: Vec<Vec<(Pass, usize)>>,
+    /// Every agreement each rank joined, with its rows.
+    log: Vec<Vec<(Agreement, StepRows)>>,
+}
+
+/// What an agreement is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Agreement {
+    /// A whole step, agreed up front (rows per pass).
+    Step,
+    /// One pass (its rows in slot 0).
+    Pass(Pass),
 }
 
 impl FakeGroup {
@@ -92,13 +101,13 @@ impl FakeGroup {
         self.cv.notify_all();
     }
 
-    /// Every pass rank `rank` joined so far, with the rows it brought.
-    pub fn log(&self, rank: usize) -> Vec<(Pass, usize)> {
+    /// Every agreement rank `rank` joined so far, with the rows it brought.
+    pub fn log(&self, rank: usize) -> Vec<(Agreement, StepRows)> {
         self.lock().log[rank].clone()
     }
 
-    /// The agreement: waits for every rank to bring `pass`; the most rows any brought.
-    fn agree(&self, rank: usize, pass: Pass, rows: usize) -> Result<usize, EngineError> {
+    /// The agreement: waits for every rank to bring the same `what`; the most rows any brought.
+    fn agree(&self, rank: usize, what: Agreement, rows: StepRows) -> Result<StepRows, EngineError> {
         let mut st = self.lock();
         if st.gone[rank] {
             // A vanished rank's process would be gone; its calls never return in a real group.
@@ -107,17 +116,23 @@ impl FakeGroup {
         if let Some(why) = &st.down {
             return Err(EngineError::GroupDown(why.clone()));
         }
-        st.log[rank].push((pass, rows));
-        st.arrived[rank] = Some((pass, rows));
+        st.log[rank].push((what, rows));
+        st.arrived[rank] = Some((what, rows));
         if st.arrived.iter().all(Option::is_some) {
-            let passes: Vec<Pass> = st.arrived.iter().flatten().map(|a| a.0).collect();
-            if passes.iter().any(|&p| p != pass) {
-                let why = format!("ranks out of lockstep: {passes:?}");
+            let whats: Vec<Agreement> = st.arrived.iter().flatten().map(|a| a.0).collect();
+            if whats.iter().any(|&w| w != what) {
+                let why = format!("ranks out of lockstep: {whats:?}");
                 st.down = Some(why.clone());
                 self.cv.notify_all();
                 return Err(EngineError::GroupDown(why));
             }
-            st.most = st.arrived.iter().flatten().map(|a| a.1).max().unwrap_or(0);
+            let mut most = [0; 3];
+            for (_, r) in st.arrived.iter().flatten() {
+                for (m, &x) in most.iter_mut().zip(r) {
+                    *m = (*m).max(x);
+                }
+            }
+            st.most = most;
             st.arrived.iter_mut().for_each(|a| *a = None);
             st.round += 1;
             self.cv.notify_all();
@@ -128,8 +143,10 @@ impl FakeGroup {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 let missing: Vec<usize> = (0..self.world).filter(|&r| st.arrived[r].is_none()).collect();
-                let why =
-                    format!("watchdog: ranks {missing:?} did not join the {pass:?} pass within {:?}", self.timeout);
+                let why = format!(
+                    "watchdog: ranks {missing:?} did not join the {what:?} agreement within {:?}",
+                    self.timeout
+                );
                 st.down = Some(why);
                 self.cv.notify_all();
                 break;
@@ -165,14 +182,32 @@ impl FakeBackend {
         Arc::new(b)
     }
 
-    /// In a group: `pass` in its place in the step, with `rows` rows.
+    /// In a group: `pass` in its place in the step, with `rows` rows (agreed with the others unless the step
+    /// was agreed up front).
     fn lockstep(&self, pass: Pass, rows: usize) -> Result<(), EngineError> {
         let Some((g, rank)) = &self.group else { return Ok(()) };
-        self.steps.enter(pass, &mut |p| Ok(g.agree(*rank, p, 0)? > 0))?;
-        if g.agree(*rank, pass, rows)? > 0 {
+        self.steps.enter(pass, &mut |p| self.join_empty(p))?;
+        let most = match self.steps.planned(pass) {
+            Some(most) if rows <= most => most,
+            Some(most) => {
+                return Err(EngineError::InvalidInput(format!("{pass:?}: {rows} rows, the step agreed on {most}")));
+            }
+            None => g.agree(*rank, Agreement::Pass(pass), [rows, 0, 0])?[0],
+        };
+        if most > 0 {
             self.steps.mark_busy();
         }
         Ok(())
+    }
+
+    /// `pass` with no rows of this rank's: whether some rank had rows (an agreement unless the step was
+    /// agreed up front).
+    fn join_empty(&self, pass: Pass) -> Result<bool, EngineError> {
+        let Some((g, rank)) = &self.group else { return Ok(false) };
+        Ok(match self.steps.planned(pass) {
+            Some(most) => most > 0,
+            None => g.agree(*rank, Agreement::Pass(pass), [0; 3])?[0] > 0,
+        })
     }
 
     /// Main-model or MTP call number `call` (1-based, counting all calls made so far) fails with `failure`.
@@ -302,9 +337,19 @@ impl Backend for FakeBackend {
         self.group.as_ref().map(|(g, rank)| engine::EpRank { rank: *rank, world: g.world })
     }
 
+    fn begin_step(&self, rows: StepRows) -> Result<(), EngineError> {
+        let Some((g, rank)) = &self.group else { return Ok(()) };
+        self.steps.plan(&mut || g.agree(*rank, Agreement::Step, rows), &mut |p| self.join_empty(p))
+    }
+
     fn end_step(&self) -> Result<bool, EngineError> {
-        let Some((g, rank)) = &self.group else { return Ok(false) };
-        self.steps.finish(&mut |p| Ok(g.agree(*rank, p, 0)? > 0))
+        if self.group.is_none() {
+            return Ok(false);
+        }
+        if !self.steps.begun() {
+            self.begin_step([0; 3])?;
+        }
+        self.steps.finish(&mut |p| self.join_empty(p))
     }
 
     fn draft(&self, logits: &DeviceRows, row: usize) -> Result<(u32, f32), EngineError> {

@@ -1049,7 +1049,20 @@ impl CudaBackend {
         ws.reset();
         if let Some(ep) = &self.ep {
             let rows = items.iter().map(|it| it.n).sum();
-            self.ep_cap.store(ep::capacity(ep.agree(rows, pass)?), std::sync::atomic::Ordering::Relaxed);
+            let most = match self.ep_step.planned(pass) {
+                // An agreed step: its passes need no agreement, but may not bring more rows than agreed.
+                Some(most) if rows <= most => {
+                    ep.arm();
+                    most
+                }
+                Some(most) => {
+                    return Err(EngineError::InvalidInput(format!(
+                        "the {pass:?} pass brings {rows} rows; the step agreed on at most {most}"
+                    )));
+                }
+                None => ep.agree(rows, pass)?,
+            };
+            self.ep_cap.store(ep::capacity(most), std::sync::atomic::Ordering::Relaxed);
             self.ep_step.mark_busy();
         }
         let inp = self.inputs(&mut ws, items, form)?;
@@ -1083,11 +1096,22 @@ impl CudaBackend {
         if pass == Pass::Mtp && self.w.mtp.is_none() {
             return Ok(false);
         }
+        let planned = self.ep_step.planned(pass);
+        if planned == Some(0) {
+            // An agreed step in which no rank has rows for this pass: skipped by every rank.
+            return Ok(false);
+        }
         let run = || -> Result<bool, EngineError> {
             self.gpu.context().bind_to_thread().map_err(dev)?;
             let mut ws = self.ws.lock().unwrap_or_else(|p| p.into_inner());
             ws.reset();
-            let most = ep.agree(0, pass)?;
+            let most = match planned {
+                Some(most) => {
+                    ep.arm();
+                    most
+                }
+                None => ep.agree(0, pass)?,
+            };
             if most == 0 {
                 // Every rank is idle: no rank has a pair to exchange, so the pass is the agreement alone.
                 self.ep_step_issued()?;
@@ -1203,9 +1227,19 @@ impl Backend for CudaBackend {
         self.ep.as_ref().map(|e| crate::EpRank { rank: e.shard().rank, world: e.shard().world })
     }
 
+    fn begin_step(&self, rows: crate::lockstep::StepRows) -> Result<(), EngineError> {
+        let Some(ep) = &self.ep else { return Ok(()) };
+        let mut agree = || self.ep_fail_fast(ep.agree_step(rows).map_err(EngineError::from));
+        self.ep_step.plan(&mut agree, &mut |p| self.ep_join_empty(p))
+    }
+
     fn end_step(&self) -> Result<bool, EngineError> {
         if self.ep.is_none() {
             return Ok(false);
+        }
+        if !self.ep_step.begun() {
+            // A rank with nothing to run this step: it agrees on an empty step (the others' agreement).
+            self.begin_step([0; 3])?;
         }
         self.ep_step.finish(&mut |p| self.ep_join_empty(p))
     }

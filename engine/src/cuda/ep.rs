@@ -241,6 +241,11 @@ fn init_comm(gpu: &Gpu, cfg: &EpConfig, id: nccl::ncclUniqueId) -> Result<nccl::
 
 pub use crate::lockstep::Pass;
 
+/// The tag of a step agreement ([`EpGroup::agree_step`]); pass agreements carry their pass (1-3).
+const STEP_TAG: i32 = 8;
+/// The largest agreement: three passes' rows and the tag twice.
+const AGREE_INTS: usize = 5;
+
 /// The communicator and what the watchdog shares with the forward calls.
 struct Shared {
     /// Null once aborted. Collectives hold the read lock while they enqueue; the abort takes the write lock.
@@ -368,7 +373,7 @@ impl EpGroup {
         gpu.context().bind_to_thread()?;
         let comm = init_comm(gpu, cfg, id)?;
         let stream = gpu.stream().clone();
-        let agree_buf = DBuf::zeros(&stream, 3)?;
+        let agree_buf = DBuf::zeros(&stream, AGREE_INTS)?;
         let shared = Arc::new(Shared {
             comm: std::sync::RwLock::new(CommPtr(comm)),
             broken: Mutex::new(None),
@@ -485,25 +490,47 @@ impl EpGroup {
     }
 
     /// The most rows any rank brings to this `pass` (0: every rank is idle); [`capacity`] turns it into the
-    /// call's capacity. One all-reduce, then a wait for it: the one host-side agreement of a forward call.
-    /// Ranks in different passes are an error on every rank.
+    /// call's capacity. One all-reduce, then a wait for it: the host-side agreement of a forward call that no
+    /// step agreement ([`agree_step`](Self::agree_step)) covers. Ranks in different passes are an error on
+    /// every rank.
     pub fn agree(&self, rows: usize, pass: Pass) -> Result<usize, CudaError> {
+        Ok(self.agree_tagged(&[rows], pass as i32, &format!("the {pass:?} pass"))?[0])
+    }
+
+    /// The most rows any rank brings to each pass of a step ([`Pass::STEP`] order): the step's one
+    /// agreement, after which its passes run without another (a pass every rank brings 0 rows to is skipped).
+    /// Ranks where another runs a pass agreement instead are an error on every rank.
+    pub fn agree_step(&self, rows: [usize; 3]) -> Result<[usize; 3], CudaError> {
+        let got = self.agree_tagged(&rows, STEP_TAG, "a step agreement")?;
+        Ok([got[0], got[1], got[2]])
+    }
+
+    /// (Re)starts the watchdog's bound on a forward call: a pass of an agreed step (its agreement did so for
+    /// the first).
+    pub fn arm(&self) {
+        *self.shared.armed.lock().unwrap_or_else(|p| p.into_inner()) = Some((Instant::now(), None));
+    }
+
+    /// One all-reduce (max) of `rows` with `tag` and `-tag` after them: every rank must bring the same tag.
+    fn agree_tagged(&self, rows: &[usize], tag: i32, what: &str) -> Result<Vec<usize>, CudaError> {
         self.usable()?;
         // A step begins: the watchdog bounds it from here (the wait below included).
-        *self.shared.armed.lock().unwrap_or_else(|p| p.into_inner()) = Some((Instant::now(), None));
-        let host = [rows as i32, pass as i32, -(pass as i32)];
-        let mut got = [0i32; 3];
+        self.arm();
+        let mut host: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        host.extend([tag, -tag]);
+        let n = host.len();
+        let mut got = vec![0i32; n];
         let (dev, cs) = (self.agree_buf.ptr(), self.stream.cu_stream());
         self.with_comm(|comm| {
-            // SAFETY: 3 i32 to the 3-element buffer; the host array outlives the synchronize below.
-            unsafe { cudarc::driver::result::memcpy_htod_async(dev, &host, cs) }?;
+            // SAFETY: n <= AGREE_INTS i32 to the buffer; the host vector outlives the synchronize below.
+            unsafe { cudarc::driver::result::memcpy_htod_async(dev, &host[..], cs) }?;
             let p = dev as *mut std::ffi::c_void;
-            // SAFETY: 3 i32 in place on this communicator's stream.
+            // SAFETY: n i32 in place on this communicator's stream.
             check("all-reduce (step agreement)", unsafe {
                 nccl::ncclAllReduce(
                     p,
                     p,
-                    3,
+                    n,
                     nccl::ncclDataType_t::ncclInt32,
                     nccl::ncclRedOp_t::ncclMax,
                     comm,
@@ -513,26 +540,26 @@ impl EpGroup {
         })?;
         // The wait is outside the lock: the watchdog can abort a collective that never completes.
         let waited = (|| -> Result<(), CudaError> {
-            // SAFETY: 3 i32 back; synchronized before `got` is read.
-            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut got, dev, cs) }?;
+            // SAFETY: n i32 back; synchronized before `got` is read.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut got[..], dev, cs) }?;
             self.stream.synchronize()?;
             Ok(())
         })();
         self.usable()?;
         waited.map_err(|e| self.fail(e))?;
-        if got[1] != -got[2] {
+        if got[n - 2] != -got[n - 1] {
             let e = CudaError::Driver(format!(
-                "expert-parallel ranks are out of lockstep: this rank runs the {pass:?} pass, another a different one"
+                "expert-parallel ranks are out of lockstep: this rank runs {what}, another something else"
             ));
             self.shared.abort(&e.to_string());
             return Err(e);
         }
-        if got[0] < 0 {
-            let e = CudaError::Driver(format!("expert-parallel agreement returned {} rows", got[0]));
+        if let Some(bad) = got[..n - 2].iter().find(|&&r| r < 0) {
+            let e = CudaError::Driver(format!("expert-parallel agreement returned {bad} rows"));
             self.shared.abort(&e.to_string());
             return Err(e);
         }
-        Ok(got[0] as usize)
+        Ok(got[..n - 2].iter().map(|&r| r as usize).collect())
     }
 
     /// Every rank's `bytes` at `send` into `recv` (`world * bytes`, rank order).
