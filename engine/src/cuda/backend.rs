@@ -1229,6 +1229,8 @@ impl Backend for CudaBackend {
 
     fn begin_step(&self, rows: crate::lockstep::StepRows) -> Result<(), EngineError> {
         let Some(ep) = &self.ep else { return Ok(()) };
+        // The step's first CUDA call on this thread (a worker's compute loop is not the thread that loaded).
+        self.gpu.context().bind_to_thread().map_err(dev)?;
         let mut agree = || self.ep_fail_fast(ep.agree_step(rows).map_err(EngineError::from));
         self.ep_step.plan(&mut agree, &mut |p| self.ep_join_empty(p))
     }

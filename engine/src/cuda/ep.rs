@@ -514,6 +514,9 @@ impl EpGroup {
     /// One all-reduce (max) of `rows` with `tag` and `-tag` after them: every rank must bring the same tag.
     fn agree_tagged(&self, rows: &[usize], tag: i32, what: &str) -> Result<Vec<usize>, CudaError> {
         self.usable()?;
+        // It may be a thread's first CUDA call (a worker's compute loop agreeing on an idle step): the raw
+        // copies below need the context current.
+        self.stream.context().bind_to_thread()?;
         // A step begins: the watchdog bounds it from here (the wait below included).
         self.arm();
         let mut host: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
@@ -523,7 +526,8 @@ impl EpGroup {
         let (dev, cs) = (self.agree_buf.ptr(), self.stream.cu_stream());
         self.with_comm(|comm| {
             // SAFETY: n <= AGREE_INTS i32 to the buffer; the host vector outlives the synchronize below.
-            unsafe { cudarc::driver::result::memcpy_htod_async(dev, &host[..], cs) }?;
+            unsafe { cudarc::driver::result::memcpy_htod_async(dev, &host[..], cs) }
+                .map_err(|e| CudaError::Driver(format!("the agreement's upload: {e}")))?;
             let p = dev as *mut std::ffi::c_void;
             // SAFETY: n i32 in place on this communicator's stream.
             check("all-reduce (step agreement)", unsafe {
@@ -541,8 +545,9 @@ impl EpGroup {
         // The wait is outside the lock: the watchdog can abort a collective that never completes.
         let waited = (|| -> Result<(), CudaError> {
             // SAFETY: n i32 back; synchronized before `got` is read.
-            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut got[..], dev, cs) }?;
-            self.stream.synchronize()?;
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut got[..], dev, cs) }
+                .map_err(|e| CudaError::Driver(format!("the agreement's read-back: {e}")))?;
+            self.stream.synchronize().map_err(|e| CudaError::Driver(format!("the agreement's wait: {e}")))?;
             Ok(())
         })();
         self.usable()?;

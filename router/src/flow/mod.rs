@@ -231,9 +231,10 @@ impl Dispatcher {
                 &excluded_decode,
             ) {
                 Ok(p) => p,
-                // Every decode worker is full, or a started stream lost its decode worker and none can take it
-                // now (a restarting expert-parallel group): wait for room (bounded), then try them all again.
-                Err(_) if !decode_full.is_empty() || lost > 0 => {
+                // Every decode worker is full, or a started stream was preempted or lost its decode worker and
+                // none can take it now (a restarting expert-parallel group): wait for room (bounded), then try
+                // them all again.
+                Err(_) if !decode_full.is_empty() || lost > 0 || preemptions > 0 => {
                     let preempted = preemptions > 0 || lost > 0;
                     if waiter.is_none() {
                         waiter = self.capacity.enter(preempted, wait_deadline);
@@ -262,7 +263,7 @@ impl Dispatcher {
                     }
                     if decode_full.is_empty() {
                         return Err(ApiError::unavailable(format!(
-                            "The request's decode worker was lost and no decode worker could continue it within --preempted-wait-secs; last failure: {last_failure}"
+                            "The request's decode worker was lost or preempted it, and no decode worker could continue it within --preempted-wait-secs; last failure: {last_failure}"
                         )));
                     }
                     let message =
@@ -302,6 +303,7 @@ impl Dispatcher {
                 AttemptEnd::Failed(e) => return Err(e),
                 AttemptEnd::Preempted(why) => {
                     preemptions += 1;
+                    last_failure = format!("preempted by decode worker {}: {why}", pair.decode.id);
                     wait_deadline = None;
                     self.metrics.retries.with_label_values(&["preempted"]).inc();
                     info!(worker = %pair.decode.id, reason = %why, generated = out.generated().len(), "preempted; prefilling again");
