@@ -4,7 +4,7 @@
 //! MTP verification, stream the tokens, and retire finished, aborted or disconnected requests, releasing
 //! their blocks. It streams domain events (`DecodeEvent`); the service wraps them for gRPC. A device
 //! failure ends every request and fails the worker ([`worker::Drain::fail`]): nothing decodes anymore.
-//! Under expert parallelism every turn joins the group's step ([`compute_loop::lockstep_turn`]); when the
+//! Under expert parallelism every turn ends the group's step ([`Batcher::lockstep`]); when the
 //! group fails because of another rank, the requests are preempted instead (the router continues them on
 //! another decode worker, as after any preemption), and the worker exits to be restarted with its group.
 
@@ -145,24 +145,19 @@ impl Batcher for Decode {
     fn turn(&mut self) -> Turn {
         self.drop_disconnected();
         self.make_room();
-        let ran = !self.running.is_empty();
-        if ran {
-            self.step();
+        if self.running.is_empty() {
+            return Turn::Wait;
         }
-        if !self.lockstep || self.failed.is_some() {
-            return if ran { Turn::Busy } else { Turn::Wait };
-        }
-        match compute_loop::lockstep_turn(self.model.backend.as_ref(), ran) {
-            Ok(turn) => turn,
-            Err(e) => {
-                self.fail_worker(&e);
-                Turn::Wait
-            }
-        }
+        self.step();
+        Turn::Busy
     }
 
-    fn idle_wait(&self) -> std::time::Duration {
-        if self.lockstep && self.failed.is_none() { compute_loop::LOCKSTEP_POLL } else { compute_loop::IDLE_WAIT }
+    fn lockstep(&self) -> Option<Arc<dyn engine::Backend>> {
+        (self.lockstep && self.failed.is_none()).then(|| self.model.backend.clone())
+    }
+
+    fn lockstep_failed(&mut self, e: &engine::EngineError) {
+        self.fail_worker(e);
     }
 
     fn publish(&mut self) {

@@ -272,26 +272,20 @@ impl Batcher for Prefill {
     fn turn(&mut self) -> Turn {
         self.drop_cancelled();
         self.start_waiting();
-        // Idle, or waiting for handshakes and settling transfers (their events wake the loop), unless
-        // there is a batch to run.
-        let ran = !self.active.is_empty();
-        if ran {
-            self.run_batch();
+        if self.active.is_empty() {
+            // Idle, or waiting for handshakes and settling transfers: their events wake the loop.
+            return Turn::Wait;
         }
-        if !self.lockstep || self.failed.is_some() {
-            return if ran { Turn::Busy } else { Turn::Wait };
-        }
-        match compute_loop::lockstep_turn(self.model.backend.as_ref(), ran) {
-            Ok(turn) => turn,
-            Err(e) => {
-                self.fail_worker(&e);
-                Turn::Wait
-            }
-        }
+        self.run_batch();
+        Turn::Busy
     }
 
-    fn idle_wait(&self) -> std::time::Duration {
-        if self.lockstep && self.failed.is_none() { compute_loop::LOCKSTEP_POLL } else { compute_loop::IDLE_WAIT }
+    fn lockstep(&self) -> Option<Arc<dyn engine::Backend>> {
+        (self.lockstep && self.failed.is_none()).then(|| self.model.backend.clone())
+    }
+
+    fn lockstep_failed(&mut self, e: &engine::EngineError) {
+        self.fail_worker(e);
     }
 
     fn publish(&mut self) {

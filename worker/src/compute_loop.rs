@@ -4,9 +4,10 @@
 //! prefill, prefix cache, kv-transfer) and the decode batcher (continuous batching, MTP, preemption).
 //!
 //! Under expert parallelism ([`engine::Backend::expert_parallel`]) the ranks of a group step in lockstep:
-//! every turn ends with [`engine::Backend::end_step`] (an idle rank joins the others' passes with an empty
-//! batch), a turn is busy while any rank had rows, and an idle loop polls every [`LOCKSTEP_POLL`] so that a
-//! rank that gets work finds the others at its first step within that time ([`lockstep_turn`]).
+//! the loop ends every turn of a batcher that names its backend ([`Batcher::lockstep`]) with
+//! [`engine::Backend::end_step`] (an idle rank joins the others' passes with an empty batch), a turn is
+//! busy while any rank had rows, and an idle loop polls every [`LOCKSTEP_POLL`] so that a rank that gets
+//! work finds the others at its first step within that time.
 
 use std::sync::mpsc;
 use std::time::Duration;
@@ -44,18 +45,28 @@ pub trait Batcher: Send + 'static {
     fn turn(&mut self) -> Turn;
     /// Publishes load and metrics (also while idle).
     fn publish(&mut self);
-    /// How long a waiting loop blocks before it publishes and turns again.
-    fn idle_wait(&self) -> Duration {
-        IDLE_WAIT
+    /// The backend of a rank of a working expert-parallel group (none otherwise, or once the worker failed):
+    /// the loop ends each turn with its [`engine::Backend::end_step`].
+    fn lockstep(&self) -> Option<std::sync::Arc<dyn engine::Backend>> {
+        None
     }
+    /// The group failed at the end of a step: end every request and fail the worker.
+    fn lockstep_failed(&mut self, _e: &engine::EngineError) {}
 }
 
-/// The end of a turn of a rank in an expert-parallel group: joins the rest of the step
-/// ([`engine::Backend::end_step`]). Busy when this rank ran a batch or another rank had rows (this rank
-/// must join the next step at once); the backend's error when the group failed.
-pub fn lockstep_turn(backend: &dyn engine::Backend, ran: bool) -> Result<Turn, engine::EngineError> {
-    let others = backend.end_step()?;
-    Ok(if ran || others { Turn::Busy } else { Turn::Wait })
+/// One turn; for a rank of an expert-parallel group, the end of its step too: busy when another rank had
+/// rows (this rank must join the next step at once).
+fn turn<B: Batcher>(b: &mut B) -> Turn {
+    let t = b.turn();
+    let Some(backend) = b.lockstep() else { return t };
+    match backend.end_step() {
+        Ok(true) => Turn::Busy,
+        Ok(false) => t,
+        Err(e) => {
+            b.lockstep_failed(&e);
+            Turn::Wait
+        }
+    }
 }
 
 enum Command<W, E> {
@@ -146,7 +157,8 @@ fn run<B: Batcher>(mut b: B, rx: mpsc::Receiver<Command<B::Work, B::Event>>) {
     let mut turn = Turn::Wait;
     loop {
         if turn == Turn::Wait {
-            match rx.recv_timeout(b.idle_wait()) {
+            let wait = if b.lockstep().is_some() { LOCKSTEP_POLL } else { IDLE_WAIT };
+            match rx.recv_timeout(wait) {
                 Ok(cmd) => {
                     if !handle(&mut b, cmd) {
                         return;
@@ -155,7 +167,7 @@ fn run<B: Batcher>(mut b: B, rx: mpsc::Receiver<Command<B::Work, B::Event>>) {
                 Err(mpsc::RecvTimeoutError::Timeout) => {
                     b.publish();
                     // Callers that went away are noticed while waiting too.
-                    turn = b.turn();
+                    turn = self::turn(&mut b);
                     continue;
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => return,
@@ -166,7 +178,7 @@ fn run<B: Batcher>(mut b: B, rx: mpsc::Receiver<Command<B::Work, B::Event>>) {
                 return;
             }
         }
-        turn = b.turn();
+        turn = self::turn(&mut b);
         b.publish();
     }
 }

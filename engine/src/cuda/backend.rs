@@ -416,25 +416,11 @@ impl CudaBackend {
     }
 
     /// `down(silu(gate(x)) * up(x))`, rows through matrix `sel[m]` of stacked experts (`a_div` rows per x row).
+    /// Where gate and up take the same quantized rows (FP8 tensor-core linears), they share one quantization
+    /// of x: `pre` when it is in their format (x quantized already, e.g. into an expert-parallel dispatch
+    /// record), else quantized here once.
     #[allow(clippy::too_many_arguments)]
     fn mlp(
-        &self,
-        ws: &mut Workspace,
-        m: &DMlp,
-        x: u64,
-        x_rows: usize,
-        a_div: usize,
-        sel: u64,
-        y: u64,
-    ) -> Result<(), CudaError> {
-        self.mlp_from(ws, m, x, x_rows, a_div, sel, None, y)
-    }
-
-    /// [`mlp`](Self::mlp) where gate and up, when they take the same quantized rows (FP8 tensor-core
-    /// linears), share one quantization of x: `pre` when it is in their format (x quantized already, e.g.
-    /// into an expert-parallel dispatch record), else quantized here once.
-    #[allow(clippy::too_many_arguments)]
-    fn mlp_from(
         &self,
         ws: &mut Workspace,
         m: &DMlp,
@@ -479,7 +465,7 @@ impl CudaBackend {
 
     fn ffn(&self, ws: &mut Workspace, f: &DFfn, x: u64, rows: usize, y: u64) -> Result<(), CudaError> {
         let m = match f {
-            DFfn::Dense(m) => return self.mlp(ws, m, x, rows, 1, 0, y),
+            DFfn::Dense(m) => return self.mlp(ws, m, x, rows, 1, 0, None, y),
             DFfn::Moe(m) => m,
         };
         let c = &self.cfg;
@@ -504,7 +490,7 @@ impl CudaBackend {
             if let Some(sh) = &m.shared {
                 shared = ws.take::<f32>(s, rows * hidden)?;
                 let pre = record.as_ref().map(ep::Quantized::input);
-                self.mlp_from(ws, sh, x, rows, 1, 0, pre.as_ref(), shared)?;
+                self.mlp(ws, sh, x, rows, 1, 0, pre.as_ref(), shared)?;
             }
         }
         // Expert parallelism: the routed experts of every rank; a rank without rows still computes the others'
@@ -539,7 +525,7 @@ impl CudaBackend {
             return moe::combine(&self.gpu, pairs, weights, shared, y, rows, k, hidden);
         }
         let pairs = ws.take::<f32>(s, rows * k * hidden)?;
-        self.mlp(ws, &m.experts, x, rows, k, ids, pairs)?;
+        self.mlp(ws, &m.experts, x, rows, k, ids, None, pairs)?;
         let round_bf16 = matches!(m.experts.down, DLinear::Fp8 { .. });
         moe::combine(&self.gpu, moe::PairRows::F32 { rows: pairs, round_bf16 }, weights, shared, y, rows, k, hidden)
     }
