@@ -115,8 +115,8 @@ bad = 0
 for s in streams:
     ok = s.error is None and s.text == want
     bad += not ok
-    print(f"{'ok    ' if ok else 'FAILED'} stream {s.i}: {s.tokens} chunks, finished {s.done - hit:.1f} s after the "
-          f"signal, longest pause {max(s.gaps):.2f} s" + ("" if ok else f", error {s.error}, text equal {s.text == want}"))
+    print(f"{'ok    ' if ok else 'FAILED'} stream {s.i}: {s.tokens} chunks, finished {(s.done or hit) - hit:.1f} s after the "
+          f"signal, longest pause {max(s.gaps, default=0):.2f} s" + ("" if ok else f", error {s.error}, text equal {s.text == want}"))
 if bad:
     sys.exit(f"FAILED {bad} of {STREAMS} streams")
 print("ok")

@@ -394,10 +394,12 @@ async fn cell(target: Target, fault: Fault, stage: Stage, salt: u64) {
             assert_eq!(target, Target::Router, "{target:?} {fault:?} at {stage:?}: {why}\n{}", c.logs());
         }
         // etcd is not on a request's path; a graceful restart lets in-flight requests finish; a prefill
-        // fault cannot touch a request already decoding.
+        // fault cannot touch a request already decoding; a killed decode worker's requests continue on the
+        // replacement decode worker the test starts (the router treats the broken stream as a lost worker).
         let unaffected = target == Target::Etcd
             || fault == Fault::Restart
-            || (target == Target::Prefill && stage == Stage::Decoding);
+            || (target == Target::Prefill && stage == Stage::Decoding)
+            || (target == Target::Decode && fault == Fault::Kill);
         // A prefill fault before the first token is retried on another prefill worker; the cluster has none,
         // so the answer is the retry's 503 (the decode worker's failed transfer must not end it as a 502).
         if target == Target::Prefill && stage != Stage::Decoding {

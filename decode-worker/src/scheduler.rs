@@ -287,7 +287,9 @@ impl Decode {
         } else {
             Ending::Error(drain::failed_request_error(&reason))
         };
-        // First: the worker refuses new work and starts deregistering while the requests end.
+        // First: the worker refuses new work and starts deregistering while the requests end; the other
+        // ranks of its expert-parallel group, if any, are told at once.
+        self.model.backend.leave_group(&reason);
         self.drain.fail(reason);
         for r in std::mem::take(&mut self.running) {
             self.end(r, &ending);
@@ -613,6 +615,37 @@ mod tests {
         assert!(matches!(ev.event, Some(Event::Preempted(_))), "{ev:?}");
         wait_pool_empty(&e.model).await;
         assert_eq!(e.metrics.requests.with_label_values(&["error"]).get(), 0, "no request failed");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_rank_whose_device_fails_tells_its_group_at_once() {
+        // A 60 s step bound: the peer must learn of the failure from the failing rank, not from its watchdog.
+        let (_g, ranks) = ep_pair(Duration::from_secs(60));
+        ranks[0].fake.delay_us.store(1_000, Ordering::SeqCst);
+        let (_, mut mine) = admit(&ranks[0], "mine", 10, 100_000);
+        let (_, mut theirs) = admit(&ranks[1], "theirs", 10, 100_000);
+        for rx in [&mut mine, &mut theirs] {
+            assert!(matches!(rx.recv().await.unwrap().event, Some(Event::Tokens(_))));
+        }
+        let t0 = std::time::Instant::now();
+        ranks[0].fake.fail_next(Failure::Device);
+        // Rank 0's own failure ends its request with the error; rank 1's is preempted (continued elsewhere).
+        let (_, fin) = drain_events(&mut mine).await;
+        assert!(fin.reason == FinishReason::Error as i32 && fin.error.contains("injected device failure"), "{fin:?}");
+        let preempted = loop {
+            let ev = tokio::time::timeout(Duration::from_secs(10), theirs.recv()).await.expect("an event").unwrap();
+            match ev.event {
+                Some(Event::Tokens(_)) => continue,
+                Some(Event::Preempted(p)) => break p,
+                other => panic!("{other:?}"),
+            }
+        };
+        assert!(preempted.reason.contains("rank 0 left the group"), "{preempted:?}");
+        assert!(t0.elapsed() < Duration::from_secs(10), "told at once, not after the step bound: {:?}", t0.elapsed());
+        for r in &ranks {
+            wait_pool_empty(&r.model).await;
+            assert!(r.drain.failure().is_some(), "both workers stop");
+        }
     }
 
     #[tokio::test]

@@ -448,6 +448,10 @@ pub trait Backend: Send + Sync {
         None
     }
 
+    /// Leaves this backend's expert-parallel group at once (nothing otherwise): a worker that stops for a
+    /// failure of its own tells the other ranks now, instead of leaving them to wait for the step bound.
+    fn leave_group(&self, _why: &str) {}
+
     /// Begins one scheduling step (expert parallelism; nothing otherwise): `rows` bounds the rows this rank
     /// brings to each pass of the step (`crate::lockstep::StepRows`, [`crate::lockstep::Pass::STEP`]
     /// order: main layers in the decode form, in the prefill form, the MTP layer). The ranks agree on the

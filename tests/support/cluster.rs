@@ -265,7 +265,6 @@ impl Cluster {
         }
     }
 
-    /// One metric's value on a worker (sum over label sets), or None.
     /// The router's sample `series` (a metric name and its labels as Prometheus prints them), if exported.
     pub async fn router_metric(&self, series: &str) -> Option<f64> {
         let text = get_text(&format!("{}/metrics", self.http)).await.ok()?;
@@ -273,6 +272,7 @@ impl Cluster {
         line.rsplit(' ').next()?.parse().ok()
     }
 
+    /// One metric's value on a worker (sum over label sets), or None.
     pub async fn worker_metric(&self, name: &str, metric: &str) -> Option<f64> {
         let url = format!("http://{}/metrics", self.proc(name).metrics.as_ref()?);
         let text = get_text(&url).await.ok()?;

@@ -106,8 +106,29 @@ impl FakeGroup {
         self.lock().log[rank].clone()
     }
 
+    /// Rank `rank` leaves the group (its worker stopped): the others' agreements fail at once.
+    fn leave(&self, rank: usize, why: &str) {
+        let mut st = self.lock();
+        if st.gone[rank] {
+            // A vanished rank stands for a killed process: it tells nobody.
+            return;
+        }
+        st.down.get_or_insert_with(|| format!("rank {rank} left the group: {why}"));
+        self.cv.notify_all();
+    }
+
     /// The agreement: waits for every rank to bring the same `what`; the most rows any brought.
     fn agree(&self, rank: usize, what: Agreement, rows: StepRows) -> Result<StepRows, EngineError> {
+        self.meet(rank, what, rows, true)
+    }
+
+    /// A pass of an agreed step in which some rank has rows: every rank must be at the same pass (the
+    /// CUDA backend's exchange would otherwise hang); not logged.
+    fn barrier(&self, rank: usize, pass: Pass) -> Result<(), EngineError> {
+        self.meet(rank, Agreement::Pass(pass), [0; 3], false).map(drop)
+    }
+
+    fn meet(&self, rank: usize, what: Agreement, rows: StepRows, log: bool) -> Result<StepRows, EngineError> {
         let mut st = self.lock();
         if st.gone[rank] {
             // A vanished rank's process would be gone; its calls never return in a real group.
@@ -116,7 +137,9 @@ impl FakeGroup {
         if let Some(why) = &st.down {
             return Err(EngineError::GroupDown(why.clone()));
         }
-        st.log[rank].push((what, rows));
+        if log {
+            st.log[rank].push((what, rows));
+        }
         st.arrived[rank] = Some((what, rows));
         if st.arrived.iter().all(Option::is_some) {
             let whats: Vec<Agreement> = st.arrived.iter().flatten().map(|a| a.0).collect();
@@ -188,7 +211,12 @@ impl FakeBackend {
         let Some((g, rank)) = &self.group else { return Ok(()) };
         self.steps.enter(pass, &mut |p| self.join_empty(p))?;
         let most = match self.steps.planned(pass) {
-            Some(most) if rows <= most => most,
+            Some(most) if rows <= most => {
+                if most > 0 {
+                    g.barrier(*rank, pass)?;
+                }
+                most
+            }
             Some(most) => {
                 return Err(EngineError::InvalidInput(format!("{pass:?}: {rows} rows, the step agreed on {most}")));
             }
@@ -205,7 +233,11 @@ impl FakeBackend {
     fn join_empty(&self, pass: Pass) -> Result<bool, EngineError> {
         let Some((g, rank)) = &self.group else { return Ok(false) };
         Ok(match self.steps.planned(pass) {
-            Some(most) => most > 0,
+            Some(0) => false,
+            Some(_) => {
+                g.barrier(*rank, pass)?;
+                true
+            }
             None => g.agree(*rank, Agreement::Pass(pass), [0; 3])?[0] > 0,
         })
     }
@@ -335,6 +367,12 @@ impl Backend for FakeBackend {
 
     fn expert_parallel(&self) -> Option<engine::EpRank> {
         self.group.as_ref().map(|(g, rank)| engine::EpRank { rank: *rank, world: g.world })
+    }
+
+    fn leave_group(&self, why: &str) {
+        if let Some((g, rank)) = &self.group {
+            g.leave(*rank, why);
+        }
     }
 
     fn begin_step(&self, rows: StepRows) -> Result<(), EngineError> {

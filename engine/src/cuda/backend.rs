@@ -1130,13 +1130,19 @@ impl CudaBackend {
     /// Under expert parallelism, a call that failed after its agreement leaves the other ranks waiting in
     /// its collectives: the group is aborted at once (every rank's calls fail from then on). A failure
     /// because the group was already down (another rank lost, the watchdog) is [`EngineError::GroupDown`].
+    /// This rank's own device failure stays a device error; any other error that aborted the group is the
+    /// group's too: the worker must stop either way.
     fn ep_fail_fast<T>(&self, r: Result<T, EngineError>) -> Result<T, EngineError> {
         let (Err(e), Some(ep)) = (&r, &self.ep) else { return r };
         if let Some(why) = ep.is_down() {
             return Err(EngineError::GroupDown(why));
         }
-        ep.abort(&format!("a step failed on this rank after the ranks agreed on it: {e}"));
-        r
+        let why = format!("a step failed on this rank after the ranks agreed on it: {e}");
+        ep.abort(&why);
+        match r {
+            Err(EngineError::Device(_)) => r,
+            _ => Err(EngineError::GroupDown(why)),
+        }
     }
 
     /// Results read back (logits, samples) after the group was aborted may come from collectives that never
@@ -1215,10 +1221,14 @@ impl Backend for CudaBackend {
 
     fn begin_step(&self, rows: crate::lockstep::StepRows) -> Result<(), EngineError> {
         let Some(ep) = &self.ep else { return Ok(()) };
-        // The step's first CUDA call on this thread (a worker's compute loop is not the thread that loaded).
-        self.gpu.context().bind_to_thread().map_err(dev)?;
         let mut agree = || self.ep_fail_fast(ep.agree_step(rows).map_err(EngineError::from));
         self.ep_step.plan(&mut agree, &mut |p| self.ep_join_empty(p))
+    }
+
+    fn leave_group(&self, why: &str) {
+        if let Some(ep) = &self.ep {
+            ep.abort(&format!("this rank stops: {why}"));
+        }
     }
 
     fn end_step(&self) -> Result<bool, EngineError> {

@@ -252,10 +252,9 @@ struct Shared {
     comm: std::sync::RwLock<CommPtr>,
     /// Set once a collective failed or the group was aborted: every later call is refused.
     broken: Mutex<Option<String>>,
-    /// The step in flight: when it began, and the event its last work records (once enqueued).
-    armed: Mutex<Option<(Instant, Option<cudarc::driver::CudaEvent>)>>,
+    /// The step in flight: when it began, the event its last work records (once enqueued), and its bound.
+    armed: Mutex<Option<(Instant, Option<cudarc::driver::CudaEvent>, Duration)>>,
     rank: usize,
-    step_timeout: Duration,
 }
 
 #[derive(Clone, Copy)]
@@ -287,20 +286,19 @@ impl Shared {
         let overdue = {
             let mut armed = self.armed.lock().unwrap_or_else(|p| p.into_inner());
             match &*armed {
-                Some((_, Some(ev))) if ev.is_complete() => {
+                Some((_, Some(ev), _)) if ev.is_complete() => {
                     *armed = None;
                     None
                 }
-                Some((since, _)) if since.elapsed() > self.step_timeout => Some(since.elapsed()),
+                Some((since, _, bound)) if since.elapsed() > *bound => Some((since.elapsed(), *bound)),
                 _ => None,
             }
         };
-        if let Some(t) = overdue {
+        if let Some((t, bound)) = overdue {
             self.abort(&format!(
-                "rank {}: a step has not finished after {:.1} s (bound {:?}): another rank died or hangs",
+                "rank {}: a step has not finished after {:.1} s (bound {bound:?}): another rank died or hangs",
                 self.rank,
                 t.as_secs_f64(),
-                self.step_timeout
             ));
             return;
         }
@@ -332,6 +330,11 @@ pub struct EpGroup {
     /// of the GPU, so a hung collective never fills CUDA's launch queue and blocks an enqueue (which would
     /// hold the communicator's read lock against the watchdog's abort).
     paced: Mutex<std::collections::VecDeque<cudarc::driver::CudaEvent>>,
+    step_timeout: Duration,
+    /// Bounds the first agreement after start-up ([`EpConfig::timeout`]).
+    start_timeout: Duration,
+    /// Set once the group is formed, cleared by the first agreement.
+    starting: std::sync::atomic::AtomicBool,
 }
 
 /// MoE layers the host may run ahead of the GPU under expert parallelism (a DeepSeek-V3.2 layer is about 40
@@ -379,7 +382,6 @@ impl EpGroup {
             broken: Mutex::new(None),
             armed: Mutex::new(None),
             rank: cfg.rank,
-            step_timeout: cfg.step_timeout,
         });
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let watchdog = {
@@ -403,6 +405,9 @@ impl EpGroup {
             stop,
             watchdog: Some(watchdog),
             paced: Mutex::new(std::collections::VecDeque::new()),
+            step_timeout: cfg.step_timeout,
+            start_timeout: cfg.timeout,
+            starting: std::sync::atomic::AtomicBool::new(false),
         };
         // Every collective once, so the point-to-point connections exist before the first step (a first
         // connection waits for the peer, which the watchdog could not interrupt).
@@ -414,6 +419,9 @@ impl EpGroup {
         g.all_gather(a, b, 256)?;
         g.step_issued()?;
         g.stream.synchronize()?;
+        // The ranks leave here together, but each still sets up its worker (cache pool, transports) before
+        // its first step: the first agreement waits up to the start-up bound, not the step bound.
+        g.starting.store(true, std::sync::atomic::Ordering::Relaxed);
         Ok(g)
     }
 
@@ -436,7 +444,7 @@ impl EpGroup {
         let ev = self.stream.context().new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
         ev.record(&self.stream)?;
         let mut armed = self.shared.armed.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((_, e)) = armed.as_mut() {
+        if let Some((_, e, _)) = armed.as_mut() {
             *e = Some(ev);
         }
         Ok(())
@@ -494,7 +502,8 @@ impl EpGroup {
     /// step agreement ([`agree_step`](Self::agree_step)) covers. Ranks in different passes are an error on
     /// every rank.
     pub fn agree(&self, rows: usize, pass: Pass) -> Result<usize, CudaError> {
-        Ok(self.agree_tagged(&[rows], pass as i32, &format!("the {pass:?} pass"))?[0])
+        // As many ints as a step agreement (NCCL needs the same count on every rank), the tag told apart.
+        Ok(self.agree_tagged(&[rows, 0, 0], pass as i32, &format!("the {pass:?} pass"))?[0])
     }
 
     /// The most rows any rank brings to each pass of a step ([`Pass::STEP`] order): the step's one
@@ -502,13 +511,26 @@ impl EpGroup {
     /// Ranks where another runs a pass agreement instead are an error on every rank.
     pub fn agree_step(&self, rows: [usize; 3]) -> Result<[usize; 3], CudaError> {
         let got = self.agree_tagged(&rows, STEP_TAG, "a step agreement")?;
+        if got.iter().all(|&r| r == 0) {
+            // No rank has work: no pass runs, so nothing follows the agreement for the watchdog to bound.
+            self.disarm();
+        }
         Ok([got[0], got[1], got[2]])
     }
 
     /// (Re)starts the watchdog's bound on a forward call: a pass of an agreed step (its agreement did so for
     /// the first).
     pub fn arm(&self) {
-        *self.shared.armed.lock().unwrap_or_else(|p| p.into_inner()) = Some((Instant::now(), None));
+        self.arm_for(self.step_timeout);
+    }
+
+    fn arm_for(&self, bound: Duration) {
+        *self.shared.armed.lock().unwrap_or_else(|p| p.into_inner()) = Some((Instant::now(), None, bound));
+    }
+
+    /// Nothing of the step is in flight (a step every rank agreed to be empty): the watchdog rests.
+    fn disarm(&self) {
+        *self.shared.armed.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 
     /// One all-reduce (max) of `rows` with `tag` and `-tag` after them: every rank must bring the same tag.
@@ -517,8 +539,10 @@ impl EpGroup {
         // It may be a thread's first CUDA call (a worker's compute loop agreeing on an idle step): the raw
         // copies below need the context current.
         self.stream.context().bind_to_thread()?;
-        // A step begins: the watchdog bounds it from here (the wait below included).
-        self.arm();
+        // A step begins: the watchdog bounds it from here (the wait below included); the first after start-up
+        // by the start-up bound.
+        let first = self.starting.swap(false, std::sync::atomic::Ordering::Relaxed);
+        self.arm_for(if first { self.start_timeout } else { self.step_timeout });
         let mut host: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
         host.extend([tag, -tag]);
         let n = host.len();

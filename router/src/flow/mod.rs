@@ -263,7 +263,7 @@ impl Dispatcher {
                     }
                     if decode_full.is_empty() {
                         return Err(ApiError::unavailable(format!(
-                            "The request's decode worker was lost or preempted it, and no decode worker could continue it within --preempted-wait-secs; last failure: {last_failure}"
+                            "The request was interrupted (its decode worker was lost or preempted it) and no prefill/decode pair could continue it within --preempted-wait-secs; last failure: {last_failure}"
                         )));
                     }
                     let message =
@@ -301,6 +301,12 @@ impl Dispatcher {
                     return Ok(());
                 }
                 AttemptEnd::Failed(e) => return Err(e),
+                AttemptEnd::Preempted(_) | AttemptEnd::DecodeLost(_) if out.ended_by_tokens().is_some() => {
+                    // The request's last token ended it before the worker said so: nothing to continue.
+                    let reason = out.ended_by_tokens().expect("checked");
+                    let _ = out.finish(reason).await;
+                    return Ok(());
+                }
                 AttemptEnd::Preempted(why) => {
                     preemptions += 1;
                     last_failure = format!("preempted by decode worker {}: {why}", pair.decode.id);

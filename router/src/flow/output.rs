@@ -74,6 +74,8 @@ pub struct Output {
     generated: Vec<u32>,
     max_tokens: usize,
     stop_token_ids: Vec<u32>,
+    min_tokens: usize,
+    ignore_eos: bool,
     prompt_tokens: u32,
     cached_tokens: u32,
     arrived: Instant,
@@ -99,6 +101,8 @@ impl Output {
             generated: Vec::new(),
             max_tokens: request.sampling.max_tokens.max(1) as usize,
             stop_token_ids: request.sampling.stop_token_ids.clone(),
+            min_tokens: request.sampling.min_tokens as usize,
+            ignore_eos: request.sampling.ignore_eos,
             prompt_tokens: request.prompt.len() as u32,
             cached_tokens: 0,
             arrived: request.arrived,
@@ -110,6 +114,20 @@ impl Output {
 
     pub fn generated(&self) -> &[u32] {
         &self.generated
+    }
+
+    /// Whether the tokens pushed so far already end the request (the token budget, or a stop or EOS token
+    /// past `min_tokens`): a request whose decode worker was lost between its last token and its `Finished`
+    /// is finished here instead of being continued past its end.
+    pub fn ended_by_tokens(&self) -> Option<FinishReason> {
+        let n = self.generated.len();
+        if n >= self.max_tokens {
+            return Some(FinishReason::Length);
+        }
+        let last = *self.generated.last()?;
+        let stops =
+            self.stop_token_ids.contains(&last) || (!self.ignore_eos && Some(last) == self.model.tokenizer.eos_id());
+        (stops && n >= self.min_tokens).then_some(FinishReason::Stop)
     }
 
     pub fn set_cached_tokens(&mut self, n: u32) {
