@@ -58,7 +58,8 @@
 #                   NCCL all-to-alls ($OUT/ep-exchange.jsonl), and EP_BENCH_ARGS measurements at EP-2 and on one GPU
 #                   ($OUT/ep-bench-rank{0,1}.json, ep-bench-one.json)
 #         serve-ep  expert-parallel workers in the cluster (2 GPUs): `tandem up --device cuda --decode 4 --decode-ep 2`
-#                   (two decode groups of two ranks, one rank of each on each GPU) checked by scripts/serve-check.py
+#                   (two decode groups of two ranks, one rank of each on each GPU; EP_DECODE and EP_DECODE_EP
+#                   change the layout, e.g. 4 and 4 on four GPUs) checked by scripts/serve-check.py
 #                   against `tandem generate --device cuda`; scripts/fault-check.py SIGKILLs a decode rank while 8
 #                   streams of EP_FAULT_TOKENS (3000) decode, and SIGSTOPs another group's leader for 6 s: every
 #                   stream must end with generate's text; the restarted group serves again; then
@@ -502,16 +503,19 @@ phase_serve_ep() {
     ep_check "tandem generate --device cuda" bash -c "tandem generate --model $dir --device cuda --prompt 'The quick brown fox' \
         --max-tokens 12 --ignore-eos --json >$gen && tandem generate --model $dir --device cuda \
         --prompt 'The quick brown fox' --max-tokens ${EP_FAULT_TOKENS:-3000} --ignore-eos --json >$long" || return 0
+    # EP_DECODE decode workers in groups of EP_DECODE_EP (defaults 4 and 2: two groups on two GPUs; with one
+    # group, a lost rank's requests wait for the group's restart).
+    local n=${EP_DECODE:-4} g=${EP_DECODE_EP:-2}
     log=$OUTDIR/up-ep-decode.log
-    if ep_check "tandem up --decode 4 --decode-ep 2 ready" up_ep decode --decode 4 --decode-ep 2; then
+    if ep_check "tandem up --decode $n --decode-ep $g ready" up_ep decode --decode "$n" --decode-ep "$g"; then
         ep_check "decode EP: serve-check" python3 scripts/serve-check.py http://127.0.0.1:18020 tandem-tiny "$gen"
         ep_check "decode EP: SIGKILL of a rank under 8 streams" python3 scripts/fault-check.py http://127.0.0.1:18020 \
-            tandem-tiny "$long" "decode-worker 1/2@" KILL 8
-        ep_check "decode EP: the group re-forms" wait_log "$log" "expert-parallel group joined" 6
+            tandem-tiny "$long" "decode-worker 1/$g@" KILL 8
+        ep_check "decode EP: the group re-forms" wait_log "$log" "expert-parallel group joined" $((n + g))
         ep_check "decode EP: serve-check after the restart" python3 scripts/serve-check.py http://127.0.0.1:18020 tandem-tiny "$gen"
         ep_check "decode EP: SIGSTOP of a leader for 6 s" python3 scripts/fault-check.py http://127.0.0.1:18020 \
-            tandem-tiny "$long" "decode-worker 0/2@" STOP 8
-        ep_check "decode EP: the group re-forms again" wait_log "$log" "expert-parallel group joined" 8
+            tandem-tiny "$long" "decode-worker 0/$g@" STOP 8
+        ep_check "decode EP: the group re-forms again" wait_log "$log" "expert-parallel group joined" $((n + 2 * g))
         ep_check "decode EP: serve-check at the end" python3 scripts/serve-check.py http://127.0.0.1:18020 tandem-tiny "$gen"
         curl -s http://127.0.0.1:18020/metrics | grep -E 'tandem_router_retries_total' >>"$OUTDIR/serve-ep.log" || true
     fi

@@ -257,8 +257,12 @@ impl Dispatcher {
                         None => false,
                     };
                     if go_on {
+                        // A fresh round after the wait: workers that failed before may have recovered (a
+                        // restarted expert-parallel group; a prefill worker blamed for its decode side's
+                        // failure). Retries stay bounded by --max-retries.
                         decode_full.clear();
                         excluded_decode.clear();
+                        excluded_prefill.clear();
                         continue;
                     }
                     if decode_full.is_empty() {
