@@ -78,12 +78,25 @@ impl Etcd {
             _tmp: tmp,
         };
         let scheme = if e.tls.is_some() { "https" } else { "http" };
-        e.client_url = format!("{scheme}://127.0.0.1:{}", e.client_port);
-        e.spawn();
-        Some(e)
+        // Free ports can be taken between their choice and etcd's bind (tests start etcds in parallel): etcd
+        // then exits at once, and it is started again on other ports.
+        for _ in 0..5 {
+            e.client_url = format!("{scheme}://127.0.0.1:{}", e.client_port);
+            if e.try_spawn() {
+                return Some(e);
+            }
+            (e.client_port, e.peer_port) = (free_port(), free_port());
+            let _ = std::fs::remove_dir_all(&e.data_dir);
+        }
+        panic!("etcd did not start on 5 pairs of free ports");
     }
 
     fn spawn(&mut self) {
+        assert!(self.try_spawn(), "etcd did not start on ports {} and {}", self.client_port, self.peer_port);
+    }
+
+    /// Starts etcd; false when it did not serve both ports, or exited right after (a port taken).
+    fn try_spawn(&mut self) -> bool {
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let mut cmd = Command::new("etcd");
         if let Some(t) = &self.tls {
@@ -104,7 +117,15 @@ impl Etcd {
             .spawn()
             .expect("spawn etcd");
         self.child = Some(child);
-        wait_port(self.client_port, Duration::from_secs(10));
+        let up =
+            wait_port(self.client_port, Duration::from_secs(10)) && wait_port(self.peer_port, Duration::from_secs(5));
+        // A port lost to another process makes etcd exit just after it opened the other one.
+        std::thread::sleep(Duration::from_millis(100));
+        let alive = self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)));
+        if !(up && alive) {
+            self.kill();
+        }
+        up && alive
     }
 
     /// Kills etcd hard (SIGKILL), as a crash would.
@@ -139,15 +160,16 @@ impl Etcd {
     }
 }
 
-fn wait_port(port: u16, limit: Duration) {
+/// Whether something listens on `port` within `limit`.
+fn wait_port(port: u16, limit: Duration) -> bool {
     let start = Instant::now();
     while start.elapsed() < limit {
         if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return;
+            return true;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    panic!("etcd did not listen on port {port} within {limit:?}");
+    false
 }
 
 impl Drop for Etcd {
