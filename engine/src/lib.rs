@@ -21,6 +21,7 @@ pub mod config;
 pub mod cpu;
 pub mod cuda;
 pub mod device;
+pub mod eplb;
 pub mod generate;
 pub mod lockstep;
 pub mod memory;
