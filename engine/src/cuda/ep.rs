@@ -719,14 +719,14 @@ pub struct Dispatched {
     pub at: u64,
 }
 
-/// The record format of a MoE layer's experts: (kpad, ue8m0) of their input rows, which must be the model's
-/// hidden size.
-pub fn record_format(m: &DMoe, hidden: usize) -> Result<(usize, bool), CudaError> {
+/// The record format of a MoE layer's experts: how their input rows are quantized, which must be rows of the
+/// model's hidden size.
+pub fn record_format(m: &DMoe, hidden: usize) -> Result<QuantFormat, CudaError> {
     let (inp, kpad, ue8m0) = moe::fp8_dims(&m.experts.gate)?;
     if inp != hidden {
         return Err(CudaError::Shape(format!("ep: the experts take {inp} channels, the model has {hidden}")));
     }
-    Ok((kpad, ue8m0))
+    Ok(QuantFormat { inp, kpad, ue8m0 })
 }
 
 /// This rank's rows quantized into its dispatch record (step 1a), not yet sent.
@@ -735,21 +735,14 @@ pub struct Quantized {
     pub rec: Record,
     /// The record (`rec.bytes`): codes `[cap][kpad]`, scales `[kpad / 128][cap]`, ids `[cap][k]`.
     pub send: u64,
-    pub hidden: usize,
-    pub kpad: usize,
-    pub ue8m0: bool,
+    pub format: QuantFormat,
 }
 
 impl Quantized {
     /// The record's rows as a tensor-core linear's quantized input (the shared expert's gate and up read
     /// them: the same codes and scales their own quantization would give).
     pub fn input(&self) -> QuantIn {
-        QuantIn {
-            qa: self.send,
-            sa: self.send + self.rec.scales_off as u64,
-            ld: self.rec.cap,
-            format: QuantFormat { inp: self.hidden, kpad: self.kpad, ue8m0: self.ue8m0 },
-        }
+        QuantIn { qa: self.send, sa: self.send + self.rec.scales_off as u64, ld: self.rec.cap, format: self.format }
     }
 }
 
@@ -760,21 +753,22 @@ pub fn quantize(
     gpu: &Gpu,
     ws: &mut Workspace,
     cfg: &ModelConfig,
-    (kpad, ue8m0): (usize, bool),
+    format: QuantFormat,
     x: u64,
     rows: usize,
     cap: usize,
 ) -> Result<Quantized, CudaError> {
-    let hidden = cfg.hidden_size;
-    if rows > cap || !cap.is_multiple_of(4) || !hidden.is_multiple_of(8) || kpad < hidden {
+    let (hidden, kpad) = (cfg.hidden_size, format.kpad);
+    if rows > cap || !cap.is_multiple_of(4) || !hidden.is_multiple_of(8) || kpad < hidden || format.inp != hidden {
         return Err(CudaError::Shape(format!("ep: {rows} rows of {hidden} at capacity {cap} (kpad {kpad})")));
     }
     let rec = Record::new(cap, kpad, cfg.num_experts_per_tok);
     let send = ws.take::<u8>(gpu.stream(), rec.bytes)?;
     if rows > 0 {
-        super::weights::act_quant_into(gpu, x, rows, hidden, kpad, ue8m0, cap, 0, send, send + rec.scales_off as u64)?;
+        let scales = send + rec.scales_off as u64;
+        super::weights::act_quant_into(gpu, x, rows, hidden, kpad, format.ue8m0, cap, 0, send, scales)?;
     }
-    Ok(Quantized { rec, send, hidden, kpad, ue8m0 })
+    Ok(Quantized { rec, send, format })
 }
 
 /// Step 1b: the route `ids [rows, k]` of the quantized rows `q` packed into the record, and every rank's
@@ -871,8 +865,8 @@ pub fn moe_forward(
     y: u64,
 ) -> Result<(), CudaError> {
     let s = gpu.stream();
-    let (world, k, kpad, cap) = (ep.shard.world, cfg.num_experts_per_tok, q.kpad, q.rec.cap);
-    if (kpad, q.ue8m0) != record_format(m, cfg.hidden_size)? {
+    let (world, k, kpad, cap) = (ep.shard.world, cfg.num_experts_per_tok, q.format.kpad, q.rec.cap);
+    if q.format != record_format(m, cfg.hidden_size)? {
         return Err(CudaError::Shape("ep: the record is not in the experts' input format".into()));
     }
     let d = dispatch(gpu, ws, ep, cfg, q, rows, ids)?;
@@ -1003,10 +997,11 @@ pub fn time_exchange(
         b.synchronize()?;
         Ok(a.elapsed_ms(&b)? as f64 / 1e3 / iters as f64)
     };
-    let quantize_s = timed(&mut |ws| quantize(gpu, ws, cfg, (kpad, true), dx.ptr(), cap, cap).map(drop))?;
+    let format = QuantFormat { inp: hidden, kpad, ue8m0: true };
+    let quantize_s = timed(&mut |ws| quantize(gpu, ws, cfg, format, dx.ptr(), cap, cap).map(drop))?;
     // One record quantized outside the timed calls' workspace; the dispatch sends it.
     let mut qws = Workspace::new();
-    let q = quantize(gpu, &mut qws, cfg, (kpad, true), dx.ptr(), cap, cap)?;
+    let q = quantize(gpu, &mut qws, cfg, format, dx.ptr(), cap, cap)?;
     let mut last = None;
     let dispatch_s = timed(&mut |ws| {
         last = Some(dispatch(gpu, ws, ep, cfg, &q, cap, dids.ptr())?);

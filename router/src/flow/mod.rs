@@ -298,19 +298,21 @@ impl Dispatcher {
             };
             attempt += 1;
             // Boxed: the attempt's state is large and would otherwise be copied around with this future.
-            match Box::pin(attempt::run(input, out, tx)).await {
+            let end = Box::pin(attempt::run(input, out, tx)).await;
+            if matches!(end, AttemptEnd::Preempted(_) | AttemptEnd::DecodeLost(_))
+                && let Some(reason) = out.ended_by_tokens()
+            {
+                // The request's last token ended it before the worker said so: nothing to continue.
+                let _ = out.finish(reason).await;
+                return Ok(());
+            }
+            match end {
                 AttemptEnd::Done => return Ok(()),
                 AttemptEnd::ClientGone => {
                     info!("client disconnected; request aborted on both workers");
                     return Ok(());
                 }
                 AttemptEnd::Failed(e) => return Err(e),
-                AttemptEnd::Preempted(_) | AttemptEnd::DecodeLost(_) if out.ended_by_tokens().is_some() => {
-                    // The request's last token ended it before the worker said so: nothing to continue.
-                    let reason = out.ended_by_tokens().expect("checked");
-                    let _ = out.finish(reason).await;
-                    return Ok(());
-                }
                 AttemptEnd::Preempted(why) => {
                     preemptions += 1;
                     last_failure = format!("preempted by decode worker {}: {why}", pair.decode.id);
