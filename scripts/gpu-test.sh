@@ -53,7 +53,8 @@
 #                   GPU), kv-bench --devices next to ucx_perftest on CUDA memory and a device-to-device copy
 #         ep        expert parallelism on 2 GPUs (engine::cuda::ep): engine/tests/ep.rs (EP-2 logits == one GPU's, bit
 #                   for bit; a stopped or killed rank ends the other's steps, and the group is formed again;
-#                   TANDEM_REQUIRE_GPUS=2), a group of one under compute-sanitizer memcheck, then two engine-bench ranks (--ep) with EP_MODEL (default
+#                   TANDEM_REQUIRE_GPUS=2; load balancing moving experts keeps the bits), the groups of one under
+#                   compute-sanitizer memcheck, then two engine-bench ranks (--ep) with EP_MODEL (default
 #                   synthetic:v32,layers=4,experts=128): the exchange at EP_EXCHANGE rows per rank next to plain
 #                   NCCL all-to-alls ($OUT/ep-exchange.jsonl), and EP_BENCH_ARGS measurements at EP-2 and on one GPU
 #                   ($OUT/ep-bench-rank{0,1}.json, ep-bench-one.json)
@@ -64,6 +65,11 @@
 #                   streams of EP_FAULT_TOKENS (3000) decode, and SIGSTOPs another group's leader for 6 s: every
 #                   stream must end with generate's text; the restarted group serves again; then
 #                   `--prefill 2 --prefill-ep 2` checked the same way
+#         eplb      expert-parallel load balancing on 2 GPUs under skewed routing: two engine-bench ranks (--ep) with
+#                   EPLB_MODEL (default synthetic:v32,experts=128,skew=8) and EPLB_ARGS, first without moving
+#                   experts (loads counted: what balancing would gain), then with --eplb EPLB_FLAGS (default 8 spare
+#                   slots a rank, a look every 4 busy steps over the last 4 looks), each after EPLB_WARMUP untimed
+#                   steps: $OUT/eplb-{off,on}-rank{0,1}.json (extra.eplb: max/mean GPU load as sharded and as placed)
 #         all       kernels, sass, loop, sanitize, model, serve
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -425,11 +431,12 @@ phase_ep() {
     # The exchange's kernels under memcheck, in one process (a group of one rank).
     if [[ ${EP_SANITIZE:-1} == 1 ]] && command -v compute-sanitizer >/dev/null; then
         local src=0
-        TANDEM_TEST_DEVICE=cuda compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 /tmp/tandem-gpu/engine-ep --exact \
-            a_group_of_one_gives_the_plain_backends_logits_bit_for_bit --test-threads=1 --nocapture \
+        # Both groups of one: the plain exchange, and experts moving between slots (load balancing).
+        TANDEM_TEST_DEVICE=cuda compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 /tmp/tandem-gpu/engine-ep \
+            a_group_of_one --test-threads=1 --nocapture \
             >"$OUTDIR/ep-memcheck.log" 2>&1 || src=$?
         tail -n 3 "$OUTDIR/ep-memcheck.log"
-        echo "| ep | memcheck: a_group_of_one_gives_the_plain_backends_logits_bit_for_bit | $([[ $src == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+        echo "| ep | memcheck: a_group_of_one (plain, experts moving) | $([[ $src == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
         ((src == 0)) || FAILED+=(ep-memcheck)
     fi
     local rc=0 r port=$((29500 + RANDOM % 1000)) model=${EP_MODEL:-synthetic:v32,layers=4,experts=128}
@@ -450,6 +457,42 @@ phase_ep() {
     tail -n 3 "$OUTDIR/ep-bench-one.log"
     echo "| ep | engine-bench --ep (2 ranks) and one GPU | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
     ((rc == 0)) || FAILED+=(ep)
+}
+
+phase_eplb() {
+    nccl_lib
+    local rc=0 mode r model=${EPLB_MODEL:-synthetic:v32,experts=128,skew=8}
+    local args=${EPLB_ARGS:---batches 32,128 --context 256 --decode-steps 8 --blocks 4096}
+    local warm=${EPLB_WARMUP:-12} flags=${EPLB_FLAGS:---eplb-redundant 8 --eplb-interval 4 --eplb-window 4}
+    for mode in off on; do
+        local port=$((29500 + RANDOM % 1000)) extra="--eplb-interval 4"
+        [[ $mode == on ]] && extra="--eplb $flags"
+        for r in 0 1; do
+            # shellcheck disable=SC2086
+            timeout 500 engine-bench --device "cuda:$r" --ep "$r/2@127.0.0.1:$port" --model "$model" $args \
+                --warmup-steps "$warm" $extra --json --out "$OUTDIR/eplb-$mode-rank$r.json" \
+                >"$OUTDIR/eplb-$mode-rank$r.log" 2>&1 &
+        done
+        wait -n || rc=$?
+        wait -n || rc=$?
+        tail -n 4 "$OUTDIR"/eplb-$mode-rank*.log
+    done
+    python3 - "$OUTDIR" <<'PY' || rc=$?
+import json, sys
+out = sys.argv[1]
+print("| run | rank | tok/s | step or call ms | max/mean as sharded | as placed | layers moved (timed) |")
+print("|---|---:|---:|---:|---:|---:|---:|")
+for mode in ("off", "on"):
+    for r in (0, 1):
+        for row in json.load(open(f"{out}/eplb-{mode}-rank{r}.json")):
+            e = row["extra"].get("eplb", {})
+            ms = 1e3 * row["extra"].get("step_s", row["seconds"])
+            print(f"| {row['bench']} eplb {mode} | {r} | {row['tokens_per_s']:.1f} | {ms:.1f} | "
+                  f"{e.get('imbalance_shard', 0):.3f} | {e.get('imbalance_now', 0):.3f} | "
+                  f"{e.get('layers_moved', 0)} ({row['extra'].get('eplb_moved_while_timed', '-')}) |")
+PY
+    echo "| eplb | engine-bench --ep (2 ranks), without and with --eplb | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+    ((rc == 0)) || FAILED+=(eplb)
 }
 
 # One `tandem up` layout (its extra flags) until ready on port 18020; the up process id in UP_PID.
@@ -565,7 +608,7 @@ PY
 }
 
 run() {
-    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|gemm|moe|bf16|f32|sparse-mla|serve|v32|serve-v32|kv|ep|serve-ep|all}
+    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|gemm|moe|bf16|f32|sparse-mla|serve|v32|serve-v32|kv|ep|serve-ep|eplb|all}
     [[ -d "$BUNDLE" ]] || { echo "gpu-test.sh: $BUNDLE/ is missing: run 'scripts/gpu-test.sh pack' here and carry it" >&2; exit 1; }
     unpack
     OUTDIR=${OUT:-bench/out}
@@ -602,6 +645,7 @@ run() {
         kv) phase_kv ;;
         ep) phase_ep ;;
         serve-ep) phase_serve_ep ;;
+        eplb) phase_eplb ;;
         all) phase_sass; phase_kernels; phase_loop; phase_model; phase_serve; phase_sanitize ;;
         *) echo "gpu-test.sh: unknown phase $phase" >&2; exit 2 ;;
     esac

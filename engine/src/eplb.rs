@@ -49,6 +49,135 @@ impl Placement {
     }
 }
 
+impl Placement {
+    /// Expert parallelism's own placement: GPU g's slots hold its contiguous share of the experts, then
+    /// `redundant` more slots copying the first of them (the placement at start-up, before any load is
+    /// known: every copy is one the GPU loads from the checkpoint anyway).
+    pub fn home(experts: usize, gpus: usize, redundant: usize) -> Result<Self, String> {
+        if gpus == 0 || experts == 0 || !experts.is_multiple_of(gpus) {
+            return Err(format!("eplb: {experts} experts do not split over {gpus} GPUs"));
+        }
+        let per = experts / gpus;
+        if redundant > per {
+            return Err(format!("eplb: {redundant} redundant slots per GPU exceed its {per} experts"));
+        }
+        let phy2log: Vec<usize> =
+            (0..gpus).flat_map(|g| (g * per..(g + 1) * per).chain(g * per..g * per + redundant)).collect();
+        Ok(Self::from_phy2log(phy2log, experts))
+    }
+
+    /// The placement whose slot s holds expert `phy2log[s]` (every expert in `0..experts` must have one).
+    pub fn from_phy2log(phy2log: Vec<usize>, experts: usize) -> Self {
+        let mut log2phy = vec![Vec::new(); experts];
+        for (slot, &e) in phy2log.iter().enumerate() {
+            log2phy[e].push(slot);
+        }
+        Placement { phy2log, log2phy }
+    }
+
+    /// The most copies any expert has.
+    pub fn max_copies(&self) -> usize {
+        self.log2phy.iter().map(Vec::len).max().unwrap_or(0)
+    }
+
+    /// The device form of `log2phy`: per expert, its number of copies and then its slots, padded with -1 to
+    /// `1 + max_copies` ints.
+    pub fn table(&self) -> Vec<i32> {
+        let w = 1 + self.max_copies();
+        let mut t = vec![-1i32; self.log2phy.len() * w];
+        for (e, slots) in self.log2phy.iter().enumerate() {
+            t[e * w] = slots.len() as i32;
+            for (i, &s) in slots.iter().enumerate() {
+                t[e * w + 1 + i] = s as i32;
+            }
+        }
+        t
+    }
+}
+
+/// Where a GPU's new slot gets its expert's weights when the placement changes ([`transfer_plan`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// This GPU's own slot (of the old placement, numbered within the GPU).
+    Local(usize),
+    /// Another GPU's slot (old placement, numbered within that GPU).
+    Remote { gpu: usize, slot: usize },
+}
+
+/// For every GPU and each of its slots under `new`, where the expert's weights come from under `old`: the
+/// GPU's own first copy if it has one, else the first copy on the lowest GPU that has it. Every GPU computes
+/// the same plan, so the sends and receives pair up without a further exchange.
+pub fn transfer_plan(old: &Placement, new: &Placement, gpus: usize) -> Vec<Vec<Source>> {
+    let (old_per, new_per) = (old.phy2log.len() / gpus, new.phy2log.len() / gpus);
+    (0..gpus)
+        .map(|g| {
+            (0..new_per)
+                .map(|j| {
+                    let e = new.phy2log[g * new_per + j];
+                    let copies = &old.log2phy[e];
+                    match copies.iter().find(|&&s| s / old_per == g) {
+                        Some(&s) => Source::Local(s - g * old_per),
+                        None => Source::Remote { gpu: copies[0] / old_per, slot: copies[0] % old_per },
+                    }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Expert-parallel load balancing at run time (the CUDA backend's, engine::cuda::balance).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EplbConfig {
+    /// Whether placements change; off, the loads are still counted and logged (what EPLB would gain).
+    pub rebalance: bool,
+    /// Slots per GPU beyond its share of the experts, for copies of hot experts.
+    pub redundant: usize,
+    /// Busy steps between two looks at the loads.
+    pub interval: usize,
+    /// Looks whose loads the window sums ([`LoadWindow`]).
+    pub window: usize,
+    /// GPUs per node, for the hierarchical policy (the group's size: one node).
+    pub gpus_per_node: Option<usize>,
+    /// A new placement is applied only where it lowers the max/mean GPU load by at least this fraction.
+    pub min_gain: f64,
+}
+
+impl Default for EplbConfig {
+    fn default() -> Self {
+        EplbConfig { rebalance: false, redundant: 0, interval: 256, window: 4, gpus_per_node: None, min_gain: 0.05 }
+    }
+}
+
+impl EplbConfig {
+    /// Whether the values make sense for `experts` routed experts over `gpus` GPUs.
+    pub fn check(&self, experts: usize, gpus: usize) -> Result<(), String> {
+        self.check_settings(gpus)?;
+        Placement::home(experts, gpus, self.redundant).map(drop)
+    }
+
+    /// [`check`](Self::check) of what does not depend on the model.
+    pub fn check_settings(&self, gpus: usize) -> Result<(), String> {
+        if self.interval == 0 || self.window == 0 {
+            return Err("eplb: the interval and the window must be at least 1".into());
+        }
+        if !(0.0..1.0).contains(&self.min_gain) {
+            return Err(format!("eplb: the minimum gain {} is not in [0, 1)", self.min_gain));
+        }
+        if let Some(n) = self.gpus_per_node
+            && (n == 0 || !gpus.is_multiple_of(n))
+        {
+            return Err(format!("eplb: {gpus} GPUs do not split into nodes of {n}"));
+        }
+        Ok(())
+    }
+
+    /// The layout a placement is for.
+    pub fn layout(&self, experts: usize, groups: usize, gpus: usize) -> Layout {
+        let nodes = gpus / self.gpus_per_node.unwrap_or(gpus).max(1);
+        Layout { slots: experts + gpus * self.redundant, groups, nodes: nodes.max(1), gpus }
+    }
+}
+
 /// The shape of the expert-parallel deployment a placement is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Layout {
@@ -121,11 +250,7 @@ fn hierarchical(load: &[f64], l: Layout) -> Result<Placement, String> {
             phy2log.extend(items.iter().zip(&gpu_of_item).filter(|(_, g)| **g == gpu).map(|(&i, _)| mine[i]));
         }
     }
-    let mut log2phy = vec![Vec::new(); experts];
-    for (slot, &e) in phy2log.iter().enumerate() {
-        log2phy[e].push(slot);
-    }
-    Ok(Placement { phy2log, log2phy })
+    Ok(Placement::from_phy2log(phy2log, experts))
 }
 
 /// Copies per item for `slots` slots: one each, then each further copy to the item with the largest load
@@ -299,5 +424,47 @@ mod tests {
         w.push(&[0, 0, 4]).unwrap();
         assert_eq!(w.load(), [0.0, 2.0, 4.0], "the first step left the window");
         assert!(w.push(&[1, 2]).unwrap_err().contains("2 counts for 3 experts"));
+    }
+
+    #[test]
+    fn the_home_placement_is_each_gpus_share_then_copies_of_its_first_experts() {
+        let p = Placement::home(8, 2, 1).unwrap();
+        assert_eq!(p.phy2log, [0, 1, 2, 3, 0, 4, 5, 6, 7, 4]);
+        assert_eq!(p.log2phy[0], [0, 4]);
+        assert_eq!(p.max_copies(), 2);
+        assert_eq!(&p.table()[..6], [2, 0, 4, 1, 1, -1]);
+        assert_eq!(Placement::home(8, 2, 0).unwrap(), Placement::identity(8));
+        assert!(Placement::home(8, 2, 5).unwrap_err().contains("exceed"));
+        assert!(Placement::home(9, 2, 0).is_err());
+    }
+
+    #[test]
+    fn a_transfer_plan_keeps_local_copies_and_fetches_the_rest_from_the_lowest_holder() {
+        let old = Placement::home(8, 2, 1).unwrap();
+        // GPU 0 keeps 0 and 2, takes 5 and 7 (held by GPU 1 only) and a second 5; GPU 1 takes 0.
+        let new = Placement::from_phy2log(vec![0, 2, 5, 7, 5, 1, 3, 4, 6, 0], 8);
+        let plan = transfer_plan(&old, &new, 2);
+        use Source::*;
+        assert_eq!(
+            plan[0],
+            [Local(0), Local(2), Remote { gpu: 1, slot: 1 }, Remote { gpu: 1, slot: 3 }, Remote { gpu: 1, slot: 1 }]
+        );
+        assert_eq!(
+            plan[1],
+            [Remote { gpu: 0, slot: 1 }, Remote { gpu: 0, slot: 3 }, Local(0), Local(2), Remote { gpu: 0, slot: 0 }]
+        );
+        assert!(transfer_plan(&old, &old, 2).iter().flatten().all(|s| matches!(s, Local(_))));
+    }
+
+    #[test]
+    fn eplb_settings_are_checked() {
+        let c = EplbConfig { rebalance: true, redundant: 2, ..Default::default() };
+        assert!(c.check(16, 2).is_ok());
+        assert_eq!(c.layout(16, 4, 2), Layout { slots: 20, groups: 4, nodes: 1, gpus: 2 });
+        assert!(EplbConfig { interval: 0, ..c }.check(16, 2).is_err());
+        assert!(EplbConfig { min_gain: 1.5, ..c }.check(16, 2).is_err());
+        assert!(EplbConfig { gpus_per_node: Some(3), ..c }.check(16, 2).unwrap_err().contains("nodes of 3"));
+        assert!(EplbConfig { redundant: 9, ..c }.check(16, 2).unwrap_err().contains("exceed"));
+        assert_eq!(EplbConfig { gpus_per_node: Some(2), ..c }.layout(16, 4, 4).nodes, 2);
     }
 }

@@ -186,6 +186,9 @@ fn var(k: &str) -> String {
 fn rank_backend(rank: usize, spec: &str) -> Result<CudaBackend, engine::EngineError> {
     let ckpt = engine::checkpoint::Checkpoint::open(Path::new(&var("TANDEM_EP_TEST_CKPT"))).unwrap();
     let mut ep = EpConfig::parse(spec).unwrap();
+    if std::env::var_os(EPLB).is_some() {
+        ep.eplb = moving_eplb();
+    }
     match var("TANDEM_EP_TEST_MODE").as_str() {
         "equal" => {}
         "init-fault" => ep.timeout = Duration::from_secs(10),
@@ -193,6 +196,22 @@ fn rank_backend(rank: usize, spec: &str) -> Result<CudaBackend, engine::EngineEr
     }
     let cache = std::env::temp_dir().join("tandem-test-kernels");
     CudaBackend::load_ep(&ckpt, Precision::Fp8, rank, &cache, &ep)
+}
+
+/// Set for a rank that balances its experts' load ([`moving_eplb`]).
+const EPLB: &str = "TANDEM_EP_TEST_EPLB";
+
+/// Load balancing that moves experts as often as it can: a look at every busy step over that step's loads
+/// alone, any change applied, two spare slots a rank.
+fn moving_eplb() -> engine::eplb::EplbConfig {
+    engine::eplb::EplbConfig {
+        rebalance: true,
+        redundant: 2,
+        interval: 1,
+        window: 1,
+        min_gain: 0.0,
+        gpus_per_node: None,
+    }
 }
 
 /// One prefill of a short prompt: a step of the group.
@@ -218,7 +237,11 @@ fn rank_main(rank: usize) {
             let b = rank_backend(rank, &var("TANDEM_EP_TEST_SPEC")).unwrap();
             let seed: u64 = var("TANDEM_EP_TEST_SEED").parse().unwrap();
             let mine: Vec<usize> = (0..REQUESTS.len()).filter(|i| i % 2 == rank).collect();
-            let t = run(Arc::new(b), &mine, seed);
+            let b = Arc::new(b);
+            let t = run(b.clone(), &mine, seed);
+            if let Some(st) = b.eplb_stats() {
+                write_whole(&format!("{out}.eplb"), &format!("{} {}", st.layers_moved, st.copies_received));
+            }
             write_whole(&out, &encode(&t));
         }
         "fault" => {
@@ -393,6 +416,60 @@ fn a_group_of_one_gives_the_plain_backends_logits_bit_for_bit() {
     assert!(encode(&run(Arc::new(grouped), &[0, 1, 2, 3], seed)) == want, "EP-1 differs from the plain backend");
 }
 
+/// A group of one with load balancing: the experts' copies move between its slots at nearly every step
+/// (the slot table, the copies, the switch between steps), and the logits stay the plain backend's.
+#[test]
+fn a_group_of_one_whose_experts_move_gives_the_plain_backends_logits_bit_for_bit() {
+    if std::env::var(RANK).is_ok() {
+        return;
+    }
+    let _gpus = gpus_lock();
+    let dir = tempfile::tempdir().unwrap();
+    checkpoint(dir.path());
+    let ckpt = engine::checkpoint::Checkpoint::open(dir.path()).unwrap();
+    let cache = std::env::temp_dir().join("tandem-test-kernels");
+    let one = match CudaBackend::load(&ckpt, Precision::Fp8, 0, &cache) {
+        Ok(b) => b,
+        Err(e) if !engine::cuda::gpu_required() && e.to_string().contains("no usable GPU") => {
+            eprintln!("skipped: {e}; TANDEM_REQUIRE_GPU=1 makes this a failure");
+            return;
+        }
+        Err(e) => panic!("the CUDA backend did not load: {e}"),
+    };
+    let seed = 11;
+    let want = encode(&run(Arc::new(one), &[0, 1, 2, 3], seed));
+    let mut ep = EpConfig::parse(&format!("0/1@127.0.0.1:{}", free_port())).unwrap();
+    ep.eplb = moving_eplb();
+    let b = Arc::new(CudaBackend::load_ep(&ckpt, Precision::Fp8, 0, &cache, &ep).unwrap());
+    assert!(encode(&run(b.clone(), &[0, 1, 2, 3], seed)) == want, "EP-1 with moving experts differs");
+    let st = b.eplb_stats().unwrap();
+    eprintln!("{st:?}");
+    assert!(st.layers_moved >= 2 && st.looks >= 4, "{st:?}");
+    assert!((st.imbalance_now - 1.0).abs() < 1e-9, "one GPU is always balanced: {st:?}");
+}
+
+/// Bad load-balancing settings are refused when the backend loads, with the reason.
+#[test]
+fn load_balancing_settings_that_cannot_work_are_refused() {
+    if std::env::var(RANK).is_ok() {
+        return;
+    }
+    let _gpus = gpus_lock();
+    let dir = tempfile::tempdir().unwrap();
+    checkpoint(dir.path());
+    let ckpt = engine::checkpoint::Checkpoint::open(dir.path()).unwrap();
+    let cache = std::env::temp_dir().join("tandem-test-kernels");
+    if engine::cuda::device::device_count().unwrap_or(0) == 0 {
+        assert!(!engine::cuda::gpu_required(), "TANDEM_REQUIRE_GPU=1 and no GPU");
+        eprintln!("skipped: no GPU");
+        return;
+    }
+    let mut ep = EpConfig::parse(&format!("0/1@127.0.0.1:{}", free_port())).unwrap();
+    ep.eplb = engine::eplb::EplbConfig { redundant: 17, ..moving_eplb() };
+    let e = CudaBackend::load_ep(&ckpt, Precision::Fp8, 0, &cache, &ep).err().expect("17 spare slots of 16 experts");
+    assert!(e.to_string().contains("exceed"), "{e}");
+}
+
 /// Rank 1 dies between the rendezvous and NCCL's communicator set-up: rank 0's start-up fails with the
 /// reason instead of waiting forever.
 #[test]
@@ -444,6 +521,20 @@ fn two_expert_parallel_ranks_give_one_gpus_logits_bit_for_bit() {
     if !two_gpus_or_skip() {
         return;
     }
+    two_ranks_against_one_gpu(false);
+}
+
+/// Load balancing moves experts between the two ranks at nearly every step (copies sent over NCCL, the
+/// slot tables switched between steps): the logits stay one GPU's, bit for bit.
+#[test]
+fn two_ranks_that_move_their_experts_keep_one_gpus_logits_bit_for_bit() {
+    if std::env::var(RANK).is_ok() || !two_gpus_or_skip() {
+        return;
+    }
+    two_ranks_against_one_gpu(true);
+}
+
+fn two_ranks_against_one_gpu(eplb: bool) {
     let _gpus = gpus_lock();
     let dir = tempfile::tempdir().unwrap();
     checkpoint(dir.path());
@@ -451,12 +542,27 @@ fn two_expert_parallel_ranks_give_one_gpus_logits_bit_for_bit() {
     eprintln!("prompt seed {seed}");
     let port = free_port();
     let env = |r: usize| {
-        vec![("TANDEM_EP_TEST_SPEC", format!("{r}/2@127.0.0.1:{port}")), ("TANDEM_EP_TEST_SEED", seed.to_string())]
+        let mut v =
+            vec![("TANDEM_EP_TEST_SPEC", format!("{r}/2@127.0.0.1:{port}")), ("TANDEM_EP_TEST_SEED", seed.to_string())];
+        if eplb {
+            v.push((EPLB, "1".into()));
+        }
+        v
     };
     let mut kids: Vec<(String, std::process::Child)> =
         (0..2).map(|r| (format!("equal-rank{r}"), spawn_rank(dir.path(), r, "equal", &env(r)))).collect();
     wait_all(dir.path(), &mut kids, 300);
     let outs: Vec<PathBuf> = (0..2).map(|r| dir.path().join(format!("equal-rank{r}.txt"))).collect();
+    if eplb {
+        for (r, o) in outs.iter().enumerate() {
+            let st = std::fs::read_to_string(o.with_extension("txt.eplb")).unwrap();
+            let (moved, received): (u64, u64) =
+                st.split_once(' ').map(|(a, b)| (a.parse().unwrap(), b.parse().unwrap())).unwrap();
+            eprintln!("rank {r}: {moved} MoE layers moved, {received} expert copies received");
+            assert!(moved >= 2, "rank {r}: load balancing moved {moved} layers");
+            assert!(received >= 1, "rank {r}: no expert came from the other rank");
+        }
+    }
     // One GPU, every request, every expert.
     let ckpt = engine::checkpoint::Checkpoint::open(dir.path()).unwrap();
     let cache = std::env::temp_dir().join("tandem-test-kernels");

@@ -31,6 +31,26 @@ pub struct ServeArgs {
     /// Expert parallelism: how long the ranks wait for each other at start-up.
     #[arg(long, env = "TANDEM_EP_START_TIMEOUT_SECS", default_value_t = 300.0)]
     pub ep_start_timeout_secs: f64,
+    /// Expert parallelism: balance the experts' load at run time (EPLB: hot experts copied into spare
+    /// slots, experts moved between ranks; docs/model.md §5.2). Off, the loads are still counted and logged.
+    #[arg(long, env = "TANDEM_EPLB")]
+    pub eplb: bool,
+    /// Load balancing: spare expert slots per rank, for copies of hot experts.
+    #[arg(long, env = "TANDEM_EPLB_REDUNDANT", default_value_t = 0)]
+    pub eplb_redundant: usize,
+    /// Load balancing: busy steps between two looks at the loads.
+    #[arg(long, env = "TANDEM_EPLB_INTERVAL", default_value_t = 256)]
+    pub eplb_interval: usize,
+    /// Load balancing: looks whose loads a placement is computed from.
+    #[arg(long, env = "TANDEM_EPLB_WINDOW", default_value_t = 4)]
+    pub eplb_window: usize,
+    /// Load balancing: GPUs per node of the group, for the hierarchical policy (default: one node).
+    #[arg(long, env = "TANDEM_EPLB_GPUS_PER_NODE")]
+    pub eplb_gpus_per_node: Option<usize>,
+    /// Load balancing: a layer moves only where that lowers its busiest GPU's load over the mean by at
+    /// least this fraction.
+    #[arg(long, env = "TANDEM_EPLB_MIN_GAIN", default_value_t = 0.05)]
+    pub eplb_min_gain: f64,
     /// The model name clients send; defaults to the checkpoint directory's name.
     #[arg(long, env = "TANDEM_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
@@ -197,7 +217,21 @@ impl ServeArgs {
 
     /// The expert-parallel group this worker joins (`--ep`), checked.
     pub fn ep_config(&self) -> anyhow::Result<Option<engine::cuda::ep::EpConfig>> {
-        let Some(spec) = &self.ep else { return Ok(None) };
+        let eplb = engine::eplb::EplbConfig {
+            rebalance: self.eplb,
+            redundant: self.eplb_redundant,
+            interval: self.eplb_interval,
+            window: self.eplb_window,
+            gpus_per_node: self.eplb_gpus_per_node,
+            min_gain: self.eplb_min_gain,
+        };
+        let Some(spec) = &self.ep else {
+            anyhow::ensure!(
+                eplb == engine::eplb::EplbConfig::default(),
+                "--eplb and its settings balance the experts of an expert-parallel group: they need --ep"
+            );
+            return Ok(None);
+        };
         let mut cfg = engine::cuda::ep::EpConfig::parse(spec).map_err(|e| anyhow::anyhow!("--ep {e}"))?;
         anyhow::ensure!(
             matches!(self.device, Device::Cuda(_)),
@@ -214,6 +248,9 @@ impl ServeArgs {
         };
         cfg.step_timeout = secs("--ep-step-timeout-secs", self.ep_step_timeout_secs)?;
         cfg.timeout = secs("--ep-start-timeout-secs", self.ep_start_timeout_secs)?;
+        // The spare slots against the model's experts are checked where the model is known (the backend).
+        eplb.check_settings(cfg.world).map_err(|e| anyhow::anyhow!("--eplb settings: {e}"))?;
+        cfg.eplb = eplb;
         Ok(Some(cfg))
     }
 
@@ -302,6 +339,25 @@ mod tests {
             let err = parse(flags).validate().unwrap_err().to_string();
             assert!(err.contains("--ep") && err.contains(want), "{flags:?}: {err}");
         }
+    }
+
+    #[test]
+    fn load_balancing_flags_reach_the_group_or_are_refused_with_the_reason() {
+        let ep = ["--device", "cuda", "--ep", "0/2@h:1"];
+        let with = |extra: &[&str]| parse(&[&ep[..], extra].concat());
+        let cfg = with(&["--eplb", "--eplb-redundant", "2", "--eplb-interval", "64"]).ep_config().unwrap().unwrap();
+        assert!(cfg.eplb.rebalance && cfg.eplb.redundant == 2 && cfg.eplb.interval == 64 && cfg.eplb.window == 4);
+        assert!(!with(&[]).ep_config().unwrap().unwrap().eplb.rebalance, "off by default");
+        for (flags, want) in [
+            (&["--eplb-interval", "0"][..], "at least 1"),
+            (&["--eplb-min-gain", "1.5"][..], "minimum gain"),
+            (&["--eplb-gpus-per-node", "3"][..], "nodes of 3"),
+        ] {
+            let err = with(flags).validate().unwrap_err().to_string();
+            assert!(err.contains("--eplb settings") && err.contains(want), "{flags:?}: {err}");
+        }
+        let err = parse(&["--eplb"]).validate().unwrap_err().to_string();
+        assert!(err.contains("need --ep"), "{err}");
     }
 
     #[test]

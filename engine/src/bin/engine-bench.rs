@@ -17,6 +17,12 @@
 //! kernel_s / step_s, an estimate of the unprofiled step's share in which no kernel ran, biased low: a
 //! kernel's start event is recorded before the host submits it, so where the slower profiled host falls
 //! behind, its gap counts as kernel time. bench/gpu/kernel_plot.py draws the split as an SVG.
+//!
+//! `--ep RANK/WORLD@HOST:PORT` runs this process as one rank of an expert-parallel group (one per GPU, all
+//! started together with the same flags); `--eplb` with `--eplb-redundant`, `--eplb-interval`,
+//! `--eplb-window`, `--eplb-min-gain` balances the experts' load (engine::cuda::balance), and every record
+//! then carries `extra.eplb` (the busiest GPU's load over the mean as sharded and as placed, layers moved).
+//! `--warmup-steps N` runs N untimed prefills and N untimed decode steps before the timed ones.
 
 use std::time::Instant;
 
@@ -51,6 +57,10 @@ struct Opts {
     ep: Option<engine::cuda::ep::EpConfig>,
     /// Capacities (rows per rank) to time the expert-parallel exchange at, before the other measurements.
     ep_exchange: Vec<usize>,
+    /// Expert-parallel load balancing (`--eplb` and its settings; applied to `ep`).
+    eplb: engine::eplb::EplbConfig,
+    /// Untimed decode steps before each timed decode measurement (load balancing settles in them).
+    warmup_steps: usize,
 }
 
 fn parse() -> Result<Opts, String> {
@@ -70,6 +80,8 @@ fn parse() -> Result<Opts, String> {
         kernel_profile: false,
         ep: None,
         ep_exchange: Vec::new(),
+        eplb: Default::default(),
+        warmup_steps: 0,
     };
     let number = |v: Option<String>, what: &str| -> Result<usize, String> {
         v.and_then(|v| v.parse().ok()).filter(|&n| n > 0).ok_or(format!("{what} needs a positive number"))
@@ -112,17 +124,39 @@ fn parse() -> Result<Opts, String> {
                     .collect::<Option<_>>()
                     .ok_or(format!("--ep-exchange {v}: positive numbers, comma-separated"))?;
             }
+            "--eplb" => o.eplb.rebalance = true,
+            "--eplb-redundant" => {
+                o.eplb.redundant = args.next().and_then(|v| v.parse().ok()).ok_or("--eplb-redundant needs a number")?
+            }
+            "--eplb-interval" => o.eplb.interval = number(args.next(), "--eplb-interval")?,
+            "--eplb-window" => o.eplb.window = number(args.next(), "--eplb-window")?,
+            "--eplb-min-gain" => {
+                o.eplb.min_gain = args
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .filter(|g: &f64| (0.0..1.0).contains(g))
+                    .ok_or("--eplb-min-gain needs a fraction in [0, 1)")?
+            }
+            "--warmup-steps" => {
+                o.warmup_steps = args.next().and_then(|v| v.parse().ok()).ok_or("--warmup-steps needs a number")?
+            }
             "-h" | "--help" => {
                 println!(
                     "engine-bench [--json] [--out FILE] [--precision fp8|full] [--device cpu|cuda[:N]] [--threads N] \
                      [--decode-steps N] [--decode-only] [--model DIR|synthetic:v32[,...]] [--batches 1,16] \
-                     [--context 256] [--blocks 2048] [--mtp] [--kernel-profile] [--ep RANK/WORLD@HOST:PORT \
-                     [--ep-exchange 64,1024]]"
+                     [--context 256] [--blocks 2048] [--mtp] [--kernel-profile] [--warmup-steps N] \
+                     [--ep RANK/WORLD@HOST:PORT [--ep-exchange 64,1024] [--eplb] [--eplb-redundant N] \
+                     [--eplb-interval STEPS] [--eplb-window LOOKS] [--eplb-min-gain F]]"
                 );
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}")),
         }
+    }
+    if let Some(ep) = &mut o.ep {
+        ep.eplb = o.eplb;
+    } else if o.eplb != engine::eplb::EplbConfig::default() {
+        return Err("--eplb and its settings need --ep".into());
     }
     Ok(o)
 }
@@ -288,6 +322,17 @@ fn main() {
     };
 
     let prefill_lens: &[usize] = if o.decode_only { &[] } else { &[512, 2048] };
+    if !prefill_lens.is_empty() {
+        // Untimed prefills first (load balancing settles in them, as in the decode warm-up).
+        let toks = prompt(512, 7, cfg.vocab_size as u32);
+        for i in 0..o.warmup_steps {
+            let id = format!("w{i}");
+            let t = pool.reserve(&id, toks.len() + 2).expect("blocks");
+            let mut s = SeqState::new(toks.clone(), SamplingParams::greedy(1), t.blocks, 0);
+            generate::prefill(b, &cache, &mut [&mut s], &[toks.len()], &mut |_, _| {}).expect("prefill");
+            pool.release(&id).expect("release");
+        }
+    }
     for &len in prefill_lens {
         let toks = prompt(len, len as u32, cfg.vocab_size as u32);
         let mut best = f64::MAX;
@@ -301,6 +346,10 @@ fn main() {
             pool.release(&id).expect("release");
         }
         let mut extra = serde_json::json!({"includes_mtp": cfg.num_nextn_predict_layers > 0});
+        if let Some(st) = cuda.as_ref().and_then(|c| c.eplb_stats()) {
+            extra["eplb"] = serde_json::to_value(&st).expect("json");
+            extra["eplb_on"] = o.eplb.rebalance.into();
+        }
         if o.kernel_profile {
             let id = format!("p{len}-profiled");
             let t = pool.reserve(&id, len + 2).expect("blocks");
@@ -339,6 +388,11 @@ fn main() {
                 generate::prefill(b, &cache, &mut [&mut *seq], &[chunk], &mut |_, _| {}).expect("prefill");
             }
         }
+        for _ in 0..o.warmup_steps {
+            let mut refs: Vec<&mut SeqState> = seqs.iter_mut().collect();
+            generate::decode_step(b, &cache, &mut refs).expect("decode");
+        }
+        let moved_before = cuda.as_ref().and_then(|c| c.eplb_stats()).map_or(0, |s| s.layers_moved);
         let start = Instant::now();
         let mut produced = 0;
         for _ in 0..o.decode_steps {
@@ -351,7 +405,14 @@ fn main() {
         let step_s = secs / o.decode_steps as f64;
         let mut extra = serde_json::json!({
             "context": ctx, "steps": o.decode_steps, "mtp": o.mtp, "batch": batch, "step_s": step_s,
+            "warmup_steps": o.warmup_steps,
         });
+        if let Some(st) = cuda.as_ref().and_then(|c| c.eplb_stats()) {
+            // Layers moved inside the timed steps cost time there: the record says how many.
+            extra["eplb_moved_while_timed"] = (st.layers_moved - moved_before).into();
+            extra["eplb"] = serde_json::to_value(&st).expect("json");
+            extra["eplb_on"] = o.eplb.rebalance.into();
+        }
         if o.kernel_profile {
             let kernels = profiled(b, PROFILED_STEPS, || {
                 for _ in 0..PROFILED_STEPS {

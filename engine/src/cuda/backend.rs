@@ -113,6 +113,8 @@ pub struct CudaBackend {
     ep_cap: std::sync::atomic::AtomicUsize,
     /// Where this rank is in the current step's passes ([`Pass::STEP`]).
     ep_step: crate::lockstep::Steps,
+    /// Expert-parallel load counting and balancing (engine::cuda::balance).
+    balancer: Option<super::balance::Balancer>,
 }
 
 use crate::backend::BatchItem as Item;
@@ -175,7 +177,16 @@ impl CudaBackend {
         unsafe { gpu.context().disable_event_tracking() };
         keep_freed_memory(&gpu)?;
         let stream = gpu.stream().clone();
-        let w = DWeights::load(&stream, ckpt, prec, shard).map_err(|e| match e {
+        let eplb = ep.map(|e| e.eplb);
+        if let Some(b) = eplb.filter(|b| b.rebalance) {
+            b.check(cfg.n_routed_experts, shard.world).map_err(EngineError::InvalidInput)?;
+        }
+        let layout = super::weights::ExpertLayout {
+            shard,
+            count: ep.is_some(),
+            redundant: eplb.filter(|b| b.rebalance).map(|b| b.redundant),
+        };
+        let w = DWeights::load(&stream, ckpt, prec, layout).map_err(|e| match e {
             LoadError::Checkpoint(c) => EngineError::Checkpoint(c),
             LoadError::Cuda(c) => EngineError::Device(format!(
                 "loading the weights onto GPU {ordinal} ({}, {} MiB): {c}",
@@ -192,7 +203,7 @@ impl CudaBackend {
             let moe_layers = w.layers.iter().map(|l| &**l).chain(w.mtp.iter().map(|m| &m.layer));
             for l in moe_layers {
                 if let DFfn::Moe(m) = &l.ffn
-                    && (!moe::supported(&m.experts) || !cfg.hidden_size.is_multiple_of(8))
+                    && (!moe::supported(&m.routed().experts) || !cfg.hidden_size.is_multiple_of(8))
                 {
                     return Err(EngineError::Unsupported(format!(
                         "expert parallelism needs FP8 experts with 128 x 128 blocks and a hidden size that is a \
@@ -208,7 +219,9 @@ impl CudaBackend {
             let m = e.shard();
             tracing::info!(rank = m.rank, world = m.world, experts = ?m.experts(cfg.n_routed_experts), "expert-parallel group joined");
         }
+        let balancer = eplb.map(|b| super::balance::Balancer::new(b, w.moe_sets().len(), cfg.n_routed_experts));
         Ok(CudaBackend {
+            balancer,
             attn_factor: rope.attn_factor(),
             inv_freq,
             gpu,
@@ -487,6 +500,7 @@ impl CudaBackend {
             let logits = ws.take::<f32>(s, rows * e)?;
             m.gate.forward(&self.gpu, ws, x, rows, 1, 0, logits)?;
             moe::route(&self.gpu, c, logits, m.bias.as_ref().map_or(0, DBuf::ptr), rows, ids, weights)?;
+            super::balance::count(&self.gpu, m, ids, rows * k, e)?;
             if let Some(sh) = &m.shared {
                 shared = ws.take::<f32>(s, rows * hidden)?;
                 let pre = record.as_ref().map(ep::Quantized::input);
@@ -498,8 +512,9 @@ impl CudaBackend {
         if let (Some(ep), Some(q)) = (&self.ep, &record) {
             return ep::moe_forward(&self.gpu, ws, ep, c, m, q, rows, ids, weights, shared, y);
         }
+        let routed = m.routed();
         // Experts that share weights (a synthetic model's) run as the matrix they share.
-        let e = match &m.expert_map {
+        let e = match &routed.expert_map {
             Some(map) => {
                 launch(
                     &self.gpu,
@@ -509,7 +524,7 @@ impl CudaBackend {
                     0,
                     &[Arg::P(ids), Arg::I((rows * k) as i32), Arg::P(map.ptr()), Arg::I(e as i32)],
                 )?;
-                m.experts.down.groups()
+                routed.experts.down.groups()
             }
             None => e,
         };
@@ -517,16 +532,16 @@ impl CudaBackend {
         // matrix over all of them (engine::cuda::moe); pair p's output at its grouped row, in bf16. Otherwise
         // one matrix-vector product per pair, at row p, in f32.
         // An FP8 model's routed experts give bf16 outputs either way (docs/model.md §2.4).
-        if moe::enabled() && moe::supported(&m.experts) {
+        if moe::enabled() && moe::supported(&routed.experts) {
             let pairs = ws.take::<u16>(s, rows * k * hidden)?;
             let g = moe::group(&self.gpu, ws, ids, rows * k, k, e)?;
-            moe::forward(&self.gpu, ws, &m.experts, x, &g, pairs)?;
+            moe::forward(&self.gpu, ws, &routed.experts, x, &g, pairs)?;
             let pairs = moe::PairRows::Bf16 { rows: pairs, slot: g.slot_of_pair };
             return moe::combine(&self.gpu, pairs, weights, shared, y, rows, k, hidden);
         }
         let pairs = ws.take::<f32>(s, rows * k * hidden)?;
-        self.mlp(ws, &m.experts, x, rows, k, ids, None, pairs)?;
-        let round_bf16 = matches!(m.experts.down, DLinear::Fp8 { .. });
+        self.mlp(ws, &routed.experts, x, rows, k, ids, None, pairs)?;
+        let round_bf16 = matches!(routed.experts.down, DLinear::Fp8 { .. });
         moe::combine(&self.gpu, moe::PairRows::F32 { rows: pairs, round_bf16 }, weights, shared, y, rows, k, hidden)
     }
 
@@ -1159,6 +1174,11 @@ impl CudaBackend {
         self.ep.as_ref()
     }
 
+    /// What expert-parallel load balancing has seen and done on this rank (expert parallelism only).
+    pub fn eplb_stats(&self) -> Option<super::balance::EplbStats> {
+        self.balancer.as_ref().map(super::balance::Balancer::stats)
+    }
+
     /// The rows of embedding `table` for `tokens`; the rows that `zero` (one flag per row) marks are zeros.
     fn embed(
         &self,
@@ -1221,7 +1241,16 @@ impl Backend for CudaBackend {
 
     fn begin_step(&self, rows: crate::lockstep::StepRows) -> Result<(), EngineError> {
         let Some(ep) = &self.ep else { return Ok(()) };
-        let mut agree = || self.ep_fail_fast(ep.agree_step(rows).map_err(EngineError::from));
+        // Load balancing's collectives follow the agreement on every rank (engine::cuda::balance).
+        let mut agree = || {
+            let agreed = ep.agree_step(rows).and_then(|got| {
+                if let Some(b) = &self.balancer {
+                    b.after_agreement(&self.gpu, ep, &self.cfg, &self.w, got.iter().any(|&r| r > 0))?;
+                }
+                Ok(got)
+            });
+            self.ep_fail_fast(agreed.map_err(EngineError::from))
+        };
         self.ep_step.plan(&mut agree, &mut |p| self.ep_join_empty(p))
     }
 
@@ -1262,8 +1291,13 @@ impl Backend for CudaBackend {
 
     fn memory_budget(&self, limits: &ServingLimits) -> MemoryBudget {
         *self.limits.lock().unwrap_or_else(|p| p.into_inner()) = Some(*limits);
+        // Load balancing holds one MoE layer's routed experts twice while it moves them.
+        let moving = match &self.balancer {
+            Some(b) if b.config().rebalance => self.w.largest_routed_bytes(),
+            _ => 0,
+        };
         MemoryBudget {
-            weights: self.w.bytes(),
+            weights: self.w.bytes() + moving,
             activations: self.activation_bytes(limits),
             graphs: 0,
             // kv-transfer's device buffers for one lane (gathering scattered layers on a prefill worker,

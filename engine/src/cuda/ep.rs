@@ -40,7 +40,7 @@ use cudarc::nccl::sys as nccl;
 
 use super::moe;
 use super::ops::{Arg, DBuf, Workspace, elementwise_grid, launch};
-use super::weights::{DMoe, QuantFormat, QuantIn};
+use super::weights::{DMoe, QuantFormat, QuantIn, SlotTable};
 use super::{CudaError, Gpu, gemm};
 use crate::ModelConfig;
 
@@ -88,6 +88,8 @@ pub struct EpConfig {
     /// The watchdog's bound on one forward call (a step): past it the communicator is aborted, as a peer
     /// that died or hangs (SIGSTOP raises no NCCL error) would otherwise stall this rank forever.
     pub step_timeout: Duration,
+    /// Load balancing (engine::cuda::balance): off by default, the loads still counted and logged.
+    pub eplb: crate::eplb::EplbConfig,
 }
 
 impl EpConfig {
@@ -109,6 +111,7 @@ impl EpConfig {
             leader: leader.to_string(),
             timeout: Duration::from_secs(120),
             step_timeout: DEFAULT_STEP_TIMEOUT,
+            eplb: Default::default(),
         })
     }
 
@@ -609,6 +612,62 @@ impl EpGroup {
         })
     }
 
+    /// Each of `bufs` (device address, i32 count) summed over every rank, in place: one grouped call.
+    pub fn all_reduce_sum_i32(&self, bufs: &[(u64, usize)]) -> Result<(), CudaError> {
+        let s = self.cu_stream();
+        self.with_comm(|comm| {
+            // SAFETY: device buffers of `n` i32 each, in place, on this communicator's stream.
+            unsafe {
+                check("group start", nccl::ncclGroupStart())?;
+                for &(p, n) in bufs {
+                    let r = nccl::ncclAllReduce(
+                        p as *const _,
+                        p as *mut _,
+                        n,
+                        nccl::ncclDataType_t::ncclInt32,
+                        nccl::ncclRedOp_t::ncclSum,
+                        comm,
+                        s,
+                    );
+                    if let Err(e) = check("all-reduce (expert loads)", r) {
+                        nccl::ncclGroupEnd();
+                        return Err(e);
+                    }
+                }
+                check("group end", nccl::ncclGroupEnd())
+            }
+        })
+    }
+
+    /// One grouped round of point-to-point moves: each `(peer, address, bytes, send)` sends those bytes to
+    /// `peer` or receives them from it. Every pair of ranks must list its moves between them in the same
+    /// order (NCCL pairs them up in order).
+    pub fn moves(&self, moves: &[(usize, u64, usize, bool)]) -> Result<(), CudaError> {
+        if moves.is_empty() {
+            return Ok(());
+        }
+        let s = self.cu_stream();
+        self.with_comm(|c| {
+            // SAFETY: grouped point-to-point calls over device buffers of the given sizes.
+            unsafe {
+                check("group start", nccl::ncclGroupStart())?;
+                for &(peer, p, bytes, send) in moves {
+                    let d = nccl::ncclDataType_t::ncclUint8;
+                    let r = if send {
+                        check("send", nccl::ncclSend(p as *const _, bytes, d, peer as i32, c, s))
+                    } else {
+                        check("recv", nccl::ncclRecv(p as *mut _, bytes, d, peer as i32, c, s))
+                    };
+                    if let Err(e) = r {
+                        nccl::ncclGroupEnd();
+                        return Err(e);
+                    }
+                }
+                check("group end", nccl::ncclGroupEnd())
+            }
+        })
+    }
+
     /// [`all_gather`](Self::all_gather) as point-to-point calls: `send` to every rank, rank q's into block q
     /// of `recv`.
     pub fn gather_p2p(&self, send: u64, recv: u64, bytes: usize) -> Result<(), CudaError> {
@@ -722,7 +781,7 @@ pub struct Dispatched {
 /// The record format of a MoE layer's experts: how their input rows are quantized, which must be rows of the
 /// model's hidden size.
 pub fn record_format(m: &DMoe, hidden: usize) -> Result<QuantFormat, CudaError> {
-    let (inp, kpad, ue8m0) = moe::fp8_dims(&m.experts.gate)?;
+    let (inp, kpad, ue8m0) = moe::fp8_dims(&m.routed().experts.gate)?;
     if inp != hidden {
         return Err(CudaError::Shape(format!("ep: the experts take {inp} channels, the model has {hidden}")));
     }
@@ -771,8 +830,9 @@ pub fn quantize(
     Ok(Quantized { rec, send, format })
 }
 
-/// Step 1b: the route `ids [rows, k]` of the quantized rows `q` packed into the record, and every rank's
-/// record gathered.
+/// Step 1b: the route `ids [rows, k]` of the quantized rows `q` packed into the record (each pair's expert,
+/// or under load balancing the slot of one of its copies: `slots`), and every rank's record gathered.
+#[allow(clippy::too_many_arguments)]
 pub fn dispatch(
     gpu: &Gpu,
     ws: &mut Workspace,
@@ -781,6 +841,7 @@ pub fn dispatch(
     q: &Quantized,
     rows: usize,
     ids: u64,
+    slots: Option<&SlotTable>,
 ) -> Result<Dispatched, CudaError> {
     let s = gpu.stream();
     let (world, k, rec, send) = (ep.shard.world, cfg.num_experts_per_tok, q.rec, q.send);
@@ -801,7 +862,10 @@ pub fn dispatch(
             Arg::I(rows as i32),
             Arg::I(cap as i32),
             Arg::I(k as i32),
-            Arg::I((cfg.n_routed_experts / world) as i32),
+            Arg::I(slots.map_or(cfg.n_routed_experts / world, |t| t.per_rank) as i32),
+            Arg::P(slots.map_or(0, |t| t.table.ptr())),
+            Arg::I(slots.map_or(0, |t| t.width) as i32),
+            Arg::I(ep.shard.rank as i32),
             Arg::P(send + rec.ids_off as u64),
             Arg::P(at),
         ],
@@ -869,7 +933,15 @@ pub fn moe_forward(
     if q.format != record_format(m, cfg.hidden_size)? {
         return Err(CudaError::Shape("ep: the record is not in the experts' input format".into()));
     }
-    let d = dispatch(gpu, ws, ep, cfg, q, rows, ids)?;
+    // Held for the call: a rebalance replaces the experts between steps only.
+    let routed = m.routed();
+    let slots = routed.slots.as_ref();
+    let d = dispatch(gpu, ws, ep, cfg, q, rows, ids, slots)?;
+    // Under load balancing this rank's pairs are those of its slots.
+    let (lo, per_rank) = match slots {
+        Some(t) => (ep.shard.rank * t.per_rank, t.per_rank),
+        None => (ep.shard.experts(cfg.n_routed_experts).start, cfg.n_routed_experts / world),
+    };
 
     // Step 2: this rank's experts over every rank's pairs.
     let pairs = world * cap * k;
@@ -886,13 +958,13 @@ pub fn moe_forward(
             Arg::L(d.rec.ids_off as i64),
             Arg::I(world as i32),
             Arg::I((cap * k) as i32),
-            Arg::I(ep.shard.experts(cfg.n_routed_experts).start as i32),
-            Arg::I((cfg.n_routed_experts / world) as i32),
-            Arg::P(m.expert_map.as_ref().map_or(0, DBuf::ptr)),
+            Arg::I(lo as i32),
+            Arg::I(per_rank as i32),
+            Arg::P(routed.expert_map.as_ref().map_or(0, DBuf::ptr)),
             Arg::P(lids),
         ],
     )?;
-    let g = moe::group(gpu, ws, lids, pairs, k, m.experts.down.groups())?;
+    let g = moe::group(gpu, ws, lids, pairs, k, routed.experts.down.groups())?;
     let ld = gemm::scale_ld(pairs);
     let qa = ws.take::<u8>(s, pairs * kpad)?;
     let sa = ws.take::<f32>(s, (kpad / gemm::BK) * ld)?;
@@ -916,7 +988,7 @@ pub fn moe_forward(
         ],
     )?;
     let back = combine_buffer(gpu, ws, cfg, &d, world)?;
-    moe::forward_quantized(gpu, ws, &m.experts, qa, sa, ld, &g, back, g.pair_of_row)?;
+    moe::forward_quantized(gpu, ws, &routed.experts, qa, sa, ld, &g, back, g.pair_of_row)?;
     combine(gpu, ws, ep, cfg, &d, back, rows, weights, shared, y)?;
     ep.layer_issued()
 }
@@ -1004,7 +1076,7 @@ pub fn time_exchange(
     let q = quantize(gpu, &mut qws, cfg, format, dx.ptr(), cap, cap)?;
     let mut last = None;
     let dispatch_s = timed(&mut |ws| {
-        last = Some(dispatch(gpu, ws, ep, cfg, &q, cap, dids.ptr())?);
+        last = Some(dispatch(gpu, ws, ep, cfg, &q, cap, dids.ptr(), None)?);
         Ok(())
     })?;
     let d = last.expect("dispatched");

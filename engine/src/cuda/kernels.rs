@@ -197,6 +197,7 @@ pub const FAMILIES: &[Family] = &[
             "tandem_moe_scatter",
             "tandem_moe_map_ids",
             "tandem_ep_pack_ids",
+            "tandem_eplb_count",
             "tandem_ep_local_ids",
             "tandem_ep_gather",
         ],

@@ -7,6 +7,7 @@
 //! silent fall-back to the CPU.
 
 pub mod backend;
+pub mod balance;
 pub mod bf16_mma;
 pub mod cache_quant;
 pub mod device;

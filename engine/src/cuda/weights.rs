@@ -209,6 +209,44 @@ impl DLinear {
         }
     }
 
+    /// A zeroed FP8 stack of `mats` matrices shaped as this one's (with its TMA maps), for copies of matrices
+    /// to be written into (expert-parallel load balancing's new slots); `None` for other forms.
+    pub fn fp8_like(&self, stream: &Arc<CudaStream>, mats: usize) -> Result<Option<Self>, CudaError> {
+        let DLinear::Fp8 { codes, scales, out, inp, kpad, block, ue8m0, maps } = self else { return Ok(None) };
+        let per_codes = out * kpad;
+        let per_scales = scales.len() / (codes.len() / per_codes.max(1)).max(1);
+        let codes = DBuf::<u8>::zeros(stream, mats * per_codes)?;
+        let rows = mats * out;
+        let maps = match maps {
+            Some(_) => Some(Box::new([
+                gemm::TensorMap::codes(codes.ptr(), rows, *kpad, 64)?,
+                gemm::TensorMap::codes(codes.ptr(), rows, *kpad, 128)?,
+            ])),
+            None => None,
+        };
+        Ok(Some(DLinear::Fp8 {
+            codes,
+            scales: DBuf::zeros(stream, mats * per_scales)?,
+            out: *out,
+            inp: *inp,
+            kpad: *kpad,
+            block: *block,
+            ue8m0: *ue8m0,
+            maps,
+        }))
+    }
+
+    /// Stacked FP8 matrix `i`'s codes and scales: (address, bytes) of each.
+    pub fn fp8_matrix(&self, i: usize) -> Option<[(u64, usize); 2]> {
+        let DLinear::Fp8 { codes, scales, out, kpad, .. } = self else { return None };
+        let mats = self.groups();
+        if i >= mats {
+            return None;
+        }
+        let (pc, ps) = (out * kpad, scales.len() / mats * std::mem::size_of::<f32>());
+        Some([(codes.ptr() + (i * pc) as u64, pc), (scales.ptr() + (i * ps) as u64, ps)])
+    }
+
     /// A dense matrix from values already in memory (`[out, in]`).
     pub fn dense(stream: &Arc<CudaStream>, w: &[f32], out: usize, inp: usize) -> Result<Self, CudaError> {
         Ok(DLinear::Dense { w: DBuf::upload(stream, w)?, out, inp })
@@ -545,12 +583,77 @@ pub struct DMoe {
     /// Router weights `[experts, hidden]` (f32 logits).
     pub gate: DLinear,
     pub bias: Option<DBuf<f32>>,
-    /// Every distinct routed expert of this rank's shard (all of them without expert parallelism), stacked.
+    /// The routed experts this rank computes: replaced whole, between steps, when expert-parallel load
+    /// balancing moves them (engine::cuda::balance).
+    routed: std::sync::RwLock<Arc<Routed>>,
+    pub shared: Option<DMlp>,
+    /// i32 `[n_routed_experts]`: the pairs this rank's rows routed to each logical expert since the last
+    /// read (expert parallelism only: engine::cuda::balance).
+    pub counts: Option<DBuf<i32>>,
+}
+
+/// A MoE layer's routed experts on this rank.
+pub struct Routed {
+    /// Every distinct matrix this rank holds (its shard's experts, or its slots' copies), stacked.
     pub experts: DMlp,
     /// i32 `[shard's experts]`: each of the shard's routed experts' matrix among `experts`, where experts
-    /// share their weights (a synthetic model's); `None`: the shard's expert e is matrix e.
+    /// share their weights (a synthetic model's); `None`: the shard's expert e (or slot e) is matrix e.
     pub expert_map: Option<DBuf<i32>>,
-    pub shared: Option<DMlp>,
+    /// Expert-parallel load balancing: which expert each slot of every rank holds (`experts` are this rank's
+    /// slots, in order). `None`: rank r holds its shard's experts ([`Shard::experts`]).
+    pub slots: Option<SlotTable>,
+}
+
+/// A placement of the routed experts over the ranks' slots, on the host and as the dispatch reads it.
+pub struct SlotTable {
+    pub placement: crate::eplb::Placement,
+    /// Slots per rank.
+    pub per_rank: usize,
+    /// [`crate::eplb::Placement::table`]: per expert, its copies and their slots (`1 + max_copies` ints).
+    pub table: DBuf<i32>,
+    pub width: usize,
+}
+
+impl SlotTable {
+    pub fn new(stream: &Arc<CudaStream>, placement: crate::eplb::Placement, ranks: usize) -> Result<Self, CudaError> {
+        let table = DBuf::upload(stream, &placement.table())?;
+        Ok(SlotTable {
+            per_rank: placement.phy2log.len() / ranks.max(1),
+            width: 1 + placement.max_copies(),
+            table,
+            placement,
+        })
+    }
+}
+
+impl DMoe {
+    /// The routed experts as they are now (hold the `Arc` for one call: a rebalance replaces them between
+    /// steps).
+    pub fn routed(&self) -> Arc<Routed> {
+        self.routed.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Puts `r` in place of the routed experts (between steps); the old ones are freed in stream order once
+    /// the last holder lets go.
+    pub fn replace_routed(&self, r: Routed) {
+        *self.routed.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(r);
+    }
+}
+
+/// Which routed experts a rank loads and how they are tracked.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertLayout {
+    pub shard: Shard,
+    /// Count the pairs per expert (expert parallelism: engine::cuda::balance).
+    pub count: bool,
+    /// Expert-parallel load balancing: this many slots per rank beyond its share, the rank's slots loaded as
+    /// [`crate::eplb::Placement::home`] places them.
+    pub redundant: Option<usize>,
+}
+
+impl ExpertLayout {
+    /// Every expert on one GPU.
+    pub const SINGLE: ExpertLayout = ExpertLayout { shard: Shard::SINGLE, count: false, redundant: None };
 }
 
 pub enum DFfn {
@@ -699,8 +802,9 @@ fn layer(
     ckpt: &Checkpoint,
     index: usize,
     prec: Precision,
-    shard: Shard,
+    el: ExpertLayout,
 ) -> Result<DLayer, LoadError> {
+    let shard = el.shard;
     let cfg = ckpt.config();
     let p = layer_prefix(index);
     let a = format!("{p}self_attn.");
@@ -711,20 +815,39 @@ fn layer(
         let m = format!("{p}mlp.");
         let bias_name = format!("{m}gate.e_score_correction_bias");
         let gate = ckpt.f32(&format!("{m}gate.weight"))?;
-        // This rank's routed experts only (all of them without expert parallelism).
-        let experts: Vec<String> = shard.experts(cfg.n_routed_experts).map(|e| format!("{m}experts.{e}.")).collect();
-        let (distinct, map) = distinct_experts(ckpt, &experts)?;
-        let expert_map = if distinct.len() < experts.len() { Some(DBuf::upload(stream, &map)?) } else { None };
+        let routed = match el.redundant {
+            // Load balancing: one matrix per slot (a slot's copy moves on its own), the home placement.
+            Some(redundant) => {
+                let placement = crate::eplb::Placement::home(cfg.n_routed_experts, shard.world, redundant)
+                    .map_err(CudaError::Shape)?;
+                let per = placement.phy2log.len() / shard.world;
+                let mine = &placement.phy2log[shard.rank * per..(shard.rank + 1) * per];
+                let prefixes: Vec<String> = mine.iter().map(|e| format!("{m}experts.{e}.")).collect();
+                Routed {
+                    experts: mlp(stream, ckpt, &prefixes, prec)?,
+                    expert_map: None,
+                    slots: Some(SlotTable::new(stream, placement, shard.world)?),
+                }
+            }
+            None => {
+                // This rank's routed experts only (all of them without expert parallelism).
+                let experts: Vec<String> =
+                    shard.experts(cfg.n_routed_experts).map(|e| format!("{m}experts.{e}.")).collect();
+                let (distinct, map) = distinct_experts(ckpt, &experts)?;
+                let expert_map = if distinct.len() < experts.len() { Some(DBuf::upload(stream, &map)?) } else { None };
+                Routed { experts: mlp(stream, ckpt, &distinct, prec)?, expert_map, slots: None }
+            }
+        };
         DFfn::Moe(Box::new(DMoe {
             gate: DLinear::dense(stream, &gate, cfg.n_routed_experts, cfg.hidden_size)?,
             bias: if ckpt.contains(&bias_name) { Some(f32s(stream, ckpt, &bias_name)?) } else { None },
-            experts: mlp(stream, ckpt, &distinct, prec)?,
-            expert_map,
+            routed: std::sync::RwLock::new(Arc::new(routed)),
             shared: if cfg.n_shared_experts > 0 {
                 Some(mlp(stream, ckpt, &[format!("{m}shared_experts.")], prec)?)
             } else {
                 None
             },
+            counts: if el.count { Some(DBuf::zeros(stream, cfg.n_routed_experts)?) } else { None },
         }))
     } else {
         DFfn::Dense(Box::new(mlp(stream, ckpt, &[format!("{p}mlp.")], prec)?))
@@ -757,8 +880,14 @@ fn layer(
 }
 
 impl DWeights {
-    /// Every weight, the routed experts of `shard` only (its rank's under expert parallelism).
-    pub fn load(stream: &Arc<CudaStream>, ckpt: &Checkpoint, prec: Precision, shard: Shard) -> Result<Self, LoadError> {
+    /// Every weight, the routed experts `el` gives this rank (its shard's or its slots' under expert
+    /// parallelism).
+    pub fn load(
+        stream: &Arc<CudaStream>,
+        ckpt: &Checkpoint,
+        prec: Precision,
+        el: ExpertLayout,
+    ) -> Result<Self, LoadError> {
         let cfg: &ModelConfig = ckpt.config();
         let embed_host = ckpt.f32("model.embed_tokens.weight")?;
         let embed = DBuf::upload(stream, &embed_host)?;
@@ -776,7 +905,7 @@ impl DWeights {
             let l = match loaded.get(&src) {
                 Some(l) => l.clone(),
                 None => {
-                    let l = Arc::new(layer(stream, ckpt, src, prec, shard)?);
+                    let l = Arc::new(layer(stream, ckpt, src, prec, el)?);
                     loaded.insert(src, l.clone());
                     l
                 }
@@ -805,7 +934,7 @@ impl DWeights {
                 } else {
                     None
                 },
-                layer: layer(stream, ckpt, i, prec, shard)?,
+                layer: layer(stream, ckpt, i, prec, el)?,
             })
         } else {
             None
@@ -822,10 +951,13 @@ impl DWeights {
             let ffn = match &l.ffn {
                 DFfn::Dense(m) => mlp(m),
                 DFfn::Moe(m) => {
+                    let r = m.routed();
                     m.gate.bytes()
                         + m.bias.as_ref().map_or(0, DBuf::bytes)
-                        + mlp(&m.experts)
-                        + m.expert_map.as_ref().map_or(0, DBuf::bytes)
+                        + mlp(&r.experts)
+                        + r.expert_map.as_ref().map_or(0, DBuf::bytes)
+                        + r.slots.as_ref().map_or(0, |t| t.table.bytes())
+                        + m.counts.as_ref().map_or(0, DBuf::bytes)
                         + m.shared.as_ref().map_or(0, mlp)
                 }
             };
@@ -856,6 +988,25 @@ impl DWeights {
         let mut seen = std::collections::HashSet::new();
         let layers: u64 = self.layers.iter().filter(|l| seen.insert(Arc::as_ptr(l))).map(|l| layer(l)).sum();
         self.embed.bytes() + self.norm.bytes() + self.lm_head.bytes() + layers + mtp
+    }
+
+    /// Every distinct MoE layer (layers sharing weights once), the MTP layer's last: where expert-parallel
+    /// load balancing counts and places experts.
+    pub fn moe_sets(&self) -> Vec<&DMoe> {
+        let mut seen = std::collections::HashSet::new();
+        let main = self.layers.iter().filter(|l| seen.insert(Arc::as_ptr(l))).map(|l| &**l);
+        main.chain(self.mtp.iter().map(|m| &m.layer))
+            .filter_map(|l| match &l.ffn {
+                DFfn::Moe(m) => Some(&**m),
+                DFfn::Dense(_) => None,
+            })
+            .collect()
+    }
+
+    /// The largest MoE layer's routed experts (bytes): what a rebalance holds twice while it moves one.
+    pub fn largest_routed_bytes(&self) -> u64 {
+        let mlp = |m: &DMlp| m.gate.bytes() + m.up.bytes() + m.down.bytes();
+        self.moe_sets().iter().map(|m| mlp(&m.routed().experts)).max().unwrap_or(0)
     }
 }
 
