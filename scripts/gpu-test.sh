@@ -70,6 +70,10 @@
 #                   experts (loads counted: what balancing would gain), then with --eplb EPLB_FLAGS (default 8 spare
 #                   slots a rank, a look every 4 busy steps over the last 4 looks), each after EPLB_WARMUP untimed
 #                   steps: $OUT/eplb-{off,on}-rank{0,1}.json (extra.eplb: max/mean GPU load as sharded and as placed)
+#         dbo       dual-batch overlap on 2 GPUs: two engine-bench ranks (--ep) with DBO_MODEL (default
+#                   synthetic:v32,experts=128) and DBO_ARGS, with --dbo off (and --kernel-profile: the exchange's
+#                   share of the step) then --dbo on (and --timeline): $OUT/dbo-{off,on}-rank{0,1}.json,
+#                   $OUT/dbo-timeline.json and an SVG per measurement (bench/gpu/timeline_plot.py)
 #         all       kernels, sass, loop, sanitize, model, serve
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -495,6 +499,51 @@ PY
     ((rc == 0)) || FAILED+=(eplb)
 }
 
+phase_dbo() {
+    nccl_lib
+    local rc=0 mode r model=${DBO_MODEL:-synthetic:v32,experts=128}
+    local args=${DBO_ARGS:---batches 32,64,128,256 --context 256 --decode-steps 8 --blocks 8192 --warmup-steps 2}
+    for mode in off on; do
+        local port=$((29500 + RANDOM % 1000)) extra="--dbo off --kernel-profile"
+        [[ $mode == on ]] && extra="--dbo on --timeline $OUTDIR/dbo-timeline.json"
+        for r in 0 1; do
+            # shellcheck disable=SC2086
+            timeout 500 engine-bench --device "cuda:$r" --ep "$r/2@127.0.0.1:$port" --model "$model" $args $extra \
+                --json --out "$OUTDIR/dbo-$mode-rank$r.json" >"$OUTDIR/dbo-$mode-rank$r.log" 2>&1 &
+        done
+        wait -n || rc=$?
+        wait -n || rc=$?
+        tail -n 3 "$OUTDIR"/dbo-$mode-rank*.log
+    done
+    python3 bench/gpu/timeline_plot.py "$OUTDIR/dbo-timeline.json" --summary >"$OUTDIR/dbo-overlap.jsonl" || rc=$?
+    local b
+    for b in $(python3 -c 'import json,sys; print(" ".join(k for k, v in json.load(open(sys.argv[1])).items() if v))' "$OUTDIR/dbo-timeline.json"); do
+        python3 bench/gpu/timeline_plot.py "$OUTDIR/dbo-timeline.json" --bench "$b" --out "$OUTDIR/dbo-timeline-$b.svg" || rc=$?
+    done
+    python3 - "$OUTDIR" <<'PY' || rc=$?
+import json, sys
+out = sys.argv[1]
+rows = {m: {r["bench"]: r for r in json.load(open(f"{out}/dbo-{m}-rank0.json"))} for m in ("off", "on")}
+hidden = {}
+for line in open(f"{out}/dbo-overlap.jsonl"):
+    o = json.loads(line)
+    hidden[o["bench"]] = o
+print("| measurement | off ms | exchange share (off) | on ms | on / off | exchanges hidden (on) |")
+print("|---|---:|---:|---:|---:|---:|")
+for bench, off in rows["off"].items():
+    on = rows["on"].get(bench)
+    ms = lambda r: 1e3 * r["extra"].get("step_s", r["seconds"])
+    ks = off["extra"].get("kernels", [])
+    comm = sum(k["seconds"] for k in ks if k["name"].startswith("nccl_ep_"))
+    share = comm / off["extra"]["kernel_s"] if off["extra"].get("kernel_s") else 0
+    h = hidden.get(bench, {})
+    print(f"| {bench} | {ms(off):.1f} | {100 * share:.0f}% | {ms(on):.1f} | {ms(on) / ms(off):.3f} | "
+          f"{100 * h.get('hidden_share', 0):.0f}% of {h.get('exchange_ms', 0):.1f} ms |")
+PY
+    echo "| dbo | engine-bench --ep (2 ranks), --dbo off and on | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+    ((rc == 0)) || FAILED+=(dbo)
+}
+
 # One `tandem up` layout (its extra flags) until ready on port 18020; the up process id in UP_PID.
 up_ep() {
     local name=$1
@@ -608,7 +657,7 @@ PY
 }
 
 run() {
-    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|gemm|moe|bf16|f32|sparse-mla|serve|v32|serve-v32|kv|ep|serve-ep|eplb|all}
+    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|gemm|moe|bf16|f32|sparse-mla|serve|v32|serve-v32|kv|ep|serve-ep|eplb|dbo|all}
     [[ -d "$BUNDLE" ]] || { echo "gpu-test.sh: $BUNDLE/ is missing: run 'scripts/gpu-test.sh pack' here and carry it" >&2; exit 1; }
     unpack
     OUTDIR=${OUT:-bench/out}
@@ -646,6 +695,7 @@ run() {
         ep) phase_ep ;;
         serve-ep) phase_serve_ep ;;
         eplb) phase_eplb ;;
+        dbo) phase_dbo ;;
         all) phase_sass; phase_kernels; phase_loop; phase_model; phase_serve; phase_sanitize ;;
         *) echo "gpu-test.sh: unknown phase $phase" >&2; exit 2 ;;
     esac

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engine::cuda::CudaBackend;
-use engine::cuda::ep::EpConfig;
+use engine::cuda::ep::{Dbo, EpConfig};
 use engine::sampling::argmax;
 use engine::{AttnForm, Backend, Logits, MtpInput, Precision, SeqInput};
 use support::{Served, VOCAB, xorshift};
@@ -189,6 +189,8 @@ fn rank_backend(rank: usize, spec: &str) -> Result<CudaBackend, engine::EngineEr
     if std::env::var_os(EPLB).is_some() {
         ep.eplb = moving_eplb();
     }
+    // Overlap off unless asked for: the plain tests check the one-stream exchange.
+    ep.dbo = if std::env::var_os(DBO).is_some() { Dbo::On } else { Dbo::Off };
     match var("TANDEM_EP_TEST_MODE").as_str() {
         "equal" => {}
         "init-fault" => ep.timeout = Duration::from_secs(10),
@@ -200,6 +202,8 @@ fn rank_backend(rank: usize, spec: &str) -> Result<CudaBackend, engine::EngineEr
 
 /// Set for a rank that balances its experts' load ([`moving_eplb`]).
 const EPLB: &str = "TANDEM_EP_TEST_EPLB";
+/// Set for a rank that runs every main pass of 2 rows or more as two overlapped micro-batches.
+const DBO: &str = "TANDEM_EP_TEST_DBO";
 
 /// Load balancing that moves experts as often as it can: a look at every busy step over that step's loads
 /// alone, any change applied, two spare slots a rank.
@@ -448,6 +452,40 @@ fn a_group_of_one_whose_experts_move_gives_the_plain_backends_logits_bit_for_bit
     assert!((st.imbalance_now - 1.0).abs() < 1e-9, "one GPU is always balanced: {st:?}");
 }
 
+/// A group of one with dual-batch overlap on every main pass of 2 rows or more (prefills split inside a
+/// prompt, decode steps split between requests): the plain backend's logits, bit for bit.
+#[test]
+fn a_group_of_one_with_dual_batch_overlap_gives_the_plain_backends_logits_bit_for_bit() {
+    if std::env::var(RANK).is_ok() {
+        return;
+    }
+    let _gpus = gpus_lock();
+    let dir = tempfile::tempdir().unwrap();
+    checkpoint(dir.path());
+    let ckpt = engine::checkpoint::Checkpoint::open(dir.path()).unwrap();
+    let cache = std::env::temp_dir().join("tandem-test-kernels");
+    let one = match CudaBackend::load(&ckpt, Precision::Fp8, 0, &cache) {
+        Ok(b) => b,
+        Err(e) if !engine::cuda::gpu_required() && e.to_string().contains("no usable GPU") => {
+            eprintln!("skipped: {e}; TANDEM_REQUIRE_GPU=1 makes this a failure");
+            return;
+        }
+        Err(e) => panic!("the CUDA backend did not load: {e}"),
+    };
+    let seed = 13;
+    let want = encode(&run(Arc::new(one), &[0, 1, 2, 3], seed));
+    let mut ep = EpConfig::parse(&format!("0/1@127.0.0.1:{}", free_port())).unwrap();
+    ep.dbo = Dbo::On;
+    let b = Arc::new(CudaBackend::load_ep(&ckpt, Precision::Fp8, 0, &cache, &ep).unwrap());
+    b.record_timeline(true);
+    assert!(encode(&run(b.clone(), &[0, 1, 2, 3], seed)) == want, "EP-1 with dual-batch overlap differs");
+    let stages = b.take_timeline().unwrap();
+    let on_comm = stages.iter().filter(|s| s.lane == "comm").count();
+    let micro_b = stages.iter().filter(|s| s.micro == 1 && s.what == "experts").count();
+    assert!(on_comm > 0 && micro_b > 0, "no overlapped pass ran: {} stages", stages.len());
+    assert!(stages.iter().all(|s| s.end_ms >= s.start_ms && s.start_ms >= 0.0));
+}
+
 /// Bad load-balancing settings are refused when the backend loads, with the reason.
 #[test]
 fn load_balancing_settings_that_cannot_work_are_refused() {
@@ -521,7 +559,17 @@ fn two_expert_parallel_ranks_give_one_gpus_logits_bit_for_bit() {
     if !two_gpus_or_skip() {
         return;
     }
-    two_ranks_against_one_gpu(false);
+    two_ranks_against_one_gpu(false, false);
+}
+
+/// Dual-batch overlap on every main pass (rank 1 idle for the last steps joins both micro-batches): the
+/// logits stay one GPU's, bit for bit.
+#[test]
+fn two_ranks_with_dual_batch_overlap_keep_one_gpus_logits_bit_for_bit() {
+    if std::env::var(RANK).is_ok() || !two_gpus_or_skip() {
+        return;
+    }
+    two_ranks_against_one_gpu(false, true);
 }
 
 /// Load balancing moves experts between the two ranks at nearly every step (copies sent over NCCL, the
@@ -531,10 +579,10 @@ fn two_ranks_that_move_their_experts_keep_one_gpus_logits_bit_for_bit() {
     if std::env::var(RANK).is_ok() || !two_gpus_or_skip() {
         return;
     }
-    two_ranks_against_one_gpu(true);
+    two_ranks_against_one_gpu(true, false);
 }
 
-fn two_ranks_against_one_gpu(eplb: bool) {
+fn two_ranks_against_one_gpu(eplb: bool, dbo: bool) {
     let _gpus = gpus_lock();
     let dir = tempfile::tempdir().unwrap();
     checkpoint(dir.path());
@@ -546,6 +594,9 @@ fn two_ranks_against_one_gpu(eplb: bool) {
             vec![("TANDEM_EP_TEST_SPEC", format!("{r}/2@127.0.0.1:{port}")), ("TANDEM_EP_TEST_SEED", seed.to_string())];
         if eplb {
             v.push((EPLB, "1".into()));
+        }
+        if dbo {
+            v.push((DBO, "1".into()));
         }
         v
     };

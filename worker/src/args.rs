@@ -51,6 +51,11 @@ pub struct ServeArgs {
     /// least this fraction.
     #[arg(long, env = "TANDEM_EPLB_MIN_GAIN", default_value_t = 0.05)]
     pub eplb_min_gain: f64,
+    /// Expert parallelism: dual-batch overlap of the main passes (two micro-batches, each one's exchanges
+    /// under the other's compute): `auto` (at or above 64 rows of the largest rank in a decode step, 1024 in
+    /// a prefill), `on`, `off`, or `auto:DECODE_ROWS,PREFILL_ROWS`.
+    #[arg(long, env = "TANDEM_DBO", default_value = "auto")]
+    pub dbo: String,
     /// The model name clients send; defaults to the checkpoint directory's name.
     #[arg(long, env = "TANDEM_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
@@ -225,10 +230,15 @@ impl ServeArgs {
             gpus_per_node: self.eplb_gpus_per_node,
             min_gain: self.eplb_min_gain,
         };
+        let dbo = engine::cuda::ep::Dbo::parse(&self.dbo).map_err(|e| anyhow::anyhow!("--dbo {e}"))?;
         let Some(spec) = &self.ep else {
             anyhow::ensure!(
                 eplb == engine::eplb::EplbConfig::default(),
                 "--eplb and its settings balance the experts of an expert-parallel group: they need --ep"
+            );
+            anyhow::ensure!(
+                dbo == engine::cuda::ep::Dbo::default(),
+                "--dbo overlaps an expert-parallel group's exchanges: it needs --ep"
             );
             return Ok(None);
         };
@@ -251,6 +261,7 @@ impl ServeArgs {
         // The spare slots against the model's experts are checked where the model is known (the backend).
         eplb.check_settings(cfg.world).map_err(|e| anyhow::anyhow!("--eplb settings: {e}"))?;
         cfg.eplb = eplb;
+        cfg.dbo = dbo;
         Ok(Some(cfg))
     }
 
@@ -358,6 +369,9 @@ mod tests {
         }
         let err = parse(&["--eplb"]).validate().unwrap_err().to_string();
         assert!(err.contains("need --ep"), "{err}");
+        assert_eq!(with(&["--dbo", "off"]).ep_config().unwrap().unwrap().dbo, engine::cuda::ep::Dbo::Off);
+        assert!(with(&["--dbo", "sometimes"]).validate().unwrap_err().to_string().contains("--dbo"));
+        assert!(parse(&["--dbo", "on"]).validate().unwrap_err().to_string().contains("needs --ep"));
     }
 
     #[test]

@@ -23,6 +23,9 @@
 //! `--eplb-window`, `--eplb-min-gain` balances the experts' load (engine::cuda::balance), and every record
 //! then carries `extra.eplb` (the busiest GPU's load over the mean as sharded and as placed, layers moved).
 //! `--warmup-steps N` runs N untimed prefills and N untimed decode steps before the timed ones.
+//! `--dbo auto|on|off|auto:D,P` sets dual-batch overlap (engine::cuda::ep::Dbo), and `--timeline FILE` writes
+//! the stages of one more untimed call per measurement (main and second stream, each micro-batch) as JSON
+//! for bench/gpu/timeline_plot.py.
 
 use std::time::Instant;
 
@@ -61,6 +64,10 @@ struct Opts {
     eplb: engine::eplb::EplbConfig,
     /// Untimed decode steps before each timed decode measurement (load balancing settles in them).
     warmup_steps: usize,
+    /// Dual-batch overlap under `--ep` (`auto`, `on`, `off`, `auto:DECODE_ROWS,PREFILL_ROWS`).
+    dbo: Option<engine::cuda::ep::Dbo>,
+    /// Where to write the stages of one more (untimed) call per measurement, under `--ep`.
+    timeline: Option<String>,
 }
 
 fn parse() -> Result<Opts, String> {
@@ -82,6 +89,8 @@ fn parse() -> Result<Opts, String> {
         ep_exchange: Vec::new(),
         eplb: Default::default(),
         warmup_steps: 0,
+        dbo: None,
+        timeline: None,
     };
     let number = |v: Option<String>, what: &str| -> Result<usize, String> {
         v.and_then(|v| v.parse().ok()).filter(|&n| n > 0).ok_or(format!("{what} needs a positive number"))
@@ -124,6 +133,8 @@ fn parse() -> Result<Opts, String> {
                     .collect::<Option<_>>()
                     .ok_or(format!("--ep-exchange {v}: positive numbers, comma-separated"))?;
             }
+            "--dbo" => o.dbo = Some(engine::cuda::ep::Dbo::parse(&args.next().ok_or("--dbo needs auto, on or off")?)?),
+            "--timeline" => o.timeline = Some(args.next().ok_or("--timeline needs a file")?),
             "--eplb" => o.eplb.rebalance = true,
             "--eplb-redundant" => {
                 o.eplb.redundant = args.next().and_then(|v| v.parse().ok()).ok_or("--eplb-redundant needs a number")?
@@ -146,7 +157,8 @@ fn parse() -> Result<Opts, String> {
                      [--decode-steps N] [--decode-only] [--model DIR|synthetic:v32[,...]] [--batches 1,16] \
                      [--context 256] [--blocks 2048] [--mtp] [--kernel-profile] [--warmup-steps N] \
                      [--ep RANK/WORLD@HOST:PORT [--ep-exchange 64,1024] [--eplb] [--eplb-redundant N] \
-                     [--eplb-interval STEPS] [--eplb-window LOOKS] [--eplb-min-gain F]]"
+                     [--eplb-interval STEPS] [--eplb-window LOOKS] [--eplb-min-gain F] \
+                     [--dbo auto|on|off|auto:D,P] [--timeline FILE]]"
                 );
                 std::process::exit(0);
             }
@@ -155,8 +167,11 @@ fn parse() -> Result<Opts, String> {
     }
     if let Some(ep) = &mut o.ep {
         ep.eplb = o.eplb;
-    } else if o.eplb != engine::eplb::EplbConfig::default() {
-        return Err("--eplb and its settings need --ep".into());
+        if let Some(d) = o.dbo {
+            ep.dbo = d;
+        }
+    } else if o.eplb != engine::eplb::EplbConfig::default() || o.dbo.is_some() || o.timeline.is_some() {
+        return Err("--eplb, --dbo and --timeline are about an expert-parallel group: they need --ep".into());
     }
     Ok(o)
 }
@@ -306,6 +321,7 @@ fn main() {
     let pool = BlockPool::new(blocks);
     let threads = o.threads.unwrap_or_else(rayon::current_num_threads);
     let mut results = Vec::new();
+    let mut timelines: std::collections::BTreeMap<String, Vec<engine::cuda::ep::StageTime>> = Default::default();
     let mut record = |name: &str, tokens: usize, secs: f64, extra: serde_json::Value| {
         let tps = tokens as f64 / secs;
         let line = serde_json::json!({
@@ -359,6 +375,16 @@ fn main() {
             });
             pool.release(&id).expect("release");
             add_profile(&mut extra, kernels, None);
+        }
+        if let (Some(c), Some(_)) = (&cuda, &o.timeline) {
+            c.record_timeline(true);
+            let id = format!("p{len}-timeline");
+            let t = pool.reserve(&id, len + 2).expect("blocks");
+            let mut s = SeqState::new(toks.clone(), SamplingParams::greedy(1), t.blocks, 0);
+            generate::prefill(b, &cache, &mut [&mut s], &[len], &mut |_, _| {}).expect("prefill");
+            pool.release(&id).expect("release");
+            timelines.insert(format!("prefill_{len}"), c.take_timeline().expect("timeline"));
+            c.record_timeline(false);
         }
         record(&format!("prefill_{len}"), len, best, extra);
     }
@@ -422,9 +448,23 @@ fn main() {
             });
             add_profile(&mut extra, kernels, Some(step_s));
         }
+        if let (Some(c), Some(_)) = (&cuda, &o.timeline) {
+            c.record_timeline(true);
+            let mut refs: Vec<&mut SeqState> = seqs.iter_mut().collect();
+            generate::decode_step(b, &cache, &mut refs).expect("decode");
+            timelines.insert(format!("decode_batch_{batch}"), c.take_timeline().expect("timeline"));
+            c.record_timeline(false);
+        }
         record(&format!("decode_batch_{batch}"), produced, secs, extra);
         for i in 0..batch {
             pool.release(&format!("d{batch}-{i}")).expect("release");
+        }
+    }
+    if let Some(path) = &o.timeline {
+        let body = serde_json::to_string(&timelines).expect("json");
+        if let Err(e) = std::fs::write(path, body + "\n") {
+            eprintln!("engine-bench: cannot write {path}: {e}");
+            std::process::exit(1);
         }
     }
     if let Some(path) = o.out {

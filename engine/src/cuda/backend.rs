@@ -16,7 +16,7 @@ use cudarc::driver::{CudaEvent, DevicePtr, sys};
 use super::ep::{self, EpConfig, EpGroup, Pass, Shard};
 use super::ops::{Arg, DBuf, Workspace, elementwise_grid, launch};
 use super::topk::{self, HIST_WORDS, RawTopk, launch_topk};
-use super::weights::{DFfn, DLayer, DLinear, DMlp, DWeights, LoadError, QuantIn};
+use super::weights::{DFfn, DLayer, DLinear, DMlp, DMoe, DWeights, LoadError, QuantIn};
 use super::{CudaError, Gpu, bf16_mma, indexer, moe, sparse_mla};
 use crate::backend::{
     AttnForm, Backend, DeviceRows, EngineError, Fence, LayerDone, LayerReady, MtpInput, SampleRequest, SeqInput,
@@ -115,9 +115,42 @@ pub struct CudaBackend {
     ep_step: crate::lockstep::Steps,
     /// Expert-parallel load counting and balancing (engine::cuda::balance).
     balancer: Option<super::balance::Balancer>,
+    /// Dual-batch overlap under expert parallelism ([`ep::Dbo`]); the second micro-batch's workspace and
+    /// the running call's agreed most rows.
+    dbo: ep::Dbo,
+    ws_b: Mutex<Workspace>,
+    ep_most: std::sync::atomic::AtomicUsize,
 }
 
 use crate::backend::BatchItem as Item;
+
+/// One micro-batch of an overlapped pass ([`CudaBackend::overlapped`]): its inputs (None: no rows), rows,
+/// and its rows of the residual stream.
+#[derive(Clone, Copy)]
+struct Micro<'a> {
+    inp: Option<&'a Inputs>,
+    rows: usize,
+    h: u64,
+}
+
+/// `items` cut at row `at`: the items (or parts of items) before it, and those after it with their rows
+/// counted from `at`.
+fn split_items<'a>(items: &[Item<'a>], at: usize) -> (Vec<Item<'a>>, Vec<Item<'a>>) {
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for it in items {
+        let (lo, hi) = (it.row0, it.row0 + it.n);
+        if lo < at {
+            let n = hi.min(at) - lo;
+            a.push(Item { n, ..*it });
+        }
+        if hi > at {
+            let first = lo.max(at);
+            let skip = first - lo;
+            b.push(Item { start: it.start + skip, n: hi - first, row0: first - at, ..*it });
+        }
+    }
+    (a, b)
+}
 
 /// A call's inputs on the device, shared by every layer.
 struct Inputs {
@@ -178,6 +211,7 @@ impl CudaBackend {
         keep_freed_memory(&gpu)?;
         let stream = gpu.stream().clone();
         let eplb = ep.map(|e| e.eplb);
+        let dbo = ep.map_or(ep::Dbo::Off, |e| e.dbo);
         if let Some(b) = eplb.filter(|b| b.rebalance) {
             b.check(cfg.n_routed_experts, shard.world).map_err(EngineError::InvalidInput)?;
         }
@@ -222,6 +256,9 @@ impl CudaBackend {
         let balancer = eplb.map(|b| super::balance::Balancer::new(b, w.moe_sets().len(), cfg.n_routed_experts));
         Ok(CudaBackend {
             balancer,
+            dbo,
+            ws_b: Mutex::new(Workspace::new()),
+            ep_most: Default::default(),
             attn_factor: rope.attn_factor(),
             inv_freq,
             gpu,
@@ -476,23 +513,18 @@ impl CudaBackend {
         m.down.forward(&self.gpu, ws, g, rows, 1, sel, y)
     }
 
-    fn ffn(&self, ws: &mut Workspace, f: &DFfn, x: u64, rows: usize, y: u64) -> Result<(), CudaError> {
-        let m = match f {
-            DFfn::Dense(m) => return self.mlp(ws, m, x, rows, 1, 0, None, y),
-            DFfn::Moe(m) => m,
-        };
+    /// A MoE layer's routing of `x [rows, hidden]` (ids and weights `[rows, k]`) and its shared expert's
+    /// output (f32 `[rows, hidden]`, 0 without one), the shared expert's input quantized as `pre` says.
+    fn route_and_share(
+        &self,
+        ws: &mut Workspace,
+        m: &DMoe,
+        x: u64,
+        rows: usize,
+        pre: Option<&QuantIn>,
+    ) -> Result<(u64, u64, u64), CudaError> {
         let c = &self.cfg;
         let (s, hidden, e, k) = (self.stream(), c.hidden_size, c.n_routed_experts, c.num_experts_per_tok);
-        // Expert parallelism: the rows are quantized first, into this rank's dispatch record
-        // (engine::cuda::ep), which the shared expert reads too: one quantization of x for both.
-        let record = match &self.ep {
-            Some(ep) => {
-                ep.pace()?;
-                let cap = self.ep_cap.load(std::sync::atomic::Ordering::Relaxed);
-                Some(ep::quantize(&self.gpu, ws, c, ep::record_format(m, hidden)?, x, rows, cap)?)
-            }
-            None => None,
-        };
         let ids = ws.take::<i32>(s, (rows * k).max(1))?;
         let weights = ws.take::<f32>(s, (rows * k).max(1))?;
         let mut shared = 0;
@@ -503,15 +535,49 @@ impl CudaBackend {
             super::balance::count(&self.gpu, m, ids, rows * k, e)?;
             if let Some(sh) = &m.shared {
                 shared = ws.take::<f32>(s, rows * hidden)?;
-                let pre = record.as_ref().map(ep::Quantized::input);
-                self.mlp(ws, sh, x, rows, 1, 0, pre.as_ref(), shared)?;
+                self.mlp(ws, sh, x, rows, 1, 0, pre, shared)?;
             }
         }
-        // Expert parallelism: the routed experts of every rank; a rank without rows still computes the others'
-        // pairs on its experts.
-        if let (Some(ep), Some(q)) = (&self.ep, &record) {
-            return ep::moe_forward(&self.gpu, ws, ep, c, m, q, rows, ids, weights, shared, y);
+        Ok((ids, weights, shared))
+    }
+
+    /// Under expert parallelism, a MoE layer up to its dispatch (on `lane`): the rows quantized first, into
+    /// this rank's dispatch record (engine::cuda::ep), which the shared expert reads too (one quantization
+    /// of x for both), then routed. A rank without rows still joins (it computes the others' pairs).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_front(
+        &self,
+        ws: &mut Workspace,
+        ep: &EpGroup,
+        m: &DMoe,
+        x: u64,
+        rows: usize,
+        lane: ep::Lane,
+        micro: usize,
+    ) -> Result<ep::Flight, CudaError> {
+        let c = &self.cfg;
+        ep.pace()?;
+        let cap = self.ep_cap.load(std::sync::atomic::Ordering::Relaxed);
+        let q = ep::quantize(&self.gpu, ws, c, ep::record_format(m, c.hidden_size)?, x, rows, cap)?;
+        let (ids, weights, shared) = self.route_and_share(ws, m, x, rows, Some(&q.input()))?;
+        ep::moe_send(&self.gpu, ws, ep, c, m, &q, rows, ids, weights, shared, lane, micro)
+    }
+
+    fn ffn(&self, ws: &mut Workspace, f: &DFfn, x: u64, rows: usize, y: u64) -> Result<(), CudaError> {
+        let m = match f {
+            DFfn::Dense(m) => return self.mlp(ws, m, x, rows, 1, 0, None, y),
+            DFfn::Moe(m) => m,
+        };
+        let c = &self.cfg;
+        let (s, hidden, e, k) = (self.stream(), c.hidden_size, c.n_routed_experts, c.num_experts_per_tok);
+        // Expert parallelism: the routed experts of every rank, the stages back to back.
+        if let Some(ep) = &self.ep {
+            let mut f = self.moe_front(ws, ep, m, x, rows, ep::Lane::Main, 0)?;
+            ep::moe_experts(&self.gpu, ws, ep, c, &mut f)?;
+            ep::moe_finish(&self.gpu, ep, c, f, y)?;
+            return ep.layer_issued();
         }
+        let (ids, weights, shared) = self.route_and_share(ws, m, x, rows, None)?;
         let routed = m.routed();
         // Experts that share weights (a synthetic model's) run as the matrix they share.
         let e = match &routed.expert_map {
@@ -545,9 +611,10 @@ impl CudaBackend {
         moe::combine(&self.gpu, moe::PairRows::F32 { rows: pairs, round_bf16 }, weights, shared, y, rows, k, hidden)
     }
 
-    /// One decoder layer (cache layer `li`) over the batch, updating the residual stream `h` in place.
+    /// A decoder layer's attention block (cache layer `li`) over the batch: the layer's cache entries
+    /// written, then `h` += the attention's output.
     #[allow(clippy::too_many_arguments)]
-    fn layer(
+    fn attention(
         &self,
         ws: &mut Workspace,
         inp: &Inputs,
@@ -946,12 +1013,38 @@ impl CudaBackend {
         let attn_out = ws.take::<f32>(&s, rows * hidden)?;
         a.o.forward(g, ws, o, rows, 1, 0, attn_out)?;
         self.add(h, attn_out, rows * hidden)?;
-        let x2 = ws.take::<f32>(&s, rows * hidden)?;
-        self.rms_norm(h, hidden, &layer.ffn_norm, x2, hidden, rows)?;
-        let f = ws.take::<f32>(&s, rows * hidden)?;
+        Ok(())
+    }
+
+    /// One decoder layer (cache layer `li`) over the batch, updating the residual stream `h` in place.
+    #[allow(clippy::too_many_arguments)]
+    fn layer(
+        &self,
+        ws: &mut Workspace,
+        inp: &Inputs,
+        layer: &DLayer,
+        li: LayerIdx,
+        geometry: &CacheGeometry,
+        pool: u64,
+        form: AttnForm,
+        h: u64,
+        on_layer: LayerDone<'_>,
+    ) -> Result<(), EngineError> {
+        self.attention(ws, inp, layer, li, geometry, pool, form, h, on_layer)?;
+        let (s, rows, hidden) = (self.stream(), inp.rows, self.cfg.hidden_size);
+        let x2 = self.ffn_input(ws, layer, h, rows)?;
+        let f = ws.take::<f32>(s, rows * hidden)?;
         self.ffn(ws, &layer.ffn, x2, rows, f)?;
         self.add(h, f, rows * hidden)?;
         Ok(())
+    }
+
+    /// The feed-forward block's input: `h [rows, hidden]` normed.
+    fn ffn_input(&self, ws: &mut Workspace, layer: &DLayer, h: u64, rows: usize) -> Result<u64, CudaError> {
+        let hidden = self.cfg.hidden_size;
+        let x2 = ws.take::<f32>(self.stream(), rows * hidden)?;
+        self.rms_norm(h, hidden, &layer.ffn_norm, x2, hidden, rows)?;
+        Ok(x2)
     }
 
     /// Final norm of every row (the hidden output) and logits of the rows each item asks for.
@@ -1023,10 +1116,29 @@ impl CudaBackend {
             // A layer's intermediates are dead once its last kernel is issued (the residual stream `h` and the
             // inputs were taken before): every layer reuses the same workspace bytes, so a call holds one
             // layer's (`activation_bytes`), not 61.
-            let mark = ws.mark();
-            for (l, layer) in self.w.layers.iter().enumerate() {
-                self.layer(&mut ws, &inp, layer, LayerIdx(l as u32), g, pool, form, h, on_layer)?;
-                ws.rewind(mark);
+            let pass = Pass::main(form);
+            if self.dbo_applies(pass) {
+                // Two micro-batches: the rows halved (an item may straddle them: its later rows read the
+                // earlier ones' cache entries, written first).
+                let rows = inp.rows;
+                let half = rows.div_ceil(2);
+                let (a, b) = split_items(&items, half);
+                let mut ws_b = self.ws_b.lock().unwrap_or_else(|p| p.into_inner());
+                ws_b.reset();
+                let inp_a = self.inputs(&mut ws, &a, form)?;
+                let inp_b = if b.is_empty() { None } else { Some(self.inputs(&mut ws_b, &b, form)?) };
+                let hidden = self.cfg.hidden_size;
+                let micro = [
+                    Micro { inp: Some(&inp_a), rows: half, h },
+                    Micro { inp: inp_b.as_ref(), rows: rows - half, h: h + (half * hidden * 4) as u64 },
+                ];
+                self.overlapped(&mut ws, &mut ws_b, pass, &micro, Some((g, pool, form)), on_layer)?;
+            } else {
+                let mark = ws.mark();
+                for (l, layer) in self.w.layers.iter().enumerate() {
+                    self.layer(&mut ws, &inp, layer, LayerIdx(l as u32), g, pool, form, h, on_layer)?;
+                    ws.rewind(mark);
+                }
             }
             let out = self.finish(&mut ws, &items, h, &self.w.norm, &self.w.lm_head)?;
             self.ep_step_issued()?;
@@ -1064,6 +1176,7 @@ impl CudaBackend {
                 None => ep.agree(rows, pass)?,
             };
             self.ep_cap.store(ep::capacity(most), std::sync::atomic::Ordering::Relaxed);
+            self.ep_most.store(most, std::sync::atomic::Ordering::Relaxed);
             self.ep_step.mark_busy();
         }
         let inp = self.inputs(&mut ws, items, form)?;
@@ -1119,6 +1232,16 @@ impl CudaBackend {
                 return Ok(false);
             }
             self.ep_cap.store(ep::capacity(most), std::sync::atomic::Ordering::Relaxed);
+            self.ep_most.store(most, std::sync::atomic::Ordering::Relaxed);
+            if self.dbo_applies(pass) {
+                // The others run two micro-batches: this rank joins both, empty, in the same order.
+                let mut ws_b = self.ws_b.lock().unwrap_or_else(|p| p.into_inner());
+                ws_b.reset();
+                let none = Micro { inp: None, rows: 0, h: 0 };
+                self.overlapped(&mut ws, &mut ws_b, pass, &[none, none], None, &mut |_, _| {})?;
+                self.ep_step_issued()?;
+                return Ok(true);
+            }
             let layers: Vec<&DLayer> = match pass {
                 Pass::Main | Pass::MainPrefill => self.w.layers.iter().map(|l| &**l).collect(),
                 Pass::Mtp => self.w.mtp.iter().map(|m| &m.layer).collect(),
@@ -1132,6 +1255,131 @@ impl CudaBackend {
             Ok(true)
         };
         self.ep_fail_fast(run())
+    }
+
+    /// Whether the running call's `pass` runs as two overlapped micro-batches (the agreed most rows decide,
+    /// so every rank does the same). Off while selections are recorded (a diagnostic that reads every
+    /// layer's rows in order).
+    fn dbo_applies(&self, pass: Pass) -> bool {
+        self.ep.is_some()
+            && self.selections.is_none()
+            && self.dbo.applies(pass, self.ep_most.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// The main model's layers over two micro-batches with dual-batch overlap (docs/model.md §5.3): every
+    /// MoE layer's exchanges run on the group's second stream ([`ep::Lane::Comm`]) while the main stream
+    /// computes the other micro-batch. Per MoE layer, in issue order on the main stream:
+    ///
+    /// `front A (attention, routing, shared expert)` - `finish B of the layer before` - `front B` -
+    /// `experts A` - `experts B` - `finish A (combine)`
+    ///
+    /// and on the second stream `dispatch A`, `dispatch B`, `combine A`, `combine B` (the same order on every
+    /// rank; each waits for its micro-batch's main-stream work by an event, and the main stream waits for
+    /// each by an event before using it). So A's dispatch runs under B's attention, B's dispatch under A's
+    /// experts, A's combine under B's experts, and B's combine under the next layer's attention of A. A
+    /// micro-batch's rows are independent of the other's (the kernels are batch-invariant), so the output
+    /// equals the single pass's bit for bit. Each micro-batch has its own workspace, rewound once its layer
+    /// has finished (every exchange that read it is then done). `attn` is None for a rank without rows (it
+    /// joins both micro-batches' exchanges).
+    #[allow(clippy::too_many_arguments)]
+    fn overlapped(
+        &self,
+        ws_a: &mut Workspace,
+        ws_b: &mut Workspace,
+        pass: Pass,
+        micro: &[Micro<'_>; 2],
+        attn: Option<(&CacheGeometry, u64, AttnForm)>,
+        on_layer: LayerDone<'_>,
+    ) -> Result<(), EngineError> {
+        let Some(ep) = &self.ep else {
+            return Err(EngineError::InvalidInput("dual-batch overlap needs a group".into()));
+        };
+        let c = &self.cfg;
+        let s = self.stream().clone();
+        let hidden = c.hidden_size;
+        let most = self.ep_most.load(std::sync::atomic::Ordering::Relaxed);
+        // Each micro-batch at the capacity of the largest rank's half (every rank's halves fit it).
+        self.ep_cap.store(ep::capacity(most.div_ceil(2)), std::sync::atomic::Ordering::Relaxed);
+        let layers: Vec<&DLayer> = match pass {
+            Pass::Main | Pass::MainPrefill => self.w.layers.iter().map(|l| &**l).collect(),
+            Pass::Mtp => return Err(EngineError::InvalidInput("the MTP pass is not overlapped".into())),
+        };
+        // The cache callback once a layer, after the later micro-batch's cache writes (or the only one's).
+        let last_rows = if micro[1].rows > 0 { 1 } else { 0 };
+        let marks = [ws_a.mark(), ws_b.mark()];
+        let wss = [ws_a, ws_b];
+        // B's MoE layer awaiting its finish, and where its output goes.
+        let mut pending: Option<(ep::Flight, u64)> = None;
+        for (l, layer) in layers.iter().enumerate() {
+            let li = LayerIdx(l as u32);
+            let moe = match &layer.ffn {
+                DFfn::Moe(m) => Some(&**m),
+                DFfn::Dense(_) => None,
+            };
+            let mut flights: [Option<ep::Flight>; 2] = [None, None];
+            for (i, mb) in micro.iter().enumerate() {
+                if i == 1
+                    && let Some((f, y)) = pending.take()
+                {
+                    // B's previous layer finishes once A's front is issued (its combine ran under it).
+                    self.finish_micro(ep, 1, f, y, micro[1])?;
+                }
+                let ws = &mut *wss[i];
+                ws.rewind(marks[i]);
+                let front = || -> Result<Option<ep::Flight>, EngineError> {
+                    if let (Some(inp), Some((g, pool, form))) = (mb.inp, attn)
+                        && mb.rows > 0
+                    {
+                        let cb: LayerDone<'_> = if i == last_rows { &mut *on_layer } else { &mut |_, _| {} };
+                        self.attention(ws, inp, layer, li, g, pool, form, mb.h, cb)?;
+                    }
+                    match moe {
+                        Some(m) => {
+                            let x2 = if mb.rows > 0 { self.ffn_input(ws, layer, mb.h, mb.rows)? } else { 0 };
+                            Ok(Some(self.moe_front(ws, ep, m, x2, mb.rows, ep::Lane::Comm, i)?))
+                        }
+                        None if mb.rows > 0 => {
+                            let x2 = self.ffn_input(ws, layer, mb.h, mb.rows)?;
+                            let f = ws.take::<f32>(&s, mb.rows * hidden)?;
+                            self.ffn(ws, &layer.ffn, x2, mb.rows, f)?;
+                            self.add(mb.h, f, mb.rows * hidden)?;
+                            Ok(None)
+                        }
+                        None => Ok(None),
+                    }
+                };
+                flights[i] = ep.timed(ep::Lane::Main, i, "front", front)?;
+            }
+            let [Some(mut fa), Some(mut fb)] = flights else { continue };
+            for (i, f) in [&mut fa, &mut fb].into_iter().enumerate() {
+                let ws = &mut *wss[i];
+                ep.timed(ep::Lane::Main, i, "experts", || ep::moe_experts(&self.gpu, ws, ep, c, f))?;
+            }
+            let ya = wss[0].take::<f32>(&s, (micro[0].rows * hidden).max(1))?;
+            self.finish_micro(ep, 0, fa, ya, micro[0])?;
+            let yb = wss[1].take::<f32>(&s, (micro[1].rows * hidden).max(1))?;
+            pending = Some((fb, yb));
+        }
+        if let Some((f, y)) = pending.take() {
+            self.finish_micro(ep, 1, f, y, micro[1])?;
+        }
+        Ok(())
+    }
+
+    /// A micro-batch's MoE layer combined into `y` and added to its residual stream; the second
+    /// micro-batch's marks the layer done for the host's pacing.
+    fn finish_micro(&self, ep: &EpGroup, i: usize, f: ep::Flight, y: u64, mb: Micro<'_>) -> Result<(), EngineError> {
+        ep.timed(ep::Lane::Main, i, "finish", || {
+            ep::moe_finish(&self.gpu, ep, &self.cfg, f, y)?;
+            if mb.rows > 0 {
+                self.add(mb.h, y, mb.rows * self.cfg.hidden_size)?;
+            }
+            Ok::<_, EngineError>(())
+        })?;
+        if i == 1 {
+            ep.layer_issued()?;
+        }
+        Ok(())
     }
 
     /// Under expert parallelism, the end of a call's work on the stream for the watchdog.
@@ -1172,6 +1420,22 @@ impl CudaBackend {
     /// This rank's expert-parallel group, if it is one.
     pub fn ep_group(&self) -> Option<&EpGroup> {
         self.ep.as_ref()
+    }
+
+    /// Starts (or stops) recording the stages of overlapped passes (expert parallelism only; see
+    /// [`EpGroup::take_timeline`]).
+    pub fn record_timeline(&self, on: bool) {
+        if let Some(ep) = &self.ep {
+            ep.record_timeline(on);
+        }
+    }
+
+    /// The stages recorded since the last call.
+    pub fn take_timeline(&self) -> Result<Vec<ep::StageTime>, EngineError> {
+        match &self.ep {
+            Some(ep) => Ok(ep.take_timeline()?),
+            None => Ok(Vec::new()),
+        }
     }
 
     /// What expert-parallel load balancing has seen and done on this rank (expert parallelism only).
@@ -1285,6 +1549,10 @@ impl Backend for CudaBackend {
         if let Some(l) = *self.limits.lock().unwrap_or_else(|p| p.into_inner()) {
             let need = self.activation_bytes(&l) as usize;
             self.ws.lock().unwrap_or_else(|p| p.into_inner()).reserve(s, need)?;
+            let b = self.second_micro_bytes(&l) as usize;
+            if b > 0 {
+                self.ws_b.lock().unwrap_or_else(|p| p.into_inner()).reserve(s, b)?;
+            }
         }
         super::pool::allocate(&self.gpu, geometry).map_err(|e| EngineError::Unsupported(e.to_string()))
     }
@@ -1298,7 +1566,7 @@ impl Backend for CudaBackend {
         };
         MemoryBudget {
             weights: self.w.bytes() + moving,
-            activations: self.activation_bytes(limits),
+            activations: self.activation_bytes(limits) + self.second_micro_bytes(limits),
             graphs: 0,
             // kv-transfer's device buffers for one lane (gathering scattered layers on a prefill worker,
             // landing them on a decode worker).
@@ -1470,6 +1738,16 @@ impl CudaBackend {
     /// reuse the same bytes) for the largest of the main and MTP passes, one chunk of indexer scores and
     /// first-digit counts (at most [`SCORE_BYTES`], or one scorer group of rows at `max_position_embeddings`),
     /// the MHA form's decompressed context (full precision only; bounded by the batch), and the logits rows.
+    /// The second micro-batch's workspace under dual-batch overlap: a forward of half the tokens (the first
+    /// micro-batch uses the call's workspace, which is sized for the whole forward).
+    fn second_micro_bytes(&self, l: &ServingLimits) -> u64 {
+        if self.ep.is_none() || self.dbo == ep::Dbo::Off {
+            return 0;
+        }
+        let half = ServingLimits { max_num_batched_tokens: l.max_num_batched_tokens.div_ceil(2), ..*l };
+        self.activation_bytes(&half)
+    }
+
     fn activation_bytes(&self, l: &ServingLimits) -> u64 {
         let c = &self.cfg;
         let rows = l.max_num_batched_tokens as u64;
@@ -1556,3 +1834,27 @@ fn keep_freed_memory(gpu: &Gpu) -> Result<(), EngineError> {
 // The `DevicePtr` import keeps `device_ptr` in scope for DBuf's address.
 #[allow(unused_imports)]
 use DevicePtr as _;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Logits;
+    use crate::cache::BlockId;
+
+    #[test]
+    fn a_batch_splits_into_two_micro_batches_at_a_row_even_inside_an_item() {
+        let blocks = [BlockId(3), BlockId(4)];
+        let item = |start, n, row0| Item { start, n, row0, blocks: &blocks, logits: Logits::Last };
+        // A 5-row prefill chunk from position 10, then two decode rows.
+        let items = [item(10, 5, 0), item(40, 1, 5), item(7, 1, 6)];
+        let (a, b) = split_items(&items, 4);
+        let rows = |v: &[Item<'_>]| v.iter().map(|i| (i.start, i.n, i.row0)).collect::<Vec<_>>();
+        assert_eq!(rows(&a), [(10, 4, 0)]);
+        assert_eq!(rows(&b), [(14, 1, 0), (40, 1, 1), (7, 1, 2)], "the chunk's last row continues at position 14");
+        let (a, b) = split_items(&items, 5);
+        assert_eq!((rows(&a), rows(&b)), (vec![(10, 5, 0)], vec![(40, 1, 0), (7, 1, 1)]));
+        let (a, b) = split_items(&items[..1], 5);
+        assert_eq!(a.len(), 1);
+        assert!(b.is_empty(), "nothing after the last row");
+    }
+}

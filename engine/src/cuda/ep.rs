@@ -90,6 +90,64 @@ pub struct EpConfig {
     pub step_timeout: Duration,
     /// Load balancing (engine::cuda::balance): off by default, the loads still counted and logged.
     pub eplb: crate::eplb::EplbConfig,
+    /// Dual-batch overlap of the main passes (docs/model.md §5.3).
+    pub dbo: Dbo,
+}
+
+/// When a main pass runs as two micro-batches whose exchanges overlap the other's compute (dual-batch
+/// overlap): decided from the most rows any rank brings (every rank agrees on it), so every rank runs the
+/// same form.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dbo {
+    /// At or above these rows (the largest rank's) in a decode-form / prefill-form pass.
+    Auto {
+        decode_rows: usize,
+        prefill_rows: usize,
+    },
+    /// Whenever the largest rank has at least 2 rows.
+    On,
+    Off,
+}
+
+impl Default for Dbo {
+    fn default() -> Self {
+        Dbo::Auto { decode_rows: DBO_DECODE_ROWS, prefill_rows: DBO_PREFILL_ROWS }
+    }
+}
+
+/// The default thresholds of [`Dbo::Auto`] (bench/RESULTS.md, "Dual-batch overlap").
+pub const DBO_DECODE_ROWS: usize = 64;
+pub const DBO_PREFILL_ROWS: usize = 1024;
+
+impl Dbo {
+    /// Whether `pass` runs overlapped when the largest rank brings `most` rows.
+    pub fn applies(&self, pass: Pass, most: usize) -> bool {
+        if most < 2 || pass == Pass::Mtp {
+            return false;
+        }
+        match *self {
+            Dbo::On => true,
+            Dbo::Off => false,
+            Dbo::Auto { decode_rows, prefill_rows } => {
+                most >= if pass == Pass::MainPrefill { prefill_rows } else { decode_rows }
+            }
+        }
+    }
+
+    /// `auto`, `on`, `off`, or `auto:DECODE_ROWS,PREFILL_ROWS`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Dbo::default()),
+            "on" => Ok(Dbo::On),
+            "off" => Ok(Dbo::Off),
+            _ => {
+                let bad = || format!("`{s}`: dual-batch overlap is auto, on, off or auto:DECODE_ROWS,PREFILL_ROWS");
+                let (d, p) = s.strip_prefix("auto:").and_then(|r| r.split_once(',')).ok_or_else(bad)?;
+                let (d, p) = (d.parse().map_err(|_| bad())?, p.parse().map_err(|_| bad())?);
+                Ok(Dbo::Auto { decode_rows: d, prefill_rows: p })
+            }
+        }
+    }
 }
 
 impl EpConfig {
@@ -112,6 +170,7 @@ impl EpConfig {
             timeout: Duration::from_secs(120),
             step_timeout: DEFAULT_STEP_TIMEOUT,
             eplb: Default::default(),
+            dbo: Default::default(),
         })
     }
 
@@ -244,6 +303,34 @@ fn init_comm(gpu: &Gpu, cfg: &EpConfig, id: nccl::ncclUniqueId) -> Result<nccl::
 
 pub use crate::lockstep::Pass;
 
+/// One recorded stage of an overlapped pass.
+struct Stage {
+    lane: Lane,
+    micro: usize,
+    what: &'static str,
+    start: cudarc::driver::CudaEvent,
+    end: cudarc::driver::CudaEvent,
+}
+
+/// A stage's place on the timeline ([`EpGroup::take_timeline`]).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StageTime {
+    pub lane: &'static str,
+    pub micro: usize,
+    pub what: &'static str,
+    pub start_ms: f64,
+    pub end_ms: f64,
+}
+
+/// Where a MoE layer's exchanges run: on the backend's one stream, or on the group's second stream so that
+/// they overlap the other micro-batch's compute (dual-batch overlap, docs/model.md §5.3). Every collective
+/// of a pass runs on one lane, in the same order on every rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lane {
+    Main,
+    Comm,
+}
+
 /// The tag of a step agreement ([`EpGroup::agree_step`]); pass agreements carry their pass (1-3).
 const STEP_TAG: i32 = 8;
 /// The largest agreement: three passes' rows and the tag twice.
@@ -325,6 +412,10 @@ pub struct EpGroup {
     shared: Arc<Shared>,
     shard: Shard,
     stream: Arc<CudaStream>,
+    /// The second stream dual-batch overlap issues the exchanges on ([`Lane::Comm`]).
+    comm: Arc<CudaStream>,
+    /// Stages of overlapped passes while a timeline is recorded ([`EpGroup::record_timeline`]).
+    timeline: Mutex<Option<Vec<Stage>>>,
     /// i32 `[3]`: (rows, pass, -pass) reduced by max.
     agree_buf: DBuf<i32>,
     stop: Arc<std::sync::atomic::AtomicBool>,
@@ -403,6 +494,8 @@ impl EpGroup {
         let g = EpGroup {
             shared,
             shard: cfg.shard(),
+            comm: gpu.context().new_stream()?,
+            timeline: Mutex::new(None),
             stream,
             agree_buf,
             stop,
@@ -417,8 +510,8 @@ impl EpGroup {
         g.agree(0, Pass::Main)?;
         let mut ws = Workspace::new();
         let (a, b) = (ws.take::<u8>(&g.stream, 256 * cfg.world)?, ws.take::<u8>(&g.stream, 256 * cfg.world)?);
-        g.gather_p2p(a, b, 256)?;
-        g.all_to_all(a, b, 256)?;
+        g.gather_p2p(a, b, 256, Lane::Main)?;
+        g.all_to_all(a, b, 256, Lane::Main)?;
         g.all_gather(a, b, 256)?;
         g.step_issued()?;
         g.stream.synchronize()?;
@@ -669,19 +762,91 @@ impl EpGroup {
     }
 
     /// [`all_gather`](Self::all_gather) as point-to-point calls: `send` to every rank, rank q's into block q
-    /// of `recv`.
-    pub fn gather_p2p(&self, send: u64, recv: u64, bytes: usize) -> Result<(), CudaError> {
-        self.exchange(|_| send, recv, bytes)
+    /// of `recv`, on `lane`.
+    pub fn gather_p2p(&self, send: u64, recv: u64, bytes: usize, lane: Lane) -> Result<(), CudaError> {
+        self.exchange(|_| send, recv, bytes, lane)
     }
 
-    /// Block q of `send` (`bytes` each) to rank q, and rank q's block for this rank into block q of `recv`.
-    pub fn all_to_all(&self, send: u64, recv: u64, bytes: usize) -> Result<(), CudaError> {
-        self.exchange(|q| send + (q * bytes) as u64, recv, bytes)
+    /// Block q of `send` (`bytes` each) to rank q, and rank q's block for this rank into block q of `recv`,
+    /// on `lane`.
+    pub fn all_to_all(&self, send: u64, recv: u64, bytes: usize, lane: Lane) -> Result<(), CudaError> {
+        self.exchange(|q| send + (q * bytes) as u64, recv, bytes, lane)
+    }
+
+    /// Starts (or stops and drops) recording the stages of overlapped passes: each between two timing
+    /// events on its lane ([`take_timeline`](Self::take_timeline)).
+    pub fn record_timeline(&self, on: bool) {
+        *self.timeline.lock().unwrap_or_else(|p| p.into_inner()) = on.then(Vec::new);
+    }
+
+    /// Runs `f` (work issued on `lane` for micro-batch `micro`) as a timeline stage named `what`.
+    pub fn timed<T, E: From<CudaError>>(
+        &self,
+        lane: Lane,
+        micro: usize,
+        what: &'static str,
+        f: impl FnOnce() -> Result<T, E>,
+    ) -> Result<T, E> {
+        if self.timeline.lock().unwrap_or_else(|p| p.into_inner()).is_none() {
+            return f();
+        }
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.lane(lane).record_event(flags).map_err(CudaError::from)?;
+        let out = f()?;
+        let end = self.lane(lane).record_event(flags).map_err(CudaError::from)?;
+        if let Some(t) = self.timeline.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+            t.push(Stage { lane, micro, what, start, end });
+        }
+        Ok(out)
+    }
+
+    /// The recorded stages (waiting for the last), in milliseconds from the first stage's start; recording
+    /// goes on with an empty list (nothing while not recording).
+    pub fn take_timeline(&self) -> Result<Vec<StageTime>, CudaError> {
+        let stages = match self.timeline.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+            Some(v) => std::mem::take(v),
+            None => return Ok(Vec::new()),
+        };
+        let Some(first) = stages.first() else { return Ok(Vec::new()) };
+        for st in &stages {
+            st.end.synchronize()?;
+        }
+        stages
+            .iter()
+            .map(|st| {
+                Ok(StageTime {
+                    lane: if st.lane == Lane::Main { "main" } else { "comm" },
+                    micro: st.micro,
+                    what: st.what,
+                    start_ms: first.start.elapsed_ms(&st.start)? as f64,
+                    end_ms: first.start.elapsed_ms(&st.end)? as f64,
+                })
+            })
+            .collect()
+    }
+
+    /// The stream `lane` issues on.
+    pub fn lane(&self, lane: Lane) -> &Arc<CudaStream> {
+        match lane {
+            Lane::Main => &self.stream,
+            Lane::Comm => &self.comm,
+        }
+    }
+
+    /// An event on `lane` after the work issued there so far.
+    pub fn mark(&self, lane: Lane) -> Result<cudarc::driver::CudaEvent, CudaError> {
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        Ok(self.lane(lane).record_event(flags)?)
+    }
+
+    /// `lane` waits for `ev` before its later work.
+    pub fn wait(&self, lane: Lane, ev: &cudarc::driver::CudaEvent) -> Result<(), CudaError> {
+        Ok(self.lane(lane).wait(ev)?)
     }
 
     /// One grouped round of point-to-point calls: `from(q)` to rank q, rank q's into block q of `recv`.
-    fn exchange(&self, from: impl Fn(usize) -> u64, recv: u64, bytes: usize) -> Result<(), CudaError> {
-        let (s, world) = (self.cu_stream(), self.shard.world);
+    fn exchange(&self, from: impl Fn(usize) -> u64, recv: u64, bytes: usize, lane: Lane) -> Result<(), CudaError> {
+        let (s, world) = (self.lane(lane).cu_stream() as nccl::cudaStream_t, self.shard.world);
         self.with_comm(|c| {
             // SAFETY: grouped point-to-point calls over device buffers of `bytes` per rank.
             unsafe {
@@ -842,6 +1007,8 @@ pub fn dispatch(
     rows: usize,
     ids: u64,
     slots: Option<&SlotTable>,
+    lane: Lane,
+    micro: usize,
 ) -> Result<Dispatched, CudaError> {
     let s = gpu.stream();
     let (world, k, rec, send) = (ep.shard.world, cfg.num_experts_per_tok, q.rec, q.send);
@@ -872,7 +1039,13 @@ pub fn dispatch(
     )?;
     // Point-to-point sends of the one record to every rank: measured at the speed of a plain all-to-all of
     // those bytes, where ncclAllGather ran at 0.76-0.94x of it on two H200s (bench/RESULTS.md).
-    gpu.profiler().time(s, "nccl_ep_dispatch", || ep.gather_p2p(send, recv, rec.bytes))?;
+    if lane == Lane::Comm {
+        ep.wait(Lane::Comm, &ep.mark(Lane::Main)?)?;
+    }
+    let ls = ep.lane(lane);
+    ep.timed(lane, micro, "dispatch", || {
+        gpu.profiler().time(ls, "nccl_ep_dispatch", || ep.gather_p2p(send, recv, rec.bytes, lane))
+    })?;
     Ok(Dispatched { rec, recv, at })
 }
 
@@ -904,18 +1077,66 @@ pub fn combine(
     shared: u64,
     y: u64,
 ) -> Result<(), CudaError> {
-    let s = gpu.stream();
-    let (world, k, hidden, cap) = (ep.shard.world, cfg.num_experts_per_tok, cfg.hidden_size, d.rec.cap);
-    let home = ws.take::<u16>(s, world * cap * k * hidden)?;
-    gpu.profiler().time(s, "nccl_ep_combine", || ep.all_to_all(back, home, cap * k * hidden * 2))?;
-    moe::combine(gpu, moe::PairRows::Bf16 { rows: home, slot: d.at }, weights, shared, y, rows, k, hidden)
+    let home = combine_send(gpu, ws, ep, cfg, d, back, Lane::Main, 0)?;
+    moe::combine(
+        gpu,
+        moe::PairRows::Bf16 { rows: home, slot: d.at },
+        weights,
+        shared,
+        y,
+        rows,
+        cfg.num_experts_per_tok,
+        cfg.hidden_size,
+    )
 }
 
-/// The routed experts of a MoE layer under expert parallelism: `q` this rank's rows quantized into its
-/// record ([`quantize`], at the call's agreed capacity: >= every rank's rows; `rows` may be 0),
-/// `ids`/`weights [rows, k]` their routing, `shared [rows, hidden]` f32 or 0, into `y [rows, hidden]` f32.
+/// Step 3a: `back` to the pairs' ranks on `lane` (after the work issued so far on the main stream); where
+/// this rank's pairs come home.
 #[allow(clippy::too_many_arguments)]
-pub fn moe_forward(
+pub fn combine_send(
+    gpu: &Gpu,
+    ws: &mut Workspace,
+    ep: &EpGroup,
+    cfg: &ModelConfig,
+    d: &Dispatched,
+    back: u64,
+    lane: Lane,
+    micro: usize,
+) -> Result<u64, CudaError> {
+    let (world, k, hidden, cap) = (ep.shard.world, cfg.num_experts_per_tok, cfg.hidden_size, d.rec.cap);
+    let home = ws.take::<u16>(gpu.stream(), world * cap * k * hidden)?;
+    if lane == Lane::Comm {
+        ep.wait(Lane::Comm, &ep.mark(Lane::Main)?)?;
+    }
+    let ls = ep.lane(lane);
+    ep.timed(lane, micro, "combine", || {
+        gpu.profiler().time(ls, "nccl_ep_combine", || ep.all_to_all(back, home, cap * k * hidden * 2, lane))
+    })?;
+    Ok(home)
+}
+
+/// One micro-batch's MoE layer under expert parallelism between its stages ([`moe_send`], [`moe_experts`],
+/// [`moe_finish`]): dual-batch overlap interleaves two of them, [`moe_forward`] runs one back to back.
+pub struct Flight {
+    /// Held for the layer: a rebalance replaces the experts between steps only.
+    routed: Arc<super::weights::Routed>,
+    d: Dispatched,
+    kpad: usize,
+    rows: usize,
+    weights: u64,
+    shared: u64,
+    lane: Lane,
+    micro: usize,
+    /// On the comm lane: after the dispatch, after the combine's exchange.
+    sent: Option<cudarc::driver::CudaEvent>,
+    returned: Option<(u64, Option<cudarc::driver::CudaEvent>)>,
+}
+
+/// Stage 1 of a MoE layer under expert parallelism: `q` this rank's rows quantized into its record
+/// ([`quantize`], at the call's agreed capacity: >= every rank's rows; `rows` may be 0), `ids`/`weights
+/// [rows, k]` their routing, `shared [rows, hidden]` f32 or 0; the record dispatched on `lane`.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_send(
     gpu: &Gpu,
     ws: &mut Workspace,
     ep: &EpGroup,
@@ -926,24 +1147,38 @@ pub fn moe_forward(
     ids: u64,
     weights: u64,
     shared: u64,
-    y: u64,
-) -> Result<(), CudaError> {
-    let s = gpu.stream();
-    let (world, k, kpad, cap) = (ep.shard.world, cfg.num_experts_per_tok, q.format.kpad, q.rec.cap);
+    lane: Lane,
+    micro: usize,
+) -> Result<Flight, CudaError> {
     if q.format != record_format(m, cfg.hidden_size)? {
         return Err(CudaError::Shape("ep: the record is not in the experts' input format".into()));
     }
-    // Held for the call: a rebalance replaces the experts between steps only.
     let routed = m.routed();
-    let slots = routed.slots.as_ref();
-    let d = dispatch(gpu, ws, ep, cfg, q, rows, ids, slots)?;
+    let d = dispatch(gpu, ws, ep, cfg, q, rows, ids, routed.slots.as_ref(), lane, micro)?;
+    let sent = if lane == Lane::Comm { Some(ep.mark(Lane::Comm)?) } else { None };
+    Ok(Flight { routed, d, kpad: q.format.kpad, rows, weights, shared, lane, micro, sent, returned: None })
+}
+
+/// Stage 2: this rank's experts over every rank's pairs (once the dispatch has arrived), their outputs sent
+/// back on the flight's lane.
+pub fn moe_experts(
+    gpu: &Gpu,
+    ws: &mut Workspace,
+    ep: &EpGroup,
+    cfg: &ModelConfig,
+    f: &mut Flight,
+) -> Result<(), CudaError> {
+    let s = gpu.stream();
+    let (world, k, kpad, cap) = (ep.shard.world, cfg.num_experts_per_tok, f.kpad, f.d.rec.cap);
+    if let Some(ev) = &f.sent {
+        ep.wait(Lane::Main, ev)?;
+    }
+    let (d, routed) = (&f.d, &f.routed);
     // Under load balancing this rank's pairs are those of its slots.
-    let (lo, per_rank) = match slots {
+    let (lo, per_rank) = match routed.slots.as_ref() {
         Some(t) => (ep.shard.rank * t.per_rank, t.per_rank),
         None => (ep.shard.experts(cfg.n_routed_experts).start, cfg.n_routed_experts / world),
     };
-
-    // Step 2: this rank's experts over every rank's pairs.
     let pairs = world * cap * k;
     let lids = ws.take::<i32>(s, pairs)?;
     launch(
@@ -987,9 +1222,47 @@ pub fn moe_forward(
             Arg::I(ld as i32),
         ],
     )?;
-    let back = combine_buffer(gpu, ws, cfg, &d, world)?;
+    let back = combine_buffer(gpu, ws, cfg, d, world)?;
     moe::forward_quantized(gpu, ws, &routed.experts, qa, sa, ld, &g, back, g.pair_of_row)?;
-    combine(gpu, ws, ep, cfg, &d, back, rows, weights, shared, y)?;
+    let home = combine_send(gpu, ws, ep, cfg, d, back, f.lane, f.micro)?;
+    let ev = if f.lane == Lane::Comm { Some(ep.mark(Lane::Comm)?) } else { None };
+    f.returned = Some((home, ev));
+    Ok(())
+}
+
+/// Stage 3: once the pairs are home, this rank's rows combined into `y [rows, hidden]` f32 in slot order
+/// with their weights and the shared expert's output.
+pub fn moe_finish(gpu: &Gpu, ep: &EpGroup, cfg: &ModelConfig, f: Flight, y: u64) -> Result<(), CudaError> {
+    let Some((home, ev)) = &f.returned else {
+        return Err(CudaError::Shape("ep: a MoE layer finished before its experts ran".into()));
+    };
+    if let Some(ev) = ev {
+        ep.wait(Lane::Main, ev)?;
+    }
+    let (k, hidden) = (cfg.num_experts_per_tok, cfg.hidden_size);
+    let pairs = moe::PairRows::Bf16 { rows: *home, slot: f.d.at };
+    moe::combine(gpu, pairs, f.weights, f.shared, y, f.rows, k, hidden)
+}
+
+/// The routed experts of a MoE layer under expert parallelism, the three stages back to back on the
+/// backend's stream ([`moe_send`] says what the arguments are), into `y [rows, hidden]` f32.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_forward(
+    gpu: &Gpu,
+    ws: &mut Workspace,
+    ep: &EpGroup,
+    cfg: &ModelConfig,
+    m: &DMoe,
+    q: &Quantized,
+    rows: usize,
+    ids: u64,
+    weights: u64,
+    shared: u64,
+    y: u64,
+) -> Result<(), CudaError> {
+    let mut f = moe_send(gpu, ws, ep, cfg, m, q, rows, ids, weights, shared, Lane::Main, 0)?;
+    moe_experts(gpu, ws, ep, cfg, &mut f)?;
+    moe_finish(gpu, ep, cfg, f, y)?;
     ep.layer_issued()
 }
 
@@ -1076,7 +1349,7 @@ pub fn time_exchange(
     let q = quantize(gpu, &mut qws, cfg, format, dx.ptr(), cap, cap)?;
     let mut last = None;
     let dispatch_s = timed(&mut |ws| {
-        last = Some(dispatch(gpu, ws, ep, cfg, &q, cap, dids.ptr(), None)?);
+        last = Some(dispatch(gpu, ws, ep, cfg, &q, cap, dids.ptr(), None, Lane::Main, 0)?);
         Ok(())
     })?;
     let d = last.expect("dispatched");
@@ -1090,13 +1363,13 @@ pub fn time_exchange(
     let a2a = |bytes: usize, ws: &mut Workspace| -> Result<(), CudaError> {
         let send = ws.take::<u8>(s, world * bytes)?;
         let recv = ws.take::<u8>(s, world * bytes)?;
-        ep.all_to_all(send, recv, bytes)
+        ep.all_to_all(send, recv, bytes, Lane::Main)
     };
     let a2a_dispatch_s = timed(&mut |ws| a2a(db, ws))?;
     let gather = |p2p: bool, ws: &mut Workspace| -> Result<(), CudaError> {
         let send = ws.take::<u8>(s, db)?;
         let recv = ws.take::<u8>(s, world * db)?;
-        if p2p { ep.gather_p2p(send, recv, db) } else { ep.all_gather(send, recv, db) }
+        if p2p { ep.gather_p2p(send, recv, db, Lane::Main) } else { ep.all_gather(send, recv, db) }
     };
     let gather_s = timed(&mut |ws| gather(false, ws))?;
     let gather_p2p_s = timed(&mut |ws| gather(true, ws))?;
@@ -1170,6 +1443,20 @@ mod tests {
         let e = fetch_id(&cfg(1, "tandem-leader.invalid:29500", 400)).unwrap_err();
         assert!(t0.elapsed() >= Duration::from_millis(400), "gave up after {:?}: {e}", t0.elapsed());
         assert!(e.contains("did not answer within") && e.contains("tandem-leader.invalid"), "{e}");
+    }
+
+    #[test]
+    fn dual_batch_overlap_applies_by_the_largest_ranks_rows() {
+        let auto = Dbo::parse("auto:32,512").unwrap();
+        assert!(auto.applies(Pass::Main, 32) && !auto.applies(Pass::Main, 31));
+        assert!(auto.applies(Pass::MainPrefill, 512) && !auto.applies(Pass::MainPrefill, 511));
+        assert!(!auto.applies(Pass::Mtp, 4096), "the MTP pass is one layer: never split");
+        assert!(Dbo::On.applies(Pass::Main, 2) && !Dbo::On.applies(Pass::Main, 1));
+        assert!(!Dbo::Off.applies(Pass::MainPrefill, 1 << 20));
+        assert_eq!(Dbo::parse("auto").unwrap(), Dbo::default());
+        for bad in ["yes", "auto:1", "auto:a,b"] {
+            assert!(Dbo::parse(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
