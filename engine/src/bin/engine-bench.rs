@@ -68,6 +68,8 @@ struct Opts {
     dbo: Option<engine::cuda::ep::Dbo>,
     /// Where to write the stages of one more (untimed) call per measurement, under `--ep`.
     timeline: Option<String>,
+    /// Prompt lengths of the prefill measurements.
+    prefill_lens: Vec<usize>,
 }
 
 fn parse() -> Result<Opts, String> {
@@ -91,6 +93,7 @@ fn parse() -> Result<Opts, String> {
         warmup_steps: 0,
         dbo: None,
         timeline: None,
+        prefill_lens: vec![512, 2048],
     };
     let number = |v: Option<String>, what: &str| -> Result<usize, String> {
         v.and_then(|v| v.parse().ok()).filter(|&n| n > 0).ok_or(format!("{what} needs a positive number"))
@@ -119,6 +122,14 @@ fn parse() -> Result<Opts, String> {
                     .ok_or(format!("--batches {v}: positive numbers, comma-separated"))?;
             }
             "--context" => o.context = number(args.next(), "--context")?,
+            "--prefill-lens" => {
+                let v = args.next().ok_or("--prefill-lens needs a list such as 512,2048")?;
+                o.prefill_lens = v
+                    .split(',')
+                    .map(|b| b.trim().parse().ok().filter(|&n: &usize| n > 0))
+                    .collect::<Option<_>>()
+                    .ok_or(format!("--prefill-lens {v}: positive numbers, comma-separated"))?;
+            }
             "--mtp" => o.mtp = true,
             "--kernel-profile" => o.kernel_profile = true,
             "--blocks" => o.blocks = number(args.next(), "--blocks")?,
@@ -154,7 +165,7 @@ fn parse() -> Result<Opts, String> {
             "-h" | "--help" => {
                 println!(
                     "engine-bench [--json] [--out FILE] [--precision fp8|full] [--device cpu|cuda[:N]] [--threads N] \
-                     [--decode-steps N] [--decode-only] [--model DIR|synthetic:v32[,...]] [--batches 1,16] \
+                     [--decode-steps N] [--decode-only] [--model DIR|synthetic:v32[,...]] [--batches 1,16] [--prefill-lens 512,2048] \
                      [--context 256] [--blocks 2048] [--mtp] [--kernel-profile] [--warmup-steps N] \
                      [--ep RANK/WORLD@HOST:PORT [--ep-exchange 64,1024] [--eplb] [--eplb-redundant N] \
                      [--eplb-interval STEPS] [--eplb-window LOOKS] [--eplb-min-gain F] \
@@ -337,7 +348,7 @@ fn main() {
         results.push(line);
     };
 
-    let prefill_lens: &[usize] = if o.decode_only { &[] } else { &[512, 2048] };
+    let prefill_lens: &[usize] = if o.decode_only { &[] } else { &o.prefill_lens };
     if !prefill_lens.is_empty() {
         // Untimed prefills first (load balancing settles in them, as in the decode warm-up).
         let toks = prompt(512, 7, cfg.vocab_size as u32);
