@@ -52,8 +52,9 @@ pub struct ServeArgs {
     #[arg(long, env = "TANDEM_EPLB_MIN_GAIN", default_value_t = 0.05)]
     pub eplb_min_gain: f64,
     /// Expert parallelism: dual-batch overlap of the main passes (two micro-batches, each one's exchanges
-    /// under the other's compute): `auto` (at or above 64 rows of the largest rank in a decode step, 1024 in
-    /// a prefill), `on`, `off`, or `auto:DECODE_ROWS,PREFILL_ROWS`.
+    /// under the other's compute): `auto` (prefill passes of at least 1024 rows on the largest rank, where
+    /// each rank holds at most 16 routed experts a layer; decode never), `on`, `off`, or
+    /// `auto:DECODE_ROWS,PREFILL_ROWS`.
     #[arg(long, env = "TANDEM_DBO", default_value = "auto")]
     pub dbo: String,
     /// The model name clients send; defaults to the checkpoint directory's name.

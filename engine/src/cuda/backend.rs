@@ -1261,9 +1261,11 @@ impl CudaBackend {
     /// so every rank does the same). Off while selections are recorded (a diagnostic that reads every
     /// layer's rows in order).
     fn dbo_applies(&self, pass: Pass) -> bool {
+        // The routed expert matrices a rank holds a layer: the same on every rank of the group.
+        let local = self.w.moe_sets().first().map_or(0, |m| m.routed().experts.down.groups());
         self.ep.is_some()
             && self.selections.is_none()
-            && self.dbo.applies(pass, self.ep_most.load(std::sync::atomic::Ordering::Relaxed))
+            && self.dbo.applies(pass, self.ep_most.load(std::sync::atomic::Ordering::Relaxed), local)
     }
 
     /// The main model's layers over two micro-batches with dual-batch overlap (docs/model.md §5.3): every

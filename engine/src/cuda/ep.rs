@@ -95,11 +95,14 @@ pub struct EpConfig {
 }
 
 /// When a main pass runs as two micro-batches whose exchanges overlap the other's compute (dual-batch
-/// overlap): decided from the most rows any rank brings (every rank agrees on it), so every rank runs the
-/// same form.
+/// overlap): decided from the most rows any rank brings (every rank agrees on it) and the experts each rank
+/// holds (the same on every rank), so every rank runs the same form.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dbo {
-    /// At or above these rows (the largest rank's) in a decode-form / prefill-form pass.
+    /// At or above these rows (the largest rank's) in a decode-form / prefill-form pass, where a rank holds
+    /// at most [`DBO_MAX_LOCAL_EXPERTS`] routed expert matrices a layer: a wide group's rank, whose
+    /// exchanges cross nodes. Each micro-batch reads every local expert's weights again, which on a rank
+    /// of many experts costs more than the overlap saves (bench/RESULTS.md, "Dual-batch overlap").
     Auto {
         decode_rows: usize,
         prefill_rows: usize,
@@ -115,13 +118,17 @@ impl Default for Dbo {
     }
 }
 
-/// The default thresholds of [`Dbo::Auto`] (bench/RESULTS.md, "Dual-batch overlap").
-pub const DBO_DECODE_ROWS: usize = 64;
+/// The default thresholds of [`Dbo::Auto`] (bench/RESULTS.md, "Dual-batch overlap"): prefill passes of at
+/// least 1024 rows; decode passes never (no measured decode step was faster overlapped).
+pub const DBO_DECODE_ROWS: usize = usize::MAX;
 pub const DBO_PREFILL_ROWS: usize = 1024;
+/// [`Dbo::Auto`] overlaps only on ranks holding at most this many routed expert matrices a layer.
+pub const DBO_MAX_LOCAL_EXPERTS: usize = 16;
 
 impl Dbo {
-    /// Whether `pass` runs overlapped when the largest rank brings `most` rows.
-    pub fn applies(&self, pass: Pass, most: usize) -> bool {
+    /// Whether `pass` runs overlapped when the largest rank brings `most` rows and each rank holds
+    /// `local_experts` routed expert matrices a layer.
+    pub fn applies(&self, pass: Pass, most: usize, local_experts: usize) -> bool {
         if most < 2 || pass == Pass::Mtp {
             return false;
         }
@@ -129,7 +136,8 @@ impl Dbo {
             Dbo::On => true,
             Dbo::Off => false,
             Dbo::Auto { decode_rows, prefill_rows } => {
-                most >= if pass == Pass::MainPrefill { prefill_rows } else { decode_rows }
+                local_experts <= DBO_MAX_LOCAL_EXPERTS
+                    && most >= if pass == Pass::MainPrefill { prefill_rows } else { decode_rows }
             }
         }
     }
@@ -1448,11 +1456,14 @@ mod tests {
     #[test]
     fn dual_batch_overlap_applies_by_the_largest_ranks_rows() {
         let auto = Dbo::parse("auto:32,512").unwrap();
-        assert!(auto.applies(Pass::Main, 32) && !auto.applies(Pass::Main, 31));
-        assert!(auto.applies(Pass::MainPrefill, 512) && !auto.applies(Pass::MainPrefill, 511));
-        assert!(!auto.applies(Pass::Mtp, 4096), "the MTP pass is one layer: never split");
-        assert!(Dbo::On.applies(Pass::Main, 2) && !Dbo::On.applies(Pass::Main, 1));
-        assert!(!Dbo::Off.applies(Pass::MainPrefill, 1 << 20));
+        assert!(auto.applies(Pass::Main, 32, 8) && !auto.applies(Pass::Main, 31, 8));
+        assert!(auto.applies(Pass::MainPrefill, 512, 16) && !auto.applies(Pass::MainPrefill, 511, 16));
+        assert!(!auto.applies(Pass::MainPrefill, 4096, 17), "a rank of many experts reads them twice");
+        assert!(!auto.applies(Pass::Mtp, 4096, 8), "the MTP pass is one layer: never split");
+        assert!(Dbo::On.applies(Pass::Main, 2, 128) && !Dbo::On.applies(Pass::Main, 1, 128));
+        assert!(!Dbo::Off.applies(Pass::MainPrefill, 1 << 20, 8));
+        let d = Dbo::default();
+        assert!(d.applies(Pass::MainPrefill, 1024, 8) && !d.applies(Pass::Main, 1 << 20, 8));
         assert_eq!(Dbo::parse("auto").unwrap(), Dbo::default());
         for bad in ["yes", "auto:1", "auto:a,b"] {
             assert!(Dbo::parse(bad).is_err(), "{bad}");
