@@ -92,8 +92,9 @@ extern "C" __global__ void tandem_moe_map_ids(int* __restrict__ ids, int n, cons
 // The id block of this rank's record (rows [rows, cap) get -1), and for each own pair p the row of the
 // combine buffer its output comes back in: owner * cap * k + p (owner = id / per_rank).
 // With load balancing (`table`, engine::eplb::Placement::table: per expert its copies c and their slots, `width`
-// ints) the record carries the slot of copy (p + rank) % c of the pair's expert instead, `per_rank` slots a
-// rank: a pure function of the pair's place, so the same rows go to the same copies on every run.
+// ints) the record carries the slot of copy (row + rank) % c of the pair's expert instead (row = p / k: an
+// expert appears once a row, so its pairs spread evenly over its copies), `per_rank` slots a rank: a pure
+// function of the pair's place.
 extern "C" __global__ void tandem_ep_pack_ids(const int* __restrict__ ids, int rows, int cap, int k, int per_rank,
                                               const int* __restrict__ table, int width, int rank,
                                               int* __restrict__ out_ids, int* __restrict__ at) {
@@ -102,7 +103,7 @@ extern "C" __global__ void tandem_ep_pack_ids(const int* __restrict__ ids, int r
         int e = p < own ? ids[p] : -1;
         if (e >= 0 && table != nullptr) {
             const int* t = table + (i64)e * width;
-            e = t[1 + (p + rank) % t[0]];
+            e = t[1 + (p / k + rank) % t[0]];
         }
         out_ids[p] = e;
         if (p < own) at[p] = e >= 0 ? (e / per_rank) * n + p : -1;

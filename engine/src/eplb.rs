@@ -150,9 +150,11 @@ impl Default for EplbConfig {
 
 impl EplbConfig {
     /// Whether the values make sense for `experts` routed experts over `gpus` GPUs.
-    pub fn check(&self, experts: usize, gpus: usize) -> Result<(), String> {
+    pub fn check(&self, experts: usize, groups: usize, gpus: usize) -> Result<(), String> {
         self.check_settings(gpus)?;
-        Placement::home(experts, gpus, self.redundant).map(drop)
+        Placement::home(experts, gpus, self.redundant)?;
+        // The layout the placements will be made for.
+        rebalance(&vec![1.0; experts], self.layout(experts, groups, gpus)).map(drop)
     }
 
     /// [`check`](Self::check) of what does not depend on the model.
@@ -459,12 +461,15 @@ mod tests {
     #[test]
     fn eplb_settings_are_checked() {
         let c = EplbConfig { rebalance: true, redundant: 2, ..Default::default() };
-        assert!(c.check(16, 2).is_ok());
+        assert!(c.check(16, 4, 2).is_ok());
         assert_eq!(c.layout(16, 4, 2), Layout { slots: 20, groups: 4, nodes: 1, gpus: 2 });
-        assert!(EplbConfig { interval: 0, ..c }.check(16, 2).is_err());
-        assert!(EplbConfig { min_gain: 1.5, ..c }.check(16, 2).is_err());
-        assert!(EplbConfig { gpus_per_node: Some(3), ..c }.check(16, 2).unwrap_err().contains("nodes of 3"));
-        assert!(EplbConfig { redundant: 9, ..c }.check(16, 2).unwrap_err().contains("exceed"));
+        assert!(EplbConfig { interval: 0, ..c }.check(16, 4, 2).is_err());
+        assert!(EplbConfig { min_gain: 1.5, ..c }.check(16, 4, 2).is_err());
+        assert!(EplbConfig { gpus_per_node: Some(3), ..c }.check(16, 4, 2).unwrap_err().contains("nodes of 3"));
+        assert!(EplbConfig { redundant: 9, ..c }.check(16, 4, 2).unwrap_err().contains("exceed"));
+        // DeepSeek-V3.2's shape at EP128 over 16 nodes of 8: 8 groups do not divide over 16 nodes (global).
+        let wide = EplbConfig { redundant: 1, gpus_per_node: Some(8), ..c };
+        assert!(wide.check(256, 8, 128).is_ok() && wide.check(256, 8, 32).is_ok());
         assert_eq!(EplbConfig { gpus_per_node: Some(2), ..c }.layout(16, 4, 4).nodes, 2);
     }
 }

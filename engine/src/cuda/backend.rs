@@ -213,7 +213,7 @@ impl CudaBackend {
         let eplb = ep.map(|e| e.eplb);
         let dbo = ep.map_or(ep::Dbo::Off, |e| e.dbo);
         if let Some(b) = eplb.filter(|b| b.rebalance) {
-            b.check(cfg.n_routed_experts, shard.world).map_err(EngineError::InvalidInput)?;
+            b.check(cfg.n_routed_experts, cfg.n_group, shard.world).map_err(EngineError::InvalidInput)?;
         }
         let layout = super::weights::ExpertLayout {
             shard,
@@ -282,6 +282,9 @@ impl CudaBackend {
     /// layer); read with [`CudaBackend::take_selections`].
     pub fn recording_selections(mut self) -> Self {
         self.selections = Some(Default::default());
+        // Recorded layer by layer over the whole batch: never in two micro-batches (under expert
+        // parallelism every rank must then record).
+        self.dbo = ep::Dbo::Off;
         self
     }
 
@@ -1261,11 +1264,32 @@ impl CudaBackend {
     /// so every rank does the same). Off while selections are recorded (a diagnostic that reads every
     /// layer's rows in order).
     fn dbo_applies(&self, pass: Pass) -> bool {
-        // The routed expert matrices a rank holds a layer: the same on every rank of the group.
-        let local = self.w.moe_sets().first().map_or(0, |m| m.routed().experts.down.groups());
         self.ep.is_some()
-            && self.selections.is_none()
-            && self.dbo.applies(pass, self.ep_most.load(std::sync::atomic::Ordering::Relaxed), local)
+            && self.dbo.applies(pass, self.ep_most.load(std::sync::atomic::Ordering::Relaxed), self.local_experts())
+    }
+
+    /// The routed expert matrices a rank holds a layer besides load balancing's spare slots: the same on
+    /// every rank of the group.
+    fn local_experts(&self) -> usize {
+        let Some(m) = self.w.moe_sets().first().map(|m| m.routed()) else { return 0 };
+        let spare = match (&m.slots, &self.ep) {
+            (Some(t), Some(ep)) => t.per_rank.saturating_sub(self.cfg.n_routed_experts / ep.shard().world),
+            _ => 0,
+        };
+        m.experts.down.groups().saturating_sub(spare)
+    }
+
+    /// Whether any pass may run overlapped: `on`, or `auto` with thresholds this group can reach.
+    fn dbo_possible(&self) -> bool {
+        self.ep.is_some()
+            && match self.dbo {
+                ep::Dbo::Off => false,
+                ep::Dbo::On => true,
+                ep::Dbo::Auto { decode_rows, prefill_rows } => {
+                    self.local_experts() <= ep::DBO_MAX_LOCAL_EXPERTS
+                        && (decode_rows < usize::MAX || prefill_rows < usize::MAX)
+                }
+            }
     }
 
     /// The main model's layers over two micro-batches with dual-batch overlap (docs/model.md §5.3): every
@@ -1736,20 +1760,21 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
-    /// Workspace bytes of a `max_num_batched_tokens` forward: every buffer of one `layer` at once (layers
-    /// reuse the same bytes) for the largest of the main and MTP passes, one chunk of indexer scores and
-    /// first-digit counts (at most [`SCORE_BYTES`], or one scorer group of rows at `max_position_embeddings`),
-    /// the MHA form's decompressed context (full precision only; bounded by the batch), and the logits rows.
-    /// The second micro-batch's workspace under dual-batch overlap: a forward of half the tokens (the first
-    /// micro-batch uses the call's workspace, which is sized for the whole forward).
+    /// The second micro-batch's workspace where dual-batch overlap may run: a forward of half the tokens (the
+    /// first micro-batch uses the call's workspace, which is sized for the whole forward; the halved limits
+    /// still count the logits and the score chunk whole, an upper bound).
     fn second_micro_bytes(&self, l: &ServingLimits) -> u64 {
-        if self.ep.is_none() || self.dbo == ep::Dbo::Off {
+        if !self.dbo_possible() {
             return 0;
         }
         let half = ServingLimits { max_num_batched_tokens: l.max_num_batched_tokens.div_ceil(2), ..*l };
         self.activation_bytes(&half)
     }
 
+    /// Workspace bytes of a `max_num_batched_tokens` forward: every buffer of one `layer` at once (layers
+    /// reuse the same bytes) for the largest of the main and MTP passes, one chunk of indexer scores and
+    /// first-digit counts (at most [`SCORE_BYTES`], or one scorer group of rows at `max_position_embeddings`),
+    /// the MHA form's decompressed context (full precision only; bounded by the batch), and the logits rows.
     fn activation_bytes(&self, l: &ServingLimits) -> u64 {
         let c = &self.cfg;
         let rows = l.max_num_batched_tokens as u64;

@@ -167,7 +167,15 @@ impl Balancer {
             sum += total / world as f64;
             gpu_load.iter_mut().zip(&now_loads).for_each(|(g, l)| *g += l);
             if self.cfg.rebalance && routed.slots.is_some() {
-                let new = rebalance(&load, layout).map_err(CudaError::Shape)?;
+                // A placement the policy cannot make leaves the layer where it is (every rank sees the same
+                // loads, so every rank skips it); serving goes on.
+                let new = match rebalance(&load, layout) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        tracing::warn!(layer = i, "expert placement not changed: {e}");
+                        continue;
+                    }
+                };
                 let (before, after) = (imbalance(&now_loads), imbalance(&new.gpu_loads(&load, world)));
                 if new != *now && after <= before * (1.0 - self.cfg.min_gain) {
                     st.queued.retain(|(l, _)| *l != i);

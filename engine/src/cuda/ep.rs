@@ -122,7 +122,8 @@ impl Default for Dbo {
 /// least 1024 rows; decode passes never (no measured decode step was faster overlapped).
 pub const DBO_DECODE_ROWS: usize = usize::MAX;
 pub const DBO_PREFILL_ROWS: usize = 1024;
-/// [`Dbo::Auto`] overlaps only on ranks holding at most this many routed expert matrices a layer.
+/// [`Dbo::Auto`] (`auto:D,P` too) overlaps only on ranks holding at most this many routed expert matrices a
+/// layer, not counting load balancing's spare slots.
 pub const DBO_MAX_LOCAL_EXPERTS: usize = 16;
 
 impl Dbo {
@@ -185,9 +186,27 @@ impl EpConfig {
     pub fn shard(&self) -> Shard {
         Shard { rank: self.rank, world: self.world }
     }
+
+    /// A digest of the settings every rank must share (load balancing and dual-batch overlap decide which
+    /// collectives a step issues): the rendezvous refuses a rank whose digest differs from the leader's.
+    pub fn settings_digest(&self) -> u64 {
+        let text = format!("{:?}|{:?}", self.eplb, self.dbo);
+        text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+    }
 }
 
 const HELLO: &[u8; 4] = b"TDEP";
+/// The leader's answer to a rank it refuses, followed by the reason (`REFUSAL_BYTES`, zero-padded).
+const REFUSED: &[u8; 4] = b"TDNO";
+const REFUSAL_BYTES: usize = 128;
+
+/// Sends `why` to a rank the leader refuses (best effort: the rank may be gone).
+fn refuse(conn: &mut TcpStream, why: &str) {
+    let mut msg = [0u8; REFUSAL_BYTES];
+    let b = why.as_bytes();
+    msg[..b.len().min(REFUSAL_BYTES)].copy_from_slice(&b[..b.len().min(REFUSAL_BYTES)]);
+    drop(conn.write_all(REFUSED).and_then(|()| conn.write_all(&msg)));
+}
 
 /// The default bound on one step (a forward call): above the longest prefill chunk a rank runs (a few
 /// seconds at DeepSeek-V3.2's depth), short enough that a lost peer ends the others' steps within seconds.
@@ -204,18 +223,30 @@ fn serve_id(cfg: &EpConfig, id: &nccl::ncclUniqueId) -> Result<(), String> {
             Ok((mut conn, from)) => {
                 conn.set_nonblocking(false).map_err(|e| e.to_string())?;
                 conn.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
-                let mut hello = [0u8; 12];
+                let mut hello = [0u8; 20];
                 if conn.read_exact(&mut hello).is_err() || &hello[..4] != HELLO {
                     tracing::warn!("expert parallelism: {from} is not a tandem rank; ignored");
                     continue;
                 }
                 let rank = u32::from_le_bytes(hello[4..8].try_into().unwrap()) as usize;
                 let world = u32::from_le_bytes(hello[8..12].try_into().unwrap()) as usize;
+                let digest = u64::from_le_bytes(hello[12..20].try_into().unwrap());
                 if world != cfg.world || rank == 0 || rank >= cfg.world {
-                    return Err(format!(
-                        "{from} says it is rank {rank} of {world}; this group has {} ranks",
-                        cfg.world
-                    ));
+                    let why = format!("{from} says it is rank {rank} of {world}; this group has {} ranks", cfg.world);
+                    refuse(&mut conn, &why);
+                    return Err(why);
+                }
+                if digest != cfg.settings_digest() {
+                    let why = format!(
+                        "rank {rank} ({from}) has other load-balancing or overlap settings than the leader \
+                         (--eplb*, --dbo must be the same on every rank; the leader has {:?}, {:?})",
+                        cfg.eplb, cfg.dbo
+                    );
+                    refuse(&mut conn, &why);
+                    for p in peers.iter_mut().flatten() {
+                        refuse(p, &why);
+                    }
+                    return Err(why);
                 }
                 if peers[rank].is_some() {
                     return Err(format!("two processes say they are rank {rank} (the second from {from})"));
@@ -263,10 +294,15 @@ fn fetch_id(cfg: &EpConfig) -> Result<nccl::ncclUniqueId, String> {
     let mut hello = HELLO.to_vec();
     hello.extend((cfg.rank as u32).to_le_bytes());
     hello.extend((cfg.world as u32).to_le_bytes());
+    hello.extend(cfg.settings_digest().to_le_bytes());
     conn.write_all(&hello).map_err(|e| format!("greeting the leader: {e}"))?;
     conn.set_read_timeout(Some(cfg.timeout)).map_err(|e| e.to_string())?;
     let mut answer = [0u8; 4 + 128];
     conn.read_exact(&mut answer).map_err(|e| format!("waiting for the NCCL id from {}: {e}", cfg.leader))?;
+    if &answer[..4] == REFUSED {
+        let why = String::from_utf8_lossy(&answer[4..]).trim_end_matches('\0').to_string();
+        return Err(format!("the leader at {} refused this rank: {why}", cfg.leader));
+    }
     if &answer[..4] != HELLO {
         return Err(format!("{} is not a tandem leader", cfg.leader));
     }
@@ -1442,6 +1478,26 @@ mod tests {
         }
         serve_id(&cfg(0, &leader, 10_000), &id).unwrap();
         assert_eq!(rank1.join().unwrap().unwrap().internal, id.internal);
+    }
+
+    #[test]
+    fn a_rank_with_other_balancing_or_overlap_settings_is_refused_with_the_reason() {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let leader = format!("127.0.0.1:{port}");
+        let rank1 = std::thread::spawn({
+            let mut c = cfg(1, &leader, 10_000);
+            c.dbo = Dbo::Off;
+            move || fetch_id(&c)
+        });
+        let id = nccl::ncclUniqueId { internal: [0; 128] };
+        let e = serve_id(&cfg(0, &leader, 10_000), &id).unwrap_err();
+        assert!(e.contains("rank 1") && e.contains("--dbo"), "{e}");
+        let e = rank1.join().unwrap().unwrap_err();
+        assert!(e.contains("refused this rank") && e.contains("overlap settings"), "{e}");
+        let mut a = cfg(0, &leader, 1);
+        a.eplb.interval = 7;
+        assert_ne!(a.settings_digest(), cfg(0, &leader, 1).settings_digest());
+        assert_eq!(cfg(0, &leader, 1).settings_digest(), cfg(1, "other:1", 5).settings_digest());
     }
 
     #[test]
