@@ -392,6 +392,24 @@ fn fault_case(signal: &str) {
     assert!(std::fs::read_to_string(dir.path().join("rejoin-rank1.txt")).unwrap().contains("recovered"));
 }
 
+/// A group of one's test set-up: the tiny checkpoint in `dir`, and the plain backend's trace of every
+/// request with `seed` (None, with a message, where there is no GPU and none is required).
+fn plain_trace(dir: &Path, seed: u64) -> Option<(engine::checkpoint::Checkpoint, PathBuf, String)> {
+    checkpoint(dir);
+    let ckpt = engine::checkpoint::Checkpoint::open(dir).unwrap();
+    let cache = std::env::temp_dir().join("tandem-test-kernels");
+    let one = match CudaBackend::load(&ckpt, Precision::Fp8, 0, &cache) {
+        Ok(b) => b,
+        Err(e) if !engine::cuda::gpu_required() && e.to_string().contains("no usable GPU") => {
+            eprintln!("skipped: {e}; TANDEM_REQUIRE_GPU=1 makes this a failure");
+            return None;
+        }
+        Err(e) => panic!("the CUDA backend did not load: {e}"),
+    };
+    let want = encode(&run(Arc::new(one), &[0, 1, 2, 3], seed));
+    Some((ckpt, cache, want))
+}
+
 /// A group of one rank runs every step of expert parallelism (record, exchange with itself, gather, the
 /// down projection into the combine rows, the combine) in one process: the same bits as without it.
 #[test]
@@ -401,19 +419,8 @@ fn a_group_of_one_gives_the_plain_backends_logits_bit_for_bit() {
     }
     let _gpus = gpus_lock();
     let dir = tempfile::tempdir().unwrap();
-    checkpoint(dir.path());
-    let ckpt = engine::checkpoint::Checkpoint::open(dir.path()).unwrap();
-    let cache = std::env::temp_dir().join("tandem-test-kernels");
-    let one = match CudaBackend::load(&ckpt, Precision::Fp8, 0, &cache) {
-        Ok(b) => b,
-        Err(e) if !engine::cuda::gpu_required() && e.to_string().contains("no usable GPU") => {
-            eprintln!("skipped: {e}; TANDEM_REQUIRE_GPU=1 makes this a failure");
-            return;
-        }
-        Err(e) => panic!("the CUDA backend did not load: {e}"),
-    };
     let seed = 7;
-    let want = encode(&run(Arc::new(one), &[0, 1, 2, 3], seed));
+    let Some((ckpt, cache, want)) = plain_trace(dir.path(), seed) else { return };
     let ep = EpConfig::parse(&format!("0/1@127.0.0.1:{}", free_port())).unwrap();
     let grouped = CudaBackend::load_ep(&ckpt, Precision::Fp8, 0, &cache, &ep).unwrap();
     assert!(grouped.ep_group().is_some());
@@ -429,19 +436,8 @@ fn a_group_of_one_whose_experts_move_gives_the_plain_backends_logits_bit_for_bit
     }
     let _gpus = gpus_lock();
     let dir = tempfile::tempdir().unwrap();
-    checkpoint(dir.path());
-    let ckpt = engine::checkpoint::Checkpoint::open(dir.path()).unwrap();
-    let cache = std::env::temp_dir().join("tandem-test-kernels");
-    let one = match CudaBackend::load(&ckpt, Precision::Fp8, 0, &cache) {
-        Ok(b) => b,
-        Err(e) if !engine::cuda::gpu_required() && e.to_string().contains("no usable GPU") => {
-            eprintln!("skipped: {e}; TANDEM_REQUIRE_GPU=1 makes this a failure");
-            return;
-        }
-        Err(e) => panic!("the CUDA backend did not load: {e}"),
-    };
     let seed = 11;
-    let want = encode(&run(Arc::new(one), &[0, 1, 2, 3], seed));
+    let Some((ckpt, cache, want)) = plain_trace(dir.path(), seed) else { return };
     let mut ep = EpConfig::parse(&format!("0/1@127.0.0.1:{}", free_port())).unwrap();
     ep.eplb = moving_eplb();
     let b = Arc::new(CudaBackend::load_ep(&ckpt, Precision::Fp8, 0, &cache, &ep).unwrap());
@@ -461,19 +457,8 @@ fn a_group_of_one_with_dual_batch_overlap_gives_the_plain_backends_logits_bit_fo
     }
     let _gpus = gpus_lock();
     let dir = tempfile::tempdir().unwrap();
-    checkpoint(dir.path());
-    let ckpt = engine::checkpoint::Checkpoint::open(dir.path()).unwrap();
-    let cache = std::env::temp_dir().join("tandem-test-kernels");
-    let one = match CudaBackend::load(&ckpt, Precision::Fp8, 0, &cache) {
-        Ok(b) => b,
-        Err(e) if !engine::cuda::gpu_required() && e.to_string().contains("no usable GPU") => {
-            eprintln!("skipped: {e}; TANDEM_REQUIRE_GPU=1 makes this a failure");
-            return;
-        }
-        Err(e) => panic!("the CUDA backend did not load: {e}"),
-    };
     let seed = 13;
-    let want = encode(&run(Arc::new(one), &[0, 1, 2, 3], seed));
+    let Some((ckpt, cache, want)) = plain_trace(dir.path(), seed) else { return };
     let mut ep = EpConfig::parse(&format!("0/1@127.0.0.1:{}", free_port())).unwrap();
     ep.dbo = Dbo::On;
     let b = Arc::new(CudaBackend::load_ep(&ckpt, Precision::Fp8, 0, &cache, &ep).unwrap());

@@ -95,6 +95,13 @@ fn parse() -> Result<Opts, String> {
         timeline: None,
         prefill_lens: vec![512, 2048],
     };
+    let list = |v: Option<String>, what: &str, example: &str| -> Result<Vec<usize>, String> {
+        let v = v.ok_or(format!("{what} needs a list such as {example}"))?;
+        v.split(',')
+            .map(|b| b.trim().parse().ok().filter(|&n: &usize| n > 0))
+            .collect::<Option<_>>()
+            .ok_or(format!("{what} {v}: positive numbers, comma-separated"))
+    };
     let number = |v: Option<String>, what: &str| -> Result<usize, String> {
         v.and_then(|v| v.parse().ok()).filter(|&n| n > 0).ok_or(format!("{what} needs a positive number"))
     };
@@ -113,37 +120,16 @@ fn parse() -> Result<Opts, String> {
                 o.decode_steps = args.next().and_then(|v| v.parse().ok()).ok_or("--decode-steps needs a number")?
             }
             "--model" => o.model = Some(args.next().ok_or("--model needs a checkpoint directory or synthetic:...")?),
-            "--batches" => {
-                let v = args.next().ok_or("--batches needs a list such as 1,16")?;
-                o.batches = v
-                    .split(',')
-                    .map(|b| b.trim().parse().ok().filter(|&n: &usize| n > 0))
-                    .collect::<Option<_>>()
-                    .ok_or(format!("--batches {v}: positive numbers, comma-separated"))?;
-            }
+            "--batches" => o.batches = list(args.next(), "--batches", "1,16")?,
             "--context" => o.context = number(args.next(), "--context")?,
-            "--prefill-lens" => {
-                let v = args.next().ok_or("--prefill-lens needs a list such as 512,2048")?;
-                o.prefill_lens = v
-                    .split(',')
-                    .map(|b| b.trim().parse().ok().filter(|&n: &usize| n > 0))
-                    .collect::<Option<_>>()
-                    .ok_or(format!("--prefill-lens {v}: positive numbers, comma-separated"))?;
-            }
+            "--prefill-lens" => o.prefill_lens = list(args.next(), "--prefill-lens", "512,2048")?,
             "--mtp" => o.mtp = true,
             "--kernel-profile" => o.kernel_profile = true,
             "--blocks" => o.blocks = number(args.next(), "--blocks")?,
             "--ep" => {
                 o.ep = Some(engine::cuda::ep::EpConfig::parse(&args.next().ok_or("--ep needs RANK/WORLD@HOST:PORT")?)?)
             }
-            "--ep-exchange" => {
-                let v = args.next().ok_or("--ep-exchange needs a list of rows per rank such as 64,1024")?;
-                o.ep_exchange = v
-                    .split(',')
-                    .map(|b| b.trim().parse().ok().filter(|&n: &usize| n > 0))
-                    .collect::<Option<_>>()
-                    .ok_or(format!("--ep-exchange {v}: positive numbers, comma-separated"))?;
-            }
+            "--ep-exchange" => o.ep_exchange = list(args.next(), "--ep-exchange", "64,1024 (rows per rank)")?,
             "--dbo" => o.dbo = Some(engine::cuda::ep::Dbo::parse(&args.next().ok_or("--dbo needs auto, on or off")?)?),
             "--timeline" => o.timeline = Some(args.next().ok_or("--timeline needs a file")?),
             "--eplb" => o.eplb.rebalance = true,

@@ -2,7 +2,7 @@
 //! owns its requests and caches (DP attention), the routed experts split across the ranks in contiguous
 //! ranges, the shared experts on every rank.
 //!
-//! A MoE layer on rank r (`moe_forward`, one call per MoE layer, every rank in lockstep):
+//! A MoE layer on rank r ([`moe_send`], [`moe_experts`], [`moe_finish`]; every rank in lockstep):
 //! 1. **Dispatch.** r routes its own rows, quantizes each row once to FP8 (the per-128 scales a plain
 //!    grouping would compute for each of its pairs) and writes a *dispatch record* of `cap` rows: codes
 //!    `[cap][kpad]`, scales `[kpad / 128][cap]`, expert ids `[cap][k]` (rows past its own: id -1). Every
@@ -1160,7 +1160,8 @@ pub fn combine_send(
 }
 
 /// One micro-batch's MoE layer under expert parallelism between its stages ([`moe_send`], [`moe_experts`],
-/// [`moe_finish`]): dual-batch overlap interleaves two of them, [`moe_forward`] runs one back to back.
+/// [`moe_finish`]): dual-batch overlap interleaves two of them; one pass runs them back to back on the
+/// backend's stream.
 pub struct Flight {
     /// Held for the layer: a rebalance replaces the experts between steps only.
     routed: Arc<super::weights::Routed>,
@@ -1286,28 +1287,6 @@ pub fn moe_finish(gpu: &Gpu, ep: &EpGroup, cfg: &ModelConfig, f: Flight, y: u64)
     let (k, hidden) = (cfg.num_experts_per_tok, cfg.hidden_size);
     let pairs = moe::PairRows::Bf16 { rows: *home, slot: f.d.at };
     moe::combine(gpu, pairs, f.weights, f.shared, y, f.rows, k, hidden)
-}
-
-/// The routed experts of a MoE layer under expert parallelism, the three stages back to back on the
-/// backend's stream ([`moe_send`] says what the arguments are), into `y [rows, hidden]` f32.
-#[allow(clippy::too_many_arguments)]
-pub fn moe_forward(
-    gpu: &Gpu,
-    ws: &mut Workspace,
-    ep: &EpGroup,
-    cfg: &ModelConfig,
-    m: &DMoe,
-    q: &Quantized,
-    rows: usize,
-    ids: u64,
-    weights: u64,
-    shared: u64,
-    y: u64,
-) -> Result<(), CudaError> {
-    let mut f = moe_send(gpu, ws, ep, cfg, m, q, rows, ids, weights, shared, Lane::Main, 0)?;
-    moe_experts(gpu, ws, ep, cfg, &mut f)?;
-    moe_finish(gpu, ep, cfg, f, y)?;
-    ep.layer_issued()
 }
 
 /// Seconds per call of the exchange alone at capacity `cap` (every rank full: `cap` rows each), next to
