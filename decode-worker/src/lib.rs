@@ -59,8 +59,13 @@ pub async fn serve(args: Args, model: Arc<LoadedModel>) -> anyhow::Result<()> {
     )
     .context("starting the kv-transfer receiver")?;
     let drain = Drain::new();
-    let (metrics, metrics_addr) =
-        worker::metrics::start(args.serve.metrics_listen, drain.clone(), metrics::DecodeMetrics::new).await?;
+    let (metrics, metrics_addr) = worker::metrics::start(
+        args.serve.metrics_listen,
+        drain.clone(),
+        model.backend.clone(),
+        metrics::DecodeMetrics::new,
+    )
+    .await?;
     let sched = scheduler::Scheduler::start(
         model.clone(),
         metrics.clone(),

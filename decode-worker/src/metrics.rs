@@ -86,3 +86,42 @@ impl DecodeMetrics {
         if d == 0 { 0.0 } else { self.mtp_accepted.get() as f64 / d as f64 }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use worker::fake_backend::{FakeBackend, FakeGroup};
+
+    async fn metrics_of(backend: Arc<dyn engine::Backend>) -> String {
+        let addr = worker::metrics::serve(
+            "127.0.0.1:0".parse().unwrap(),
+            prometheus::Registry::new(),
+            worker::Drain::new(),
+            Some(backend),
+        )
+        .await
+        .unwrap();
+        let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+        conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").await.unwrap();
+        let mut body = String::new();
+        conn.read_to_string(&mut body).await.unwrap();
+        body
+    }
+
+    #[tokio::test]
+    async fn an_expert_parallel_rank_reports_its_experts_balance() {
+        let group = FakeGroup::new(2, std::time::Duration::from_secs(5));
+        let body = metrics_of(FakeBackend::ep_rank(64, &group, 0)).await;
+        for want in [
+            "tandem_expert_imbalance{placement=\"sharded\"} 1.5",
+            "tandem_expert_imbalance{placement=\"placed\"} 1",
+            "tandem_expert_balance_looks 1",
+            "tandem_expert_layers_moved 0",
+        ] {
+            assert!(body.lines().any(|l| l == want), "no `{want}` in {body}");
+        }
+        assert!(!metrics_of(FakeBackend::new(64)).await.contains("tandem_expert_imbalance"), "not in a group");
+    }
+}

@@ -448,6 +448,11 @@ pub trait Backend: Send + Sync {
         None
     }
 
+    /// What expert-parallel load balancing has seen on this rank (expert parallelism only): for metrics.
+    fn expert_balance(&self) -> Option<ExpertBalance> {
+        None
+    }
+
     /// Leaves this backend's expert-parallel group at once (nothing otherwise): a worker that stops for a
     /// failure of its own tells the other ranks now, instead of leaving them to wait for the step bound.
     fn leave_group(&self, _why: &str) {}
@@ -487,6 +492,19 @@ pub trait Backend: Send + Sync {
 pub struct EpRank {
     pub rank: usize,
     pub world: usize,
+}
+
+/// Expert-parallel load balancing as one rank sees it ([`Backend::expert_balance`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ExpertBalance {
+    /// Looks at the group's expert loads, MoE layers moved, expert copies this rank received.
+    pub looks: u64,
+    pub layers_moved: u64,
+    pub copies_received: u64,
+    /// Over the last window, summed over the MoE layers: the busiest GPU's routed pairs over the mean, with
+    /// the experts as sharded and as placed now (the same without balancing).
+    pub imbalance_sharded: f64,
+    pub imbalance_placed: f64,
 }
 
 /// One request's row to sample ([`Backend::sample_rows`]).

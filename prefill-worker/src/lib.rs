@@ -51,8 +51,13 @@ pub async fn serve(args: Args, model: Arc<LoadedModel>) -> anyhow::Result<()> {
     )
     .context("starting the kv-transfer sender")?;
     let drain = Drain::new();
-    let (metrics, metrics_addr) =
-        worker::metrics::start(args.serve.metrics_listen, drain.clone(), metrics::PrefillMetrics::new).await?;
+    let (metrics, metrics_addr) = worker::metrics::start(
+        args.serve.metrics_listen,
+        drain.clone(),
+        model.backend.clone(),
+        metrics::PrefillMetrics::new,
+    )
+    .await?;
     let scheduler = scheduler::Scheduler::start(
         model.clone(),
         sender,

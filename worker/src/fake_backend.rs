@@ -365,6 +365,16 @@ impl Backend for FakeBackend {
         MemoryBudget::default()
     }
 
+    fn expert_balance(&self) -> Option<engine::ExpertBalance> {
+        // A group rank reports as a balanced one that looked once (what the metrics show for a real group).
+        self.group.as_ref().map(|_| engine::ExpertBalance {
+            looks: 1,
+            imbalance_sharded: 1.5,
+            imbalance_placed: 1.0,
+            ..Default::default()
+        })
+    }
+
     fn expert_parallel(&self) -> Option<engine::EpRank> {
         self.group.as_ref().map(|(g, rank)| engine::EpRank { rank: *rank, world: g.world })
     }

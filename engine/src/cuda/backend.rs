@@ -1525,6 +1525,17 @@ impl Backend for CudaBackend {
         Ok(self.gpu.profiler().take()?)
     }
 
+    fn expert_balance(&self) -> Option<crate::ExpertBalance> {
+        let st = self.balancer.as_ref()?.stats();
+        Some(crate::ExpertBalance {
+            looks: st.looks,
+            layers_moved: st.layers_moved,
+            copies_received: st.copies_received,
+            imbalance_sharded: st.imbalance_shard,
+            imbalance_placed: st.imbalance_now,
+        })
+    }
+
     fn expert_parallel(&self) -> Option<crate::EpRank> {
         self.ep.as_ref().map(|e| crate::EpRank { rank: e.shard().rank, world: e.shard().world })
     }

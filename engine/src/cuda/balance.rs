@@ -63,6 +63,8 @@ struct State {
 pub struct Balancer {
     cfg: EplbConfig,
     state: Mutex<State>,
+    /// The stats as of the last step that changed them: readers (metrics) never wait for a look or a move.
+    snapshot: Mutex<EplbStats>,
 }
 
 /// `counts[e] += ` the pairs of `ids [n]` routed to expert e (the layer's [`DMoe::counts`]).
@@ -87,6 +89,7 @@ impl Balancer {
         Balancer {
             cfg,
             state: Mutex::new(State { busy_steps: 0, windows, queued: VecDeque::new(), stats: EplbStats::default() }),
+            snapshot: Mutex::new(EplbStats::default()),
         }
     }
 
@@ -95,7 +98,7 @@ impl Balancer {
     }
 
     pub fn stats(&self) -> EplbStats {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).stats.clone()
+        self.snapshot.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Right after a step agreement, on every rank: a busy step counts towards the next look, and a queued
@@ -113,8 +116,10 @@ impl Balancer {
         }
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         st.busy_steps += 1;
+        let mut changed = false;
         if st.busy_steps.is_multiple_of(self.cfg.interval as u64) {
             self.look(&mut st, gpu, ep, cfg, w)?;
+            changed = true;
         }
         if let Some((layer, to)) = st.queued.pop_front() {
             let t0 = Instant::now();
@@ -123,6 +128,10 @@ impl Balancer {
             st.stats.copies_local += local as u64;
             st.stats.copies_received += received as u64;
             st.stats.move_issue_s += t0.elapsed().as_secs_f64();
+            changed = true;
+        }
+        if changed {
+            *self.snapshot.lock().unwrap_or_else(|p| p.into_inner()) = st.stats.clone();
         }
         Ok(())
     }
