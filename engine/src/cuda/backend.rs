@@ -118,6 +118,9 @@ pub struct CudaBackend {
     /// Dual-batch overlap under expert parallelism ([`ep::Dbo`]); the second micro-batch's workspace and
     /// the running call's agreed most rows.
     dbo: ep::Dbo,
+    /// The routed expert matrices a rank holds a layer besides load balancing's spare slots (the same on
+    /// every rank of a group, and across moves): what [`ep::Dbo::Auto`] looks at.
+    local_experts: usize,
     ws_b: Mutex<Workspace>,
     ep_most: std::sync::atomic::AtomicUsize,
 }
@@ -254,9 +257,15 @@ impl CudaBackend {
             tracing::info!(rank = m.rank, world = m.world, experts = ?m.experts(cfg.n_routed_experts), "expert-parallel group joined");
         }
         let balancer = eplb.map(|b| super::balance::Balancer::new(b, w.moe_sets().len(), cfg.n_routed_experts));
+        let local_experts = w.moe_sets().first().map_or(0, |m| {
+            let r = m.routed();
+            let spare = r.slots.as_ref().map_or(0, |t| t.per_rank.saturating_sub(cfg.n_routed_experts / shard.world));
+            r.experts.down.groups().saturating_sub(spare)
+        });
         Ok(CudaBackend {
             balancer,
             dbo,
+            local_experts,
             ws_b: Mutex::new(Workspace::new()),
             ep_most: Default::default(),
             attn_factor: rope.attn_factor(),
@@ -1113,17 +1122,14 @@ impl CudaBackend {
         };
         self.ep_enter(Pass::main(form))?;
         let mut run = || -> Result<Vec<SeqOutput>, EngineError> {
-            let (mut ws, inp) = self.begin(&items, form, Pass::main(form))?;
+            let pass = Pass::main(form);
+            let mut ws = self.begin(&items, pass)?;
             let tokens: Vec<i32> = batch.iter().flat_map(|b| b.tokens.iter().map(|&t| t as i32)).collect();
             let h = self.embed(&mut ws, &self.w.embed, &tokens, None)?;
-            // A layer's intermediates are dead once its last kernel is issued (the residual stream `h` and the
-            // inputs were taken before): every layer reuses the same workspace bytes, so a call holds one
-            // layer's (`activation_bytes`), not 61.
-            let pass = Pass::main(form);
             if self.dbo_applies(pass) {
                 // Two micro-batches: the rows halved (an item may straddle them: its later rows read the
                 // earlier ones' cache entries, written first).
-                let rows = inp.rows;
+                let rows = tokens.len();
                 let half = rows.div_ceil(2);
                 let (a, b) = split_items(&items, half);
                 let mut ws_b = self.ws_b.lock().unwrap_or_else(|p| p.into_inner());
@@ -1137,6 +1143,10 @@ impl CudaBackend {
                 ];
                 self.overlapped(&mut ws, &mut ws_b, pass, &micro, Some((g, pool, form)), on_layer)?;
             } else {
+                let inp = self.inputs(&mut ws, &items, form)?;
+                // A layer's intermediates are dead once its last kernel is issued (the residual stream `h` and
+                // the inputs were taken before): every layer reuses the same workspace bytes, so a call holds
+                // one layer's (`activation_bytes`), not 61.
                 let mark = ws.mark();
                 for (l, layer) in self.w.layers.iter().enumerate() {
                     self.layer(&mut ws, &inp, layer, LayerIdx(l as u32), g, pool, form, h, on_layer)?;
@@ -1150,16 +1160,11 @@ impl CudaBackend {
         self.ep_fail_fast(run())
     }
 
-    /// Starts a call over `items` (not empty): the context bound to this thread, the workspace reset, the
-    /// call's inputs uploaded.
+    /// Starts a call over `items` (not empty): the context bound to this thread, the workspace reset (the
+    /// caller uploads the call's inputs: the whole batch's, or each micro-batch's).
     /// Under expert parallelism, the call's capacity agreed with the other ranks first (engine::cuda::ep;
     /// [`ep_enter`](Self::ep_enter) before).
-    fn begin(
-        &self,
-        items: &[Item<'_>],
-        form: AttnForm,
-        pass: Pass,
-    ) -> Result<(MutexGuard<'_, Workspace>, Inputs), EngineError> {
+    fn begin(&self, items: &[Item<'_>], pass: Pass) -> Result<MutexGuard<'_, Workspace>, EngineError> {
         self.gpu.context().bind_to_thread().map_err(dev)?;
         let mut ws = self.ws.lock().unwrap_or_else(|p| p.into_inner());
         ws.reset();
@@ -1182,8 +1187,7 @@ impl CudaBackend {
             self.ep_most.store(most, std::sync::atomic::Ordering::Relaxed);
             self.ep_step.mark_busy();
         }
-        let inp = self.inputs(&mut ws, items, form)?;
-        Ok((ws, inp))
+        Ok(ws)
     }
 
     /// A rank's share of `pass` without rows of its own (expert parallelism; nothing otherwise), in its
@@ -1265,18 +1269,7 @@ impl CudaBackend {
     /// layer's rows in order).
     fn dbo_applies(&self, pass: Pass) -> bool {
         self.ep.is_some()
-            && self.dbo.applies(pass, self.ep_most.load(std::sync::atomic::Ordering::Relaxed), self.local_experts())
-    }
-
-    /// The routed expert matrices a rank holds a layer besides load balancing's spare slots: the same on
-    /// every rank of the group.
-    fn local_experts(&self) -> usize {
-        let Some(m) = self.w.moe_sets().first().map(|m| m.routed()) else { return 0 };
-        let spare = match (&m.slots, &self.ep) {
-            (Some(t), Some(ep)) => t.per_rank.saturating_sub(self.cfg.n_routed_experts / ep.shard().world),
-            _ => 0,
-        };
-        m.experts.down.groups().saturating_sub(spare)
+            && self.dbo.applies(pass, self.ep_most.load(std::sync::atomic::Ordering::Relaxed), self.local_experts)
     }
 
     /// Whether any pass may run overlapped: `on`, or `auto` with thresholds this group can reach.
@@ -1286,7 +1279,7 @@ impl CudaBackend {
                 ep::Dbo::Off => false,
                 ep::Dbo::On => true,
                 ep::Dbo::Auto { decode_rows, prefill_rows } => {
-                    self.local_experts() <= ep::DBO_MAX_LOCAL_EXPERTS
+                    self.local_experts <= ep::DBO_MAX_LOCAL_EXPERTS
                         && (decode_rows < usize::MAX || prefill_rows < usize::MAX)
                 }
             }
@@ -1735,7 +1728,8 @@ impl Backend for CudaBackend {
         self.ep_enter(Pass::Mtp)?;
         let row0: usize = items.iter().map(|it| it.n).sum();
         let mut run = || -> Result<Vec<SeqOutput>, EngineError> {
-            let (mut ws, inp) = self.begin(&items, form, Pass::Mtp)?;
+            let mut ws = self.begin(&items, Pass::Mtp)?;
+            let inp = self.inputs(&mut ws, &items, form)?;
             let s = self.stream().clone();
             let tokens: Vec<i32> = batch.iter().flat_map(|m| m.next_tokens.iter().map(|&t| t as i32)).collect();
             // The MTP input embedding at position 0 is zeroed (docs/model.md §2.5).

@@ -212,9 +212,8 @@ impl DLinear {
     /// A zeroed FP8 stack of `mats` matrices shaped as this one's (with its TMA maps), for copies of matrices
     /// to be written into (expert-parallel load balancing's new slots); `None` for other forms.
     pub fn fp8_like(&self, stream: &Arc<CudaStream>, mats: usize) -> Result<Option<Self>, CudaError> {
-        let DLinear::Fp8 { codes, scales, out, inp, kpad, block, ue8m0, maps } = self else { return Ok(None) };
-        let per_codes = out * kpad;
-        let per_scales = scales.len() / (codes.len() / per_codes.max(1)).max(1);
+        let DLinear::Fp8 { scales, out, inp, kpad, block, ue8m0, maps, .. } = self else { return Ok(None) };
+        let (per_codes, per_scales) = (out * kpad, scales.len() / self.groups().max(1));
         let codes = DBuf::<u8>::zeros(stream, mats * per_codes)?;
         let rows = mats * out;
         let maps = match maps {
