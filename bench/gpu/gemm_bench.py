@@ -34,9 +34,17 @@ from torch_timing import copy_gbps, timed  # noqa: E402
 KERNELS = os.path.join(ROOT, "engine", "kernels")
 DEV = "cuda"
 BM, BK = 128, 128
+SMALL_TILES = (64,)  # small products' tile height (engine::cuda::gemm::BM_SMALL)
+MAX_K_BLOCKS = 256  # engine::cuda::gemm::MAX_K_BLOCKS
 SCALE_BOX = BM + 4  # row scales per TMA box (engine::cuda::gemm::SCALE_BOX)
-THREADS = 384
-STAGES = {128: int(os.environ.get("GEMM_STAGES_128", 6)), 64: int(os.environ.get("GEMM_STAGES_64", 8))}
+STAGES = {(128, 128): int(os.environ.get("GEMM_STAGES_128", 6)), (128, 64): int(os.environ.get("GEMM_STAGES_64", 8))}
+for _tm, _st in ((64, (9, 13)),):  # engine::cuda::gemm::stages
+    STAGES[(_tm, 128)] = int(os.environ.get(f"GEMM_STAGES_M{_tm}_128", _st[0]))
+    STAGES[(_tm, 64)] = int(os.environ.get(f"GEMM_STAGES_M{_tm}_64", _st[1]))
+
+
+def threads(bm):
+    return 128 * (1 + -(-bm // 64))
 
 # (name, N, K): the model's FP8 linears (DeepSeek-V3.2: hidden 7168, q_lora 1536, kv_lora 512 + rope 64,
 # 128 heads, MLP 18432, experts 2048, indexer 64 x 128; kv_b is the prefill's decompression of the latent).
@@ -114,13 +122,14 @@ class Gemm:
         self.mod = ctypes.c_void_p()
         check(_cuda.cuModuleLoad(ctypes.byref(self.mod), out.encode()), "cuModuleLoad")
         self.fns = {}
-        for bn in (128, 64):
-            for out_t in ("f32", "bf16"):
-                f = ctypes.c_void_p()
-                name = f"tandem_gemm_fp8_n{bn}_{out_t}"
-                check(_cuda.cuModuleGetFunction(ctypes.byref(f), self.mod, name.encode()), name)
-                check(_cuda.cuFuncSetAttribute(f, 8, smem_bytes(bn)), "max dynamic shared memory")
-                self.fns[(bn, out_t)] = f
+        for bm in (BM,) + SMALL_TILES:
+            for bn in (128, 64):
+                for out_t in ("f32", "bf16"):
+                    f = ctypes.c_void_p()
+                    name = f"tandem_gemm_fp8_n{bn}_{out_t}" if bm == BM else f"tandem_gemm_fp8_m{bm}_n{bn}_{out_t}"
+                    check(_cuda.cuModuleGetFunction(ctypes.byref(f), self.mod, name.encode()), name)
+                    check(_cuda.cuFuncSetAttribute(f, 8, smem_bytes(bm, bn)), "max dynamic shared memory")
+                    self.fns[(bm, bn, out_t)] = f
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
 
         for out_t in ("f32", "bf16"):
@@ -134,30 +143,34 @@ class Gemm:
         return 128 if -(-m // BM) * -(-n // 128) >= self.sms else 64
 
     def plan(self, m, n, kpad):
-        """engine::cuda::gemm::Plan::new: (tile width, chains, split)."""
+        """engine::cuda::gemm::Plan::new: (tile height, tile width, chains, split)."""
         pairs = max(1, (-(-n // 64) + 1) // 2)
-        chains = min(max(1, min(16, (132 // 2) // pairs)), max(1, kpad // BK))  # gemm::CHAIN_SMS
+        # gemm::CHAIN_SMS (132); CHAIN_SMS=... in the environment explores other chain counts (other bits).
+        chain_sms = int(os.environ.get("CHAIN_SMS", 132))
+        chains = min(max(1, min(16, (chain_sms // 2) // pairs)), max(1, kpad // BK))
         split = chains > 1 and -(-m // BM) * pairs < self.sms // 2 and m <= 2 * BM and n * kpad >= 512 * 1024
-        return (64 if split else self.tile_n(m, n)), chains, split
+        bm = next((t for t in SMALL_TILES if m <= t), BM)
+        return bm, (64 if split else self.tile_n(m, n)), chains, split
 
-    def prepare(self, qa, sa, w, ws, y, bn=None, split=None):
+    def prepare(self, qa, sa, w, ws, y, bn=None, split=None, bm=None):
         """A launch closure of y = qa . w^T with the block scales (the plan's tile and split unless given)."""
         m, kpad = qa.shape
         n = w.shape[0]
-        pbn, chains, psplit = self.plan(m, n, kpad)
+        pbm, pbn, chains, psplit = self.plan(m, n, kpad)
         split = psplit if split is None else (split and chains > 1)
         bn = bn or (64 if split else pbn)
+        bm = bm or pbm
         sa_t = transposed_scales(sa)
-        ta, tb, tsa = tensor_map(qa, m, kpad, BM // 2), tensor_map(w, n, kpad, bn), scale_map(sa_t, m)
+        ta, tb, tsa = tensor_map(qa, m, kpad, bm // 2), tensor_map(w, n, kpad, bn), scale_map(sa_t, m)
         out_t = "bf16" if y.dtype == torch.bfloat16 else "f32"
-        fn = self.fns[(bn, out_t)]
+        fn = self.fns[(bm, bn, out_t)]
         part = torch.empty(chains * m * n if split else 1, device=DEV, dtype=torch.float32)
         vals = [ta, tb, tsa, ctypes.c_uint64(ws.data_ptr()), ctypes.c_int32(ws.shape[1]),
                 ctypes.c_uint64(y.data_ptr()), ctypes.c_uint64(part.data_ptr() if split else 0),
                 ctypes.c_int32(chains), ctypes.c_int32(m), ctypes.c_int32(n), ctypes.c_int32(kpad),
                 ctypes.c_uint64(0), ctypes.c_int32(0), ctypes.c_uint64(0)]  # no row tiles: not a grouped product
         params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
-        units = -(-m // BM) * ((-(-n // bn) + 1) // 2) * (chains if split else 1)
+        units = -(-m // bm) * ((-(-n // bn) + 1) // 2) * (chains if split else 1)
         grid = 2 * min(units, self.sms // 2)  # persistent clusters of two, one CTA per SM at most
         count = m * n
         cvals = [ctypes.c_uint64(part.data_ptr()), ctypes.c_int32(chains), ctypes.c_int64(count),
@@ -170,19 +183,19 @@ class Gemm:
         def launch():
             _ = keep
             stream = torch.cuda.current_stream().cuda_stream
-            check(_cuda.cuLaunchKernel(fn, grid, 1, 1, THREADS, 1, 1, smem_bytes(bn), ctypes.c_void_p(stream), params,
-                                       None), "cuLaunchKernel")
+            check(_cuda.cuLaunchKernel(fn, grid, 1, 1, threads(bm), 1, 1, smem_bytes(bm, bn), ctypes.c_void_p(stream),
+                                       params, None), "cuLaunchKernel")
             if split:
                 check(_cuda.cuLaunchKernel(cfn, cgrid, 1, 1, 256, 1, 1, 0, ctypes.c_void_p(stream), cparams, None),
                       "cuLaunchKernel (combine)")
 
-        launch.plan = (bn, chains, split)
+        launch.plan = (bm, bn, chains, split)
         return launch
 
 
-def smem_bytes(bn):
+def smem_bytes(bm, bn):
     slot = (SCALE_BOX * 4 + 127) // 128 * 128
-    return 1024 + STAGES[bn] * (BM * BK + bn * BK + slot + 16)
+    return 1024 + STAGES[(bm, bn)] * (bm * BK + bn * BK + slot + 16) + 16 + bm // 64 * MAX_K_BLOCKS * 4
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -267,16 +280,16 @@ def checks(g, failures):
         qa, sa, qw, sw = operands(m, n, k, gen)
         ref = (lambda a, w: a @ w.t())(*dequant(qa, sa, qw, sw))
         for out_dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 1e-2)):
-            for bn in (128, 64):
+            for bm, bn in [(t, w) for t in (BM,) + SMALL_TILES for w in (128, 64)]:
                 y = torch.full((m, n), float("nan"), device=DEV, dtype=out_dtype)
-                g.prepare(as_u8(qa), sa, as_u8(qw), sw, y, bn)()
+                g.prepare(as_u8(qa), sa, as_u8(qw), sw, y, bn, bm=bm)()
                 torch.cuda.synchronize()
                 err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
                 ok = err <= tol and not torch.isnan(y).any().item()
-                print(f"check {m}x{n}x{k} bn={bn} {out_dtype}: max rel err {err:.2e} {'ok' if ok else 'FAIL'}",
+                print(f"check {m}x{n}x{k} bm={bm} bn={bn} {out_dtype}: max rel err {err:.2e} {'ok' if ok else 'FAIL'}",
                       flush=True)
                 if not ok:
-                    failures.append(f"accuracy {m}x{n}x{k} bn={bn} {out_dtype}: {err:.2e}")
+                    failures.append(f"accuracy {m}x{n}x{k} bm={bm} bn={bn} {out_dtype}: {err:.2e}")
         base = cublas_block(qa, sa, qw, sw)
         if base is not None:
             err = ((base().double() - ref).abs().max() / ref.abs().max()).item()
@@ -293,14 +306,17 @@ def checks(g, failures):
     print(f"invariance: tile width 64 == 128 at M = 4096: {same_bn}", flush=True)
     if not same_bn:
         failures.append("tile width 64 != 128")
-    for m in (1, 7, 129, 1000):
-        for bn, split in ((128, False), (64, False), (64, True)):
-            y = torch.empty(m, n, device=DEV, dtype=torch.float32)
-            g.prepare(as_u8(qa[:m].contiguous()), sa[:m].contiguous(), as_u8(qw), sw, y, bn, split)()
-            same = torch.equal(y, full[128][:m])
-            if not same:
-                failures.append(f"rows of M = {m} (bn {bn}, split {split}) differ from the same rows in M = 4096")
-            print(f"invariance: M = {m} bn = {bn} split {split} rows == rows of M = 4096: {same}", flush=True)
+    for m in (1, 7, 64, 129, 1000):
+        for bm in (BM,) + SMALL_TILES:
+            for bn, split in ((128, False), (64, False), (64, True)):
+                y = torch.empty(m, n, device=DEV, dtype=torch.float32)
+                g.prepare(as_u8(qa[:m].contiguous()), sa[:m].contiguous(), as_u8(qw), sw, y, bn, split, bm)()
+                same = torch.equal(y, full[128][:m])
+                if not same:
+                    failures.append(f"rows of M = {m} (bm {bm}, bn {bn}, split {split}) differ from the same rows in "
+                                    "M = 4096")
+                print(f"invariance: M = {m} bm = {bm} bn = {bn} split {split} rows == rows of M = 4096: {same}",
+                      flush=True)
     torch.cuda.synchronize()
 
 
@@ -310,18 +326,43 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--both-tiles", action="store_true", help="also time each shape with both tile widths")
+    ap.add_argument("--only", help="comma-separated shape names (default: all)")
+    ap.add_argument("--ms", help="comma-separated M values (default: 1..8192)")
+    ap.add_argument("--compare-bm", action="store_true",
+                    help="where the plan takes 64-row tiles, also time 128-row tiles (column 'bm128 us')")
+    ap.add_argument("--profile", action="store_true",
+                    help="no checks or timing: launch each case 5 times straight (for ncu)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     g = Gemm()
     failures = []
+    if args.profile:
+        gen = torch.Generator(device=DEV).manual_seed(1)
+        for name, n, k in SHAPES:
+            if args.only and name not in args.only.split(","):
+                continue
+            for m in [int(v) for v in (args.ms or "1").split(",")]:
+                qa, sa, qw, sw = operands(m, n, k, gen)
+                y = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+                for bm in (BM,) + tuple(t for t in SMALL_TILES if m <= t):
+                    f = g.prepare(as_u8(qa), sa, as_u8(qw), sw, y, bm=bm)
+                    for _ in range(5):
+                        f()
+                    torch.cuda.synchronize()
+                    print(f"profiled {name} M = {m} plan {f.plan}", flush=True)
+        return
     checks(g, failures)
     copy = copy_gbps()
     print(f"same-run copy: {copy:.0f} GB/s; SMs {g.sms}; {torch.cuda.get_device_name(0)}", flush=True)
     shapes = SHAPES if not args.quick else [s for s in SHAPES if (s[1], s[2]) in BASELINE_SHAPES][:3]
+    if args.only:
+        shapes = [s for s in SHAPES if s[0] in args.only.split(",")]
     ms = MS if not args.quick else [1, 128, 1024, 4096]
+    if args.ms:
+        ms = [int(v) for v in args.ms.split(",")]
     gen = torch.Generator(device=DEV).manual_seed(1)
     rows = []
-    hdr = f"{'shape':>15} {'N x K':>12} {'M':>5} {'plan':>6} {'ours us':>8} {'TFLOPS':>7} {'wGB/s':>6} {'%copy':>5} " \
+    hdr = f"{'shape':>15} {'N x K':>12} {'M':>5} {'plan':>10} {'ours us':>8} {'TFLOPS':>7} {'wGB/s':>6} {'%copy':>5} " \
           f"{'cuBLAS us':>9} {'x cuBLAS':>8} {'tensor us':>9}"
     print(hdr, flush=True)
     for name, n, k in shapes:
@@ -329,8 +370,10 @@ def main():
             qa, sa, qw, sw = operands(m, n, k, gen)
             y = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
             f = g.prepare(as_u8(qa), sa, as_u8(qw), sw, y)
-            bn, chains, split = f.plan
+            bm, bn, chains, split = f.plan
             ours = timed(f, args.reps)
+            big = timed(g.prepare(as_u8(qa), sa, as_u8(qw), sw, y, bm=BM), args.reps) \
+                if args.compare_bm and bm != BM else None
             both = {t: timed(g.prepare(as_u8(qa), sa, as_u8(qw), sw, y, t, False), args.reps) for t in (64, 128)} \
                 if args.both_tiles else None
             b = cublas_block(qa, sa, qw, sw)
@@ -339,20 +382,23 @@ def main():
             tt = timed(t, args.reps) if t is not None else None
             flops = 2.0 * m * n * k
             wbytes = n * k + sw.numel() * 4
-            r = {"shape": name, "n": n, "k": k, "m": m, "tile_n": bn, "chains": chains, "split": split, "ours_ms": ours,
+            r = {"shape": name, "n": n, "k": k, "m": m, "tile_m": bm, "tile_n": bn, "chains": chains, "split": split,
+                 "ours_ms": ours, "bm128_ms": big,
                  "tflops": flops / ours / 1e9, "weight_gbps": wbytes / ours / 1e6,
                  "of_copy": wbytes / ours / 1e6 / copy, "cublas_block_ms": tb, "cublas_tensor_ms": tt,
                  "vs_cublas_block": (tb / ours) if tb else None,
                  "vs_cublas_tensor": (tt / ours) if tt else None, "tile_ms": both}
             rows.append(r)
-            print(f"{name:>15} {n:>5}x{k:<6} {m:>5} {bn:>3}{'s' if split else ' '}{chains:<2} {ours * 1e3:8.1f} {r['tflops']:7.0f} "
+            print(f"{name:>15} {n:>5}x{k:<6} {m:>5} {bm:>3}/{bn:<3}{'s' if split else ' '}{chains:<2} {ours * 1e3:8.1f} {r['tflops']:7.0f} "
                   f"{r['weight_gbps']:6.0f} {100 * r['of_copy']:4.0f}% "
                   f"{(tb * 1e3 if tb else float('nan')):9.1f} {(r['vs_cublas_block'] or float('nan')):8.2f} "
                   f"{(tt * 1e3 if tt else float('nan')):9.1f}"
-                  + (f"  (64: {both[64] * 1e3:.1f}, 128: {both[128] * 1e3:.1f})" if both else ""), flush=True)
+                  + (f"  (64: {both[64] * 1e3:.1f}, 128: {both[128] * 1e3:.1f})" if both else "")
+                  + (f"  bm128 {big * 1e3:.1f} us ({100 * wbytes / big / 1e6 / copy:.0f}%)" if big else ""), flush=True)
             del qa, sa, qw, sw, y
-    report(args.json, {"device": torch.cuda.get_device_name(0), "copy_gbps": copy, "sms": g.sms, "stages": STAGES,
-                       "defines": os.environ.get("TANDEM_LOOP_DEFINES", ""), "rows": rows}, failures)
+    report(args.json, {"device": torch.cuda.get_device_name(0), "copy_gbps": copy, "sms": g.sms, "stages": {f"{bm}x{bn}": v for (bm, bn), v in STAGES.items()},
+                       "defines": os.environ.get("TANDEM_LOOP_DEFINES", ""),
+                       "flush": "write" if os.environ.get("TANDEM_FLUSH") == "write" else "read", "rows": rows}, failures)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ except ImportError:  # pragma: no cover - the GPU machine has PyTorch
     sys.exit("moe_bench.py needs PyTorch (installed on the GPU machine)")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gemm_bench import (BM, BK, DEV, THREADS, Gemm, as_u8, check, quant_act, quant_weight, scale_map,  # noqa: E402
-                        smem_bytes, tensor_map, transposed_scales, _cuda)
+from gemm_bench import (BM, BK, DEV, Gemm, as_u8, check, quant_act, quant_weight, scale_map,  # noqa: E402
+                        smem_bytes, tensor_map, threads, transposed_scales, _cuda)
 from torch_timing import copy_gbps, timed  # noqa: E402
 
 SHAPES = [("expert_gate", 2048, 7168), ("expert_down", 7168, 2048)]
@@ -42,16 +42,21 @@ def chains(n, kpad):
     return min(max(1, min(16, (132 // 2) // pairs)), max(1, kpad // BK))
 
 
-def row_tiles(counts):
-    """The device's tile list (tandem_moe_plan): [slots, 3] i32 of {first row, expert, end row}, plus the
-    slot count the engine sizes the launch for (engine::cuda::moe::tile_slots)."""
+def tile_rows(counts):
+    """engine::cuda::moe::tile_rows: 64-row tiles where the experts average at most 64 pairs."""
+    return 64 if sum(counts) <= 64 * len(counts) else BM
+
+
+def row_tiles(counts, rows):
+    """The device's tile list (tandem_moe_plan) in tiles of `rows`: [slots, 3] i32 of {first row, expert, end
+    row}, plus the slot count the engine sizes the launch for (engine::cuda::moe::tile_slots)."""
     tiles, row = [], 0
     for e, c in enumerate(counts):
-        for m0 in range(row, row + c, BM):
+        for m0 in range(row, row + c, rows):
             tiles.append((m0, e, row + c))
         row += c
     pairs = sum(counts)
-    slots = -(-pairs // BM) + min(len(counts), pairs)
+    slots = -(-pairs // rows) + min(len(counts), pairs)
     tiles += [(0, -1, 0)] * (slots - len(tiles))
     return torch.tensor(tiles, device=DEV, dtype=torch.int32).contiguous(), slots
 
@@ -60,16 +65,17 @@ class Grouped:
     def __init__(self, gemm):
         self.g = gemm
 
-    def prepare(self, qa, sa, w, ws, counts, n, y, bn=None, tiles=None):
+    def prepare(self, qa, sa, w, ws, counts, n, y, bn=None, tiles=None, rows=None):
         """A launch closure of the grouped product: qa [P, kpad] rows grouped by expert (counts), w [E * n,
         kpad] stacked experts with scales ws [E * ceil(n / 128), kpad / 128]; f32 y [P, n]."""
         p, kpad = qa.shape
         e = len(counts)
-        t, slots = tiles if tiles is not None else row_tiles(counts)
-        bn = bn or self.g.tile_n(slots * BM, n)
+        rows = rows or tile_rows(counts)
+        t, slots = tiles if tiles is not None else row_tiles(counts, rows)
+        bn = bn or self.g.tile_n(slots * rows, n)
         sa_t = transposed_scales(sa)
-        ta, tb, tsa = tensor_map(qa, p, kpad, BM // 2), tensor_map(w, e * n, kpad, bn), scale_map(sa_t, p)
-        fn = self.g.fns[(bn, "f32")]
+        ta, tb, tsa = tensor_map(qa, p, kpad, rows // 2), tensor_map(w, e * n, kpad, bn), scale_map(sa_t, p)
+        fn = self.g.fns[(rows, bn, "f32")]
         vals = [ta, tb, tsa, ctypes.c_uint64(ws.data_ptr()), ctypes.c_int32(ws.shape[1]),
                 ctypes.c_uint64(y.data_ptr()), ctypes.c_uint64(0), ctypes.c_int32(chains(n, kpad)),
                 ctypes.c_int32(p), ctypes.c_int32(n), ctypes.c_int32(kpad), ctypes.c_uint64(t.data_ptr()),
@@ -81,7 +87,7 @@ class Grouped:
 
         def launch():
             stream = torch.cuda.current_stream().cuda_stream
-            check(_cuda.cuLaunchKernel(fn, grid, 1, 1, THREADS, 1, 1, smem_bytes(bn), ctypes.c_void_p(stream), params,
+            check(_cuda.cuLaunchKernel(fn, grid, 1, 1, threads(rows), 1, 1, smem_bytes(rows, bn), ctypes.c_void_p(stream), params,
                                        None), "grouped gemm")
         launch.keep = keep
         return launch
@@ -117,9 +123,9 @@ def main():
     qw, sw, qs, ss = experts(len(counts), n, k, gen)
     x = torch.randn(sum(counts), k, device=DEV, generator=gen)
     qa, sa = quant_act(x)
-    for bn in (64, 128):
+    for rows, bn in ((64, 64), (64, 128), (BM, 64), (BM, 128)):
         y = torch.zeros(sum(counts), n, device=DEV)
-        grouped.prepare(as_u8(qa), sa, as_u8(qw), sw, counts, n, y, bn=bn)()
+        grouped.prepare(as_u8(qa), sa, as_u8(qw), sw, counts, n, y, bn=bn, rows=rows)()
         row = 0
         for e, c in enumerate(counts):
             if c == 0:
@@ -128,9 +134,11 @@ def main():
             gemm.prepare(as_u8(qa[row:row + c].contiguous()), sa[row:row + c].contiguous(), as_u8(qs[e]), ss[e],
                          yp, bn, False)()
             if not torch.equal(y[row:row + c].view(torch.int32), yp.view(torch.int32)):
-                sys.exit(f"check failed: expert {e} ({c} rows), tile {bn}: grouped rows differ from the plain product")
+                sys.exit(f"check failed: expert {e} ({c} rows), tile {rows}x{bn}: grouped rows differ from the plain "
+                         "product")
             row += c
-    print("check: grouped rows equal each expert's plain product bit for bit (tiles 64 and 128)")
+    print("check: grouped rows equal each expert's plain product bit for bit (tiles 64 and 128 rows, 64 and 128 "
+          "wide)")
 
     results = []
     print(f"{'shape':<12} {'E':>3} {'m':>5} {'grouped us':>11} {'weight GB/s':>11} {'of copy':>8} "
@@ -144,16 +152,21 @@ def main():
                 qa, sa = quant_act(x)
                 y = torch.empty(e * m, n, device=DEV)
                 t = 1e3 * timed(grouped.prepare(as_u8(qa), sa, as_u8(qw), sw, [m] * e, n, y), args.reps)  # us
+                # 128-row tiles where the engine takes 64 (same bits): what the decode tile gains.
+                t128 = 1e3 * timed(grouped.prepare(as_u8(qa), sa, as_u8(qw), sw, [m] * e, n, y, rows=BM), args.reps) \
+                    if tile_rows([m] * e) != BM else None
                 yp = torch.empty(m, n, device=DEV)
                 tp = 1e3 * timed(gemm.prepare(as_u8(qa[:m].contiguous()), sa[:m].contiguous(), as_u8(qs[0]), ss[0],
                                               yp), args.reps)
                 gbps = wbytes / t / 1e3  # bytes per us = MB/s; / 1e3 = GB/s
                 ratio = e * tp / t
                 print(f"{name:<12} {e:>3} {m:>5} {t:>11.1f} {gbps:>11.0f} {gbps / copy:>8.2f} {tp:>9.1f} "
-                      f"{ratio:>15.2f}")
+                      f"{ratio:>15.2f}" + (f"   128-row tiles {t128:.1f} us ({wbytes / t128 / 1e3 / copy:.2f})"
+                                            if t128 else ""))
                 results.append({"shape": name, "n": n, "k": k, "experts": e, "m_per_expert": m, "grouped_us": t,
                                 "weight_gbps": gbps, "of_copy": gbps / copy, "plain_us": tp,
-                                "e_plain_over_grouped": ratio})
+                                "e_plain_over_grouped": ratio, "tile_rows": tile_rows([m] * e),
+                                "grouped_128_rows_us": t128})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbps": copy, "device": torch.cuda.get_device_name(0), "results": results}, f, indent=1)

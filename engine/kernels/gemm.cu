@@ -18,7 +18,13 @@
 // the stage freed, then the promotion final = fma(acc, sa[row] * ws, final) (DeepGEMM's per-block
 // promotion: the tensor core's own FP8 accumulation is short, the 128-block scales are applied exactly in
 // f32). The stores of a finished tile overlap the producer's loads of the next. Rows past `rows` and
-// columns past `n` are zero-filled by TMA and never stored.
+// columns past `n` are zero-filled by TMA and never stored. A consumer warpgroup copies its unit's
+// weight-block scales into shared memory when the unit starts (a global load per K block would put its
+// latency into the promotion of every block).
+//
+// Small products (at most 64 rows: decode) take 64-row tiles (TM = 64, engine::cuda::gemm::Plan::bm): the
+// A tile [64 x 128] (32 rows from each CTA of the pair), one consumer warpgroup running the same wgmma per
+// 64 rows, and the shared memory the 128-row tile's other half took as more stages in flight (9 or 13).
 //
 // Chains: K is cut into `chains` fixed ranges of K blocks (a function of the weight shape alone,
 // engine::cuda::gemm::chains, never of M or the device), each promoted in K order into its own f32 sum,
@@ -30,17 +36,18 @@
 // Grouped products (the routed experts, engine::cuda::moe): `w` stacks G weight matrices [G * n, kpad] with their
 // scales [G * ceil(n / 128), scale_cols], and the rows of `qa` are grouped by matrix (a group's rows
 // contiguous, in no particular order). `row_tiles` lists the row tiles: tile t covers rows [m0, end) of group g
-// (at most 128; the TMA box reads up to 128 rows from m0, of the next group too, which are computed and never
-// stored), so no group pads its rows. Unused tile slots have g = -1 and are skipped. The host sizes the
+// (at most TM, engine::cuda::moe::tile_rows; the TMA box reads TM rows from m0, of the next group too, which
+// are computed and never stored), so no group pads its rows. Unused tile slots have g = -1 and are skipped. The host sizes the
 // launch for the most tiles any routing can give; the device writes the list (graph-friendly). Grouped
 // launches are never split. `out_rows` (grouped launches, or null) stores grouped row r at row out_rows[r]
 // instead: expert parallelism's down projection writes each pair's output into its combine row.
 //
 // Batch invariance: an output element is the same sequence of operations in every configuration: the
-// same four k-steps per K block (a wgmma element does not depend on the tile's N), the same chains, the
-// same order. BN, the grid, the tile order and the split change only which CTA computes what, so y[m] does
-// not depend on M or on the other rows (bench/gpu/gemm_bench.py and the GPU tests check BN 64 against 128,
-// split against unsplit, and rows of small M against the same rows of a large one, bit for bit).
+// same four k-steps per K block (a wgmma element depends on neither the tile's N nor its M), the same
+// chains, the same order. TM, BN, the grid, the tile order and the split change only which CTA computes
+// what, so y[m] does not depend on M or on the other rows (bench/gpu/gemm_bench.py and the GPU tests check
+// TM 64 against 128, BN 64 against 128, split against unsplit, and rows of small M against the same rows of
+// a large one, bit for bit).
 #include "common.cuh"
 #include "wgmma.cuh"
 #include "sync.cuh"
@@ -48,6 +55,10 @@
 #define GEMM_BM 128
 #define GEMM_BK 128
 #define GEMM_THREADS 384
+// 64-row tiles (engine::cuda::gemm::Plan::bm): one consumer warpgroup, more stages.
+#define GEMM_THREADS_SMALL 256
+// K blocks whose weight scales a consumer warpgroup keeps in shared memory (engine::cuda::gemm::MAX_K_BLOCKS).
+#define GEMM_MAX_KB 256
 #define GEMM_SA_BOX (GEMM_BM + 4)  // row scales per TMA box (engine::cuda::gemm::SCALE_BOX)
 #ifndef GEMM_GROUP_M
 #define GEMM_GROUP_M 8
@@ -58,8 +69,13 @@
 #ifndef GEMM_STAGES_64
 #define GEMM_STAGES_64 8
 #endif
-// A stage's `empty` barrier: every consumer thread of this CTA, plus lane 0 of each consumer warp of the peer.
-#define GEMM_EMPTY_ARRIVALS (256 + 8)
+// 64-row tiles: as many stages as fit 227 KB (engine::cuda::gemm::stages).
+#ifndef GEMM_STAGES_M64_128
+#define GEMM_STAGES_M64_128 9
+#endif
+#ifndef GEMM_STAGES_M64_64
+#define GEMM_STAGES_M64_64 13
+#endif
 
 // A CUDA tensor map (CUtensorMap: 128 opaque bytes, 64-byte aligned), passed by value as a
 // __grid_constant__ parameter and used through its address.
@@ -144,9 +160,10 @@ __device__ __forceinline__ void gemm_tile(int t, int rank, int m_tiles, int n_pa
 }
 
 // Row tile `mt` of a launch: its first row, its weight matrix and the end of its rows.
+template <int TM>
 __device__ __forceinline__ GemmRowTile gemm_row_tile(const GemmRowTile* __restrict__ tiles, int mt, int rows) {
     if (tiles != nullptr) return tiles[mt];
-    return GemmRowTile{mt * GEMM_BM, 0, rows};
+    return GemmRowTile{mt * TM, 0, min(rows, mt * TM + TM)};
 }
 
 
@@ -156,6 +173,7 @@ __device__ __forceinline__ int gemm_chain_begin(int c, int chains, int kblocks) 
 // Unit u of a launch whose cluster tiles are cut into `per_tile` units (1, or `chains` when split): its row
 // tile (rows, matrix; matrix -1 for an unused slot of a grouped launch, which both sides skip), its column
 // tile n0, its chain c and the K blocks [kb0, kb1) it covers. Producer and consumers walk the same units.
+template <int TM>
 __device__ __forceinline__ GemmRowTile gemm_unit(int u, int per_tile, int chains, int kblocks, int rank,
                                                  int m_tiles, int n_pairs, int bn,
                                                  const GemmRowTile* __restrict__ row_tiles, int rows, int& n0,
@@ -165,10 +183,10 @@ __device__ __forceinline__ GemmRowTile gemm_unit(int u, int per_tile, int chains
     c = u % per_tile;
     kb0 = per_tile > 1 ? gemm_chain_begin(c, chains, kblocks) : 0;
     kb1 = per_tile > 1 ? gemm_chain_begin(c + 1, chains, kblocks) : kblocks;
-    return gemm_row_tile(row_tiles, mt, rows);
+    return gemm_row_tile<TM>(row_tiles, mt, rows);
 }
 
-template <int BN, int STAGES, bool BF16>
+template <int TM, int BN, int STAGES, bool BF16>
 __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const TandemTensorMap* tb,
                                               const TandemTensorMap* tsa, const float* __restrict__ ws,
                                               int scale_cols, void* __restrict__ y, float* __restrict__ part,
@@ -176,7 +194,13 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
                                               const GemmRowTile* __restrict__ row_tiles, int tile_slots,
                                               const int* __restrict__ out_rows) {
     extern __shared__ __align__(1024) u8 smem_raw[];
-    constexpr u32 A_BYTES = GEMM_BM * GEMM_BK;
+    // TM rows of a tile (128, or 64 for small products: see the header); a consumer warpgroup per 64 of
+    // them. A stage's `empty` barrier counts every consumer thread of this CTA and lane 0 of each consumer
+    // warp of the peer.
+    constexpr int CONSUMERS = TM / 64;
+    static_assert(TM == 128 || TM == 64, "tile rows");
+    constexpr u32 EMPTY_ARRIVALS = CONSUMERS * (128 + 4);
+    constexpr u32 A_BYTES = TM * GEMM_BK;
     constexpr u32 B_BYTES = BN * GEMM_BK;
     constexpr u32 STAGE = A_BYTES + B_BYTES;
     // The K block's row scales: a TMA box of GEMM_SA_BOX floats from the row tile's first row rounded down to
@@ -186,10 +210,12 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
     const u32 base = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
     const u32 scales = base + STAGES * STAGE;  // [STAGES][SA_SLOT / 4] f32: the A tile's row scales of the K block
     const u32 full = scales + STAGES * SA_SLOT, empty = full + STAGES * 8;
+    // [CONSUMERS][GEMM_MAX_KB] f32: each consumer warpgroup's copy of its unit's weight-block scales.
+    const u32 wscales = (empty + STAGES * 8 + 15u) & ~15u;
     const float* scales_f = (const float*)(smem_raw + (scales - (u32)__cvta_generic_to_shared(smem_raw)));
     const int rank = (int)tandem_cluster_rank(), peer = rank ^ 1;
 
-    const int m_tiles = row_tiles != nullptr ? tile_slots : (rows + GEMM_BM - 1) / GEMM_BM, n_tiles = (n + BN - 1) / BN;
+    const int m_tiles = row_tiles != nullptr ? tile_slots : (rows + TM - 1) / TM, n_tiles = (n + BN - 1) / BN;
     const int n_blocks = (n + 127) / 128;
     const int n_pairs = (n_tiles + 1) / 2, tiles = m_tiles * n_pairs;
     const int cluster = blockIdx.x / 2, clusters = gridDim.x / 2;
@@ -200,7 +226,7 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             tandem_mbar_init(full + 8 * s, 1);
-            tandem_mbar_init(empty + 8 * s, GEMM_EMPTY_ARRIVALS);
+            tandem_mbar_init(empty + 8 * s, EMPTY_ARRIVALS);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -218,7 +244,7 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
             for (int u = cluster; u < units; u += clusters) {
                 int n0, c, kb0, kb1;
                 const GemmRowTile rt =
-                    gemm_unit(u, per_tile, chains, kblocks, rank, m_tiles, n_pairs, BN, row_tiles, rows, n0, c, kb0, kb1);
+                    gemm_unit<TM>(u, per_tile, chains, kblocks, rank, m_tiles, n_pairs, BN, row_tiles, rows, n0, c, kb0, kb1);
                 if (rt.g < 0) continue;
                 const int m0 = rt.m0, nb = rt.g * n + n0;
                 for (int kb = kb0; kb < kb1; ++kb, ++it) {
@@ -228,7 +254,7 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
                     const u32 a = base + s * STAGE, bar = full + 8 * s;
                     tandem_mbar_expect_tx(bar, STAGE + SA_BYTES);
                     // This CTA's half of the A tile into both CTAs.
-                    gemm_tma_2d_pair(a + rank * (A_BYTES / 2), ta, kb * GEMM_BK, m0 + rank * (GEMM_BM / 2), bar);
+                    gemm_tma_2d_pair(a + rank * (A_BYTES / 2), ta, kb * GEMM_BK, m0 + rank * (TM / 2), bar);
                     gemm_tma_2d(a + A_BYTES, tb, kb * GEMM_BK, nb, bar);
                     gemm_tma_2d(scales + s * SA_SLOT, tsa, m0 & ~3, kb, bar);
                 }
@@ -238,18 +264,23 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
         const int cw = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
         const int row = cw * 64 + warp * 16 + lane / 4;  // this thread's rows in the tile: row, row + 8
+        float* wsm = (float*)(smem_raw + (wscales - (u32)__cvta_generic_to_shared(smem_raw))) + cw * GEMM_MAX_KB;
         int it = 0;
         for (int u = cluster; u < units; u += clusters) {
             int n0, c, kb0, kb1;
             const GemmRowTile rt =
-                gemm_unit(u, per_tile, chains, kblocks, rank, m_tiles, n_pairs, BN, row_tiles, rows, n0, c, kb0, kb1);
+                gemm_unit<TM>(u, per_tile, chains, kblocks, rank, m_tiles, n_pairs, BN, row_tiles, rows, n0, c, kb0, kb1);
             if (rt.g < 0) continue;
             const int m0 = rt.m0, row_end = rt.end;
-            // The tile's weight-block scales, one K block ahead (a uniform load whose latency hides under a
-            // K block); a column tile past `n` (the odd tile of a pair) reads none.
+            // The unit's weight-block scales, copied into shared memory once (a global load per K block
+            // would put its latency in every K block's promotion: measured, 13% of the consumers' stalls at
+            // M = 1); a column tile past `n` (the odd tile of a pair) reads none. The warpgroup's first
+            // barrier waits for its reads of the previous unit's copy.
             const float* wsp = ws + ((i64)rt.g * n_blocks + n0 / 128) * scale_cols;
             const bool has_n = n0 < n;
-            float w_next = has_n ? wsp[kb0] : 0.0f;
+            asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
+            for (int i = threadIdx.x % 128; i < kb1 - kb0; i += 128) wsm[i] = has_n ? wsp[kb0 + i] : 0.0f;
+            asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
             // fin: the current chain; tot: the chains before it, summed left to right.
             float fin[BN / 2], tot[BN / 2], acc[BN / 2];
 #pragma unroll
@@ -267,12 +298,11 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
                     next_begin = gemm_chain_begin(next_chain, chains, kblocks);
                 }
                 const int s = it % STAGES;
-                const float w = w_next;
-                if (has_n && kb + 1 < kb1) w_next = wsp[kb + 1];
+                const float w = wsm[kb - kb0];
                 tandem_mbar_wait(full + 8 * s, (it / STAGES) & 1);
                 const float* sas = scales_f + s * (SA_SLOT / 4) + (m0 & 3);
                 const float f_lo = sas[row] * w, f_hi = sas[row + 8] * w;
-                const u32 a = base + s * STAGE + cw * (A_BYTES / 2), b = base + s * STAGE + A_BYTES;
+                const u32 a = base + s * STAGE + cw * (64 * GEMM_BK), b = base + s * STAGE + A_BYTES;
                 tandem_wgmma_fence();
 #pragma unroll
                 for (int ks = 0; ks < GEMM_BK / 32; ++ks)
@@ -304,8 +334,8 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
 #pragma unroll
                 for (int j = 0; j < BN / 8; ++j) {
                     const int col = n0 + 8 * j + 2 * (lane % 4);
-                    gemm_store<false>(pc, rows, n, r, col, fin[4 * j + 0], fin[4 * j + 1]);
-                    gemm_store<false>(pc, rows, n, r + 8, col, fin[4 * j + 2], fin[4 * j + 3]);
+                    gemm_store<false>(pc, rows, n, r < row_end ? r : -1, col, fin[4 * j + 0], fin[4 * j + 1]);
+                    gemm_store<false>(pc, rows, n, r + 8 < row_end ? r + 8 : -1, col, fin[4 * j + 2], fin[4 * j + 3]);
                 }
             } else {
                 if (chains > 1) {
@@ -363,18 +393,34 @@ extern "C" __global__ void tandem_gemm_fp8_combine_bf16(const float* __restrict_
         const GemmRowTile *__restrict__ row_tiles, int tile_slots, const int *__restrict__ out_rows
 
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n128_f32(GEMM_PARAMS) {
-    gemm_fp8_body<128, GEMM_STAGES_128, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad, row_tiles, tile_slots,
-                                               out_rows);
-}
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n64_f32(GEMM_PARAMS) {
-    gemm_fp8_body<64, GEMM_STAGES_64, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad, row_tiles, tile_slots,
-                                               out_rows);
+    gemm_fp8_body<128, 128, GEMM_STAGES_128, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad,
+                                                      row_tiles, tile_slots, out_rows);
 }
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n128_bf16(GEMM_PARAMS) {
-    gemm_fp8_body<128, GEMM_STAGES_128, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad, row_tiles, tile_slots,
-                                               out_rows);
+    gemm_fp8_body<128, 128, GEMM_STAGES_128, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad,
+                                                      row_tiles, tile_slots, out_rows);
+}
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n64_f32(GEMM_PARAMS) {
+    gemm_fp8_body<128, 64, GEMM_STAGES_64, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad,
+                                                      row_tiles, tile_slots, out_rows);
 }
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n64_bf16(GEMM_PARAMS) {
-    gemm_fp8_body<64, GEMM_STAGES_64, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad, row_tiles, tile_slots,
-                                               out_rows);
+    gemm_fp8_body<128, 64, GEMM_STAGES_64, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad,
+                                                      row_tiles, tile_slots, out_rows);
+}
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS_SMALL, 1) tandem_gemm_fp8_m64_n128_f32(GEMM_PARAMS) {
+    gemm_fp8_body<64, 128, GEMM_STAGES_M64_128, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad,
+                                                      row_tiles, tile_slots, out_rows);
+}
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS_SMALL, 1) tandem_gemm_fp8_m64_n128_bf16(GEMM_PARAMS) {
+    gemm_fp8_body<64, 128, GEMM_STAGES_M64_128, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad,
+                                                      row_tiles, tile_slots, out_rows);
+}
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS_SMALL, 1) tandem_gemm_fp8_m64_n64_f32(GEMM_PARAMS) {
+    gemm_fp8_body<64, 64, GEMM_STAGES_M64_64, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad,
+                                                      row_tiles, tile_slots, out_rows);
+}
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS_SMALL, 1) tandem_gemm_fp8_m64_n64_bf16(GEMM_PARAMS) {
+    gemm_fp8_body<64, 64, GEMM_STAGES_M64_64, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad,
+                                                      row_tiles, tile_slots, out_rows);
 }

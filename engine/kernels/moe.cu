@@ -7,12 +7,13 @@
 
 // One CTA: counts the pairs per expert, and writes each expert's first row (cursor, which
 // tandem_moe_scatter advances) and the GEMM's row tiles: expert e's rows [off, off + count) in tiles of
-// 128, {m0, e, off + count} each, experts in id order; the slots up to `tile_slots` get expert -1. Pairs
+// `tile_rows` (the GEMM's tile height, 64 or 128), {m0, e, off + count} each, experts in id order; the slots
+// up to `tile_slots` get expert -1. Pairs
 // with an id outside [0, experts) get no row; the rows they leave at the end of `src_row` read token 0
 // (quantized, never used). Dynamic shared memory: 3 * experts ints.
 extern "C" __global__ void tandem_moe_plan(const int* __restrict__ ids, int pairs, int experts,
                                            int* __restrict__ cursor, int* __restrict__ src_row,
-                                           int* __restrict__ tiles, int tile_slots) {
+                                           int* __restrict__ tiles, int tile_slots, int tile_rows) {
     extern __shared__ int counts[];  // [experts] counts, then [experts] first rows, then [experts] first tiles
     int* first = counts + experts;
     int* first_tile = first + experts;
@@ -30,7 +31,7 @@ extern "C" __global__ void tandem_moe_plan(const int* __restrict__ ids, int pair
             first[e] = row;
             first_tile[e] = tile;
             row += counts[e];
-            tile += (counts[e] + 127) / 128;
+            tile += (counts[e] + tile_rows - 1) / tile_rows;
         }
         used_rows = row;
         used_tiles = tile;
@@ -40,7 +41,7 @@ extern "C" __global__ void tandem_moe_plan(const int* __restrict__ ids, int pair
         cursor[e] = first[e];
         const int end = first[e] + counts[e];
         int t = first_tile[e];
-        for (int m0 = first[e]; m0 < end; m0 += 128, ++t) {
+        for (int m0 = first[e]; m0 < end; m0 += tile_rows, ++t) {
             tiles[3 * t + 0] = m0;
             tiles[3 * t + 1] = e;
             tiles[3 * t + 2] = end;

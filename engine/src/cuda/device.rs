@@ -76,12 +76,11 @@ impl Gpu {
             ("tandem_topk_split_resolve", super::topk::RESOLVE_SHARED_BYTES),
             ("tandem_sparse_mla_decode", super::sparse_mla::SHARED_BYTES),
             ("tandem_sparse_mla_decode_pair", super::sparse_mla::SHARED_BYTES),
-            ("tandem_gemm_fp8_n128_f32", super::gemm::smem_bytes(128)),
-            ("tandem_gemm_fp8_n128_bf16", super::gemm::smem_bytes(128)),
-            ("tandem_gemm_fp8_n64_f32", super::gemm::smem_bytes(64)),
-            ("tandem_gemm_fp8_n64_bf16", super::gemm::smem_bytes(64)),
             ("tandem_gemm_bf16_mma", super::bf16_mma::SHARED_BYTES),
-        ] {
+        ]
+        .into_iter()
+        .chain(super::gemm::KERNELS)
+        {
             let f = functions.get(name).ok_or_else(|| CudaError::Driver(format!("kernel `{name}` is not loaded")))?;
             f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
         }

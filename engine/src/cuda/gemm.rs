@@ -16,23 +16,51 @@ use cudarc::driver::{DeviceRepr, PushKernelArg, sys};
 use super::ops::Arg;
 use super::{CudaError, Gpu};
 
-/// Rows of an output tile, K per block (and per activation scale), threads per CTA.
+/// Rows of an output tile, K per block (and per activation scale).
 pub const BM: usize = 128;
 pub const BK: usize = 128;
-const THREADS: u32 = 384;
-/// Pipeline stages per tile width (`GEMM_STAGES_128` / `GEMM_STAGES_64` in the kernel).
-const STAGES_128: usize = 6;
-const STAGES_64: usize = 8;
+/// Rows of a small product's tile ([`Plan::bm`]): one consumer warpgroup, and the shared memory of the
+/// 128-row tile's second half of activations as more stages of weights in flight.
+pub const BM_SMALL: usize = 64;
+
+/// Whether small products take [`BM_SMALL`]-row tiles (the default; `TANDEM_GEMM_SMALL_TILES=0` keeps every
+/// product on 128-row tiles: the same bits, for A/B measurements).
+pub fn small_tiles() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TANDEM_GEMM_SMALL_TILES").map_or(true, |v| v != "0"))
+}
+
+/// The most K blocks a product may have: a consumer warpgroup keeps its unit's weight scales in shared
+/// memory (`GEMM_MAX_KB`; K up to 32768).
+pub const MAX_K_BLOCKS: usize = 256;
+
+/// Threads per CTA: a producer warpgroup and a consumer warpgroup per 64 rows of the tile.
+const fn threads(bm: usize) -> u32 {
+    (128 * (1 + bm / 64)) as u32
+}
+
+/// Pipeline stages per tile height and width (`GEMM_STAGES_128`, `GEMM_STAGES_64`, `GEMM_STAGES_M64_128`,
+/// `GEMM_STAGES_M64_64` in the kernel): as many as fit the shared memory.
+pub const fn stages(bm: usize, bn: usize) -> usize {
+    match (bm, bn) {
+        (BM, 128) => 6,
+        (BM, _) => 8,
+        (_, 128) => 9,
+        _ => 13,
+    }
+}
 
 /// Row scales per TMA box (`GEMM_SA_BOX`): a row tile's 128, loaded from its first row rounded down to a
 /// multiple of 4 (a box starts 16-byte aligned; a grouped product's row tiles start at any row).
 pub const SCALE_BOX: usize = BM + 4;
 
-/// Must match the kernel's layout: alignment slack, the stages (A [128 x 128] + B [bn x 128] codes), one K
-/// block's row scales per stage (a box, in a slot of a multiple of 128 bytes), two mbarriers per stage.
-pub const fn smem_bytes(bn: usize) -> usize {
-    let stages = if bn == 128 { STAGES_128 } else { STAGES_64 };
-    1024 + stages * (BM * BK + bn * BK + (SCALE_BOX * 4).next_multiple_of(128) + 16)
+/// Must match the kernel's layout: alignment slack, the stages (A [bm x 128] + B [bn x 128] codes), one K
+/// block's row scales per stage (a box, in a slot of a multiple of 128 bytes), two mbarriers per stage, and
+/// (16-byte aligned) each consumer warpgroup's weight scales.
+pub const fn smem_bytes(bm: usize, bn: usize) -> usize {
+    1024 + stages(bm, bn) * (bm * BK + bn * BK + (SCALE_BOX * 4).next_multiple_of(128) + 16)
+        + 16
+        + bm / 64 * MAX_K_BLOCKS * 4
 }
 
 /// Row stride of the transposed activation scales for `rows` rows (a multiple of 4 floats: TMA strides are
@@ -66,12 +94,16 @@ pub fn chains(n: usize, kpad: usize) -> usize {
 /// (at most 128 KB) are launch-bound, where the combine's launch costs more than the split saves.
 pub const SPLIT_MIN_BYTES: usize = 512 << 10;
 
-/// How one product runs: the tile width, the weight shape's chains, and whether the chains run as separate
-/// units (`split`: each writes its sum to a partial buffer, a second kernel adds them in chain order; for
-/// products too small to fill the GPU otherwise) or one after another inside each tile. Both give the same
-/// bits.
+/// How one product runs: the tile height and width, the weight shape's chains, and whether the chains run
+/// as separate units (`split`: each writes its sum to a partial buffer, a second kernel adds them in chain
+/// order; for products too small to fill the GPU otherwise) or one after another inside each tile. Every
+/// plan gives the same bits: a 64-row tile runs the same wgmma per 64 rows as a 128-row one, with one
+/// consumer warpgroup instead of two and the shared memory they free as more stages in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Plan {
+    /// Rows of a tile: [`BM`], or [`BM_SMALL`] for products of at most that many rows (decode): their
+    /// weights stream through more stages instead of beside 128-row activation tiles of padding.
+    pub bm: usize,
     pub tile: usize,
     pub chains: usize,
     pub split: bool,
@@ -87,7 +119,8 @@ impl Plan {
         // (the combine) only adds to.
         let idle = rows.div_ceil(BM) * n.div_ceil(64).div_ceil(2) < sms / 2;
         let split = chains > 1 && idle && rows <= 2 * BM && n * kpad >= SPLIT_MIN_BYTES;
-        Plan { tile: if split { 64 } else { tile_n(rows, n, sms) }, chains, split }
+        let bm = if rows <= BM_SMALL && small_tiles() { BM_SMALL } else { BM };
+        Plan { bm, tile: if split { 64 } else { tile_n(rows, n, sms) }, chains, split }
     }
 
     /// f32 values of the partial buffer a split launch needs (0 when not split).
@@ -96,15 +129,32 @@ impl Plan {
     }
 }
 
-/// The entry point for a tile width and output type.
-pub fn kernel_name(bn: usize, bf16_out: bool) -> &'static str {
-    match (bn, bf16_out) {
-        (128, false) => "tandem_gemm_fp8_n128_f32",
-        (128, true) => "tandem_gemm_fp8_n128_bf16",
-        (_, false) => "tandem_gemm_fp8_n64_f32",
-        (_, true) => "tandem_gemm_fp8_n64_bf16",
-    }
+/// The entry point for a tile height, width and output type (`None`: no such tile).
+pub fn kernel_name(bm: usize, bn: usize, bf16_out: bool) -> Option<&'static str> {
+    Some(match (bm, bn, bf16_out) {
+        (128, 128, false) => "tandem_gemm_fp8_n128_f32",
+        (128, 128, true) => "tandem_gemm_fp8_n128_bf16",
+        (128, 64, false) => "tandem_gemm_fp8_n64_f32",
+        (128, 64, true) => "tandem_gemm_fp8_n64_bf16",
+        (64, 128, false) => "tandem_gemm_fp8_m64_n128_f32",
+        (64, 128, true) => "tandem_gemm_fp8_m64_n128_bf16",
+        (64, 64, false) => "tandem_gemm_fp8_m64_n64_f32",
+        (64, 64, true) => "tandem_gemm_fp8_m64_n64_bf16",
+        _ => return None,
+    })
 }
+
+/// Every entry point with its dynamic shared memory (the device raises each one's limit at load).
+pub const KERNELS: [(&str, usize); 8] = [
+    ("tandem_gemm_fp8_n128_f32", smem_bytes(128, 128)),
+    ("tandem_gemm_fp8_n128_bf16", smem_bytes(128, 128)),
+    ("tandem_gemm_fp8_n64_f32", smem_bytes(128, 64)),
+    ("tandem_gemm_fp8_n64_bf16", smem_bytes(128, 64)),
+    ("tandem_gemm_fp8_m64_n128_f32", smem_bytes(64, 128)),
+    ("tandem_gemm_fp8_m64_n128_bf16", smem_bytes(64, 128)),
+    ("tandem_gemm_fp8_m64_n64_f32", smem_bytes(64, 64)),
+    ("tandem_gemm_fp8_m64_n64_bf16", smem_bytes(64, 64)),
+];
 
 type MapKey = (u64, u32, usize, usize, usize, usize, u32);
 /// Encoded maps kept per thread (cleared when full).
@@ -261,10 +311,16 @@ pub fn launch(gpu: &Gpu, a: &RawGemm, plan: Plan) -> Result<(), CudaError> {
     if a.rows == 0 || a.n == 0 {
         return Ok(());
     }
-    if a.kpad == 0 || !a.kpad.is_multiple_of(BK) || a.scale_ld < a.rows || !a.scale_ld.is_multiple_of(4) {
+    if a.kpad == 0
+        || !a.kpad.is_multiple_of(BK)
+        || a.kpad / BK > MAX_K_BLOCKS
+        || a.scale_ld < a.rows
+        || !a.scale_ld.is_multiple_of(4)
+    {
         return Err(CudaError::Shape(format!(
-            "gemm: kpad {} must be a positive multiple of {BK}, scale_ld {} a multiple of 4 of at least rows {}",
-            a.kpad, a.scale_ld, a.rows
+            "gemm: kpad {} must be a positive multiple of {BK} of at most {} K blocks, scale_ld {} a multiple of 4 of \
+             at least rows {}",
+            a.kpad, MAX_K_BLOCKS, a.scale_ld, a.rows
         )));
     }
     if a.scale_cols < a.kpad / BK {
@@ -273,6 +329,9 @@ pub fn launch(gpu: &Gpu, a: &RawGemm, plan: Plan) -> Result<(), CudaError> {
     if plan.tile != 64 && plan.tile != 128 {
         return Err(CudaError::Shape(format!("gemm: tile width {} (64 or 128)", plan.tile)));
     }
+    let Some(kernel) = kernel_name(plan.bm, plan.tile, a.bf16_out) else {
+        return Err(CudaError::Shape(format!("gemm: tile height {} ({BM_SMALL} or {BM})", plan.bm)));
+    };
     if plan.chains == 0 || plan.chains > a.kpad / BK {
         return Err(CudaError::Shape(format!("gemm: {} chains over {} K blocks", plan.chains, a.kpad / BK)));
     }
@@ -285,7 +344,8 @@ pub fn launch(gpu: &Gpu, a: &RawGemm, plan: Plan) -> Result<(), CudaError> {
         || (!grouped && (a.groups != 1 || a.out_rows != 0))
     {
         return Err(CudaError::Shape(format!(
-            "gemm: a grouped product needs row tiles ({}) and is never split, a plain one has no output rows; {} matrices",
+            "gemm: a grouped product needs row tiles ({}) and is never split, a plain one has no output rows; {} \
+             matrices",
             a.tile_slots, a.groups
         )));
     }
@@ -293,19 +353,19 @@ pub fn launch(gpu: &Gpu, a: &RawGemm, plan: Plan) -> Result<(), CudaError> {
         return Err(CudaError::Shape("gemm: a null operand".into()));
     }
     let sms = gpu.info().multiprocessors.max(2) as usize;
-    let bn = plan.tile;
-    let ta = TensorMap::codes(a.qa, a.rows, a.kpad, BM / 2)?;
+    let (bm, bn) = (plan.bm, plan.tile);
+    let ta = TensorMap::codes(a.qa, a.rows, a.kpad, bm / 2)?;
     let tb = match a.w_maps {
         Some(m) => m[usize::from(bn == 128)],
         None => TensorMap::codes(a.w, a.groups * a.n, a.kpad, bn)?,
     };
     let tsa = TensorMap::scales(a.sa_t, a.kpad / BK, a.rows, a.scale_ld)?;
-    // Persistent clusters of two CTAs, one CTA per SM at most; each unit is a 128-row block and two column
-    // tiles (and one chain of them when split).
-    let row_tiles = if grouped { a.tile_slots } else { a.rows.div_ceil(BM) };
+    // Persistent clusters of two CTAs, one CTA per SM at most; each unit is a row tile and two column tiles
+    // (and one chain of them when split).
+    let row_tiles = if grouped { a.tile_slots } else { a.rows.div_ceil(bm) };
     let units = row_tiles * a.n.div_ceil(bn).div_ceil(2) * if plan.split { plan.chains } else { 1 };
     let clusters = units.min(sms / 2);
-    let f = gpu.function(kernel_name(bn, a.bf16_out))?;
+    let f = gpu.function(kernel)?;
     let part = if plan.split { a.part } else { 0 };
     let (scale_cols, chains) = (a.scale_cols as i32, plan.chains as i32);
     let (rows, n, kpad) = (a.rows as i32, a.n as i32, a.kpad as i32);
@@ -315,13 +375,12 @@ pub fn launch(gpu: &Gpu, a: &RawGemm, plan: Plan) -> Result<(), CudaError> {
     b.arg(&rows).arg(&n).arg(&kpad).arg(&a.row_tiles).arg(&tile_slots).arg(&a.out_rows);
     let cfg = cudarc::driver::LaunchConfig {
         grid_dim: (2 * clusters as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: smem_bytes(bn) as u32,
+        block_dim: (threads(bm), 1, 1),
+        shared_mem_bytes: smem_bytes(bm, bn) as u32,
     };
     // SAFETY: the parameters follow GEMM_PARAMS' order and types; the tensor maps cover exactly the buffers
     // the caller sized for these shapes, and TMA never reads outside a map; a split launch writes
     // `partial_len` values of `part`.
-    let kernel = kernel_name(bn, a.bf16_out);
     // The routed experts' launches apart from the dense ones in a kernel profile.
     let label: std::borrow::Cow<'_, str> =
         if grouped && gpu.profiler().is_on() { format!("{kernel} (grouped)").into() } else { kernel.into() };
@@ -484,8 +543,8 @@ mod tests {
     /// Exact inputs: every product and 128-term sum needs at most 11 significant bits and every scale is a
     /// power of two, so rounding cannot separate the tensor cores from the CPU's f32 sums (nor chains summed
     /// apart from one sequential sum): the GPU must give the CPU function's bits. Covers partial K blocks
-    /// (192 = 1.5 blocks), partial column tiles (130, 576), partial row tiles, both tile widths, split and
-    /// unsplit chains, and both output types.
+    /// (192 = 1.5 blocks), partial column tiles (130, 576), partial row tiles, both tile heights and widths,
+    /// split and unsplit chains, and both output types.
     #[test]
     fn exact_products_give_the_cpu_result_bit_for_bit() {
         let Some(gpu) = Gpu::for_test() else { return };
@@ -496,12 +555,16 @@ mod tests {
             let want = cpu_forward(&x, rows, &w);
             let want16: Vec<f32> = want.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
             let chains = plan(&gpu, rows, &w, |_| {}).chains;
-            for (tile, split) in [(64, false), (128, false), (64, true)] {
+            for (bm, tile, split) in
+                [(BM, 64, false), (BM, 128, false), (BM, 64, true), (BM_SMALL, 64, false), (BM_SMALL, 128, true)]
+            {
                 let p = plan(&gpu, rows, &w, |p| {
+                    p.bm = bm;
                     p.tile = tile;
                     p.split = split && p.chains > 1;
                 });
-                let what = format!("{rows}x{inp}x{out} tile {tile} split {} of {chains} chains (seed {seed})", p.split);
+                let what =
+                    format!("{rows}x{inp}x{out} tile {bm}x{tile} split {} of {chains} chains (seed {seed})", p.split);
                 assert_eq!(bits(&gpu_forward(&gpu, &x, rows, &w, p, false)), bits(&want), "{what}");
                 assert_eq!(bits(&gpu_forward(&gpu, &x, rows, &w, p, true)), bits(&want16), "bf16 out {what}");
             }
@@ -560,9 +623,9 @@ mod tests {
         }
     }
 
-    /// A row's output bits do not depend on M, the other rows, the tile width or whether the shape's chains
-    /// run split: rows of small launches (split) equal the same rows of a large one (unsplit), at every
-    /// point where the plan changes.
+    /// A row's output bits do not depend on M, the other rows, the tile height or width or whether the
+    /// shape's chains run split: rows of small launches (64-row tiles, split) equal the same rows of a large
+    /// one (128-row tiles, unsplit), at every point where the plan changes.
     #[test]
     fn a_rows_output_does_not_depend_on_the_batch_or_the_plan() {
         let Some(gpu) = Gpu::for_test() else { return };
@@ -573,10 +636,10 @@ mod tests {
             // Large enough that the default tile is 128 wide, unsplit, with several tiles per cluster.
             let big = (sms.div_ceil(out.div_ceil(128)) + 2) * BM;
             let p_big = plan(&gpu, big, &w, |_| {});
-            assert!(p_big.tile == 128 && !p_big.split && p_big.chains > 1, "{p_big:?}");
+            assert!(p_big.bm == BM && p_big.tile == 128 && !p_big.split && p_big.chains > 1, "{p_big:?}");
             let x = activations(&mut rng, big, inp, false);
             let full = gpu_forward(&gpu, &x, big, &w, p_big, false);
-            for edit in [|p: &mut Plan| p.tile = 64, |p: &mut Plan| p.split = true] {
+            for edit in [|p: &mut Plan| p.tile = 64, |p: &mut Plan| p.split = true, |p: &mut Plan| p.bm = BM_SMALL] {
                 let p = plan(&gpu, big, &w, edit);
                 assert_eq!(bits(&gpu_forward(&gpu, &x, big, &w, p, false)), bits(&full), "{p:?} (seed {seed})");
             }
@@ -637,40 +700,44 @@ mod tests {
         };
         let (dx, dids) = (DBuf::upload(s, &x).unwrap(), DBuf::upload(s, &ids).unwrap());
         let mut ws = crate::cuda::ops::Workspace::new();
-        let g = crate::cuda::moe::group(&gpu, &mut ws, dids.ptr(), pairs, k, experts).unwrap();
-        let ld = scale_ld(pairs);
-        let (qa, sa) =
-            crate::cuda::weights::act_quant(&gpu, &mut ws, dx.ptr(), pairs, inp, kpad, true, ld, g.src_row).unwrap();
-        let mut slot = vec![0i32; pairs];
-        // SAFETY: `slot_of_pair` holds `pairs` i32s in the workspace, which outlives the copy.
-        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut slot, g.slot_of_pair, s.cu_stream()) }.unwrap();
-        s.synchronize().unwrap();
-        let mut seen = vec![false; pairs];
-        for (p, &e) in ids.iter().enumerate() {
-            if e < 0 {
-                assert_eq!(slot[p], -1, "pair {p} routed to no expert (seed {seed})");
-            } else {
-                let r = slot[p] as usize;
-                assert!(r < pairs - 3 && !seen[r], "pair {p}: grouped row {r} (seed {seed})");
-                seen[r] = true;
-            }
-        }
         let plain: Vec<Vec<f32>> =
             ws_e.iter().map(|w| gpu_forward(&gpu, &x, tokens, w, plan(&gpu, tokens, w, |_| {}), false)).collect();
-        for tile in [64, 128] {
-            let y = DBuf::<f32>::zeros(s, pairs * out).unwrap();
-            crate::cuda::moe::grouped_linear(&gpu, &lin, qa, sa, ld, &g, y.ptr(), false, 0, Some(tile)).unwrap();
-            let got = s.clone_dtoh(y.slice()).unwrap();
+        // Row tiles of 64 (the decode tile) and 128 rows.
+        for rows in [BM_SMALL, BM] {
+            let g = crate::cuda::moe::group_in_tiles(&gpu, &mut ws, dids.ptr(), pairs, k, experts, rows).unwrap();
+            let ld = scale_ld(pairs);
+            let (qa, sa) =
+                crate::cuda::weights::act_quant(&gpu, &mut ws, dx.ptr(), pairs, inp, kpad, true, ld, g.src_row)
+                    .unwrap();
+            let mut slot = vec![0i32; pairs];
+            // SAFETY: `slot_of_pair` holds `pairs` i32s in the workspace, which outlives the copy.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut slot, g.slot_of_pair, s.cu_stream()) }.unwrap();
+            s.synchronize().unwrap();
+            let mut seen = vec![false; pairs];
             for (p, &e) in ids.iter().enumerate() {
                 if e < 0 {
-                    continue;
+                    assert_eq!(slot[p], -1, "pair {p} routed to no expert (seed {seed})");
+                } else {
+                    let r = slot[p] as usize;
+                    assert!(r < pairs - 3 && !seen[r], "pair {p}: grouped row {r} (seed {seed})");
+                    seen[r] = true;
                 }
-                let (r, t) = (slot[p] as usize, p / k);
-                assert_eq!(
-                    bits(&got[r * out..(r + 1) * out]),
-                    bits(&plain[e as usize][t * out..(t + 1) * out]),
-                    "pair {p} (token {t}, expert {e}, grouped row {r}), tile {tile} (seed {seed})"
-                );
+            }
+            for tile in [64, 128] {
+                let y = DBuf::<f32>::zeros(s, pairs * out).unwrap();
+                crate::cuda::moe::grouped_linear(&gpu, &lin, qa, sa, ld, &g, y.ptr(), false, 0, Some(tile)).unwrap();
+                let got = s.clone_dtoh(y.slice()).unwrap();
+                for (p, &e) in ids.iter().enumerate() {
+                    if e < 0 {
+                        continue;
+                    }
+                    let (r, t) = (slot[p] as usize, p / k);
+                    assert_eq!(
+                        bits(&got[r * out..(r + 1) * out]),
+                        bits(&plain[e as usize][t * out..(t + 1) * out]),
+                        "pair {p} (token {t}, expert {e}, grouped row {r}), tile {rows}x{tile} (seed {seed})"
+                    );
+                }
             }
         }
         assert!(crate::cuda::moe::group(&gpu, &mut ws, dids.ptr(), pairs - 1, k, experts).is_err());
@@ -698,11 +765,19 @@ mod tests {
             groups: 1,
             out_rows: 0,
         };
-        let p = Plan { tile: 64, chains: 1, split: false };
+        let p = Plan { bm: BM, tile: 64, chains: 1, split: false };
         assert!(launch(&gpu, &RawGemm { kpad: 100, ..ok }, p).unwrap_err().to_string().contains("kpad"));
         assert!(launch(&gpu, &RawGemm { scale_ld: 2, ..ok }, p).unwrap_err().to_string().contains("scale_ld"));
         assert!(launch(&gpu, &RawGemm { scale_cols: 0, ..ok }, p).unwrap_err().to_string().contains("scale"));
         assert!(launch(&gpu, &ok, Plan { tile: 96, ..p }).unwrap_err().to_string().contains("tile width"));
+        assert!(launch(&gpu, &ok, Plan { bm: 32, ..p }).unwrap_err().to_string().contains("tile height"));
+        let k_max = (MAX_K_BLOCKS + 1) * BK;
+        assert!(
+            launch(&gpu, &RawGemm { kpad: k_max, scale_cols: k_max / BK, ..ok }, p)
+                .unwrap_err()
+                .to_string()
+                .contains("at most")
+        );
         assert!(launch(&gpu, &ok, Plan { chains: 2, ..p }).unwrap_err().to_string().contains("chains"));
         assert!(launch(&gpu, &ok, Plan { chains: 0, ..p }).unwrap_err().to_string().contains("chains"));
         let split = Plan { split: true, ..p };
@@ -722,7 +797,7 @@ mod tests {
         let grouped = RawGemm { row_tiles: 256, tile_slots: 1, groups: 2, ..aligned };
         assert!(launch(&gpu, &RawGemm { groups: 2, ..aligned }, p).unwrap_err().to_string().contains("grouped"));
         assert!(launch(&gpu, &RawGemm { tile_slots: 0, ..grouped }, p).unwrap_err().to_string().contains("grouped"));
-        let split2 = Plan { tile: 64, chains: 1, split: true };
+        let split2 = Plan { bm: BM, tile: 64, chains: 1, split: true };
         assert!(launch(&gpu, &RawGemm { part: 256, ..grouped }, split2).unwrap_err().to_string().contains("grouped"));
     }
 
@@ -736,6 +811,7 @@ mod tests {
             for m in [1, 64, 128, 129, 256, 1024, 4096, 8192] {
                 let p = Plan::new(m, n, kpad, 132);
                 assert_eq!(p.chains, c, "{n}x{kpad} at M = {m}");
+                assert_eq!(p.bm, if m <= BM_SMALL && small_tiles() { BM_SMALL } else { BM }, "{n}x{kpad} at M = {m}");
                 assert!(
                     !p.split
                         || (c > 1

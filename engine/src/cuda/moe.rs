@@ -23,10 +23,17 @@ const PLAN_THREADS: u32 = 1024;
 /// within the default 48 KiB of shared memory.
 pub const MAX_EXPERTS: usize = (48 * 1024 - 8) / 12;
 
-/// The most row tiles a grouped product of `pairs` rows over `experts` matrices can need: every used
-/// expert's last tile may be partial.
-pub fn tile_slots(pairs: usize, experts: usize) -> usize {
-    if pairs == 0 { 0 } else { pairs.div_ceil(gemm::BM) + experts.min(pairs) }
+/// The most row tiles of `tile_rows` rows a grouped product of `pairs` rows over `experts` matrices can
+/// need: every used expert's last tile may be partial.
+pub fn tile_slots(pairs: usize, experts: usize, tile_rows: usize) -> usize {
+    if pairs == 0 { 0 } else { pairs.div_ceil(tile_rows) + experts.min(pairs) }
+}
+
+/// The grouped GEMM's tile height for `pairs` rows over `experts` matrices: 64 rows (the decode tile,
+/// gemm::Plan::bm) where the experts average at most 64 pairs, else 128. Every tile height gives the same
+/// bits, so the choice may depend on the batch.
+pub fn tile_rows(pairs: usize, experts: usize) -> usize {
+    if gemm::small_tiles() && pairs <= gemm::BM_SMALL * experts { gemm::BM_SMALL } else { gemm::BM }
 }
 
 /// Workspace bytes of [`group`] and [`forward`] beyond the f32 buffers the per-pair path also needs: the
@@ -35,7 +42,7 @@ pub fn tile_slots(pairs: usize, experts: usize) -> usize {
 pub fn workspace_bytes(pairs: usize, experts: usize, hidden: usize, inter: usize) -> usize {
     let pad = |k: usize| k.div_ceil(gemm::BK) * gemm::BK;
     let ld = gemm::scale_ld(pairs);
-    4 * (experts + 3 * pairs + 3 * tile_slots(pairs, experts))
+    4 * (experts + 3 * pairs + 3 * tile_slots(pairs, experts, gemm::BM_SMALL))
         + pairs * (pad(hidden) + pad(inter))
         + 4 * ld * (pad(hidden) + pad(inter)) / gemm::BK
         + 4 * 256 // the workspace's alignment slack per buffer, roughly
@@ -50,16 +57,19 @@ pub struct Grouping {
     pub slot_of_pair: u64,
     /// i32 `[pairs]`: the token whose activations grouped row r takes.
     pub src_row: u64,
-    /// i32 `[tile_slots][3]`: {first row, expert or -1, end row} per row tile.
+    /// i32 `[tile_slots][3]`: {first row, expert or -1, end row} per row tile of at most `tile_rows` rows.
     pub tiles: u64,
     pub tile_slots: usize,
+    /// The GEMM's tile height the tiles are cut for ([`tile_rows`]).
+    pub tile_rows: usize,
     /// i32: the grouped rows in use (the last expert's cursor, once scattered).
     pub used: u64,
     /// i32 `[pairs]`: the pair grouped row r holds (rows past `used`: unset).
     pub pair_of_row: u64,
 }
 
-/// Groups the `pairs` expert ids `ids` (i32, token-major, `k` per token) by expert.
+/// Groups the `pairs` expert ids `ids` (i32, token-major, `k` per token) by expert, in row tiles of
+/// [`tile_rows`].
 pub fn group(
     gpu: &Gpu,
     ws: &mut Workspace,
@@ -68,19 +78,39 @@ pub fn group(
     k: usize,
     experts: usize,
 ) -> Result<Grouping, CudaError> {
+    group_in_tiles(gpu, ws, ids, pairs, k, experts, tile_rows(pairs, experts))
+}
+
+/// [`group`] with row tiles of `rows` (64 or 128; the tests run both).
+pub fn group_in_tiles(
+    gpu: &Gpu,
+    ws: &mut Workspace,
+    ids: u64,
+    pairs: usize,
+    k: usize,
+    experts: usize,
+    rows: usize,
+) -> Result<Grouping, CudaError> {
     // The planning CTA keeps three ints per expert in shared memory, within the 48 KiB default.
-    if experts == 0 || k == 0 || !pairs.is_multiple_of(k) || experts > MAX_EXPERTS {
-        return Err(CudaError::Shape(format!("moe: {pairs} pairs of {k} slots over {experts} experts")));
+    if experts == 0
+        || k == 0
+        || !pairs.is_multiple_of(k)
+        || experts > MAX_EXPERTS
+        || ![gemm::BM_SMALL, gemm::BM].contains(&rows)
+    {
+        return Err(CudaError::Shape(format!(
+            "moe: {pairs} pairs of {k} slots over {experts} experts in tiles of {rows} rows"
+        )));
     }
     let s = gpu.stream();
-    let slots = tile_slots(pairs, experts);
+    let slots = tile_slots(pairs, experts, rows);
     let cursor = ws.take::<i32>(s, experts)?;
     let slot_of_pair = ws.take::<i32>(s, pairs.max(1))?;
     let src_row = ws.take::<i32>(s, pairs.max(1))?;
     let tiles = ws.take::<i32>(s, 3 * slots.max(1))?;
     let pair_of_row = ws.take::<i32>(s, pairs.max(1))?;
     let used = cursor + 4 * (experts as u64 - 1);
-    let g = Grouping { pairs, slot_of_pair, src_row, tiles, tile_slots: slots, used, pair_of_row };
+    let g = Grouping { pairs, slot_of_pair, src_row, tiles, tile_slots: slots, tile_rows: rows, used, pair_of_row };
     if pairs == 0 {
         return Ok(g);
     }
@@ -98,6 +128,7 @@ pub fn group(
             Arg::P(src_row),
             Arg::P(tiles),
             Arg::I(slots as i32),
+            Arg::I(rows as i32),
         ],
     )?;
     let sms = gpu.info().multiprocessors.max(1) as usize;
@@ -238,7 +269,7 @@ pub fn grouped_linear(
     tile: Option<usize>,
 ) -> Result<(), CudaError> {
     let tile = tile.unwrap_or_else(|| {
-        gemm::tile_n(g.tile_slots * gemm::BM, lin.out_features(), gpu.info().multiprocessors as usize)
+        gemm::tile_n(g.tile_slots * g.tile_rows, lin.out_features(), gpu.info().multiprocessors as usize)
     });
     let DLinear::Fp8 { codes, scales, out, inp, kpad, block: [128, 128], maps: Some(maps), .. } = lin else {
         return Err(CudaError::Shape("moe: grouped experts need FP8 weights with 128 x 128 blocks".into()));
@@ -247,7 +278,7 @@ pub fn grouped_linear(
     if groups == 0 || groups * out * kpad != codes.len() {
         return Err(CudaError::Shape(format!("moe: {} weight bytes are not matrices of {out} x {kpad}", codes.len())));
     }
-    let plan = gemm::Plan { tile, chains: gemm::chains(*out, *kpad), split: false };
+    let plan = gemm::Plan { bm: g.tile_rows, tile, chains: gemm::chains(*out, *kpad), split: false };
     let raw = gemm::RawGemm {
         qa,
         sa_t,
@@ -335,16 +366,27 @@ mod tests {
 
     #[test]
     fn tile_slots_cover_every_routing() {
-        assert_eq!(tile_slots(0, 256), 0);
+        assert_eq!(tile_slots(0, 256, 128), 0);
         // One token, 8 experts: 8 partial tiles.
-        assert_eq!(tile_slots(8, 256), 1 + 8);
+        assert_eq!(tile_slots(8, 256, 128), 1 + 8);
         // Every expert used, one of them with the rest: ceil(pairs / 128) full tiles plus a partial per expert.
-        for (pairs, experts) in [(2048, 256), (65536, 256), (300, 4), (129, 1)] {
-            let worst = (0..experts)
-                .map(|e| if e == 0 { pairs - (experts - 1).min(pairs - 1) } else { usize::from(e < pairs) })
-                .map(|c: usize| c.div_ceil(128))
-                .sum::<usize>();
-            assert!(tile_slots(pairs, experts) >= worst, "{pairs} pairs over {experts} experts: {worst} tiles");
+        for rows in [64, 128] {
+            for (pairs, experts) in [(2048, 256), (65536, 256), (300, 4), (129, 1)] {
+                let worst = (0..experts)
+                    .map(|e| if e == 0 { pairs - (experts - 1).min(pairs - 1) } else { usize::from(e < pairs) })
+                    .map(|c: usize| c.div_ceil(rows))
+                    .sum::<usize>();
+                assert!(
+                    tile_slots(pairs, experts, rows) >= worst,
+                    "{pairs} pairs over {experts} experts: {worst} tiles"
+                );
+            }
         }
+        // Decode-sized groupings take the 64-row tile (unless TANDEM_GEMM_SMALL_TILES=0).
+        if gemm::small_tiles() {
+            assert_eq!(tile_rows(64 * 8, 32), 64);
+            assert_eq!(tile_rows(8, 256), 64);
+        }
+        assert_eq!(tile_rows(4096 * 8, 32), 128);
     }
 }
