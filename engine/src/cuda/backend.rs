@@ -170,6 +170,27 @@ struct Inputs {
     score_stride: usize,
     /// The MHA form (full-precision prefill): every item's context slots, and each row's first context row.
     ctx: Option<(u64, usize, u64)>,
+    /// The FP8 indexer's scorer groups per chunk of rows ([`ScorePlan`]), the same in every layer: (first
+    /// row, end row, groups on the device, groups, most queries of a group).
+    score_groups: Vec<(usize, usize, u64, usize, usize)>,
+}
+
+/// How a call's indexer scores are cut into chunks of rows (the same in every layer).
+struct ScorePlan {
+    /// The scorer counts the top-k's first radix digit as it writes.
+    with_hist: bool,
+    /// The top-k's split form.
+    split: bool,
+    chunk_rows: usize,
+}
+
+/// The runs of `runs` (each item's first row and rows) inside rows `r0..r1`, relative to `r0`, as the
+/// scorer's groups.
+fn chunk_groups(runs: &[(usize, usize)], r0: usize, r1: usize) -> Vec<i32> {
+    indexer::groups(runs.iter().filter_map(|&(first, len)| {
+        let (a, b) = (first.max(r0), (first + len).min(r1));
+        (a < b).then(|| (a - r0, b - a))
+    }))
 }
 
 impl CudaBackend {
@@ -433,17 +454,49 @@ impl CudaBackend {
         } else {
             None
         };
+        let runs: Vec<(usize, usize)> = items.iter().map(|it| (it.row0, it.n)).collect();
+        let mut score_groups = Vec::new();
+        if self.prec == Precision::Fp8 {
+            let plan = self.score_plan(rows, score_stride, true);
+            for r0 in (0..rows).step_by(plan.chunk_rows.max(1)) {
+                let r1 = (r0 + plan.chunk_rows).min(rows);
+                let grouping = chunk_groups(&runs, r0, r1);
+                let max_q = grouping.chunks(2).map(|g| g[1] as usize).max().unwrap_or(1);
+                score_groups.push((r0, r1, ws.upload(s, &grouping)?, grouping.len() / 2, max_q));
+            }
+        }
         Ok(Inputs {
             rows,
             positions: ws.upload(s, &positions)?,
             lengths: ws.upload(s, &lengths)?,
             slots: ws.upload(s, &slots)?,
             tables: ws.upload(s, &tables)?,
-            runs: items.iter().map(|it| (it.row0, it.n)).collect(),
+            runs,
             table_width,
             score_stride,
             ctx,
+            score_groups,
         })
+    }
+
+    /// The indexer's chunking of `rows` rows of `stride` score columns: the score buffer bounded, a launch at
+    /// most 65535 rows (grid y); where the FP8 scorer counts the first radix digit (rows longer than
+    /// index_topk) and the top-k's split form (CTAs of 4096 positions instead of one per row, where a chunk has
+    /// few rows; its plan records count in the chunk's budget). The selections are the same in either form.
+    fn score_plan(&self, rows: usize, stride: usize, fp8: bool) -> ScorePlan {
+        let topk = self.cfg.index_topk;
+        let with_hist = fp8 && stride > topk;
+        let row_words = stride + if with_hist { HIST_WORDS } else { 0 };
+        let chunk = |words| score_rows(words, self.score_bytes).min(rows).min(65_535);
+        let split_chunk = chunk(row_words + topk::SPLIT_WORDS);
+        let split = with_hist
+            && match self.topk_form {
+                None => topk::split_applies(split_chunk, stride, topk),
+                Some(topk::Form::Split) => stride <= topk::MAX_SPLIT_STRIDE,
+                Some(topk::Form::Single) => false,
+            };
+        let chunk_rows = if split { split_chunk } else { chunk(row_words) };
+        ScorePlan { with_hist, split, chunk_rows }
     }
 
     fn rms_norm(
@@ -787,19 +840,7 @@ impl CudaBackend {
         // The scorer counts the top-k's first radix digit as it writes (FP8 only; rows of at most index_topk
         // positions select everything and never read it). The budget covers scores and counts; a launch
         // takes at most 65535 rows (grid y).
-        let with_hist = fp8 && stride > topk;
-        let row_words = stride + if with_hist { HIST_WORDS } else { 0 };
-        let chunk = |words| score_rows(words, self.score_bytes).min(rows).min(65_535);
-        // The top-k's split form (CTAs of 4096 positions instead of one per row) where a chunk has few rows;
-        // its plan records count in the chunk's budget. The selections are the same in either form.
-        let split_chunk = chunk(row_words + topk::SPLIT_WORDS);
-        let split = with_hist
-            && match self.topk_form {
-                None => topk::split_applies(split_chunk, stride, topk),
-                Some(topk::Form::Split) => stride <= topk::MAX_SPLIT_STRIDE,
-                Some(topk::Form::Single) => false,
-            };
-        let chunk_rows = if split { split_chunk } else { chunk(row_words) };
+        let ScorePlan { with_hist, split, chunk_rows } = self.score_plan(rows, stride, fp8);
         let scores = ws.take::<f32>(&s, chunk_rows * stride)?;
         let hist = if with_hist { ws.take::<u32>(&s, chunk_rows * HIST_WORDS)? } else { 0 };
         let plans = if split { ws.take::<u32>(&s, chunk_rows * topk::SPLIT_WORDS)? } else { 0 };
@@ -810,13 +851,16 @@ impl CudaBackend {
             let tables = inp.tables + (r0 * inp.table_width * 4) as u64;
             let lengths = inp.lengths + (r0 * 4) as u64;
             if fp8 {
-                // The chunk's part of each item's rows, as runs relative to the chunk.
-                let runs = inp.runs.iter().filter_map(|&(first, len)| {
-                    let (a, b) = (first.max(r0), (first + len).min(r1));
-                    (a < b).then(|| (a - r0, b - a))
-                });
-                let grouping = indexer::groups(runs);
-                let max_q = grouping.chunks(2).map(|g| g[1] as usize).max().unwrap_or(1);
+                // The chunk's scorer groups, uploaded with the call's inputs (an upload here would make the host
+                // wait for the stream in every layer); the same plan, so normally found.
+                let (groups, ngroups, max_q) = match inp.score_groups.iter().find(|g| g.0 == r0 && g.1 == r1) {
+                    Some(&(_, _, p, n, q)) => (p, n, q),
+                    None => {
+                        let grouping = chunk_groups(&inp.runs, r0, r1);
+                        let max_q = grouping.chunks(2).map(|g| g[1] as usize).max().unwrap_or(1);
+                        (ws.upload(&s, &grouping)?, grouping.len() / 2, max_q)
+                    }
+                };
                 if with_hist {
                     s.context().bind_to_thread().map_err(dev)?;
                     // SAFETY: `hist` holds chunk_rows >= n rows of counts (taken above); stream-ordered before
@@ -835,8 +879,8 @@ impl CudaBackend {
                         block_table: tables,
                         max_blocks: inp.table_width,
                         lengths,
-                        groups: ws.upload(&s, &grouping)?,
-                        ngroups: grouping.len() / 2,
+                        groups,
+                        ngroups,
                         max_q,
                         scores,
                         score_stride: stride,
