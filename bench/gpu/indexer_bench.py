@@ -53,13 +53,19 @@ def shared_bytes(max_q):
 FLUSH = None
 
 
+# The L2 flush reads 256 MiB (TANDEM_FLUSH=write: writes it, the method before 2026-11-27, which leaves the
+# L2 dirty so a kernel reading under a few hundred MB pays write-backs inside its time; bench/gpu/torch_timing.py).
+WRITE_FLUSH = os.environ.get("TANDEM_FLUSH") == "write"
+
+
 def timed(fn, reps, graph=True):
-    """Median ms of `reps` replays of `fn` captured as a CUDA graph, each after the L2 is overwritten (a 256 MiB
-    write, untimed); `graph=False` times eager launches (the copy and the naive PyTorch baseline)."""
+    """Median ms of `reps` replays of `fn` captured as a CUDA graph, each after the L2 is evicted (a 256 MiB
+    read, untimed); `graph=False` times eager launches (the copy and the naive PyTorch baseline)."""
     global FLUSH
     if FLUSH is None:
-        FLUSH = cp.empty(256 << 20, dtype=cp.uint8)
-    return kl.time_ms(fn, reps, flush=lambda: FLUSH.fill(0x5A), graph=graph)
+        FLUSH = cp.full(256 << 20, 0x5A, dtype=cp.uint8)
+    flush = (lambda: FLUSH.fill(0x5A)) if WRITE_FLUSH else (lambda: FLUSH.max())
+    return kl.time_ms(fn, reps, flush=flush, graph=graph)
 
 
 def copy_bandwidth():
@@ -307,7 +313,8 @@ def main():
             print(f"prefill  {r['tokens']:>6} {r['context']:>7}   - {r['ms']:>8.3f}       -      - {r['tflops']:>7.1f}  "
                   f"{r['tokens_per_s']:.0f} tokens/s (top-k {r['topk_form']}, chunks of {r['score_chunk_rows']})")
     if a.json:
-        json.dump({"device": dev, "copy_gb_per_s": copy, "rows": rows}, open(a.json, "w"), indent=1)
+        json.dump({"device": dev, "copy_gb_per_s": copy, "flush": "write" if WRITE_FLUSH else "read", "rows": rows},
+                  open(a.json, "w"), indent=1)
     sys.exit(0 if all(r.get("ok", True) for r in rows) else 1)
 
 
