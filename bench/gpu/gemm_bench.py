@@ -145,9 +145,7 @@ class Gemm:
     def plan(self, m, n, kpad):
         """engine::cuda::gemm::Plan::new: (tile height, tile width, chains, split)."""
         pairs = max(1, (-(-n // 64) + 1) // 2)
-        # gemm::CHAIN_SMS (132); CHAIN_SMS=... in the environment explores other chain counts (other bits).
-        chain_sms = int(os.environ.get("CHAIN_SMS", 132))
-        chains = min(max(1, min(16, (chain_sms // 2) // pairs)), max(1, kpad // BK))
+        chains = min(max(1, min(16, (132 // 2) // pairs)), max(1, kpad // BK))  # gemm::CHAIN_SMS
         split = chains > 1 and -(-m // BM) * pairs < self.sms // 2 and m <= 2 * BM and n * kpad >= 512 * 1024
         bm = next((t for t in SMALL_TILES if m <= t), BM)
         return bm, (64 if split else self.tile_n(m, n)), chains, split
