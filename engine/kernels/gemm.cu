@@ -383,44 +383,28 @@ extern "C" __global__ void tandem_gemm_fp8_combine_bf16(const float* __restrict_
     gemm_combine_body<true>(part, chains, count, y);
 }
 
-// The entry points: output tile width 128 or 64, f32 or bf16 out. Launch: a grid of an even number of CTAs
-// (clusters of two), at most one per SM (persistent: each cluster walks units u = cluster, cluster +
-// clusters, ...), 384 threads, dynamic shared memory engine::cuda::gemm::smem_bytes.
+// The entry points: tile rows 128 or 64 (`_m64_`), output tile width 128 or 64, f32 or bf16 out. Launch: a grid
+// of an even number of CTAs (clusters of two), at most one per SM (persistent: each cluster walks units u =
+// cluster, cluster + clusters, ...), 384 threads (256 with 64-row tiles), dynamic shared memory
+// engine::cuda::gemm::smem_bytes.
 #define GEMM_PARAMS                                                                                               \
     const __grid_constant__ TandemTensorMap ta, const __grid_constant__ TandemTensorMap tb,                      \
         const __grid_constant__ TandemTensorMap tsa, const float *__restrict__ ws, int scale_cols,                \
         void *__restrict__ y, float *__restrict__ part, int chains, int rows, int n, int kpad,                 \
         const GemmRowTile *__restrict__ row_tiles, int tile_slots, const int *__restrict__ out_rows
 
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n128_f32(GEMM_PARAMS) {
-    gemm_fp8_body<128, 128, GEMM_STAGES_128, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad,
-                                                      row_tiles, tile_slots, out_rows);
-}
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n128_bf16(GEMM_PARAMS) {
-    gemm_fp8_body<128, 128, GEMM_STAGES_128, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad,
-                                                      row_tiles, tile_slots, out_rows);
-}
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n64_f32(GEMM_PARAMS) {
-    gemm_fp8_body<128, 64, GEMM_STAGES_64, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad,
-                                                      row_tiles, tile_slots, out_rows);
-}
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS, 1) tandem_gemm_fp8_n64_bf16(GEMM_PARAMS) {
-    gemm_fp8_body<128, 64, GEMM_STAGES_64, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad,
-                                                      row_tiles, tile_slots, out_rows);
-}
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS_SMALL, 1) tandem_gemm_fp8_m64_n128_f32(GEMM_PARAMS) {
-    gemm_fp8_body<64, 128, GEMM_STAGES_M64_128, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad,
-                                                      row_tiles, tile_slots, out_rows);
-}
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS_SMALL, 1) tandem_gemm_fp8_m64_n128_bf16(GEMM_PARAMS) {
-    gemm_fp8_body<64, 128, GEMM_STAGES_M64_128, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad,
-                                                      row_tiles, tile_slots, out_rows);
-}
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS_SMALL, 1) tandem_gemm_fp8_m64_n64_f32(GEMM_PARAMS) {
-    gemm_fp8_body<64, 64, GEMM_STAGES_M64_64, false>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad,
-                                                      row_tiles, tile_slots, out_rows);
-}
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GEMM_THREADS_SMALL, 1) tandem_gemm_fp8_m64_n64_bf16(GEMM_PARAMS) {
-    gemm_fp8_body<64, 64, GEMM_STAGES_M64_64, true>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad,
-                                                      row_tiles, tile_slots, out_rows);
-}
+// One entry point: its name, tile rows and width, stages, output type, threads.
+#define GEMM_ENTRY(NAME, TM, BN, STAGES, BF16, THREADS)                                                           \
+    extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1) NAME(GEMM_PARAMS) {        \
+        gemm_fp8_body<TM, BN, STAGES, BF16>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad,      \
+                                            row_tiles, tile_slots, out_rows);                                   \
+    }
+
+GEMM_ENTRY(tandem_gemm_fp8_n128_f32, 128, 128, GEMM_STAGES_128, false, GEMM_THREADS)
+GEMM_ENTRY(tandem_gemm_fp8_n128_bf16, 128, 128, GEMM_STAGES_128, true, GEMM_THREADS)
+GEMM_ENTRY(tandem_gemm_fp8_n64_f32, 128, 64, GEMM_STAGES_64, false, GEMM_THREADS)
+GEMM_ENTRY(tandem_gemm_fp8_n64_bf16, 128, 64, GEMM_STAGES_64, true, GEMM_THREADS)
+GEMM_ENTRY(tandem_gemm_fp8_m64_n128_f32, 64, 128, GEMM_STAGES_M64_128, false, GEMM_THREADS_SMALL)
+GEMM_ENTRY(tandem_gemm_fp8_m64_n128_bf16, 64, 128, GEMM_STAGES_M64_128, true, GEMM_THREADS_SMALL)
+GEMM_ENTRY(tandem_gemm_fp8_m64_n64_f32, 64, 64, GEMM_STAGES_M64_64, false, GEMM_THREADS_SMALL)
+GEMM_ENTRY(tandem_gemm_fp8_m64_n64_bf16, 64, 64, GEMM_STAGES_M64_64, true, GEMM_THREADS_SMALL)

@@ -665,7 +665,7 @@ impl CudaBackend {
         // An FP8 model's routed experts give bf16 outputs either way (docs/model.md §2.4).
         if moe::enabled() && moe::supported(&routed.experts) {
             let pairs = ws.take::<u16>(s, rows * k * hidden)?;
-            let g = moe::group(&self.gpu, ws, ids, rows * k, k, e)?;
+            let g = moe::group(&self.gpu, ws, ids, rows * k, k, e, None)?;
             moe::forward(&self.gpu, ws, &routed.experts, x, &g, pairs)?;
             let pairs = moe::PairRows::Bf16 { rows: pairs, slot: g.slot_of_pair };
             return moe::combine(&self.gpu, pairs, weights, shared, y, rows, k, hidden);

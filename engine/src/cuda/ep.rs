@@ -1244,7 +1244,7 @@ pub fn moe_experts(
             Arg::P(lids),
         ],
     )?;
-    let g = moe::group(gpu, ws, lids, pairs, k, routed.experts.down.groups())?;
+    let g = moe::group(gpu, ws, lids, pairs, k, routed.experts.down.groups(), None)?;
     let ld = gemm::scale_ld(pairs);
     let qa = ws.take::<u8>(s, pairs * kpad)?;
     let sa = ws.take::<f32>(s, (kpad / gemm::BK) * ld)?;

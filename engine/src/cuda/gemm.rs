@@ -704,7 +704,7 @@ mod tests {
             ws_e.iter().map(|w| gpu_forward(&gpu, &x, tokens, w, plan(&gpu, tokens, w, |_| {}), false)).collect();
         // Row tiles of 64 (the decode tile) and 128 rows.
         for rows in [BM_SMALL, BM] {
-            let g = crate::cuda::moe::group_in_tiles(&gpu, &mut ws, dids.ptr(), pairs, k, experts, rows).unwrap();
+            let g = crate::cuda::moe::group(&gpu, &mut ws, dids.ptr(), pairs, k, experts, Some(rows)).unwrap();
             let ld = scale_ld(pairs);
             let (qa, sa) =
                 crate::cuda::weights::act_quant(&gpu, &mut ws, dx.ptr(), pairs, inp, kpad, true, ld, g.src_row)
@@ -740,7 +740,8 @@ mod tests {
                 }
             }
         }
-        assert!(crate::cuda::moe::group(&gpu, &mut ws, dids.ptr(), pairs - 1, k, experts).is_err());
+        assert!(crate::cuda::moe::group(&gpu, &mut ws, dids.ptr(), pairs - 1, k, experts, None).is_err());
+        assert!(crate::cuda::moe::group(&gpu, &mut ws, dids.ptr(), pairs, k, experts, Some(32)).is_err());
     }
 
     #[test]

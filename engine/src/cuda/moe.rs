@@ -68,8 +68,8 @@ pub struct Grouping {
     pub pair_of_row: u64,
 }
 
-/// Groups the `pairs` expert ids `ids` (i32, token-major, `k` per token) by expert, in row tiles of
-/// [`tile_rows`].
+/// Groups the `pairs` expert ids `ids` (i32, token-major, `k` per token) by expert, in row tiles of `rows`
+/// (64 or 128; `None`: [`tile_rows`]).
 pub fn group(
     gpu: &Gpu,
     ws: &mut Workspace,
@@ -77,20 +77,9 @@ pub fn group(
     pairs: usize,
     k: usize,
     experts: usize,
+    rows: Option<usize>,
 ) -> Result<Grouping, CudaError> {
-    group_in_tiles(gpu, ws, ids, pairs, k, experts, tile_rows(pairs, experts))
-}
-
-/// [`group`] with row tiles of `rows` (64 or 128; the tests run both).
-pub fn group_in_tiles(
-    gpu: &Gpu,
-    ws: &mut Workspace,
-    ids: u64,
-    pairs: usize,
-    k: usize,
-    experts: usize,
-    rows: usize,
-) -> Result<Grouping, CudaError> {
+    let rows = rows.unwrap_or_else(|| tile_rows(pairs, experts));
     // The planning CTA keeps three ints per expert in shared memory, within the 48 KiB default.
     if experts == 0
         || k == 0
