@@ -6,7 +6,8 @@ numbers) and the same-run copy bandwidth.
 
   python3 bench/gpu/bf16_bench.py [--quick] [--json FILE]
 
-Each timing is a CUDA-graph replay of one launch after a 256 MiB write that evicts the L2, median of the runs.
+Each timing is a CUDA-graph replay of one launch after a 256 MiB read that evicts the L2 (bench/gpu/torch_timing.py),
+median of the runs.
 "weight %copy" = weight bytes / time against the copy (the figure of merit for few rows). Before timing, the
 script checks every kernel against f64 sums (the split's bound: 2^-16 of the magnitude sum) and that a row's
 bits do not depend on the row count.

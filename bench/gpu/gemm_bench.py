@@ -5,7 +5,8 @@ weight scales; and per-tensor scaling, the stretch) and the same-run copy bandwi
   python3 bench/gpu/gemm_bench.py [--quick] [--json FILE]
 
 Every shape of DeepSeek-V3.2's FP8 linears (N x K), M = 1..8192 tokens. Each timing is a CUDA graph replay of
-one launch after a 256 MiB write that evicts the L2, median of the runs; bf16 output for every kernel.
+one launch after a 256 MiB read that evicts the L2 (bench/gpu/torch_timing.py), median of the runs; bf16 output
+for every kernel.
 TFLOPS = 2 M N K / time; weight GB/s = (N K + scale bytes) / time, the figure of merit where M <= 256 (the
 weights are read once; target >= 80% of the same-run copy bandwidth); at M >= 1024 the target is >= 1.0x
 cuBLASLt block-scaled.

@@ -7,7 +7,7 @@ same-run copy bandwidth and a naive PyTorch version.
 Decode: batch b of requests, s_q query rows each (1, or 2 with an MTP draft that sees one more token), every
 request's context over its own random block table in a paged pool of 8448-byte FP8 key blocks; time = scorer
 + top-k, replayed as a CUDA graph (the launches' GPU time, as in a graphed decode step), L2 flushed (a 256 MiB
-write) before every timed run; bytes = sum of contexts x 132 + q + weights.
+read; TANDEM_FLUSH=write writes it) before every timed run; bytes = sum of contexts x 132 + q + weights.
 Prefill: a chunk of T tokens at the end of a C-token context, scored and selected in row chunks of at most
 64 MiB of scores (as the CUDA backend does), groups of 4 rows sharing the request's block table.
 

@@ -7,7 +7,8 @@ of one expert's M, N, K.
 DeepSeek-V3.2's expert matrices (gate and up: N 2048 x K 7168; down: N 7168 x K 2048) over E local experts
 (8, and 32: one rank of EP-8), every expert with m tokens (m = 1..1024; the row tiles of a grouped launch
 are listed on the device as the engine's planning kernel lists them: an expert's rows contiguous, tiles of
-up to 128 rows, none padded). Each timing is a CUDA graph replay after a 256 MiB write that evicts the L2,
+up to 64 rows where the experts average at most 64 pairs, else 128, none padded; the 64-row cases are also
+timed with 128-row tiles). Each timing is a CUDA graph replay after a 256 MiB read that evicts the L2,
 median of the runs; f32 output as in the engine. Figures of merit (issue targets):
   - m < 256: weight GB/s = E N K (+ scales) / time, against the same-run copy bandwidth (>= 80%);
   - m >= 256: E x (time of the plain product at M = m) / (grouped time) (>= 0.9).
@@ -72,7 +73,7 @@ class Grouped:
         e = len(counts)
         rows = rows or tile_rows(counts)
         t, slots = tiles if tiles is not None else row_tiles(counts, rows)
-        bn = bn or self.g.tile_n(slots * rows, n)
+        bn = bn or self.g.tile_n(slots * BM, n)  # engine::cuda::moe::grouped_linear: one 128-row unit a slot
         sa_t = transposed_scales(sa)
         ta, tb, tsa = tensor_map(qa, p, kpad, rows // 2), tensor_map(w, e * n, kpad, bn), scale_map(sa_t, p)
         fn = self.g.fns[(rows, bn, "f32")]
@@ -169,7 +170,9 @@ def main():
                                 "grouped_128_rows_us": t128})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"copy_gbps": copy, "device": torch.cuda.get_device_name(0), "results": results}, f, indent=1)
+            json.dump({"copy_gbps": copy, "device": torch.cuda.get_device_name(0),
+                       "flush": "write" if os.environ.get("TANDEM_FLUSH") == "write" else "read", "results": results},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

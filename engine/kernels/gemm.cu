@@ -6,10 +6,11 @@
 // [rows, n]. The three operands arrive as TMA tensor maps (engine::cuda::gemm::TensorMap).
 //
 // Persistent clusters of two CTAs, at most one CTA per SM. A cluster walks its units u = cluster,
-// cluster + clusters, ...; a unit is a cluster tile (one 128-row block of output rows and two adjacent
-// BN-column tiles, one per CTA; BN 128, or 64 where 128-wide tiles would leave SMs idle), or one chain of
-// one (below). Each CTA has three warpgroups. The first is the producer: one thread issues, per K block of
-// 128, TMA loads of its half of the shared A tile [64 x 128] multicast into both CTAs (the pair reads A
+// cluster + clusters, ...; a unit is a cluster tile (one TM-row block of output rows, TM 128 or 64 below, and
+// two adjacent BN-column tiles, one per CTA; BN 128, or 64 where 128-wide tiles would leave SMs idle), or one
+// chain of one (below). Each CTA has a producer warpgroup and a consumer warpgroup per 64 rows (three with
+// 128-row tiles). The producer: one thread issues, per K block of 128, TMA loads of its half of the shared A
+// tile [TM/2 x 128] multicast into both CTAs (the pair reads A
 // from L2 once), of its own B tile [BN x 128] (both straight into the 128-byte-swizzled layout wgmma
 // reads) and of the block's row scales, STAGES blocks in flight through full/empty mbarriers (a stage
 // is free when the consumers of both CTAs are done with it; the scales come as a box of GEMM_SA_BOX from the

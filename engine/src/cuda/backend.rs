@@ -163,8 +163,6 @@ struct Inputs {
     slots: u64,
     /// `[rows, table_width]` block ids of each row's request.
     tables: u64,
-    /// Each item's rows (first row, rows): they share the item's blocks.
-    runs: Vec<(usize, usize)>,
     table_width: usize,
     /// Score columns: the longest context of any row.
     score_stride: usize,
@@ -471,7 +469,6 @@ impl CudaBackend {
             lengths: ws.upload(s, &lengths)?,
             slots: ws.upload(s, &slots)?,
             tables: ws.upload(s, &tables)?,
-            runs,
             table_width,
             score_stride,
             ctx,
@@ -852,14 +849,12 @@ impl CudaBackend {
             let lengths = inp.lengths + (r0 * 4) as u64;
             if fp8 {
                 // The chunk's scorer groups, uploaded with the call's inputs (an upload here would make the host
-                // wait for the stream in every layer); the same plan, so normally found.
-                let (groups, ngroups, max_q) = match inp.score_groups.iter().find(|g| g.0 == r0 && g.1 == r1) {
-                    Some(&(_, _, p, n, q)) => (p, n, q),
-                    None => {
-                        let grouping = chunk_groups(&inp.runs, r0, r1);
-                        let max_q = grouping.chunks(2).map(|g| g[1] as usize).max().unwrap_or(1);
-                        (ws.upload(&s, &grouping)?, grouping.len() / 2, max_q)
-                    }
+                // wait for the stream in every layer): `inputs` cut the rows by the same plan.
+                let Some(&(_, _, groups, ngroups, max_q)) = inp.score_groups.iter().find(|g| g.0 == r0 && g.1 == r1)
+                else {
+                    return Err(EngineError::Device(format!(
+                        "indexer: no scorer groups were uploaded for rows {r0}..{r1} (the call's score plan changed)"
+                    )));
                 };
                 if with_hist {
                     s.context().bind_to_thread().map_err(dev)?;

@@ -1244,7 +1244,10 @@ pub fn moe_experts(
             Arg::P(lids),
         ],
     )?;
-    let g = moe::group(gpu, ws, lids, pairs, k, routed.experts.down.groups(), None)?;
+    // `pairs` counts every rank's slots; this rank's experts expect about cap x k of them (tiles sized for the
+    // local pairs, and the launch still for every slot: the tile height never changes the bits).
+    let experts = routed.experts.down.groups();
+    let g = moe::group(gpu, ws, lids, pairs, k, experts, Some(moe::tile_rows(cap * k, experts)))?;
     let ld = gemm::scale_ld(pairs);
     let qa = ws.take::<u8>(s, pairs * kpad)?;
     let sa = ws.take::<f32>(s, (kpad / gemm::BK) * ld)?;

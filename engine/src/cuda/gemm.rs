@@ -8,8 +8,9 @@
 //! scale stride ([`scale_ld`]), so one K block's scales of 128 rows are one contiguous TMA box.
 //!
 //! Batch invariance: an output element is the same operations in every launch (four k32 steps per K block,
-//! promoted in K order into one f32 accumulator, no split-K); the tile width ([`tile_n`], the only choice
-//! that depends on M) and the persistent grid change which CTA computes it, not its bits (tested).
+//! promoted in K order into one f32 accumulator per chain, the weight shape's chains added left to right);
+//! what depends on M (the tile height [`Plan::bm`], the width [`tile_n`], whether the chains run split, the
+//! persistent grid) changes which CTA computes it, not its bits (tested).
 
 use cudarc::driver::{DeviceRepr, PushKernelArg, sys};
 

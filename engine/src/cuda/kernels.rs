@@ -486,12 +486,23 @@ mod tests {
         for f in FAMILIES {
             assert!(!f.functions.is_empty() && !f.sass_expect.is_empty(), "{}", f.name);
             for func in f.functions {
-                // The entry point is declared `extern "C" __global__` itself (its mangled name would not load).
-                let defined = f.source.find(&format!(" {func}(")).is_some_and(|at| {
+                // The entry point is declared `extern "C" __global__` itself (its mangled name would not load),
+                // or by a macro `M(func, ...)` whose definition declares it so.
+                let direct = f.source.find(&format!(" {func}(")).is_some_and(|at| {
                     let decl = &f.source[f.source[..at].rfind(';').map_or(0, |i| i + 1)..at];
                     decl.contains("extern \"C\" __global__")
                 });
-                assert!(defined, "{} does not define {func}", f.name);
+                let by_macro = f.source.lines().any(|line| {
+                    line.split_once(&format!("({func},")).is_some_and(|(mac, _)| {
+                        !mac.is_empty()
+                            && mac.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                            && f.source.split(&format!("#define {mac}(")).nth(1).is_some_and(|body| {
+                                let body = body.split("\n\n").next().unwrap_or("");
+                                body.contains("extern \"C\" __global__")
+                            })
+                    })
+                });
+                assert!(direct || by_macro, "{} does not define {func}", f.name);
             }
         }
     }

@@ -8,8 +8,8 @@
 //!
 //! Batch invariance: a pair's row is quantized from its token's row alone, and its products are computed as
 //! a plain GEMM computes a row (the weight shape's chains, in K order); which tile or position it lands in,
-//! the other rows and the tile width change nothing (checked bit for bit against plain products of each
-//! expert by `gemm::tests::grouped_rows_equal_each_experts_plain_product`, which has not yet run on a GPU).
+//! the other rows and the tile's height and width change nothing (checked bit for bit against plain products
+//! of each expert by `gemm::tests::grouped_rows_equal_each_experts_plain_product`, tiles of 64 and 128 rows).
 //! The combine adds a token's experts in slot order.
 
 use super::ops::{Arg, Workspace, elementwise_grid, launch};
@@ -258,10 +258,14 @@ pub fn grouped_linear(
     tile: Option<usize>,
 ) -> Result<(), CudaError> {
     let tile = tile.unwrap_or_else(|| {
-        gemm::tile_n(g.tile_slots * g.tile_rows, lin.out_features(), gpu.info().multiprocessors as usize)
+        // tile_n counts row tiles of gemm::BM rows: one per tile slot, whatever the slots' height.
+        gemm::tile_n(g.tile_slots * gemm::BM, lin.out_features(), gpu.info().multiprocessors as usize)
     });
     let DLinear::Fp8 { codes, scales, out, inp, kpad, block: [128, 128], maps: Some(maps), .. } = lin else {
-        return Err(CudaError::Shape("moe: grouped experts need FP8 weights with 128 x 128 blocks".into()));
+        return Err(CudaError::Shape(format!(
+            "moe: grouped experts need FP8 weights with 128 x 128 blocks and K of at most {} (gemm::MAX_K_BLOCKS)",
+            gemm::MAX_K_BLOCKS * gemm::BK
+        )));
     };
     let groups = lin.groups();
     if groups == 0 || groups * out * kpad != codes.len() {

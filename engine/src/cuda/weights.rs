@@ -194,9 +194,10 @@ impl DLinear {
             Some((out, inp, Some((block, ue8m0)))) => {
                 let codes = DBuf::upload(stream, &codes)?;
                 let kpad = inp.div_ceil(ACT_GROUP) * ACT_GROUP;
-                // Stacked matrices (the routed experts) get maps over all of them: the grouped GEMM's.
+                // Stacked matrices (the routed experts) get maps over all of them: the grouped GEMM's. K past
+                // the GEMM's limit (gemm::MAX_K_BLOCKS) takes the dot-product kernel, decided here at load.
                 let rows = names.len() * out;
-                let maps = if block == [gemm::BK, gemm::BK] {
+                let maps = if block == [gemm::BK, gemm::BK] && kpad / gemm::BK <= gemm::MAX_K_BLOCKS {
                     Some(Box::new([
                         gemm::TensorMap::codes(codes.ptr(), rows, kpad, 64)?,
                         gemm::TensorMap::codes(codes.ptr(), rows, kpad, 128)?,
