@@ -73,7 +73,7 @@ class Grouped:
         e = len(counts)
         rows = rows or tile_rows(counts)
         t, slots = tiles if tiles is not None else row_tiles(counts, rows)
-        bn = bn or self.g.tile_n(slots * BM, n)  # engine::cuda::moe::grouped_linear: one 128-row unit a slot
+        bn = bn or self.g.tile_n(slots * rows, n)  # engine::cuda::moe::grouped_linear
         sa_t = transposed_scales(sa)
         ta, tb, tsa = tensor_map(qa, p, kpad, rows // 2), tensor_map(w, e * n, kpad, bn), scale_map(sa_t, p)
         fn = self.g.fns[(rows, bn, "f32")]

@@ -258,8 +258,9 @@ pub fn grouped_linear(
     tile: Option<usize>,
 ) -> Result<(), CudaError> {
     let tile = tile.unwrap_or_else(|| {
-        // tile_n counts row tiles of gemm::BM rows: one per tile slot, whatever the slots' height.
-        gemm::tile_n(g.tile_slots * gemm::BM, lin.out_features(), gpu.info().multiprocessors as usize)
+        // The slots' rows: 64-row slots count half a 128-row tile, so 64-wide tiles (twice the CTAs) are taken
+        // until half the slots fill the SMs - how the RESULTS.md measurements ran (the width never changes bits).
+        gemm::tile_n(g.tile_slots * g.tile_rows, lin.out_features(), gpu.info().multiprocessors as usize)
     });
     let DLinear::Fp8 { codes, scales, out, inp, kpad, block: [128, 128], maps: Some(maps), .. } = lin else {
         return Err(CudaError::Shape(format!(
