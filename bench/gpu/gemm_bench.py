@@ -35,17 +35,16 @@ from torch_timing import copy_gbps, timed  # noqa: E402
 KERNELS = os.path.join(ROOT, "engine", "kernels")
 DEV = "cuda"
 BM, BK = 128, 128
-SMALL_TILES = (64,)  # small products' tile height (engine::cuda::gemm::BM_SMALL)
+BM_SMALL = 64  # small products' tile height (engine::cuda::gemm::BM_SMALL)
 MAX_K_BLOCKS = 256  # engine::cuda::gemm::MAX_K_BLOCKS
 SCALE_BOX = BM + 4  # row scales per TMA box (engine::cuda::gemm::SCALE_BOX)
 STAGES = {(128, 128): int(os.environ.get("GEMM_STAGES_128", 6)), (128, 64): int(os.environ.get("GEMM_STAGES_64", 8))}
-for _tm, _st in ((64, (9, 13)),):  # engine::cuda::gemm::stages
-    STAGES[(_tm, 128)] = int(os.environ.get(f"GEMM_STAGES_M{_tm}_128", _st[0]))
-    STAGES[(_tm, 64)] = int(os.environ.get(f"GEMM_STAGES_M{_tm}_64", _st[1]))
+STAGES[(BM_SMALL, 128)] = int(os.environ.get("GEMM_STAGES_M64_128", 9))  # engine::cuda::gemm::stages
+STAGES[(BM_SMALL, 64)] = int(os.environ.get("GEMM_STAGES_M64_64", 13))
 
 
 def threads(bm):
-    return 128 * (1 + -(-bm // 64))
+    return 128 * (1 + bm // 64)
 
 # (name, N, K): the model's FP8 linears (DeepSeek-V3.2: hidden 7168, q_lora 1536, kv_lora 512 + rope 64,
 # 128 heads, MLP 18432, experts 2048, indexer 64 x 128; kv_b is the prefill's decompression of the latent).
@@ -123,7 +122,7 @@ class Gemm:
         self.mod = ctypes.c_void_p()
         check(_cuda.cuModuleLoad(ctypes.byref(self.mod), out.encode()), "cuModuleLoad")
         self.fns = {}
-        for bm in (BM,) + SMALL_TILES:
+        for bm in (BM, BM_SMALL):
             for bn in (128, 64):
                 for out_t in ("f32", "bf16"):
                     f = ctypes.c_void_p()
@@ -148,7 +147,7 @@ class Gemm:
         pairs = max(1, (-(-n // 64) + 1) // 2)
         chains = min(max(1, min(16, (132 // 2) // pairs)), max(1, kpad // BK))  # gemm::CHAIN_SMS
         split = chains > 1 and -(-m // BM) * pairs < self.sms // 2 and m <= 2 * BM and n * kpad >= 512 * 1024
-        bm = next((t for t in SMALL_TILES if m <= t), BM)
+        bm = BM_SMALL if m <= BM_SMALL else BM
         return bm, (64 if split else self.tile_n(m, n)), chains, split
 
     def prepare(self, qa, sa, w, ws, y, bn=None, split=None, bm=None):
@@ -279,7 +278,7 @@ def checks(g, failures):
         qa, sa, qw, sw = operands(m, n, k, gen)
         ref = (lambda a, w: a @ w.t())(*dequant(qa, sa, qw, sw))
         for out_dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 1e-2)):
-            for bm, bn in [(t, w) for t in (BM,) + SMALL_TILES for w in (128, 64)]:
+            for bm, bn in [(t, w) for t in (BM, BM_SMALL) for w in (128, 64)]:
                 y = torch.full((m, n), float("nan"), device=DEV, dtype=out_dtype)
                 g.prepare(as_u8(qa), sa, as_u8(qw), sw, y, bn, bm=bm)()
                 torch.cuda.synchronize()
@@ -306,7 +305,7 @@ def checks(g, failures):
     if not same_bn:
         failures.append("tile width 64 != 128")
     for m in (1, 7, 64, 129, 1000):
-        for bm in (BM,) + SMALL_TILES:
+        for bm in (BM, BM_SMALL):
             for bn, split in ((128, False), (64, False), (64, True)):
                 y = torch.empty(m, n, device=DEV, dtype=torch.float32)
                 g.prepare(as_u8(qa[:m].contiguous()), sa[:m].contiguous(), as_u8(qw), sw, y, bn, split, bm)()
@@ -343,7 +342,7 @@ def main():
             for m in [int(v) for v in (args.ms or "1").split(",")]:
                 qa, sa, qw, sw = operands(m, n, k, gen)
                 y = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
-                for bm in (BM,) + tuple(t for t in SMALL_TILES if m <= t):
+                for bm in (BM, BM_SMALL) if m <= BM_SMALL else (BM,):
                     f = g.prepare(as_u8(qa), sa, as_u8(qw), sw, y, bm=bm)
                     for _ in range(5):
                         f()

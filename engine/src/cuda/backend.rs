@@ -168,12 +168,16 @@ struct Inputs {
     score_stride: usize,
     /// The MHA form (full-precision prefill): every item's context slots, and each row's first context row.
     ctx: Option<(u64, usize, u64)>,
-    /// The FP8 indexer's scorer groups per chunk of rows ([`ScorePlan`]), the same in every layer: (first
-    /// row, end row, groups on the device, groups, most queries of a group).
-    score_groups: Vec<(usize, usize, u64, usize, usize)>,
+    /// How the indexer cuts the rows into chunks, the same in every layer.
+    score_plan: ScorePlan,
+    /// The FP8 indexer's scorer groups, one entry per chunk of `score_plan` (uploaded here: an upload in a
+    /// layer would make the host wait for the stream every layer): groups on the device, groups, most queries
+    /// of a group.
+    score_groups: Vec<(u64, usize, usize)>,
 }
 
 /// How a call's indexer scores are cut into chunks of rows (the same in every layer).
+#[derive(Clone, Copy)]
 struct ScorePlan {
     /// The scorer counts the top-k's first radix digit as it writes.
     with_hist: bool,
@@ -452,15 +456,17 @@ impl CudaBackend {
         } else {
             None
         };
-        let runs: Vec<(usize, usize)> = items.iter().map(|it| (it.row0, it.n)).collect();
+        // The pool's format is the precision's (check_pool_fits), so FP8 here is the layer's FP8 cache.
+        let fp8 = self.prec == Precision::Fp8;
+        let score_plan = self.score_plan(rows, score_stride, fp8);
         let mut score_groups = Vec::new();
-        if self.prec == Precision::Fp8 {
-            let plan = self.score_plan(rows, score_stride, true);
-            for r0 in (0..rows).step_by(plan.chunk_rows.max(1)) {
-                let r1 = (r0 + plan.chunk_rows).min(rows);
+        if fp8 {
+            let runs: Vec<(usize, usize)> = items.iter().map(|it| (it.row0, it.n)).collect();
+            for r0 in (0..rows).step_by(score_plan.chunk_rows.max(1)) {
+                let r1 = (r0 + score_plan.chunk_rows).min(rows);
                 let grouping = chunk_groups(&runs, r0, r1);
                 let max_q = grouping.chunks(2).map(|g| g[1] as usize).max().unwrap_or(1);
-                score_groups.push((r0, r1, ws.upload(s, &grouping)?, grouping.len() / 2, max_q));
+                score_groups.push((ws.upload(s, &grouping)?, grouping.len() / 2, max_q));
             }
         }
         Ok(Inputs {
@@ -472,6 +478,7 @@ impl CudaBackend {
             table_width,
             score_stride,
             ctx,
+            score_plan,
             score_groups,
         })
     }
@@ -837,7 +844,7 @@ impl CudaBackend {
         // The scorer counts the top-k's first radix digit as it writes (FP8 only; rows of at most index_topk
         // positions select everything and never read it). The budget covers scores and counts; a launch
         // takes at most 65535 rows (grid y).
-        let ScorePlan { with_hist, split, chunk_rows } = self.score_plan(rows, stride, fp8);
+        let ScorePlan { with_hist, split, chunk_rows } = inp.score_plan;
         let scores = ws.take::<f32>(&s, chunk_rows * stride)?;
         let hist = if with_hist { ws.take::<u32>(&s, chunk_rows * HIST_WORDS)? } else { 0 };
         let plans = if split { ws.take::<u32>(&s, chunk_rows * topk::SPLIT_WORDS)? } else { 0 };
@@ -848,14 +855,8 @@ impl CudaBackend {
             let tables = inp.tables + (r0 * inp.table_width * 4) as u64;
             let lengths = inp.lengths + (r0 * 4) as u64;
             if fp8 {
-                // The chunk's scorer groups, uploaded with the call's inputs (an upload here would make the host
-                // wait for the stream in every layer): `inputs` cut the rows by the same plan.
-                let Some(&(_, _, groups, ngroups, max_q)) = inp.score_groups.iter().find(|g| g.0 == r0 && g.1 == r1)
-                else {
-                    return Err(EngineError::Device(format!(
-                        "indexer: no scorer groups were uploaded for rows {r0}..{r1} (the call's score plan changed)"
-                    )));
-                };
+                // The chunk's scorer groups, uploaded with the call's inputs by the same plan.
+                let (groups, ngroups, max_q) = inp.score_groups[r0 / chunk_rows];
                 if with_hist {
                     s.context().bind_to_thread().map_err(dev)?;
                     // SAFETY: `hist` holds chunk_rows >= n rows of counts (taken above); stream-ordered before
