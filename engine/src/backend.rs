@@ -485,6 +485,49 @@ pub trait Backend: Send + Sync {
     fn take_kernel_profile(&self) -> Result<Vec<KernelTime>, EngineError> {
         Ok(Vec::new())
     }
+
+    /// Turns the timing of each call's span on the GPU on or off (`engine-bench`'s `extra.gpu_busy`:
+    /// engine::cuda::profile::BusyTimer). A backend without a GPU ignores it.
+    fn set_busy_timer(&self, _on: bool) {}
+
+    /// The calls' GPU spans since the previous take (`None` without a GPU).
+    fn take_busy_time(&self) -> Result<Option<GpuBusy>, EngineError> {
+        Ok(None)
+    }
+
+    /// What the captured decode passes have done (`None` where there are none: the CPU).
+    fn decode_graphs(&self) -> Option<DecodeGraphs> {
+        None
+    }
+
+    /// Captures decode passes as CUDA graphs or not (A/B measurements; a backend without them ignores it).
+    fn set_decode_graphs(&self, _on: bool) {}
+}
+
+/// The GPU's share of a run of calls ([`Backend::take_busy_time`]): calls timed, GPU time inside them, and
+/// the time from the first call's start to the last one's end; the rest of the span the GPU waited for the
+/// host.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct GpuBusy {
+    pub calls: u64,
+    pub busy_s: f64,
+    pub span_s: f64,
+}
+
+/// Decode passes run as CUDA graphs ([`Backend::decode_graphs`], engine::cuda::graphs).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct DecodeGraphs {
+    pub on: bool,
+    pub captures: u64,
+    pub replays: u64,
+    /// Decode passes run eagerly: not eligible, or the first of their shape.
+    pub eager: u64,
+    pub held: usize,
+    /// Nodes (launches and copies) of the graphs held.
+    pub nodes: usize,
+    pub bytes: u64,
+    pub evicted: u64,
+    pub capture_s: f64,
 }
 
 /// A backend's place in an expert-parallel group ([`Backend::expert_parallel`]).

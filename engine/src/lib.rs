@@ -32,8 +32,8 @@ pub mod tiny;
 pub mod tolerance;
 
 pub use backend::{
-    AttnForm, Backend, DeviceRows, EngineError, EpRank, ExpertBalance, Fence, KernelTime, LayerReady, Logits, MtpInput,
-    Precision, SeqInput, SeqOutput,
+    AttnForm, Backend, DecodeGraphs, DeviceRows, EngineError, EpRank, ExpertBalance, Fence, GpuBusy, KernelTime,
+    LayerReady, Logits, MtpInput, Precision, SeqInput, SeqOutput,
 };
 pub use config::ModelConfig;
 pub use device::Device;

@@ -16,7 +16,7 @@ use engine::cuda::CudaBackend;
 use engine::generate;
 use engine::sampling::{SamplingParams, argmax};
 use engine::tolerance::diff;
-use engine::{Backend, Logits, Precision, SeqInput};
+use engine::{AttnForm, Backend, Logits, MtpInput, Precision, SeqInput};
 use support::{Served, VOCAB, prompt};
 
 const BLOCKS: usize = 96;
@@ -367,6 +367,124 @@ fn generation_case(prec: Precision) {
             );
         }
     }
+}
+
+/// The CUDA backend with decode graphs on or off (engine::cuda::graphs).
+fn gpu_backend_graphs(prec: Precision, on: bool) -> Option<Arc<CudaBackend>> {
+    let cache = std::env::temp_dir().join("tandem-test-kernels");
+    match CudaBackend::load(checkpoint(), prec, 0, &cache) {
+        Ok(b) => Some(Arc::new(b.with_graphs(on))),
+        Err(e) if !engine::cuda::gpu_required() && e.to_string().contains("no usable GPU") => {
+            eprintln!("skipped: {e}; TANDEM_REQUIRE_GPU=1 makes this a failure");
+            None
+        }
+        Err(e) => panic!("the CUDA backend did not load: {e}"),
+    }
+}
+
+#[test]
+fn decode_passes_replayed_as_cuda_graphs_give_the_eager_bits() {
+    for prec in [Precision::Fp8, Precision::Full] {
+        let (Some(e), Some(g)) = (gpu_backend_graphs(prec, false), gpu_backend_graphs(prec, true)) else { return };
+        let (eager, graphed) = (side(e.clone()), side(g.clone()));
+        // Three requests of different lengths (block tables of 1 to 4 blocks), prefilled on both sides.
+        let prompts = [prompt(150, 21), prompt(40, 22), prompt(9, 23)];
+        let extra = prompt(64, 24);
+        let mut fed = [0usize; 3];
+        for (i, p) in prompts.iter().enumerate() {
+            for s in [&eager, &graphed] {
+                let t = s.pool.reserve(&format!("r{i}"), p.len() + 48).unwrap();
+                s.b.prefill(
+                    &s.cache,
+                    &[SeqInput { tokens: p, start: 0, blocks: &t.blocks, logits: Logits::Last }],
+                    &mut |_, _| {},
+                )
+                .unwrap();
+            }
+            fed[i] = p.len();
+        }
+        // Decode steps whose batches change: who is in them, their order, and one or two rows a request (the
+        // token, and the MTP draft), so shapes repeat (replays) and change (captures).
+        for step in 0..14 {
+            let who: &[usize] = match step {
+                0..4 => &[0, 1],
+                4..9 => &[0, 1, 2],
+                _ => &[2, 0],
+            };
+            let n: Vec<usize> = who.iter().map(|&i| 1 + (step + i) % 2).collect();
+            let run = |s: &Served| {
+                let tables: Vec<_> = who.iter().map(|&i| s.pool.table(&format!("r{i}")).unwrap()).collect();
+                let inputs: Vec<SeqInput<'_>> = who
+                    .iter()
+                    .zip(&n)
+                    .zip(&tables)
+                    .map(|((&i, &n), t)| SeqInput {
+                        tokens: &extra[step * 2 % 60..step * 2 % 60 + n],
+                        start: fed[i],
+                        blocks: &t.blocks,
+                        logits: Logits::All,
+                    })
+                    .collect();
+                let outs = s.b.decode(&s.cache, &inputs).unwrap();
+                let mtp_in: Vec<MtpInput<'_>> = inputs
+                    .iter()
+                    .zip(&outs)
+                    .map(|(inp, o)| MtpInput {
+                        next_tokens: inp.tokens,
+                        hidden: &o.hidden,
+                        start: inp.start,
+                        blocks: inp.blocks,
+                        logits: Logits::Last,
+                    })
+                    .collect();
+                let mtp = s.b.mtp(&s.cache, &mtp_in, AttnForm::Decode, &mut |_, _| {}).unwrap();
+                let host = |rows: &engine::DeviceRows| s.b.rows_to_host(rows).unwrap();
+                let main: Vec<_> = outs.iter().map(|o| (host(&o.logits), host(&o.hidden))).collect();
+                (main, mtp.iter().map(|o| host(&o.logits)).collect::<Vec<_>>())
+            };
+            let (want, got) = (run(&eager), run(&graphed));
+            for (j, (w, g)) in want.0.iter().zip(&got.0).enumerate() {
+                assert!(w.0 == g.0, "{prec:?} step {step}, request {}: graphed logits differ", who[j]);
+                assert!(w.1 == g.1, "{prec:?} step {step}, request {}: graphed hidden rows differ", who[j]);
+                assert!(w.0.iter().all(|v| v.is_finite()), "{prec:?} step {step}: logits not finite");
+            }
+            assert!(want.1 == got.1, "{prec:?} step {step}: graphed MTP logits differ");
+            for (&i, &n) in who.iter().zip(&n) {
+                fed[i] += n;
+            }
+        }
+        let (se, sg) = (e.graph_stats(), g.graph_stats());
+        eprintln!("{prec:?}: eager {se:?}, graphed {sg:?}");
+        assert_eq!(se.captures + se.replays, 0, "{prec:?}: graphs off captured or replayed");
+        assert!(sg.captures >= 2 && sg.replays >= 10, "{prec:?}: {sg:?}");
+        // The driver's free-memory reading may not move for a small graph: bounded, not necessarily seen.
+        assert!(sg.bytes <= engine::cuda::graphs::GRAPH_BYTES && sg.nodes > 0, "{prec:?}: {sg:?}");
+    }
+}
+
+#[test]
+fn copied_blocks_decode_as_the_originals() {
+    // engine-bench's --shared-context: a request's caches copied into other blocks decode to the same bits.
+    let Some(g) = gpu_backend(Precision::Fp8) else { return };
+    let s = side(g.clone());
+    let toks = prompt(150, 31);
+    let (a, b) = (s.pool.reserve("a", toks.len() + 1).unwrap(), s.pool.reserve("b", toks.len() + 1).unwrap());
+    s.b.prefill(
+        &s.cache,
+        &[SeqInput { tokens: &toks, start: 0, blocks: &a.blocks, logits: Logits::Last }],
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let used = toks.len().div_ceil(engine::cache::BLOCK_SIZE);
+    g.copy_blocks(&s.cache, &a.blocks[..used], &b.blocks[..used]).unwrap();
+    let step = |blocks: &[engine::cache::BlockId]| {
+        let out = s.b.decode(&s.cache, &[SeqInput { tokens: &[9], start: toks.len(), blocks, logits: Logits::Last }]);
+        s.b.rows_to_host(&out.unwrap()[0].logits).unwrap()
+    };
+    assert!(step(&a.blocks) == step(&b.blocks), "the copied context decodes differently");
+    let bad = engine::cache::BlockId(BLOCKS as u32);
+    assert!(g.copy_blocks(&s.cache, &[bad], &b.blocks[..1]).is_err(), "a block outside the pool was copied");
+    assert!(g.copy_blocks(&s.cache, &a.blocks[..2], &b.blocks[..1]).is_err(), "lengths differ");
 }
 
 #[test]

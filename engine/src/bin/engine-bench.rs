@@ -5,7 +5,8 @@
 //!
 //! cargo run --release -p engine --bin engine-bench -- [--json] [--out FILE] [--precision fp8|full]
 //!     [--device cpu|cuda[:N]] [--threads N] [--decode-steps N] [--decode-only] [--model M]
-//!     [--batches 1,16] [--context 256] [--blocks 2048] [--mtp] [--kernel-profile]
+//!     [--batches 1,16] [--context 256] [--blocks 2048] [--mtp] [--kernel-profile] [--graphs-ab]
+//!     [--shared-context]
 //!
 //! `--mtp` times speculative decode steps (the main model over the token and the MTP draft, then the MTP
 //! layer): with random weights almost no draft is accepted, so tokens/s counts the accepted tokens only and
@@ -13,10 +14,21 @@
 //!
 //! `--kernel-profile` (GPU) runs each measurement once more with every launch timed by CUDA events
 //! (engine::cuda::profile) after the timed runs, and adds `extra.kernels` (per kernel: launches and seconds
-//! per prefill or per decode step), `extra.kernel_s` (their sum) and for decode `extra.gpu_idle` = 1 -
-//! kernel_s / step_s, an estimate of the unprofiled step's share in which no kernel ran, biased low: a
+//! per prefill or per decode step), `extra.kernel_s` (their sum) and for eagerly run decode steps
+//! `extra.gpu_idle` = 1 - kernel_s / step_s, an estimate of the unprofiled step's share in which no kernel ran
+//! (profiled steps never replay CUDA graphs, so it is left out where the timed steps did), biased low: a
 //! kernel's start event is recorded before the host submits it, so where the slower profiled host falls
 //! behind, its gap counts as kernel time. bench/gpu/kernel_plot.py draws the split as an SVG.
+//!
+//! Every decode record carries `extra.gpu_busy` (the timed steps' calls: GPU time inside them and the span
+//! from the first to the last, engine::cuda::profile::BusyTimer) and `extra.gpu_idle_between_calls` = 1 -
+//! busy / span: the GPU's share waiting for the host between calls (sampling's read-back, the scheduler,
+//! the next step's inputs). With decode passes captured as CUDA graphs (engine::cuda::graphs, the default on
+//! a GPU) each batch runs one untimed step first (it captures the shapes), and `extra.graphs` says how many
+//! timed passes were replayed. `--graphs-ab` times each batch with graphs on, then off (`decode_batch_N_eager`).
+//! `--shared-context` (GPU) prefills one context per batch and copies its caches into each request's own
+//! blocks, each request sampling with its own seed (temperature 1): long contexts at large batches without a
+//! prefill per request.
 //!
 //! `--ep RANK/WORLD@HOST:PORT` runs this process as one rank of an expert-parallel group (one per GPU, all
 //! started together with the same flags); `--eplb` with `--eplb-redundant`, `--eplb-interval`,
@@ -56,6 +68,10 @@ struct Opts {
     mtp: bool,
     /// A per-kernel split of each measurement (one more profiled run).
     kernel_profile: bool,
+    /// Each decode measurement with the decode passes' CUDA graphs on, then off.
+    graphs_ab: bool,
+    /// Decode batches over one prefilled context copied into each request (CUDA only).
+    shared_context: bool,
     /// This process as one rank of an expert-parallel group (`RANK/WORLD@HOST:PORT`).
     ep: Option<engine::cuda::ep::EpConfig>,
     /// Capacities (rows per rank) to time the expert-parallel exchange at, before the other measurements.
@@ -87,6 +103,8 @@ fn parse() -> Result<Opts, String> {
         blocks: 2048,
         mtp: false,
         kernel_profile: false,
+        graphs_ab: false,
+        shared_context: false,
         ep: None,
         ep_exchange: Vec::new(),
         eplb: Default::default(),
@@ -125,6 +143,8 @@ fn parse() -> Result<Opts, String> {
             "--prefill-lens" => o.prefill_lens = list(args.next(), "--prefill-lens", "512,2048")?,
             "--mtp" => o.mtp = true,
             "--kernel-profile" => o.kernel_profile = true,
+            "--graphs-ab" => o.graphs_ab = true,
+            "--shared-context" => o.shared_context = true,
             "--blocks" => o.blocks = number(args.next(), "--blocks")?,
             "--ep" => {
                 o.ep = Some(engine::cuda::ep::EpConfig::parse(&args.next().ok_or("--ep needs RANK/WORLD@HOST:PORT")?)?)
@@ -152,7 +172,7 @@ fn parse() -> Result<Opts, String> {
                 println!(
                     "engine-bench [--json] [--out FILE] [--precision fp8|full] [--device cpu|cuda[:N]] [--threads N] \
                      [--decode-steps N] [--decode-only] [--model DIR|synthetic:v32[,...]] [--batches 1,16] [--prefill-lens 512,2048] \
-                     [--context 256] [--blocks 2048] [--mtp] [--kernel-profile] [--warmup-steps N] \
+                     [--context 256] [--blocks 2048] [--mtp] [--kernel-profile] [--warmup-steps N] [--graphs-ab] [--shared-context] \
                      [--ep RANK/WORLD@HOST:PORT [--ep-exchange 64,1024] [--eplb] [--eplb-redundant N] \
                      [--eplb-interval STEPS] [--eplb-window LOOKS] [--eplb-min-gain F] \
                      [--dbo auto|on|off|auto:D,P] [--timeline FILE]]"
@@ -269,12 +289,17 @@ fn main() {
             std::process::exit(1);
         }
     };
-    // Under expert parallelism the CUDA backend itself (its group times the exchange).
+    // On a GPU the CUDA backend itself (under expert parallelism its group times the exchange;
+    // --shared-context copies caches with it).
     let mut cuda = None;
     let loaded = match (&o.ep, o.device) {
-        (Some(ep), engine::Device::Cuda(n)) => {
+        (ep, engine::Device::Cuda(n)) => {
             let cache = engine::cuda::kernels::default_cache_dir();
-            engine::cuda::CudaBackend::load_ep(&ckpt, o.precision, n as usize, &cache, ep).map(|c| {
+            let loaded = match ep {
+                Some(ep) => engine::cuda::CudaBackend::load_ep(&ckpt, o.precision, n as usize, &cache, ep),
+                None => engine::cuda::CudaBackend::load(&ckpt, o.precision, n as usize, &cache),
+            };
+            loaded.map(|c| {
                 let c = std::sync::Arc::new(c);
                 cuda = Some(c.clone());
                 c as std::sync::Arc<dyn engine::Backend>
@@ -302,6 +327,10 @@ fn main() {
         }
     } else if !o.ep_exchange.is_empty() {
         eprintln!("engine-bench: --ep-exchange times the expert-parallel exchange: it needs --ep");
+        std::process::exit(2);
+    }
+    if o.shared_context && cuda.is_none() {
+        eprintln!("engine-bench: --shared-context copies caches on the GPU: it needs --device cuda");
         std::process::exit(2);
     }
     if o.kernel_profile && b.name() != "cuda" {
@@ -386,73 +415,156 @@ fn main() {
         record(&format!("prefill_{len}"), len, best, extra);
     }
 
+    // --shared-context: one prefill of the context for every batch, its caches copied into each request's own
+    // blocks (distinct memory, so no request reads another's cache through L2), each request sampling with its
+    // own seed (temperature 1), so their tokens, and so their experts and selections, part from the first step.
+    let shared = match cuda.as_deref().filter(|_| o.shared_context) {
+        Some(_) => {
+            let t = pool.reserve("context", o.context + 1).expect("blocks");
+            let mut base = SeqState::new(
+                prompt(o.context, 0, cfg.vocab_size as u32),
+                SamplingParams { ignore_eos: true, ..SamplingParams::greedy(10_000) },
+                t.blocks.clone(),
+                0,
+            );
+            base.speculate = o.mtp;
+            while !base.prefill_done() {
+                let chunk = base.prefill_chunk_max().min(PREFILL_CHUNK);
+                generate::prefill(b, &cache, &mut [&mut base], &[chunk], &mut |_, _| {}).expect("prefill");
+            }
+            Some((t, base))
+        }
+        None => None,
+    };
     for &batch in &o.batches {
         let ctx = o.context;
-        let mut seqs: Vec<SeqState> = (0..batch)
-            .map(|i| {
-                let t = pool
-                    .reserve(&format!("d{batch}-{i}"), ctx + (o.decode_steps + PROFILED_STEPS) * 2 + 4)
-                    .expect("blocks");
-                let mut s = SeqState::new(
-                    prompt(ctx, i as u32, cfg.vocab_size as u32),
-                    SamplingParams { ignore_eos: true, ..SamplingParams::greedy(10_000) },
-                    t.blocks,
-                    0,
-                );
-                s.speculate = o.mtp;
-                s
-            })
-            .collect();
-        // Each context on its own, in chunks of at most PREFILL_CHUNK tokens (as a prefill worker chunks long
-        // prompts): one call for the whole batch would pass batch x context rows through every linear.
-        for seq in seqs.iter_mut() {
-            while !seq.prefill_done() {
-                let chunk = seq.prefill_chunk_max().min(PREFILL_CHUNK);
-                generate::prefill(b, &cache, &mut [&mut *seq], &[chunk], &mut |_, _| {}).expect("prefill");
+        let room = ctx + (2 * o.decode_steps + o.warmup_steps + PROFILED_STEPS) * 4 + 8;
+        let mut seqs: Vec<SeqState> = match cuda.as_deref().filter(|_| o.shared_context) {
+            Some(c) => {
+                let (t, base) = shared.as_ref().expect("the shared context is prefilled");
+                let used = ctx.div_ceil(engine::cache::BLOCK_SIZE);
+                (0..batch)
+                    .map(|i| {
+                        let own = pool.reserve(&format!("d{batch}-{i}"), room).expect("blocks");
+                        c.copy_blocks(&cache, &t.blocks[..used], &own.blocks[..used]).expect("copy the context");
+                        let params = SamplingParams {
+                            temperature: 1.0,
+                            seed: i as u64 + 1,
+                            ignore_eos: true,
+                            ..SamplingParams::greedy(10_000)
+                        };
+                        let mut s = SeqState::resume(
+                            base.tokens[..ctx].to_vec(),
+                            ctx,
+                            base.tokens[ctx],
+                            base.draft,
+                            params,
+                            own.blocks,
+                        );
+                        s.speculate = o.mtp;
+                        s
+                    })
+                    .collect()
             }
-        }
-        for _ in 0..o.warmup_steps {
-            let mut refs: Vec<&mut SeqState> = seqs.iter_mut().collect();
-            generate::decode_step(b, &cache, &mut refs).expect("decode");
-        }
-        let moved_before = cuda.as_ref().and_then(|c| c.eplb_stats()).map_or(0, |s| s.layers_moved);
-        let start = Instant::now();
-        let mut produced = 0;
-        for _ in 0..o.decode_steps {
-            let mut refs: Vec<&mut SeqState> = seqs.iter_mut().collect();
-            for out in generate::decode_step(b, &cache, &mut refs).expect("decode") {
-                produced += out.tokens.len();
-            }
-        }
-        let secs = start.elapsed().as_secs_f64();
-        let step_s = secs / o.decode_steps as f64;
-        let mut extra = serde_json::json!({
-            "context": ctx, "steps": o.decode_steps, "mtp": o.mtp, "batch": batch, "step_s": step_s,
-            "warmup_steps": o.warmup_steps,
-        });
-        if let Some(st) = cuda.as_ref().and_then(|c| c.eplb_stats()) {
-            // Layers moved inside the timed steps cost time there: the record says how many.
-            extra["eplb_moved_while_timed"] = (st.layers_moved - moved_before).into();
-            extra["eplb"] = serde_json::to_value(&st).expect("json");
-            extra["eplb_on"] = o.eplb.rebalance.into();
-        }
-        if o.kernel_profile {
-            let kernels = profiled(b, PROFILED_STEPS, || {
-                for _ in 0..PROFILED_STEPS {
-                    let mut refs: Vec<&mut SeqState> = seqs.iter_mut().collect();
-                    generate::decode_step(b, &cache, &mut refs).expect("decode");
+            None => {
+                let mut seqs: Vec<SeqState> = (0..batch)
+                    .map(|i| {
+                        let t = pool.reserve(&format!("d{batch}-{i}"), room).expect("blocks");
+                        let mut s = SeqState::new(
+                            prompt(ctx, i as u32, cfg.vocab_size as u32),
+                            SamplingParams { ignore_eos: true, ..SamplingParams::greedy(10_000) },
+                            t.blocks,
+                            0,
+                        );
+                        s.speculate = o.mtp;
+                        s
+                    })
+                    .collect();
+                // Each context on its own, in chunks of at most PREFILL_CHUNK tokens (as a prefill worker chunks
+                // long prompts): one call for the whole batch would pass batch x context rows through every
+                // linear.
+                for seq in seqs.iter_mut() {
+                    while !seq.prefill_done() {
+                        let chunk = seq.prefill_chunk_max().min(PREFILL_CHUNK);
+                        generate::prefill(b, &cache, &mut [&mut *seq], &[chunk], &mut |_, _| {}).expect("prefill");
+                    }
                 }
+                seqs
+            }
+        };
+        // With --graphs-ab the same sequences are timed with decode graphs on, then off (`_eager` records).
+        let modes: &[Option<bool>] = if o.graphs_ab { &[Some(true), Some(false)] } else { &[None] };
+        for &mode in modes {
+            if let Some(on) = mode {
+                b.set_decode_graphs(on);
+            }
+            let suffix = if mode == Some(false) { "_eager" } else { "" };
+            // One untimed step first where decode passes are captured as CUDA graphs: the first call of a shape
+            // runs eagerly and then captures it (engine::cuda::graphs).
+            let graphs_on = b.decode_graphs().is_some_and(|g| g.on);
+            for _ in 0..o.warmup_steps.max(usize::from(graphs_on)) {
+                let mut refs: Vec<&mut SeqState> = seqs.iter_mut().collect();
+                generate::decode_step(b, &cache, &mut refs).expect("decode");
+            }
+            let moved_before = cuda.as_ref().and_then(|c| c.eplb_stats()).map_or(0, |s| s.layers_moved);
+            let graphs_before = b.decode_graphs();
+            b.set_busy_timer(true);
+            let start = Instant::now();
+            let mut produced = 0;
+            for _ in 0..o.decode_steps {
+                let mut refs: Vec<&mut SeqState> = seqs.iter_mut().collect();
+                for out in generate::decode_step(b, &cache, &mut refs).expect("decode") {
+                    produced += out.tokens.len();
+                }
+            }
+            let secs = start.elapsed().as_secs_f64();
+            b.set_busy_timer(false);
+            let busy = b.take_busy_time().expect("busy time");
+            let step_s = secs / o.decode_steps as f64;
+            let mut extra = serde_json::json!({
+                "context": ctx, "steps": o.decode_steps, "mtp": o.mtp, "batch": batch, "step_s": step_s,
+                "warmup_steps": o.warmup_steps,
             });
-            add_profile(&mut extra, kernels, Some(step_s));
+            if let Some(busy) = busy.filter(|b| b.span_s > 0.0) {
+                // The GPU's idle share between the timed steps' calls (engine::cuda::profile::BusyTimer).
+                extra["gpu_busy"] = serde_json::to_value(busy).expect("json");
+                extra["gpu_idle_between_calls"] = (1.0 - busy.busy_s / busy.span_s).into();
+            }
+            if let (Some(before), Some(after)) = (graphs_before, b.decode_graphs()) {
+                extra["graphs"] = serde_json::json!({
+                    "on": after.on,
+                    "timed_replays": after.replays - before.replays,
+                    "timed_captures": after.captures - before.captures,
+                    "timed_eager": after.eager - before.eager,
+                    "held": after.held, "nodes": after.nodes, "bytes": after.bytes, "capture_s": after.capture_s,
+                });
+            }
+            if let Some(st) = cuda.as_ref().and_then(|c| c.eplb_stats()) {
+                // Layers moved inside the timed steps cost time there: the record says how many.
+                extra["eplb_moved_while_timed"] = (st.layers_moved - moved_before).into();
+                extra["eplb"] = serde_json::to_value(&st).expect("json");
+                extra["eplb_on"] = o.eplb.rebalance.into();
+            }
+            if o.kernel_profile && mode != Some(false) {
+                let kernels = profiled(b, PROFILED_STEPS, || {
+                    for _ in 0..PROFILED_STEPS {
+                        let mut refs: Vec<&mut SeqState> = seqs.iter_mut().collect();
+                        generate::decode_step(b, &cache, &mut refs).expect("decode");
+                    }
+                });
+                // Profiled steps run eagerly: their kernel sum says nothing about a replayed step's idle time.
+                let replayed = extra["graphs"]["timed_replays"].as_u64().is_some_and(|n| n > 0);
+                add_profile(&mut extra, kernels, (!replayed).then_some(step_s));
+            }
+            if let (Some(c), Some(_), true) = (&cuda, &o.timeline, mode != Some(false)) {
+                c.record_timeline(true);
+                let mut refs: Vec<&mut SeqState> = seqs.iter_mut().collect();
+                generate::decode_step(b, &cache, &mut refs).expect("decode");
+                timelines.insert(format!("decode_batch_{batch}"), c.take_timeline().expect("timeline"));
+                c.record_timeline(false);
+            }
+            record(&format!("decode_batch_{batch}{suffix}"), produced, secs, extra);
         }
-        if let (Some(c), Some(_)) = (&cuda, &o.timeline) {
-            c.record_timeline(true);
-            let mut refs: Vec<&mut SeqState> = seqs.iter_mut().collect();
-            generate::decode_step(b, &cache, &mut refs).expect("decode");
-            timelines.insert(format!("decode_batch_{batch}"), c.take_timeline().expect("timeline"));
-            c.record_timeline(false);
-        }
-        record(&format!("decode_batch_{batch}"), produced, secs, extra);
         for i in 0..batch {
             pool.release(&format!("d{batch}-{i}")).expect("release");
         }

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use cudarc::driver::{CudaEvent, DevicePtr, sys};
 
 use super::ep::{self, EpConfig, EpGroup, Pass, Shard};
+use super::graphs::{self, GraphKey, GraphPass, Graphs, Plan};
 use super::ops::{Arg, DBuf, Workspace, elementwise_grid, launch};
 use super::topk::{self, HIST_WORDS, RawTopk, launch_topk};
 use super::weights::{DFfn, DLayer, DLinear, DMlp, DMoe, DWeights, LoadError, QuantIn};
@@ -22,7 +23,7 @@ use crate::backend::{
     AttnForm, Backend, DeviceRows, EngineError, Fence, LayerDone, LayerReady, MtpInput, SampleRequest, SeqInput,
     SeqOutput, check_pool_fits, main_items, mtp_items,
 };
-use crate::cache::{BLOCK_SIZE, CacheFormat, CacheGeometry, KvCache, LayerIdx, MemoryKind};
+use crate::cache::{BLOCK_SIZE, BlockId, CacheFormat, CacheGeometry, KvCache, LayerIdx, MemoryKind};
 use crate::checkpoint::Checkpoint;
 use crate::memory::{MemoryBudget, ServingLimits};
 use crate::rope::Rope;
@@ -123,6 +124,16 @@ pub struct CudaBackend {
     local_experts: usize,
     ws_b: Mutex<Workspace>,
     ep_most: std::sync::atomic::AtomicUsize,
+    /// The captured decode passes (engine::cuda::graphs); locked after `ws`.
+    graphs: Mutex<Graphs>,
+}
+
+/// A decode pass's padded shape where it runs as a CUDA graph (engine::cuda::graphs): rows and block-table
+/// width.
+#[derive(Clone, Copy, Debug)]
+struct Pad {
+    rows: usize,
+    width: usize,
 }
 
 use crate::backend::BatchItem as Item;
@@ -307,7 +318,19 @@ impl CudaBackend {
             ep,
             ep_cap: Default::default(),
             ep_step: Default::default(),
+            graphs: Mutex::new(Graphs::new(graphs::enabled_by_env())),
         })
+    }
+
+    /// Captures decode passes as CUDA graphs (the default unless `TANDEM_CUDA_GRAPHS=0`) or not.
+    pub fn with_graphs(self, on: bool) -> Self {
+        self.graphs.lock().unwrap_or_else(|p| p.into_inner()).set_enabled(on);
+        self
+    }
+
+    /// What the decode graphs have done so far.
+    pub fn graph_stats(&self) -> graphs::GraphStats {
+        self.graphs.lock().unwrap_or_else(|p| p.into_inner()).stats()
     }
 
     /// Records every row's top-k selection from now on (diagnostics: it copies them to the host after every
@@ -374,6 +397,52 @@ impl CudaBackend {
         &self.gpu
     }
 
+    /// Copies whole blocks `src[i]` onto `dst[i]` in every layer of `cache` (latent entries and indexer
+    /// blocks), ordered on the backend's stream: a request's caches cloned into blocks of its own (engine-bench's
+    /// `--shared-context` decodes many requests over one prefilled context this way). Runs of consecutive ids
+    /// on both sides move as one copy per layer and region.
+    pub fn copy_blocks(&self, cache: &KvCache, src: &[BlockId], dst: &[BlockId]) -> Result<(), EngineError> {
+        let pool = self.check_cache(cache)?;
+        let g = cache.geometry();
+        if src.len() != dst.len() {
+            return Err(EngineError::InvalidInput(format!(
+                "{} source blocks for {} destinations",
+                src.len(),
+                dst.len()
+            )));
+        }
+        if let Some(b) = src.iter().chain(dst).find(|b| b.0 as usize >= g.num_blocks) {
+            return Err(EngineError::InvalidInput(format!("block {} outside a pool of {}", b.0, g.num_blocks)));
+        }
+        // (first source, first destination, blocks) of each run.
+        let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+        for (a, b) in src.iter().zip(dst).map(|(a, b)| (a.0 as usize, b.0 as usize)) {
+            match runs.last_mut() {
+                Some((s0, d0, n)) if *s0 + *n == a && *d0 + *n == b => *n += 1,
+                _ => runs.push((a, b, 1)),
+            }
+        }
+        let s = self.stream();
+        s.context().bind_to_thread().map_err(dev)?;
+        let regions = [
+            (0, g.latent_layer_stride(), g.latent_bytes_per_block()),
+            (g.indexer_region_offset(), g.indexer_layer_stride(), g.indexer_bytes_per_block()),
+        ];
+        for l in 0..g.num_layers {
+            for &(offset, stride, block) in &regions {
+                let base = pool + (offset + l * stride) as u64;
+                for &(a, b, n) in &runs {
+                    let (from, to) = (base + (a * block) as u64, base + (b * block) as u64);
+                    // SAFETY: both ranges are whole blocks inside this layer's region of the pool (ids checked
+                    // above); the copy is ordered on the stream with every call that reads or writes them.
+                    unsafe { cudarc::driver::result::memcpy_dtod_async(to, from, n * block, s.cu_stream()) }
+                        .map_err(dev)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     pub fn checkpoint_fingerprint(&self) -> &str {
         &self.fingerprint
     }
@@ -416,11 +485,31 @@ impl CudaBackend {
         Ok(LayerReady::pending(Arc::new(EventFence(ev))))
     }
 
-    /// Uploads a call's positions, lengths, slots and block tables.
-    fn inputs(&self, ws: &mut Workspace, items: &[Item<'_>], form: AttnForm) -> Result<Inputs, EngineError> {
+    /// Uploads a call's positions, lengths, slots and block tables. With `pad` (a decode pass captured as a
+    /// graph, engine::cuda::graphs) the rows and the table width are padded to its shape: padding rows sit at
+    /// position 0 of the first item's request (length 1), write no cache entry (slot -1) and score alone, and
+    /// each chunk's scorer groups are filled to one entry per row with empty groups, so every launch's
+    /// arguments depend on the shape only.
+    fn inputs(
+        &self,
+        ws: &mut Workspace,
+        items: &[Item<'_>],
+        form: AttnForm,
+        pad: Option<Pad>,
+    ) -> Result<Inputs, EngineError> {
         let s = self.stream();
-        let rows: usize = items.iter().map(|it| it.n).sum();
-        let table_width = items.iter().map(|it| (it.start + it.n).div_ceil(BLOCK_SIZE)).max().unwrap_or(1);
+        let real: usize = items.iter().map(|it| it.n).sum();
+        let needed = items.iter().map(|it| (it.start + it.n).div_ceil(BLOCK_SIZE)).max().unwrap_or(1);
+        let (rows, table_width) = match pad {
+            Some(p) if p.rows >= real && p.width >= needed => (p.rows, p.width),
+            Some(p) => {
+                return Err(EngineError::InvalidInput(format!(
+                    "a graph shape of {} rows x {} blocks for {real} rows x {needed} blocks",
+                    p.rows, p.width
+                )));
+            }
+            None => (real, needed),
+        };
         let mut positions = Vec::with_capacity(rows);
         let mut slots = Vec::with_capacity(rows);
         let mut tables = vec![-1i32; rows * table_width];
@@ -436,9 +525,23 @@ impl CudaBackend {
                 }
             }
         }
+        if rows > real {
+            let first = items
+                .first()
+                .and_then(|it| it.blocks.first())
+                .ok_or_else(|| EngineError::InvalidInput("padding rows need a request with a block".into()))?;
+            for r in real..rows {
+                positions.push(0);
+                slots.push(-1);
+                tables[r * table_width] = first.0 as i32;
+            }
+        }
         let lengths: Vec<i32> = positions.iter().map(|p| p + 1).collect();
         // A multiple of 4, so every row of scores starts 16-byte aligned (the top-k reads them in vectors).
-        let score_stride = (lengths.iter().copied().max().unwrap_or(1) as usize).next_multiple_of(4);
+        let score_stride = match pad {
+            Some(_) => table_width * BLOCK_SIZE,
+            None => (lengths.iter().copied().max().unwrap_or(1) as usize).next_multiple_of(4),
+        };
         // FP8 prefill attends in the absorbed form over the cache, as decode does (`layer`): no context rows.
         let ctx = if form == AttnForm::Prefill && self.prec != Precision::Fp8 {
             let mut ctx_slots = Vec::new();
@@ -461,11 +564,17 @@ impl CudaBackend {
         let score_plan = self.score_plan(rows, score_stride, fp8);
         let mut score_groups = Vec::new();
         if fp8 {
-            let runs: Vec<(usize, usize)> = items.iter().map(|it| (it.row0, it.n)).collect();
+            let runs: Vec<(usize, usize)> =
+                items.iter().map(|it| (it.row0, it.n)).chain((real..rows).map(|r| (r, 1))).collect();
             for r0 in (0..rows).step_by(score_plan.chunk_rows.max(1)) {
                 let r1 = (r0 + score_plan.chunk_rows).min(rows);
-                let grouping = chunk_groups(&runs, r0, r1);
-                let max_q = grouping.chunks(2).map(|g| g[1] as usize).max().unwrap_or(1);
+                let mut grouping = chunk_groups(&runs, r0, r1);
+                let mut max_q = grouping.chunks(2).map(|g| g[1] as usize).max().unwrap_or(1);
+                if pad.is_some() {
+                    // Empty groups (no rows: their CTAs leave at once) up to one per row.
+                    grouping.resize(2 * (r1 - r0), 0);
+                    max_q = graphs::MAX_ROWS_PER_REQUEST;
+                }
                 score_groups.push((ws.upload(s, &grouping)?, grouping.len() / 2, max_q));
             }
         }
@@ -481,6 +590,81 @@ impl CudaBackend {
             score_plan,
             score_groups,
         })
+    }
+
+    /// Counts a decode pass that runs eagerly (not eligible for a graph).
+    fn count_eager(&self, form: AttnForm) {
+        if form == AttnForm::Decode {
+            self.graphs.lock().unwrap_or_else(|p| p.into_inner()).count_eager();
+        }
+    }
+
+    /// The padded shape a decode pass over `items` is captured at, or `None` where it runs eagerly: graphs
+    /// off, another form than decode, expert parallelism (its exchanges agree on counts on the host),
+    /// selections recorded or kernels profiled (both read per launch), an item of more than two rows
+    /// (a replayed prefill chunk), or more rows than [`graphs::MAX_ROWS`].
+    fn graph_shape(&self, items: &[Item<'_>], form: AttnForm) -> Option<Pad> {
+        let on = self.graphs.lock().unwrap_or_else(|p| p.into_inner()).enabled();
+        if !on
+            || form != AttnForm::Decode
+            || self.ep.is_some()
+            || self.selections.is_some()
+            || self.gpu.profiler().is_on()
+            || items.is_empty()
+            || items.iter().any(|it| it.n > graphs::MAX_ROWS_PER_REQUEST)
+        {
+            return None;
+        }
+        let real: usize = items.iter().map(|it| it.n).sum();
+        let mut rows = graphs::row_bucket(real)?;
+        // Padding past the serving limit would outgrow the workspace reserved for it: the exact rows then.
+        if let Some(l) = *self.limits.lock().unwrap_or_else(|p| p.into_inner())
+            && rows > l.max_num_batched_tokens
+        {
+            rows = real;
+        }
+        let needed = items.iter().map(|it| (it.start + it.n).div_ceil(BLOCK_SIZE)).max().unwrap_or(1);
+        Some(Pad { rows, width: graphs::width_bucket(needed) })
+    }
+
+    /// Runs the layers of a decode pass (`issue`, which leaves the workspace where it found it) as the CUDA
+    /// graph of its shape: replayed where captured; otherwise run eagerly, then captured (not run) for the
+    /// next call of the shape (engine::cuda::graphs).
+    fn graphed(
+        &self,
+        ws: &mut Workspace,
+        pass: GraphPass,
+        pad: Pad,
+        g: &CacheGeometry,
+        pool: u64,
+        mut issue: impl FnMut(&mut Workspace) -> Result<(), EngineError>,
+    ) -> Result<(), EngineError> {
+        let mark = ws.mark();
+        let key = GraphKey {
+            pass,
+            rows: pad.rows,
+            width: pad.width,
+            pool,
+            num_blocks: g.num_blocks,
+            num_layers: g.num_layers,
+            mark: mark.parts(),
+        };
+        let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
+        match graphs.replay(&key)? {
+            Plan::Replayed => Ok(()),
+            Plan::Eager => issue(ws),
+            Plan::RunAndCapture => {
+                issue(ws)?;
+                ws.rewind(mark);
+                // The eager run grew the workspace to what this issue sequence takes: capturing may not grow it
+                // (an allocation would be captured too).
+                ws.set_frozen(true);
+                let captured = graphs.capture(self.stream(), key, || issue(ws));
+                ws.set_frozen(false);
+                ws.rewind(mark);
+                captured
+            }
+        }
     }
 
     /// The indexer's chunking of `rows` rows of `stride` score columns: the score buffer bounded, a launch at
@@ -832,7 +1016,11 @@ impl CudaBackend {
                 ],
             )?;
         }
-        on_layer(li, self.fence_now()?);
+        // Announced for shipping (prefill); nothing listens to a decode pass's layers (and a captured pass
+        // could not create events).
+        if form == AttnForm::Prefill {
+            on_layer(li, self.fence_now()?);
+        }
 
         // Scores over each row's causal context, then the top-k rule, in chunks of rows that bound the
         // score buffer (a long prefill never holds a [tokens x context] matrix).
@@ -1164,9 +1352,15 @@ impl CudaBackend {
         let mut run = || -> Result<Vec<SeqOutput>, EngineError> {
             let pass = Pass::main(form);
             let mut ws = self.begin(&items, pass)?;
-            let tokens: Vec<i32> = batch.iter().flat_map(|b| b.tokens.iter().map(|&t| t as i32)).collect();
+            let dbo = self.dbo_applies(pass);
+            let pad = if dbo { None } else { self.graph_shape(&items, form) };
+            let mut tokens: Vec<i32> = batch.iter().flat_map(|b| b.tokens.iter().map(|&t| t as i32)).collect();
+            if let Some(p) = pad {
+                tokens.resize(p.rows, 0);
+            }
+            self.gpu.busy().begin(self.stream())?;
             let h = self.embed(&mut ws, &self.w.embed, &tokens, None)?;
-            if self.dbo_applies(pass) {
+            if dbo {
                 // Two micro-batches: the rows halved (an item may straddle them: its later rows read the
                 // earlier ones' cache entries, written first).
                 let rows = tokens.len();
@@ -1174,8 +1368,8 @@ impl CudaBackend {
                 let (a, b) = split_items(&items, half);
                 let mut ws_b = self.ws_b.lock().unwrap_or_else(|p| p.into_inner());
                 ws_b.reset();
-                let inp_a = self.inputs(&mut ws, &a, form)?;
-                let inp_b = if b.is_empty() { None } else { Some(self.inputs(&mut ws_b, &b, form)?) };
+                let inp_a = self.inputs(&mut ws, &a, form, None)?;
+                let inp_b = if b.is_empty() { None } else { Some(self.inputs(&mut ws_b, &b, form, None)?) };
                 let hidden = self.cfg.hidden_size;
                 let micro = [
                     Micro { inp: Some(&inp_a), rows: half, h },
@@ -1183,17 +1377,28 @@ impl CudaBackend {
                 ];
                 self.overlapped(&mut ws, &mut ws_b, pass, &micro, Some((g, pool, form)), on_layer)?;
             } else {
-                let inp = self.inputs(&mut ws, &items, form)?;
+                let inp = self.inputs(&mut ws, &items, form, pad)?;
                 // A layer's intermediates are dead once its last kernel is issued (the residual stream `h` and
                 // the inputs were taken before): every layer reuses the same workspace bytes, so a call holds
                 // one layer's (`activation_bytes`), not 61.
                 let mark = ws.mark();
-                for (l, layer) in self.w.layers.iter().enumerate() {
-                    self.layer(&mut ws, &inp, layer, LayerIdx(l as u32), g, pool, form, h, on_layer)?;
-                    ws.rewind(mark);
+                let mut layers = |ws: &mut Workspace| -> Result<(), EngineError> {
+                    for (l, layer) in self.w.layers.iter().enumerate() {
+                        self.layer(ws, &inp, layer, LayerIdx(l as u32), g, pool, form, h, on_layer)?;
+                        ws.rewind(mark);
+                    }
+                    Ok(())
+                };
+                match pad {
+                    Some(p) => self.graphed(&mut ws, GraphPass::Main, p, g, pool, layers)?,
+                    None => {
+                        self.count_eager(form);
+                        layers(&mut ws)?
+                    }
                 }
             }
             let out = self.finish(&mut ws, &items, h, &self.w.norm, &self.w.lm_head)?;
+            self.gpu.busy().end(self.stream())?;
             self.ep_step_issued()?;
             Ok(out)
         };
@@ -1558,6 +1763,34 @@ impl Backend for CudaBackend {
         Ok(self.gpu.profiler().take()?)
     }
 
+    fn set_busy_timer(&self, on: bool) {
+        self.gpu.busy().set(on);
+    }
+
+    fn take_busy_time(&self) -> Result<Option<crate::GpuBusy>, EngineError> {
+        let b = self.gpu.busy().take()?;
+        Ok(Some(crate::GpuBusy { calls: b.calls, busy_s: b.busy_s, span_s: b.span_s }))
+    }
+
+    fn set_decode_graphs(&self, on: bool) {
+        self.graphs.lock().unwrap_or_else(|p| p.into_inner()).set_enabled(on);
+    }
+
+    fn decode_graphs(&self) -> Option<crate::DecodeGraphs> {
+        let g = self.graph_stats();
+        Some(crate::DecodeGraphs {
+            on: self.graphs.lock().unwrap_or_else(|p| p.into_inner()).enabled(),
+            captures: g.captures,
+            replays: g.replays,
+            eager: g.eager,
+            held: g.held,
+            nodes: g.nodes,
+            bytes: g.bytes,
+            evicted: g.evicted,
+            capture_s: g.capture_s,
+        })
+    }
+
     fn expert_balance(&self) -> Option<crate::ExpertBalance> {
         let st = self.balancer.as_ref()?.stats();
         Some(crate::ExpertBalance {
@@ -1637,7 +1870,11 @@ impl Backend for CudaBackend {
         MemoryBudget {
             weights: self.w.bytes() + moving,
             activations: self.activation_bytes(limits) + self.second_micro_bytes(limits),
-            graphs: 0,
+            graphs: if self.graphs.lock().unwrap_or_else(|p| p.into_inner()).enabled() {
+                graphs::GRAPH_BYTES
+            } else {
+                0
+            },
             // kv-transfer's device buffers for one lane (gathering scattered layers on a prefill worker,
             // landing them on a decode worker).
             communication: (crate::cache::TRANSFER_BUFFERS * crate::cache::TRANSFER_CHUNK) as u64,
@@ -1769,17 +2006,28 @@ impl Backend for CudaBackend {
         let row0: usize = items.iter().map(|it| it.n).sum();
         let mut run = || -> Result<Vec<SeqOutput>, EngineError> {
             let mut ws = self.begin(&items, Pass::Mtp)?;
-            let inp = self.inputs(&mut ws, &items, form)?;
+            let pad = self.graph_shape(&items, form);
+            self.gpu.busy().begin(self.stream())?;
+            let inp = self.inputs(&mut ws, &items, form, pad)?;
+            let rows = inp.rows;
             let s = self.stream().clone();
-            let tokens: Vec<i32> = batch.iter().flat_map(|m| m.next_tokens.iter().map(|&t| t as i32)).collect();
-            // The MTP input embedding at position 0 is zeroed (docs/model.md §2.5).
-            let zero: Vec<i32> =
+            let mut tokens: Vec<i32> = batch.iter().flat_map(|m| m.next_tokens.iter().map(|&t| t as i32)).collect();
+            // The MTP input embedding at position 0 is zeroed (docs/model.md §2.5), and a padding row's.
+            let mut zero: Vec<i32> =
                 items.iter().flat_map(|it| (0..it.n).map(move |i| (it.start == 0 && i == 0) as i32)).collect();
+            tokens.resize(rows, 0);
+            zero.resize(rows, 1);
             let table = mtp.embed.as_ref().unwrap_or(&self.w.embed);
             let emb = self.embed(&mut ws, table, &tokens, Some(&zero))?;
-            // [enorm(emb) | hnorm(hidden)] per row.
-            let cat = ws.take::<f32>(&s, row0 * 2 * hidden)?;
-            self.rms_norm(emb, hidden, &mtp.enorm, cat, 2 * hidden, row0)?;
+            // [enorm(emb) | hnorm(hidden)] per row; padding rows all zeros (finite through the layer).
+            let cat = ws.take::<f32>(&s, rows * 2 * hidden)?;
+            if rows > row0 {
+                s.context().bind_to_thread().map_err(dev)?;
+                // SAFETY: `cat` holds rows x 2 x hidden f32 (taken above); stream-ordered before its readers.
+                unsafe { cudarc::driver::result::memset_d8_async(cat, 0, rows * 2 * hidden * 4, s.cu_stream()) }
+                    .map_err(dev)?;
+            }
+            self.rms_norm(emb, hidden, &mtp.enorm, cat, 2 * hidden, rows)?;
             for (m, it) in batch.iter().zip(&items) {
                 let rows = self.rows_of(m.hidden)?;
                 self.rms_norm(
@@ -1791,12 +2039,25 @@ impl Backend for CudaBackend {
                     it.n,
                 )?;
             }
-            let h = ws.take::<f32>(&s, row0 * hidden)?;
-            mtp.eh_proj.forward(&self.gpu, &mut ws, cat, row0, 1, 0, h)?;
+            let h = ws.take::<f32>(&s, rows * hidden)?;
             let li = LayerIdx(self.cfg.num_hidden_layers as u32);
-            self.layer(&mut ws, &inp, &mtp.layer, li, g, pool, form, h, on_layer)?;
+            let mark = ws.mark();
+            let mut layer = |ws: &mut Workspace| -> Result<(), EngineError> {
+                mtp.eh_proj.forward(&self.gpu, ws, cat, rows, 1, 0, h)?;
+                self.layer(ws, &inp, &mtp.layer, li, g, pool, form, h, on_layer)?;
+                ws.rewind(mark);
+                Ok(())
+            };
+            match pad {
+                Some(p) => self.graphed(&mut ws, GraphPass::Mtp, p, g, pool, layer)?,
+                None => {
+                    self.count_eager(form);
+                    layer(&mut ws)?
+                }
+            }
             let head = mtp.head.as_ref().unwrap_or(&self.w.lm_head);
             let out = self.finish(&mut ws, &items, h, &mtp.head_norm, head)?;
+            self.gpu.busy().end(self.stream())?;
             self.ep_step_issued()?;
             Ok(out)
         };

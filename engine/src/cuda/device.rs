@@ -29,6 +29,7 @@ pub struct Gpu {
     arch: Arch,
     functions: HashMap<&'static str, CudaFunction>,
     profiler: super::profile::Profiler,
+    busy: super::profile::BusyTimer,
 }
 
 /// Number of CUDA devices, or why there are none (no driver library, no device).
@@ -85,7 +86,7 @@ impl Gpu {
             f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
         }
         let stream = ctx.new_stream()?;
-        Ok(Gpu { ctx, stream, info, arch, functions, profiler: Default::default() })
+        Ok(Gpu { ctx, stream, info, arch, functions, profiler: Default::default(), busy: Default::default() })
     }
 
     /// Device 0 for a GPU test: `None` (with a message) where there is no GPU, unless the run requires one
@@ -105,6 +106,11 @@ impl Gpu {
     /// Per-kernel timing of the launches (engine::cuda::profile).
     pub fn profiler(&self) -> &super::profile::Profiler {
         &self.profiler
+    }
+
+    /// The calls' GPU spans (engine::cuda::profile::BusyTimer).
+    pub fn busy(&self) -> &super::profile::BusyTimer {
+        &self.busy
     }
 
     pub fn info(&self) -> &GpuInfo {

@@ -13,6 +13,7 @@ pub mod cache_quant;
 pub mod device;
 pub mod ep;
 pub mod gemm;
+pub mod graphs;
 pub mod indexer;
 pub mod kernels;
 pub mod moe;

@@ -88,6 +88,13 @@ pub struct WorkspaceMark {
     used: usize,
 }
 
+impl WorkspaceMark {
+    /// (chunk, bytes used in it): where the mark is, as a key.
+    pub fn parts(&self) -> (usize, usize) {
+        (self.chunk, self.used)
+    }
+}
+
 /// The per-call workspace: chunks of device memory handed out by a bump pointer and reset at the start of
 /// every forward call (work on the one stream is ordered, so the next call may reuse the bytes at once).
 /// It grows by a chunk when a call needs more than it has ever needed and never shrinks, so after the
@@ -96,11 +103,18 @@ pub struct Workspace {
     chunks: Vec<DBuf<u8>>,
     chunk: usize,
     used: usize,
+    /// Growing is an error (while a CUDA graph is captured: an allocation would become part of it).
+    frozen: bool,
 }
 
 impl Workspace {
     pub fn new() -> Self {
-        Workspace { chunks: Vec::new(), chunk: 0, used: 0 }
+        Workspace { chunks: Vec::new(), chunk: 0, used: 0, frozen: false }
+    }
+
+    /// Makes growing an error (`true`) or allowed again.
+    pub fn set_frozen(&mut self, frozen: bool) {
+        self.frozen = frozen;
     }
 
     /// Makes sure the first chunk holds at least `bytes` (startup reservation).
@@ -149,6 +163,11 @@ impl Workspace {
                 self.chunk += 1;
                 self.used = 0;
                 continue;
+            }
+            if self.frozen {
+                return Err(CudaError::Shape(format!(
+                    "the workspace would grow by {bytes} bytes while it may not (a CUDA graph capture)"
+                )));
             }
             let chunk = DBuf::zeros(stream, bytes.max(CHUNK))?;
             if !self.chunks.is_empty() {

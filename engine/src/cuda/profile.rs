@@ -91,6 +91,85 @@ impl State {
     }
 }
 
+/// When the GPU works and when it waits, call by call (`Backend::set_busy_timer`, `engine-bench`'s
+/// `extra.gpu_busy`). On, each backend call that puts work on the stream (a forward pass, a sampling or
+/// drafting call) records a timing event before its first piece of work and one after its last, before any
+/// wait for it; [`BusyTimer::take`] sums the calls' spans and the whole span from the first call to the last.
+/// The GPU is idle between the calls: what the host does between them (sampling's read-back, the
+/// scheduler, preparing the next step's inputs). Inside a call it counts as busy, so an eagerly launched
+/// call whose launches fall behind the GPU hides its gaps (a CUDA graph has none to hide).
+#[derive(Default)]
+pub struct BusyTimer {
+    on: AtomicBool,
+    state: Mutex<BusyState>,
+}
+
+#[derive(Default)]
+struct BusyState {
+    /// The call in progress: its start event.
+    open: Option<CudaEvent>,
+    spans: Vec<(CudaEvent, CudaEvent)>,
+}
+
+/// Calls timed, the GPU time inside them, and the time from the first one's start to the last one's end.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Busy {
+    pub calls: u64,
+    pub busy_s: f64,
+    pub span_s: f64,
+}
+
+impl BusyTimer {
+    pub fn set(&self, on: bool) {
+        self.on.store(on, Ordering::Relaxed);
+        if !on {
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            st.open = None;
+        }
+    }
+
+    /// The start of a call's work on `stream` (a call already open keeps its start).
+    pub fn begin(&self, stream: &CudaStream) -> Result<(), CudaError> {
+        if !self.on.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if st.open.is_none() {
+            let ev = stream.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+            ev.record(stream)?;
+            st.open = Some(ev);
+        }
+        Ok(())
+    }
+
+    /// The end of the open call's work on `stream` (nothing where none is open).
+    pub fn end(&self, stream: &CudaStream) -> Result<(), CudaError> {
+        if !self.on.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(start) = st.open.take() {
+            let ev = stream.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+            ev.record(stream)?;
+            st.spans.push((start, ev));
+        }
+        Ok(())
+    }
+
+    /// The calls timed since the previous take (waits for them).
+    pub fn take(&self) -> Result<Busy, CudaError> {
+        let spans = std::mem::take(&mut self.state.lock().unwrap_or_else(|p| p.into_inner()).spans);
+        let mut busy = Busy { calls: spans.len() as u64, ..Busy::default() };
+        for (start, end) in &spans {
+            busy.busy_s += f64::from(start.elapsed_ms(end)?) / 1e3;
+        }
+        if let (Some(first), Some(last)) = (spans.first(), spans.last()) {
+            busy.span_s = f64::from(first.0.elapsed_ms(&last.1)?) / 1e3;
+        }
+        Ok(busy)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use crate::cuda::device::Gpu;

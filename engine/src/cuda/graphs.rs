@@ -1,0 +1,303 @@
+//! CUDA graphs of the decode passes (docs/model.md §5.4).
+//!
+//! A decode step's main pass issues about 40 kernels per layer (2,500 at 61 layers) and its MTP pass about
+//! 40 more; issued one by one, the host spends milliseconds launching them, and the GPU waits wherever the
+//! host falls behind. Here the layers of a decode pass are captured once per shape into a CUDA graph and
+//! replayed with one launch:
+//!
+//! - **Shapes.** A pass is captured per padded row count ([`row_bucket`]: 1, 2, 4, 8, 16, 24, 32, 48, 64, then
+//!   steps of 32 to 256 and of 64 to 512) and per block-table width (the next power of two of the longest
+//!   row's blocks): together they fix every launch's grid, every workspace address and the indexer's score
+//!   stride and chunking. Each decode row belongs to one request and takes 1 or 2 rows (the token and the MTP
+//!   draft), so the indexer's scorer groups are data (uploaded each step), never part of the graph.
+//! - **Padding rows** past the real ones attend to position 0 of the first request (length 1), write no
+//!   cache entry (slot -1) and are never read back: every kernel computes a row alone, so the real rows get
+//!   the bits the eager pass gives them (tested: `engine/tests/gpu.rs`).
+//! - **What stays eager.** The inputs' upload (positions, slots, block tables, tokens), the embedding and,
+//!   for the MTP pass, the concatenated norms: they write the workspace addresses the graph reads. After the
+//!   layers, the final norm and the logits rows go into fresh buffers, so outputs a caller still holds are
+//!   never overwritten by a later replay.
+//! - **Capture.** The first call of a shape runs eagerly (that is the call's result, and it grows the
+//!   workspace to what the shape needs), then the same issue sequence is captured without running it; the
+//!   workspace may not grow while capturing. A shape whose capture fails stays eager (logged once).
+//! - **Memory.** Each graph's device memory is measured at instantiation; graphs past [`GRAPH_BYTES`] are
+//!   evicted least recently used first, and `GRAPH_BYTES` is the graphs' share of the memory budget.
+//!
+//! Off with `TANDEM_CUDA_GRAPHS=0` (A/B measurements, debugging).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{CudaGraph, CudaStream, sys};
+
+use crate::backend::EngineError;
+use crate::cache::BLOCK_SIZE;
+
+/// Device memory the captured graphs may hold (counted in the memory budget as `graphs`): [`MAX_HELD`]
+/// graphs of the 61-layer model at about 3 MiB each (measured on an H200: 6 MiB for its first two), with room.
+pub const GRAPH_BYTES: u64 = 256 << 20;
+
+/// The most graphs held at once (least recently used evicted first). The driver's free-memory reading moves in
+/// 2 MiB steps and often not at all for a graph (its memory comes from what earlier graphs freed), so the count
+/// bounds the graphs' memory where the measurement cannot.
+pub const MAX_HELD: usize = 64;
+
+/// The most rows a decode row of one request has in a captured pass (the token and the MTP draft).
+pub const MAX_ROWS_PER_REQUEST: usize = 2;
+
+/// The most rows a captured pass has; larger decode batches run eagerly.
+pub const MAX_ROWS: usize = 512;
+
+/// Whether the decode passes are captured (`TANDEM_CUDA_GRAPHS=0` turns them off).
+pub fn enabled_by_env() -> bool {
+    std::env::var("TANDEM_CUDA_GRAPHS").map_or(true, |v| v != "0")
+}
+
+/// The padded row count a decode pass of `rows` rows is captured at, `None` past [`MAX_ROWS`].
+pub fn row_bucket(rows: usize) -> Option<usize> {
+    let r = rows.max(1);
+    let b = match r {
+        0..=2 => r,
+        3..=4 => 4,
+        5..=8 => 8,
+        9..=16 => 16,
+        17..=24 => 24,
+        25..=32 => 32,
+        33..=48 => 48,
+        49..=64 => 64,
+        65..=256 => r.next_multiple_of(32),
+        _ => r.next_multiple_of(64),
+    };
+    (b <= MAX_ROWS).then_some(b)
+}
+
+/// The block-table width (blocks) a pass whose longest row needs `blocks` is captured at.
+pub fn width_bucket(blocks: usize) -> usize {
+    blocks.max(1).next_power_of_two()
+}
+
+/// Which pass a graph is of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GraphPass {
+    Main,
+    Mtp,
+}
+
+/// Everything a captured pass's launches depend on besides the inputs it reads from device memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GraphKey {
+    pub pass: GraphPass,
+    /// Padded rows.
+    pub rows: usize,
+    /// Padded block-table width (blocks); the score stride is this many blocks of positions.
+    pub width: usize,
+    /// The cache pool's address, blocks and layers.
+    pub pool: u64,
+    pub num_blocks: usize,
+    pub num_layers: usize,
+    /// Where the workspace stood when the layers began (chunk, bytes): the inputs and the residual stream
+    /// were taken before it.
+    pub mark: (usize, usize),
+}
+
+impl GraphKey {
+    /// Score columns of a row (the padded width's positions).
+    pub fn score_stride(&self) -> usize {
+        self.width * BLOCK_SIZE
+    }
+}
+
+/// What the graphs have done (for tests, benchmarks and logs).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GraphStats {
+    /// Passes captured, replayed, and run eagerly (not eligible, or the first call of a shape).
+    pub captures: u64,
+    pub replays: u64,
+    pub eager: u64,
+    /// Graphs held now, their nodes (kernel launches and copies) and their device memory as measured.
+    pub held: usize,
+    pub nodes: usize,
+    pub bytes: u64,
+    /// Graphs evicted to stay within [`GRAPH_BYTES`] and [`MAX_HELD`].
+    pub evicted: u64,
+    /// Seconds spent capturing and instantiating.
+    pub capture_s: f64,
+}
+
+/// A captured pass. The driver's graph objects are not internally synchronized: every use is under the
+/// cache's mutex (the backend's workspace lock).
+struct Held {
+    graph: Option<CudaGraph>,
+    nodes: usize,
+    bytes: u64,
+    last_used: u64,
+}
+
+// SAFETY: a CUgraphExec may be launched from any thread; access is serialized by the `Graphs` owner's lock.
+unsafe impl Send for Held {}
+
+/// The captured passes of one backend, by shape.
+pub struct Graphs {
+    enabled: bool,
+    held: HashMap<GraphKey, Held>,
+    clock: u64,
+    stats: GraphStats,
+}
+
+/// What to do with a pass of a given shape.
+pub enum Plan {
+    /// Replayed (done).
+    Replayed,
+    /// Run the layers eagerly, then capture them.
+    RunAndCapture,
+    /// Run the layers eagerly (the shape's capture failed before).
+    Eager,
+}
+
+impl Graphs {
+    pub fn new(enabled: bool) -> Self {
+        Graphs { enabled, held: HashMap::new(), clock: 0, stats: GraphStats::default() }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    pub fn set_enabled(&mut self, on: bool) {
+        self.enabled = on;
+        if !on {
+            self.held.clear();
+            self.stats.held = 0;
+            self.stats.nodes = 0;
+            self.stats.bytes = 0;
+        }
+    }
+
+    pub fn stats(&self) -> GraphStats {
+        self.stats
+    }
+
+    /// Counts a pass that runs eagerly because it is not eligible.
+    pub fn count_eager(&mut self) {
+        self.stats.eager += 1;
+    }
+
+    /// Replays the pass of `key` on its stream where it is captured; otherwise says how to run it.
+    pub fn replay(&mut self, key: &GraphKey) -> Result<Plan, EngineError> {
+        self.clock += 1;
+        let Some(h) = self.held.get_mut(key) else {
+            self.stats.eager += 1;
+            return Ok(Plan::RunAndCapture);
+        };
+        h.last_used = self.clock;
+        match &h.graph {
+            Some(g) => {
+                g.launch().map_err(|e| EngineError::Device(format!("replaying a decode graph: {e}")))?;
+                self.stats.replays += 1;
+                Ok(Plan::Replayed)
+            }
+            None => {
+                self.stats.eager += 1;
+                Ok(Plan::Eager)
+            }
+        }
+    }
+
+    /// Captures what `issue` puts on `stream` (nothing runs) as the graph of `key`. The same issue sequence
+    /// has just run eagerly, so any failure here is the capture's: the shape then stays eager (warned once).
+    pub fn capture<F>(&mut self, stream: &Arc<CudaStream>, key: GraphKey, issue: F) -> Result<(), EngineError>
+    where
+        F: FnOnce() -> Result<(), EngineError>,
+    {
+        let t0 = Instant::now();
+        let free_before = free_memory();
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| EngineError::Device(format!("starting a decode graph capture: {e}")))?;
+        let issued = issue();
+        // The capture ends whatever happened, so the stream is usable again.
+        let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        let graph = match (issued, ended) {
+            (Err(e), _) => {
+                tracing::warn!(?key, error = %e, "a decode pass failed while captured; this shape runs eagerly");
+                None
+            }
+            (Ok(()), Ok(Some(g))) => match g.upload() {
+                Ok(()) => Some(g),
+                Err(e) => {
+                    tracing::warn!(?key, error = %e, "a decode graph did not upload; this shape runs eagerly");
+                    None
+                }
+            },
+            (Ok(()), Ok(None)) => None,
+            (Ok(()), Err(e)) => {
+                tracing::warn!(?key, error = %e, "a decode pass could not be captured; this shape runs eagerly");
+                None
+            }
+        };
+        let bytes = match (free_before, free_memory()) {
+            (Some(a), Some(b)) if graph.is_some() => a.saturating_sub(b),
+            _ => 0,
+        };
+        let nodes = graph.as_ref().map_or(0, node_count);
+        let secs = t0.elapsed().as_secs_f64();
+        self.stats.capture_s += secs;
+        if graph.is_some() {
+            self.stats.captures += 1;
+            tracing::debug!(?key, nodes, bytes, ms = secs * 1e3, "decode pass captured");
+        }
+        self.clock += 1;
+        self.held.insert(key, Held { graph, nodes, bytes, last_used: self.clock });
+        self.evict();
+        Ok(())
+    }
+
+    /// Drops the least recently used graphs while they hold more than [`GRAPH_BYTES`] or number more than
+    /// [`MAX_HELD`].
+    fn evict(&mut self) {
+        let mut total: u64 = self.held.values().map(|h| h.bytes).sum();
+        while (total > GRAPH_BYTES || self.held.len() > MAX_HELD) && self.held.len() > 1 {
+            let Some((&k, _)) = self.held.iter().min_by_key(|(_, h)| h.last_used) else { break };
+            if let Some(h) = self.held.remove(&k) {
+                total -= h.bytes;
+                self.stats.evicted += 1;
+            }
+        }
+        self.stats.held = self.held.values().filter(|h| h.graph.is_some()).count();
+        self.stats.nodes = self.held.values().map(|h| h.nodes).sum();
+        self.stats.bytes = total;
+    }
+}
+
+/// Nodes of a captured graph (0 where the driver does not say).
+fn node_count(g: &CudaGraph) -> usize {
+    let mut n = 0usize;
+    // SAFETY: a live graph; a null node array asks for the count only.
+    let r = unsafe { sys::cuGraphGetNodes(g.cu_graph(), std::ptr::null_mut(), &mut n) };
+    if r == sys::CUresult::CUDA_SUCCESS { n } else { 0 }
+}
+
+/// Free device memory of the current context, where the driver says.
+fn free_memory() -> Option<u64> {
+    cudarc::driver::result::mem_get_info().ok().map(|(free, _)| free as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_pad_rows_and_widths_a_bounded_amount() {
+        let got: Vec<_> = [1, 2, 3, 5, 9, 17, 25, 33, 49, 64, 65, 100, 256, 257, 512].map(row_bucket).to_vec();
+        let want = [1, 2, 4, 8, 16, 24, 32, 48, 64, 64, 96, 128, 256, 320, 512];
+        assert_eq!(got, want.map(Some).to_vec());
+        assert_eq!(row_bucket(513), None, "past MAX_ROWS the pass runs eagerly");
+        for r in 1..=MAX_ROWS {
+            let b = row_bucket(r).unwrap();
+            assert!(b >= r && (b <= 2 * r || r <= 2), "{r} -> {b}");
+            assert!(b <= r + 64, "{r} -> {b}: at most 64 padding rows");
+        }
+        assert_eq!([1, 2, 3, 33, 64, 65].map(width_bucket), [1, 2, 4, 64, 64, 128]);
+    }
+}
