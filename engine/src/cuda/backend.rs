@@ -714,6 +714,37 @@ impl CudaBackend {
         )
     }
 
+    /// `x [rows, ..]` quantized in `first`'s FP8 input format, where it takes one (and there are rows).
+    fn quantize_once(
+        &self,
+        ws: &mut Workspace,
+        first: &DLinear,
+        x: u64,
+        rows: usize,
+    ) -> Result<Option<QuantIn>, CudaError> {
+        match first.quant_format() {
+            Some(_) if rows > 0 => Ok(Some(first.quantize_input(&self.gpu, ws, x, rows)?)),
+            _ => Ok(None),
+        }
+    }
+
+    /// `y = lin(x)` over `rows` rows, from `pre` where it is `x` quantized in `lin`'s format (the same codes
+    /// `lin` would make: the same bits), else from `x`.
+    fn linear(
+        &self,
+        ws: &mut Workspace,
+        lin: &DLinear,
+        x: u64,
+        rows: usize,
+        pre: Option<&QuantIn>,
+        y: u64,
+    ) -> Result<(), CudaError> {
+        match pre {
+            Some(q) if lin.quant_format() == Some(q.format) => lin.forward_quantized(&self.gpu, ws, q, rows, y),
+            _ => lin.forward(&self.gpu, ws, x, rows, 1, 0, y),
+        }
+    }
+
     fn add(&self, h: u64, x: u64, n: usize) -> Result<(), CudaError> {
         launch(&self.gpu, "tandem_add", elementwise_grid(n), 256, 0, &[Arg::P(h), Arg::P(x), Arg::L(n as i64)])
     }
@@ -891,15 +922,20 @@ impl CudaBackend {
 
         let x = ws.take::<f32>(&s, rows * hidden)?;
         self.rms_norm(h, hidden, &layer.attn_norm, x, hidden, rows)?;
+        let ix = &layer.indexer;
+        // x feeds q_a, kv_a and the indexer's wk, qr feeds q_b and wq_b: each quantized once for the linears
+        // that take FP8 rows in the same format (the codes each would make alone).
+        let xq = self.quantize_once(ws, &a.q_a, x, rows)?;
         let q_lora = a.q_a.out_features();
         let qa = ws.take::<f32>(&s, rows * q_lora)?;
-        a.q_a.forward(g, ws, x, rows, 1, 0, qa)?;
+        self.linear(ws, &a.q_a, x, rows, xq.as_ref(), qa)?;
         let qr = ws.take::<f32>(&s, rows * q_lora)?;
         self.rms_norm(qa, q_lora, &a.q_a_norm, qr, q_lora, rows)?;
+        let qrq = self.quantize_once(ws, &a.q_b, qr, rows)?;
         let q = ws.take::<f32>(&s, rows * heads * qk)?;
-        a.q_b.forward(g, ws, qr, rows, 1, 0, q)?;
+        self.linear(ws, &a.q_b, qr, rows, qrq.as_ref(), q)?;
         let kv = ws.take::<f32>(&s, rows * (rank + rd))?;
-        a.kv_a.forward(g, ws, x, rows, 1, 0, kv)?;
+        self.linear(ws, &a.kv_a, x, rows, xq.as_ref(), kv)?;
         let lat = ws.take::<f32>(&s, rows * rank)?;
         let kpe = ws.take::<f32>(&s, rows * rd)?;
         launch(
@@ -926,11 +962,10 @@ impl CudaBackend {
         )?;
 
         // The indexer's queries and keys.
-        let ix = &layer.indexer;
         let iq = ws.take::<f32>(&s, rows * ih * 128)?;
-        ix.wq_b.forward(g, ws, qr, rows, 1, 0, iq)?;
+        self.linear(ws, &ix.wq_b, qr, rows, qrq.as_ref(), iq)?;
         let keys = ws.take::<f32>(&s, rows * 128)?;
-        ix.wk.forward(g, ws, x, rows, 1, 0, keys)?;
+        self.linear(ws, &ix.wk, x, rows, xq.as_ref(), keys)?;
         let wts = ws.take::<f32>(&s, rows * ih)?;
         ix.weights_proj.forward(g, ws, x, rows, 1, 0, wts)?;
         let q_codes = if fp8 { ws.take::<u8>(&s, rows * ih_pad * 128)? } else { 0 };
