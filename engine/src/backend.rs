@@ -517,16 +517,19 @@ pub struct GpuBusy {
 /// Decode passes run as CUDA graphs ([`Backend::decode_graphs`], engine::cuda::graphs).
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct DecodeGraphs {
+    /// Whether decode passes are captured.
     pub on: bool,
+    /// Passes captured, replayed, and run eagerly (not eligible, or the first call of a shape).
     pub captures: u64,
     pub replays: u64,
-    /// Decode passes run eagerly: not eligible, or the first of their shape.
     pub eager: u64,
+    /// Graphs held now, their nodes (kernel launches and copies) and their device memory as measured.
     pub held: usize,
-    /// Nodes (launches and copies) of the graphs held.
     pub nodes: usize,
     pub bytes: u64,
+    /// Graphs evicted to stay within the graphs' memory and count limits.
     pub evicted: u64,
+    /// Seconds spent capturing and instantiating.
     pub capture_s: f64,
 }
 

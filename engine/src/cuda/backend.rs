@@ -329,7 +329,7 @@ impl CudaBackend {
     }
 
     /// What the decode graphs have done so far.
-    pub fn graph_stats(&self) -> graphs::GraphStats {
+    pub fn graph_stats(&self) -> crate::DecodeGraphs {
         self.graphs.lock().unwrap_or_else(|p| p.into_inner()).stats()
     }
 
@@ -1812,18 +1812,7 @@ impl Backend for CudaBackend {
     }
 
     fn decode_graphs(&self) -> Option<crate::DecodeGraphs> {
-        let g = self.graph_stats();
-        Some(crate::DecodeGraphs {
-            on: self.graphs.lock().unwrap_or_else(|p| p.into_inner()).enabled(),
-            captures: g.captures,
-            replays: g.replays,
-            eager: g.eager,
-            held: g.held,
-            nodes: g.nodes,
-            bytes: g.bytes,
-            evicted: g.evicted,
-            capture_s: g.capture_s,
-        })
+        Some(self.graph_stats())
     }
 
     fn expert_balance(&self) -> Option<crate::ExpertBalance> {

@@ -31,7 +31,7 @@ use std::time::Instant;
 
 use cudarc::driver::{CudaGraph, CudaStream, sys};
 
-use crate::backend::EngineError;
+use crate::backend::{DecodeGraphs, EngineError};
 use crate::cache::BLOCK_SIZE;
 
 /// Device memory the captured graphs may hold (counted in the memory budget as `graphs`): [`MAX_HELD`]
@@ -108,23 +108,6 @@ impl GraphKey {
     }
 }
 
-/// What the graphs have done (for tests, benchmarks and logs).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct GraphStats {
-    /// Passes captured, replayed, and run eagerly (not eligible, or the first call of a shape).
-    pub captures: u64,
-    pub replays: u64,
-    pub eager: u64,
-    /// Graphs held now, their nodes (kernel launches and copies) and their device memory as measured.
-    pub held: usize,
-    pub nodes: usize,
-    pub bytes: u64,
-    /// Graphs evicted to stay within [`GRAPH_BYTES`] and [`MAX_HELD`].
-    pub evicted: u64,
-    /// Seconds spent capturing and instantiating.
-    pub capture_s: f64,
-}
-
 /// A captured pass. The driver's graph objects are not internally synchronized: every use is under the
 /// cache's mutex (the backend's workspace lock).
 struct Held {
@@ -142,7 +125,7 @@ pub struct Graphs {
     enabled: bool,
     held: HashMap<GraphKey, Held>,
     clock: u64,
-    stats: GraphStats,
+    stats: DecodeGraphs,
 }
 
 /// What to do with a pass of a given shape.
@@ -157,7 +140,7 @@ pub enum Plan {
 
 impl Graphs {
     pub fn new(enabled: bool) -> Self {
-        Graphs { enabled, held: HashMap::new(), clock: 0, stats: GraphStats::default() }
+        Graphs { enabled, held: HashMap::new(), clock: 0, stats: DecodeGraphs::default() }
     }
 
     pub fn enabled(&self) -> bool {
@@ -174,8 +157,9 @@ impl Graphs {
         }
     }
 
-    pub fn stats(&self) -> GraphStats {
-        self.stats
+    /// What the graphs have done (for tests, benchmarks and logs).
+    pub fn stats(&self) -> DecodeGraphs {
+        DecodeGraphs { on: self.enabled, ..self.stats }
     }
 
     /// Counts a pass that runs eagerly because it is not eligible.
