@@ -2,7 +2,7 @@
 measured on one GPU with the synthetic model standing for one rank (issue: the graphed decode step, item 4).
 A projection, not a measurement: every assumption is a flag and is printed with the result.
 
-  python3 bench/gpu/projection.py --bench engine-bench-v32.json [--prefill-bench FILE] [--accept 0.8]
+  python3 bench/gpu/projection.py --bench engine-bench-v32.json [--bench MORE.json ...] [--accept 0.8]
       [--nvlink-gbps 150] [--rdma-gbps 40] [--overlap 0.8] [--json out.json]
   python3 bench/gpu/projection.py --self-test
 

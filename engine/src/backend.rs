@@ -342,7 +342,9 @@ pub(crate) fn check_pool_fits(cfg: &ModelConfig, prec: Precision, g: &CacheGeome
 }
 
 /// Called with each layer index as soon as that layer's caches are issued for the whole batch, with the
-/// marker of their completion, so the prefill worker can ship them while later layers compute.
+/// marker of their completion, so the prefill worker can ship them while later layers compute. Only the
+/// prefill form promises the calls: nothing ships a decode-form pass's layers, and a backend may skip them
+/// there (the CUDA backend does: a pass replayed as a CUDA graph creates no events).
 pub type LayerDone<'a> = &'a mut (dyn FnMut(LayerIdx, LayerReady) + Send);
 
 pub trait Backend: Send + Sync {

@@ -25,10 +25,11 @@
 //! busy / span: the GPU's share waiting for the host between calls (sampling's read-back, the scheduler,
 //! the next step's inputs). With decode passes captured as CUDA graphs (engine::cuda::graphs, the default on
 //! a GPU) each batch runs one untimed step first (it captures the shapes), and `extra.graphs` says how many
-//! timed passes were replayed. `--graphs-ab` times each batch with graphs on, then off (`decode_batch_N_eager`).
-//! `--shared-context` (GPU) prefills one context per batch and copies its caches into each request's own
-//! blocks, each request sampling with its own seed (temperature 1): long contexts at large batches without a
-//! prefill per request.
+//! timed passes were replayed. `--graphs-ab` (GPU, one rank) times each batch with graphs on, then off
+//! (`decode_batch_N_eager`) on the same requests, which by then are a few positions longer (the steps of the
+//! first mode). `--shared-context` (GPU) prefills one context once and copies its caches into each request's
+//! own blocks, each request sampling with its own seed (temperature 1): long contexts at large batches
+//! without a prefill per request.
 //!
 //! `--ep RANK/WORLD@HOST:PORT` runs this process as one rank of an expert-parallel group (one per GPU, all
 //! started together with the same flags); `--eplb` with `--eplb-redundant`, `--eplb-interval`,
@@ -327,6 +328,10 @@ fn main() {
         }
     } else if !o.ep_exchange.is_empty() {
         eprintln!("engine-bench: --ep-exchange times the expert-parallel exchange: it needs --ep");
+        std::process::exit(2);
+    }
+    if o.graphs_ab && (cuda.is_none() || o.ep.is_some()) {
+        eprintln!("engine-bench: --graphs-ab compares CUDA graphs with eager passes: it needs --device cuda, no --ep");
         std::process::exit(2);
     }
     if o.shared_context && cuda.is_none() {

@@ -358,7 +358,8 @@ impl CudaBackend {
         self
     }
 
-    /// Top-k launches so far (one a chunk of rows): (single form, split form).
+    /// Top-k launches issued so far (one a chunk of rows): (single form, split form). A decode pass captured
+    /// as a CUDA graph counts its launches once, when captured; its replays add none.
     pub fn topk_launches(&self) -> (u64, u64) {
         let n = |i: usize| self.topk_launches[i].load(std::sync::atomic::Ordering::Relaxed);
         (n(0), n(1))
@@ -413,6 +414,15 @@ impl CudaBackend {
         }
         if let Some(b) = src.iter().chain(dst).find(|b| b.0 as usize >= g.num_blocks) {
             return Err(EngineError::InvalidInput(format!("block {} outside a pool of {}", b.0, g.num_blocks)));
+        }
+        // Each destination once, and never a source: overlapping copies have no defined result.
+        let mut seen = std::collections::HashSet::new();
+        let sources: std::collections::HashSet<u32> = src.iter().map(|b| b.0).collect();
+        if let Some(b) = dst.iter().find(|b| !seen.insert(b.0) || sources.contains(&b.0)) {
+            return Err(EngineError::InvalidInput(format!(
+                "block {} is a destination twice, or both a source and a destination",
+                b.0
+            )));
         }
         // (first source, first destination, blocks) of each run.
         let mut runs: Vec<(usize, usize, usize)> = Vec::new();
@@ -618,7 +628,8 @@ impl CudaBackend {
         let real: usize = items.iter().map(|it| it.n).sum();
         let mut rows = graphs::row_bucket(real)?;
         // Padding past the serving limit would outgrow the workspace reserved for it: the exact rows then.
-        if let Some(l) = *self.limits.lock().unwrap_or_else(|p| p.into_inner())
+        let limits = *self.limits.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(l) = limits
             && rows > l.max_num_batched_tokens
         {
             rows = real;
@@ -647,7 +658,7 @@ impl CudaBackend {
             pool,
             num_blocks: g.num_blocks,
             num_layers: g.num_layers,
-            mark: mark.parts(),
+            mark: ws.address(mark),
         };
         let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
         match graphs.replay(&key)? {
@@ -1393,7 +1404,7 @@ impl CudaBackend {
             if let Some(p) = pad {
                 tokens.resize(p.rows, 0);
             }
-            self.gpu.busy().begin(self.stream())?;
+            self.gpu.busy().begin(self.stream());
             let h = self.embed(&mut ws, &self.w.embed, &tokens, None)?;
             if dbo {
                 // Two micro-batches: the rows halved (an item may straddle them: its later rows read the
@@ -1433,7 +1444,7 @@ impl CudaBackend {
                 }
             }
             let out = self.finish(&mut ws, &items, h, &self.w.norm, &self.w.lm_head)?;
-            self.gpu.busy().end(self.stream())?;
+            self.gpu.busy().end(self.stream());
             self.ep_step_issued()?;
             Ok(out)
         };
@@ -1872,8 +1883,10 @@ impl Backend for CudaBackend {
 
     fn allocate_cache(&self, geometry: CacheGeometry) -> Result<KvCache, EngineError> {
         let s = self.stream();
-        // The workspace for the serving limits the pool was sized with, reserved with it.
-        if let Some(l) = *self.limits.lock().unwrap_or_else(|p| p.into_inner()) {
+        // The workspace for the serving limits the pool was sized with, reserved with it (the limits copied
+        // out first: a call holds `ws` while it reads them).
+        let limits = *self.limits.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(l) = limits {
             let need = self.activation_bytes(&l) as usize;
             self.ws.lock().unwrap_or_else(|p| p.into_inner()).reserve(s, need)?;
             let b = self.second_micro_bytes(&l) as usize;
@@ -2031,7 +2044,7 @@ impl Backend for CudaBackend {
         let mut run = || -> Result<Vec<SeqOutput>, EngineError> {
             let mut ws = self.begin(&items, Pass::Mtp)?;
             let pad = self.graph_shape(&items, form);
-            self.gpu.busy().begin(self.stream())?;
+            self.gpu.busy().begin(self.stream());
             let inp = self.inputs(&mut ws, &items, form, pad)?;
             let rows = inp.rows;
             let s = self.stream().clone();
@@ -2081,7 +2094,7 @@ impl Backend for CudaBackend {
             }
             let head = mtp.head.as_ref().unwrap_or(&self.w.lm_head);
             let out = self.finish(&mut ws, &items, h, &mtp.head_norm, head)?;
-            self.gpu.busy().end(self.stream())?;
+            self.gpu.busy().end(self.stream());
             self.ep_step_issued()?;
             Ok(out)
         };

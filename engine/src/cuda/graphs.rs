@@ -32,7 +32,6 @@ use std::time::Instant;
 use cudarc::driver::{CudaGraph, CudaStream, sys};
 
 use crate::backend::{DecodeGraphs, EngineError};
-use crate::cache::BLOCK_SIZE;
 
 /// Device memory the captured graphs may hold (counted in the memory budget as `graphs`): [`MAX_HELD`]
 /// graphs of the 61-layer model at about 3 MiB each (measured on an H200: 6 MiB for its first two), with room.
@@ -42,6 +41,10 @@ pub const GRAPH_BYTES: u64 = 256 << 20;
 /// 2 MiB steps and often not at all for a graph (its memory comes from what earlier graphs freed), so the count
 /// bounds the graphs' memory where the measurement cannot.
 pub const MAX_HELD: usize = 64;
+
+/// The most device memory one graph is charged (a larger free-memory drop at its instantiation was someone
+/// else's allocation).
+pub const MAX_GRAPH_BYTES: u64 = 32 << 20;
 
 /// The most rows a decode row of one request has in a captured pass (the token and the MTP draft).
 pub const MAX_ROWS_PER_REQUEST: usize = 2;
@@ -96,20 +99,13 @@ pub struct GraphKey {
     pub pool: u64,
     pub num_blocks: usize,
     pub num_layers: usize,
-    /// Where the workspace stood when the layers began (chunk, bytes): the inputs and the residual stream
-    /// were taken before it.
-    pub mark: (usize, usize),
-}
-
-impl GraphKey {
-    /// Score columns of a row (the padded width's positions).
-    pub fn score_stride(&self) -> usize {
-        self.width * BLOCK_SIZE
-    }
+    /// The workspace address where the layers began (the inputs and the residual stream were taken before
+    /// it, at addresses that follow from the shape).
+    pub mark: u64,
 }
 
 /// A captured pass. The driver's graph objects are not internally synchronized: every use is under the
-/// cache's mutex (the backend's workspace lock).
+/// [`Graphs`] owner's mutex.
 struct Held {
     graph: Option<CudaGraph>,
     nodes: usize,
@@ -117,7 +113,7 @@ struct Held {
     last_used: u64,
 }
 
-// SAFETY: a CUgraphExec may be launched from any thread; access is serialized by the `Graphs` owner's lock.
+// SAFETY: a CUgraphExec may be launched from any thread; access is serialized by the `Graphs` owner's mutex.
 unsafe impl Send for Held {}
 
 /// The captured passes of one backend, by shape.
@@ -196,9 +192,12 @@ impl Graphs {
     {
         let t0 = Instant::now();
         let free_before = free_memory();
-        stream
-            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|e| EngineError::Device(format!("starting a decode graph capture: {e}")))?;
+        if let Err(e) = stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) {
+            tracing::warn!(?key, error = %e, "a decode graph capture did not start; this shape runs eagerly");
+            self.clock += 1;
+            self.held.insert(key, Held { graph: None, nodes: 0, bytes: 0, last_used: self.clock });
+            return Ok(());
+        }
         let issued = issue();
         // The capture ends whatever happened, so the stream is usable again.
         let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
@@ -220,8 +219,10 @@ impl Graphs {
                 None
             }
         };
+        // The device's free memory also moves with other processes' allocations (workers sharing a GPU): a
+        // reading past MAX_GRAPH_BYTES is not this graph's.
         let bytes = match (free_before, free_memory()) {
-            (Some(a), Some(b)) if graph.is_some() => a.saturating_sub(b),
+            (Some(a), Some(b)) if graph.is_some() => a.saturating_sub(b).min(MAX_GRAPH_BYTES),
             _ => 0,
         };
         let nodes = graph.as_ref().map_or(0, node_count);
@@ -238,20 +239,39 @@ impl Graphs {
     }
 
     /// Drops the least recently used graphs while they hold more than [`GRAPH_BYTES`] or number more than
-    /// [`MAX_HELD`].
+    /// [`MAX_HELD`] ([`victims`]); shapes whose capture failed stay (eager, warned once).
     fn evict(&mut self) {
-        let mut total: u64 = self.held.values().map(|h| h.bytes).sum();
-        while (total > GRAPH_BYTES || self.held.len() > MAX_HELD) && self.held.len() > 1 {
-            let Some((&k, _)) = self.held.iter().min_by_key(|(_, h)| h.last_used) else { break };
-            if let Some(h) = self.held.remove(&k) {
-                total -= h.bytes;
-                self.stats.evicted += 1;
-            }
+        let entries: Vec<(GraphKey, u64, u64, bool)> =
+            self.held.iter().map(|(k, h)| (*k, h.bytes, h.last_used, h.graph.is_some())).collect();
+        let rows: Vec<(u64, u64, bool)> = entries.iter().map(|e| (e.1, e.2, e.3)).collect();
+        for i in victims(&rows) {
+            self.held.remove(&entries[i].0);
+            self.stats.evicted += 1;
         }
         self.stats.held = self.held.values().filter(|h| h.graph.is_some()).count();
         self.stats.nodes = self.held.values().map(|h| h.nodes).sum();
-        self.stats.bytes = total;
+        self.stats.bytes = self.held.values().map(|h| h.bytes).sum();
     }
+}
+
+/// Which of the held graphs `(bytes, last used, captured)` to drop: the least recently used captured ones
+/// while the captured ones hold more than [`GRAPH_BYTES`] or number more than [`MAX_HELD`], never the most
+/// recent one (the graph just captured), never a failed shape's entry.
+fn victims(held: &[(u64, u64, bool)]) -> Vec<usize> {
+    let mut live: Vec<usize> = (0..held.len()).filter(|&i| held[i].2).collect();
+    live.sort_by_key(|&i| held[i].1);
+    let mut bytes: u64 = live.iter().map(|&i| held[i].0).sum();
+    let mut out = Vec::new();
+    let mut n = live.len();
+    for &i in &live {
+        if n <= 1 || (bytes <= GRAPH_BYTES && n <= MAX_HELD) {
+            break;
+        }
+        bytes -= held[i].0;
+        n -= 1;
+        out.push(i);
+    }
+    out
 }
 
 /// Nodes of a captured graph (0 where the driver does not say).
@@ -283,5 +303,21 @@ mod tests {
             assert!(b <= r + 64, "{r} -> {b}: at most 64 padding rows");
         }
         assert_eq!([1, 2, 3, 33, 64, 65].map(width_bucket), [1, 2, 4, 64, 64, 128]);
+    }
+
+    #[test]
+    fn eviction_drops_the_least_recently_used_graphs_past_either_limit() {
+        let mib = 1u64 << 20;
+        // Within both limits: nothing.
+        assert!(victims(&[(4 * mib, 1, true), (4 * mib, 2, true)]).is_empty());
+        // Past the count: the oldest captured graphs, not a failed shape's entry.
+        let mut held: Vec<(u64, u64, bool)> = (0..MAX_HELD as u64 + 2).map(|t| (mib, 10 + t, true)).collect();
+        held.push((0, 0, false));
+        assert_eq!(victims(&held), vec![0, 1]);
+        // Past the bytes: oldest first until the rest fit.
+        let big = GRAPH_BYTES / 2;
+        assert_eq!(victims(&[(big, 3, true), (big, 1, true), (big, 2, true)]), vec![1]);
+        // The newest graph stays whatever it holds.
+        assert!(victims(&[(2 * GRAPH_BYTES, 1, true)]).is_empty());
     }
 }

@@ -88,13 +88,6 @@ pub struct WorkspaceMark {
     used: usize,
 }
 
-impl WorkspaceMark {
-    /// (chunk, bytes used in it): where the mark is, as a key.
-    pub fn parts(&self) -> (usize, usize) {
-        (self.chunk, self.used)
-    }
-}
-
 /// The per-call workspace: chunks of device memory handed out by a bump pointer and reset at the start of
 /// every forward call (work on the one stream is ordered, so the next call may reuse the bytes at once).
 /// It grows by a chunk when a call needs more than it has ever needed and never shrinks, so after the
@@ -143,6 +136,12 @@ impl Workspace {
         debug_assert!((mark.chunk, mark.used) <= (self.chunk, self.used), "a workspace mark from the future");
         self.chunk = mark.chunk;
         self.used = mark.used;
+    }
+
+    /// The device address a mark stands for (where the next take after it starts; a chunk inserted in
+    /// front by [`reserve`](Self::reserve) moves the chunks, so a mark's parts alone do not name an address).
+    pub fn address(&self, mark: WorkspaceMark) -> u64 {
+        self.chunks.get(mark.chunk).map_or(0, |c| c.ptr() + mark.used as u64)
     }
 
     /// Device bytes held.

@@ -111,6 +111,13 @@ struct BusyState {
     spans: Vec<(CudaEvent, CudaEvent)>,
 }
 
+/// A timing event recorded on `stream`.
+fn record(stream: &CudaStream) -> Result<CudaEvent, CudaError> {
+    let ev = stream.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+    ev.record(stream)?;
+    Ok(ev)
+}
+
 /// Calls timed, the GPU time inside them, and the time from the first one's start to the last one's end.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Busy {
@@ -128,32 +135,31 @@ impl BusyTimer {
         }
     }
 
-    /// The start of a call's work on `stream` (a call already open keeps its start).
-    pub fn begin(&self, stream: &CudaStream) -> Result<(), CudaError> {
+    /// The start of a call's work on `stream`. A start left open by a call that failed before its end is
+    /// replaced, so a failed call is not counted. A timer that cannot record is logged, never the call's
+    /// failure.
+    pub fn begin(&self, stream: &CudaStream) {
         if !self.on.load(Ordering::Relaxed) {
-            return Ok(());
+            return;
         }
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if st.open.is_none() {
-            let ev = stream.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-            ev.record(stream)?;
-            st.open = Some(ev);
+        match record(stream) {
+            Ok(ev) => self.state.lock().unwrap_or_else(|p| p.into_inner()).open = Some(ev),
+            Err(e) => tracing::warn!(error = %e, "the GPU busy timer could not record a call's start"),
         }
-        Ok(())
     }
 
     /// The end of the open call's work on `stream` (nothing where none is open).
-    pub fn end(&self, stream: &CudaStream) -> Result<(), CudaError> {
+    pub fn end(&self, stream: &CudaStream) {
         if !self.on.load(Ordering::Relaxed) {
-            return Ok(());
+            return;
         }
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(start) = st.open.take() {
-            let ev = stream.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-            ev.record(stream)?;
-            st.spans.push((start, ev));
+            match record(stream) {
+                Ok(ev) => st.spans.push((start, ev)),
+                Err(e) => tracing::warn!(error = %e, "the GPU busy timer could not record a call's end"),
+            }
         }
-        Ok(())
     }
 
     /// The calls timed since the previous take (waits for them).

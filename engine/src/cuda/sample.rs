@@ -171,7 +171,7 @@ fn launch_rows(gpu: &Gpu, rows: &[RowRequest<'_>], eos: &[u32]) -> Result<Vec<Ou
         bias.extend(e.bias);
     }
     let st = gpu.stream();
-    gpu.busy().begin(st)?;
+    gpu.busy().begin(st);
     let dwords = st.clone_htod(if words.is_empty() { &[0u32][..] } else { &words })?;
     let dbias = st.clone_htod(if bias.is_empty() { &[0f32][..] } else { &bias })?;
     let z_len: usize = rows.iter().map(|r| r.n).sum();
@@ -234,7 +234,7 @@ fn launch_rows(gpu: &Gpu, rows: &[RowRequest<'_>], eos: &[u32]) -> Result<Vec<Ou
     // slices of the uploaded buffers (tokens below n, bias ends inside its biases), z holds n values and the
     // other scratch n unless greedy, and its out slot the header and MAX_TOP_LOGPROBS pairs.
     gpu.profiler().time(st, "tandem_sample_rows", || unsafe { b.launch(cfg) })?;
-    gpu.busy().end(st)?;
+    gpu.busy().end(st);
     let got = st.clone_dtoh(&out)?;
     st.synchronize()?;
     let mut outcomes = Vec::with_capacity(rows.len());
@@ -287,7 +287,7 @@ pub fn draft_rows(gpu: &Gpu, rows: &[u64], n: usize) -> Result<Vec<(u32, f32)>, 
         return Ok(Vec::new());
     }
     let st = gpu.stream();
-    gpu.busy().begin(st)?;
+    gpu.busy().begin(st);
     let ptrs = st.clone_htod(rows)?;
     let mut out = st.alloc_zeros::<u32>(2 * rows.len())?;
     let f = gpu.function("tandem_draft_rows")?;
@@ -298,7 +298,7 @@ pub fn draft_rows(gpu: &Gpu, rows: &[u64], n: usize) -> Result<Vec<(u32, f32)>, 
     // SAFETY: argument types and order match the kernel; every address holds `n` values (the callers' rows),
     // `out` two words per row.
     gpu.profiler().time(st, "tandem_draft_rows", || unsafe { b.launch(cfg) })?;
-    gpu.busy().end(st)?;
+    gpu.busy().end(st);
     let got = st.clone_dtoh(&out)?;
     st.synchronize()?;
     Ok(got.chunks_exact(2).map(|w| (w[0], f32::from_bits(w[1]))).collect())
