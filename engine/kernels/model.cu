@@ -103,15 +103,54 @@ extern "C" __global__ void tandem_embed(const float* __restrict__ table, const i
 
 // RMSNorm of each row: x * (1 / sqrt(mean(x^2) + eps)) * w. One CTA per row; in_stride / out_stride in
 // floats (rows of a wider matrix, e.g. the latent part of kv_a's output).
+// Rows of at most RMS_VEC x 4 x blockDim.x values that are 16-byte aligned (every row the backend norms) are
+// read once, 16 bytes at a time, into registers with the weights, all loads issued before the first sum:
+// a row is one round of memory latency instead of one per loop step (a decode row of 7168 values was 20 us on
+// an H100 with the two strided loops, which other rows still take). Thread t sums its values in j order
+// (float4 j: elements 4 (t + j blockDim.x) .. + 3), then the block's fixed-order reduction: a row's bits depend
+// on its values, its width and its alignment only.
+#define RMS_VEC 8
 extern "C" __global__ void tandem_rms_norm(const float* __restrict__ x, i64 in_stride, const float* __restrict__ w,
                                            float* __restrict__ out, i64 out_stride, int d, float eps) {
     __shared__ float red[32];
     const float* xr = x + (i64)blockIdx.x * in_stride;
+    float* o = out + (i64)blockIdx.x * out_stride;
+    const bool vec = (d & 3) == 0 && d <= RMS_VEC * 4 * (int)blockDim.x &&
+                     ((reinterpret_cast<unsigned long long>(xr) | reinterpret_cast<unsigned long long>(o) |
+                       reinterpret_cast<unsigned long long>(w)) & 15) == 0;
+    if (vec) {
+        float4 v[RMS_VEC], g[RMS_VEC];
+        const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int j = 0; j < RMS_VEC; ++j) {
+            const int i = 4 * (threadIdx.x + j * blockDim.x);
+            v[j] = i < d ? *reinterpret_cast<const float4*>(xr + i) : zero;
+            g[j] = i < d ? *reinterpret_cast<const float4*>(w + i) : zero;
+        }
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < RMS_VEC; ++j) {
+            acc = __fmaf_rn(v[j].x, v[j].x, acc);
+            acc = __fmaf_rn(v[j].y, v[j].y, acc);
+            acc = __fmaf_rn(v[j].z, v[j].z, acc);
+            acc = __fmaf_rn(v[j].w, v[j].w, acc);
+        }
+        const float ms = __fdiv_rn(tandem_block_sum(acc, red), (float)d);
+        const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms, eps)));
+#pragma unroll
+        for (int j = 0; j < RMS_VEC; ++j) {
+            const int i = 4 * (threadIdx.x + j * blockDim.x);
+            if (i < d)
+                *reinterpret_cast<float4*>(o + i) =
+                    make_float4(__fmul_rn(__fmul_rn(v[j].x, inv), g[j].x), __fmul_rn(__fmul_rn(v[j].y, inv), g[j].y),
+                                __fmul_rn(__fmul_rn(v[j].z, inv), g[j].z), __fmul_rn(__fmul_rn(v[j].w, inv), g[j].w));
+        }
+        return;
+    }
     float acc = 0.0f;
     for (int i = threadIdx.x; i < d; i += blockDim.x) acc = __fmaf_rn(xr[i], xr[i], acc);
     const float ms = __fdiv_rn(tandem_block_sum(acc, red), (float)d);
     const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms, eps)));
-    float* o = out + (i64)blockIdx.x * out_stride;
     for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
 }
 
@@ -900,9 +939,7 @@ __device__ __forceinline__ bool tandem_ranks_before(float va, int a, float vb, i
 #define MAX_EXPERTS 512
 #define MAX_GROUPS 64
 
-#define ROUTE_EPL (MAX_EXPERTS / 32)  // experts per lane
 #define ROUTE_MAX_K 32
-#define ROUTE_WARPS 4
 
 // A before b in tandem_ranks_before's order, where an index < 0 is no candidate (after every candidate).
 __device__ __forceinline__ bool route_better(float va, int a, float vb, int b) {
@@ -911,157 +948,106 @@ __device__ __forceinline__ bool route_better(float va, int a, float vb, int b) {
     return tandem_ranks_before(va, a, vb, b);
 }
 
-// The warp's best candidate (value v, index i, payload p) in that order; every lane gets it. The order is
-// strict and total over distinct indices, so the butterfly's pairing does not change the result.
-__device__ __forceinline__ void route_warp_best(float& v, int& i, float& p) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o), op = __shfl_xor_sync(0xffffffffu, p, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (route_better(ov, oi, v, i)) {
-            v = ov;
-            i = oi;
-            p = op;
-        }
-    }
-}
-
-// Routing, one warp per token (ROUTE_WARPS tokens per CTA); lane l holds experts l, l + 32, ... Scores
+// Routing, one CTA per token, thread e for expert e (blockDim.x >= experts, a multiple of 32). Scores
 // (sigmoid or softmax of the gate logits); selection scores add the correction bias; group-limited choice
 // of topk_group groups (a group's score: its best, or with a bias its two best added), then the top k
 // experts (engine::cpu::moe::route: ranks_before's order, ties to the lower index, NaN last); ids
 // ascending, weights from the unbiased scores, normalized (summed in ascending id order) when `norm`, times
 // `scaling`. The steps are the CPU's operations in the CPU's order (the softmax sum and the weight sum in
-// ascending order on one lane, the choices by exact comparisons); expf is within rounding of the CPU's exp,
-// so the ids equal the CPU's wherever the scores do and the weights agree to rounding (engine/tests/gpu.rs).
-extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
+// ascending order on one thread, the choices by exact comparisons). The order is strict and total, so a
+// choice by rank (a candidate is chosen when fewer than k candidates rank before it; a group when fewer than
+// topk_group groups do) is the same set, in the same order, as choosing the best k times: the rank form runs
+// every candidate's comparisons at once instead of k rounds of one warp's (60 us a call on an H100 at any
+// batch). expf is within rounding of the CPU's exp, so the ids equal the CPU's wherever the scores do and the
+// weights agree to rounding (engine/tests/gpu.rs).
+extern "C" __global__ void __launch_bounds__(MAX_EXPERTS)
     tandem_route(const float* __restrict__ logits, const float* __restrict__ bias, int tokens, int experts, int n_group,
                  int topk_group, int k, int sigmoid_scores, int norm, float scaling, int* __restrict__ ids,
                  float* __restrict__ weights) {
-    const int lane = threadIdx.x & 31, t = blockIdx.x * ROUTE_WARPS + (threadIdx.x >> 5);
-    if (t >= tokens) return;  // a whole warp
-    const float* l = logits + (i64)t * experts;
-    float score[ROUTE_EPL], selv[ROUTE_EPL];
+    __shared__ float s_score[MAX_EXPERTS], s_sel[MAX_EXPERTS], s_gs[MAX_GROUPS];
+    __shared__ unsigned char s_ok[MAX_EXPERTS];
+    __shared__ unsigned long long s_groups;
+    __shared__ float s_sum;
+    __shared__ int got_id[ROUTE_MAX_K];
+    __shared__ float got_score[ROUTE_MAX_K];
+    __shared__ float red[32];
+    const int t = blockIdx.x, e = threadIdx.x;
+    if (t >= tokens) return;  // the whole CTA
+    const bool mine = e < experts;
+    const float le = mine ? logits[(i64)t * experts + e] : 0.0f;
+    float sc;
     if (sigmoid_scores) {
-#pragma unroll
-        for (int j = 0; j < ROUTE_EPL; ++j) {
-            const int e = j * 32 + lane;
-            score[j] = e < experts ? __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-l[e]))) : 0.0f;
-        }
+        sc = mine ? __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-le))) : 0.0f;
     } else {
-        float m = -__int_as_float(0x7f800000);
-#pragma unroll
-        for (int j = 0; j < ROUTE_EPL; ++j)
-            if (j * 32 + lane < experts) m = fmaxf(m, l[j * 32 + lane]);
-        m = tandem_warp_reduce(m, TandemMax());
-#pragma unroll
-        for (int j = 0; j < ROUTE_EPL; ++j) {
-            const int e = j * 32 + lane;
-            score[j] = e < experts ? expf(__fsub_rn(l[e], m)) : 0.0f;
+        const float m = tandem_block_max(mine ? le : -__int_as_float(0x7f800000), red);
+        const float ex = mine ? expf(__fsub_rn(le, m)) : 0.0f;
+        if (mine) s_score[e] = ex;
+        __syncthreads();
+        // The sum in ascending expert order, on one thread (the CPU's order).
+        if (e == 0) {
+            float sum = 0.0f;
+            for (int q = 0; q < experts; ++q) sum = __fadd_rn(sum, s_score[q]);
+            s_sum = sum;
         }
-        // The sum in ascending expert order, on lane 0 (the CPU's order).
-        float sum = 0.0f;
-#pragma unroll
-        for (int j = 0; j < ROUTE_EPL; ++j) {
-            if (j * 32 >= experts) break;
-            for (int q = 0; q < 32 && j * 32 + q < experts; ++q) {
-                const float v = __shfl_sync(0xffffffffu, score[j], q);
-                if (lane == 0) sum = __fadd_rn(sum, v);
-            }
-        }
-        const float inv = __fdiv_rn(1.0f, __shfl_sync(0xffffffffu, sum, 0));
-#pragma unroll
-        for (int j = 0; j < ROUTE_EPL; ++j) score[j] = __fmul_rn(score[j], inv);
+        __syncthreads();
+        sc = __fmul_rn(ex, __fdiv_rn(1.0f, s_sum));
     }
-#pragma unroll
-    for (int j = 0; j < ROUTE_EPL; ++j) {
-        const int e = j * 32 + lane;
-        selv[j] = bias != nullptr && e < experts ? __fadd_rn(score[j], bias[e]) : score[j];
-    }
-    // Allowed groups: bit g of the mask (all of them without group-limited routing).
-    unsigned long long groups = ~0ull;
+    const float sv = mine && bias != nullptr ? __fadd_rn(sc, bias[e]) : sc;
     const int per = n_group > 1 ? experts / n_group : experts;
+    __syncthreads();  // every read of s_score above is done
+    if (mine) {
+        s_score[e] = sc;
+        s_sel[e] = sv;
+    }
+    if (e == 0) s_groups = n_group > 1 ? 0ull : ~0ull;
+    __syncthreads();
     if (n_group > 1) {
-        // Group g's score lands on lane g % 32 (gs[g / 32]).
-        float gs[MAX_GROUPS / 32];
-#pragma unroll
-        for (int h = 0; h < MAX_GROUPS / 32; ++h) gs[h] = 0.0f;
-        for (int g = 0; g < n_group; ++g) {
-            float v1 = 0.0f, v2 = 0.0f, unused = 0.0f;
+        // Group g's best two, in the candidates' order, by thread g.
+        if (e < n_group) {
+            float v1 = 0.0f, v2 = 0.0f;
             int i1 = -1, i2 = -1;
-#pragma unroll
-            for (int j = 0; j < ROUTE_EPL; ++j) {
-                const int e = j * 32 + lane;
-                if (e >= experts || e / per != g) continue;
-                if (route_better(selv[j], e, v1, i1)) {
+            for (int f = e * per; f < (e + 1) * per && f < experts; ++f) {
+                if (route_better(s_sel[f], f, v1, i1)) {
                     v2 = v1;
                     i2 = i1;
-                    v1 = selv[j];
-                    i1 = e;
-                } else if (route_better(selv[j], e, v2, i2)) {
-                    v2 = selv[j];
-                    i2 = e;
+                    v1 = s_sel[f];
+                    i1 = f;
+                } else if (route_better(s_sel[f], f, v2, i2)) {
+                    v2 = s_sel[f];
+                    i2 = f;
                 }
             }
-            // The group's best two: the warp's best, then the best of the rest.
-            float b1 = v1, p1 = unused;
-            int e1 = i1;
-            route_warp_best(b1, e1, p1);
-            float b2 = i1 == e1 ? v2 : v1, p2 = unused;
-            int e2 = i1 == e1 ? i2 : i1;
-            route_warp_best(b2, e2, p2);
-            const float score_g = bias != nullptr && e2 >= 0 ? __fadd_rn(b1, b2) : b1;
-#pragma unroll
-            for (int h = 0; h < MAX_GROUPS / 32; ++h)
-                if (g == h * 32 + lane) gs[h] = score_g;
+            s_gs[e] = bias != nullptr && i2 >= 0 ? __fadd_rn(v1, v2) : v1;
         }
-        groups = 0;
-        for (int r = 0; r < topk_group; ++r) {
-            float v = 0.0f, unused = 0.0f;
-            int i = -1;
-#pragma unroll
-            for (int h = 0; h < MAX_GROUPS / 32; ++h) {
-                const int g = h * 32 + lane;
-                if (g < n_group && !((groups >> g) & 1ull) && route_better(gs[h], g, v, i)) {
-                    v = gs[h];
-                    i = g;
-                }
-            }
-            route_warp_best(v, i, unused);
-            if (i >= 0) groups |= 1ull << i;
+        __syncthreads();
+        // The topk_group best groups: those fewer than topk_group groups rank before.
+        if (e < n_group) {
+            int rank = 0;
+            for (int h = 0; h < n_group; ++h) rank += route_better(s_gs[h], h, s_gs[e], e) ? 1 : 0;
+            if (rank < topk_group) atomicOr(&s_groups, 1ull << e);
+        }
+        __syncthreads();
+    }
+    const unsigned long long groups = s_groups;
+    const int ge = mine ? e / per : 0;
+    const bool cand = mine && ge < 64 && ((groups >> ge) & 1ull);
+    if (mine) s_ok[e] = cand ? 1 : 0;
+    const int candidates = __syncthreads_count(cand);
+    if (cand) {
+        int rank = 0;
+        for (int f = 0; f < experts; ++f) rank += (s_ok[f] && route_better(s_sel[f], f, sv, e)) ? 1 : 0;
+        if (rank < k) {
+            got_id[rank] = e;
+            got_score[rank] = sc;
         }
     }
-    // The top k of the allowed experts, best first; lane 0 keeps them.
-    unsigned taken = 0;  // bit j: expert j * 32 + lane
-    int got_id[ROUTE_MAX_K];
-    float got_score[ROUTE_MAX_K];
-    int found = 0;
-    for (int r = 0; r < k; ++r) {
-        float v = 0.0f, p = 0.0f;
-        int i = -1;
-#pragma unroll
-        for (int j = 0; j < ROUTE_EPL; ++j) {
-            const int e = j * 32 + lane;
-            if (e < experts && !((taken >> j) & 1u) && ((groups >> (e / per)) & 1ull) && route_better(selv[j], e, v, i)) {
-                v = selv[j];
-                i = e;
-                p = score[j];
-            }
-        }
-        route_warp_best(v, i, p);
-        if (i < 0) break;
-        if ((i & 31) == lane) taken |= 1u << (i >> 5);
-        if (lane == 0) {
-            got_id[found] = i;
-            got_score[found] = p;
-        }
-        ++found;
-    }
-    if (lane != 0) return;
+    __syncthreads();
+    if (e != 0) return;
+    const int found = candidates < k ? candidates : k;
     // Ascending ids (insertion sort), their unbiased scores summed in that order.
     for (int a = 1; a < found; ++a) {
         const int id = got_id[a];
-        const float sc = got_score[a];
+        const float s = got_score[a];
         int b = a - 1;
         while (b >= 0 && got_id[b] > id) {
             got_id[b + 1] = got_id[b];
@@ -1069,7 +1055,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
             --b;
         }
         got_id[b + 1] = id;
-        got_score[b + 1] = sc;
+        got_score[b + 1] = s;
     }
     float sum = 0.0f;
     for (int a = 0; a < found; ++a) sum = __fadd_rn(sum, got_score[a]);

@@ -141,12 +141,9 @@ pub fn group(
     Ok(g)
 }
 
-/// Tokens routed per CTA (`ROUTE_WARPS` in model.cu).
-const ROUTE_WARPS: usize = 4;
-
 /// Routes `tokens` rows of gate logits `[tokens, n_routed_experts]` by `cfg`'s rule (docs/model.md §2.4;
 /// `bias`: the e_score_correction_bias, 0 for none) into `ids` and `weights` `[tokens, k]` (ids ascending).
-/// One warp per token, [`ROUTE_WARPS`] per CTA (`tandem_route`).
+/// One CTA per token, a thread per expert (`tandem_route`).
 pub fn route(
     gpu: &Gpu,
     cfg: &ModelConfig,
@@ -157,17 +154,19 @@ pub fn route(
     weights: u64,
 ) -> Result<(), CudaError> {
     let k = cfg.num_experts_per_tok;
-    if cfg.n_routed_experts > 512 || cfg.n_group > 64 || k > 32 {
+    let experts = cfg.n_routed_experts;
+    if experts == 0 || experts > 512 || cfg.n_group > 64 || cfg.n_group > experts || k > 32 {
         return Err(CudaError::Shape(format!(
-            "routing {} experts in {} groups, {k} per token: at most 512 in 64, 32 per token",
-            cfg.n_routed_experts, cfg.n_group
+            "routing {experts} experts in {} groups, {k} per token: 1 to 512 in at most 64 (and at most one group \
+             per expert), 32 per token",
+            cfg.n_group
         )));
     }
     launch(
         gpu,
         "tandem_route",
-        (tokens.div_ceil(ROUTE_WARPS) as u32, 1, 1),
-        32 * ROUTE_WARPS as u32,
+        (tokens as u32, 1, 1),
+        experts.next_multiple_of(32) as u32,
         0,
         &[
             Arg::P(logits),
