@@ -24,6 +24,12 @@ _D = dict(d[2:].split("=") for d in DEFINES if d.startswith("-D") and "=" in d)
 COLS, ROWS, WARPS = int(_D.get("F32T_COLS", 4)), int(_D.get("F32T_ROWS", 8)), 8
 
 
+def chunk(k):
+    # engine::cuda::weights::f32_chunk: at most 8 chunks of a multiple of 512 channels (both kernels add the
+    # chunks' sums in sequence here; the backend splits the narrow ones across CTAs, the same sums).
+    return 512 * max(1, -(-(-(-k // 512)) // 8))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -37,7 +43,7 @@ def main():
     def tiled(x, w, y):
         m, k = x.shape
         n = w.shape[0]
-        vals = [P(x.data_ptr()), I(1), P(w.data_ptr()), P(y.data_ptr()), I(m), I(n), I(k)]
+        vals = [P(x.data_ptr()), I(1), P(w.data_ptr()), P(y.data_ptr()), I(m), I(n), I(k), I(chunk(k)), P(0)]
         return launcher(fns["tandem_gemm_f32_tiled"], (-(-n // (WARPS * COLS)), -(-m // ROWS), 1), 256, 0, vals,
                         (x, w, y))
 
@@ -45,7 +51,7 @@ def main():
         m, k = x.shape
         n = w.shape[0]
         vals = [P(x.data_ptr()), I(1), P(w.data_ptr()), P(0), L(n * k), P(y.data_ptr()), I(m), I(n),
-                I(k)]
+                I(k), I(chunk(k)), P(0)]
         return launcher(fns["tandem_gemm_f32"], (-(-n // 8), -(-m // 8), 1), 256, 0, vals, (x, w, y))
 
     gen = torch.Generator(device=DEV).manual_seed(1)

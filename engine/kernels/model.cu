@@ -289,42 +289,72 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_fp8(
     }
 }
 
-// y[m, c] = x[m / a_div] . w[c] in f32: lane l sums channels 4l..4l+3, 4l+128.. (16-byte loads; one
-// channel at a time from l, l + 32, ... where k is not a multiple of 4), then the warp's butterfly. The loop
-// is unrolled F32R_UNROLL times (its loads in flight together; the sums keep their order).
+// y[m, c] = x[m / a_div] . w[c] in f32. K is cut into chunks of `chunk` channels (a multiple of 512, from the
+// weight shape: engine::cuda::weights::f32_chunk); in a chunk lane l sums channels 4l..4l+3, 4l+128.. by FMA
+// (16-byte loads; one channel at a time from l, l + 32, ... where k is not a multiple of 4), then the warp's
+// butterfly; the chunks' sums add left to right. With `part` each chunk is its own CTA (grid z) and leaves its
+// sum in part[z][m][c] for tandem_gemm_f32_combine (a few rows: more warps in flight); without, a warp adds its
+// chunks in sequence. The same operations either way, and the same as tandem_gemm_f32_tiled's. The loop is
+// unrolled F32R_UNROLL times (its loads in flight together; the sums keep their order).
 #ifndef F32R_UNROLL
 #define F32R_UNROLL 4
 #endif
 #define TANDEM_PRAGMA(x) _Pragma(#x)
 #define TANDEM_UNROLL(n) TANDEM_PRAGMA(unroll n)
+__device__ __forceinline__ float tandem_f32_chunk_sum(const float* __restrict__ xr, const float* __restrict__ wr,
+                                                      int lo, int hi, bool vec, int lane) {
+    float p = 0.0f;
+    if (vec) {
+        TANDEM_UNROLL(F32R_UNROLL)
+        for (int ch = lo + 4 * lane; ch < hi; ch += 128) {
+            const float4 a = *(const float4*)(xr + ch), b = *(const float4*)(wr + ch);
+            p = __fmaf_rn(a.x, b.x, p);
+            p = __fmaf_rn(a.y, b.y, p);
+            p = __fmaf_rn(a.z, b.z, p);
+            p = __fmaf_rn(a.w, b.w, p);
+        }
+    } else {
+        for (int ch = lo + lane; ch < hi; ch += 32) p = __fmaf_rn(xr[ch], wr[ch], p);
+    }
+    return tandem_warp_sum(p);
+}
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_f32(
     const float* __restrict__ x, int a_div, const float* __restrict__ w, const int* __restrict__ sel, i64 w_stride,
-    float* __restrict__ y, int rows, int n, int k) {
+    float* __restrict__ y, int rows, int n, int k, int chunk, float* __restrict__ part) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int c = blockIdx.x * WARPS + warp;
     if (c >= n) return;
     const int r0 = blockIdx.y * ROWS_PER_CTA;
+    const bool vec = (k & 3) == 0 && (w_stride & 3) == 0;
     for (int i = 0; i < ROWS_PER_CTA; ++i) {
         const int m = r0 + i;
         if (m >= rows) break;
         const i64 mat = sel != nullptr ? (i64)sel[m] : 0;
         const float* wr = w + mat * w_stride + (i64)c * k;
         const float* xr = x + (i64)(m / a_div) * k;
-        float p = 0.0f;
-        if ((k & 3) == 0 && (w_stride & 3) == 0) {
-            TANDEM_UNROLL(F32R_UNROLL)
-            for (int ch = 4 * lane; ch < k; ch += 128) {
-                const float4 a = *(const float4*)(xr + ch), b = *(const float4*)(wr + ch);
-                p = __fmaf_rn(a.x, b.x, p);
-                p = __fmaf_rn(a.y, b.y, p);
-                p = __fmaf_rn(a.z, b.z, p);
-                p = __fmaf_rn(a.w, b.w, p);
-            }
-        } else {
-            for (int ch = lane; ch < k; ch += 32) p = __fmaf_rn(xr[ch], wr[ch], p);
+        if (part != nullptr) {
+            const int lo = blockIdx.z * chunk;
+            const float s = tandem_f32_chunk_sum(xr, wr, lo, min(k, lo + chunk), vec, lane);
+            if (lane == 0) part[((i64)blockIdx.z * rows + m) * n + c] = s;
+            continue;
         }
-        p = tandem_warp_sum(p);
-        if (lane == 0) y[(i64)m * n + c] = p;
+        float total = 0.0f;
+        for (int lo = 0; lo < k; lo += chunk) {
+            const float s = tandem_f32_chunk_sum(xr, wr, lo, min(k, lo + chunk), vec, lane);
+            total = lo == 0 ? s : __fadd_rn(total, s);
+        }
+        if (lane == 0) y[(i64)m * n + c] = total;
+    }
+}
+
+// y[i] = part[0][i] + part[1][i] + ... (left to right): the chunks of tandem_gemm_f32 / _tiled with `part`.
+extern "C" __global__ void tandem_gemm_f32_combine(const float* __restrict__ part, float* __restrict__ y, i64 len,
+                                                   int chunks) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < len; i += (i64)gridDim.x * blockDim.x) {
+        float s = part[i];
+        for (int z = 1; z < chunks; ++z) s = __fadd_rn(s, part[(i64)z * len + i]);
+        y[i] = s;
     }
 }
 
@@ -348,10 +378,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_f32(
 // all the rows. A row's sums are the same operations whatever rows share the CTA, so its bits depend neither
 // on the batch nor on which of the two kernels ran (the backend takes this one from 16 rows,
 // engine::cuda::weights).
-extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_f32_tiled(const float* __restrict__ x, int a_div,
-                                                                              const float* __restrict__ w,
-                                                                              float* __restrict__ y, int rows, int n,
-                                                                              int k) {
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+    tandem_gemm_f32_tiled(const float* __restrict__ x, int a_div, const float* __restrict__ w, float* __restrict__ y,
+                          int rows, int n, int k, int chunk, float* __restrict__ part) {
     __shared__ __align__(16) float xs[F32T_ROWS][F32T_K];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int c0 = (blockIdx.x * WARPS + warp) * F32T_COLS, r0 = blockIdx.y * F32T_ROWS;
@@ -361,11 +390,29 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_f32_tiled(c
     for (int j = 0; j < F32T_COLS; ++j)
 #pragma unroll
         for (int r = 0; r < F32T_ROWS; ++r) acc[j][r] = 0.0f;
-    for (int kb = 0; kb < k; kb += F32T_K) {
+    // The chunks' running totals, kept by lane 0 in shared memory (registers would halve the CTAs an SM holds).
+    __shared__ float totals[WARPS][F32T_COLS * F32T_ROWS];
+    float* const total = totals[warp];
+    // A chunk's sums through the butterfly, added to the chunks before (left to right) and started again.
+    auto fold = [&](bool first) {
+#pragma unroll
+        for (int j = 0; j < F32T_COLS; ++j)
+#pragma unroll
+            for (int r = 0; r < F32T_ROWS; ++r) {
+                const float s = tandem_warp_sum(acc[j][r]);
+                if (lane == 0) total[j * F32T_ROWS + r] = first ? s : __fadd_rn(total[j * F32T_ROWS + r], s);
+                acc[j][r] = 0.0f;
+            }
+    };
+    // With `part`, this CTA's chunk only (grid z); without, every chunk in turn.
+    const int k_lo = part != nullptr ? blockIdx.z * chunk : 0;
+    const int k_hi = part != nullptr ? min(k, k_lo + chunk) : k;
+    for (int kb = k_lo; kb < k_hi; kb += F32T_K) {
+        if (kb > k_lo && kb % chunk == 0) fold(kb == chunk);
         for (int i = threadIdx.x; i < F32T_ROWS * (F32T_K / 4); i += WARPS * 32) {
             const int r = i / (F32T_K / 4), q = 4 * (i % (F32T_K / 4)), m = r0 + r;
             float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (m < rows && kb + q < k) v = *(const float4*)(x + (i64)(m / a_div) * k + kb + q);
+            if (m < rows && kb + q < k_hi) v = *(const float4*)(x + (i64)(m / a_div) * k + kb + q);
             *(float4*)&xs[r][q] = v;
         }
         float4 wv[F32T_SUB][F32T_COLS];
@@ -374,13 +421,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_f32_tiled(c
             const int ch = kb + 128 * u + 4 * lane;
 #pragma unroll
             for (int j = 0; j < F32T_COLS; ++j)
-                wv[u][j] = c0 + j < n && ch < k ? *(const float4*)(w + (i64)(c0 + j) * k + ch)
+                wv[u][j] = c0 + j < n && ch < k_hi ? *(const float4*)(w + (i64)(c0 + j) * k + ch)
                                                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
         __syncthreads();
 #pragma unroll
         for (int u = 0; u < F32T_SUB; ++u) {
-            if (kb + 128 * u + 4 * lane >= k) break;  // a lane past k adds nothing, as the row kernel skips it
+            if (kb + 128 * u + 4 * lane >= k_hi) break;  // a lane past its chunk adds nothing, as in the row kernel
 #pragma unroll
             for (int r = 0; r < F32T_ROWS; ++r) {
                 if (r >= nr) break;  // uniform
@@ -396,13 +443,17 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_f32_tiled(c
         }
         __syncthreads();
     }
+    fold(part != nullptr || k <= chunk);
 #pragma unroll
     for (int j = 0; j < F32T_COLS; ++j)
 #pragma unroll
         for (int r = 0; r < F32T_ROWS; ++r) {
             if (r >= nr) break;
-            const float v = tandem_warp_sum(acc[j][r]);
-            if (lane == 0 && c0 + j < n) y[(i64)(r0 + r) * n + c0 + j] = v;
+            if (lane != 0 || c0 + j >= n) continue;
+            if (part != nullptr)
+                part[((i64)blockIdx.z * rows + r0 + r) * n + c0 + j] = total[j * F32T_ROWS + r];
+            else
+                y[(i64)(r0 + r) * n + c0 + j] = total[j * F32T_ROWS + r];
         }
 }
 

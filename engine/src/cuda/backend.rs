@@ -2140,7 +2140,9 @@ impl CudaBackend {
             + 2 * k * inter
             + k * hidden
             + 2 * c.n_routed_experts as u64
-            + c.index_topk as u64;
+            + c.index_topk as u64
+            // The K chunks' partial sums of the narrow f32 linears (router gate, weights_proj).
+            + (super::weights::F32_MAX_CHUNKS * super::weights::F32_SPLIT_MAX_OUT) as u64;
         let ctx = rows.min(c.max_position_embeddings as u64);
         // The indexer's scores, first-digit counts and top-k plans: a decode row may have any context up to
         // max_position_embeddings, so the chunk is bounded by SCORE_BYTES or one scorer group of such rows.

@@ -231,6 +231,7 @@ pub const FAMILIES: &[Family] = &[
             "tandem_act_quant",
             "tandem_gemm_fp8",
             "tandem_gemm_f32",
+            "tandem_gemm_f32_combine",
             "tandem_gemm_f32_tiled",
             "tandem_gemm_bf16w",
             "tandem_mla_post",

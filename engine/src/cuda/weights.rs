@@ -36,8 +36,29 @@ const F32T_ROWS: usize = 8;
 /// 31, 16 rows 62 against 95, 128 rows 66 against 122, 2048 rows 489 against 1656).
 const F32T_MIN_ROWS: usize = 16;
 
+/// Channels of one K chunk of an f32 linear of `inp` inputs: at most [`F32_MAX_CHUNKS`] chunks of a multiple
+/// of 512 (the tiled kernel's step), from the weight shape alone. Both f32 kernels sum a chunk's channels per
+/// lane, then the warp's butterfly, and add the chunks left to right (model.cu, `tandem_gemm_f32`).
+pub fn f32_chunk(inp: usize) -> usize {
+    512 * inp.div_ceil(512).div_ceil(F32_MAX_CHUNKS).max(1)
+}
+
+/// K chunks of an f32 linear at most.
+pub const F32_MAX_CHUNKS: usize = 8;
+
+/// f32 linears of at most this many outputs (the router gate, the indexer's weights_proj) run each K chunk as
+/// its own CTAs and add the chunks' sums in a second launch (`tandem_gemm_f32_combine`): the same sums, with 7x
+/// the warps in flight where a few rows would leave most SMs idle. Wider ones add their chunks in sequence.
+pub const F32_SPLIT_MAX_OUT: usize = 256;
+
+/// Workspace f32s an f32 linear of `out` x `inp` takes for `rows` rows (its chunks' partial sums).
+pub fn f32_partial_len(rows: usize, out: usize, inp: usize) -> usize {
+    let chunks = inp.div_ceil(f32_chunk(inp));
+    if out <= F32_SPLIT_MAX_OUT && chunks > 1 { chunks * rows * out } else { 0 }
+}
+
 /// `y [rows, out] = x [rows / a_div, inp] . w^T` through `tandem_gemm_f32_tiled` (`inp` a multiple of 4, `x`
-/// 16-byte aligned).
+/// 16-byte aligned); `part`: the chunks' partial sums (see [`F32_SPLIT_MAX_OUT`]), or 0.
 #[allow(clippy::too_many_arguments)]
 fn f32_tiled(
     gpu: &Gpu,
@@ -48,11 +69,14 @@ fn f32_tiled(
     rows: usize,
     out: usize,
     inp: usize,
+    part: u64,
 ) -> Result<(), CudaError> {
+    let chunk = f32_chunk(inp);
+    let z = if part != 0 { inp.div_ceil(chunk) } else { 1 };
     launch(
         gpu,
         "tandem_gemm_f32_tiled",
-        (out.div_ceil(F32T_COLS_PER_CTA) as u32, rows.div_ceil(F32T_ROWS) as u32, 1),
+        (out.div_ceil(F32T_COLS_PER_CTA) as u32, rows.div_ceil(F32T_ROWS) as u32, z as u32),
         256,
         0,
         &[
@@ -63,7 +87,22 @@ fn f32_tiled(
             Arg::I(rows as i32),
             Arg::I(out as i32),
             Arg::I(inp as i32),
+            Arg::I(chunk as i32),
+            Arg::P(part),
         ],
+    )?;
+    if part != 0 { f32_combine(gpu, part, y, rows * out, z) } else { Ok(()) }
+}
+
+/// `y[i]` = the chunks' partial sums of an f32 linear added left to right.
+fn f32_combine(gpu: &Gpu, part: u64, y: u64, len: usize, chunks: usize) -> Result<(), CudaError> {
+    launch(
+        gpu,
+        "tandem_gemm_f32_combine",
+        super::ops::elementwise_grid(len),
+        256,
+        0,
+        &[Arg::P(part), Arg::P(y), Arg::L(len as i64), Arg::I(chunks as i32)],
     )
 }
 
@@ -354,26 +393,40 @@ impl DLinear {
             // One matrix and enough rows: rows share the weight reads (tandem_gemm_f32_tiled). Both kernels give
             // the same bits (tested), so the row count picks the faster one and changes no result.
             DLinear::Dense { w, out, inp } if sel == 0 && inp.is_multiple_of(4) && rows >= F32T_MIN_ROWS => {
-                f32_tiled(gpu, x, a_div, w.ptr(), y, rows, *out, *inp)
+                let part = match f32_partial_len(rows, *out, *inp) {
+                    0 => 0,
+                    n => ws.take::<f32>(gpu.stream(), n)?,
+                };
+                f32_tiled(gpu, x, a_div, w.ptr(), y, rows, *out, *inp, part)
             }
-            DLinear::Dense { w, out, inp } => launch(
-                gpu,
-                "tandem_gemm_f32",
-                grid,
-                256,
-                0,
-                &[
-                    Arg::P(x),
-                    Arg::I(a_div as i32),
-                    Arg::P(w.ptr()),
-                    Arg::P(sel),
-                    Arg::L((out * inp) as i64),
-                    Arg::P(y),
-                    Arg::I(rows as i32),
-                    Arg::I(*out as i32),
-                    Arg::I(*inp as i32),
-                ],
-            ),
+            DLinear::Dense { w, out, inp } => {
+                let chunk = f32_chunk(*inp);
+                let (part, z) = match f32_partial_len(rows, *out, *inp) {
+                    0 => (0, 1),
+                    n => (ws.take::<f32>(gpu.stream(), n)?, inp.div_ceil(chunk)),
+                };
+                launch(
+                    gpu,
+                    "tandem_gemm_f32",
+                    (grid.0, grid.1, z as u32),
+                    256,
+                    0,
+                    &[
+                        Arg::P(x),
+                        Arg::I(a_div as i32),
+                        Arg::P(w.ptr()),
+                        Arg::P(sel),
+                        Arg::L((out * inp) as i64),
+                        Arg::P(y),
+                        Arg::I(rows as i32),
+                        Arg::I(*out as i32),
+                        Arg::I(*inp as i32),
+                        Arg::I(chunk as i32),
+                        Arg::P(part),
+                    ],
+                )?;
+                if part != 0 { f32_combine(gpu, part, y, rows * out, z) } else { Ok(()) }
+            }
             // Dense rows with DeepSeek's 128 x 128 weight blocks: the tensor-core GEMM (engine::cuda::gemm).
             DLinear::Fp8 { maps: Some(_), .. } if sel == 0 && a_div == 1 => {
                 let q = self.quantize_input(gpu, ws, x, x_rows)?;
@@ -1132,7 +1185,7 @@ mod tests {
         let Some(gpu) = Gpu::for_test() else { return };
         let (mut rng, seed) = crate::cpu::test_support::rng();
         let s = gpu.stream();
-        for (out, inp) in [(256, 7168), (64, 7168), (17, 132), (300, 4), (5, 8), (33, 260)] {
+        for (out, inp) in [(256, 7168), (64, 7168), (17, 132), (300, 4), (5, 8), (33, 260), (300, 1100), (20, 1028)] {
             let w: Vec<f32> = (0..out * inp).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect();
             let big = 70;
             let x: Vec<f32> = (0..big * inp).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect();
@@ -1142,7 +1195,11 @@ mod tests {
             for (rows, a_div) in [(1, 1), (7, 1), (8, 1), (9, 1), (33, 1), (64, 1), (big, 1), (21, 3)] {
                 let DLinear::Dense { w: dw, .. } = &lin else { unreachable!() };
                 let tiled = DBuf::<f32>::zeros(s, rows * out).unwrap();
-                f32_tiled(&gpu, dx.ptr(), a_div, dw.ptr(), tiled.ptr(), rows, out, inp).unwrap();
+                f32_tiled(&gpu, dx.ptr(), a_div, dw.ptr(), tiled.ptr(), rows, out, inp, 0).unwrap();
+                // The tiled kernel with each chunk its own CTAs (partial sums, then the combine).
+                let split = DBuf::<f32>::zeros(s, rows * out).unwrap();
+                let part = DBuf::<f32>::zeros(s, inp.div_ceil(f32_chunk(inp)) * rows * out).unwrap();
+                f32_tiled(&gpu, dx.ptr(), a_div, dw.ptr(), split.ptr(), rows, out, inp, part.ptr()).unwrap();
                 // DLinear::forward picks one of the two kernels by the row count.
                 let picked = DBuf::<f32>::zeros(s, rows * out).unwrap();
                 let mut ws = Workspace::new();
@@ -1166,10 +1223,14 @@ mod tests {
                         i(rows),
                         i(out),
                         i(inp),
+                        i(f32_chunk(inp)),
+                        Arg::P(0),
                     ],
                 )
                 .unwrap();
                 let (got, want) = (s.clone_dtoh(tiled.slice()).unwrap(), s.clone_dtoh(row.slice()).unwrap());
+                let split = s.clone_dtoh(split.slice()).unwrap();
+                assert!(bits(split) == bits(want.clone()), "{out}x{inp}, {rows} rows: the split tiled kernel's bits");
                 assert!(
                     bits(got.clone()) == bits(want),
                     "{out}x{inp}, {rows} rows (a_div {a_div}): bits differ (seed {seed})"
