@@ -24,6 +24,9 @@ _D = dict(d[2:].split("=") for d in DEFINES if d.startswith("-D") and "=" in d)
 COLS, ROWS, WARPS = int(_D.get("F32T_COLS", 4)), int(_D.get("F32T_ROWS", 8)), 8
 
 
+# Both kernels are timed adding their K chunks in sequence (`part` null); the backend runs these narrow
+# products split across CTAs with tandem_gemm_f32_combine (the same bits; engine::cuda::weights tests them),
+# which engine-bench's decode steps measure.
 def chunk(k):
     # engine::cuda::weights::f32_chunk: at most 8 chunks of a multiple of 512 channels (both kernels add the
     # chunks' sums in sequence here; the backend splits the narrow ones across CTAs, the same sums).

@@ -293,8 +293,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tandem_gemm_fp8(
 // weight shape: engine::cuda::weights::f32_chunk); in a chunk lane l sums channels 4l..4l+3, 4l+128.. by FMA
 // (16-byte loads; one channel at a time from l, l + 32, ... where k is not a multiple of 4), then the warp's
 // butterfly; the chunks' sums add left to right. With `part` each chunk is its own CTA (grid z) and leaves its
-// sum in part[z][m][c] for tandem_gemm_f32_combine (a few rows: more warps in flight); without, a warp adds its
-// chunks in sequence. The same operations either way, and the same as tandem_gemm_f32_tiled's. The loop is
+// sum in part[z][m][c] for tandem_gemm_f32_combine (the backend's narrow linears: more warps in flight);
+// without, a warp adds its chunks in sequence. The same operations either way, and the same as tandem_gemm_f32_tiled's. The loop is
 // unrolled F32R_UNROLL times (its loads in flight together; the sums keep their order).
 #ifndef F32R_UNROLL
 #define F32R_UNROLL 4
@@ -369,10 +369,12 @@ extern "C" __global__ void tandem_gemm_f32_combine(const float* __restrict__ par
 #define F32T_SUB 4  // 128-channel sub-steps per step: their weight loads are in flight together
 #endif
 #define F32T_K (128 * F32T_SUB)  // channels per step
+static_assert(512 % F32T_K == 0, "f32 chunks are multiples of 512 channels (engine::cuda::weights::f32_chunk)");
 
 // tandem_gemm_f32's product for one matrix and k a multiple of 4 (the router gate, the indexer's weights_proj
-// and every f32 linear of the full-precision path), with the same bits: lane l sums channels 4l..4l+3,
-// 4l+128, ... by FMA in that order, then the warp's butterfly. It reads each weight once per F32T_ROWS rows
+// and every f32 linear of the full-precision path), with the same bits: in each K chunk lane l sums channels
+// 4l..4l+3, 4l+128, ... by FMA in that order, then the warp's butterfly, and the chunks add left to right
+// (lane 0 keeps the totals; with `part`, one chunk per grid z into part[z][m][c]). It reads each weight once per F32T_ROWS rows
 // instead of once per row: a CTA stages its rows' next F32T_K channels of x in shared memory, each warp loads
 // its F32T_COLS columns' weights for all F32T_SUB sub-steps first, then keeps the sums of those columns for
 // all the rows. A row's sums are the same operations whatever rows share the CTA, so its bits depend neither
@@ -1015,7 +1017,7 @@ extern "C" __global__ void __launch_bounds__(MAX_EXPERTS)
     tandem_route(const float* __restrict__ logits, const float* __restrict__ bias, int tokens, int experts, int n_group,
                  int topk_group, int k, int sigmoid_scores, int norm, float scaling, int* __restrict__ ids,
                  float* __restrict__ weights) {
-    __shared__ float s_score[MAX_EXPERTS], s_sel[MAX_EXPERTS], s_gs[MAX_GROUPS];
+    __shared__ float s_score[MAX_EXPERTS], s_sel[MAX_EXPERTS], s_gs[MAX_GROUPS];  // s_score: the softmax's
     __shared__ unsigned char s_ok[MAX_EXPERTS];
     __shared__ unsigned long long s_groups;
     __shared__ float s_sum;
@@ -1045,11 +1047,7 @@ extern "C" __global__ void __launch_bounds__(MAX_EXPERTS)
     }
     const float sv = mine && bias != nullptr ? __fadd_rn(sc, bias[e]) : sc;
     const int per = n_group > 1 ? experts / n_group : experts;
-    __syncthreads();  // every read of s_score above is done
-    if (mine) {
-        s_score[e] = sc;
-        s_sel[e] = sv;
-    }
+    if (mine) s_sel[e] = sv;
     if (e == 0) s_groups = n_group > 1 ? 0ull : ~0ull;
     __syncthreads();
     if (n_group > 1) {

@@ -557,7 +557,7 @@ fn routing_on_the_gpu_is_the_cpu_rule_ties_included() {
             }
         }
         let bias = values(experts, 5, 0.2);
-        // Sigmoid scores (DeepSeek-V3) and softmax scores (the warp's max and its sum in expert order).
+        // Sigmoid scores (DeepSeek-V3) and softmax scores (the CTA's max and its sum in expert order).
         for scoring in [ScoringFunc::Sigmoid, ScoringFunc::Softmax] {
             cfg.scoring_func = scoring;
             for with_bias in [false, true] {

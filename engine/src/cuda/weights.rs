@@ -46,9 +46,11 @@ pub fn f32_chunk(inp: usize) -> usize {
 /// K chunks of an f32 linear at most.
 pub const F32_MAX_CHUNKS: usize = 8;
 
-/// f32 linears of at most this many outputs (the router gate, the indexer's weights_proj) run each K chunk as
-/// its own CTAs and add the chunks' sums in a second launch (`tandem_gemm_f32_combine`): the same sums, with 7x
-/// the warps in flight where a few rows would leave most SMs idle. Wider ones add their chunks in sequence.
+/// f32 linears of at most this many outputs and more than one K chunk (the router gate and the indexer's
+/// weights_proj; with `--precision full` also its wk) run each K chunk as its own CTAs and add the chunks' sums
+/// in a second launch (`tandem_gemm_f32_combine`): the same sums, with as many times the warps in flight as
+/// there are chunks (7 at K = 7168) where a few rows would leave most SMs idle. Wider ones add their chunks in
+/// sequence.
 pub const F32_SPLIT_MAX_OUT: usize = 256;
 
 /// Workspace f32s an f32 linear of `out` x `inp` takes for `rows` rows (its chunks' partial sums).
@@ -393,13 +395,18 @@ impl DLinear {
             // One matrix and enough rows: rows share the weight reads (tandem_gemm_f32_tiled). Both kernels give
             // the same bits (tested), so the row count picks the faster one and changes no result.
             DLinear::Dense { w, out, inp } if sel == 0 && inp.is_multiple_of(4) && rows >= F32T_MIN_ROWS => {
+                // The partial sums are dead once the combine is issued (one stream): handed back at once.
+                let mark = ws.mark();
                 let part = match f32_partial_len(rows, *out, *inp) {
                     0 => 0,
                     n => ws.take::<f32>(gpu.stream(), n)?,
                 };
-                f32_tiled(gpu, x, a_div, w.ptr(), y, rows, *out, *inp, part)
+                let r = f32_tiled(gpu, x, a_div, w.ptr(), y, rows, *out, *inp, part);
+                ws.rewind(mark);
+                r
             }
             DLinear::Dense { w, out, inp } => {
+                let mark = ws.mark();
                 let chunk = f32_chunk(*inp);
                 let (part, z) = match f32_partial_len(rows, *out, *inp) {
                     0 => (0, 1),
@@ -425,7 +432,9 @@ impl DLinear {
                         Arg::P(part),
                     ],
                 )?;
-                if part != 0 { f32_combine(gpu, part, y, rows * out, z) } else { Ok(()) }
+                let r = if part != 0 { f32_combine(gpu, part, y, rows * out, z) } else { Ok(()) };
+                ws.rewind(mark);
+                r
             }
             // Dense rows with DeepSeek's 128 x 128 weight blocks: the tensor-core GEMM (engine::cuda::gemm).
             DLinear::Fp8 { maps: Some(_), .. } if sel == 0 && a_div == 1 => {
@@ -1185,7 +1194,9 @@ mod tests {
         let Some(gpu) = Gpu::for_test() else { return };
         let (mut rng, seed) = crate::cpu::test_support::rng();
         let s = gpu.stream();
-        for (out, inp) in [(256, 7168), (64, 7168), (17, 132), (300, 4), (5, 8), (33, 260), (300, 1100), (20, 1028)] {
+        for (out, inp) in
+            [(256, 7168), (64, 7168), (17, 132), (300, 4), (5, 8), (33, 260), (300, 1100), (20, 1028), (20, 1030)]
+        {
             let w: Vec<f32> = (0..out * inp).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect();
             let big = 70;
             let x: Vec<f32> = (0..big * inp).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect();
@@ -1194,17 +1205,12 @@ mod tests {
             let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             for (rows, a_div) in [(1, 1), (7, 1), (8, 1), (9, 1), (33, 1), (64, 1), (big, 1), (21, 3)] {
                 let DLinear::Dense { w: dw, .. } = &lin else { unreachable!() };
-                let tiled = DBuf::<f32>::zeros(s, rows * out).unwrap();
-                f32_tiled(&gpu, dx.ptr(), a_div, dw.ptr(), tiled.ptr(), rows, out, inp, 0).unwrap();
-                // The tiled kernel with each chunk its own CTAs (partial sums, then the combine).
-                let split = DBuf::<f32>::zeros(s, rows * out).unwrap();
-                let part = DBuf::<f32>::zeros(s, inp.div_ceil(f32_chunk(inp)) * rows * out).unwrap();
-                f32_tiled(&gpu, dx.ptr(), a_div, dw.ptr(), split.ptr(), rows, out, inp, part.ptr()).unwrap();
-                // DLinear::forward picks one of the two kernels by the row count.
+                // DLinear::forward picks one of the two kernels by the row count (and splits narrow ones).
                 let picked = DBuf::<f32>::zeros(s, rows * out).unwrap();
                 let mut ws = Workspace::new();
                 lin.forward(&gpu, &mut ws, dx.ptr(), rows / a_div, a_div, 0, picked.ptr()).unwrap();
                 let picked = s.clone_dtoh(picked.slice()).unwrap();
+                // The row kernel adding its chunks in sequence.
                 let row = DBuf::<f32>::zeros(s, rows * out).unwrap();
                 let i = |v: usize| Arg::I(v as i32);
                 launch(
@@ -1228,13 +1234,27 @@ mod tests {
                     ],
                 )
                 .unwrap();
-                let (got, want) = (s.clone_dtoh(tiled.slice()).unwrap(), s.clone_dtoh(row.slice()).unwrap());
-                let split = s.clone_dtoh(split.slice()).unwrap();
-                assert!(bits(split) == bits(want.clone()), "{out}x{inp}, {rows} rows: the split tiled kernel's bits");
-                assert!(
-                    bits(got.clone()) == bits(want),
-                    "{out}x{inp}, {rows} rows (a_div {a_div}): bits differ (seed {seed})"
-                );
+                let want = s.clone_dtoh(row.slice()).unwrap();
+                let got = if inp.is_multiple_of(4) {
+                    // The tiled kernel (it takes K a multiple of 4), adding chunks in sequence and split.
+                    let tiled = DBuf::<f32>::zeros(s, rows * out).unwrap();
+                    f32_tiled(&gpu, dx.ptr(), a_div, dw.ptr(), tiled.ptr(), rows, out, inp, 0).unwrap();
+                    let split = DBuf::<f32>::zeros(s, rows * out).unwrap();
+                    let part = DBuf::<f32>::zeros(s, inp.div_ceil(f32_chunk(inp)) * rows * out).unwrap();
+                    f32_tiled(&gpu, dx.ptr(), a_div, dw.ptr(), split.ptr(), rows, out, inp, part.ptr()).unwrap();
+                    let (got, split) = (s.clone_dtoh(tiled.slice()).unwrap(), s.clone_dtoh(split.slice()).unwrap());
+                    assert!(
+                        bits(split) == bits(want.clone()),
+                        "{out}x{inp}, {rows} rows: the split tiled kernel's bits"
+                    );
+                    assert!(
+                        bits(got.clone()) == bits(want.clone()),
+                        "{out}x{inp}, {rows} rows (a_div {a_div}): bits differ (seed {seed})"
+                    );
+                    got
+                } else {
+                    want.clone()
+                };
                 assert!(bits(picked) == bits(got.clone()), "{out}x{inp}, {rows} rows: forward's bits (seed {seed})");
                 for m in 0..rows {
                     for c in 0..out {
