@@ -266,6 +266,15 @@ fn add_profile(extra: &mut serde_json::Value, kernels: Vec<engine::KernelTime>, 
     }
 }
 
+/// Prefills all of `seq`'s prompt in chunks of at most [`PREFILL_CHUNK`] tokens (as a prefill worker chunks
+/// long prompts).
+fn prefill_whole(b: &dyn engine::Backend, cache: &engine::cache::KvCache, seq: &mut SeqState) {
+    while !seq.prefill_done() {
+        let chunk = seq.prefill_chunk_max().min(PREFILL_CHUNK);
+        generate::prefill(b, cache, &mut [&mut *seq], &[chunk], &mut |_, _| {}).expect("prefill");
+    }
+}
+
 fn prompt(n: usize, salt: u32, vocab: u32) -> Vec<u32> {
     (0..n as u32).map(|i| 7 + (i.wrapping_mul(2654435761).wrapping_add(salt * 97) >> 7) % (vocab - 7)).collect()
 }
@@ -433,10 +442,7 @@ fn main() {
                 0,
             );
             base.speculate = o.mtp;
-            while !base.prefill_done() {
-                let chunk = base.prefill_chunk_max().min(PREFILL_CHUNK);
-                generate::prefill(b, &cache, &mut [&mut base], &[chunk], &mut |_, _| {}).expect("prefill");
-            }
+            prefill_whole(b, &cache, &mut base);
             Some((t, base))
         }
         None => None,
@@ -489,10 +495,7 @@ fn main() {
                 // long prompts): one call for the whole batch would pass batch x context rows through every
                 // linear.
                 for seq in seqs.iter_mut() {
-                    while !seq.prefill_done() {
-                        let chunk = seq.prefill_chunk_max().min(PREFILL_CHUNK);
-                        generate::prefill(b, &cache, &mut [&mut *seq], &[chunk], &mut |_, _| {}).expect("prefill");
-                    }
+                    prefill_whole(b, &cache, seq);
                 }
                 seqs
             }

@@ -197,6 +197,11 @@ struct ScorePlan {
     chunk_rows: usize,
 }
 
+/// Blocks of the longest block-table row a call over `items` needs.
+fn table_blocks(items: &[Item<'_>]) -> usize {
+    items.iter().map(|it| (it.start + it.n).div_ceil(BLOCK_SIZE)).max().unwrap_or(1)
+}
+
 /// The runs of `runs` (each item's first row and rows) inside rows `r0..r1`, relative to `r0`, as the
 /// scorer's groups.
 fn chunk_groups(runs: &[(usize, usize)], r0: usize, r1: usize) -> Vec<i32> {
@@ -509,7 +514,7 @@ impl CudaBackend {
     ) -> Result<Inputs, EngineError> {
         let s = self.stream();
         let real: usize = items.iter().map(|it| it.n).sum();
-        let needed = items.iter().map(|it| (it.start + it.n).div_ceil(BLOCK_SIZE)).max().unwrap_or(1);
+        let needed = table_blocks(items);
         let (rows, table_width) = match pad {
             Some(p) if p.rows >= real && p.width >= needed => (p.rows, p.width),
             Some(p) => {
@@ -602,13 +607,6 @@ impl CudaBackend {
         })
     }
 
-    /// Counts a decode pass that runs eagerly (not eligible for a graph).
-    fn count_eager(&self, form: AttnForm) {
-        if form == AttnForm::Decode {
-            self.graphs.lock().unwrap_or_else(|p| p.into_inner()).count_eager();
-        }
-    }
-
     /// The padded shape a decode pass over `items` is captured at, or `None` where it runs eagerly: graphs
     /// off, another form than decode, expert parallelism (its exchanges agree on counts on the host),
     /// selections recorded or kernels profiled (both read per launch), an item of more than two rows
@@ -634,22 +632,30 @@ impl CudaBackend {
         {
             rows = real;
         }
-        let needed = items.iter().map(|it| (it.start + it.n).div_ceil(BLOCK_SIZE)).max().unwrap_or(1);
-        Some(Pad { rows, width: graphs::width_bucket(needed) })
+        Some(Pad { rows, width: graphs::width_bucket(table_blocks(items)) })
     }
 
-    /// Runs the layers of a decode pass (`issue`, which leaves the workspace where it found it) as the CUDA
-    /// graph of its shape: replayed where captured; otherwise run eagerly, then captured (not run) for the
-    /// next call of the shape (engine::cuda::graphs).
+    /// Runs the layers of a pass (`issue`, which leaves the workspace where it found it): with `pad` (its
+    /// graph shape, [`graph_shape`](Self::graph_shape)) as the CUDA graph of that shape, replayed where
+    /// captured, otherwise run eagerly, then captured (not run) for the next call of the shape
+    /// (engine::cuda::graphs); without, eagerly.
+    #[allow(clippy::too_many_arguments)]
     fn graphed(
         &self,
         ws: &mut Workspace,
         pass: GraphPass,
-        pad: Pad,
+        pad: Option<Pad>,
+        form: AttnForm,
         g: &CacheGeometry,
         pool: u64,
         mut issue: impl FnMut(&mut Workspace) -> Result<(), EngineError>,
     ) -> Result<(), EngineError> {
+        let Some(pad) = pad else {
+            if form == AttnForm::Decode {
+                self.graphs.lock().unwrap_or_else(|p| p.into_inner()).count_eager();
+            }
+            return issue(ws);
+        };
         let mark = ws.mark();
         let key = GraphKey {
             pass,
@@ -1428,20 +1434,14 @@ impl CudaBackend {
                 // the inputs were taken before): every layer reuses the same workspace bytes, so a call holds
                 // one layer's (`activation_bytes`), not 61.
                 let mark = ws.mark();
-                let mut layers = |ws: &mut Workspace| -> Result<(), EngineError> {
+                let layers = |ws: &mut Workspace| -> Result<(), EngineError> {
                     for (l, layer) in self.w.layers.iter().enumerate() {
                         self.layer(ws, &inp, layer, LayerIdx(l as u32), g, pool, form, h, on_layer)?;
                         ws.rewind(mark);
                     }
                     Ok(())
                 };
-                match pad {
-                    Some(p) => self.graphed(&mut ws, GraphPass::Main, p, g, pool, layers)?,
-                    None => {
-                        self.count_eager(form);
-                        layers(&mut ws)?
-                    }
-                }
+                self.graphed(&mut ws, GraphPass::Main, pad, form, g, pool, layers)?;
             }
             let out = self.finish(&mut ws, &items, h, &self.w.norm, &self.w.lm_head)?;
             self.gpu.busy().end(self.stream());
@@ -2079,19 +2079,13 @@ impl Backend for CudaBackend {
             let h = ws.take::<f32>(&s, rows * hidden)?;
             let li = LayerIdx(self.cfg.num_hidden_layers as u32);
             let mark = ws.mark();
-            let mut layer = |ws: &mut Workspace| -> Result<(), EngineError> {
+            let layer = |ws: &mut Workspace| -> Result<(), EngineError> {
                 mtp.eh_proj.forward(&self.gpu, ws, cat, rows, 1, 0, h)?;
                 self.layer(ws, &inp, &mtp.layer, li, g, pool, form, h, on_layer)?;
                 ws.rewind(mark);
                 Ok(())
             };
-            match pad {
-                Some(p) => self.graphed(&mut ws, GraphPass::Mtp, p, g, pool, layer)?,
-                None => {
-                    self.count_eager(form);
-                    layer(&mut ws)?
-                }
-            }
+            self.graphed(&mut ws, GraphPass::Mtp, pad, form, g, pool, layer)?;
             let head = mtp.head.as_ref().unwrap_or(&self.w.lm_head);
             let out = self.finish(&mut ws, &items, h, &mtp.head_norm, head)?;
             self.gpu.busy().end(self.stream());

@@ -59,14 +59,25 @@ pub fn f32_partial_len(rows: usize, out: usize, inp: usize) -> usize {
     if out <= F32_SPLIT_MAX_OUT && chunks > 1 { chunks * rows * out } else { 0 }
 }
 
-/// `y [rows, out] = x [rows / a_div, inp] . w^T` through `tandem_gemm_f32_tiled` (`inp` a multiple of 4, `x`
-/// 16-byte aligned); `part`: the chunks' partial sums (see [`F32_SPLIT_MAX_OUT`]), or 0.
+/// Which f32 kernel a product runs: `Tiled` (one matrix, `inp` a multiple of 4, `x` 16-byte aligned; rows
+/// share the weight reads) or `Rows` (one warp per output, matrix `sel[row]` of stacked ones where `sel` is not
+/// 0). The same bits either way.
+#[derive(Clone, Copy, PartialEq)]
+enum F32Kernel {
+    Tiled,
+    Rows,
+}
+
+/// `y [rows, out] = x [rows / a_div, inp] . w^T` in f32 through `kernel`; `part`: the K chunks' partial sums
+/// (see [`F32_SPLIT_MAX_OUT`]; each chunk its own CTAs, then the combine), or 0 (chunks added in sequence).
 #[allow(clippy::too_many_arguments)]
-fn f32_tiled(
+fn f32_product(
     gpu: &Gpu,
+    kernel: F32Kernel,
     x: u64,
     a_div: usize,
     w: u64,
+    sel: u64,
     y: u64,
     rows: usize,
     out: usize,
@@ -75,24 +86,20 @@ fn f32_tiled(
 ) -> Result<(), CudaError> {
     let chunk = f32_chunk(inp);
     let z = if part != 0 { inp.div_ceil(chunk) } else { 1 };
-    launch(
-        gpu,
-        "tandem_gemm_f32_tiled",
-        (out.div_ceil(F32T_COLS_PER_CTA) as u32, rows.div_ceil(F32T_ROWS) as u32, z as u32),
-        256,
-        0,
-        &[
-            Arg::P(x),
-            Arg::I(a_div as i32),
-            Arg::P(w),
-            Arg::P(y),
-            Arg::I(rows as i32),
-            Arg::I(out as i32),
-            Arg::I(inp as i32),
-            Arg::I(chunk as i32),
-            Arg::P(part),
-        ],
-    )?;
+    let (xa, dims) = ([Arg::P(x), Arg::I(a_div as i32), Arg::P(w)], [rows, out, inp, chunk].map(|v| Arg::I(v as i32)));
+    match kernel {
+        F32Kernel::Tiled => {
+            let grid = (out.div_ceil(F32T_COLS_PER_CTA) as u32, rows.div_ceil(F32T_ROWS) as u32, z as u32);
+            let args: Vec<Arg> = xa.into_iter().chain([Arg::P(y)]).chain(dims).chain([Arg::P(part)]).collect();
+            launch(gpu, "tandem_gemm_f32_tiled", grid, 256, 0, &args)?;
+        }
+        F32Kernel::Rows => {
+            let grid = (out.div_ceil(8) as u32, rows.div_ceil(8) as u32, z as u32);
+            let stacked = [Arg::P(sel), Arg::L((out * inp) as i64), Arg::P(y)];
+            let args: Vec<Arg> = xa.into_iter().chain(stacked).chain(dims).chain([Arg::P(part)]).collect();
+            launch(gpu, "tandem_gemm_f32", grid, 256, 0, &args)?;
+        }
+    }
     if part != 0 { f32_combine(gpu, part, y, rows * out, z) } else { Ok(()) }
 }
 
@@ -392,47 +399,22 @@ impl DLinear {
             DLinear::Dense { inp, .. } if inp.is_multiple_of(4) && !x.is_multiple_of(16) => {
                 Err(CudaError::Shape(format!("an f32 linear's input at {x:#x} is not 16-byte aligned")))
             }
-            // One matrix and enough rows: rows share the weight reads (tandem_gemm_f32_tiled). Both kernels give
-            // the same bits (tested), so the row count picks the faster one and changes no result.
-            DLinear::Dense { w, out, inp } if sel == 0 && inp.is_multiple_of(4) && rows >= F32T_MIN_ROWS => {
-                // The partial sums are dead once the combine is issued (one stream): handed back at once.
+            DLinear::Dense { w, out, inp } => {
+                // The chunks' partial sums (narrow linears) are dead once the combine is issued (one stream):
+                // handed back at once.
                 let mark = ws.mark();
                 let part = match f32_partial_len(rows, *out, *inp) {
                     0 => 0,
                     n => ws.take::<f32>(gpu.stream(), n)?,
                 };
-                let r = f32_tiled(gpu, x, a_div, w.ptr(), y, rows, *out, *inp, part);
-                ws.rewind(mark);
-                r
-            }
-            DLinear::Dense { w, out, inp } => {
-                let mark = ws.mark();
-                let chunk = f32_chunk(*inp);
-                let (part, z) = match f32_partial_len(rows, *out, *inp) {
-                    0 => (0, 1),
-                    n => (ws.take::<f32>(gpu.stream(), n)?, inp.div_ceil(chunk)),
+                // One matrix and enough rows: rows share the weight reads (tandem_gemm_f32_tiled). Both kernels
+                // give the same bits (tested), so the row count picks the faster one and changes no result.
+                let kernel = if sel == 0 && inp.is_multiple_of(4) && rows >= F32T_MIN_ROWS {
+                    F32Kernel::Tiled
+                } else {
+                    F32Kernel::Rows
                 };
-                launch(
-                    gpu,
-                    "tandem_gemm_f32",
-                    (grid.0, grid.1, z as u32),
-                    256,
-                    0,
-                    &[
-                        Arg::P(x),
-                        Arg::I(a_div as i32),
-                        Arg::P(w.ptr()),
-                        Arg::P(sel),
-                        Arg::L((out * inp) as i64),
-                        Arg::P(y),
-                        Arg::I(rows as i32),
-                        Arg::I(*out as i32),
-                        Arg::I(*inp as i32),
-                        Arg::I(chunk as i32),
-                        Arg::P(part),
-                    ],
-                )?;
-                let r = if part != 0 { f32_combine(gpu, part, y, rows * out, z) } else { Ok(()) };
+                let r = f32_product(gpu, kernel, x, a_div, w.ptr(), sel, y, rows, *out, *inp, part);
                 ws.rewind(mark);
                 r
             }
@@ -1212,36 +1194,29 @@ mod tests {
                 let picked = s.clone_dtoh(picked.slice()).unwrap();
                 // The row kernel adding its chunks in sequence.
                 let row = DBuf::<f32>::zeros(s, rows * out).unwrap();
-                let i = |v: usize| Arg::I(v as i32);
-                launch(
-                    &gpu,
-                    "tandem_gemm_f32",
-                    (out.div_ceil(8) as u32, rows.div_ceil(8) as u32, 1),
-                    256,
-                    0,
-                    &[
-                        Arg::P(dx.ptr()),
-                        i(a_div),
-                        Arg::P(dw.ptr()),
-                        Arg::P(0),
-                        Arg::L((out * inp) as i64),
-                        Arg::P(row.ptr()),
-                        i(rows),
-                        i(out),
-                        i(inp),
-                        i(f32_chunk(inp)),
-                        Arg::P(0),
-                    ],
-                )
-                .unwrap();
+                f32_product(&gpu, F32Kernel::Rows, dx.ptr(), a_div, dw.ptr(), 0, row.ptr(), rows, out, inp, 0).unwrap();
                 let want = s.clone_dtoh(row.slice()).unwrap();
                 let got = if inp.is_multiple_of(4) {
                     // The tiled kernel (it takes K a multiple of 4), adding chunks in sequence and split.
                     let tiled = DBuf::<f32>::zeros(s, rows * out).unwrap();
-                    f32_tiled(&gpu, dx.ptr(), a_div, dw.ptr(), tiled.ptr(), rows, out, inp, 0).unwrap();
+                    f32_product(&gpu, F32Kernel::Tiled, dx.ptr(), a_div, dw.ptr(), 0, tiled.ptr(), rows, out, inp, 0)
+                        .unwrap();
                     let split = DBuf::<f32>::zeros(s, rows * out).unwrap();
                     let part = DBuf::<f32>::zeros(s, inp.div_ceil(f32_chunk(inp)) * rows * out).unwrap();
-                    f32_tiled(&gpu, dx.ptr(), a_div, dw.ptr(), split.ptr(), rows, out, inp, part.ptr()).unwrap();
+                    f32_product(
+                        &gpu,
+                        F32Kernel::Tiled,
+                        dx.ptr(),
+                        a_div,
+                        dw.ptr(),
+                        0,
+                        split.ptr(),
+                        rows,
+                        out,
+                        inp,
+                        part.ptr(),
+                    )
+                    .unwrap();
                     let (got, split) = (s.clone_dtoh(tiled.slice()).unwrap(), s.clone_dtoh(split.slice()).unwrap());
                     assert!(
                         bits(split) == bits(want.clone()),
