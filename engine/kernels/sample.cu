@@ -501,16 +501,32 @@ __device__ __forceinline__ void tandem_sample_body(
     float* prob,                      // [n] scratch: probabilities of the sampling distribution
     u32* sort_a,                      // [n] scratch
     u32* sort_b,                      // [n] scratch
-    u32* out) {                       // [OUT_HEADER + 2 * SAMPLE_MAX_TOP]
+    const u32* prev,                  // null, or the token an earlier launch sampled: one more output token
+    u32* token_out,                   // null, or where the token also goes (a compact token array)
+    u32* out) {                       // [OUT_HEADER + 2 * top_n]
     __shared__ SampleSmem sh;
+    __shared__ int s_prev_found;
     const int tid = threadIdx.x;
     const float neg_inf = tandem_neg_inf();
+    // `prev` joins the history as the last output token (the host counted it in min_tokens and the
+    // position): seen for the repetition penalty, counted once more for frequency and presence, with the
+    // CPU's conditions for each.
+    const u32 pt = prev != nullptr ? *prev : 0xffffffffu;
+    const bool seen_on = rep > 0.0f && rep != 1.0f;
+    const bool count_on = frequency != 0.0f || presence != 0.0f;
+    if (tid == 0) s_prev_found = 0;
 
     // processed_logits: the row, then each touched token's edits in the CPU's order.
     for (int i = tid; i < n; i += SAMPLE_THREADS) z[i] = row[i];
     __syncthreads();
     for (int e = tid; e < n_edits; e += SAMPLE_THREADS) {
-        const u32 t = edits[4 * e], flags = edits[4 * e + 1], count = edits[4 * e + 2], end = edits[4 * e + 3];
+        const u32 t = edits[4 * e], end = edits[4 * e + 3];
+        u32 flags = edits[4 * e + 1], count = edits[4 * e + 2];
+        if (t == pt) {
+            s_prev_found = 1;
+            if (seen_on) flags |= EDIT_SEEN;
+            if (count_on) count += 1;
+        }
         const u32 begin = e > 0 ? edits[4 * e - 1] : 0u;
         float v = row[t];
         if (flags & EDIT_MASK) v = neg_inf;
@@ -518,6 +534,14 @@ __device__ __forceinline__ void tandem_sample_body(
         if (flags & EDIT_SEEN) v = v > 0.0f ? __fdiv_rn(v, rep) : __fmul_rn(v, rep);
         if (count > 0) v = __fsub_rn(v, __fadd_rn(__fmul_rn(frequency, __uint2float_rn(count)), presence));
         z[t] = v;
+    }
+    __syncthreads();
+    if (tid == 0 && !s_prev_found && pt < (u32)n && (seen_on || count_on)) {
+        // `prev` touched by nothing else: its edits alone.
+        float v = row[pt];
+        if (seen_on) v = v > 0.0f ? __fdiv_rn(v, rep) : __fmul_rn(v, rep);
+        if (count_on) v = __fsub_rn(v, __fadd_rn(__fmul_rn(frequency, 1.0f), presence));
+        z[pt] = v;
     }
     __syncthreads();
 
@@ -683,6 +707,7 @@ __device__ __forceinline__ void tandem_sample_body(
         }
     }
     if (tid == 0) {
+        if (token_out != nullptr) *token_out = token;
         out[OUT_TOKEN] = token;
         out[OUT_LOGPROB] = __float_as_uint(logprob);
         out[OUT_KEPT] = kept;
@@ -692,7 +717,7 @@ __device__ __forceinline__ void tandem_sample_body(
 }
 
 // tandem_sample_body's arguments for one row of tandem_sample_rows (engine::cuda::sample::RowArgs: pointers and
-// the seed first, then the 4-byte values; 128 bytes).
+// the seed first, then the 4-byte values; 144 bytes). n = 0: no row (a CUDA graph's padding), nothing written.
 struct SampleRowArgs {
     const float* row;
     const u32* edits;
@@ -702,6 +727,8 @@ struct SampleRowArgs {
     u32* sort_a;
     u32* sort_b;
     u32* out;
+    const u32* prev;
+    u32* token_out;
     u64 seed;
     int n, n_edits;
     float rep, frequency, presence;
@@ -717,9 +744,10 @@ struct SampleRowArgs {
 // Rows' samples, one CTA per row (args[b]): each row's result is its CTA's alone, whatever the other rows.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) tandem_sample_rows(const SampleRowArgs* __restrict__ args) {
     const SampleRowArgs a = args[blockIdx.x];
+    if (a.n <= 0) return;
     tandem_sample_body(a.row, a.n, a.edits, a.n_edits, a.bias, a.rep, a.frequency, a.presence, a.greedy,
                        a.temperature, a.top_k, a.top_p, a.min_p, a.seed, a.position, a.purpose, a.top_n, a.z, a.prob,
-                       a.sort_a, a.sort_b, a.out);
+                       a.sort_a, a.sort_b, a.prev, a.token_out, a.out);
 }
 
 // The MTP drafts (CpuBackend::draft) of several rows, one CTA per row (rows[b] holds n values): argmax of

@@ -443,6 +443,23 @@ pub trait Backend: Send + Sync {
         self.config().num_nextn_predict_layers > 0
     }
 
+    /// A whole decode step of `batch` in one go on the backend, where it has one (`Ok(None)` otherwise; the
+    /// caller then runs [`Backend::decode`], [`Backend::sample_rows`], [`Backend::mtp`] and
+    /// [`Backend::draft_rows`] in turn, as `crate::generate::decode_step` does). Each item feeds its pending
+    /// token and, optionally, the MTP draft after it (1 or 2 tokens). The backend samples row 0 with the
+    /// item's history; with a draft also row 1, with the history plus row 0's token; and, where it has an
+    /// MTP layer, runs it over every fed row (row `i` with the token sampled at row `i`) and drafts from
+    /// each. Each value is the one those separate calls give (the caller accepts or rejects the draft and
+    /// keeps what applies). The MTP caches of a rejected draft's row are overwritten by the next step.
+    fn decode_whole_step(
+        &self,
+        _cache: &KvCache,
+        _batch: &[StepInput<'_>],
+        _eos: &[u32],
+    ) -> Result<Option<Vec<StepSamples>>, EngineError> {
+        Ok(None)
+    }
+
     /// This backend's rank in an expert-parallel group, if it is one. Every rank must then issue the same
     /// forward passes each scheduling step, in lockstep: a rank with nothing to run still calls
     /// [`Backend::end_step`] once a step, as often as the busiest rank steps.
@@ -553,6 +570,32 @@ pub struct ExpertBalance {
     /// the experts as sharded and as placed now (the same without balancing).
     pub imbalance_sharded: f64,
     pub imbalance_placed: f64,
+}
+
+/// One request of [`Backend::decode_whole_step`].
+#[derive(Clone, Copy)]
+pub struct StepInput<'a> {
+    /// The pending token, then the MTP draft if there is one.
+    pub tokens: &'a [u32],
+    /// Position of `tokens[0]`.
+    pub start: usize,
+    pub blocks: &'a [BlockId],
+    pub params: &'a SamplingParams,
+    /// The request's history before this step.
+    pub history: History<'a>,
+}
+
+/// What [`Backend::decode_whole_step`] computed for one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepSamples {
+    /// The sample at the pending token's position.
+    pub first: Sampled,
+    /// With a draft: the sample at the draft's position, with `first` in the history (what the step emits
+    /// after `first` when the draft equals it).
+    pub second: Option<Sampled>,
+    /// With an MTP layer: the draft (argmax, probability) from each fed row, the MTP layer reading the
+    /// token sampled at that row.
+    pub drafts: Vec<(u32, f32)>,
 }
 
 /// One request's row to sample ([`Backend::sample_rows`]).

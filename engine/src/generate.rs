@@ -20,6 +20,7 @@
 
 use crate::backend::{
     AttnForm, Backend, DeviceRows, EngineError, LayerDone, Logits, MtpInput, SampleRequest, SeqInput, SeqOutput,
+    StepInput, StepSamples,
 };
 use crate::cache::{BlockId, KvCache, LayerIdx};
 use crate::sampling::{self, Finish, History, Sampled, SamplingParams};
@@ -320,6 +321,16 @@ pub fn decode_step(
         seqs.iter().map(|s| if s.speculate && backend.has_mtp() { s.draft } else { None }).collect();
     let fed_tokens: Vec<Vec<u32>> =
         seqs.iter().zip(&drafts).map(|(s, d)| std::iter::once(s.tokens[s.fed]).chain(*d).collect()).collect();
+    let whole: Vec<StepInput<'_>> = seqs
+        .iter()
+        .zip(&fed_tokens)
+        .map(|(s, t)| StepInput { tokens: t, start: s.fed, blocks: &s.blocks, params: &s.params, history: history(s) })
+        .collect();
+    if let Some(samples) = backend.decode_whole_step(cache, &whole, &eos)? {
+        drop(whole);
+        return apply_whole_step(backend, seqs, &drafts, samples, &eos);
+    }
+    drop(whole);
     let inputs: Vec<SeqInput<'_>> = seqs
         .iter()
         .zip(&fed_tokens)
@@ -374,6 +385,134 @@ pub fn decode_step(
         s.fed = b;
     }
     Ok(results)
+}
+
+/// [`decode_step`]'s bookkeeping over what [`Backend::decode_whole_step`] computed: the same verification,
+/// tokens, drafts and positions as the separate calls give (the second sample is kept only where the draft
+/// was accepted and the first token did not finish the request; the draft is the MTP row that follows the
+/// last kept token).
+fn apply_whole_step(
+    backend: &dyn Backend,
+    seqs: &mut [&mut SeqState],
+    drafts: &[Option<u32>],
+    samples: Vec<StepSamples>,
+    eos: &[u32],
+) -> Result<Vec<StepOutput>, EngineError> {
+    if samples.len() != seqs.len() {
+        return Err(EngineError::Device(format!("{} step results for {} sequences", samples.len(), seqs.len())));
+    }
+    let mut results = vec![StepOutput::default(); seqs.len()];
+    for ((s, o), (res, draft)) in seqs.iter_mut().zip(samples).zip(results.iter_mut().zip(drafts)) {
+        let mut fed = 1;
+        let (tok, accepted) = match draft {
+            Some(d) => verify(o.first, *d),
+            None => (o.first, false),
+        };
+        if draft.is_some() {
+            s.drafts_proposed += 1;
+        }
+        push(s, tok.clone(), eos);
+        res.tokens.push(tok);
+        if accepted {
+            s.drafts_accepted += 1;
+            fed = 2;
+            if s.finished.is_none() {
+                let second = o.second.ok_or_else(|| EngineError::Device("no sample at the draft's position".into()))?;
+                push(s, second.clone(), eos);
+                res.tokens.push(second);
+            }
+        }
+        res.finished = s.finished;
+        s.draft = None;
+        if backend.has_mtp() && s.finished.is_none() && s.speculate {
+            let &(d, p) = o
+                .drafts
+                .get(fed - 1)
+                .ok_or_else(|| EngineError::Device("a draft per fed row was not returned".into()))?;
+            s.draft = Some(d);
+            s.draft_prob = p;
+        }
+        s.fed += fed;
+    }
+    Ok(results)
+}
+
+/// What [`Backend::decode_whole_step`] promises, computed by the separate calls: the main model over each
+/// item's fed tokens, row 0 sampled with the item's history, row 1 (with a draft) with row 0's token added
+/// to it, the MTP layer over every fed row with the token sampled there, and a draft from each MTP row. The
+/// reference a backend's whole step is checked against.
+pub fn decode_whole_step_by_parts(
+    backend: &dyn Backend,
+    cache: &KvCache,
+    batch: &[StepInput<'_>],
+    eos: &[u32],
+) -> Result<Vec<StepSamples>, EngineError> {
+    if batch.is_empty() {
+        return Ok(Vec::new());
+    }
+    if let Some(i) = batch.iter().position(|b| b.tokens.is_empty() || b.tokens.len() > 2) {
+        return Err(EngineError::InvalidInput(format!("step item {i}: {} tokens (1 or 2)", batch[i].tokens.len())));
+    }
+    let inputs: Vec<SeqInput<'_>> = batch
+        .iter()
+        .map(|b| SeqInput { tokens: b.tokens, start: b.start, blocks: b.blocks, logits: Logits::All })
+        .collect();
+    let outs = backend.decode(cache, &inputs)?;
+    let reqs: Vec<SampleRequest<'_>> = batch
+        .iter()
+        .zip(&outs)
+        .map(|(b, o)| SampleRequest { logits: &o.logits, row: 0, params: b.params, history: b.history })
+        .collect();
+    let firsts = backend.sample_rows(&reqs, eos)?;
+    // Row 1 of the items with a draft, each history holding its row-0 token.
+    let twos: Vec<usize> = (0..batch.len()).filter(|&i| batch[i].tokens.len() == 2).collect();
+    let outputs: Vec<Vec<u32>> =
+        twos.iter().map(|&i| batch[i].history.output.iter().copied().chain([firsts[i].token]).collect()).collect();
+    let reqs: Vec<SampleRequest<'_>> = twos
+        .iter()
+        .zip(&outputs)
+        .map(|(&i, out)| SampleRequest {
+            logits: &outs[i].logits,
+            row: 1,
+            params: batch[i].params,
+            history: History { prompt: batch[i].history.prompt, output: out },
+        })
+        .collect();
+    let mut seconds: Vec<Option<Sampled>> = vec![None; batch.len()];
+    for (&i, t) in twos.iter().zip(backend.sample_rows(&reqs, eos)?) {
+        seconds[i] = Some(t);
+    }
+    let mut drafts = vec![Vec::new(); batch.len()];
+    if backend.has_mtp() {
+        let next: Vec<Vec<u32>> = (0..batch.len())
+            .map(|i| std::iter::once(firsts[i].token).chain(seconds[i].as_ref().map(|t| t.token)).collect())
+            .collect();
+        let mtp_in: Vec<MtpInput<'_>> = batch
+            .iter()
+            .zip(&outs)
+            .zip(&next)
+            .map(|((b, o), n)| MtpInput {
+                next_tokens: n,
+                hidden: &o.hidden,
+                start: b.start,
+                blocks: b.blocks,
+                logits: Logits::All,
+            })
+            .collect();
+        let mtp_out = backend.mtp(cache, &mtp_in, AttnForm::Decode, &mut |_, _| {})?;
+        let rows: Vec<(&DeviceRows, usize)> =
+            mtp_out.iter().zip(&next).flat_map(|(o, n)| (0..n.len()).map(move |r| (&o.logits, r))).collect();
+        let mut got = backend.draft_rows(&rows)?.into_iter();
+        for (d, n) in drafts.iter_mut().zip(&next) {
+            d.extend(got.by_ref().take(n.len()));
+        }
+    }
+    Ok(firsts
+        .into_iter()
+        .zip(seconds)
+        .zip(drafts)
+        .map(|((first, second), drafts)| StepSamples { first, second, drafts })
+        .collect())
 }
 
 /// One MTP draft and what verification made of it (for checking the MTP layer against another

@@ -33,7 +33,7 @@ pub mod tolerance;
 
 pub use backend::{
     AttnForm, Backend, DecodeGraphs, DeviceRows, EngineError, EpRank, ExpertBalance, Fence, GpuBusy, KernelTime,
-    LayerReady, Logits, MtpInput, Precision, SeqInput, SeqOutput,
+    LayerReady, Logits, MtpInput, Precision, SeqInput, SeqOutput, StepInput, StepSamples,
 };
 pub use config::ModelConfig;
 pub use device::Device;

@@ -14,9 +14,9 @@ use engine::config::ScoringFunc;
 use engine::cpu::CpuBackend;
 use engine::cuda::CudaBackend;
 use engine::generate;
-use engine::sampling::{SamplingParams, argmax};
+use engine::sampling::{History, SamplingParams, argmax};
 use engine::tolerance::diff;
-use engine::{AttnForm, Backend, Logits, MtpInput, Precision, SeqInput};
+use engine::{AttnForm, Backend, Logits, MtpInput, Precision, SeqInput, StepInput};
 use support::{Served, VOCAB, prompt};
 
 const BLOCKS: usize = 96;
@@ -461,6 +461,154 @@ fn decode_passes_replayed_as_cuda_graphs_give_the_eager_bits() {
         assert!(sg.nodes > 0 && sg.held > 0, "{prec:?}: {sg:?}");
         assert!(fed[0] > 256, "request 0 never passed position 256 ({})", fed[0]);
     }
+}
+
+/// The CUDA backend with whole decode steps on or off and decode graphs on or off.
+fn gpu_backend_steps(prec: Precision, whole: bool, graphs: bool) -> Option<Arc<CudaBackend>> {
+    gpu_backend_graphs(prec, graphs).inspect(|b| b.set_whole_steps(whole))
+}
+
+/// Sampling parameters the whole-step tests cycle through: greedy, seeded with filters, penalties (which
+/// row 1 applies to row 0's token on the device), min_tokens, logit_bias and logprobs.
+fn step_params(max_tokens: u32) -> Vec<SamplingParams> {
+    vec![
+        SamplingParams { logprobs: Some(2), ..SamplingParams::greedy(max_tokens) },
+        SamplingParams { temperature: 0.9, top_p: 0.95, seed: 11, ..SamplingParams::greedy(max_tokens) },
+        SamplingParams {
+            temperature: 1.1,
+            top_k: 30,
+            min_p: 0.02,
+            repetition_penalty: 1.3,
+            frequency_penalty: 0.4,
+            presence_penalty: 0.2,
+            min_tokens: 3,
+            logit_bias: vec![(17, 1.5), (40, -3.0)],
+            logprobs: Some(5),
+            seed: 12,
+            ..SamplingParams::greedy(max_tokens)
+        },
+        SamplingParams { repetition_penalty: 1.5, frequency_penalty: 1.0, ..SamplingParams::greedy(max_tokens) },
+    ]
+}
+
+/// A whole decode step on the device (`Backend::decode_whole_step`: one CUDA graph a shape, or eager)
+/// gives what the separate calls give (`generate::decode_whole_step_by_parts` on a backend with whole steps
+/// and graphs off): the first and second samples with their logprobs and the drafts of both rows, bit for
+/// bit, over steps whose batches and shapes change (one or two rows a request, padding rows, replays).
+#[test]
+fn a_whole_decode_step_gives_what_the_separate_calls_give() {
+    for prec in [Precision::Fp8, Precision::Full] {
+        for graphs in [true, false] {
+            let (Some(w), Some(p)) = (gpu_backend_steps(prec, true, graphs), gpu_backend_steps(prec, false, false))
+            else {
+                return;
+            };
+            let (whole, parts) = (side(w.clone()), side(p.clone()));
+            let prompts = [prompt(250, 41), prompt(40, 42), prompt(9, 43)];
+            let extra = prompt(64, 44);
+            let params = step_params(100);
+            let mut fed = [0usize; 3];
+            let mut outputs: [Vec<u32>; 3] = Default::default();
+            for (i, pr) in prompts.iter().enumerate() {
+                for s in [&whole, &parts] {
+                    let t = s.pool.reserve(&format!("r{i}"), pr.len() + 48).unwrap();
+                    s.b.prefill(
+                        &s.cache,
+                        &[SeqInput { tokens: pr, start: 0, blocks: &t.blocks, logits: Logits::Last }],
+                        &mut |_, _| {},
+                    )
+                    .unwrap();
+                }
+                fed[i] = pr.len();
+            }
+            for step in 0..12 {
+                let who: &[usize] = match step {
+                    0..4 => &[0, 1],
+                    4..8 => &[0, 1, 2],
+                    _ => &[2, 0],
+                };
+                let n: Vec<usize> = who.iter().map(|&i| 1 + (step + i) % 2).collect();
+                let run = |s: &Served, on_device: bool| {
+                    let tables: Vec<_> = who.iter().map(|&i| s.pool.table(&format!("r{i}")).unwrap()).collect();
+                    let batch: Vec<StepInput<'_>> = who
+                        .iter()
+                        .zip(&n)
+                        .zip(&tables)
+                        .map(|((&i, &n), t)| StepInput {
+                            tokens: &extra[(step * 2 + i) % 60..(step * 2 + i) % 60 + n],
+                            start: fed[i],
+                            blocks: &t.blocks,
+                            params: &params[(step + i) % params.len()],
+                            history: History { prompt: &prompts[i], output: &outputs[i] },
+                        })
+                        .collect();
+                    if on_device {
+                        s.b.decode_whole_step(&s.cache, &batch, &[1]).unwrap().expect("whole steps are on")
+                    } else {
+                        assert!(s.b.decode_whole_step(&s.cache, &batch, &[1]).unwrap().is_none());
+                        generate::decode_whole_step_by_parts(s.b.as_ref(), &s.cache, &batch, &[1]).unwrap()
+                    }
+                };
+                let (got, want) = (run(&whole, true), run(&parts, false));
+                let bits = |x: &engine::sampling::Sampled| {
+                    (x.token, x.logprob.to_bits(), x.top.iter().map(|t| (t.0, t.1.to_bits())).collect::<Vec<_>>())
+                };
+                for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let what = format!("{prec:?} graphs {graphs} step {step} request {}", who[j]);
+                    assert_eq!(bits(&g.first), bits(&w.first), "{what}: first sample");
+                    assert_eq!(g.second.as_ref().map(bits), w.second.as_ref().map(bits), "{what}: second sample");
+                    assert_eq!(g.second.is_some(), n[j] == 2, "{what}: a second sample exactly with a draft");
+                    let db = |d: &[(u32, f32)]| d.iter().map(|x| (x.0, x.1.to_bits())).collect::<Vec<_>>();
+                    assert_eq!(db(&g.drafts), db(&w.drafts), "{what}: drafts");
+                    assert_eq!(g.drafts.len(), n[j], "{what}: a draft a fed row");
+                }
+                assert_eq!(got.len(), want.len());
+                for (j, (&i, &n)) in who.iter().zip(&n).enumerate() {
+                    fed[i] += n;
+                    outputs[i].push(got[j].first.token);
+                }
+            }
+            let st = w.graph_stats();
+            eprintln!("{prec:?} graphs {graphs}: {st:?}");
+            if graphs {
+                assert!(st.captures >= 2 && st.replays >= 5, "{prec:?}: {st:?}");
+            }
+            assert_eq!(p.graph_stats().captures, 0);
+        }
+    }
+}
+
+/// Generation with whole steps on the device equals generation by the separate calls: tokens, logprobs,
+/// drafts and their verdicts, plain and speculative, greedy and seeded with penalties.
+#[test]
+fn generation_by_whole_steps_equals_generation_by_separate_calls() {
+    let (Some(w), Some(p)) =
+        (gpu_backend_steps(Precision::Fp8, true, true), gpu_backend_steps(Precision::Fp8, false, false))
+    else {
+        return;
+    };
+    let (whole, parts) = (side(w.clone()), side(p));
+    let toks = prompt(90, 45);
+    for (k, params) in step_params(30).into_iter().enumerate() {
+        for speculate in [true, false] {
+            let run = |s: &Served| {
+                let t = s.pool.reserve("g", toks.len() + 34).unwrap();
+                let g =
+                    generate::generate(s.b.as_ref(), &s.cache, toks.clone(), params.clone(), t.blocks, 40, speculate)
+                        .unwrap();
+                s.pool.release("g").unwrap();
+                g
+            };
+            let (a, b) = (run(&whole), run(&parts));
+            let what = format!("params {k}, speculate {speculate}");
+            assert_eq!(a.tokens, b.tokens, "{what}: tokens and logprobs");
+            assert_eq!(a.drafts, b.drafts, "{what}: drafts and verdicts");
+            assert_eq!(a.finish, b.finish, "{what}");
+            assert_eq!(a.tokens.len(), 30, "{what}");
+        }
+    }
+    let st = w.graph_stats();
+    assert!(st.replays > 0, "{st:?}");
 }
 
 #[test]

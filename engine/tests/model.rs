@@ -263,6 +263,145 @@ fn speculative_greedy_output_equals_plain_greedy_output() {
     }
 }
 
+/// A backend whose whole decode steps (`Backend::decode_whole_step`) are the separate calls
+/// (`generate::decode_whole_step_by_parts`), everything else its inner backend's: `generate::decode_step`
+/// then takes its whole-step path on any device.
+struct ByParts(Arc<dyn Backend>);
+
+impl Backend for ByParts {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn config(&self) -> &engine::ModelConfig {
+        self.0.config()
+    }
+    fn precision(&self) -> Precision {
+        self.0.precision()
+    }
+    fn allocate_cache(&self, g: CacheGeometry) -> Result<KvCache, engine::EngineError> {
+        self.0.allocate_cache(g)
+    }
+    fn memory_budget(&self, l: &engine::memory::ServingLimits) -> engine::memory::MemoryBudget {
+        self.0.memory_budget(l)
+    }
+    fn sample(
+        &self,
+        logits: &engine::DeviceRows,
+        row: usize,
+        params: &SamplingParams,
+        history: engine::sampling::History<'_>,
+        eos: &[u32],
+    ) -> Result<engine::sampling::Sampled, engine::EngineError> {
+        self.0.sample(logits, row, params, history, eos)
+    }
+    fn sample_rows(
+        &self,
+        reqs: &[engine::backend::SampleRequest<'_>],
+        eos: &[u32],
+    ) -> Result<Vec<engine::sampling::Sampled>, engine::EngineError> {
+        self.0.sample_rows(reqs, eos)
+    }
+    fn draft(&self, logits: &engine::DeviceRows, row: usize) -> Result<(u32, f32), engine::EngineError> {
+        self.0.draft(logits, row)
+    }
+    fn draft_rows(&self, rows: &[(&engine::DeviceRows, usize)]) -> Result<Vec<(u32, f32)>, engine::EngineError> {
+        self.0.draft_rows(rows)
+    }
+    fn rows_to_host(&self, rows: &engine::DeviceRows) -> Result<Vec<f32>, engine::EngineError> {
+        self.0.rows_to_host(rows)
+    }
+    fn prefill(
+        &self,
+        cache: &KvCache,
+        batch: &[SeqInput<'_>],
+        on_layer: engine::backend::LayerDone<'_>,
+    ) -> Result<Vec<engine::SeqOutput>, engine::EngineError> {
+        self.0.prefill(cache, batch, on_layer)
+    }
+    fn decode(&self, cache: &KvCache, batch: &[SeqInput<'_>]) -> Result<Vec<engine::SeqOutput>, engine::EngineError> {
+        self.0.decode(cache, batch)
+    }
+    fn mtp(
+        &self,
+        cache: &KvCache,
+        batch: &[engine::MtpInput<'_>],
+        form: engine::AttnForm,
+        on_layer: engine::backend::LayerDone<'_>,
+    ) -> Result<Vec<engine::SeqOutput>, engine::EngineError> {
+        self.0.mtp(cache, batch, form, on_layer)
+    }
+    fn decode_whole_step(
+        &self,
+        cache: &KvCache,
+        batch: &[engine::StepInput<'_>],
+        eos: &[u32],
+    ) -> Result<Option<Vec<engine::StepSamples>>, engine::EngineError> {
+        generate::decode_whole_step_by_parts(self.0.as_ref(), cache, batch, eos).map(Some)
+    }
+}
+
+/// `generate::decode_step` over whole steps (what a backend's `decode_whole_step` computes, here by the
+/// separate calls) emits what the separate calls emit: tokens, logprobs, drafts and verdicts, with drafts
+/// accepted and rejected (forced), a request finishing on the first token of an accepted draft's step
+/// (max_tokens of both parities), greedy and seeded with penalties (row 1's history holds row 0's token).
+#[test]
+fn decode_steps_over_whole_steps_emit_what_the_separate_calls_emit() {
+    let inner = backend(Precision::Fp8);
+    let (plain, whole) = (Served::new(inner.clone(), BLOCKS), Served::new(Arc::new(ByParts(inner)), BLOCKS));
+    let toks = prompt(50, 9);
+    let greedy = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(0) };
+    let seeded = SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        seed: 99,
+        repetition_penalty: 1.3,
+        frequency_penalty: 0.5,
+        min_tokens: 4,
+        logprobs: Some(3),
+        ..greedy.clone()
+    };
+    for (k, base) in [greedy, seeded].into_iter().enumerate() {
+        for max_tokens in [11u32, 12] {
+            let params = SamplingParams { max_tokens, ..base.clone() };
+            let a = run(&plain, &toks, &params, true, 4096);
+            let b = run(&whole, &toks, &params, true, 4096);
+            assert_eq!(a.tokens, b.tokens, "params {k}, max_tokens {max_tokens}");
+            assert_eq!(a.drafts, b.drafts, "params {k}, max_tokens {max_tokens}");
+            assert_eq!((a.drafts_proposed, a.drafts_accepted), (b.drafts_proposed, b.drafts_accepted));
+            assert_eq!(a.tokens.len(), max_tokens as usize);
+        }
+    }
+    // Forced drafts: every one accepted (two tokens a step; with max_tokens 8 the last step's first token
+    // finishes the request, its accepted draft's sample dropped) or every one rejected.
+    for (max_tokens, force_accept) in [(8, true), (9, true), (9, false)] {
+        let params = SamplingParams { max_tokens, ignore_eos: true, ..SamplingParams::greedy(max_tokens) };
+        let target = ids(&run(&plain, &toks, &params, false, 4096));
+        let mut got = Vec::new();
+        for e in [&plain, &whole] {
+            let t = e.pool.reserve("forced", toks.len() + 14).unwrap();
+            let mut s = SeqState::new(toks.clone(), params.clone(), t.blocks, 0);
+            let mut out = generate::prefill(e.b.as_ref(), &e.cache, &mut [&mut s], &[4096], &mut |_, _| {})
+                .unwrap()
+                .remove(0)
+                .tokens;
+            while s.finished.is_none() {
+                let next = target.get(s.generated().len()).copied().unwrap_or(0);
+                s.draft = Some(if force_accept { next } else { (next + 1) % VOCAB as u32 });
+                out.extend(generate::decode_step(e.b.as_ref(), &e.cache, &mut [&mut s]).unwrap().remove(0).tokens);
+            }
+            e.pool.release("forced").unwrap();
+            got.push((out, s.fed, s.drafts_accepted, s.drafts_proposed));
+        }
+        assert_eq!(
+            got[0],
+            got[1],
+            "forced {}, max_tokens {max_tokens}",
+            if force_accept { "accept" } else { "reject" }
+        );
+        assert_eq!(got[0].0.iter().map(|t| t.token).collect::<Vec<_>>(), target);
+    }
+}
+
 #[test]
 fn seeded_sampling_with_and_without_speculation_is_reproducible() {
     let e = env(Precision::Fp8);

@@ -6,7 +6,7 @@
 //! cargo run --release -p engine --bin engine-bench -- [--json] [--out FILE] [--precision fp8|full]
 //!     [--device cpu|cuda[:N]] [--threads N] [--decode-steps N] [--decode-only] [--model M]
 //!     [--batches 1,16] [--context 256] [--blocks 2048] [--mtp] [--kernel-profile] [--graphs-ab]
-//!     [--shared-context]
+//!     [--whole-step-ab] [--shared-context]
 //!
 //! `--mtp` times speculative decode steps (the main model over the token and the MTP draft, then the MTP
 //! layer): with random weights almost no draft is accepted, so tokens/s counts the accepted tokens only and
@@ -27,7 +27,9 @@
 //! a GPU) each batch runs one untimed step first (it captures the shapes), and `extra.graphs` says how many
 //! timed passes were replayed. `--graphs-ab` (GPU, one rank) times each batch with graphs on, then off
 //! (`decode_batch_N_eager`) on the same requests, which by then are a few positions longer (the steps of the
-//! first mode). `--shared-context` (GPU) prefills one context once and copies its caches into each request's
+//! first mode). `--whole-step-ab` (GPU, one rank) times each batch with whole decode steps on the device
+//! (`Backend::decode_whole_step`, the default), then with the separate calls (`decode_batch_N_parts`).
+//! `--shared-context` (GPU) prefills one context once and copies its caches into each request's
 //! own blocks, each request sampling with its own seed (temperature 1): long contexts at large batches
 //! without a prefill per request.
 //!
@@ -71,6 +73,7 @@ struct Opts {
     kernel_profile: bool,
     /// Each decode measurement with the decode passes' CUDA graphs on, then off.
     graphs_ab: bool,
+    whole_step_ab: bool,
     /// Decode batches over one prefilled context copied into each request (CUDA only).
     shared_context: bool,
     /// This process as one rank of an expert-parallel group (`RANK/WORLD@HOST:PORT`).
@@ -105,6 +108,7 @@ fn parse() -> Result<Opts, String> {
         mtp: false,
         kernel_profile: false,
         graphs_ab: false,
+        whole_step_ab: false,
         shared_context: false,
         ep: None,
         ep_exchange: Vec::new(),
@@ -145,6 +149,7 @@ fn parse() -> Result<Opts, String> {
             "--mtp" => o.mtp = true,
             "--kernel-profile" => o.kernel_profile = true,
             "--graphs-ab" => o.graphs_ab = true,
+            "--whole-step-ab" => o.whole_step_ab = true,
             "--shared-context" => o.shared_context = true,
             "--blocks" => o.blocks = number(args.next(), "--blocks")?,
             "--ep" => {
@@ -173,7 +178,7 @@ fn parse() -> Result<Opts, String> {
                 println!(
                     "engine-bench [--json] [--out FILE] [--precision fp8|full] [--device cpu|cuda[:N]] [--threads N] \
                      [--decode-steps N] [--decode-only] [--model DIR|synthetic:v32[,...]] [--batches 1,16] [--prefill-lens 512,2048] \
-                     [--context 256] [--blocks 2048] [--mtp] [--kernel-profile] [--warmup-steps N] [--graphs-ab] [--shared-context] \
+                     [--context 256] [--blocks 2048] [--mtp] [--kernel-profile] [--warmup-steps N] [--graphs-ab] [--whole-step-ab] [--shared-context] \
                      [--ep RANK/WORLD@HOST:PORT [--ep-exchange 64,1024] [--eplb] [--eplb-redundant N] \
                      [--eplb-interval STEPS] [--eplb-window LOOKS] [--eplb-min-gain F] \
                      [--dbo auto|on|off|auto:D,P] [--timeline FILE]]"
@@ -343,6 +348,13 @@ fn main() {
         eprintln!("engine-bench: --graphs-ab compares CUDA graphs with eager passes: it needs --device cuda, no --ep");
         std::process::exit(2);
     }
+    if o.whole_step_ab && (cuda.is_none() || o.ep.is_some() || o.graphs_ab) {
+        eprintln!(
+            "engine-bench: --whole-step-ab compares whole decode steps with separate calls: it needs --device cuda, \
+             no --ep, no --graphs-ab"
+        );
+        std::process::exit(2);
+    }
     if o.shared_context && cuda.is_none() {
         eprintln!("engine-bench: --shared-context copies caches on the GPU: it needs --device cuda");
         std::process::exit(2);
@@ -500,13 +512,22 @@ fn main() {
                 seqs
             }
         };
-        // With --graphs-ab the same sequences are timed with decode graphs on, then off (`_eager` records).
-        let modes: &[Option<bool>] = if o.graphs_ab { &[Some(true), Some(false)] } else { &[None] };
+        // With --graphs-ab the same sequences are timed with decode graphs on, then off (`_eager` records); with
+        // --whole-step-ab with whole steps on, then off (`_parts`).
+        let modes: &[Option<bool>] = if o.graphs_ab || o.whole_step_ab { &[Some(true), Some(false)] } else { &[None] };
         for &mode in modes {
             if let Some(on) = mode {
-                b.set_decode_graphs(on);
+                if o.whole_step_ab {
+                    cuda.as_ref().expect("checked: --whole-step-ab needs cuda").set_whole_steps(on);
+                } else {
+                    b.set_decode_graphs(on);
+                }
             }
-            let suffix = if mode == Some(false) { "_eager" } else { "" };
+            let suffix = match mode {
+                Some(false) if o.whole_step_ab => "_parts",
+                Some(false) => "_eager",
+                _ => "",
+            };
             // One untimed step first where decode passes are captured as CUDA graphs: the first call of a shape
             // runs eagerly and then captures it (engine::cuda::graphs).
             let graphs_on = b.decode_graphs().is_some_and(|g| g.on);
@@ -537,6 +558,9 @@ fn main() {
                 // The GPU's idle share between the timed steps' calls (engine::cuda::profile::BusyTimer).
                 extra["gpu_busy"] = serde_json::to_value(busy).expect("json");
                 extra["gpu_idle_between_calls"] = (1.0 - busy.busy_s / busy.span_s).into();
+            }
+            if let Some(c) = &cuda {
+                extra["whole_step"] = c.whole_steps().into();
             }
             if let (Some(before), Some(after)) = (graphs_before, b.decode_graphs()) {
                 extra["graphs"] = serde_json::json!({

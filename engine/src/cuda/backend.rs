@@ -20,8 +20,8 @@ use super::topk::{self, HIST_WORDS, RawTopk, launch_topk};
 use super::weights::{DFfn, DLayer, DLinear, DMlp, DMoe, DWeights, LoadError, QuantIn};
 use super::{CudaError, Gpu, bf16_mma, indexer, moe, sparse_mla};
 use crate::backend::{
-    AttnForm, Backend, DeviceRows, EngineError, Fence, LayerDone, LayerReady, MtpInput, SampleRequest, SeqInput,
-    SeqOutput, check_pool_fits, main_items, mtp_items,
+    AttnForm, Backend, DeviceRows, EngineError, Fence, LayerDone, LayerReady, Logits, MtpInput, SampleRequest,
+    SeqInput, SeqOutput, StepInput, StepSamples, check_pool_fits, main_items, mtp_items,
 };
 use crate::cache::{BLOCK_SIZE, BlockId, CacheFormat, CacheGeometry, KvCache, LayerIdx, MemoryKind};
 use crate::checkpoint::Checkpoint;
@@ -126,6 +126,8 @@ pub struct CudaBackend {
     ep_most: std::sync::atomic::AtomicUsize,
     /// The captured decode passes (engine::cuda::graphs); locked after `ws`.
     graphs: Mutex<Graphs>,
+    /// Whole decode steps on the device ([`Backend::decode_whole_step`]; `TANDEM_WHOLE_STEP=0` turns them off).
+    whole_steps: std::sync::atomic::AtomicBool,
 }
 
 /// A decode pass's padded shape where it runs as a CUDA graph (engine::cuda::graphs): rows and block-table
@@ -324,6 +326,7 @@ impl CudaBackend {
             ep_cap: Default::default(),
             ep_step: Default::default(),
             graphs: Mutex::new(Graphs::new(graphs::enabled_by_env())),
+            whole_steps: std::env::var("TANDEM_WHOLE_STEP").map_or(true, |v| v != "0").into(),
         })
     }
 
@@ -331,6 +334,23 @@ impl CudaBackend {
     pub fn with_graphs(self, on: bool) -> Self {
         self.graphs.lock().unwrap_or_else(|p| p.into_inner()).set_enabled(on);
         self
+    }
+
+    /// Runs whole decode steps on the device ([`Backend::decode_whole_step`]) or the separate calls (A/B
+    /// measurements and tests; `TANDEM_WHOLE_STEP=0` starts with them off).
+    pub fn with_whole_steps(self, on: bool) -> Self {
+        self.set_whole_steps(on);
+        self
+    }
+
+    /// [`with_whole_steps`](Self::with_whole_steps) on a shared backend.
+    pub fn set_whole_steps(&self, on: bool) {
+        self.whole_steps.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether decode steps run whole on the device (never under expert parallelism).
+    pub fn whole_steps(&self) -> bool {
+        self.ep.is_none() && self.whole_steps.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// What the decode graphs have done so far.
@@ -1451,6 +1471,141 @@ impl CudaBackend {
         self.ep_fail_fast(run())
     }
 
+    /// [`Backend::decode_whole_step`] on the device: the main pass, its final norm and logits, the samples of
+    /// rows 0 and 1 (two launches: row 1's history holds row 0's token, read on the device), the MTP layer over
+    /// every fed row with the tokens sampled there, and the drafts, issued as one sequence; with a graph shape
+    /// (engine::cuda::graphs) that sequence is one CUDA graph, replayed where captured. Per-step values (tokens,
+    /// positions, slots, block tables, scorer groups, the samplers' records) are uploaded before it into
+    /// buffers whose addresses follow from the shape; the samplers' edits and scratch are per-step buffers the
+    /// records point to. One read-back at the end.
+    fn whole_step(
+        &self,
+        cache: &KvCache,
+        batch: &[StepInput<'_>],
+        eos: &[u32],
+    ) -> Result<Vec<StepSamples>, EngineError> {
+        let g = cache.geometry();
+        let pool = self.check_cache(cache)?;
+        let seq_in: Vec<SeqInput<'_>> = batch
+            .iter()
+            .map(|b| SeqInput { tokens: b.tokens, start: b.start, blocks: b.blocks, logits: Logits::All })
+            .collect();
+        let items = main_items(&self.cfg, g.num_blocks, &seq_in)?;
+        if let Some(i) = items.iter().position(|it| it.n > graphs::MAX_ROWS_PER_REQUEST) {
+            return Err(EngineError::InvalidInput(format!("step item {i}: {} tokens (1 or 2)", items[i].n)));
+        }
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let form = AttnForm::Decode;
+        let mut ws = self.begin(&items, Pass::main(form))?;
+        let pad = self.graph_shape(&items, form);
+        let real: usize = items.iter().map(|it| it.n).sum();
+        let rows = pad.map_or(real, |p| p.rows);
+        let (hidden, vocab) = (self.cfg.hidden_size, self.w.lm_head.out_features());
+        let mtp = self.w.mtp.as_ref();
+        let s = self.stream().clone();
+        self.gpu.busy().begin(&s);
+        // Buffers at addresses that follow from the shape (taken in the same order every step).
+        let mut tokens: Vec<i32> = batch.iter().flat_map(|b| b.tokens.iter().map(|&t| t as i32)).collect();
+        tokens.resize(rows, 0);
+        let tok = ws.upload(&s, &tokens)?;
+        let inp = self.inputs(&mut ws, &items, form, pad)?;
+        let normed = ws.take::<f32>(&s, rows * hidden)?;
+        let logits = ws.take::<f32>(&s, rows * vocab)?;
+        // The tokens sampled at each row (the MTP layer's input); padding rows read token 0, zeroed.
+        let sampled = ws.upload(&s, &vec![0i32; rows])?;
+        let mut zero: Vec<i32> =
+            items.iter().flat_map(|it| (0..it.n).map(move |i| (it.start + i == 0) as i32)).collect();
+        zero.resize(rows, 1);
+        let zero = ws.upload(&s, &zero)?;
+        let row_at = |r: usize| logits + (r * vocab * 4) as u64;
+        let draft_rows = ws.upload(&s, &(0..rows).map(row_at).collect::<Vec<u64>>())?;
+        let draft_out = ws.take::<u32>(&s, 2 * rows)?;
+        // Records: rows of the first launch (each item's row 0), then of the second (row 1 of items with a
+        // draft, after row 0's token).
+        let mut slots: Vec<Option<super::sample::SlotRow<'_>>> = (0..2 * rows).map(|_| None).collect();
+        for (b, it) in batch.iter().zip(&items) {
+            let req =
+                |r: usize| super::sample::RowRequest { row: row_at(r), n: vocab, params: b.params, history: b.history };
+            let token_at = |r: usize| sampled + 4 * r as u64;
+            slots[it.row0] = Some(super::sample::SlotRow { req: req(it.row0), prev: 0, token_out: token_at(it.row0) });
+            if it.n == 2 {
+                slots[rows + it.row0 + 1] = Some(super::sample::SlotRow {
+                    req: req(it.row0 + 1),
+                    prev: token_at(it.row0),
+                    token_out: token_at(it.row0 + 1),
+                });
+            }
+        }
+        let staged = super::sample::stage(&self.gpu, &slots, eos)?;
+        let records = ws.upload(&s, &staged.records)?;
+        let li_mtp = LayerIdx(self.cfg.num_hidden_layers as u32);
+        let mark = ws.mark();
+        let step = |ws: &mut Workspace| -> Result<(), EngineError> {
+            let h = ws.take::<f32>(&s, rows * hidden)?;
+            self.embed_rows(&self.w.embed, tok, 0, h, rows)?;
+            let layers_at = ws.mark();
+            for (l, layer) in self.w.layers.iter().enumerate() {
+                self.layer(ws, &inp, layer, LayerIdx(l as u32), g, pool, form, h, &mut |_, _| {})?;
+                ws.rewind(layers_at);
+            }
+            self.rms_norm(h, hidden, &self.w.norm, normed, hidden, rows)?;
+            self.w.lm_head.forward(&self.gpu, ws, normed, rows, 1, 0, logits)?;
+            let record = super::sample::RECORD_BYTES as u64;
+            super::sample::launch_records(&self.gpu, records, rows)?;
+            super::sample::launch_records(&self.gpu, records + rows as u64 * record, rows)?;
+            if let Some(mtp) = mtp {
+                // [enorm(embedding of the sampled token) | hnorm(main hidden)] per row, then the MTP layer.
+                let emb = ws.take::<f32>(&s, rows * hidden)?;
+                self.embed_rows(mtp.embed.as_ref().unwrap_or(&self.w.embed), sampled, zero, emb, rows)?;
+                let cat = ws.take::<f32>(&s, rows * 2 * hidden)?;
+                self.rms_norm(emb, hidden, &mtp.enorm, cat, 2 * hidden, rows)?;
+                self.rms_norm(normed, hidden, &mtp.hnorm, cat + (hidden * 4) as u64, 2 * hidden, rows)?;
+                let h2 = ws.take::<f32>(&s, rows * hidden)?;
+                mtp.eh_proj.forward(&self.gpu, ws, cat, rows, 1, 0, h2)?;
+                self.layer(ws, &inp, &mtp.layer, li_mtp, g, pool, form, h2, &mut |_, _| {})?;
+                self.rms_norm(h2, hidden, &mtp.head_norm, normed, hidden, rows)?;
+                mtp.head.as_ref().unwrap_or(&self.w.lm_head).forward(&self.gpu, ws, normed, rows, 1, 0, logits)?;
+                launch(
+                    &self.gpu,
+                    "tandem_draft_rows",
+                    (rows as u32, 1, 1),
+                    1024,
+                    0,
+                    &[Arg::P(draft_rows), Arg::I(vocab as i32), Arg::P(draft_out)],
+                )?;
+            }
+            ws.rewind(mark);
+            Ok(())
+        };
+        self.graphed(&mut ws, GraphPass::Step, pad, form, g, pool, step)?;
+        let mut drafts = vec![0u32; 2 * rows];
+        if mtp.is_some() {
+            // SAFETY: `draft_out` holds 2 x rows words (taken above); the copy is stream-ordered after the
+            // drafts, and `staged.read` below waits for the stream before `drafts` is read.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut drafts, draft_out, s.cu_stream()) }.map_err(dev)?;
+        }
+        let got = staged.read(&self.gpu)?;
+        self.gpu.busy().end(&s);
+        let outcome = |slot: usize| -> Result<Sampled, EngineError> {
+            let i = staged.result_of(slot).ok_or_else(|| EngineError::Device(format!("no sample in slot {slot}")))?;
+            Ok(super::sample::warn_fallback(got[i].clone()))
+        };
+        let mut out = Vec::with_capacity(items.len());
+        for it in &items {
+            let first = outcome(it.row0)?;
+            let second = if it.n == 2 { Some(outcome(rows + it.row0 + 1)?) } else { None };
+            let drafts = if mtp.is_some() {
+                (it.row0..it.row0 + it.n).map(|r| (drafts[2 * r], f32::from_bits(drafts[2 * r + 1]))).collect()
+            } else {
+                Vec::new()
+            };
+            out.push(StepSamples { first, second, drafts });
+        }
+        Ok(out)
+    }
+
     /// Starts a call over `items` (not empty): the context bound to this thread, the workspace reset (the
     /// caller uploads the call's inputs: the whole batch's, or each micro-batch's).
     /// Under expert parallelism, the call's capacity agreed with the other ranks first (engine::cuda::ep;
@@ -1769,15 +1924,22 @@ impl CudaBackend {
             None => 0,
         };
         let h = ws.take::<f32>(s, rows * hidden)?;
+        self.embed_rows(table, tok, zero, h, rows)?;
+        Ok(h)
+    }
+
+    /// `h [rows, hidden]` = the rows of `table` of the `rows` i32 tokens at `tok`, zeros where the i32 at `zero`
+    /// (0: none) is not 0.
+    fn embed_rows(&self, table: &DBuf<f32>, tok: u64, zero: u64, h: u64, rows: usize) -> Result<(), CudaError> {
+        let hidden = self.cfg.hidden_size as i32;
         launch(
             &self.gpu,
             "tandem_embed",
             (rows as u32, 1, 1),
             256,
             0,
-            &[Arg::P(table.ptr()), Arg::P(tok), Arg::P(zero), Arg::P(h), Arg::I(hidden as i32)],
-        )?;
-        Ok(h)
+            &[Arg::P(table.ptr()), Arg::P(tok), Arg::P(zero), Arg::P(h), Arg::I(hidden)],
+        )
     }
 
     /// One logits row as a device view.
@@ -1966,6 +2128,19 @@ impl Backend for CudaBackend {
         let out = super::sample::draft_row(&self.gpu, &view)?;
         self.ep_outputs_valid()?;
         Ok(out)
+    }
+
+    fn decode_whole_step(
+        &self,
+        cache: &KvCache,
+        batch: &[StepInput<'_>],
+        eos: &[u32],
+    ) -> Result<Option<Vec<StepSamples>>, EngineError> {
+        // Expert parallelism agrees on each pass's rows with the other ranks: its steps run the separate calls.
+        if self.ep.is_some() || !self.whole_steps.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(None);
+        }
+        self.whole_step(cache, batch, eos).map(Some)
     }
 
     fn draft_rows(&self, rows: &[(&DeviceRows, usize)]) -> Result<Vec<(u32, f32)>, EngineError> {

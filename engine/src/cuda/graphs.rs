@@ -85,6 +85,8 @@ pub fn width_bucket(blocks: usize) -> usize {
 pub enum GraphPass {
     Main,
     Mtp,
+    /// A whole decode step ([`crate::Backend::decode_whole_step`]).
+    Step,
 }
 
 /// Everything a captured pass's launches depend on besides the inputs it reads from device memory.

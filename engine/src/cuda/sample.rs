@@ -61,13 +61,15 @@ struct Edit {
 }
 
 impl Edits {
-    fn new(vocab: usize, params: &SamplingParams, history: History<'_>, eos: &[u32]) -> Self {
+    /// The edits of `history` followed by `extra` output tokens still unknown to the host (counted in
+    /// min_tokens only: the kernel adds their penalties).
+    fn new(vocab: usize, params: &SamplingParams, history: History<'_>, extra: usize, eos: &[u32]) -> Self {
         let mut touched = BTreeMap::<u32, Edit>::new();
         // Ids outside the vocabulary are skipped, as the CPU does.
         fn at(touched: &mut BTreeMap<u32, Edit>, vocab: usize, t: u32) -> Option<&mut Edit> {
             ((t as usize) < vocab).then(|| touched.entry(t).or_default())
         }
-        if (history.output.len() as u32) < params.min_tokens {
+        if ((history.output.len() + extra) as u32) < params.min_tokens {
             for &t in eos.iter().chain(&params.stop_token_ids) {
                 if let Some(e) = at(&mut touched, vocab, t) {
                     e.flags |= EDIT_MASK;
@@ -137,21 +139,60 @@ pub fn sample_rows(gpu: &Gpu, rows: &[RowRequest<'_>], eos: &[u32]) -> Result<Ve
 }
 
 /// The sample, after logging a fallback the kernel reported (diagnostics only: the token is still the CPU's).
-fn warn_fallback(o: Outcome) -> Sampled {
+pub fn warn_fallback(o: Outcome) -> Sampled {
     if o.flags != 0 {
         tracing::warn!(flags = o.flags, kept = o.kept, "sampler kernel took a fallback path");
     }
     o.sampled
 }
 
-/// One launch of `tandem_sample_rows` over `rows`, and what each CTA returned.
-fn launch_rows(gpu: &Gpu, rows: &[RowRequest<'_>], eos: &[u32]) -> Result<Vec<Outcome>, CudaError> {
-    if rows.is_empty() {
-        return Ok(Vec::new());
-    }
-    shape(rows.len() <= u32::MAX as usize, || format!("{} rows", rows.len()))?;
+/// One slot of a [`Staged`] launch: a row to sample, possibly after a token an earlier launch samples.
+pub struct SlotRow<'a> {
+    pub req: RowRequest<'a>,
+    /// Device address of a `u32` an earlier launch writes (its `token_out`): that token joins `history` as one
+    /// more output token (the next output position, penalties, min_tokens), as if the host had pushed it. 0:
+    /// none.
+    pub prev: u64,
+    /// Device address where the sampled token is also written (a compact token array), or 0.
+    pub token_out: u64,
+}
+
+/// The argument records of `tandem_sample_rows` for a list of slots (`None`: a padding record, whose CTA
+/// writes nothing), with the device buffers they point into: edits, biases, scratch and results. The
+/// records are plain bytes for the caller to upload (a CUDA graph's launch reads them from a fixed address);
+/// the buffers live as long as this value.
+pub struct Staged {
+    /// 144-byte `SampleRowArgs` per slot.
+    pub records: Vec<u8>,
+    /// Per slot: its index among the results, None for padding.
+    slots: Vec<Option<usize>>,
+    top_ns: Vec<i32>,
+    logprobs: Vec<bool>,
+    out: CudaSlice<u32>,
+    out_words: usize,
+    _keep: Scratch,
+}
+
+/// The device buffers a [`Staged`] launch's records point into (besides its results).
+struct Scratch {
+    _edits: CudaSlice<u32>,
+    _bias: CudaSlice<f32>,
+    _z: CudaSlice<f32>,
+    _prob: CudaSlice<f32>,
+    _sort: [CudaSlice<u32>; 2],
+}
+
+/// Bytes of one `SampleRowArgs` record.
+pub const RECORD_BYTES: usize = 144;
+
+/// Checks and stages `slots` (see [`Staged`]); `None` entries are padding. Edits and biases are uploaded,
+/// scratch allocated (z for every row, three more rows of scratch for rows that are not greedy), all on the
+/// GPU's stream.
+pub fn stage(gpu: &Gpu, slots: &[Option<SlotRow<'_>>], eos: &[u32]) -> Result<Staged, CudaError> {
+    let rows: Vec<&SlotRow<'_>> = slots.iter().flatten().collect();
     let mut top_ns = Vec::with_capacity(rows.len());
-    for r in rows {
+    for r in &rows {
+        let r = &r.req;
         shape(r.n > 0 && r.n <= i32::MAX as usize, || format!("a logits row of {} values", r.n))?;
         top_ns.push(match r.params.logprobs {
             None => -1i32,
@@ -164,37 +205,43 @@ fn launch_rows(gpu: &Gpu, rows: &[RowRequest<'_>], eos: &[u32]) -> Result<Vec<Ou
     // Every row's edits in one buffer of words and one of biases (each row's bias ends are relative to its
     // own biases, as the kernel reads them), and scratch for every row (sampling rows: four buffers of n).
     let (mut words, mut bias, mut at) = (Vec::new(), Vec::new(), Vec::with_capacity(rows.len()));
-    for r in rows {
-        let e = Edits::new(r.n, r.params, r.history, eos);
+    for r in &rows {
+        let extra = usize::from(r.prev != 0);
+        let e = Edits::new(r.req.n, r.req.params, r.req.history, extra, eos);
         at.push((words.len(), e.words.len() / 4, bias.len()));
         words.extend(e.words);
         bias.extend(e.bias);
     }
     let st = gpu.stream();
-    gpu.busy().begin(st);
     let dwords = st.clone_htod(if words.is_empty() { &[0u32][..] } else { &words })?;
     let dbias = st.clone_htod(if bias.is_empty() { &[0f32][..] } else { &bias })?;
-    let z_len: usize = rows.iter().map(|r| r.n).sum();
-    let s_len: usize = rows.iter().filter(|r| !r.params.is_greedy()).map(|r| r.n).sum::<usize>().max(1);
+    let z_len: usize = rows.iter().map(|r| r.req.n).sum::<usize>().max(1);
+    let s_len: usize = rows.iter().filter(|r| !r.req.params.is_greedy()).map(|r| r.req.n).sum::<usize>().max(1);
     let z = st.alloc_zeros::<f32>(z_len)?;
     let prob = st.alloc_zeros::<f32>(s_len)?;
     let sort_a = st.alloc_zeros::<u32>(s_len)?;
     let sort_b = st.alloc_zeros::<u32>(s_len)?;
-    let out_words = OUT_HEADER + 2 * MAX_TOP_LOGPROBS as usize;
-    let out = st.alloc_zeros::<u32>(out_words * rows.len())?;
-    let base = |b: &CudaSlice<f32>| b.device_ptr(st).0;
-    let (z0, p0) = (base(&z), base(&prob));
+    // Each result: the kernel's header, then the (id, logprob bits) pairs its row asked for.
+    let out_words = OUT_HEADER + 2 * top_ns.iter().copied().max().unwrap_or(0).max(0) as usize;
+    let out = st.alloc_zeros::<u32>((out_words * rows.len()).max(1))?;
+    let (z0, p0) = (z.device_ptr(st).0, prob.device_ptr(st).0);
     let (a0, b0) = (sort_a.device_ptr(st).0, sort_b.device_ptr(st).0);
     let (w0, bias0, o0) = (dwords.device_ptr(st).0, dbias.device_ptr(st).0, out.device_ptr(st).0);
-    // RowArgs (`SampleRowArgs` in the kernel): 9 eight-byte words, then 14 four-byte ones (the last padding).
-    let mut args = Vec::with_capacity(rows.len() * 128);
-    let (mut z_at, mut s_at) = (0usize, 0usize);
-    for (i, r) in rows.iter().enumerate() {
-        let p = r.params;
+    // SampleRowArgs: 11 eight-byte words, then 14 four-byte ones (the last padding).
+    let mut records = Vec::with_capacity(slots.len() * RECORD_BYTES);
+    let mut index = Vec::with_capacity(slots.len());
+    let (mut z_at, mut s_at, mut i) = (0usize, 0usize, 0usize);
+    for slot in slots {
+        let Some(r) = slot else {
+            records.resize(records.len() + RECORD_BYTES, 0);
+            index.push(None);
+            continue;
+        };
+        let (req, p) = (&r.req, r.req.params);
         let (w_at, n_edits, b_at) = at[i];
-        let scratch = if p.is_greedy() { 0 } else { r.n };
+        let scratch = if p.is_greedy() { 0 } else { req.n };
         for v in [
-            r.row,
+            req.row,
             w0 + (4 * w_at) as u64,
             bias0 + (4 * b_at) as u64,
             z0 + (4 * z_at) as u64,
@@ -202,62 +249,118 @@ fn launch_rows(gpu: &Gpu, rows: &[RowRequest<'_>], eos: &[u32]) -> Result<Vec<Ou
             a0 + (4 * s_at) as u64,
             b0 + (4 * s_at) as u64,
             o0 + (4 * out_words * i) as u64,
+            r.prev,
+            r.token_out,
             p.seed,
         ] {
-            args.extend_from_slice(&v.to_le_bytes());
+            records.extend_from_slice(&v.to_le_bytes());
         }
-        for v in [r.n as u32, n_edits as u32] {
-            args.extend_from_slice(&v.to_le_bytes());
+        for v in [req.n as u32, n_edits as u32] {
+            records.extend_from_slice(&v.to_le_bytes());
         }
         for v in [p.repetition_penalty, p.frequency_penalty, p.presence_penalty] {
-            args.extend_from_slice(&v.to_le_bytes());
+            records.extend_from_slice(&v.to_le_bytes());
         }
-        args.extend_from_slice(&(p.is_greedy() as i32).to_le_bytes());
-        args.extend_from_slice(&p.temperature.to_le_bytes());
-        args.extend_from_slice(&p.top_k.to_le_bytes());
-        args.extend_from_slice(&p.top_p.to_le_bytes());
-        args.extend_from_slice(&p.min_p.to_le_bytes());
-        args.extend_from_slice(&(r.history.output.len() as u32).to_le_bytes());
-        args.extend_from_slice(&PURPOSE_TOKEN.to_le_bytes());
-        args.extend_from_slice(&top_ns[i].to_le_bytes());
-        args.extend_from_slice(&0i32.to_le_bytes());
-        z_at += r.n;
+        records.extend_from_slice(&(p.is_greedy() as i32).to_le_bytes());
+        records.extend_from_slice(&p.temperature.to_le_bytes());
+        records.extend_from_slice(&p.top_k.to_le_bytes());
+        records.extend_from_slice(&p.top_p.to_le_bytes());
+        records.extend_from_slice(&p.min_p.to_le_bytes());
+        let position = req.history.output.len() + usize::from(r.prev != 0);
+        records.extend_from_slice(&(position as u32).to_le_bytes());
+        records.extend_from_slice(&PURPOSE_TOKEN.to_le_bytes());
+        records.extend_from_slice(&top_ns[i].to_le_bytes());
+        records.extend_from_slice(&0i32.to_le_bytes());
+        index.push(Some(i));
+        z_at += req.n;
         s_at += scratch;
+        i += 1;
     }
-    debug_assert_eq!(args.len(), rows.len() * 128);
-    let dargs = st.clone_htod(&args)?;
-    let f = gpu.function("tandem_sample_rows")?;
-    let cfg = LaunchConfig { grid_dim: (rows.len() as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-    let mut b = st.launch_builder(f);
-    b.arg(&dargs);
-    // SAFETY: each 128-byte record is SampleRowArgs: its row holds n values, its edits and biases are its own
-    // slices of the uploaded buffers (tokens below n, bias ends inside its biases), z holds n values and the
-    // other scratch n unless greedy, and its out slot the header and MAX_TOP_LOGPROBS pairs.
-    gpu.profiler().time(st, "tandem_sample_rows", || unsafe { b.launch(cfg) })?;
+    debug_assert_eq!(records.len(), slots.len() * RECORD_BYTES);
+    let logprobs = rows.iter().map(|r| r.req.params.logprobs.is_some()).collect();
+    let keep = Scratch { _edits: dwords, _bias: dbias, _z: z, _prob: prob, _sort: [sort_a, sort_b] };
+    Ok(Staged { records, slots: index, top_ns, logprobs, out, out_words, _keep: keep })
+}
+
+/// Launches `tandem_sample_rows` over `count` records at device address `records` (one CTA each).
+pub fn launch_records(gpu: &Gpu, records: u64, count: usize) -> Result<(), CudaError> {
+    shape(count <= u32::MAX as usize, || format!("{count} rows"))?;
+    super::ops::launch(gpu, "tandem_sample_rows", (count as u32, 1, 1), THREADS, 0, &[super::ops::Arg::P(records)])
+}
+
+impl Staged {
+    /// Slots staged (padding included).
+    pub fn slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Slot `i`'s result index, None for padding.
+    pub fn result_of(&self, slot: usize) -> Option<usize> {
+        self.slots.get(slot).copied().flatten()
+    }
+
+    /// The results' words, copied to the host after the launches (waits for the stream).
+    pub fn read(&self, gpu: &Gpu) -> Result<Vec<Outcome>, CudaError> {
+        let st = gpu.stream();
+        let got = st.clone_dtoh(&self.out)?;
+        st.synchronize()?;
+        Ok(self.parse(&got))
+    }
+
+    fn parse(&self, got: &[u32]) -> Vec<Outcome> {
+        (0..self.top_ns.len())
+            .map(|i| {
+                let g = &got[i * self.out_words..(i + 1) * self.out_words];
+                let top_count = if self.top_ns[i] < 0 { 0 } else { g[OUT_TOP_COUNT] as usize };
+                let top = (0..top_count)
+                    .map(|j| (g[OUT_HEADER + 2 * j], f32::from_bits(g[OUT_HEADER + 2 * j + 1])))
+                    .collect();
+                let logprob = if self.logprobs[i] { f32::from_bits(g[OUT_LOGPROB]) } else { 0.0 };
+                Outcome {
+                    sampled: Sampled { token: g[OUT_TOKEN], logprob, top },
+                    kept: g[OUT_KEPT],
+                    flags: g[OUT_FLAGS],
+                }
+            })
+            .collect()
+    }
+}
+
+/// One launch of `tandem_sample_rows` over `rows`, and what each CTA returned.
+fn launch_rows(gpu: &Gpu, rows: &[RowRequest<'_>], eos: &[u32]) -> Result<Vec<Outcome>, CudaError> {
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    let slots: Vec<Option<SlotRow<'_>>> = rows
+        .iter()
+        .map(|r| {
+            Some(SlotRow {
+                req: RowRequest { row: r.row, n: r.n, params: r.params, history: r.history },
+                prev: 0,
+                token_out: 0,
+            })
+        })
+        .collect();
+    let st = gpu.stream();
+    gpu.busy().begin(st);
+    let staged = stage(gpu, &slots, eos)?;
+    let dargs = st.clone_htod(&staged.records)?;
+    // SAFETY of the launch (inside launch_records' one unsafe): each record is SampleRowArgs: its row holds n
+    // values, its edits and biases are its own slices of the uploaded buffers (tokens below n, bias ends
+    // inside its biases), z holds n values and the other scratch n unless greedy, and its out slot the header
+    // and the pairs its top_n asks for.
+    launch_records(gpu, dargs.device_ptr(st).0, slots.len())?;
     gpu.busy().end(st);
-    let got = st.clone_dtoh(&out)?;
-    st.synchronize()?;
-    let mut outcomes = Vec::with_capacity(rows.len());
-    for (i, r) in rows.iter().enumerate() {
-        let g = &got[i * out_words..(i + 1) * out_words];
-        let top_count = if top_ns[i] < 0 { 0 } else { g[OUT_TOP_COUNT] as usize };
-        let top = (0..top_count).map(|j| (g[OUT_HEADER + 2 * j], f32::from_bits(g[OUT_HEADER + 2 * j + 1]))).collect();
-        let logprob = if r.params.logprobs.is_some() { f32::from_bits(g[OUT_LOGPROB]) } else { 0.0 };
-        outcomes.push(Outcome {
-            sampled: Sampled { token: g[OUT_TOKEN], logprob, top },
-            kept: g[OUT_KEPT],
-            flags: g[OUT_FLAGS],
-        });
-    }
-    Ok(outcomes)
+    staged.read(gpu)
 }
 
 /// What one launch returns: the sample, how many candidates the race saw (the CPU's
 /// `candidates(..).len()`), and the kernel's diagnostic flags (`FLAG_*`: 0 unless a fallback ran).
-struct Outcome {
-    sampled: Sampled,
-    kept: u32,
-    flags: u32,
+#[derive(Clone)]
+pub struct Outcome {
+    pub sampled: Sampled,
+    pub kept: u32,
+    pub flags: u32,
 }
 
 fn run(
@@ -648,6 +751,78 @@ mod tests {
         assert!(sample_rows(&gpu, &bad, EOS).unwrap_err().to_string().contains("logprobs"));
     }
 
+    /// A row sampled after a token an earlier launch wrote on the device (`prev`) is the CPU's sample with
+    /// that token pushed onto the history: penalties on a token seen before and on a new one, min_tokens
+    /// ending at that token, every filter; padding records write nothing.
+    #[test]
+    fn a_row_after_a_device_token_is_the_cpus_sample_with_that_token_in_the_history() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        let n = 300;
+        let host = row(&mut rng, n, Style::Uniform(3.0));
+        let dev = gpu.stream().clone_htod(&host).unwrap();
+        let st = gpu.stream();
+        let prompt: Vec<u32> = (0..40).map(|_| rng.random_range(0..n as u32)).collect();
+        let output = vec![5u32, 9, 5, 200];
+        let mut params: Vec<SamplingParams> = combos().into_iter().map(|(_, p)| p).collect();
+        for (rep, freq, pres, min_tokens) in
+            [(1.3, 0.0, 0.0, 0), (1.0, 0.7, 0.2, 0), (0.8, -0.4, 0.5, 5), (1.2, 0.5, 0.0, 6), (1.0, 0.0, 0.0, 5)]
+        {
+            params.push(SamplingParams {
+                repetition_penalty: rep,
+                frequency_penalty: freq,
+                presence_penalty: pres,
+                min_tokens,
+                stop_token_ids: vec![3],
+                logit_bias: vec![(9, 1.5), (77, -2.0)],
+                logprobs: Some(3),
+                ..base(0.8)
+            });
+            params.push(SamplingParams {
+                repetition_penalty: rep,
+                frequency_penalty: freq,
+                presence_penalty: pres,
+                ..SamplingParams::greedy(100)
+            });
+        }
+        // Earlier tokens: one the history holds (5), one only the prompt may hold, one nothing touched, EOS.
+        let prevs = [5u32, prompt[3], 250, EOS[0], 9];
+        for (k, &t) in prevs.iter().enumerate() {
+            let dprev = st.clone_htod(&[t]).unwrap();
+            let dtok = st.alloc_zeros::<u32>(params.len() + 1).unwrap();
+            let (pp, tp) = (dprev.device_ptr(st).0, dtok.device_ptr(st).0);
+            let h = History { prompt: &prompt, output: &output };
+            let mut slots: Vec<Option<SlotRow<'_>>> = vec![None];
+            for (i, p) in params.iter().enumerate() {
+                let req = RowRequest { row: dev.device_ptr(st).0, n, params: p, history: h };
+                slots.push(Some(SlotRow { req, prev: pp, token_out: tp + 4 * (i as u64 + 1) }));
+            }
+            slots.push(None);
+            let staged = stage(&gpu, &slots, EOS).unwrap();
+            let records = st.clone_htod(&staged.records).unwrap();
+            launch_records(&gpu, records.device_ptr(st).0, slots.len()).unwrap();
+            let got = staged.read(&gpu).unwrap();
+            let tokens = st.clone_dtoh(&dtok).unwrap();
+            assert_eq!(got.len(), params.len());
+            assert_eq!((staged.result_of(0), staged.result_of(1)), (None, Some(0)));
+            assert_eq!(tokens[0], 0, "a padding record wrote");
+            let pushed: Vec<u32> = output.iter().copied().chain([t]).collect();
+            for (i, p) in params.iter().enumerate() {
+                let want = sample(&host, p, History { prompt: &prompt, output: &pushed }, EOS);
+                let g = &got[i].sampled;
+                let what = format!("prev {t} (case {k}), params {i} {p:?}, test seed {seed}");
+                assert_eq!(g.token, want.token, "{what}");
+                assert_eq!(tokens[i + 1], want.token, "{what}: token_out");
+                assert!(close(g.logprob, want.logprob), "{what}: logprob {} vs {}", g.logprob, want.logprob);
+                assert_eq!(
+                    g.top.iter().map(|x| x.0).collect::<Vec<_>>(),
+                    want.top.iter().map(|x| x.0).collect::<Vec<_>>(),
+                    "{what}: top ids"
+                );
+            }
+        }
+    }
+
     /// Several rows' drafts in one launch (rows in any order of one buffer, one repeated) are each row's
     /// draft alone.
     #[test]
@@ -717,7 +892,7 @@ mod tests {
             stop_token_ids: vec![4, 60],
             ..base(1.0)
         };
-        let e = Edits::new(10, &p, History { prompt: &[2, 70], output: &[2, 9, 2] }, &[1]);
+        let e = Edits::new(10, &p, History { prompt: &[2, 70], output: &[2, 9, 2] }, 0, &[1]);
         let want_words = vec![
             1, EDIT_MASK, 0, 0, // eos, masked (3 outputs < min_tokens 4)
             2, EDIT_SEEN, 2, 0, // seen, twice in the output
@@ -726,6 +901,6 @@ mod tests {
         ];
         assert_eq!(e, Edits { words: want_words, bias: vec![2.0, 1.0, -3.0] });
         // Neutral parameters touch nothing.
-        assert_eq!(Edits::new(10, &base(1.0), History { prompt: &[1, 2], output: &[3] }, &[1]), Edits::default());
+        assert_eq!(Edits::new(10, &base(1.0), History { prompt: &[1, 2], output: &[3] }, 0, &[1]), Edits::default());
     }
 }
