@@ -738,13 +738,14 @@ struct SampleRowArgs {
     float top_p, min_p;
     u32 position, purpose;
     int top_n;
-    int pad;
+    int expect;  // >= 0 (with prev): sample only where *prev == expect, otherwise write nothing
 };
 
 // Rows' samples, one CTA per row (args[b]): each row's result is its CTA's alone, whatever the other rows.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) tandem_sample_rows(const SampleRowArgs* __restrict__ args) {
     const SampleRowArgs a = args[blockIdx.x];
     if (a.n <= 0) return;
+    if (a.prev != nullptr && a.expect >= 0 && *a.prev != (u32)a.expect) return;
     tandem_sample_body(a.row, a.n, a.edits, a.n_edits, a.bias, a.rep, a.frequency, a.presence, a.greedy,
                        a.temperature, a.top_k, a.top_p, a.min_p, a.seed, a.position, a.purpose, a.top_n, a.z, a.prob,
                        a.sort_a, a.sort_b, a.prev, a.token_out, a.out);

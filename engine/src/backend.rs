@@ -447,7 +447,8 @@ pub trait Backend: Send + Sync {
     /// caller then runs [`Backend::decode`], [`Backend::sample_rows`], [`Backend::mtp`] and
     /// [`Backend::draft_rows`] in turn, as `crate::generate::decode_step` does). Each item feeds its pending
     /// token and, optionally, the MTP draft after it (1 or 2 tokens). The backend samples row 0 with the
-    /// item's history; with a draft also row 1, with the history plus row 0's token; and, where it has an
+    /// item's history; where row 0's token is the draft, also row 1, with the history plus that token; and,
+    /// where it has an
     /// MTP layer, runs it over every fed row (row `i` with the token sampled at row `i`) and drafts from
     /// each. Each value is the one those separate calls give (the caller accepts or rejects the draft and
     /// keeps what applies). The MTP caches of a rejected draft's row are overwritten by the next step.
@@ -511,6 +512,19 @@ pub trait Backend: Send + Sync {
 
     /// The calls' GPU spans since the previous take (`None` without a GPU).
     fn take_busy_time(&self) -> Result<Option<GpuBusy>, EngineError> {
+        Ok(None)
+    }
+
+    /// Prepares decode steps before serving at `limits` from `cache`, requests at most `max_len` positions
+    /// long (the decode worker calls it once after allocating its pool): the CUDA backend captures the CUDA
+    /// graph of every whole-step shape it can meet (engine::cuda::graphs), so serving captures none. What the
+    /// graphs then hold, or `None` where there is nothing to prepare.
+    fn prepare_decode(
+        &self,
+        _cache: &KvCache,
+        _limits: &ServingLimits,
+        _max_len: usize,
+    ) -> Result<Option<DecodeGraphs>, EngineError> {
         Ok(None)
     }
 
@@ -590,8 +604,8 @@ pub struct StepInput<'a> {
 pub struct StepSamples {
     /// The sample at the pending token's position.
     pub first: Sampled,
-    /// With a draft: the sample at the draft's position, with `first` in the history (what the step emits
-    /// after `first` when the draft equals it).
+    /// Where `first` is the draft (accepted): the sample at the draft's position, with `first` in the history
+    /// (what the step emits after `first`). `None` without a draft or where it was rejected.
     pub second: Option<Sampled>,
     /// With an MTP layer: the draft (argmax, probability) from each fed row, the MTP layer reading the
     /// token sampled at that row.

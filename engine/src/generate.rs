@@ -438,9 +438,10 @@ fn apply_whole_step(
 }
 
 /// What [`Backend::decode_whole_step`] promises, computed by the separate calls: the main model over each
-/// item's fed tokens, row 0 sampled with the item's history, row 1 (with a draft) with row 0's token added
-/// to it, the MTP layer over every fed row with the token sampled there, and a draft from each MTP row. The
-/// reference a backend's whole step is checked against.
+/// item's fed tokens, row 0 sampled with the item's history, row 1 (where row 0's token is the draft) with
+/// that token added to it, the MTP layer over every fed row with the token sampled there (a rejected
+/// draft's row with token 0: its draft is never used), and a draft from each MTP row. The reference a
+/// backend's whole step is checked against.
 pub fn decode_whole_step_by_parts(
     backend: &dyn Backend,
     cache: &KvCache,
@@ -464,8 +465,8 @@ pub fn decode_whole_step_by_parts(
         .map(|(b, o)| SampleRequest { logits: &o.logits, row: 0, params: b.params, history: b.history })
         .collect();
     let firsts = backend.sample_rows(&reqs, eos)?;
-    // Row 1 of the items with a draft, each history holding its row-0 token.
-    let twos: Vec<usize> = (0..batch.len()).filter(|&i| batch[i].tokens.len() == 2).collect();
+    // Row 1 of the items whose draft is row 0's token, each history holding that token.
+    let twos: Vec<usize> = (0..batch.len()).filter(|&i| batch[i].tokens.get(1) == Some(&firsts[i].token)).collect();
     let outputs: Vec<Vec<u32>> =
         twos.iter().map(|&i| batch[i].history.output.iter().copied().chain([firsts[i].token]).collect()).collect();
     let reqs: Vec<SampleRequest<'_>> = twos
@@ -485,7 +486,10 @@ pub fn decode_whole_step_by_parts(
     let mut drafts = vec![Vec::new(); batch.len()];
     if backend.has_mtp() {
         let next: Vec<Vec<u32>> = (0..batch.len())
-            .map(|i| std::iter::once(firsts[i].token).chain(seconds[i].as_ref().map(|t| t.token)).collect())
+            .map(|i| {
+                let second = (batch[i].tokens.len() == 2).then(|| seconds[i].as_ref().map_or(0, |t| t.token));
+                std::iter::once(firsts[i].token).chain(second).collect()
+            })
             .collect();
         let mtp_in: Vec<MtpInput<'_>> = batch
             .iter()

@@ -509,6 +509,7 @@ fn a_whole_decode_step_gives_what_the_separate_calls_give() {
             let params = step_params(100);
             let mut fed = [0usize; 3];
             let mut outputs: [Vec<u32>; 3] = Default::default();
+            let mut accepted_seen = 0;
             for (i, pr) in prompts.iter().enumerate() {
                 for s in [&whole, &parts] {
                     let t = s.pool.reserve(&format!("r{i}"), pr.len() + 48).unwrap();
@@ -528,16 +529,25 @@ fn a_whole_decode_step_gives_what_the_separate_calls_give() {
                     _ => &[2, 0],
                 };
                 let n: Vec<usize> = who.iter().map(|&i| 1 + (step + i) % 2).collect();
-                let run = |s: &Served, on_device: bool| {
+                // Drafts: every other one the token row 0 samples (accepted: row 1 sampled after it), learned by a
+                // probe step on the reference side (a step at the same positions again rewrites what it wrote).
+                let mut drafted: Vec<u32> = who.iter().map(|&i| extra[(step * 2 + i) % 60 + 1]).collect();
+                let run = |s: &Served, on_device: bool, drafted: &[u32]| {
                     let tables: Vec<_> = who.iter().map(|&i| s.pool.table(&format!("r{i}")).unwrap()).collect();
-                    let batch: Vec<StepInput<'_>> = who
+                    let fed_tokens: Vec<Vec<u32>> = who
                         .iter()
                         .zip(&n)
+                        .zip(drafted)
+                        .map(|((&i, &n), &d)| [extra[(step * 2 + i) % 60], d][..n].to_vec())
+                        .collect();
+                    let batch: Vec<StepInput<'_>> = who
+                        .iter()
+                        .zip(&fed_tokens)
                         .zip(&tables)
-                        .map(|((&i, &n), t)| StepInput {
-                            tokens: &extra[(step * 2 + i) % 60..(step * 2 + i) % 60 + n],
+                        .map(|((&i, t), table)| StepInput {
+                            tokens: t,
                             start: fed[i],
-                            blocks: &t.blocks,
+                            blocks: &table.blocks,
                             params: &params[(step + i) % params.len()],
                             history: History { prompt: &prompts[i], output: &outputs[i] },
                         })
@@ -549,25 +559,35 @@ fn a_whole_decode_step_gives_what_the_separate_calls_give() {
                         generate::decode_whole_step_by_parts(s.b.as_ref(), &s.cache, &batch, &[1]).unwrap()
                     }
                 };
-                let (got, want) = (run(&whole, true), run(&parts, false));
+                let probe = run(&parts, false, &drafted);
+                for (j, &i) in who.iter().enumerate() {
+                    if (step + i) % 4 < 2 {
+                        drafted[j] = probe[j].first.token;
+                    }
+                }
+                let (got, want) = (run(&whole, true, &drafted), run(&parts, false, &drafted));
                 let bits = |x: &engine::sampling::Sampled| {
                     (x.token, x.logprob.to_bits(), x.top.iter().map(|t| (t.0, t.1.to_bits())).collect::<Vec<_>>())
                 };
+                assert_eq!(got.len(), want.len());
                 for (j, (g, w)) in got.iter().zip(&want).enumerate() {
                     let what = format!("{prec:?} graphs {graphs} step {step} request {}", who[j]);
                     assert_eq!(bits(&g.first), bits(&w.first), "{what}: first sample");
                     assert_eq!(g.second.as_ref().map(bits), w.second.as_ref().map(bits), "{what}: second sample");
-                    assert_eq!(g.second.is_some(), n[j] == 2, "{what}: a second sample exactly with a draft");
+                    let accepted = n[j] == 2 && g.first.token == drafted[j];
+                    accepted_seen += usize::from(accepted);
+                    assert_eq!(g.second.is_some(), accepted, "{what}: a second sample exactly with an accepted draft");
                     let db = |d: &[(u32, f32)]| d.iter().map(|x| (x.0, x.1.to_bits())).collect::<Vec<_>>();
+                    // A rejected draft's row drafts from token 0 on both sides; only an accepted one's is used.
                     assert_eq!(db(&g.drafts), db(&w.drafts), "{what}: drafts");
                     assert_eq!(g.drafts.len(), n[j], "{what}: a draft a fed row");
                 }
-                assert_eq!(got.len(), want.len());
                 for (j, (&i, &n)) in who.iter().zip(&n).enumerate() {
                     fed[i] += n;
                     outputs[i].push(got[j].first.token);
                 }
             }
+            assert!(accepted_seen >= 4, "{prec:?}: only {accepted_seen} accepted drafts");
             let st = w.graph_stats();
             eprintln!("{prec:?} graphs {graphs}: {st:?}");
             if graphs {
@@ -609,6 +629,40 @@ fn generation_by_whole_steps_equals_generation_by_separate_calls() {
     }
     let st = w.graph_stats();
     assert!(st.replays > 0, "{st:?}");
+}
+
+/// `Backend::prepare_decode` captures every whole-step shape the limits allow before serving (rows 1, 2, 4, 8
+/// for four sequences, widths 1..16 blocks for 700 positions): later steps replay them and capture nothing,
+/// and generation equals the separate calls'.
+#[test]
+fn decode_steps_captured_before_serving_replay_and_capture_nothing_more() {
+    let (Some(w), Some(p)) =
+        (gpu_backend_steps(Precision::Fp8, true, true), gpu_backend_steps(Precision::Fp8, false, false))
+    else {
+        return;
+    };
+    let (whole, parts) = (side(w.clone()), side(p.clone()));
+    let limits = engine::memory::ServingLimits { max_num_batched_tokens: 64, max_num_seqs: 4 };
+    let st = w.prepare_decode(&whole.cache, &limits, 700).unwrap().expect("graphs are on");
+    eprintln!("prepared: {st:?}");
+    assert_eq!((st.captures, st.held), (20, 20), "{st:?}");
+    assert!(p.prepare_decode(&parts.cache, &limits, 700).unwrap().is_none(), "graphs off: nothing to prepare");
+    let toks = prompt(120, 46);
+    for (k, params) in step_params(24).into_iter().enumerate() {
+        let run = |s: &Served| {
+            let t = s.pool.reserve("g", toks.len() + 28).unwrap();
+            let g =
+                generate::generate(s.b.as_ref(), &s.cache, toks.clone(), params.clone(), t.blocks, 64, true).unwrap();
+            s.pool.release("g").unwrap();
+            g
+        };
+        let (a, b) = (run(&whole), run(&parts));
+        assert_eq!(a.tokens, b.tokens, "params {k}");
+        assert_eq!(a.drafts, b.drafts, "params {k}");
+    }
+    let after = w.graph_stats();
+    assert_eq!(after.captures, 20, "serving captured more: {after:?}");
+    assert!(after.replays >= 40, "{after:?}");
 }
 
 #[test]

@@ -25,7 +25,9 @@ pub struct LoadedModel {
 }
 
 impl LoadedModel {
-    pub fn load(args: &ServeArgs) -> anyhow::Result<LoadedModel> {
+    /// Loads the model and allocates the pool; with `prepare_decode` (a decode worker) also prepares decode
+    /// steps before serving (`Backend::prepare_decode`: the CUDA backend captures its step graphs).
+    pub fn load(args: &ServeArgs, prepare_decode: bool) -> anyhow::Result<LoadedModel> {
         // Before touching the checkpoint: a device this build cannot use fails at once.
         engine::device::check_available(args.device)?;
         let ckpt = Checkpoint::open_model(&args.model)
@@ -55,6 +57,12 @@ impl LoadedModel {
             "--max-model-len {max_model_len} exceeds the model's max_position_embeddings {}",
             cfg.max_position_embeddings
         );
+        if prepare_decode {
+            // Before reporting ready: the decode steps' CUDA graphs are captured now, not on the first requests.
+            backend
+                .prepare_decode(&cache, &limits, max_model_len)
+                .context("capturing the decode steps before serving")?;
+        }
         let name = args.served_name();
         let fingerprint = fingerprint(&name, ckpt.fingerprint().to_string(), args.precision, &geometry);
         if cfg.num_nextn_predict_layers > cfg.num_served_mtp_layers() {
@@ -91,7 +99,8 @@ impl LoadedModel {
             return Ok(None);
         }
         let args = args.clone();
-        Ok(Some(tokio::task::spawn_blocking(move || LoadedModel::load(&args)).await??))
+        let decode = role == "decode-worker";
+        Ok(Some(tokio::task::spawn_blocking(move || LoadedModel::load(&args, decode)).await??))
     }
 
     /// A model over an already-built backend with a pool of `blocks` blocks (tests: a fake backend).

@@ -6,7 +6,7 @@
 //! cargo run --release -p engine --bin engine-bench -- [--json] [--out FILE] [--precision fp8|full]
 //!     [--device cpu|cuda[:N]] [--threads N] [--decode-steps N] [--decode-only] [--model M]
 //!     [--batches 1,16] [--context 256] [--blocks 2048] [--mtp] [--kernel-profile] [--graphs-ab]
-//!     [--whole-step-ab] [--shared-context]
+//!     [--whole-step-ab] [--shared-context] [--prepare-decode]
 //!
 //! `--mtp` times speculative decode steps (the main model over the token and the MTP draft, then the MTP
 //! layer): with random weights almost no draft is accepted, so tokens/s counts the accepted tokens only and
@@ -29,6 +29,9 @@
 //! (`decode_batch_N_eager`) on the same requests, which by then are a few positions longer (the steps of the
 //! first mode). `--whole-step-ab` (GPU, one rank) times each batch with whole decode steps on the device
 //! (`Backend::decode_whole_step`, the default), then with the separate calls (`decode_batch_N_parts`).
+//! `--prepare-decode` captures the decode steps before the decode measurements, as a decode worker does
+//! before serving (`Backend::prepare_decode`, limits: the largest batch, contexts up to the longest measured),
+//! and records the time and the graphs (`prepare_decode`).
 //! `--shared-context` (GPU) prefills one context once and copies its caches into each request's
 //! own blocks, each request sampling with its own seed (temperature 1): long contexts at large batches
 //! without a prefill per request.
@@ -76,6 +79,7 @@ struct Opts {
     whole_step_ab: bool,
     /// Decode batches over one prefilled context copied into each request (CUDA only).
     shared_context: bool,
+    prepare_decode: bool,
     /// This process as one rank of an expert-parallel group (`RANK/WORLD@HOST:PORT`).
     ep: Option<engine::cuda::ep::EpConfig>,
     /// Capacities (rows per rank) to time the expert-parallel exchange at, before the other measurements.
@@ -110,6 +114,7 @@ fn parse() -> Result<Opts, String> {
         graphs_ab: false,
         whole_step_ab: false,
         shared_context: false,
+        prepare_decode: false,
         ep: None,
         ep_exchange: Vec::new(),
         eplb: Default::default(),
@@ -151,6 +156,7 @@ fn parse() -> Result<Opts, String> {
             "--graphs-ab" => o.graphs_ab = true,
             "--whole-step-ab" => o.whole_step_ab = true,
             "--shared-context" => o.shared_context = true,
+            "--prepare-decode" => o.prepare_decode = true,
             "--blocks" => o.blocks = number(args.next(), "--blocks")?,
             "--ep" => {
                 o.ep = Some(engine::cuda::ep::EpConfig::parse(&args.next().ok_or("--ep needs RANK/WORLD@HOST:PORT")?)?)
@@ -178,7 +184,7 @@ fn parse() -> Result<Opts, String> {
                 println!(
                     "engine-bench [--json] [--out FILE] [--precision fp8|full] [--device cpu|cuda[:N]] [--threads N] \
                      [--decode-steps N] [--decode-only] [--model DIR|synthetic:v32[,...]] [--batches 1,16] [--prefill-lens 512,2048] \
-                     [--context 256] [--blocks 2048] [--mtp] [--kernel-profile] [--warmup-steps N] [--graphs-ab] [--whole-step-ab] [--shared-context] \
+                     [--context 256] [--blocks 2048] [--mtp] [--kernel-profile] [--warmup-steps N] [--graphs-ab] [--whole-step-ab] [--shared-context] [--prepare-decode] \
                      [--ep RANK/WORLD@HOST:PORT [--ep-exchange 64,1024] [--eplb] [--eplb-redundant N] \
                      [--eplb-interval STEPS] [--eplb-window LOOKS] [--eplb-min-gain F] \
                      [--dbo auto|on|off|auto:D,P] [--timeline FILE]]"
@@ -459,6 +465,21 @@ fn main() {
         }
         None => None,
     };
+    if o.prepare_decode && !o.batches.is_empty() {
+        let most = o.batches.iter().copied().max().unwrap_or(1);
+        let limits = engine::memory::ServingLimits { max_num_batched_tokens: 2 * most, max_num_seqs: most };
+        let room = o.context + (2 * o.decode_steps + o.warmup_steps + PROFILED_STEPS) * 4 + 8;
+        let start = Instant::now();
+        let prepared = b.prepare_decode(&cache, &limits, room).expect("prepare decode");
+        let secs = start.elapsed().as_secs_f64();
+        let graphs = prepared.map(|g| serde_json::to_value(g).expect("json"));
+        record(
+            "prepare_decode",
+            0,
+            secs,
+            serde_json::json!({ "graphs": graphs, "max_len": room, "max_num_seqs": most }),
+        );
+    }
     for &batch in &o.batches {
         let ctx = o.context;
         let room = ctx + (2 * o.decode_steps + o.warmup_steps + PROFILED_STEPS) * 4 + 8;

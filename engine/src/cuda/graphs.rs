@@ -57,6 +57,12 @@ pub fn enabled_by_env() -> bool {
     std::env::var("TANDEM_CUDA_GRAPHS").map_or(true, |v| v != "0")
 }
 
+/// Whether the decode worker captures its whole-step graphs before serving (`TANDEM_GRAPH_CAPTURE=lazy`: on
+/// each shape's first step instead).
+pub fn capture_at_startup() -> bool {
+    std::env::var("TANDEM_GRAPH_CAPTURE").map_or(true, |v| v != "lazy")
+}
+
 /// The padded row count a decode pass of `rows` rows is captured at, `None` past [`MAX_ROWS`].
 pub fn row_bucket(rows: usize) -> Option<usize> {
     let r = rows.max(1);
@@ -124,6 +130,10 @@ pub struct Graphs {
     held: HashMap<GraphKey, Held>,
     clock: u64,
     stats: DecodeGraphs,
+    /// The most graphs and bytes held ([`MAX_HELD`] and [`GRAPH_BYTES`], or what [`Graphs::reserve`] raised
+    /// them to).
+    max_held: usize,
+    max_bytes: u64,
 }
 
 /// What to do with a pass of a given shape.
@@ -138,7 +148,21 @@ pub enum Plan {
 
 impl Graphs {
     pub fn new(enabled: bool) -> Self {
-        Graphs { enabled, held: HashMap::new(), clock: 0, stats: DecodeGraphs::default() }
+        Graphs {
+            enabled,
+            held: HashMap::new(),
+            clock: 0,
+            stats: DecodeGraphs::default(),
+            max_held: MAX_HELD,
+            max_bytes: GRAPH_BYTES,
+        }
+    }
+
+    /// Makes room for `count` graphs of about `bytes_each` (the shapes captured at start-up, all held while
+    /// serving): the limits become at least that.
+    pub fn reserve(&mut self, count: usize, bytes_each: u64) {
+        self.max_held = self.max_held.max(count);
+        self.max_bytes = self.max_bytes.max(count as u64 * bytes_each.min(MAX_GRAPH_BYTES));
     }
 
     pub fn enabled(&self) -> bool {
@@ -246,7 +270,7 @@ impl Graphs {
         let entries: Vec<(GraphKey, u64, u64, bool)> =
             self.held.iter().map(|(k, h)| (*k, h.bytes, h.last_used, h.graph.is_some())).collect();
         let rows: Vec<(u64, u64, bool)> = entries.iter().map(|e| (e.1, e.2, e.3)).collect();
-        for i in victims(&rows) {
+        for i in victims(&rows, self.max_bytes, self.max_held) {
             self.held.remove(&entries[i].0);
             self.stats.evicted += 1;
         }
@@ -257,16 +281,16 @@ impl Graphs {
 }
 
 /// Which of the held graphs `(bytes, last used, captured)` to drop: the least recently used captured ones
-/// while the captured ones hold more than [`GRAPH_BYTES`] or number more than [`MAX_HELD`], never the most
-/// recent one (the graph just captured), never a failed shape's entry.
-fn victims(held: &[(u64, u64, bool)]) -> Vec<usize> {
+/// while the captured ones hold more than `max_bytes` or number more than `max_held`, never the most recent
+/// one (the graph just captured), never a failed shape's entry.
+fn victims(held: &[(u64, u64, bool)], max_bytes: u64, max_held: usize) -> Vec<usize> {
     let mut live: Vec<usize> = (0..held.len()).filter(|&i| held[i].2).collect();
     live.sort_by_key(|&i| held[i].1);
     let mut bytes: u64 = live.iter().map(|&i| held[i].0).sum();
     let mut out = Vec::new();
     let mut n = live.len();
     for &i in &live {
-        if n <= 1 || (bytes <= GRAPH_BYTES && n <= MAX_HELD) {
+        if n <= 1 || (bytes <= max_bytes && n <= max_held) {
             break;
         }
         bytes -= held[i].0;
@@ -311,15 +335,17 @@ mod tests {
     fn eviction_drops_the_least_recently_used_graphs_past_either_limit() {
         let mib = 1u64 << 20;
         // Within both limits: nothing.
-        assert!(victims(&[(4 * mib, 1, true), (4 * mib, 2, true)]).is_empty());
+        assert!(victims(&[(4 * mib, 1, true), (4 * mib, 2, true)], GRAPH_BYTES, MAX_HELD).is_empty());
         // Past the count: the oldest captured graphs, not a failed shape's entry.
         let mut held: Vec<(u64, u64, bool)> = (0..MAX_HELD as u64 + 2).map(|t| (mib, 10 + t, true)).collect();
         held.push((0, 0, false));
-        assert_eq!(victims(&held), vec![0, 1]);
+        assert_eq!(victims(&held, GRAPH_BYTES, MAX_HELD), vec![0, 1]);
+        // Raised limits (the start-up shapes) keep them all.
+        assert!(victims(&held, GRAPH_BYTES, MAX_HELD + 2).is_empty());
         // Past the bytes: oldest first until the rest fit.
         let big = GRAPH_BYTES / 2;
-        assert_eq!(victims(&[(big, 3, true), (big, 1, true), (big, 2, true)]), vec![1]);
+        assert_eq!(victims(&[(big, 3, true), (big, 1, true), (big, 2, true)], GRAPH_BYTES, MAX_HELD), vec![1]);
         // The newest graph stays whatever it holds.
-        assert!(victims(&[(2 * GRAPH_BYTES, 1, true)]).is_empty());
+        assert!(victims(&[(2 * GRAPH_BYTES, 1, true)], GRAPH_BYTES, MAX_HELD).is_empty());
     }
 }

@@ -153,6 +153,9 @@ pub struct SlotRow<'a> {
     /// more output token (the next output position, penalties, min_tokens), as if the host had pushed it. 0:
     /// none.
     pub prev: u64,
+    /// With `prev`: sample only where that token is this one (the MTP draft verified), otherwise write
+    /// nothing (its result slot stays unread).
+    pub expect: Option<u32>,
     /// Device address where the sampled token is also written (a compact token array), or 0.
     pub token_out: u64,
 }
@@ -227,7 +230,7 @@ pub fn stage(gpu: &Gpu, slots: &[Option<SlotRow<'_>>], eos: &[u32]) -> Result<St
     let (z0, p0) = (z.device_ptr(st).0, prob.device_ptr(st).0);
     let (a0, b0) = (sort_a.device_ptr(st).0, sort_b.device_ptr(st).0);
     let (w0, bias0, o0) = (dwords.device_ptr(st).0, dbias.device_ptr(st).0, out.device_ptr(st).0);
-    // SampleRowArgs: 11 eight-byte words, then 14 four-byte ones (the last padding).
+    // SampleRowArgs: 11 eight-byte words, then 14 four-byte ones (the last the expected token or -1).
     let mut records = Vec::with_capacity(slots.len() * RECORD_BYTES);
     let mut index = Vec::with_capacity(slots.len());
     let (mut z_at, mut s_at, mut i) = (0usize, 0usize, 0usize);
@@ -270,7 +273,12 @@ pub fn stage(gpu: &Gpu, slots: &[Option<SlotRow<'_>>], eos: &[u32]) -> Result<St
         records.extend_from_slice(&(position as u32).to_le_bytes());
         records.extend_from_slice(&PURPOSE_TOKEN.to_le_bytes());
         records.extend_from_slice(&top_ns[i].to_le_bytes());
-        records.extend_from_slice(&0i32.to_le_bytes());
+        let expect = match r.expect {
+            Some(t) if r.prev != 0 => t as i64,
+            _ => -1,
+        };
+        shape(expect < i32::MAX as i64, || format!("expected token {expect}"))?;
+        records.extend_from_slice(&(expect as i32).to_le_bytes());
         index.push(Some(i));
         z_at += req.n;
         s_at += scratch;
@@ -337,6 +345,7 @@ fn launch_rows(gpu: &Gpu, rows: &[RowRequest<'_>], eos: &[u32]) -> Result<Vec<Ou
             Some(SlotRow {
                 req: RowRequest { row: r.row, n: r.n, params: r.params, history: r.history },
                 prev: 0,
+                expect: None,
                 token_out: 0,
             })
         })
@@ -795,7 +804,7 @@ mod tests {
             let mut slots: Vec<Option<SlotRow<'_>>> = vec![None];
             for (i, p) in params.iter().enumerate() {
                 let req = RowRequest { row: dev.device_ptr(st).0, n, params: p, history: h };
-                slots.push(Some(SlotRow { req, prev: pp, token_out: tp + 4 * (i as u64 + 1) }));
+                slots.push(Some(SlotRow { req, prev: pp, expect: None, token_out: tp + 4 * (i as u64 + 1) }));
             }
             slots.push(None);
             let staged = stage(&gpu, &slots, EOS).unwrap();
@@ -821,6 +830,25 @@ mod tests {
                 );
             }
         }
+        // With an expected token: sampled where the earlier token is it, nothing written where it is not.
+        let dprev = st.clone_htod(&[9u32]).unwrap();
+        let dtok = st.clone_htod(&[77u32, 77]).unwrap();
+        let (pp, tp) = (dprev.device_ptr(st).0, dtok.device_ptr(st).0);
+        let p = SamplingParams::greedy(10);
+        let req =
+            || RowRequest { row: dev.device_ptr(st).0, n, params: &p, history: History { prompt: &[], output: &[] } };
+        let slots = [
+            Some(SlotRow { req: req(), prev: pp, expect: Some(9), token_out: tp }),
+            Some(SlotRow { req: req(), prev: pp, expect: Some(10), token_out: tp + 4 }),
+        ];
+        let staged = stage(&gpu, &slots, EOS).unwrap();
+        let records = st.clone_htod(&staged.records).unwrap();
+        launch_records(&gpu, records.device_ptr(st).0, 2).unwrap();
+        let got = staged.read(&gpu).unwrap();
+        let tokens = st.clone_dtoh(&dtok).unwrap();
+        let want = sample(&host, &p, History { prompt: &[], output: &[9] }, EOS).token;
+        assert_eq!((got[0].sampled.token, tokens[0]), (want, want), "the expected token: sampled");
+        assert_eq!(tokens[1], 77, "another token: nothing written");
     }
 
     /// Several rows' drafts in one launch (rows in any order of one buffer, one repeated) are each row's
