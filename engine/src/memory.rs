@@ -14,6 +14,10 @@ pub struct ServingLimits {
     pub max_num_batched_tokens: usize,
     /// Requests of the largest batch (`--max-num-seqs`): rows of logits.
     pub max_num_seqs: usize,
+    /// A decode worker's longest request (`--max-model-len`, or the model's): its decode steps are prepared
+    /// before serving (`Backend::prepare_decode`: the CUDA backend's step graphs, in the budget). `None`
+    /// elsewhere (a prefill worker, `generate`, benchmarks that do not prepare).
+    pub decode_graphs: Option<usize>,
 }
 
 /// Bytes a backend needs outside the cache pool.

@@ -264,9 +264,10 @@ fn speculative_greedy_output_equals_plain_greedy_output() {
 }
 
 /// A backend whose whole decode steps (`Backend::decode_whole_step`) are the separate calls
-/// (`generate::decode_whole_step_by_parts`), everything else its inner backend's: `generate::decode_step`
-/// then takes its whole-step path on any device.
-struct ByParts(Arc<dyn Backend>);
+/// (`generate::decode_whole_step_by_parts`: `generate::decode_step` then takes its whole-step path on any
+/// device) or are refused (`false`: it takes the separate calls' path on any device, the CUDA backend's own
+/// whole steps included), everything else its inner backend's.
+struct ByParts(Arc<dyn Backend>, bool);
 
 impl Backend for ByParts {
     fn name(&self) -> &'static str {
@@ -336,6 +337,9 @@ impl Backend for ByParts {
         batch: &[engine::StepInput<'_>],
         eos: &[u32],
     ) -> Result<Option<Vec<engine::StepSamples>>, engine::EngineError> {
+        if !self.1 {
+            return Ok(None);
+        }
         generate::decode_whole_step_by_parts(self.0.as_ref(), cache, batch, eos).map(Some)
     }
 }
@@ -347,7 +351,10 @@ impl Backend for ByParts {
 #[test]
 fn decode_steps_over_whole_steps_emit_what_the_separate_calls_emit() {
     let inner = backend(Precision::Fp8);
-    let (plain, whole) = (Served::new(inner.clone(), BLOCKS), Served::new(Arc::new(ByParts(inner)), BLOCKS));
+    let (plain, whole) = (
+        Served::new(Arc::new(ByParts(inner.clone(), false)), BLOCKS),
+        Served::new(Arc::new(ByParts(inner, true)), BLOCKS),
+    );
     let toks = prompt(50, 9);
     let greedy = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(0) };
     let seeded = SamplingParams {

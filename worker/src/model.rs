@@ -39,8 +39,14 @@ impl LoadedModel {
         let backend = engine::device::load_backend_ep(&ckpt, args.backend_options(), ep.as_ref())
             .with_context(|| format!("loading {} on {}", args.model.display(), args.device))?;
         let cfg: ModelConfig = backend.config().clone();
-        let limits =
-            ServingLimits { max_num_batched_tokens: args.max_num_batched_tokens, max_num_seqs: args.max_num_seqs };
+        let limits = ServingLimits {
+            max_num_batched_tokens: args.max_num_batched_tokens,
+            max_num_seqs: args.max_num_seqs,
+            // The pool is sized after the budget: the longest request it may serve is bounded by the flag or the
+            // model here (a smaller pool captures fewer shapes than budgeted).
+            decode_graphs: prepare_decode
+                .then(|| args.max_model_len.unwrap_or(backend.config().max_position_embeddings)),
+        };
         let budget = backend.memory_budget(&limits);
         let capacity = backend.memory_capacity();
         let mut geometry =

@@ -467,8 +467,12 @@ fn main() {
     };
     if o.prepare_decode && !o.batches.is_empty() {
         let most = o.batches.iter().copied().max().unwrap_or(1);
-        let limits = engine::memory::ServingLimits { max_num_batched_tokens: 2 * most, max_num_seqs: most };
         let room = o.context + (2 * o.decode_steps + o.warmup_steps + PROFILED_STEPS) * 4 + 8;
+        let limits = engine::memory::ServingLimits {
+            max_num_batched_tokens: 2 * most,
+            max_num_seqs: most,
+            decode_graphs: Some(room),
+        };
         let start = Instant::now();
         let prepared = b.prepare_decode(&cache, &limits, room).expect("prepare decode");
         let secs = start.elapsed().as_secs_f64();

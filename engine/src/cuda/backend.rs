@@ -1513,6 +1513,7 @@ impl CudaBackend {
         self.gpu.busy().begin(&s);
         let (bufs, staged) = self.step_buffers(&mut ws, &items, batch, pad, eos)?;
         self.graphed(&mut ws, GraphPass::Step, pad, form, g, pool, |ws| self.issue_step(ws, &bufs, g, pool))?;
+        self.gpu.busy().end(&s);
         let rows = bufs.rows;
         let has_mtp = self.w.mtp.is_some();
         let mut drafts = vec![0u32; 2 * rows];
@@ -1523,7 +1524,6 @@ impl CudaBackend {
                 .map_err(dev)?;
         }
         let got = staged.read(&self.gpu)?;
-        self.gpu.busy().end(&s);
         let outcome = |slot: usize| -> Result<Sampled, EngineError> {
             let i = staged.result_of(slot).ok_or_else(|| EngineError::Device(format!("no sample in slot {slot}")))?;
             Ok(super::sample::warn_fallback(got[i].clone()))
@@ -1595,7 +1595,8 @@ impl CudaBackend {
                 });
             }
         }
-        let staged = super::sample::stage(&self.gpu, &slots, eos)?;
+        // Two launches of `rows` records: the second runs after the first, so they share the scratch.
+        let staged = super::sample::stage(&self.gpu, &slots, rows, eos)?;
         let records = ws.upload(s, &staged.records)?;
         let bufs = StepBuffers { rows, tok, inp, normed, logits, sampled, zero, draft_rows, draft_out, records };
         Ok((bufs, staged))
@@ -1637,7 +1638,7 @@ impl CudaBackend {
                 &self.gpu,
                 "tandem_draft_rows",
                 (rows as u32, 1, 1),
-                1024,
+                super::sample::THREADS,
                 0,
                 &[Arg::P(b.draft_rows), Arg::I(vocab as i32), Arg::P(b.draft_out)],
             )?;
@@ -1647,13 +1648,14 @@ impl CudaBackend {
     }
 
     /// The whole-step graph shapes serving at `limits` with requests up to `max_len` positions can meet: every
-    /// padded row count up to two rows a sequence (the token and the draft) by every block-table width up to
-    /// `max_len` positions' ([`graph_shape`](Self::graph_shape)'s rule).
+    /// padded row count up to two rows a sequence (the token and the draft) and `max_num_batched_tokens` by
+    /// every block-table width up to `max_len` positions' ([`graph_shape`](Self::graph_shape)'s rule).
     fn step_shapes(&self, limits: &ServingLimits, max_len: usize) -> Vec<Pad> {
         let most = (graphs::MAX_ROWS_PER_REQUEST * limits.max_num_seqs).min(graphs::MAX_ROWS);
-        let mut rows: Vec<usize> = (1..=most)
-            .filter_map(|r| graphs::row_bucket(r).map(|b| if b > limits.max_num_batched_tokens { r } else { b }))
-            .collect();
+        // Buckets past max_num_batched_tokens are exact row counts (graph_shape): captured on their first step,
+        // not here (there could be hundreds).
+        let mut rows: Vec<usize> =
+            (1..=most).filter_map(graphs::row_bucket).filter(|&b| b <= limits.max_num_batched_tokens).collect();
         rows.dedup();
         let widest = graphs::width_bucket(max_len.max(1).div_ceil(BLOCK_SIZE));
         let widths: Vec<usize> = std::iter::successors(Some(1usize), |w| (*w < widest).then_some(w * 2)).collect();
@@ -1671,10 +1673,7 @@ impl CudaBackend {
         limits: &ServingLimits,
         max_len: usize,
     ) -> Result<Option<crate::DecodeGraphs>, EngineError> {
-        if self.ep.is_some()
-            || !self.whole_steps.load(std::sync::atomic::Ordering::Relaxed)
-            || !self.graphs.lock().unwrap_or_else(|p| p.into_inner()).enabled()
-        {
+        if !self.captures_at_startup() {
             return Ok(None);
         }
         let g = cache.geometry();
@@ -1712,15 +1711,29 @@ impl CudaBackend {
                 grown_for = Some(pad.rows);
             }
             let key = self.graph_key(&ws, GraphPass::Step, pad, g, pool);
-            ws.set_frozen(true);
-            let captured = self
-                .graphs
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .capture(s, key, || self.issue_step(&mut ws, &bufs, g, pool));
-            ws.set_frozen(false);
-            ws.rewind(mark);
-            captured?;
+            // A shape whose capture fails (its workspace outgrew the widest shape's) grows it in one eager step
+            // and is captured again; a second failure leaves it to its first serving step.
+            for attempt in 0..2 {
+                ws.set_frozen(true);
+                let captured = self
+                    .graphs
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .capture(s, key, || self.issue_step(&mut ws, &bufs, g, pool));
+                ws.set_frozen(false);
+                ws.rewind(mark);
+                captured?;
+                let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
+                if graphs.is_captured(&key) {
+                    break;
+                }
+                graphs.forget(&key);
+                drop(graphs);
+                if attempt == 0 {
+                    self.issue_step(&mut ws, &bufs, g, pool)?;
+                    ws.rewind(mark);
+                }
+            }
         }
         self.stream().synchronize().map_err(dev)?;
         let stats = self.graph_stats();
@@ -1734,18 +1747,30 @@ impl CudaBackend {
         Ok(Some(stats))
     }
 
-    /// The captured graphs' share of the memory budget: [`graphs::GRAPH_BYTES`], or where the whole-step
-    /// shapes are captured before serving, their estimate at `limits` for requests as long as the model allows
-    /// (a smaller pool captures fewer).
+    /// The captured graphs' share of the memory budget: [`graphs::GRAPH_BYTES`], or where a decode worker
+    /// captures its whole-step shapes before serving (`limits.decode_graphs`), their estimate for requests of
+    /// that length (a smaller pool captures fewer).
     fn graph_budget(&self, limits: &ServingLimits) -> u64 {
         if !self.graphs.lock().unwrap_or_else(|p| p.into_inner()).enabled() {
             return 0;
         }
-        let startup = graphs::capture_at_startup()
-            && self.ep.is_none()
-            && self.whole_steps.load(std::sync::atomic::Ordering::Relaxed);
-        let shapes = if startup { self.step_shapes(limits, self.cfg.max_position_embeddings).len() } else { 0 };
+        let shapes = match limits.decode_graphs {
+            Some(max_len) if self.captures_at_startup() => self.step_shapes(limits, max_len).len(),
+            _ => 0,
+        };
         graphs::GRAPH_BYTES.max(shapes as u64 * self.graph_bytes_each())
+    }
+
+    /// Whether [`prepare_decode`](Backend::prepare_decode) captures the whole-step graphs: graphs and whole
+    /// steps on, no expert parallelism, nothing that keeps steps eager (recorded selections, the kernel
+    /// profiler), and `TANDEM_GRAPH_CAPTURE` not `lazy`.
+    fn captures_at_startup(&self) -> bool {
+        graphs::capture_at_startup()
+            && self.ep.is_none()
+            && self.selections.is_none()
+            && !self.gpu.profiler().is_on()
+            && self.whole_steps.load(std::sync::atomic::Ordering::Relaxed)
+            && self.graphs.lock().unwrap_or_else(|p| p.into_inner()).enabled()
     }
 
     /// The key of the graph of `pass` at shape `pad`, its layers starting at the workspace's current mark.
@@ -2230,7 +2255,9 @@ impl Backend for CudaBackend {
         };
         MemoryBudget {
             weights: self.w.bytes() + moving,
-            activations: self.activation_bytes(limits) + self.second_micro_bytes(limits),
+            activations: self.activation_bytes(limits)
+                + self.second_micro_bytes(limits)
+                + super::sample::scratch_bytes(limits.max_num_seqs, self.w.lm_head.out_features()),
             graphs: self.graph_budget(limits),
             // kv-transfer's device buffers for one lane (gathering scattered layers on a prefill worker,
             // landing them on a decode worker).

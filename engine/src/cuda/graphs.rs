@@ -184,6 +184,19 @@ impl Graphs {
         DecodeGraphs { on: self.enabled, ..self.stats }
     }
 
+    /// Whether the graph of `key` is captured (not missing, not a failed shape's entry).
+    pub fn is_captured(&self, key: &GraphKey) -> bool {
+        self.held.get(key).is_some_and(|h| h.graph.is_some())
+    }
+
+    /// Drops a failed capture's entry for `key` (the shape is tried again on its next step); a captured graph
+    /// stays.
+    pub fn forget(&mut self, key: &GraphKey) {
+        if self.held.get(key).is_some_and(|h| h.graph.is_none()) {
+            self.held.remove(key);
+        }
+    }
+
     /// Counts a pass that runs eagerly because it is not eligible.
     pub fn count_eager(&mut self) {
         self.stats.eager += 1;

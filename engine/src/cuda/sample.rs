@@ -29,7 +29,7 @@ use super::{CudaError, Gpu};
 use crate::sampling::{History, PURPOSE_TOKEN, Sampled, SamplingParams};
 
 /// Threads of the one CTA per row; must match `SAMPLE_THREADS` in the kernel.
-const THREADS: u32 = 1024;
+pub const THREADS: u32 = 1024;
 /// The most top logprobs a call returns (`SAMPLE_MAX_TOP`: one per thread in the kernel's final sort).
 pub const MAX_TOP_LOGPROBS: u32 = 1024;
 /// `out` words: the kernel's `OUT_*` header, then (id, logprob bits) pairs.
@@ -125,6 +125,7 @@ pub fn sample_row(
 }
 
 /// One row of [`sample_rows`]: a logits row on the device (`n` f32 at `row`) and its request.
+#[derive(Clone, Copy)]
 pub struct RowRequest<'a> {
     pub row: u64,
     pub n: usize,
@@ -147,6 +148,7 @@ pub fn warn_fallback(o: Outcome) -> Sampled {
 }
 
 /// One slot of a [`Staged`] launch: a row to sample, possibly after a token an earlier launch samples.
+#[derive(Clone, Copy)]
 pub struct SlotRow<'a> {
     pub req: RowRequest<'a>,
     /// Device address of a `u32` an earlier launch writes (its `token_out`): that token joins `history` as one
@@ -188,10 +190,25 @@ struct Scratch {
 /// Bytes of one `SampleRowArgs` record.
 pub const RECORD_BYTES: usize = 144;
 
-/// Checks and stages `slots` (see [`Staged`]); `None` entries are padding. Edits and biases are uploaded,
-/// scratch allocated (z for every row, three more rows of scratch for rows that are not greedy), all on the
-/// GPU's stream.
-pub fn stage(gpu: &Gpu, slots: &[Option<SlotRow<'_>>], eos: &[u32]) -> Result<Staged, CudaError> {
+/// Scratch bytes one launch of `rows` rows of `vocab` values may take ([`stage`]: z for every row, three
+/// more buffers for rows that are not greedy): the memory budget's share of sampling.
+pub fn scratch_bytes(rows: usize, vocab: usize) -> u64 {
+    16 * rows as u64 * vocab as u64
+}
+
+/// Checks and stages `slots` (see [`Staged`]); `None` entries are padding. The slots are launches of
+/// `per_launch` records each, issued in order on the GPU's stream ([`launch_records`]), so the launches share
+/// one launch's scratch (z for every row, three more buffers for rows that are not greedy, uninitialized:
+/// the kernel writes before it reads); edits, biases and results are per row. Everything on the GPU's stream.
+pub fn stage(
+    gpu: &Gpu,
+    slots: &[Option<SlotRow<'_>>],
+    per_launch: usize,
+    eos: &[u32],
+) -> Result<Staged, CudaError> {
+    shape(per_launch > 0 && slots.len().is_multiple_of(per_launch), || {
+        format!("{} records in launches of {per_launch}", slots.len())
+    })?;
     let rows: Vec<&SlotRow<'_>> = slots.iter().flatten().collect();
     let mut top_ns = Vec::with_capacity(rows.len());
     for r in &rows {
@@ -218,12 +235,19 @@ pub fn stage(gpu: &Gpu, slots: &[Option<SlotRow<'_>>], eos: &[u32]) -> Result<St
     let st = gpu.stream();
     let dwords = st.clone_htod(if words.is_empty() { &[0u32][..] } else { &words })?;
     let dbias = st.clone_htod(if bias.is_empty() { &[0f32][..] } else { &bias })?;
-    let z_len: usize = rows.iter().map(|r| r.req.n).sum::<usize>().max(1);
-    let s_len: usize = rows.iter().filter(|r| !r.req.params.is_greedy()).map(|r| r.req.n).sum::<usize>().max(1);
-    let z = st.alloc_zeros::<f32>(z_len)?;
-    let prob = st.alloc_zeros::<f32>(s_len)?;
-    let sort_a = st.alloc_zeros::<u32>(s_len)?;
-    let sort_b = st.alloc_zeros::<u32>(s_len)?;
+    // The largest launch's scratch: z for every row, the rest for rows that are not greedy.
+    let (mut z_len, mut s_len) = (1usize, 1usize);
+    for launch in slots.chunks(per_launch) {
+        let rows = launch.iter().flatten();
+        z_len = z_len.max(rows.clone().map(|r| r.req.n).sum());
+        s_len = s_len.max(rows.filter(|r| !r.req.params.is_greedy()).map(|r| r.req.n).sum());
+    }
+    // SAFETY (the four allocations): device memory the kernel writes before it reads (z from the row, prob
+    // for every value, the sort buffers before each pass reads them); nothing reads it from the host.
+    let z = unsafe { st.alloc::<f32>(z_len) }?;
+    let prob = unsafe { st.alloc::<f32>(s_len) }?;
+    let sort_a = unsafe { st.alloc::<u32>(s_len) }?;
+    let sort_b = unsafe { st.alloc::<u32>(s_len) }?;
     // Each result: the kernel's header, then the (id, logprob bits) pairs its row asked for.
     let out_words = OUT_HEADER + 2 * top_ns.iter().copied().max().unwrap_or(0).max(0) as usize;
     let out = st.alloc_zeros::<u32>((out_words * rows.len()).max(1))?;
@@ -234,7 +258,11 @@ pub fn stage(gpu: &Gpu, slots: &[Option<SlotRow<'_>>], eos: &[u32]) -> Result<St
     let mut records = Vec::with_capacity(slots.len() * RECORD_BYTES);
     let mut index = Vec::with_capacity(slots.len());
     let (mut z_at, mut s_at, mut i) = (0usize, 0usize, 0usize);
-    for slot in slots {
+    for (k, slot) in slots.iter().enumerate() {
+        if k % per_launch == 0 {
+            // A new launch: after the previous one in stream order, so it reuses the scratch.
+            (z_at, s_at) = (0, 0);
+        }
         let Some(r) = slot else {
             records.resize(records.len() + RECORD_BYTES, 0);
             index.push(None);
@@ -351,8 +379,8 @@ fn launch_rows(gpu: &Gpu, rows: &[RowRequest<'_>], eos: &[u32]) -> Result<Vec<Ou
         })
         .collect();
     let st = gpu.stream();
+    let staged = stage(gpu, &slots, slots.len(), eos)?;
     gpu.busy().begin(st);
-    let staged = stage(gpu, &slots, eos)?;
     let dargs = st.clone_htod(&staged.records)?;
     // SAFETY of the launch (inside launch_records' one unsafe): each record is SampleRowArgs: its row holds n
     // values, its edits and biases are its own slices of the uploaded buffers (tokens below n, bias ends
@@ -762,7 +790,8 @@ mod tests {
 
     /// A row sampled after a token an earlier launch wrote on the device (`prev`) is the CPU's sample with
     /// that token pushed onto the history: penalties on a token seen before and on a new one, min_tokens
-    /// ending at that token, every filter; padding records write nothing.
+    /// ending at that token, every filter; a second launch over the same scratch gives the same results; a
+    /// rejected draft's record and a record of no row write nothing.
     #[test]
     fn a_row_after_a_device_token_is_the_cpus_sample_with_that_token_in_the_history() {
         let Some(gpu) = Gpu::for_test() else { return };
@@ -807,14 +836,25 @@ mod tests {
                 slots.push(Some(SlotRow { req, prev: pp, expect: None, token_out: tp + 4 * (i as u64 + 1) }));
             }
             slots.push(None);
-            let staged = stage(&gpu, &slots, EOS).unwrap();
+            // Two launches sharing one launch's scratch: the rows, then the same rows again.
+            let both: Vec<Option<SlotRow<'_>>> = slots.iter().chain(&slots).copied().collect();
+            let staged = stage(&gpu, &both, slots.len(), EOS).unwrap();
             let records = st.clone_htod(&staged.records).unwrap();
-            launch_records(&gpu, records.device_ptr(st).0, slots.len()).unwrap();
-            let got = staged.read(&gpu).unwrap();
+            let at = records.device_ptr(st).0;
+            launch_records(&gpu, at, slots.len()).unwrap();
+            launch_records(&gpu, at + (slots.len() * RECORD_BYTES) as u64, slots.len()).unwrap();
+            let all = staged.read(&gpu).unwrap();
             let tokens = st.clone_dtoh(&dtok).unwrap();
-            assert_eq!(got.len(), params.len());
+            assert_eq!(all.len(), 2 * params.len());
             assert_eq!((staged.result_of(0), staged.result_of(1)), (None, Some(0)));
-            assert_eq!(tokens[0], 0, "a padding record wrote");
+            let (got, again) = all.split_at(params.len());
+            for (a, b) in got.iter().zip(again) {
+                assert_eq!(
+                    (a.sampled.token, a.sampled.logprob.to_bits()),
+                    (b.sampled.token, b.sampled.logprob.to_bits()),
+                    "the second launch (the same scratch) differs, test seed {seed}"
+                );
+            }
             let pushed: Vec<u32> = output.iter().copied().chain([t]).collect();
             for (i, p) in params.iter().enumerate() {
                 let want = sample(&host, p, History { prompt: &prompt, output: &pushed }, EOS);
@@ -830,9 +870,10 @@ mod tests {
                 );
             }
         }
-        // With an expected token: sampled where the earlier token is it, nothing written where it is not.
+        // With an expected token: sampled where the earlier token is it, nothing written where it is not; a
+        // record of no row (n = 0, a graph's padding) writes nothing either, whatever its pointers.
         let dprev = st.clone_htod(&[9u32]).unwrap();
-        let dtok = st.clone_htod(&[77u32, 77]).unwrap();
+        let dtok = st.clone_htod(&[77u32, 77, 77]).unwrap();
         let (pp, tp) = (dprev.device_ptr(st).0, dtok.device_ptr(st).0);
         let p = SamplingParams::greedy(10);
         let req =
@@ -840,15 +881,20 @@ mod tests {
         let slots = [
             Some(SlotRow { req: req(), prev: pp, expect: Some(9), token_out: tp }),
             Some(SlotRow { req: req(), prev: pp, expect: Some(10), token_out: tp + 4 }),
+            Some(SlotRow { req: req(), prev: 0, expect: None, token_out: tp + 8 }),
         ];
-        let staged = stage(&gpu, &slots, EOS).unwrap();
-        let records = st.clone_htod(&staged.records).unwrap();
-        launch_records(&gpu, records.device_ptr(st).0, 2).unwrap();
+        let staged = stage(&gpu, &slots, 3, EOS).unwrap();
+        let mut bytes = staged.records.clone();
+        // The third record's n (after eleven 8-byte words) set to 0.
+        bytes[2 * RECORD_BYTES + 88..2 * RECORD_BYTES + 92].copy_from_slice(&0u32.to_le_bytes());
+        let records = st.clone_htod(&bytes).unwrap();
+        launch_records(&gpu, records.device_ptr(st).0, 3).unwrap();
         let got = staged.read(&gpu).unwrap();
         let tokens = st.clone_dtoh(&dtok).unwrap();
         let want = sample(&host, &p, History { prompt: &[], output: &[9] }, EOS).token;
         assert_eq!((got[0].sampled.token, tokens[0]), (want, want), "the expected token: sampled");
         assert_eq!(tokens[1], 77, "another token: nothing written");
+        assert_eq!(tokens[2], 77, "a record of no row wrote");
     }
 
     /// Several rows' drafts in one launch (rows in any order of one buffer, one repeated) are each row's
