@@ -642,7 +642,8 @@ fn decode_steps_captured_before_serving_replay_and_capture_nothing_more() {
         return;
     };
     let (whole, parts) = (side(w.clone()), side(p.clone()));
-    let limits = engine::memory::ServingLimits { max_num_batched_tokens: 64, max_num_seqs: 4, decode_graphs: Some(700) };
+    let limits =
+        engine::memory::ServingLimits { max_num_batched_tokens: 64, max_num_seqs: 4, decode_graphs: Some(700) };
     let st = w.prepare_decode(&whole.cache, &limits, 700).unwrap().expect("graphs are on");
     eprintln!("prepared: {st:?}");
     assert_eq!((st.captures, st.held), (20, 20), "{st:?}");

@@ -200,12 +200,7 @@ pub fn scratch_bytes(rows: usize, vocab: usize) -> u64 {
 /// `per_launch` records each, issued in order on the GPU's stream ([`launch_records`]), so the launches share
 /// one launch's scratch (z for every row, three more buffers for rows that are not greedy, uninitialized:
 /// the kernel writes before it reads); edits, biases and results are per row. Everything on the GPU's stream.
-pub fn stage(
-    gpu: &Gpu,
-    slots: &[Option<SlotRow<'_>>],
-    per_launch: usize,
-    eos: &[u32],
-) -> Result<Staged, CudaError> {
+pub fn stage(gpu: &Gpu, slots: &[Option<SlotRow<'_>>], per_launch: usize, eos: &[u32]) -> Result<Staged, CudaError> {
     shape(per_launch > 0 && slots.len().is_multiple_of(per_launch), || {
         format!("{} records in launches of {per_launch}", slots.len())
     })?;
