@@ -666,6 +666,73 @@ fn decode_steps_captured_before_serving_replay_and_capture_nothing_more() {
     assert!(after.replays >= 40, "{after:?}");
 }
 
+/// Calls whose rows are all at most index_topk long select every position without the indexer's queries
+/// and scores: the same bits as with the scores computed (and then not needed), in prefill and decode, both
+/// precisions, graphs on (the tiny model's one-block graphs score 64 columns, so there only the prefill
+/// takes the shortcut) and off.
+#[test]
+fn rows_within_index_topk_select_everything_without_scores_and_give_the_same_bits() {
+    let cache = std::env::temp_dir().join("tandem-test-kernels");
+    for prec in [Precision::Fp8, Precision::Full] {
+        for graphs in [false, true] {
+            let load = |on: bool| match CudaBackend::load(checkpoint(), prec, 0, &cache) {
+                Ok(b) => Some(Arc::new(b.with_graphs(graphs).with_select_all(on))),
+                Err(e) if !engine::cuda::gpu_required() && e.to_string().contains("no usable GPU") => {
+                    eprintln!("skipped: {e}; TANDEM_REQUIRE_GPU=1 makes this a failure");
+                    None
+                }
+                Err(e) => panic!("the CUDA backend did not load: {e}"),
+            };
+            let (Some(on), Some(off)) = (load(true), load(false)) else { return };
+            let (a, b) = (side(on.clone()), side(off.clone()));
+            let topk = on.config().index_topk;
+            // Prompts shorter than index_topk whose generations pass it, and a batch of one short and one long
+            // prompt (its score stride is the long one's: no shortcut).
+            let short = prompt(topk / 2, 47);
+            for params in step_params(topk as u32) {
+                let run = |s: &Served| {
+                    let t = s.pool.reserve("g", short.len() + topk + 4).unwrap();
+                    let g =
+                        generate::generate(s.b.as_ref(), &s.cache, short.clone(), params.clone(), t.blocks, 8, true)
+                            .unwrap();
+                    s.pool.release("g").unwrap();
+                    g
+                };
+                let (x, y) = (run(&a), run(&b));
+                assert_eq!(x.tokens, y.tokens, "{prec:?} graphs {graphs}: tokens and logprobs");
+                assert_eq!(x.drafts, y.drafts, "{prec:?} graphs {graphs}: drafts");
+            }
+            let long = prompt(3 * topk, 48);
+            let mixed = |s: &Served| {
+                let ta = s.pool.reserve("a", short.len()).unwrap();
+                let tb = s.pool.reserve("b", long.len()).unwrap();
+                let out =
+                    s.b.prefill(
+                        &s.cache,
+                        &[
+                            SeqInput { tokens: &short, start: 0, blocks: &ta.blocks, logits: Logits::All },
+                            SeqInput { tokens: &long, start: 0, blocks: &tb.blocks, logits: Logits::Last },
+                        ],
+                        &mut |_, _| {},
+                    )
+                    .unwrap();
+                let l = (s.b.rows_to_host(&out[0].logits).unwrap(), s.b.rows_to_host(&out[1].logits).unwrap());
+                s.pool.release("a").unwrap();
+                s.pool.release("b").unwrap();
+                l
+            };
+            let (mx, my) = (mixed(&a), mixed(&b));
+            assert!(mx == my, "{prec:?} graphs {graphs}: a mixed batch's logits differ");
+            // The short prompt alone against the same rows of the mixed batch: the shortcut's selections are the
+            // scored ones.
+            let alone = a.prefill_all("alone", &short);
+            assert!(alone == mx.0, "{prec:?} graphs {graphs}: the short prompt alone differs from its rows in a batch");
+            assert!(on.select_all_launches() > 0, "{prec:?} graphs {graphs}: the shortcut never ran");
+            assert_eq!(off.select_all_launches(), 0, "{prec:?} graphs {graphs}: the shortcut ran while off");
+        }
+    }
+}
+
 #[test]
 fn copied_blocks_decode_as_the_originals() {
     // engine-bench's --shared-context: a request's caches copied into other blocks decode to the same bits.

@@ -108,6 +108,10 @@ pub struct CudaBackend {
     topk_form: Option<topk::Form>,
     /// Top-k launches (one a chunk of rows) in the single and the split form, for tests.
     topk_launches: [std::sync::atomic::AtomicU64; 2],
+    /// Calls' layers where every row selected all of its positions without the indexer's scores (for tests),
+    /// and whether that shortcut is taken (`TANDEM_SELECT_ALL=0` turns it off).
+    select_all_launches: std::sync::atomic::AtomicU64,
+    select_all: std::sync::atomic::AtomicBool,
     /// This rank's expert-parallel group (engine::cuda::ep), if any.
     ep: Option<EpGroup>,
     /// The running call's agreed expert-parallel capacity (rows).
@@ -338,6 +342,8 @@ impl CudaBackend {
             score_bytes: SCORE_BYTES,
             topk_form: None,
             topk_launches: Default::default(),
+            select_all_launches: Default::default(),
+            select_all: std::env::var("TANDEM_SELECT_ALL").map_or(true, |v| v != "0").into(),
             ep,
             ep_cap: Default::default(),
             ep_step: Default::default(),
@@ -397,6 +403,19 @@ impl CudaBackend {
     pub fn with_topk_form(mut self, form: topk::Form) -> Self {
         self.topk_form = Some(form);
         self
+    }
+
+    /// Takes the shortcut for calls whose rows are all at most index_topk long (every position selected: no
+    /// indexer queries or scores) or not (tests and A/B measurements; the same bits either way).
+    pub fn with_select_all(self, on: bool) -> Self {
+        self.select_all.store(on, std::sync::atomic::Ordering::Relaxed);
+        self
+    }
+
+    /// Chunks of rows (one a layer and chunk) that selected all of their positions without scores so far. A
+    /// captured pass counts when captured; its replays add none.
+    pub fn select_all_launches(&self) -> u64 {
+        self.select_all_launches.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Top-k launches issued so far (one a chunk of rows): (single form, split form). A decode pass captured
@@ -1006,21 +1025,33 @@ impl CudaBackend {
             ],
         )?;
 
+        // Where no row of the call is longer than index_topk (the score stride bounds every row's length), every
+        // row selects all of its positions (§2.3): the indexer's keys are still made and cached for later
+        // calls, but its queries, head weights and scores are not needed, and the top-k emits each row's
+        // positions without reading a score. The same selections, so the same bits.
+        let select_all = self.select_all.load(std::sync::atomic::Ordering::Relaxed) && inp.score_stride <= c.index_topk;
         // The indexer's queries and keys.
         let iq = ws.take::<f32>(&s, rows * ih * 128)?;
-        self.linear(ws, &ix.wq_b, qr, rows, qrq.as_ref(), iq)?;
+        if !select_all {
+            self.linear(ws, &ix.wq_b, qr, rows, qrq.as_ref(), iq)?;
+        }
         let keys = ws.take::<f32>(&s, rows * 128)?;
         self.linear(ws, &ix.wk, x, rows, xq.as_ref(), keys)?;
         let wts = ws.take::<f32>(&s, rows * ih)?;
-        ix.weights_proj.forward(g, ws, x, rows, 1, 0, wts)?;
+        if !select_all {
+            ix.weights_proj.forward(g, ws, x, rows, 1, 0, wts)?;
+        }
         let q_codes = if fp8 { ws.take::<u8>(&s, rows * ih_pad * 128)? } else { 0 };
         let q_f32 = if fp8 { 0 } else { ws.take::<f32>(&s, rows * ih * 128)? };
         let w_heads = ws.take::<f32>(&s, rows * ih_pad)?;
         let head_scale = (ih as f32).powf(-0.5) * c.index_softmax_scale();
+        // Keys only where every position is selected: no query head is read (the first CTA of a row zeroes its
+        // group's, the rest are not launched).
+        let (post_heads, post_groups) = if select_all { (0, 1) } else { (ih, ih_pad.div_ceil(INDEXER_POST_HEADS)) };
         launch(
             g,
             "tandem_indexer_post",
-            (rows as u32, ih_pad.div_ceil(INDEXER_POST_HEADS) as u32, 1),
+            (rows as u32, post_groups as u32, 1),
             128,
             0,
             &[
@@ -1034,7 +1065,7 @@ impl CudaBackend {
                 Arg::D(self.attn_factor),
                 Arg::F(head_scale),
                 Arg::F(crate::cpu::indexer::K_NORM_EPS),
-                Arg::I(ih as i32),
+                Arg::I(post_heads as i32),
                 Arg::I(ih_pad as i32),
                 Arg::I(rd as i32),
                 Arg::I(fp8 as i32),
@@ -1122,7 +1153,9 @@ impl CudaBackend {
             let n = r1 - r0;
             let tables = inp.tables + (r0 * inp.table_width * 4) as u64;
             let lengths = inp.lengths + (r0 * 4) as u64;
-            if fp8 {
+            if select_all {
+                self.select_all_launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            } else if fp8 {
                 // The chunk's scorer groups, uploaded with the call's inputs by the same plan.
                 let (groups, ngroups, max_q) = inp.score_groups[r0 / chunk_rows];
                 if with_hist {
