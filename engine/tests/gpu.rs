@@ -252,23 +252,7 @@ fn prefill_scored_in_many_small_chunks_is_bitwise_the_one_chunk_prefill() {
         let cache = std::env::temp_dir().join("tandem-test-kernels");
         let small = Arc::new(CudaBackend::load(checkpoint(), prec, 0, &cache).unwrap().with_score_chunk_bytes(600));
         let (a, b) = (prompt(130, 11), prompt(37, 12));
-        let run = |s: &Served| {
-            let (ta, tb) = (s.pool.reserve("a", a.len()).unwrap(), s.pool.reserve("b", b.len()).unwrap());
-            let out =
-                s.b.prefill(
-                    &s.cache,
-                    &[
-                        SeqInput { tokens: &a, start: 0, blocks: &ta.blocks, logits: Logits::All },
-                        SeqInput { tokens: &b, start: 0, blocks: &tb.blocks, logits: Logits::All },
-                    ],
-                    &mut |_, _| {},
-                )
-                .unwrap();
-            let l = (s.b.rows_to_host(&out[0].logits).unwrap(), s.b.rows_to_host(&out[1].logits).unwrap());
-            s.pool.release("a").unwrap();
-            s.pool.release("b").unwrap();
-            l
-        };
+        let run = |s: &Served| prefill_two(s, &a, &b, Logits::All);
         let whole = run(&side(g));
         let chunked = run(&side(small));
         assert!(whole == chunked, "{prec:?}: scoring in small chunks changed the logits");
@@ -391,27 +375,11 @@ fn decode_passes_replayed_as_cuda_graphs_give_the_eager_bits() {
         // blocks to 5 as it passes position 256, so its replays see a new block and a wider shape.
         let prompts = [prompt(250, 21), prompt(40, 22), prompt(9, 23)];
         let extra = prompt(64, 24);
-        let mut fed = [0usize; 3];
-        for (i, p) in prompts.iter().enumerate() {
-            for s in [&eager, &graphed] {
-                let t = s.pool.reserve(&format!("r{i}"), p.len() + 48).unwrap();
-                s.b.prefill(
-                    &s.cache,
-                    &[SeqInput { tokens: p, start: 0, blocks: &t.blocks, logits: Logits::Last }],
-                    &mut |_, _| {},
-                )
-                .unwrap();
-            }
-            fed[i] = p.len();
-        }
+        let mut fed = prefill_requests([&eager, &graphed], &prompts);
         // Decode steps whose batches change: who is in them, their order, and one or two rows a request (the
         // token, and the MTP draft), so shapes repeat (replays) and change (captures).
         for step in 0..14 {
-            let who: &[usize] = match step {
-                0..4 => &[0, 1],
-                4..9 => &[0, 1, 2],
-                _ => &[2, 0],
-            };
+            let who = requests_of_step(step);
             let n: Vec<usize> = who.iter().map(|&i| 1 + (step + i) % 2).collect();
             let run = |s: &Served| {
                 let tables: Vec<_> = who.iter().map(|&i| s.pool.table(&format!("r{i}")).unwrap()).collect();
@@ -463,6 +431,61 @@ fn decode_passes_replayed_as_cuda_graphs_give_the_eager_bits() {
     }
 }
 
+/// Generates for `toks` in blocks reserved (and released) as "g", prefilled in chunks of `chunk`.
+fn generate_on(
+    s: &Served,
+    toks: &[u32],
+    params: &SamplingParams,
+    chunk: usize,
+    speculate: bool,
+) -> generate::Generation {
+    let t = s.pool.reserve("g", toks.len() + params.max_tokens as usize + 4).unwrap();
+    let g =
+        generate::generate(s.b.as_ref(), &s.cache, toks.to_vec(), params.clone(), t.blocks, chunk, speculate).unwrap();
+    s.pool.release("g").unwrap();
+    g
+}
+
+/// Prefills `a` (every position's logits) and `b` (`b_logits`) in one call; their logits, blocks released.
+fn prefill_two(s: &Served, a: &[u32], b: &[u32], b_logits: Logits) -> (Vec<f32>, Vec<f32>) {
+    let (ta, tb) = (s.pool.reserve("a", a.len()).unwrap(), s.pool.reserve("b", b.len()).unwrap());
+    let batch = [
+        SeqInput { tokens: a, start: 0, blocks: &ta.blocks, logits: Logits::All },
+        SeqInput { tokens: b, start: 0, blocks: &tb.blocks, logits: b_logits },
+    ];
+    let out = s.b.prefill(&s.cache, &batch, &mut |_, _| {}).unwrap();
+    let l = (s.b.rows_to_host(&out[0].logits).unwrap(), s.b.rows_to_host(&out[1].logits).unwrap());
+    s.pool.release("a").unwrap();
+    s.pool.release("b").unwrap();
+    l
+}
+
+/// Prefills request `r{i}` with `prompts[i]` on each side (blocks for 48 more positions); the positions fed.
+fn prefill_requests(sides: [&Served; 2], prompts: &[Vec<u32>; 3]) -> [usize; 3] {
+    for (i, p) in prompts.iter().enumerate() {
+        for s in sides {
+            let t = s.pool.reserve(&format!("r{i}"), p.len() + 48).unwrap();
+            s.b.prefill(
+                &s.cache,
+                &[SeqInput { tokens: p, start: 0, blocks: &t.blocks, logits: Logits::Last }],
+                &mut |_, _| {},
+            )
+            .unwrap();
+        }
+    }
+    prompts.each_ref().map(Vec::len)
+}
+
+/// The requests of decode step `step` in the graph tests: who is in the batch changes, and its order, so
+/// shapes repeat (replays) and change (captures).
+fn requests_of_step(step: usize) -> &'static [usize] {
+    match step {
+        0..4 => &[0, 1],
+        4..9 => &[0, 1, 2],
+        _ => &[2, 0],
+    }
+}
+
 /// The CUDA backend with whole decode steps on or off and decode graphs on or off.
 fn gpu_backend_steps(prec: Precision, whole: bool, graphs: bool) -> Option<Arc<CudaBackend>> {
     gpu_backend_graphs(prec, graphs).inspect(|b| b.set_whole_steps(whole))
@@ -507,27 +530,11 @@ fn a_whole_decode_step_gives_what_the_separate_calls_give() {
             let prompts = [prompt(250, 41), prompt(40, 42), prompt(9, 43)];
             let extra = prompt(64, 44);
             let params = step_params(100);
-            let mut fed = [0usize; 3];
+            let mut fed = prefill_requests([&whole, &parts], &prompts);
             let mut outputs: [Vec<u32>; 3] = Default::default();
             let mut accepted_seen = 0;
-            for (i, pr) in prompts.iter().enumerate() {
-                for s in [&whole, &parts] {
-                    let t = s.pool.reserve(&format!("r{i}"), pr.len() + 48).unwrap();
-                    s.b.prefill(
-                        &s.cache,
-                        &[SeqInput { tokens: pr, start: 0, blocks: &t.blocks, logits: Logits::Last }],
-                        &mut |_, _| {},
-                    )
-                    .unwrap();
-                }
-                fed[i] = pr.len();
-            }
             for step in 0..12 {
-                let who: &[usize] = match step {
-                    0..4 => &[0, 1],
-                    4..8 => &[0, 1, 2],
-                    _ => &[2, 0],
-                };
+                let who = requests_of_step(step);
                 let n: Vec<usize> = who.iter().map(|&i| 1 + (step + i) % 2).collect();
                 // Drafts: every other one the token row 0 samples (accepted: row 1 sampled after it), learned by a
                 // probe step on the reference side (a step at the same positions again rewrites what it wrote).
@@ -611,14 +618,7 @@ fn generation_by_whole_steps_equals_generation_by_separate_calls() {
     let toks = prompt(90, 45);
     for (k, params) in step_params(30).into_iter().enumerate() {
         for speculate in [true, false] {
-            let run = |s: &Served| {
-                let t = s.pool.reserve("g", toks.len() + 34).unwrap();
-                let g =
-                    generate::generate(s.b.as_ref(), &s.cache, toks.clone(), params.clone(), t.blocks, 40, speculate)
-                        .unwrap();
-                s.pool.release("g").unwrap();
-                g
-            };
+            let run = |s: &Served| generate_on(s, &toks, &params, 40, speculate);
             let (a, b) = (run(&whole), run(&parts));
             let what = format!("params {k}, speculate {speculate}");
             assert_eq!(a.tokens, b.tokens, "{what}: tokens and logprobs");
@@ -650,13 +650,7 @@ fn decode_steps_captured_before_serving_replay_and_capture_nothing_more() {
     assert!(p.prepare_decode(&parts.cache, &limits, 700).unwrap().is_none(), "graphs off: nothing to prepare");
     let toks = prompt(120, 46);
     for (k, params) in step_params(24).into_iter().enumerate() {
-        let run = |s: &Served| {
-            let t = s.pool.reserve("g", toks.len() + 28).unwrap();
-            let g =
-                generate::generate(s.b.as_ref(), &s.cache, toks.clone(), params.clone(), t.blocks, 64, true).unwrap();
-            s.pool.release("g").unwrap();
-            g
-        };
+        let run = |s: &Served| generate_on(s, &toks, &params, 64, true);
         let (a, b) = (run(&whole), run(&parts));
         assert_eq!(a.tokens, b.tokens, "params {k}");
         assert_eq!(a.drafts, b.drafts, "params {k}");
@@ -690,38 +684,13 @@ fn rows_within_index_topk_select_everything_without_scores_and_give_the_same_bit
             // prompt (its score stride is the long one's: no shortcut).
             let short = prompt(topk / 2, 47);
             for params in step_params(topk as u32) {
-                let run = |s: &Served| {
-                    let t = s.pool.reserve("g", short.len() + topk + 4).unwrap();
-                    let g =
-                        generate::generate(s.b.as_ref(), &s.cache, short.clone(), params.clone(), t.blocks, 8, true)
-                            .unwrap();
-                    s.pool.release("g").unwrap();
-                    g
-                };
+                let run = |s: &Served| generate_on(s, &short, &params, 8, true);
                 let (x, y) = (run(&a), run(&b));
                 assert_eq!(x.tokens, y.tokens, "{prec:?} graphs {graphs}: tokens and logprobs");
                 assert_eq!(x.drafts, y.drafts, "{prec:?} graphs {graphs}: drafts");
             }
             let long = prompt(3 * topk, 48);
-            let mixed = |s: &Served| {
-                let ta = s.pool.reserve("a", short.len()).unwrap();
-                let tb = s.pool.reserve("b", long.len()).unwrap();
-                let out =
-                    s.b.prefill(
-                        &s.cache,
-                        &[
-                            SeqInput { tokens: &short, start: 0, blocks: &ta.blocks, logits: Logits::All },
-                            SeqInput { tokens: &long, start: 0, blocks: &tb.blocks, logits: Logits::Last },
-                        ],
-                        &mut |_, _| {},
-                    )
-                    .unwrap();
-                let l = (s.b.rows_to_host(&out[0].logits).unwrap(), s.b.rows_to_host(&out[1].logits).unwrap());
-                s.pool.release("a").unwrap();
-                s.pool.release("b").unwrap();
-                l
-            };
-            let (mx, my) = (mixed(&a), mixed(&b));
+            let (mx, my) = (prefill_two(&a, &short, &long, Logits::Last), prefill_two(&b, &short, &long, Logits::Last));
             assert!(mx == my, "{prec:?} graphs {graphs}: a mixed batch's logits differ");
             // The short prompt alone against the same rows of the mixed batch: the shortcut's selections are the
             // scored ones.

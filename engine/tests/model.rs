@@ -239,17 +239,7 @@ fn speculative_greedy_output_equals_plain_greedy_output() {
         // Forced accept: drafts injected from the target's own greedy tokens; forced reject: wrong drafts.
         let target = ids(&plain);
         for force_accept in [true, false] {
-            let t = e.pool.reserve("forced", toks.len() + 30).unwrap();
-            let mut s = SeqState::new(toks.clone(), params.clone(), t.blocks, 0);
-            let mut out = generate::prefill(e.b.as_ref(), &e.cache, &mut [&mut s], &[4096], &mut |_, _| {})
-                .unwrap()
-                .remove(0)
-                .tokens;
-            while s.finished.is_none() {
-                let next = target.get(s.generated().len()).copied().unwrap_or(0);
-                s.draft = Some(if force_accept { next } else { (next + 1) % VOCAB as u32 });
-                out.extend(generate::decode_step(e.b.as_ref(), &e.cache, &mut [&mut s]).unwrap().remove(0).tokens);
-            }
+            let (out, s) = forced(&e, &toks, &params, &target, force_accept);
             let got: Vec<u32> = out.iter().map(|t| t.token).collect();
             assert_eq!(got, target, "forced {}", if force_accept { "accept" } else { "reject" });
             if force_accept {
@@ -258,9 +248,30 @@ fn speculative_greedy_output_equals_plain_greedy_output() {
             } else {
                 assert_eq!(s.drafts_accepted, 0);
             }
-            e.pool.release("forced").unwrap();
         }
     }
+}
+
+/// Generates `params.max_tokens` tokens after `toks` with every draft forced: the next token of `target`
+/// (accepted) or another one (rejected). The tokens emitted and the final state.
+fn forced(
+    e: &Served,
+    toks: &[u32],
+    params: &SamplingParams,
+    target: &[u32],
+    force_accept: bool,
+) -> (Vec<engine::sampling::Sampled>, SeqState) {
+    let t = e.pool.reserve("forced", toks.len() + params.max_tokens as usize + 6).unwrap();
+    let mut s = SeqState::new(toks.to_vec(), params.clone(), t.blocks, 0);
+    let mut out =
+        generate::prefill(e.b.as_ref(), &e.cache, &mut [&mut s], &[4096], &mut |_, _| {}).unwrap().remove(0).tokens;
+    while s.finished.is_none() {
+        let next = target.get(s.generated().len()).copied().unwrap_or(0);
+        s.draft = Some(if force_accept { next } else { (next + 1) % VOCAB as u32 });
+        out.extend(generate::decode_step(e.b.as_ref(), &e.cache, &mut [&mut s]).unwrap().remove(0).tokens);
+    }
+    e.pool.release("forced").unwrap();
+    (out, s)
 }
 
 /// A backend whose whole decode steps (`Backend::decode_whole_step`) are the separate calls
@@ -383,22 +394,12 @@ fn decode_steps_over_whole_steps_emit_what_the_separate_calls_emit() {
     for (max_tokens, force_accept) in [(8, true), (9, true), (9, false)] {
         let params = SamplingParams { max_tokens, ignore_eos: true, ..SamplingParams::greedy(max_tokens) };
         let target = ids(&run(&plain, &toks, &params, false, 4096));
-        let mut got = Vec::new();
-        for e in [&plain, &whole] {
-            let t = e.pool.reserve("forced", toks.len() + 14).unwrap();
-            let mut s = SeqState::new(toks.clone(), params.clone(), t.blocks, 0);
-            let mut out = generate::prefill(e.b.as_ref(), &e.cache, &mut [&mut s], &[4096], &mut |_, _| {})
-                .unwrap()
-                .remove(0)
-                .tokens;
-            while s.finished.is_none() {
-                let next = target.get(s.generated().len()).copied().unwrap_or(0);
-                s.draft = Some(if force_accept { next } else { (next + 1) % VOCAB as u32 });
-                out.extend(generate::decode_step(e.b.as_ref(), &e.cache, &mut [&mut s]).unwrap().remove(0).tokens);
-            }
-            e.pool.release("forced").unwrap();
-            got.push((out, s.fed, s.drafts_accepted, s.drafts_proposed));
-        }
+        let got: Vec<_> = [&plain, &whole]
+            .map(|e| {
+                let (out, s) = forced(e, &toks, &params, &target, force_accept);
+                (out, s.fed, s.drafts_accepted, s.drafts_proposed)
+            })
+            .to_vec();
         assert_eq!(
             got[0],
             got[1],
