@@ -552,9 +552,12 @@ __device__ __forceinline__ void tandem_rotate(float* a, float* b, float c, float
     *b = __fadd_rn(__fmul_rn(x, s), __fmul_rn(y, c));
 }
 
-// MLA after its projections, one CTA per row: interleaved RoPE on the last `rd` dims of every query head
-// (in place in q [rows, heads, nope + rd]); the cached latent c = RMSNorm(kv[:rank]) * kv_norm_w and the
-// rotated shared key k_pe = rope(kv[rank:]) from kv_a's output kv [rows, rank + rd].
+// MLA after its projections, grid (rows, ceil(heads / MLA_POST_HEADS)): interleaved RoPE on the last `rd` dims of
+// MLA_POST_HEADS query heads per CTA (in place in q [rows, heads, nope + rd]); the first CTA of a row also makes
+// the cached latent c = RMSNorm(kv[:rank]) * kv_norm_w and the rotated shared key k_pe = rope(kv[rank:]) from
+// kv_a's output kv [rows, rank + rd]. (One CTA per row rotating all 128 heads was 14 us a launch at batch 1: a
+// chain of dependent loads; every value's arithmetic is the same whichever CTA does it.)
+#define MLA_POST_HEADS 16
 extern "C" __global__ void tandem_mla_post(float* __restrict__ q, const float* __restrict__ kv,
                                            const float* __restrict__ kv_norm_w, const int* __restrict__ positions,
                                            const double* __restrict__ inv_freq, double attn_factor,
@@ -565,11 +568,13 @@ extern "C" __global__ void tandem_mla_post(float* __restrict__ q, const float* _
     tandem_cos_sin(positions[r], inv_freq, attn_factor, pairs, cs, sn);
     __syncthreads();
     const int qk = nope + rd;
-    for (int t = threadIdx.x; t < heads * pairs; t += blockDim.x) {
-        const int h = t / pairs, i = t % pairs;
+    const int h0 = blockIdx.y * MLA_POST_HEADS, nh = min(heads - h0, MLA_POST_HEADS);
+    for (int t = threadIdx.x; t < nh * pairs; t += blockDim.x) {
+        const int h = h0 + t / pairs, i = t % pairs;
         float* base = q + ((i64)r * heads + h) * qk + nope;
         tandem_rotate(base + 2 * i, base + 2 * i + 1, cs[i], sn[i]);
     }
+    if (blockIdx.y != 0) return;
     const float* row = kv + (i64)r * (rank + rd);
     float acc = 0.0f;
     for (int i = threadIdx.x; i < rank; i += blockDim.x) acc = __fmaf_rn(row[i], row[i], acc);
@@ -604,7 +609,7 @@ __device__ __forceinline__ void tandem_hadamard128(float* v) {
     __syncthreads();
 }
 
-#define INDEXER_POST_HEADS 8  // query heads per CTA (engine::cuda::backend launches heads_pad / 8 per row)
+#define INDEXER_POST_HEADS 2  // query heads per CTA (engine::cuda::backend launches heads_pad / 2 per row)
 
 // The lightning indexer after its projections (docs/model.md §2.3), CTAs of 128 threads, grid (rows,
 // ceil(heads_pad / INDEXER_POST_HEADS)): the first CTA of a row computes its key = Hadamard(NeoX-rope(

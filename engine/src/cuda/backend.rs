@@ -36,8 +36,12 @@ const INDEX_HEAD_TILE: usize = 8;
 /// Bytes of indexer scores one chunk of rows may hold: the scorer and the top-k run over rows in chunks of
 /// [`score_rows`] so that a long prefill's workspace stays bounded.
 const SCORE_BYTES: usize = 64 << 20;
-/// Query heads per CTA of `tandem_indexer_post` (`INDEXER_POST_HEADS` in model.cu).
-const INDEXER_POST_HEADS: usize = 8;
+/// Query heads per CTA of `tandem_indexer_post` (`INDEXER_POST_HEADS` in model.cu): each head is a chain of
+/// barriers (the Hadamard transform, the amax), so fewer heads a CTA is a shorter launch at small batches.
+const INDEXER_POST_HEADS: usize = 2;
+
+/// Query heads per CTA of `tandem_mla_post` (`MLA_POST_HEADS` in model.cu).
+const MLA_POST_HEADS: usize = 16;
 /// Rows per scoring chunk at a score stride of `stride` positions (at least one scorer group).
 fn score_rows(stride: usize, score_bytes: usize) -> usize {
     (score_bytes / (4 * stride.max(1))).max(indexer::MAX_GROUP)
@@ -1005,7 +1009,7 @@ impl CudaBackend {
         launch(
             g,
             "tandem_mla_post",
-            (rows as u32, 1, 1),
+            (rows as u32, heads.div_ceil(MLA_POST_HEADS) as u32, 1),
             256,
             0,
             &[
@@ -1763,8 +1767,12 @@ impl CudaBackend {
                 graphs.forget(&key);
                 drop(graphs);
                 if attempt == 0 {
-                    self.issue_step(&mut ws, &bufs, g, pool)?;
+                    let grown = self.issue_step(&mut ws, &bufs, g, pool);
                     ws.rewind(mark);
+                    if let Err(e) = grown {
+                        tracing::warn!(?key, error = %e, "a decode step shape could not be prepared; its first step captures it");
+                        break;
+                    }
                 }
             }
         }

@@ -831,8 +831,9 @@ mod tests {
                 slots.push(Some(SlotRow { req, prev: pp, expect: None, token_out: tp + 4 * (i as u64 + 1) }));
             }
             slots.push(None);
-            // Two launches sharing one launch's scratch: the rows, then the same rows again.
-            let both: Vec<Option<SlotRow<'_>>> = slots.iter().chain(&slots).copied().collect();
+            // Two launches sharing one launch's scratch: the rows, then the same rows in reverse order (each at
+            // other scratch offsets, over what the first launch left there).
+            let both: Vec<Option<SlotRow<'_>>> = slots.iter().chain(slots.iter().rev()).copied().collect();
             let staged = stage(&gpu, &both, slots.len(), EOS).unwrap();
             let records = st.clone_htod(&staged.records).unwrap();
             let at = records.device_ptr(st).0;
@@ -843,7 +844,7 @@ mod tests {
             assert_eq!(all.len(), 2 * params.len());
             assert_eq!((staged.result_of(0), staged.result_of(1)), (None, Some(0)));
             let (got, again) = all.split_at(params.len());
-            for (a, b) in got.iter().zip(again) {
+            for (a, b) in got.iter().zip(again.iter().rev()) {
                 assert_eq!(
                     (a.sampled.token, a.sampled.logprob.to_bits()),
                     (b.sampled.token, b.sampled.logprob.to_bits()),
