@@ -45,7 +45,7 @@ class Kernels:
         t_src, t_row, t_batch, t_n = tail or (0, 0, 0, 0)
         vals = [P(x.data_ptr()), L(x_row), L(x_batch), I(1), P(w.data_ptr()), L(w_batch), P(y.data_ptr()), L(y_row),
                 L(y_batch), I(1 if y.dtype == torch.bfloat16 else 0), P(t_src), L(t_row), L(t_batch), I(t_n),
-                I(rows), I(n), I(k)]
+                I(rows), I(n), I(k), P(0)]
         grid = (-(-rows // ROWS), -(-n // N), batch)
         return launcher(self.mma, grid, 256, SHARED, vals, (x, w, y))
 

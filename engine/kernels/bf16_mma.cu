@@ -84,10 +84,14 @@ __device__ __forceinline__ void bmma_split(float a, float b, u32& hi, u32& lo) {
 extern "C" __global__ void __launch_bounds__(BMMA_THREADS, 2) tandem_gemm_bf16_mma(
     const float* __restrict__ x, i64 x_row, i64 x_batch, int a_div, const u16* __restrict__ w, i64 w_batch,
     void* __restrict__ y, i64 y_row, i64 y_batch, int y_bf16, const float* __restrict__ tail, i64 tail_row,
-    i64 tail_batch, int tail_n, int rows, int n, int k) {
+    i64 tail_batch, int tail_n, int rows, int n, int k, const int* __restrict__ rows_dev) {
     extern __shared__ __align__(128) u8 bmma_shared[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const i64 m0 = (i64)blockIdx.x * BMMA_ROWS;
+    // A row count in device memory (a CUDA graph's launch over a variable number of rows, at most `rows`):
+    // the CTAs past it leave at once; a row's result is the same whatever the count (rows are independent).
+    if (rows_dev != nullptr) rows = min(rows, *rows_dev);
+    if (m0 >= rows) return;
     const int n0 = blockIdx.y * BMMA_N, b = blockIdx.z;
     x += b * x_batch;
     w += b * w_batch;

@@ -177,6 +177,23 @@ extern "C" __global__ void tandem_gather_rows(const float* __restrict__ x, const
     for (int i = threadIdx.x; i < width; i += blockDim.x) out[(i64)blockIdx.x * width + i] = src[i];
 }
 
+// The row of each request a whole decode step drafts from (engine::cuda::backend::issue_step): `second[i]`
+// where row `first[i]`'s sampled token is the request's draft `draft[i]` (accepted), else `first[i]`; for
+// i < *count, 0 past it (cap entries).
+extern "C" __global__ void tandem_step_draft_rows(const int* __restrict__ sampled, const int* __restrict__ first,
+                                                  const int* __restrict__ second, const int* __restrict__ draft,
+                                                  const int* __restrict__ count, int cap, int* __restrict__ idx) {
+    const int items = *count;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < cap; i += gridDim.x * blockDim.x) {
+        int r = 0;
+        if (i < items) {
+            r = first[i];
+            if (second[i] >= 0 && sampled[r] == draft[i]) r = second[i];
+        }
+        idx[i] = r;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Linear layers.
 

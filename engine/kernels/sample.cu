@@ -751,13 +751,17 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) tandem_sample_rows(
                        a.sort_a, a.sort_b, a.prev, a.token_out, a.out);
 }
 
-// The MTP drafts (CpuBackend::draft) of several rows, one CTA per row (rows[b] holds n values): argmax of
+// The MTP drafts (CpuBackend::draft) of several rows, one CTA per row (rows[b] holds n values; only the first
+// *count rows where count is not null): argmax of
 // the row (NaN never, equal: lower id; 0 when every value is NaN) and its softmax probability. out[2b]: token,
 // out[2b + 1]: probability bits. A row's result is its CTA's alone.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) tandem_draft_rows(const float* const* __restrict__ rows,
-                                                                               int n, u32* out) {
+                                                                               int n, u32* out,
+                                                                               const int* __restrict__ count) {
     __shared__ SampleSmem sh;
     const int tid = threadIdx.x;
+    // `count` (null: every CTA): the rows in device memory (a CUDA graph's launch); the CTAs past it write nothing.
+    if (count != nullptr && (int)blockIdx.x >= *count) return;
     const float* __restrict__ row = rows[blockIdx.x];
     out += 2 * blockIdx.x;
     const float neg_inf = tandem_neg_inf();

@@ -448,10 +448,10 @@ pub trait Backend: Send + Sync {
     /// [`Backend::draft_rows`] in turn, as `crate::generate::decode_step` does). Each item feeds its pending
     /// token and, optionally, the MTP draft after it (1 or 2 tokens). The backend samples row 0 with the
     /// item's history; where row 0's token is the draft, also row 1, with the history plus that token; and,
-    /// where it has an
-    /// MTP layer, runs it over every fed row (row `i` with the token sampled at row `i`) and drafts from
-    /// each. Each value is the one those separate calls give (the caller accepts or rejects the draft and
-    /// keeps what applies). The MTP caches of a rejected draft's row are overwritten by the next step.
+    /// where it has an MTP layer, runs it over every fed row (row `i` with the token sampled at row `i`) and
+    /// drafts from the row of the last token kept. Each value is the one those separate calls give (the
+    /// caller verifies the draft and keeps what applies). The MTP caches of a rejected draft's row are
+    /// overwritten by the next step.
     fn decode_whole_step(
         &self,
         _cache: &KvCache,
@@ -607,9 +607,10 @@ pub struct StepSamples {
     /// Where `first` is the draft (accepted): the sample at the draft's position, with `first` in the history
     /// (what the step emits after `first`). `None` without a draft or where it was rejected.
     pub second: Option<Sampled>,
-    /// With an MTP layer: the draft (argmax, probability) from each fed row, the MTP layer reading the
-    /// token sampled at that row.
-    pub drafts: Vec<(u32, f32)>,
+    /// With an MTP layer: the next draft (argmax, probability), from the MTP row of the last token the step
+    /// keeps: row 1's where `second` is there (the draft accepted), row 0's otherwise; the MTP layer reads
+    /// the token sampled at that row.
+    pub draft: Option<(u32, f32)>,
 }
 
 /// One request's row to sample ([`Backend::sample_rows`]).

@@ -425,10 +425,7 @@ fn apply_whole_step(
         res.finished = s.finished;
         s.draft = None;
         if backend.has_mtp() && s.finished.is_none() && s.speculate {
-            let &(d, p) = o
-                .drafts
-                .get(fed - 1)
-                .ok_or_else(|| EngineError::Device("a draft per fed row was not returned".into()))?;
+            let (d, p) = o.draft.ok_or_else(|| EngineError::Device("no draft was returned".into()))?;
             s.draft = Some(d);
             s.draft_prob = p;
         }
@@ -440,7 +437,7 @@ fn apply_whole_step(
 /// What [`Backend::decode_whole_step`] promises, computed by the separate calls: the main model over each
 /// item's fed tokens, row 0 sampled with the item's history, row 1 (where row 0's token is the draft) with
 /// that token added to it, the MTP layer over every fed row with the token sampled there (a rejected
-/// draft's row with token 0: its draft is never used), and a draft from each MTP row. The reference a
+/// draft's row with token 0), and the draft from the MTP row of the last token kept. The reference a
 /// backend's whole step is checked against.
 pub fn decode_whole_step_by_parts(
     backend: &dyn Backend,
@@ -483,7 +480,7 @@ pub fn decode_whole_step_by_parts(
     for (&i, t) in twos.iter().zip(backend.sample_rows(&reqs, eos)?) {
         seconds[i] = Some(t);
     }
-    let mut drafts = vec![Vec::new(); batch.len()];
+    let mut drafts = vec![None; batch.len()];
     if backend.has_mtp() {
         let next: Vec<Vec<u32>> = (0..batch.len())
             .map(|i| {
@@ -507,15 +504,17 @@ pub fn decode_whole_step_by_parts(
         let rows: Vec<(&DeviceRows, usize)> =
             mtp_out.iter().zip(&next).flat_map(|(o, n)| (0..n.len()).map(move |r| (&o.logits, r))).collect();
         let mut got = backend.draft_rows(&rows)?.into_iter();
-        for (d, n) in drafts.iter_mut().zip(&next) {
-            d.extend(got.by_ref().take(n.len()));
+        for ((d, n), second) in drafts.iter_mut().zip(&next).zip(&seconds) {
+            let of_rows: Vec<(u32, f32)> = got.by_ref().take(n.len()).collect();
+            // Row 1's where its sample is kept (the draft accepted), row 0's otherwise.
+            *d = of_rows.get(usize::from(second.is_some())).copied();
         }
     }
     Ok(firsts
         .into_iter()
         .zip(seconds)
         .zip(drafts)
-        .map(|((first, second), drafts)| StepSamples { first, second, drafts })
+        .map(|((first, second), draft)| StepSamples { first, second, draft })
         .collect())
 }
 

@@ -190,6 +190,17 @@ struct StepBuffers {
     draft_rows: u64,
     draft_out: u64,
     records: u64,
+    heads: StepHeads,
+}
+
+/// Where a whole step's MTP head reads its rows ([`CudaBackend::step_buffers`]): each request's first row,
+/// second row (-1: none) and draft (-1: none), the requests' count, and the rows chosen.
+struct StepHeads {
+    first: u64,
+    second: u64,
+    draft: u64,
+    count: u64,
+    idx: u64,
 }
 
 /// A call's inputs on the device, shared by every layer.
@@ -1566,19 +1577,16 @@ impl CudaBackend {
             Ok(super::sample::warn_fallback(got[i].clone()))
         };
         let mut out = Vec::with_capacity(items.len());
-        for (it, b) in items.iter().zip(batch) {
+        for (i, (it, b)) in items.iter().zip(batch).enumerate() {
             let first = outcome(it.row0)?;
             // Row 1 was sampled only where row 0's token is the draft.
             let second = match b.tokens.get(1) {
                 Some(&draft) if first.token == draft => Some(outcome(rows + it.row0 + 1)?),
                 _ => None,
             };
-            let drafts = if has_mtp {
-                (it.row0..it.row0 + it.n).map(|r| (drafts[2 * r], f32::from_bits(drafts[2 * r + 1]))).collect()
-            } else {
-                Vec::new()
-            };
-            out.push(StepSamples { first, second, drafts });
+            // One draft a request, from the row of its last kept token (`tandem_step_draft_rows`).
+            let draft = has_mtp.then(|| (drafts[2 * i], f32::from_bits(drafts[2 * i + 1])));
+            out.push(StepSamples { first, second, draft });
         }
         Ok(out)
     }
@@ -1614,6 +1622,24 @@ impl CudaBackend {
         let row_at = |r: usize| logits + (r * vocab * 4) as u64;
         let draft_rows = ws.upload(s, &(0..rows).map(row_at).collect::<Vec<u64>>())?;
         let draft_out = ws.take::<u32>(s, 2 * rows)?;
+        // Each request's draft comes from the MTP row of its last kept token, chosen on the device
+        // (`tandem_step_draft_rows`): its first row, its second (-1: none) and its draft token (-1: none), then
+        // the requests' count; the MTP head runs over that many gathered rows.
+        let mut head_first = vec![0i32; rows];
+        let mut head_second = vec![-1i32; rows];
+        let mut head_draft = vec![-1i32; rows];
+        for (i, (it, b)) in items.iter().zip(batch).enumerate() {
+            head_first[i] = it.row0 as i32;
+            if it.n == 2 {
+                head_second[i] = it.row0 as i32 + 1;
+                head_draft[i] = b.tokens[1] as i32;
+            }
+        }
+        let head_first = ws.upload(s, &head_first)?;
+        let head_second = ws.upload(s, &head_second)?;
+        let head_draft = ws.upload(s, &head_draft)?;
+        let head_count = ws.upload(s, &[items.len() as i32])?;
+        let head_idx = ws.take::<i32>(s, rows)?;
         // Records: rows of the first launch (each item's row 0), then of the second (row 1 of items with a
         // draft, after row 0's token, sampled only where that token is the draft).
         let mut slots: Vec<Option<super::sample::SlotRow<'_>>> = (0..2 * rows).map(|_| None).collect();
@@ -1635,7 +1661,9 @@ impl CudaBackend {
         // Two launches of `rows` records: the second runs after the first, so they share the scratch.
         let staged = super::sample::stage(&self.gpu, &slots, rows, eos)?;
         let records = ws.upload(s, &staged.records)?;
-        let bufs = StepBuffers { rows, tok, inp, normed, logits, sampled, zero, draft_rows, draft_out, records };
+        let heads =
+            StepHeads { first: head_first, second: head_second, draft: head_draft, count: head_count, idx: head_idx };
+        let bufs = StepBuffers { rows, tok, inp, normed, logits, sampled, zero, draft_rows, draft_out, records, heads };
         Ok((bufs, staged))
     }
 
@@ -1670,14 +1698,42 @@ impl CudaBackend {
             let li = LayerIdx(self.cfg.num_hidden_layers as u32);
             self.layer(ws, &b.inp, &mtp.layer, li, g, pool, form, h2, &mut |_, _| {})?;
             self.rms_norm(h2, hidden, &mtp.head_norm, b.normed, hidden, rows)?;
-            mtp.head.as_ref().unwrap_or(&self.w.lm_head).forward(&self.gpu, ws, b.normed, rows, 1, 0, b.logits)?;
+            // The head over one row a request (the row of its last kept token), gathered to the front.
+            let hd = &b.heads;
+            launch(
+                &self.gpu,
+                "tandem_step_draft_rows",
+                (1, 1, 1),
+                512,
+                0,
+                &[
+                    Arg::P(b.sampled),
+                    Arg::P(hd.first),
+                    Arg::P(hd.second),
+                    Arg::P(hd.draft),
+                    Arg::P(hd.count),
+                    Arg::I(rows as i32),
+                    Arg::P(hd.idx),
+                ],
+            )?;
+            let gathered = ws.take::<f32>(&s, rows * hidden)?;
+            launch(
+                &self.gpu,
+                "tandem_gather_rows",
+                (rows as u32, 1, 1),
+                256,
+                0,
+                &[Arg::P(b.normed), Arg::P(hd.idx), Arg::P(gathered), Arg::I(hidden as i32)],
+            )?;
+            let head = mtp.head.as_ref().unwrap_or(&self.w.lm_head);
+            head.forward_first(&self.gpu, ws, gathered, rows, hd.count, b.logits)?;
             launch(
                 &self.gpu,
                 "tandem_draft_rows",
                 (rows as u32, 1, 1),
                 super::sample::THREADS,
                 0,
-                &[Arg::P(b.draft_rows), Arg::I(vocab as i32), Arg::P(b.draft_out)],
+                &[Arg::P(b.draft_rows), Arg::I(vocab as i32), Arg::P(b.draft_out), Arg::P(hd.count)],
             )?;
         }
         ws.rewind(mark);

@@ -70,6 +70,8 @@ pub struct Product {
     pub n: usize,
     pub k: usize,
     pub batch: usize,
+    /// Device address of an i32 row count at most `rows` (the rows past it are not computed), or 0.
+    pub rows_dev: u64,
 }
 
 /// Launches `p` on the GPU's stream after checking what the kernel assumes.
@@ -138,6 +140,7 @@ pub fn launch(gpu: &Gpu, p: &Product) -> Result<(), CudaError> {
             i(p.rows),
             i(p.n),
             i(p.k),
+            Arg::P(p.rows_dev),
         ],
     )
 }
@@ -173,6 +176,7 @@ pub fn absorb_q(
         n: rank,
         k: nope,
         batch: heads,
+        rows_dev: 0,
     };
     let i = |v: usize| Arg::I(v as i32);
     head_product(gpu, w_uk_t, &product, "tandem_mla_absorb_q", &[i(rows), i(heads), i(nope), i(rd), i(rank)])
@@ -206,6 +210,7 @@ pub fn up_v(
         n: vd,
         k: rank,
         batch: heads,
+        rows_dev: 0,
     };
     let i = |v: usize| Arg::I(v as i32);
     head_product(gpu, w_uv, &product, "tandem_mla_up_v", &[i(rows), i(heads), i(rank), i(vd)])
@@ -283,6 +288,7 @@ mod tests {
                     n,
                     k,
                     batch,
+                    rows_dev: 0,
                 };
                 launch(&gpu, &p).unwrap();
                 s.clone_dtoh(y.slice()).unwrap()
@@ -353,6 +359,7 @@ mod tests {
             n,
             k,
             batch: heads,
+            rows_dev: 0,
         };
         launch(&gpu, &p).unwrap();
         let got = s.clone_dtoh(y.slice()).unwrap();
@@ -404,6 +411,7 @@ mod tests {
             n,
             k,
             batch: 1,
+            rows_dev: 0,
         };
         launch(&gpu, &p).unwrap();
         let got = s.clone_dtoh(y.slice()).unwrap();
@@ -433,6 +441,7 @@ mod tests {
             n: 16,
             k: 16,
             batch: 1,
+            rows_dev: 0,
         };
         launch(&gpu, &ok).unwrap();
         for (p, what) in [

@@ -228,6 +228,7 @@ pub const FAMILIES: &[Family] = &[
             "tandem_add",
             "tandem_silu_mul",
             "tandem_gather_rows",
+            "tandem_step_draft_rows",
             "tandem_act_quant",
             "tandem_gemm_fp8",
             "tandem_gemm_f32",

@@ -428,8 +428,9 @@ pub fn draft_rows(gpu: &Gpu, rows: &[u64], n: usize) -> Result<Vec<(u32, f32)>, 
     let f = gpu.function("tandem_draft_rows")?;
     let cfg = LaunchConfig { grid_dim: (rows.len() as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
     let n_i = n as i32;
+    let no_count = 0u64;
     let mut b = st.launch_builder(f);
-    b.arg(&ptrs).arg(&n_i).arg(&mut out);
+    b.arg(&ptrs).arg(&n_i).arg(&mut out).arg(&no_count);
     // SAFETY: argument types and order match the kernel; every address holds `n` values (the callers' rows),
     // `out` two words per row.
     gpu.profiler().time(st, "tandem_draft_rows", || unsafe { b.launch(cfg) })?;

@@ -329,6 +329,45 @@ impl DLinear {
         }
     }
 
+    /// [`forward`](Self::forward) of the first `*rows_dev` of `rows` rows (`rows_dev`: a device i32 at most
+    /// `rows`, read when the launch runs: a CUDA graph's product over a varying number of rows). A bf16 linear
+    /// on the tensor cores computes only those rows; any other computes all `rows`. Either way each of the
+    /// first rows is what `forward` gives it (a row's result does not depend on the others).
+    pub fn forward_first(
+        &self,
+        gpu: &Gpu,
+        ws: &mut Workspace,
+        x: u64,
+        rows: usize,
+        rows_dev: u64,
+        y: u64,
+    ) -> Result<(), CudaError> {
+        if let DLinear::Bf16 { w, out, inp } = self
+            && bf16_mma::serves_linear(*out, *inp)
+        {
+            let p = bf16_mma::Product {
+                x,
+                x_row: *inp,
+                x_batch: 0,
+                a_div: 1,
+                w: w.ptr(),
+                w_batch: 0,
+                y,
+                y_row: *out,
+                y_batch: 0,
+                y_bf16: false,
+                tail: None,
+                rows,
+                n: *out,
+                k: *inp,
+                batch: 1,
+                rows_dev,
+            };
+            return bf16_mma::launch(gpu, &p);
+        }
+        self.forward(gpu, ws, x, rows, 1, 0, y)
+    }
+
     /// `y [rows, out] = x [rows / a_div, in] . W^T`, row `m` through matrix `sel[m]` (`sel`: a device array
     /// of `rows` i32, 0 for matrix 0 only).
     #[allow(clippy::too_many_arguments)]
@@ -373,6 +412,7 @@ impl DLinear {
                             n: *out,
                             k: *inp,
                             batch: 1,
+                            rows_dev: 0,
                         },
                     );
                 }
