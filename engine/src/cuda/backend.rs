@@ -1716,7 +1716,9 @@ impl CudaBackend {
                     Arg::P(hd.idx),
                 ],
             )?;
-            let gathered = ws.take::<f32>(&s, rows * hidden)?;
+            // Into the embedding's rows (dead since enorm wrote `cat`): the step's workspace peak stays the
+            // MTP layer's.
+            let gathered = emb;
             launch(
                 &self.gpu,
                 "tandem_gather_rows",

@@ -325,6 +325,36 @@ mod tests {
                 let (got, want) = (&rep[m * batch * n..][..batch * n], &full[(m / 3) * batch * n..][..batch * n]);
                 assert!(bits(got) == bits(want), "{n}x{k}: a_div 3, row {m} (seed {seed})");
             }
+            // A row count in device memory (DLinear::forward_first): the rows below it as computed with every
+            // row, across the 32-row CTA boundary; the rows past it untouched.
+            const SENTINEL: u32 = 0x7fc0_1234;
+            for count in [1i32, 33, 70] {
+                let dcount = DBuf::upload(s, &[count]).unwrap();
+                let y = DBuf::upload(s, &vec![f32::from_bits(SENTINEL); big * batch * n]).unwrap();
+                let p = Product {
+                    x: dx.ptr(),
+                    x_row: batch * k,
+                    x_batch: k,
+                    a_div: 1,
+                    w: dw.ptr(),
+                    w_batch: n * k,
+                    y: y.ptr(),
+                    y_row: batch * n,
+                    y_batch: n,
+                    y_bf16: false,
+                    tail: None,
+                    rows: big,
+                    n,
+                    k,
+                    batch,
+                    rows_dev: dcount.ptr(),
+                };
+                launch(&gpu, &p).unwrap();
+                let got = s.clone_dtoh(y.slice()).unwrap();
+                let at = count as usize * batch * n;
+                assert!(bits(&got[..at]) == bits(&full[..at]), "{n}x{k}: the first {count} rows differ (seed {seed})");
+                assert!(got[at..].iter().all(|v| v.to_bits() == SENTINEL), "{n}x{k}: rows past {count} written");
+            }
         }
     }
 
