@@ -74,6 +74,32 @@ pub struct Product {
     pub rows_dev: u64,
 }
 
+impl Product {
+    /// A plain linear `y [rows, out] = x [rows / a_div, inp] . w^T` (one matrix, f32 rows in and out), the
+    /// rows past `*rows_dev` not computed where `rows_dev` is not 0.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear(x: u64, a_div: usize, w: u64, y: u64, rows: usize, out: usize, inp: usize, rows_dev: u64) -> Self {
+        Product {
+            x,
+            x_row: inp,
+            x_batch: 0,
+            a_div,
+            w,
+            w_batch: 0,
+            y,
+            y_row: out,
+            y_batch: 0,
+            y_bf16: false,
+            tail: None,
+            rows,
+            n: out,
+            k: inp,
+            batch: 1,
+            rows_dev,
+        }
+    }
+}
+
 /// Launches `p` on the GPU's stream after checking what the kernel assumes.
 pub fn launch(gpu: &Gpu, p: &Product) -> Result<(), CudaError> {
     if p.rows == 0 || p.n == 0 || p.batch == 0 {
@@ -270,27 +296,28 @@ mod tests {
                 .collect();
             let wb: Vec<u16> = w.iter().map(|&v| bf16(v)).collect();
             let (dx, dw) = (DBuf::upload(s, &x).unwrap(), DBuf::upload(s, &wb).unwrap());
+            // The batched product over x and w into `y` (rows x batch x n).
+            let product = |rows: usize, a_div: usize, y: u64, rows_dev: u64| Product {
+                x: dx.ptr(),
+                x_row: batch * k,
+                x_batch: k,
+                a_div,
+                w: dw.ptr(),
+                w_batch: n * k,
+                y,
+                y_row: batch * n,
+                y_batch: n,
+                y_bf16: false,
+                tail: None,
+                rows,
+                n,
+                k,
+                batch,
+                rows_dev,
+            };
             let run = |rows: usize, a_div: usize| {
                 let y = DBuf::<f32>::zeros(s, rows * batch * n).unwrap();
-                let p = Product {
-                    x: dx.ptr(),
-                    x_row: batch * k,
-                    x_batch: k,
-                    a_div,
-                    w: dw.ptr(),
-                    w_batch: n * k,
-                    y: y.ptr(),
-                    y_row: batch * n,
-                    y_batch: n,
-                    y_bf16: false,
-                    tail: None,
-                    rows,
-                    n,
-                    k,
-                    batch,
-                    rows_dev: 0,
-                };
-                launch(&gpu, &p).unwrap();
+                launch(&gpu, &product(rows, a_div, y.ptr(), 0)).unwrap();
                 s.clone_dtoh(y.slice()).unwrap()
             };
             let full = run(big, 1);
@@ -331,24 +358,7 @@ mod tests {
             for count in [1i32, 33, 70] {
                 let dcount = DBuf::upload(s, &[count]).unwrap();
                 let y = DBuf::upload(s, &vec![f32::from_bits(SENTINEL); big * batch * n]).unwrap();
-                let p = Product {
-                    x: dx.ptr(),
-                    x_row: batch * k,
-                    x_batch: k,
-                    a_div: 1,
-                    w: dw.ptr(),
-                    w_batch: n * k,
-                    y: y.ptr(),
-                    y_row: batch * n,
-                    y_batch: n,
-                    y_bf16: false,
-                    tail: None,
-                    rows: big,
-                    n,
-                    k,
-                    batch,
-                    rows_dev: dcount.ptr(),
-                };
+                let p = product(big, 1, y.ptr(), dcount.ptr());
                 launch(&gpu, &p).unwrap();
                 let got = s.clone_dtoh(y.slice()).unwrap();
                 let at = count as usize * batch * n;

@@ -345,25 +345,7 @@ impl DLinear {
         if let DLinear::Bf16 { w, out, inp } = self
             && bf16_mma::serves_linear(*out, *inp)
         {
-            let p = bf16_mma::Product {
-                x,
-                x_row: *inp,
-                x_batch: 0,
-                a_div: 1,
-                w: w.ptr(),
-                w_batch: 0,
-                y,
-                y_row: *out,
-                y_batch: 0,
-                y_bf16: false,
-                tail: None,
-                rows,
-                n: *out,
-                k: *inp,
-                batch: 1,
-                rows_dev,
-            };
-            return bf16_mma::launch(gpu, &p);
+            return bf16_mma::launch(gpu, &bf16_mma::Product::linear(x, 1, w.ptr(), y, rows, *out, *inp, rows_dev));
         }
         self.forward(gpu, ws, x, rows, 1, 0, y)
     }
@@ -396,24 +378,7 @@ impl DLinear {
                     // The tensor cores, by the weight's shape (a misaligned x is an error, never the other kernel).
                     return bf16_mma::launch(
                         gpu,
-                        &bf16_mma::Product {
-                            x,
-                            x_row: *inp,
-                            x_batch: 0,
-                            a_div,
-                            w: w.ptr(),
-                            w_batch: 0,
-                            y,
-                            y_row: *out,
-                            y_batch: 0,
-                            y_bf16: false,
-                            tail: None,
-                            rows,
-                            n: *out,
-                            k: *inp,
-                            batch: 1,
-                            rows_dev: 0,
-                        },
+                        &bf16_mma::Product::linear(x, a_div, w.ptr(), y, rows, *out, *inp, 0),
                     );
                 }
                 // Four columns per warp, 16 rows per CTA (BF16W_COLS, BF16W_ROWS in model.cu).
