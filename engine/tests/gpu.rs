@@ -624,7 +624,13 @@ fn generation_by_whole_steps_equals_generation_by_separate_calls() {
             assert_eq!(a.tokens, b.tokens, "{what}: tokens and logprobs");
             assert_eq!(a.drafts, b.drafts, "{what}: drafts and verdicts");
             assert_eq!(a.finish, b.finish, "{what}");
-            assert_eq!(a.tokens.len(), 30, "{what}");
+            // All 30 tokens, or fewer ending on an end-of-sequence token (greedy may reach one on a random prompt).
+            let eos = &w.config().eos_token_ids;
+            assert!(
+                a.tokens.len() == 30 || a.tokens.last().is_some_and(|t| eos.contains(&t.token)),
+                "{what}: {} tokens, the last not an end of sequence",
+                a.tokens.len()
+            );
         }
     }
     let st = w.graph_stats();
