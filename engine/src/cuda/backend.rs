@@ -1865,10 +1865,9 @@ impl CudaBackend {
     /// profiler), and `TANDEM_GRAPH_CAPTURE` not `lazy`.
     fn captures_at_startup(&self) -> bool {
         graphs::capture_at_startup()
-            && self.ep.is_none()
+            && self.whole_steps()
             && self.selections.is_none()
             && !self.gpu.profiler().is_on()
-            && self.whole_steps.load(std::sync::atomic::Ordering::Relaxed)
             && self.graphs.lock().unwrap_or_else(|p| p.into_inner()).enabled()
     }
 
@@ -2433,7 +2432,7 @@ impl Backend for CudaBackend {
         eos: &[u32],
     ) -> Result<Option<Vec<StepSamples>>, EngineError> {
         // Expert parallelism agrees on each pass's rows with the other ranks: its steps run the separate calls.
-        if self.ep.is_some() || !self.whole_steps.load(std::sync::atomic::Ordering::Relaxed) {
+        if !self.whole_steps() {
             return Ok(None);
         }
         self.whole_step(cache, batch, eos).map(Some)
