@@ -62,8 +62,9 @@ pub(crate) struct SessionState {
     shipments_cv: Condvar,
     error: Mutex<Option<TransferError>>,
     pub bytes: AtomicU64,
-    /// Round-robin position over the link's lanes (starts at the session id so sessions interleave).
-    pub next_lane: std::sync::atomic::AtomicUsize,
+    /// Which lane each piece goes on: the least loaded by bytes (starting at the session id, so sessions
+    /// interleave).
+    pub lanes: crate::transport::lanes::LaneDealer,
     started: Instant,
 }
 
@@ -102,7 +103,7 @@ impl SessionState {
             shipments_cv: Condvar::new(),
             error: Mutex::new(None),
             bytes: AtomicU64::new(0),
-            next_lane: std::sync::atomic::AtomicUsize::new(session_id as usize),
+            lanes: crate::transport::lanes::LaneDealer::new(session_id as usize),
             started: Instant::now(),
         })
     }

@@ -110,7 +110,7 @@ fn ship(shipment: &LayerShipment) {
             st.set_error(TransferError::Transport(format!("request {}: put outside the regions", st.request_id())));
             return;
         };
-        // Several lanes: cut the put into aligned pieces dealt round-robin over the lanes; a small
+        // Several lanes: cut the put into aligned pieces dealt over the lanes by bytes; a small
         // request stays on lane 0 with the control messages.
         let lanes = if st.plan.bytes_per_layer() * st.num_layers as u64 >= lanes::SPREAD_MIN_BYTES {
             st.link.lanes()
@@ -123,7 +123,7 @@ fn ship(shipment: &LayerShipment) {
             None => lanes::piece_bytes(lanes),
         };
         for (off, len) in lanes::split(p.len, piece) {
-            let lane = if lanes > 1 { st.next_lane.fetch_add(1, Ordering::Relaxed) } else { 0 };
+            let lane = if lanes > 1 { st.lanes.deal(lanes, len) } else { 0 };
             let (src, staged) = match staging {
                 // SAFETY (of the transport's read): checked against the local geometry in begin().
                 None => (src_base.wrapping_add((p.src_offset + off) as usize), None),
@@ -272,7 +272,7 @@ fn ship_gathered(st: &SessionState, pool: &Arc<staging::DevicePool>, layer: Laye
             dst_offset: lo,
             dst_addr: 0,
             region: 0,
-            lane: st.next_lane.fetch_add(1, Ordering::Relaxed),
+            lane: st.lanes.deal(st.link.lanes(), hi - lo),
             staged: None,
             device: true,
             stream_layer: Some(layer.0),

@@ -75,6 +75,36 @@ pub fn split(len: u64, piece: u64) -> impl Iterator<Item = (u64, u64)> {
     })
 }
 
+/// Deals one session's pieces over the lanes by bytes: each piece goes to the lane with the fewest bytes
+/// dealt so far (ties: the first counting from the session's own starting lane, so concurrent sessions start
+/// on different lanes). A request's puts alternate between a large and a small region (a layer's latent
+/// entries, 672 KB at 1K tokens, and its indexer blocks, 135 KB), so plain round-robin over two lanes put
+/// every latent piece on one lane and every indexer piece on the other: one lane carried 83% of the bytes,
+/// and a 1K-token request moved barely faster on two lanes than on one (D11, bench/RESULTS.md).
+pub struct LaneDealer {
+    start: usize,
+    dealt: Mutex<Vec<u64>>,
+}
+
+impl LaneDealer {
+    pub fn new(start: usize) -> Self {
+        LaneDealer { start, dealt: Mutex::new(Vec::new()) }
+    }
+
+    /// The lane (below `lanes`) for the next piece of `len` bytes.
+    pub fn deal(&self, lanes: usize, len: u64) -> usize {
+        let lanes = lanes.max(1);
+        let mut dealt = self.dealt.lock().unwrap_or_else(|p| p.into_inner());
+        if dealt.len() != lanes {
+            dealt.clear();
+            dealt.resize(lanes, 0);
+        }
+        let lane = (0..lanes).map(|i| (self.start + i) % lanes).min_by_key(|&l| dealt[l]).unwrap_or(0);
+        dealt[lane] += len;
+        lane
+    }
+}
+
 /// Requests smaller than this per lane stay on one lane (their flush then wakes one progress thread).
 pub const SPREAD_MIN_BYTES: u64 = 4 * STRIPE_BYTES;
 
@@ -218,6 +248,27 @@ mod tests {
         }
         assert_eq!(pieces(5 << 20, 1).count(), 1);
         assert_eq!(split(10, 4).collect::<Vec<_>>(), vec![(0, 4), (4, 4), (8, 2)]);
+    }
+
+    #[test]
+    fn dealing_by_bytes_loads_every_lane_evenly() {
+        // A 1K-token request's pieces: 62 layers of latent entries then indexer blocks.
+        let (latent, indexer) = (1024 * 656, 16 * 8448);
+        for lanes in [2usize, 3, 4] {
+            let d = LaneDealer::new(5);
+            let mut load = vec![0u64; lanes];
+            for _ in 0..62 {
+                for len in [latent, indexer] {
+                    load[d.deal(lanes, len)] += len;
+                }
+            }
+            let (lo, hi) = (*load.iter().min().unwrap(), *load.iter().max().unwrap());
+            assert!(hi - lo <= latent, "{lanes} lanes: {load:?}");
+        }
+        // Equal pieces go round-robin from the session's starting lane.
+        let d = LaneDealer::new(3);
+        assert_eq!((0..4).map(|_| d.deal(2, 10)).collect::<Vec<_>>(), vec![1, 0, 1, 0]);
+        assert_eq!(LaneDealer::new(0).deal(1, 10), 0);
     }
 
     #[test]
