@@ -41,6 +41,10 @@
 #                   same-run copy bandwidth, bf16 matmul rate, a naive PyTorch version and FlashMLA: with
 #                   FLASHMLA_SRC (a FlashMLA tree with CUTLASS, ENV-NOTES) it is built there first unless built
 #                   (SPARSE_MLA_BENCH_ARGS=--quick: fewer shapes)
+#         sparse-prefill bench/gpu/sparse_prefill_bench.py: the sparse MLA prefill forms (staged, gathering) over
+#                   4096-token chunks at 8K..128K contexts next to FlashMLA's sparse prefill (built as for
+#                   sparse-mla), and dense causal prompts of 1K..2K tokens next to PyTorch SDPA
+#                   (SPARSE_PREFILL_BENCH_ARGS=--quick: fewer shapes)
 #         serve     `tandem up --device cuda` (prefill and decode workers sharing the GPU, caches over TCP
 #                   through host staging) checked by scripts/serve-check.py against `tandem generate --device cuda`
 #         serve-v32 `tandem up --device cuda` with the synthetic model (V32_MODEL, default
@@ -266,17 +270,33 @@ phase_loop() {
     ((rc == 0)) || FAILED+=(loop)
 }
 
-phase_sparse_mla() {
-    local rc=0
+# FlashMLA built in FLASHMLA_SRC (once per machine) and on PYTHONPATH, where FLASHMLA_SRC is set.
+with_flashmla() {
     if [[ -n "${FLASHMLA_SRC:-}" ]]; then
         if ! ls "$FLASHMLA_SRC"/flash_mla/cuda*.so >/dev/null 2>&1; then
             echo "building FlashMLA in $FLASHMLA_SRC (the same-run baseline)"
             (cd "$FLASHMLA_SRC" && CPLUS_INCLUDE_PATH=/usr/local/cuda/include/cccl FLASH_MLA_DISABLE_SM100=1 \
-                MAX_JOBS=16 NVCC_THREADS=2 python3 setup.py build_ext --inplace >"$OUTDIR/flashmla-build.log" 2>&1) || rc=$?
+                MAX_JOBS=16 NVCC_THREADS=2 python3 setup.py build_ext --inplace >"$OUTDIR/flashmla-build.log" 2>&1) ||
+                echo "FlashMLA did not build (see flashmla-build.log)"
             tail -2 "$OUTDIR/flashmla-build.log"
         fi
         export PYTHONPATH="$FLASHMLA_SRC${PYTHONPATH:+:$PYTHONPATH}"
     fi
+}
+
+phase_sparse_prefill() {
+    local rc=0
+    with_flashmla
+    python3 bench/gpu/sparse_prefill_bench.py ${SPARSE_PREFILL_BENCH_ARGS:-} --json "$OUTDIR/sparse-prefill.json" \
+        >"$OUTDIR/sparse-prefill.log" 2>&1 || rc=$?
+    grep -v "warning #\|^ *\^\|Remark\|state;\|Deprecation\|  fn()\|prepare(" "$OUTDIR/sparse-prefill.log" || true
+    echo "| sparse-prefill | bench/gpu/sparse_prefill_bench.py | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+    ((rc == 0)) || FAILED+=(sparse-prefill)
+}
+
+phase_sparse_mla() {
+    local rc=0
+    with_flashmla
     python3 bench/gpu/sparse_mla_bench.py ${SPARSE_MLA_BENCH_ARGS:-} --json "$OUTDIR/sparse-mla.json" \
         >"$OUTDIR/sparse-mla.log" 2>&1 || rc=$?
     grep -v "warning #\|^ *\^\|Remark\|state;\|Deprecation\|  fn()\|prepare(" "$OUTDIR/sparse-mla.log" || true
@@ -657,7 +677,7 @@ PY
 }
 
 run() {
-    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|gemm|moe|bf16|f32|sparse-mla|serve|v32|serve-v32|kv|ep|serve-ep|eplb|dbo|all}
+    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|gemm|moe|bf16|f32|sparse-mla|sparse-prefill|serve|v32|serve-v32|kv|ep|serve-ep|eplb|dbo|all}
     [[ -d "$BUNDLE" ]] || { echo "gpu-test.sh: $BUNDLE/ is missing: run 'scripts/gpu-test.sh pack' here and carry it" >&2; exit 1; }
     unpack
     OUTDIR=${OUT:-bench/out}
@@ -690,6 +710,7 @@ run() {
         v32) phase_v32 ;;
         serve-v32) phase_serve_v32 ;;
         sparse-mla) phase_sparse_mla ;;
+        sparse-prefill) phase_sparse_prefill ;;
         serve) phase_serve ;;
         kv) phase_kv ;;
         ep) phase_ep ;;

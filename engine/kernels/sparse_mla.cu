@@ -29,11 +29,27 @@
 // Batch invariance: a query's splits depend only on its own selection length and `split_tiles` (a model
 // constant); within a split the tiles are reduced in order by one CTA; the combine kernel adds splits in
 // index order. Nothing depends on the batch size or on other queries.
+//
+// The staged form (`tandem_sparse_mla_prefill`, prefill chunks): the chunk's context is first converted
+// once per layer into bf16 rows of 576 (`tandem_sparse_mla_stage`: the exact values the gathering producer
+// stores, c * scale * 2^-56 and k_pe * 2^-56, zeros for an empty slot), and the producer copies each selected
+// row's 1152 bytes into the K/V buffer with 16-byte cp.async instead of gathering and dequantizing 656-byte
+// entries. In prefill every query of a chunk reads from the same context, so the conversion is paid once per
+// context token instead of once per (query, selected token). The staged buffer holds the same values in
+// FlashMLA's layout instead of the interleaved one: 9 tiles of 64 tokens x 64 dims, 128-byte-swizzled K-major
+// (token rows of 128 bytes), read K-major by Q K^T and MN-major by P V. Eight lanes then copy one token's
+// 128-byte piece into one shared-memory row (whole L2 lines, no bank conflicts); in the interleaved layout a
+// token's 16-byte chunks all fall on the same four banks, so whole-line copies conflicted eight ways and
+// conflict-free ones split every line into 16-byte L2 requests (measured: 220-255 against 543 TFLOPS). The
+// wgmma instructions, their operand values and their order are the decode kernel's, so a query's output has
+// the same bits in either form (tested). One CTA per 64 heads loads its tiles itself (no cluster), as
+// FlashMLA's sparse prefill does.
 #include "common.cuh"
 #include "wgmma.cuh"
 #include "sync.cuh"
 
 #define SMLA_DQK 576
+#define SMLA_STAGE_TOKENS 4  // tokens of a tile each staged producer thread copies
 #define SMLA_DV 512
 #define SMLA_HEADS 64
 #define SMLA_TILE 64
@@ -184,7 +200,18 @@ struct SmlaRound {
 // consumer threads and one of each of the peer's consumer warps). That halves each CTA's gather and
 // dequantization work and doubles how many tiles a producer thread keeps in flight (one 32-token share of two
 // tiles instead of two shares of one).
-template <bool PAIR>
+// The V operand of P V for output half `half` (dims 256 half ..) and k-step kk (tokens 16 kk ..): the decode
+// kernel's interleaved buffer (8 dims x 64 tokens a 1024-byte column chunk) or the staged form's swizzled
+// K-major tiles read MN-major (token rows of 64 dims, 8-token groups 1024 bytes apart, tiles 8192).
+template <bool STAGED>
+__device__ __forceinline__ unsigned long long smla_desc_v(u32 kbuf, int half, int kk) {
+    return STAGED ? tandem_desc_sw128_mn(kbuf + half * 4 * 8192 + kk * 2048, 8192, 1024)
+                  : tandem_desc_inter(kbuf + half * 32 * 1024 + kk * 256, 128, 1024);
+}
+
+// STAGED (never with PAIR): `latent` holds the staged bf16 rows of 576 instead, `num_blocks` their count,
+// and `query_row[qi]` the row of query qi's position 0; `block_table` and `max_blocks` are not read.
+template <bool PAIR, bool STAGED = false>
 __device__ __forceinline__ void smla_decode(
     const u16* __restrict__ q,            // [queries, heads, 576] bf16
     int heads,
@@ -225,7 +252,9 @@ __device__ __forceinline__ void smla_decode(
     const u32 rank = PAIR ? tandem_cluster_rank() : 0, peer = rank ^ 1;
     if (threadIdx.x == 0) {
         for (int b = 0; b < 2; ++b) {
-            tandem_mbar_init(bar_full + 8 * b, 128);
+            // STAGED: each producer thread arrives once after storing its selected flags and once (cp.async
+            // noinc) when its copies of the tile have landed.
+            tandem_mbar_init(bar_full + 8 * b, STAGED ? 256 : 128);
             tandem_mbar_init(bar_empty + 8 * b, SMLA_EMPTY_ARRIVALS(PAIR));
             tandem_mbar_init(bar_remote + 8 * b, 1);
         }
@@ -249,7 +278,59 @@ __device__ __forceinline__ void smla_decode(
 
     const int wg = threadIdx.x >> 7, t = threadIdx.x & 127;
     const int warp = t >> 5, lane = t & 31;
-    if (wg == 2) {
+    if (wg == 2 && STAGED) {
+        // ----- staged producer: copy the selected rows -----
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 128;");
+        const u16* stg = reinterpret_cast<const u16*>(latent);
+        const i64 rb = query_row[qi];
+        const int* rsel = sel + (i64)qi * topk;
+        const int clen = ctx_len[qi];
+        // The staged form's K/V buffer is 9 tiles of 64 tokens x 64 dims in the 128-byte-swizzled K-major layout
+        // (token rows of 128 bytes, as FlashMLA's): eight lanes copy one token's 128-byte piece of a tile, whole
+        // L2 lines in one shared-memory row (no bank conflicts), a warp instruction four tokens. Thread t takes
+        // tokens 16 g + 4 w + (lane >> 3) (g < 4), chunk lane & 7 of each of the 9 pieces.
+        const int c8 = lane & 7;
+        int slots[SMLA_STAGE_TOKENS];
+#pragma unroll
+        for (int g = 0; g < SMLA_STAGE_TOKENS; ++g) slots[g] = 16 * g + 4 * warp + (lane >> 3);
+        auto position = [&](int tile, int slot) -> int {
+            const int s = tile * SMLA_TILE + slot;
+            return tile < t0 + nt && s < n ? rsel[s] : -1;
+        };
+        int pos[SMLA_STAGE_TOKENS];
+#pragma unroll
+        for (int g = 0; g < SMLA_STAGE_TOKENS; ++g) pos[g] = position(t0, slots[g]);
+        for (int it = 0; it < nt; ++it) {
+            const int b = it & 1;
+            const u32 phase = (it >> 1) & 1;
+            const u32 kb = sk + b * SMLA_K_BYTES;
+            int nxt[SMLA_STAGE_TOKENS];
+            bool ok[SMLA_STAGE_TOKENS];
+            const u16* src[SMLA_STAGE_TOKENS];
+#pragma unroll
+            for (int g = 0; g < SMLA_STAGE_TOKENS; ++g) {
+                nxt[g] = position(t0 + it + 1, slots[g]);
+                ok[g] = pos[g] >= 0 && pos[g] < clen && rb >= 0 && rb + pos[g] < (i64)num_blocks;
+                src[g] = stg + (ok[g] ? rb + pos[g] : 0) * SMLA_DQK;
+            }
+            tandem_mbar_wait(bar_empty + 8 * b, phase ^ 1);
+            if (c8 == 0)
+#pragma unroll
+                for (int g = 0; g < SMLA_STAGE_TOKENS; ++g) valid[b * 64 + slots[g]] = ok[g] ? 1u : 0u;
+            tandem_mbar_arrive(bar_full + 8 * b);
+#pragma unroll
+            for (int g = 0; g < SMLA_STAGE_TOKENS; ++g)
+#pragma unroll
+                for (int k = 0; k < SMLA_DQK / 64; ++k) {
+                    const u32 dst = kb + k * 8192 + tandem_sw128(slots[g], c8);
+                    const u16* from = src[g] + k * 64 + c8 * 8;
+                    tandem_cp_async16_zfill(dst, from, ok[g] ? 16u : 0u);
+                }
+            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar_full + 8 * b) : "memory");
+#pragma unroll
+            for (int g = 0; g < SMLA_STAGE_TOKENS; ++g) pos[g] = nxt[g];
+        }
+    } else if (wg == 2) {
         // ----- producer: gather, dequantize, store -----
         // Registers: the launch gives 168 a thread (65536 / 384, rounded down to 8); the producer gives 40
         // back, which WG0 takes (o, s and p live at once there). WG1 keeps 168: 128 + 168 + 208 = 3 x 168.
@@ -372,12 +453,16 @@ __device__ __forceinline__ void smla_decode(
             const u32 kbuf = sk + b * SMLA_K_BYTES;
             tandem_mbar_wait(bar_full + 8 * b, phase);
             if (PAIR) tandem_mbar_wait_cluster(bar_remote + 8 * b, phase);
+            // cp.async writes are the generic proxy's; wgmma reads through the async proxy.
+            if (STAGED) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             float s[32];
             tandem_wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < SMLA_DQK / 16; ++ks)
                 tandem_wgmma_bf16_64x64x16(s, tandem_desc_sw128(sq + (ks >> 2) * 8192 + (ks & 3) * 32),
-                                           tandem_desc_inter(kbuf + ks * 2048, 1024, 128), ks);
+                                           STAGED ? tandem_desc_sw128(kbuf + (ks >> 2) * 8192 + (ks & 3) * 32)
+                                                  : tandem_desc_inter(kbuf + ks * 2048, 1024, 128),
+                                           ks);
             tandem_wgmma_commit();
             tandem_wgmma_wait<0>();
             // Online softmax of rows r0 (s[4j + 0/1]) and r1 (s[4j + 2/3]), columns 8j + 2 qd + 0/1.
@@ -440,7 +525,7 @@ __device__ __forceinline__ void smla_decode(
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
                 const u32 a[4] = {pk[4 * kk], pk[4 * kk + 1], pk[4 * kk + 2], pk[4 * kk + 3]};
-                tandem_wgmma_bf16_64x256x16_rs_tb(o, a, tandem_desc_inter(kbuf + kk * 256, 128, 1024), 1);
+                tandem_wgmma_bf16_64x256x16_rs_tb(o, a, smla_desc_v<STAGED>(kbuf, 0, kk), 1);
             }
             tandem_wgmma_commit();
             tandem_wgmma_wait<0>();
@@ -473,6 +558,8 @@ __device__ __forceinline__ void smla_decode(
             const u32 kbuf = sk + b * SMLA_K_BYTES;
             tandem_mbar_wait(bar_full + 8 * b, phase);
             if (PAIR) tandem_mbar_wait_cluster(bar_remote + 8 * b, phase);
+            // cp.async writes are the generic proxy's; wgmma reads through the async proxy.
+            if (STAGED) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             smla_bar_sync(SMLA_BAR_P_READY);
             const float c0 = s_scale[r0], c1 = s_scale[r1];
 #pragma unroll
@@ -485,8 +572,7 @@ __device__ __forceinline__ void smla_decode(
             tandem_wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk)
-                tandem_wgmma_bf16_64x256x16_tb(o, tandem_desc_sw128(sp + kk * 32),
-                                               tandem_desc_inter(kbuf + 32 * 1024 + kk * 256, 128, 1024), 1);
+                tandem_wgmma_bf16_64x256x16_tb(o, tandem_desc_sw128(sp + kk * 32), smla_desc_v<STAGED>(kbuf, 1, kk), 1);
             tandem_wgmma_commit();
             tandem_wgmma_wait<0>();
             smla_release<PAIR>(bar_empty + 8 * b, t, peer);
@@ -540,6 +626,49 @@ extern "C" __global__ void __launch_bounds__(SMLA_THREADS, 1) tandem_sparse_mla_
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(SMLA_THREADS, 1)
     tandem_sparse_mla_decode_pair(SMLA_ENTRY_ARGS) {
     smla_decode<true>(SMLA_PASS_ARGS);
+}
+
+// The staged prefill form (see the top of this file): any head count, a CTA per head block, `latent` the
+// staged rows, `num_blocks` their count, `query_row` each query's first row.
+extern "C" __global__ void __launch_bounds__(SMLA_THREADS, 1) tandem_sparse_mla_prefill(SMLA_ENTRY_ARGS) {
+    smla_decode<false, true>(SMLA_PASS_ARGS);
+}
+
+// Staged rows for tandem_sparse_mla_prefill: row r = the bf16 values the gathering producer stores for the
+// cache entry at slots[r] (c as its e4m3 value times scale times 2^-56, then k_pe times 2^-56), zeros for a
+// slot that is negative or outside the region's num_blocks blocks. 64 threads a row, four rows a CTA: thread
+// j < 32 converts codes 16 j .. 16 j + 15, thread 32 + i copies k_pe values 8 i .. 8 i + 7.
+extern "C" __global__ void __launch_bounds__(256) tandem_sparse_mla_stage(const u8* __restrict__ latent,
+                                                                          int num_blocks,
+                                                                          const i64* __restrict__ slots, int rows,
+                                                                          u16* __restrict__ out) {
+    const int r = blockIdx.x * 4 + (threadIdx.x >> 6), j = threadIdx.x & 63;
+    if (r >= rows || j >= 40) return;
+    const i64 slot = slots[r];
+    const bool ok = slot >= 0 && slot < (i64)num_blocks * SMLA_TILE;
+    const u8* e = latent + (ok ? slot : 0) * SMLA_ENTRY;
+    u16* o = out + (i64)r * SMLA_DQK;
+    uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+    if (j < 32) {
+        if (ok) {
+            const float sc = reinterpret_cast<const float*>(e + 512)[j >> 3];
+            const u32 fb = tandem_bf16(sc * 18446744073709551616.0f);
+            smla_dequant16(*reinterpret_cast<const uint4*>(e + 16 * j), fb | (fb << 16), lo, hi);
+        }
+        *reinterpret_cast<uint4*>(o + 16 * j) = lo;
+        *reinterpret_cast<uint4*>(o + 16 * j + 8) = hi;
+    } else {
+        const int i = j - 32;
+        if (ok) {
+            const u32 two_m56 = 0x23802380u;
+            lo = *reinterpret_cast<const uint4*>(e + 528 + 16 * i);
+            lo.x = smla_bf16x2_mul(lo.x, two_m56);
+            lo.y = smla_bf16x2_mul(lo.y, two_m56);
+            lo.z = smla_bf16x2_mul(lo.z, two_m56);
+            lo.w = smla_bf16x2_mul(lo.w, two_m56);
+        }
+        *reinterpret_cast<uint4*>(o + 512 + 8 * i) = lo;
+    }
 }
 
 // Splits -> output, for queries with more than one split (the others were written by the decode kernel):

@@ -13,7 +13,10 @@
 __device__ __forceinline__ void tandem_cp_async16(u32 smem, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem), "l"(gmem));
 }
-
+// The same, reading `src_bytes` (0 or 16) bytes and filling the rest of the 16 with zeros.
+__device__ __forceinline__ void tandem_cp_async16_zfill(u32 smem, const void* gmem, u32 src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(src_bytes));
+}
 // Byte offset of (row, 16-byte chunk) in a 128-byte-swizzled tile of 128-byte rows (1024-byte aligned).
 __device__ __forceinline__ u32 tandem_sw128(int row, int chunk) {
     return (u32)(row * 128 + ((chunk ^ (row & 7)) << 4));
@@ -54,6 +57,17 @@ __device__ __forceinline__ void tandem_wgmma_64x128x32(float (&d)[64], unsigned 
         "%64, %65, p, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// wgmma shared-memory descriptor of an MN-major (transposed), 128-byte-swizzled operand: rows of 64 bf16 along
+// MN (128 bytes) one K index each, 8-row groups `sbo` bytes apart along K, 64-wide MN blocks `lbo` bytes apart
+// (CUTLASS's canonical SW128 MN-major layout, ((8,8,m),(8,k)):((1,8,LBO),(64,SBO)) in bf16 elements).
+__device__ __forceinline__ unsigned long long tandem_desc_sw128_mn(u32 smem, u32 lbo, u32 sbo) {
+    unsigned long long d = (unsigned long long)((smem & 0x3FFFF) >> 4);
+    d |= (unsigned long long)((lbo >> 4) & 0x3FFF) << 16;
+    d |= (unsigned long long)((sbo >> 4) & 0x3FFF) << 32;
+    d |= (unsigned long long)1 << 62;
+    return d;
 }
 
 // wgmma descriptor of an interleaved (unswizzled) operand: core matrices of 128 contiguous bytes, `lbo`

@@ -709,6 +709,34 @@ fn rows_within_index_topk_select_everything_without_scores_and_give_the_same_bit
 }
 
 #[test]
+fn fp8_prefill_over_staged_context_rows_gives_the_gathering_forms_bits() {
+    let cache = std::env::temp_dir().join("tandem-test-kernels");
+    let load = |on: bool| match CudaBackend::load(checkpoint(), Precision::Fp8, 0, &cache) {
+        Ok(b) => Some(Arc::new(b.with_staged_prefill(on))),
+        Err(e) if !engine::cuda::gpu_required() && e.to_string().contains("no usable GPU") => {
+            eprintln!("skipped: {e}; TANDEM_REQUIRE_GPU=1 makes this a failure");
+            None
+        }
+        Err(e) => panic!("the CUDA backend did not load: {e}"),
+    };
+    let (Some(on), Some(off)) = (load(true), load(false)) else { return };
+    let (a, b) = (side(on.clone()), side(off.clone()));
+    let topk = on.config().index_topk;
+    // Two prompts in one call, every row's logits: one within index_topk, one past it (scored selections).
+    let (short, long) = (prompt(topk / 2 + 3, 51), prompt(3 * topk + 5, 52));
+    let (x, y) = (prefill_two(&a, &short, &long, Logits::All), prefill_two(&b, &short, &long, Logits::All));
+    assert!(x == y, "a batch's logits differ between the staged and the gathering form");
+    // Chunked prefill (every chunk after the first stages the context before it), then decode steps.
+    for params in step_params(topk as u32) {
+        let (g, h) = (generate_on(&a, &long, &params, 29, true), generate_on(&b, &long, &params, 29, true));
+        assert_eq!(g.tokens, h.tokens, "tokens and logprobs");
+        assert_eq!(g.drafts, h.drafts, "drafts");
+    }
+    assert!(on.staged_launches() > 0, "the staged form never ran");
+    assert_eq!(off.staged_launches(), 0, "the staged form ran while off");
+}
+
+#[test]
 fn copied_blocks_decode_as_the_originals() {
     // engine-bench's --shared-context: a request's caches copied into other blocks decode to the same bits.
     let Some(g) = gpu_backend(Precision::Fp8) else { return };

@@ -50,6 +50,10 @@ fn score_rows(stride: usize, score_bytes: usize) -> usize {
 /// Device memory the CUDA context, the loaded kernels and the library handles take outside any
 /// allocation of ours (measured ~300-500 MiB on an H100 with CUDA 13).
 const CONTEXT_RESERVE: u64 = 512 << 20;
+/// Most bytes of staged context rows an FP8 prefill call converts per layer for the staged attention form
+/// (engine::cuda::sparse_mla::stage: 1152 bytes a context position, so about 233K positions); a call whose
+/// items' contexts hold more takes the gathering form, which gives the same bits.
+const STAGE_BYTES: usize = 256 << 20;
 
 /// Rows this backend returned: a range of one device buffer of the call that made them.
 pub struct GpuRows {
@@ -116,6 +120,10 @@ pub struct CudaBackend {
     /// and whether that shortcut is taken (`TANDEM_SELECT_ALL=0` turns it off).
     select_all_launches: std::sync::atomic::AtomicU64,
     select_all: std::sync::atomic::AtomicBool,
+    /// FP8 prefill attends over staged bf16 context rows (`TANDEM_PREFILL_STAGED=0` turns it off: the
+    /// gathering form, the same bits), and how many layers of calls did (for tests).
+    staged_prefill: std::sync::atomic::AtomicBool,
+    staged_launches: std::sync::atomic::AtomicU64,
     /// This rank's expert-parallel group (engine::cuda::ep), if any.
     ep: Option<EpGroup>,
     /// The running call's agreed expert-parallel capacity (rows).
@@ -216,6 +224,9 @@ struct Inputs {
     score_stride: usize,
     /// The MHA form (full-precision prefill): every item's context slots, and each row's first context row.
     ctx: Option<(u64, usize, u64)>,
+    /// The staged attention form (FP8 prefill within [`STAGE_BYTES`]): the same three, the context rows to
+    /// stage and each row's first staged row.
+    stage: Option<(u64, usize, u64)>,
     /// How the indexer cuts the rows into chunks, the same in every layer.
     score_plan: ScorePlan,
     /// The FP8 indexer's scorer groups, one entry per chunk of `score_plan` (uploaded here: an upload in a
@@ -359,6 +370,8 @@ impl CudaBackend {
             topk_launches: Default::default(),
             select_all_launches: Default::default(),
             select_all: std::env::var("TANDEM_SELECT_ALL").map_or(true, |v| v != "0").into(),
+            staged_prefill: std::env::var("TANDEM_PREFILL_STAGED").map_or(true, |v| v != "0").into(),
+            staged_launches: Default::default(),
             ep,
             ep_cap: Default::default(),
             ep_step: Default::default(),
@@ -425,6 +438,18 @@ impl CudaBackend {
     pub fn with_select_all(self, on: bool) -> Self {
         self.select_all.store(on, std::sync::atomic::Ordering::Relaxed);
         self
+    }
+
+    /// FP8 prefill attends over staged context rows or gathers from the cache (tests and A/B measurements; the
+    /// same bits either way).
+    pub fn with_staged_prefill(self, on: bool) -> Self {
+        self.staged_prefill.store(on, std::sync::atomic::Ordering::Relaxed);
+        self
+    }
+
+    /// Layers of FP8 prefill calls that attended over staged context rows so far.
+    pub fn staged_launches(&self) -> u64 {
+        self.staged_launches.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Chunks of rows (one a layer and chunk) that selected all of their positions without scores so far. A
@@ -627,8 +652,16 @@ impl CudaBackend {
             Some(_) => table_width * BLOCK_SIZE,
             None => (lengths.iter().copied().max().unwrap_or(1) as usize).next_multiple_of(4),
         };
-        // FP8 prefill attends in the absorbed form over the cache, as decode does (`layer`): no context rows.
-        let ctx = if form == AttnForm::Prefill && self.prec != Precision::Fp8 {
+        // FP8 prefill attends in the absorbed form over the cache, as decode does (`layer`), over context rows
+        // staged from it where they fit.
+        let fp8 = self.prec == Precision::Fp8;
+        let context: usize = items.iter().map(|it| it.start + it.n).sum();
+        let staged = fp8
+            && form == AttnForm::Prefill
+            && pad.is_none()
+            && self.staged_prefill.load(std::sync::atomic::Ordering::Relaxed)
+            && context * sparse_mla::STAGED_ROW_BYTES <= STAGE_BYTES;
+        let ctx = if form == AttnForm::Prefill && (!fp8 || staged) {
             let mut ctx_slots = Vec::new();
             let mut ctx0 = Vec::with_capacity(rows);
             for it in items {
@@ -645,7 +678,7 @@ impl CudaBackend {
             None
         };
         // The pool's format is the precision's (check_pool_fits), so FP8 here is the layer's FP8 cache.
-        let fp8 = self.prec == Precision::Fp8;
+        let (ctx, stage) = if fp8 { (None, ctx) } else { (ctx, None) };
         let score_plan = self.score_plan(rows, score_stride, fp8);
         let mut score_groups = Vec::new();
         if fp8 {
@@ -672,6 +705,7 @@ impl CudaBackend {
             table_width,
             score_stride,
             ctx,
+            stage,
             score_plan,
             score_groups,
         })
@@ -1311,37 +1345,53 @@ impl CudaBackend {
                 } else {
                     (0, 0)
                 };
+                // Prefill within STAGE_BYTES: this layer's context rows converted once (the chunk's own entries
+                // were written above), then the staged form, which gives the gathering form's bits.
+                let staged = match (form, inp.stage) {
+                    (AttnForm::Prefill, Some((slots, n, row0))) => {
+                        let buf = ws.take::<u16>(&s, n * sparse_mla::DQK)?;
+                        sparse_mla::stage(g, latent_region, geometry.num_blocks, slots, n, buf)?;
+                        self.staged_launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        Some((buf, n, row0))
+                    }
+                    _ => None,
+                };
                 // A launch takes up to 65535 queries (a grid dimension): long prefill chunks in pieces, each
                 // query the same work whatever piece it is in.
                 const QUERIES: usize = 32_768;
                 for q0 in (0..rows).step_by(QUERIES) {
                     let n = QUERIES.min(rows - q0);
                     let (at4, at2) = ((q0 * 4) as u64, (q0 * heads * sparse_mla::DQK * 2) as u64);
-                    sparse_mla::launch(
-                        g,
-                        &sparse_mla::RawArgs {
-                            q: qb + at2,
-                            queries: n,
-                            heads,
-                            latent: latent_region,
-                            num_blocks: geometry.num_blocks,
-                            block_table: inp.tables + at4 * inp.table_width as u64,
-                            max_blocks: inp.table_width,
-                            query_row: 0,
-                            ctx_len: inp.lengths + at4,
-                            sel: sel + at4 * topk as u64,
-                            topk,
-                            // The top-k selects min(length, index_topk) positions, then -1.
-                            sel_len: inp.lengths + at4,
-                            split_tiles: sparse_mla::SPLIT_TILES,
-                            scale,
-                            out: latent_out + at4 * (heads * rank) as u64,
-                            out_bf16: false,
-                            lse: 0,
-                            part_o: if part_o == 0 { 0 } else { part_o + at4 * (splits * heads * rank) as u64 },
-                            part_lse: if part_lse == 0 { 0 } else { part_lse + at4 * (splits * heads) as u64 },
-                        },
-                    )?;
+                    let args = sparse_mla::RawArgs {
+                        q: qb + at2,
+                        queries: n,
+                        heads,
+                        latent: latent_region,
+                        num_blocks: geometry.num_blocks,
+                        block_table: inp.tables + at4 * inp.table_width as u64,
+                        max_blocks: inp.table_width,
+                        query_row: 0,
+                        ctx_len: inp.lengths + at4,
+                        sel: sel + at4 * topk as u64,
+                        topk,
+                        // The top-k selects min(length, index_topk) positions, then -1.
+                        sel_len: inp.lengths + at4,
+                        split_tiles: sparse_mla::SPLIT_TILES,
+                        scale,
+                        out: latent_out + at4 * (heads * rank) as u64,
+                        out_bf16: false,
+                        lse: 0,
+                        part_o: if part_o == 0 { 0 } else { part_o + at4 * (splits * heads * rank) as u64 },
+                        part_lse: if part_lse == 0 { 0 } else { part_lse + at4 * (splits * heads) as u64 },
+                    };
+                    match staged {
+                        Some((rows_ptr, n_rows, row0)) => sparse_mla::launch_staged(
+                            g,
+                            &args,
+                            &sparse_mla::Staged { rows_ptr, rows: n_rows, row_base: row0 + at4 },
+                        )?,
+                        None => sparse_mla::launch(g, &args)?,
+                    }
                 }
                 bf16_mma::up_v(g, &a.w_uv, latent_out, o, rows, heads, rank, vd)?;
             }
@@ -2581,7 +2631,8 @@ impl CudaBackend {
     /// Workspace bytes of a `max_num_batched_tokens` forward: every buffer of one `layer` at once (layers
     /// reuse the same bytes) for the largest of the main and MTP passes, one chunk of indexer scores and
     /// first-digit counts (at most [`SCORE_BYTES`], or one scorer group of rows at `max_position_embeddings`),
-    /// the MHA form's decompressed context (full precision only; bounded by the batch), and the logits rows.
+    /// the MHA form's decompressed context (full precision only; bounded by the batch), FP8 prefill's staged
+    /// context rows, and the logits rows.
     fn activation_bytes(&self, l: &ServingLimits) -> u64 {
         let c = &self.cfg;
         let rows = l.max_num_batched_tokens as u64;
@@ -2636,7 +2687,13 @@ impl CudaBackend {
         } else {
             0
         } as u64;
-        4 * (rows * per_row + scores + mha + logits) + grouped + CONTEXT_RESERVE
+        // FP8 prefill's staged context rows (bounded by STAGE_BYTES; a larger call gathers instead).
+        let staged = if self.prec == Precision::Fp8 {
+            (rows.max(c.max_position_embeddings as u64) * sparse_mla::STAGED_ROW_BYTES as u64).min(STAGE_BYTES as u64)
+        } else {
+            0
+        };
+        4 * (rows * per_row + scores + mha + logits) + grouped + staged + CONTEXT_RESERVE
     }
 }
 

@@ -77,6 +77,7 @@ impl Gpu {
             ("tandem_topk_split_resolve", super::topk::RESOLVE_SHARED_BYTES),
             ("tandem_sparse_mla_decode", super::sparse_mla::SHARED_BYTES),
             ("tandem_sparse_mla_decode_pair", super::sparse_mla::SHARED_BYTES),
+            ("tandem_sparse_mla_prefill", super::sparse_mla::SHARED_BYTES),
             ("tandem_gemm_bf16_mma", super::bf16_mma::SHARED_BYTES),
         ]
         .into_iter()

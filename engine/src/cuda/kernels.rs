@@ -160,7 +160,13 @@ pub const FAMILIES: &[Family] = &[
     Family {
         name: "sparse_mla",
         source: include_str!("../../kernels/sparse_mla.cu"),
-        functions: &["tandem_sparse_mla_decode", "tandem_sparse_mla_decode_pair", "tandem_sparse_mla_combine"],
+        functions: &[
+            "tandem_sparse_mla_decode",
+            "tandem_sparse_mla_decode_pair",
+            "tandem_sparse_mla_prefill",
+            "tandem_sparse_mla_stage",
+            "tandem_sparse_mla_combine",
+        ],
         externals: &[],
         // bf16 wgmma from shared memory (S = Q K^T), with P from registers and a transposed V (O += P V),
         // and the mbarriers of the producer pipeline.

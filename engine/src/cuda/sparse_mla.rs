@@ -6,6 +6,11 @@
 //! its own selection, causal length and block-table row. The work of a query is split into pieces of
 //! [`SPLIT_TILES`] tiles of 64 selected tokens, a model constant: a query's splits depend only on its own
 //! selection length, and [`launch`] adds them in split order, so its output does not depend on the batch.
+//!
+//! Prefill chunks take the staged form ([`stage`], then [`launch_staged`]): the chunk's context is converted
+//! once per layer into bf16 rows, and the kernel copies each selected row (into FlashMLA's swizzled tile
+//! layout) instead of gathering and dequantizing its FP8 entry, with the same wgmma instructions on the same
+//! values, so the same bits (docs/model.md §2.2).
 
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 
@@ -81,6 +86,61 @@ pub struct RawArgs {
     pub part_lse: u64,
 }
 
+/// The staged prefill form's context rows: [`stage`] writes one per context position (its entry's values
+/// as the decode kernel's producer stores them, bf16), [`launch_staged`] reads them.
+#[derive(Debug, Clone, Copy)]
+pub struct Staged {
+    /// bf16 rows of [`DQK`] values, `rows` of them.
+    pub rows_ptr: u64,
+    pub rows: usize,
+    /// `[queries]` i32: the row of each query's position 0 (its request's first staged row).
+    pub row_base: u64,
+}
+
+/// Bytes of one staged row.
+pub const STAGED_ROW_BYTES: usize = DQK * 2;
+
+/// Queues the conversion of the entries at `slots` (`[rows]` i64 cache slots, block * 64 + offset; a slot
+/// outside the region's `num_blocks` blocks or negative gives zeros) into `out`, `rows` staged rows.
+pub fn stage(gpu: &Gpu, latent: u64, num_blocks: usize, slots: u64, rows: usize, out: u64) -> Result<(), CudaError> {
+    if rows > i32::MAX as usize || num_blocks > i32::MAX as usize / BLOCK_SIZE {
+        return Err(CudaError::Shape(format!("{rows} staged rows over {num_blocks} blocks")));
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    launch_kernel(
+        gpu,
+        "tandem_sparse_mla_stage",
+        (rows.div_ceil(4) as u32, 1, 1),
+        256,
+        0,
+        &[Arg::P(latent), Arg::I(num_blocks as i32), Arg::P(slots), Arg::I(rows as i32), Arg::P(out)],
+    )
+}
+
+/// [`launch`] over staged rows instead of the cache (`a.latent`, `a.num_blocks`, `a.block_table`,
+/// `a.max_blocks` and `a.query_row` are not read): a query's position `p` is row `row_base[q] + p`, read only
+/// where it is selected, inside the query's causal length and below `st.rows`. The output has the bits of
+/// [`launch`] over the cache the rows were staged from.
+pub fn launch_staged(gpu: &Gpu, a: &RawArgs, st: &Staged) -> Result<(), CudaError> {
+    if st.rows > i32::MAX as usize {
+        return Err(CudaError::Shape(format!("{} staged rows: at most {}", st.rows, i32::MAX)));
+    }
+    let staged = RawArgs {
+        latent: st.rows_ptr,
+        num_blocks: st.rows,
+        block_table: 0,
+        max_blocks: 0,
+        query_row: st.row_base,
+        ..*a
+    };
+    launch_as(gpu, &staged, STAGED_KERNEL)
+}
+
+/// The staged form's kernel.
+const STAGED_KERNEL: &str = "tandem_sparse_mla_prefill";
+
 /// Queues the attention of every query: `out[q, h] = sum_t softmax_t(scale * q[q, h] . k_t) c_t` over the
 /// query's selected, in-context tokens whose table entries lie in `0..num_blocks` (zeros, and an lse of
 /// -inf, when there are none). Nothing outside the region and the given arrays is read.
@@ -101,7 +161,8 @@ fn launch_as(gpu: &Gpu, a: &RawArgs, kernel: &str) -> Result<(), CudaError> {
         return bad(format!("{} queries of {} heads: at most 65535 queries and head blocks", a.queries, a.heads));
     }
     let splits = max_splits(a.topk, a.split_tiles);
-    if splits > 65_535 || a.topk > i32::MAX as usize || a.num_blocks > i32::MAX as usize / BLOCK_SIZE {
+    let block_limit = if kernel == STAGED_KERNEL { i32::MAX as usize } else { i32::MAX as usize / BLOCK_SIZE };
+    if splits > 65_535 || a.topk > i32::MAX as usize || a.num_blocks > block_limit {
         return bad(format!("top-k {} ({splits} splits), {} blocks", a.topk, a.num_blocks));
     }
     if splits > 1 && (a.part_o == 0 || a.part_lse == 0) {
@@ -400,7 +461,7 @@ mod tests {
         let Some(gpu) = Gpu::for_test() else { return };
         let (mut rng, seed) = crate::cpu::test_support::rng();
         // Context below, at and above top-k, not a multiple of 64, length 1 and 0; 128 heads (two CTAs).
-        let c = case(&mut rng, 128, &[1, 0, 63, 300, 2049, 5000], 2048);
+        let c = case(&mut rng, 128, &[1, 0, 63, 300, 2047, 2048, 2049, 5000], 2048);
         let want = reference(&c, SCALE);
         let bits = |v: &[Vec<f32>]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
         for split in [SPLIT_TILES, 4, 1] {
@@ -474,6 +535,123 @@ mod tests {
             let got = run(&gpu, &c, SPLIT_TILES, SCALE);
             assert_eq!(bits(&got[at]), bits(&alone), "batch {b}: seed {seed}");
         }
+    }
+
+    /// The staged form over `c`: each query's context rows staged from its table (positions 0..ctx), one
+    /// block of rows a query, then [`launch_staged`]; the f32 outputs and the staged rows.
+    fn run_staged(gpu: &Gpu, c: &Case, split_tiles: usize, scale: f32) -> (Vec<Vec<f32>>, Vec<u16>) {
+        let st = gpu.stream();
+        let mut slots: Vec<i64> = Vec::new();
+        let mut base: Vec<i32> = Vec::new();
+        for (i, &ctx) in c.ctx.iter().enumerate() {
+            base.push(slots.len() as i32);
+            slots.extend(
+                (0..ctx as usize)
+                    .map(|p| c.table[i][p / BLOCK_SIZE] as i64 * BLOCK_SIZE as i64 + (p % BLOCK_SIZE) as i64),
+            );
+        }
+        let n = slots.len();
+        let q = st.clone_htod(&c.q.concat()).unwrap();
+        let pool = st.clone_htod(&c.pool).unwrap();
+        let slots_d = st.clone_htod(&slots).unwrap();
+        let base_d = st.clone_htod(&base).unwrap();
+        let rows = st.alloc_zeros::<u16>((n * DQK).max(1)).unwrap();
+        let ctx = st.clone_htod(&c.ctx).unwrap();
+        let sel = st.clone_htod(&c.sel.concat()).unwrap();
+        let sel_len = c.sel_len.as_ref().map(|l| st.clone_htod(l).unwrap());
+        let queries = c.ctx.len();
+        let splits = max_splits(c.topk, split_tiles);
+        let out = st.alloc_zeros::<f32>(queries * c.heads * RANK).unwrap();
+        let part_o = st.alloc_zeros::<f32>(if splits > 1 { queries * splits * c.heads * RANK } else { 1 }).unwrap();
+        let part_lse = st.alloc_zeros::<f32>(if splits > 1 { queries * splits * c.heads } else { 1 }).unwrap();
+        let p = |b: &CudaSlice<u8>| b.device_ptr(st).0;
+        stage(gpu, p(&pool), c.num_blocks, slots_d.device_ptr(st).0, n, rows.device_ptr(st).0).unwrap();
+        let raw = RawArgs {
+            q: q.device_ptr(st).0,
+            queries,
+            heads: c.heads,
+            latent: 0,
+            num_blocks: 0,
+            block_table: 0,
+            max_blocks: 0,
+            query_row: 0,
+            ctx_len: ctx.device_ptr(st).0,
+            sel: sel.device_ptr(st).0,
+            topk: c.topk,
+            sel_len: sel_len.as_ref().map_or(0, |s| s.device_ptr(st).0),
+            split_tiles,
+            scale,
+            out: out.device_ptr(st).0,
+            out_bf16: false,
+            lse: 0,
+            part_o: if splits > 1 { part_o.device_ptr(st).0 } else { 0 },
+            part_lse: if splits > 1 { part_lse.device_ptr(st).0 } else { 0 },
+        };
+        let staged = Staged { rows_ptr: rows.device_ptr(st).0, rows: n, row_base: base_d.device_ptr(st).0 };
+        launch_staged(gpu, &raw, &staged).unwrap();
+        let host = st.clone_dtoh(&out).unwrap();
+        let outs = host.chunks(c.heads * RANK).map(|x| x.to_vec()).collect();
+        (outs, st.clone_dtoh(&rows).unwrap())
+    }
+
+    #[test]
+    fn the_staged_form_gives_the_gathering_forms_bits() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        // DeepSeek-V3.2's 128 heads (the gathering pair form) and top-k; the tiny model's 4 heads and top-k
+        // 32; 192 heads (a partial head block).
+        for (heads, topk, ctxs) in [
+            (128, 2048, vec![3000, 2047, 2048, 2049, 64, 1, 4097]),
+            (4, 32, vec![40, 700, 1, 129]),
+            (192, 256, vec![300, 77]),
+        ] {
+            let mut c = case(&mut rng, heads, &ctxs, topk);
+            // -1 holes, a position past the context, short and empty explicit selection lengths.
+            c.sel[0][3] = -1;
+            c.sel[1][5] = c.ctx[1] + 7;
+            let mut lens = vec![topk as i32; ctxs.len()];
+            lens[1] = 17;
+            lens[ctxs.len() - 1] = 0;
+            c.sel_len = Some(lens);
+            for split in [SPLIT_TILES, 1] {
+                let want = run(&gpu, &c, split, SCALE);
+                let (got, _) = run_staged(&gpu, &c, split, SCALE);
+                for i in 0..ctxs.len() {
+                    assert!(
+                        bits(&got[i]) == bits(&want[i]),
+                        "{heads} heads, query {i}, split {split}: the staged form differs, seed {seed}"
+                    );
+                }
+            }
+        }
+        // A staged row is what the gathering producer stores: the entry's values times 2^-56, exactly.
+        let c = case(&mut rng, 4, &[70], 32);
+        let (_, rows) = run_staged(&gpu, &c, SPLIT_TILES, SCALE);
+        for p in [0usize, 5, 63, 64, 69] {
+            let slot = c.table[0][p / BLOCK_SIZE] as usize * BLOCK_SIZE + p % BLOCK_SIZE;
+            let (mut cv, mut kv) = (vec![0f32; RANK], vec![0f32; ROPE]);
+            decode_latent_fp8(&c.pool[slot * ENTRY..(slot + 1) * ENTRY], &mut cv, &mut kv);
+            let want: Vec<f32> = cv.iter().chain(&kv).map(|v| v * 2f32.powi(-56)).collect();
+            let got: Vec<f32> =
+                rows[p * DQK..(p + 1) * DQK].iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
+            assert_eq!(got, want, "staged row {p}, seed {seed}");
+        }
+    }
+
+    #[test]
+    fn staging_a_slot_outside_the_pool_gives_zeros() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, _) = crate::cpu::test_support::rng();
+        let c = case(&mut rng, 4, &[8], 32);
+        let st = gpu.stream();
+        let pool = st.clone_htod(&c.pool).unwrap();
+        let slots = st.clone_htod(&[-1i64, (c.num_blocks * BLOCK_SIZE) as i64, 3]).unwrap();
+        let rows = st.alloc_zeros::<u16>(3 * DQK).unwrap();
+        stage(&gpu, pool.device_ptr(st).0, c.num_blocks, slots.device_ptr(st).0, 3, rows.device_ptr(st).0).unwrap();
+        let h = st.clone_dtoh(&rows).unwrap();
+        assert!(h[..2 * DQK].iter().all(|&b| b == 0), "slots -1 and past the pool");
+        assert!(h[2 * DQK..].iter().any(|&b| b != 0), "slot 3 holds an entry");
     }
 
     #[test]
