@@ -534,6 +534,9 @@ mod tests {
             }
             let got = run(&gpu, &c, SPLIT_TILES, SCALE);
             assert_eq!(bits(&got[at]), bits(&alone), "batch {b}: seed {seed}");
+            // The staged form (prefill) in the same batch: the gathering form's bits alone.
+            let (staged, _) = run_staged(&gpu, &c, SPLIT_TILES, SCALE);
+            assert_eq!(bits(&staged[at]), bits(&alone), "batch {b}, staged form: seed {seed}");
         }
     }
 
