@@ -270,23 +270,25 @@ phase_loop() {
     ((rc == 0)) || FAILED+=(loop)
 }
 
-# FlashMLA built in FLASHMLA_SRC (once per machine) and on PYTHONPATH, where FLASHMLA_SRC is set.
+# FlashMLA built in FLASHMLA_SRC (once per machine) and on PYTHONPATH, where FLASHMLA_SRC is set; non-zero
+# when the build failed (the phase then fails: its baseline is missing).
 with_flashmla() {
+    local rc=0
     if [[ -n "${FLASHMLA_SRC:-}" ]]; then
         if ! ls "$FLASHMLA_SRC"/flash_mla/cuda*.so >/dev/null 2>&1; then
             echo "building FlashMLA in $FLASHMLA_SRC (the same-run baseline)"
             (cd "$FLASHMLA_SRC" && CPLUS_INCLUDE_PATH=/usr/local/cuda/include/cccl FLASH_MLA_DISABLE_SM100=1 \
-                MAX_JOBS=16 NVCC_THREADS=2 python3 setup.py build_ext --inplace >"$OUTDIR/flashmla-build.log" 2>&1) ||
-                echo "FlashMLA did not build (see flashmla-build.log)"
+                MAX_JOBS=16 NVCC_THREADS=2 python3 setup.py build_ext --inplace >"$OUTDIR/flashmla-build.log" 2>&1) || rc=$?
             tail -2 "$OUTDIR/flashmla-build.log"
         fi
         export PYTHONPATH="$FLASHMLA_SRC${PYTHONPATH:+:$PYTHONPATH}"
     fi
+    return $rc
 }
 
 phase_sparse_prefill() {
     local rc=0
-    with_flashmla
+    with_flashmla || rc=$?
     python3 bench/gpu/sparse_prefill_bench.py ${SPARSE_PREFILL_BENCH_ARGS:-} --json "$OUTDIR/sparse-prefill.json" \
         >"$OUTDIR/sparse-prefill.log" 2>&1 || rc=$?
     grep -v "warning #\|^ *\^\|Remark\|state;\|Deprecation\|  fn()\|prepare(" "$OUTDIR/sparse-prefill.log" || true
@@ -296,7 +298,7 @@ phase_sparse_prefill() {
 
 phase_sparse_mla() {
     local rc=0
-    with_flashmla
+    with_flashmla || rc=$?
     python3 bench/gpu/sparse_mla_bench.py ${SPARSE_MLA_BENCH_ARGS:-} --json "$OUTDIR/sparse-mla.json" \
         >"$OUTDIR/sparse-mla.log" 2>&1 || rc=$?
     grep -v "warning #\|^ *\^\|Remark\|state;\|Deprecation\|  fn()\|prepare(" "$OUTDIR/sparse-mla.log" || true

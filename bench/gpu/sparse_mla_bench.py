@@ -372,11 +372,16 @@ def main():
     print()
     print(hdr)
     print("\n".join(lines))
+    finish(a.json, dev, copy, mm, failures, rows)
+
+
+def finish(json_path, dev, copy, mm, failures, rows):
+    """Reports failed checks, writes the JSON (device, same-run ceilings, rows) and exits non-zero on failure."""
     if failures:
         print("FAILED checks:", failures)
-    if a.json:
+    if json_path:
         json.dump({"device": dev, "copy_gb_per_s": copy, "bf16_matmul_tflops": mm, "failures": failures,
-                   "rows": rows}, open(a.json, "w"), indent=1)
+                   "rows": rows}, open(json_path, "w"), indent=1)
     sys.exit(1 if failures else 0)
 
 

@@ -23,7 +23,6 @@ next to it PyTorch's scaled_dot_product_attention (causal) on the same bf16 valu
 Checks: staged == gather bit for bit (outputs and lse) on every sparse shape; max |ours - FlashMLA| (bf16).
 """
 import argparse
-import json
 import math
 import os
 import sys
@@ -227,12 +226,7 @@ def main():
         torch.cuda.empty_cache()
     print()
     print("\n".join(lines))
-    if failures:
-        print("FAILED checks:", failures)
-    if a.json:
-        json.dump({"device": dev, "copy_gb_per_s": copy, "bf16_matmul_tflops": mm, "failures": failures,
-                   "rows": rows}, open(a.json, "w"), indent=1)
-    sys.exit(1 if failures else 0)
+    smb.finish(a.json, dev, copy, mm, failures, rows)
 
 
 if __name__ == "__main__":

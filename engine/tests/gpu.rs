@@ -37,9 +37,15 @@ fn gpu_backend(prec: Precision) -> Option<Arc<CudaBackend>> {
 }
 
 fn gpu_backend_with(prec: Precision, record: bool) -> Option<Arc<CudaBackend>> {
+    load_gpu(prec, |b| if record { b.recording_selections() } else { b })
+}
+
+/// The CUDA backend on device 0 as `configure` sets it up, or `None` (with a message) where there is no GPU
+/// and none is required.
+fn load_gpu(prec: Precision, configure: impl FnOnce(CudaBackend) -> CudaBackend) -> Option<Arc<CudaBackend>> {
     let cache = std::env::temp_dir().join("tandem-test-kernels");
     match CudaBackend::load(checkpoint(), prec, 0, &cache) {
-        Ok(b) => Some(Arc::new(if record { b.recording_selections() } else { b })),
+        Ok(b) => Some(Arc::new(configure(b))),
         Err(e) if !engine::cuda::gpu_required() && e.to_string().contains("no usable GPU") => {
             eprintln!("skipped: {e}; TANDEM_REQUIRE_GPU=1 makes this a failure");
             None
@@ -672,17 +678,9 @@ fn decode_steps_captured_before_serving_replay_and_capture_nothing_more() {
 /// takes the shortcut) and off.
 #[test]
 fn rows_within_index_topk_select_everything_without_scores_and_give_the_same_bits() {
-    let cache = std::env::temp_dir().join("tandem-test-kernels");
     for prec in [Precision::Fp8, Precision::Full] {
         for graphs in [false, true] {
-            let load = |on: bool| match CudaBackend::load(checkpoint(), prec, 0, &cache) {
-                Ok(b) => Some(Arc::new(b.with_graphs(graphs).with_select_all(on))),
-                Err(e) if !engine::cuda::gpu_required() && e.to_string().contains("no usable GPU") => {
-                    eprintln!("skipped: {e}; TANDEM_REQUIRE_GPU=1 makes this a failure");
-                    None
-                }
-                Err(e) => panic!("the CUDA backend did not load: {e}"),
-            };
+            let load = |on: bool| load_gpu(prec, |b| b.with_graphs(graphs).with_select_all(on));
             let (Some(on), Some(off)) = (load(true), load(false)) else { return };
             let (a, b) = (side(on.clone()), side(off.clone()));
             let topk = on.config().index_topk;
@@ -710,22 +708,15 @@ fn rows_within_index_topk_select_everything_without_scores_and_give_the_same_bit
 
 #[test]
 fn fp8_prefill_over_staged_context_rows_gives_the_gathering_forms_bits() {
-    let cache = std::env::temp_dir().join("tandem-test-kernels");
-    let load = |on: bool| match CudaBackend::load(checkpoint(), Precision::Fp8, 0, &cache) {
-        Ok(b) => Some(Arc::new(b.with_staged_prefill(on))),
-        Err(e) if !engine::cuda::gpu_required() && e.to_string().contains("no usable GPU") => {
-            eprintln!("skipped: {e}; TANDEM_REQUIRE_GPU=1 makes this a failure");
-            None
-        }
-        Err(e) => panic!("the CUDA backend did not load: {e}"),
-    };
+    let load = |on: bool| load_gpu(Precision::Fp8, |b| b.with_staged_prefill(on));
     let (Some(on), Some(off)) = (load(true), load(false)) else { return };
     let (a, b) = (side(on.clone()), side(off.clone()));
     let topk = on.config().index_topk;
     // Two prompts in one call, every row's logits: one within index_topk, one past it (scored selections).
     let (short, long) = (prompt(topk / 2 + 3, 51), prompt(3 * topk + 5, 52));
     let (x, y) = (prefill_two(&a, &short, &long, Logits::All), prefill_two(&b, &short, &long, Logits::All));
-    assert!(x == y, "a batch's logits differ between the staged and the gathering form");
+    let bits = |v: &(Vec<f32>, Vec<f32>)| v.0.iter().chain(&v.1).map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert!(bits(&x) == bits(&y), "a batch's logits differ between the staged and the gathering form");
     // Chunked prefill (every chunk after the first stages the context before it), then decode steps.
     for params in step_params(topk as u32) {
         let (g, h) = (generate_on(&a, &long, &params, 29, true), generate_on(&b, &long, &params, 29, true));

@@ -655,12 +655,18 @@ impl CudaBackend {
         // FP8 prefill attends in the absorbed form over the cache, as decode does (`layer`), over context rows
         // staged from it where they fit.
         let fp8 = self.prec == Precision::Fp8;
+        // Staging converts every context position once; it pays where the rows' selections (what gathering
+        // would dequantize) are at least as many, i.e. not for a few rows over a long context.
         let context: usize = items.iter().map(|it| it.start + it.n).sum();
+        let topk = self.cfg.index_topk.max(1);
+        let selections: usize =
+            items.iter().map(|it| (it.start + 1..=it.start + it.n).map(|len| len.min(topk)).sum::<usize>()).sum();
         let staged = fp8
             && form == AttnForm::Prefill
             && pad.is_none()
             && self.staged_prefill.load(std::sync::atomic::Ordering::Relaxed)
-            && context * sparse_mla::STAGED_ROW_BYTES <= STAGE_BYTES;
+            && context * sparse_mla::STAGED_ROW_BYTES <= STAGE_BYTES
+            && selections >= context;
         let ctx = if form == AttnForm::Prefill && (!fp8 || staged) {
             let mut ctx_slots = Vec::new();
             let mut ctx0 = Vec::with_capacity(rows);
@@ -2688,11 +2694,7 @@ impl CudaBackend {
             0
         } as u64;
         // FP8 prefill's staged context rows (bounded by STAGE_BYTES; a larger call gathers instead).
-        let staged = if self.prec == Precision::Fp8 {
-            (rows.max(c.max_position_embeddings as u64) * sparse_mla::STAGED_ROW_BYTES as u64).min(STAGE_BYTES as u64)
-        } else {
-            0
-        };
+        let staged = if self.prec == Precision::Fp8 { STAGE_BYTES as u64 } else { 0 };
         4 * (rows * per_row + scores + mha + logits) + grouped + staged + CONTEXT_RESERVE
     }
 }

@@ -109,6 +109,9 @@ pub fn stage(gpu: &Gpu, latent: u64, num_blocks: usize, slots: u64, rows: usize,
     if rows == 0 {
         return Ok(());
     }
+    if latent == 0 || slots == 0 || out == 0 {
+        return Err(CudaError::Shape("staging needs the latent region, the slots and the output".into()));
+    }
     launch_kernel(
         gpu,
         "tandem_sparse_mla_stage",
@@ -122,10 +125,15 @@ pub fn stage(gpu: &Gpu, latent: u64, num_blocks: usize, slots: u64, rows: usize,
 /// [`launch`] over staged rows instead of the cache (`a.latent`, `a.num_blocks`, `a.block_table`,
 /// `a.max_blocks` and `a.query_row` are not read): a query's position `p` is row `row_base[q] + p`, read only
 /// where it is selected, inside the query's causal length and below `st.rows`. The output has the bits of
-/// [`launch`] over the cache the rows were staged from.
+/// [`launch`] over the cache the rows were staged from, where every staged slot lay inside the pool (a slot
+/// outside it stages zeros, which this form attends to and [`launch`] masks out; the backend stages only its
+/// requests' own blocks).
 pub fn launch_staged(gpu: &Gpu, a: &RawArgs, st: &Staged) -> Result<(), CudaError> {
     if st.rows > i32::MAX as usize {
         return Err(CudaError::Shape(format!("{} staged rows: at most {}", st.rows, i32::MAX)));
+    }
+    if a.queries > 0 && (st.row_base == 0 || (st.rows > 0 && st.rows_ptr == 0)) {
+        return Err(CudaError::Shape("the staged form needs its rows and each query's first row".into()));
     }
     let staged = RawArgs {
         latent: st.rows_ptr,
@@ -650,7 +658,8 @@ mod tests {
         let st = gpu.stream();
         let pool = st.clone_htod(&c.pool).unwrap();
         let slots = st.clone_htod(&[-1i64, (c.num_blocks * BLOCK_SIZE) as i64, 3]).unwrap();
-        let rows = st.alloc_zeros::<u16>(3 * DQK).unwrap();
+        // Poisoned first: the kernel must write the zeros itself (the backend's workspace is not zeroed).
+        let rows = st.clone_htod(&vec![0xffffu16; 3 * DQK]).unwrap();
         stage(&gpu, pool.device_ptr(st).0, c.num_blocks, slots.device_ptr(st).0, 3, rows.device_ptr(st).0).unwrap();
         let h = st.clone_dtoh(&rows).unwrap();
         assert!(h[..2 * DQK].iter().all(|&b| b == 0), "slots -1 and past the pool");
@@ -684,5 +693,9 @@ mod tests {
         assert!(launch(&gpu, &raw).is_err(), "0 heads");
         assert!(launch(&gpu, &RawArgs { heads: 128, split_tiles: 4, ..raw }).is_err(), "splits without buffers");
         assert!(launch(&gpu, &RawArgs { heads: 128, queries: 70_000, ..raw }).is_err(), "too many queries");
+        let staged = Staged { rows_ptr: 0, rows: 4, row_base: 0 };
+        assert!(launch_staged(&gpu, &RawArgs { heads: 128, ..raw }, &staged).is_err(), "staged rows without addresses");
+        assert!(stage(&gpu, 0, 1, 0, 4, 0).is_err(), "staging without buffers");
+        assert!(stage(&gpu, 0, 1, 0, 0, 0).is_ok(), "nothing to stage");
     }
 }

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::TransferError;
 
-/// Puts are cut into pieces of about this size and dealt round-robin over the lanes.
+/// Puts are cut into pieces of about this size and dealt over the lanes by bytes ([`LaneDealer`]).
 pub const STRIPE_BYTES: u64 = 1 << 20;
 
 /// Lanes per link when neither the configuration nor `TANDEM_KV_LANES` says: a quarter of the cores, at
@@ -99,7 +99,7 @@ impl LaneDealer {
             dealt.clear();
             dealt.resize(lanes, 0);
         }
-        let lane = (0..lanes).map(|i| (self.start + i) % lanes).min_by_key(|&l| dealt[l]).unwrap_or(0);
+        let lane = (0..lanes).map(|i| (self.start % lanes + i) % lanes).min_by_key(|&l| dealt[l]).unwrap_or(0);
         dealt[lane] += len;
         lane
     }
