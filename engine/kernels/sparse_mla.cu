@@ -200,6 +200,14 @@ struct SmlaRound {
 // consumer threads and one of each of the peer's consumer warps). That halves each CTA's gather and
 // dequantization work and doubles how many tiles a producer thread keeps in flight (one 32-token share of two
 // tiles instead of two shares of one).
+// The K operand of Q K^T for k-step ks (dims 16 ks ..): the decode kernel's interleaved buffer or the staged
+// form's swizzled K-major tiles.
+template <bool STAGED>
+__device__ __forceinline__ unsigned long long smla_desc_k(u32 kbuf, int ks) {
+    return STAGED ? tandem_desc_sw128(kbuf + (ks >> 2) * 8192 + (ks & 3) * 32)
+                  : tandem_desc_inter(kbuf + ks * 2048, 1024, 128);
+}
+
 // The V operand of P V for output half `half` (dims 256 half ..) and k-step kk (tokens 16 kk ..): the decode
 // kernel's interleaved buffer (8 dims x 64 tokens a 1024-byte column chunk) or the staged form's swizzled
 // K-major tiles read MN-major (token rows of 64 dims, 8-token groups 1024 bytes apart, tiles 8192).
@@ -460,9 +468,7 @@ __device__ __forceinline__ void smla_decode(
 #pragma unroll
             for (int ks = 0; ks < SMLA_DQK / 16; ++ks)
                 tandem_wgmma_bf16_64x64x16(s, tandem_desc_sw128(sq + (ks >> 2) * 8192 + (ks & 3) * 32),
-                                           STAGED ? tandem_desc_sw128(kbuf + (ks >> 2) * 8192 + (ks & 3) * 32)
-                                                  : tandem_desc_inter(kbuf + ks * 2048, 1024, 128),
-                                           ks);
+                                           smla_desc_k<STAGED>(kbuf, ks), ks);
             tandem_wgmma_commit();
             tandem_wgmma_wait<0>();
             // Online softmax of rows r0 (s[4j + 0/1]) and r1 (s[4j + 2/3]), columns 8j + 2 qd + 0/1.

@@ -1353,8 +1353,9 @@ impl CudaBackend {
                 };
                 // Prefill within STAGE_BYTES: this layer's context rows converted once (the chunk's own entries
                 // were written above), then the staged form, which gives the gathering form's bits.
-                let staged = match (form, inp.stage) {
-                    (AttnForm::Prefill, Some((slots, n, row0))) => {
+                // `inputs` builds the staged rows for prefill calls only.
+                let staged = match inp.stage {
+                    Some((slots, n, row0)) => {
                         let buf = ws.take::<u16>(&s, n * sparse_mla::DQK)?;
                         sparse_mla::stage(g, latent_region, geometry.num_blocks, slots, n, buf)?;
                         self.staged_launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
