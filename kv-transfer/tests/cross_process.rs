@@ -91,16 +91,21 @@ fn receiver_killed_mid_transfer(kind: &Kind) {
     common::sender_sees_the_receiver_die(child, &out, Duration::from_secs(30), kind.sender_config(), cache, &pool);
 }
 
+/// Runs an [`isolated`] test gets before UCX 1.13's wireup assertion fails it (four: about 0.2% of CI runs).
+const ISOLATED_ATTEMPTS: u32 = 4;
+
 /// Runs test `name` in a process of its own (this binary re-entered with `TANDEM_ISOLATED=1`, where `body`
-/// runs directly), and once more if that process died of UCX 1.13's assertion on a wireup reply purged
-/// from a killed peer's endpoint ("got REP message" in `ucp_request_send_state_ff`): a libucp bug on the
-/// error path, not one of ours, which aborted one CI run in several (later UCX releases do not have it).
-/// Any other failure, or the same one twice, fails the test.
+/// runs directly), and again (up to [`ISOLATED_ATTEMPTS`] runs) while that process dies of UCX 1.13's
+/// assertion on a wireup reply purged from a killed peer's endpoint ("got REP message" in
+/// `ucp_request_send_state_ff`): a libucp bug on the error path, not one of ours (UCX 1.14 removed the
+/// assertion, openucx/ucx#8175; tandem warns at start with an older libucp). Measured on the 2-core VM with
+/// Debian's 1.13.1: the striped TCP sender-killed test aborted on both of two runs in 2 of 40 runs of this
+/// binary, so about one run in five hits it. Any other failure fails the test at once.
 fn isolated(name: &str, body: impl FnOnce()) {
     if std::env::var_os("TANDEM_ISOLATED").is_some() {
         return body();
     }
-    for attempt in 1..=2 {
+    for attempt in 1..=ISOLATED_ATTEMPTS {
         let out = Command::new(std::env::current_exe().unwrap())
             .args(["--exact", name, "--nocapture", "--test-threads=1"])
             .env("TANDEM_ISOLATED", "1")
@@ -112,7 +117,7 @@ fn isolated(name: &str, body: impl FnOnce()) {
             return;
         }
         let known = text.contains("got REP message") && text.contains("ucp_request_send_state_ff");
-        assert!(known && attempt == 1, "{name} failed in its process (attempt {attempt}):\n{text}");
+        assert!(known && attempt < ISOLATED_ATTEMPTS, "{name} failed in its process (attempt {attempt}):\n{text}");
         eprintln!("{name}: UCX 1.13's wireup assertion aborted the process (a libucp bug); running it again");
     }
 }

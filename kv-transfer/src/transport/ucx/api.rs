@@ -34,11 +34,27 @@ pub fn load() -> Result<&'static UcpLib, String> {
 
 /// The loaded libucp's version, `major.minor.release` (for start-up logs).
 pub fn version() -> String {
-    let Ok(lib) = load() else { return "not loaded".into() };
+    match version_parts() {
+        Some((major, minor, release)) => format!("{major}.{minor}.{release}"),
+        None => "not loaded".into(),
+    }
+}
+
+/// The loaded libucp's (major, minor, release); `None` where it cannot be loaded.
+pub fn version_parts() -> Option<(u32, u32, u32)> {
+    let lib = load().ok()?;
     let (mut major, mut minor, mut release) = (0, 0, 0);
     // SAFETY: plain out-pointers.
     unsafe { (lib.ucp_get_version)(&mut major, &mut minor, &mut release) };
-    format!("{major}.{minor}.{release}")
+    Some((major, minor, release))
+}
+
+/// Whether this libucp aborts the process on the assertion UCX 1.14 removed (openucx/ucx#8175): a peer that
+/// dies while its connection's wireup reply is still queued (seen over TCP lanes when a prefill process is
+/// killed mid-transfer) makes the surviving side's libucp assert in `ucp_request_send_state_ff` ("got REP
+/// message") where it was built with assertions, as Debian's 1.13 is.
+pub fn aborts_on_peer_loss_in_wireup(version: (u32, u32, u32)) -> bool {
+    version < (1, 14, 0)
 }
 
 /// Whether the loaded libucp moves CUDA device memory (its context reports the CUDA memory type: built

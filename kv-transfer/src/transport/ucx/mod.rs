@@ -409,11 +409,31 @@ fn log_start(side: &str, node: &Node, cache: &KvCache) {
         (false, false) => "device memory through host staging buffers (no CUDA-capable libucp, or not CUDA memory)",
     };
     tracing::info!(side, ucx = %api::version(), %memory, cuda_memory = node.cuda, path, "kv-transfer UCX started");
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    if let Some(v) = api::version_parts()
+        && api::aborts_on_peer_loss_in_wireup(v)
+        && !WARNED.swap(true, std::sync::atomic::Ordering::SeqCst)
+    {
+        tracing::warn!(
+            ucx = %api::version(),
+            "this libucp can abort the process when a peer dies while a connection is being set up over TCP \
+             (an assertion removed in UCX 1.14, openucx/ucx#8175); use UCX 1.14 or later in production"
+        );
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::DataPath;
+    use super::{DataPath, api};
+
+    #[test]
+    fn libucp_before_1_14_is_flagged_for_its_wireup_assertion() {
+        assert!(api::aborts_on_peer_loss_in_wireup((1, 13, 1)));
+        assert!(api::aborts_on_peer_loss_in_wireup((1, 12, 9)));
+        assert!(!api::aborts_on_peer_loss_in_wireup((1, 14, 0)));
+        assert!(!api::aborts_on_peer_loss_in_wireup((1, 22, 0)));
+        assert!(!api::aborts_on_peer_loss_in_wireup((2, 0, 0)));
+    }
 
     #[test]
     fn auto_data_path_puts_over_local_shared_memory_and_rdma() {
