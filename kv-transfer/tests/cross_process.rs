@@ -91,7 +91,7 @@ fn receiver_killed_mid_transfer(kind: &Kind) {
     common::sender_sees_the_receiver_die(child, &out, Duration::from_secs(30), kind.sender_config(), cache, &pool);
 }
 
-/// Runs an [`isolated`] test gets before UCX 1.13's wireup assertion fails it (four: about 0.2% of CI runs).
+/// How many runs an [`isolated`] test gets before UCX 1.13's wireup assertion fails it.
 const ISOLATED_ATTEMPTS: u32 = 4;
 
 /// Runs test `name` in a process of its own (this binary re-entered with `TANDEM_ISOLATED=1`, where `body`
@@ -99,8 +99,9 @@ const ISOLATED_ATTEMPTS: u32 = 4;
 /// assertion on a wireup reply purged from a killed peer's endpoint ("got REP message" in
 /// `ucp_request_send_state_ff`): a libucp bug on the error path, not one of ours (UCX 1.14 removed the
 /// assertion, openucx/ucx#8175; tandem warns at start with an older libucp). Measured on the 2-core VM with
-/// Debian's 1.13.1: the striped TCP sender-killed test aborted on both of two runs in 2 of 40 runs of this
-/// binary, so about one run in five hits it. Any other failure fails the test at once.
+/// Debian's 1.13.1: the striped TCP sender-killed test aborted on both of its two runs in 2 of 40 runs of this
+/// binary (p^2 = 0.05, so p = 0.22 a run); with four runs that test fails about 0.25% of the time (p^4), and
+/// each of the UCX kill tests can. Any other failure fails the test at once.
 fn isolated(name: &str, body: impl FnOnce()) {
     if std::env::var_os("TANDEM_ISOLATED").is_some() {
         return body();

@@ -49,11 +49,11 @@ pub fn version_parts() -> Option<(u32, u32, u32)> {
     Some((major, minor, release))
 }
 
-/// Whether this libucp aborts the process on the assertion UCX 1.14 removed (openucx/ucx#8175): a peer that
-/// dies while its connection's wireup reply is still queued (seen over TCP lanes when a prefill process is
-/// killed mid-transfer) makes the surviving side's libucp assert in `ucp_request_send_state_ff` ("got REP
-/// message") where it was built with assertions, as Debian's 1.13 is.
-pub fn aborts_on_peer_loss_in_wireup(version: (u32, u32, u32)) -> bool {
+/// Whether a libucp of this version can abort the process on the assertion UCX 1.14 removed
+/// (openucx/ucx#8175): a peer that dies while its connection's wireup reply is still queued (seen over TCP
+/// lanes when a prefill process is killed mid-transfer) makes the surviving side's libucp assert in
+/// `ucp_request_send_state_ff` ("got REP message") where it was built with assertions, as Debian's 1.13 is.
+pub fn may_abort_on_peer_loss_in_wireup(version: (u32, u32, u32)) -> bool {
     version < (1, 14, 0)
 }
 
@@ -192,4 +192,18 @@ pub fn whole_message_handler(id: u32, cb: ucp_am_recv_callback_t, arg: *mut c_vo
     hp.cb = cb;
     hp.arg = arg;
     hp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::may_abort_on_peer_loss_in_wireup;
+
+    #[test]
+    fn libucp_before_1_14_is_flagged_for_its_wireup_assertion() {
+        assert!(may_abort_on_peer_loss_in_wireup((1, 13, 1)));
+        assert!(may_abort_on_peer_loss_in_wireup((1, 12, 1)));
+        assert!(!may_abort_on_peer_loss_in_wireup((1, 14, 0)));
+        assert!(!may_abort_on_peer_loss_in_wireup((1, 22, 0)));
+        assert!(!may_abort_on_peer_loss_in_wireup((2, 0, 0)));
+    }
 }
