@@ -286,25 +286,19 @@ with_flashmla() {
     return $rc
 }
 
-phase_sparse_prefill() {
-    local rc=0
+# A benchmark phase next to FlashMLA: `name` (its log, JSON and summary row), its script and extra arguments.
+flashmla_phase() {
+    local name=$1 script=$2 args=$3 rc=0
     with_flashmla || rc=$?
-    python3 bench/gpu/sparse_prefill_bench.py ${SPARSE_PREFILL_BENCH_ARGS:-} --json "$OUTDIR/sparse-prefill.json" \
-        >"$OUTDIR/sparse-prefill.log" 2>&1 || rc=$?
-    grep -v "warning #\|^ *\^\|Remark\|state;\|Deprecation\|  fn()\|prepare(" "$OUTDIR/sparse-prefill.log" || true
-    echo "| sparse-prefill | bench/gpu/sparse_prefill_bench.py | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
-    ((rc == 0)) || FAILED+=(sparse-prefill)
+    python3 "$script" $args --json "$OUTDIR/$name.json" >"$OUTDIR/$name.log" 2>&1 || rc=$?
+    grep -v "warning #\|^ *\^\|Remark\|state;\|Deprecation\|  fn()\|prepare(" "$OUTDIR/$name.log" || true
+    echo "| $name | $script | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+    ((rc == 0)) || FAILED+=("$name")
 }
 
-phase_sparse_mla() {
-    local rc=0
-    with_flashmla || rc=$?
-    python3 bench/gpu/sparse_mla_bench.py ${SPARSE_MLA_BENCH_ARGS:-} --json "$OUTDIR/sparse-mla.json" \
-        >"$OUTDIR/sparse-mla.log" 2>&1 || rc=$?
-    grep -v "warning #\|^ *\^\|Remark\|state;\|Deprecation\|  fn()\|prepare(" "$OUTDIR/sparse-mla.log" || true
-    echo "| sparse-mla | bench/gpu/sparse_mla_bench.py | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
-    ((rc == 0)) || FAILED+=(sparse-mla)
-}
+phase_sparse_prefill() { flashmla_phase sparse-prefill bench/gpu/sparse_prefill_bench.py "${SPARSE_PREFILL_BENCH_ARGS:-}"; }
+
+phase_sparse_mla() { flashmla_phase sparse-mla bench/gpu/sparse_mla_bench.py "${SPARSE_MLA_BENCH_ARGS:-}"; }
 
 phase_gemm() {
     local rc=0

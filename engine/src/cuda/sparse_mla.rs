@@ -143,7 +143,7 @@ pub fn launch_staged(gpu: &Gpu, a: &RawArgs, st: &Staged) -> Result<(), CudaErro
         query_row: st.row_base,
         ..*a
     };
-    launch_as(gpu, &staged, STAGED_KERNEL)
+    launch_as(gpu, &staged, STAGED_KERNEL, 1)
 }
 
 /// The staged form's kernel.
@@ -153,11 +153,13 @@ const STAGED_KERNEL: &str = "tandem_sparse_mla_prefill";
 /// query's selected, in-context tokens whose table entries lie in `0..num_blocks` (zeros, and an lse of
 /// -inf, when there are none). Nothing outside the region and the given arrays is read.
 pub fn launch(gpu: &Gpu, a: &RawArgs) -> Result<(), CudaError> {
-    launch_as(gpu, a, kernel_for(a.heads))
+    launch_as(gpu, a, kernel_for(a.heads), BLOCK_SIZE)
 }
 
-/// [`launch`] with the decode kernel named (the tests check that both forms give the same bits).
-fn launch_as(gpu: &Gpu, a: &RawArgs, kernel: &str) -> Result<(), CudaError> {
+/// [`launch`] with the kernel named (the tests check that the forms give the same bits); `a.num_blocks` counts
+/// units of `rows_per_block` rows (cache blocks of [`BLOCK_SIZE`] entries, or single staged rows), which the
+/// kernel indexes as i32.
+fn launch_as(gpu: &Gpu, a: &RawArgs, kernel: &str, rows_per_block: usize) -> Result<(), CudaError> {
     let bad = |m: String| Err(CudaError::Shape(m));
     if a.heads == 0 || a.topk == 0 || a.split_tiles == 0 {
         return bad(format!(
@@ -169,8 +171,7 @@ fn launch_as(gpu: &Gpu, a: &RawArgs, kernel: &str) -> Result<(), CudaError> {
         return bad(format!("{} queries of {} heads: at most 65535 queries and head blocks", a.queries, a.heads));
     }
     let splits = max_splits(a.topk, a.split_tiles);
-    let block_limit = if kernel == STAGED_KERNEL { i32::MAX as usize } else { i32::MAX as usize / BLOCK_SIZE };
-    if splits > 65_535 || a.topk > i32::MAX as usize || a.num_blocks > block_limit {
+    if splits > 65_535 || a.topk > i32::MAX as usize || a.num_blocks > i32::MAX as usize / rows_per_block {
         return bad(format!("top-k {} ({splits} splits), {} blocks", a.topk, a.num_blocks));
     }
     if splits > 1 && (a.part_o == 0 || a.part_lse == 0) {
@@ -300,7 +301,7 @@ fn decode_as(gpu: &Gpu, a: &Args<'_>, kernel: &str) -> Result<(CudaSlice<f32>, C
         part_o: part_o.device_ptr(st).0,
         part_lse: part_lse.device_ptr(st).0,
     };
-    launch_as(gpu, &raw, kernel)?;
+    launch_as(gpu, &raw, kernel, BLOCK_SIZE)?;
     Ok((out, lse))
 }
 
