@@ -9,6 +9,7 @@ the module, TANDEM_LOOP_DEFINES adds its words to the command line (e.g. "-DNAME
 time variants of a kernel that a macro selects (bench/gpu/*_bench.py load kernels through here too).
 """
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -51,6 +52,87 @@ def set_smem(fn, nbytes):
         fn.max_dynamic_shared_size_bytes = nbytes
     except AttributeError:
         cp.cuda.driver.funcSetAttribute(fn.ptr, 8, nbytes)  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+# engine::cuda::indexer::stages (a -DIDX_STAGES or -DIDX_STAGES_GROUP4 variant sets the same variable here)
+IDX_STAGES = int(os.environ.get("IDX_STAGES", 3))
+IDX_STAGES_GROUP4 = int(os.environ.get("IDX_STAGES_GROUP4", 2))
+
+
+def indexer_smem(max_q):
+    """engine::cuda::indexer::shared_bytes: alignment slack, key stages of 9216 bytes, q tiles, the stages'
+    mbarriers, the CTA's table entries and the queries' lengths, head weights and first-digit counts."""
+    nst = IDX_STAGES_GROUP4 if max_q >= 4 else IDX_STAGES
+    return 1024 + nst * 9216 + max_q * 8192 + nst * 8 + 16 * 4 + 4 * 4 + max_q * (64 * 4 + 1025 * 4)
+
+
+class _TensorMap(ctypes.Structure):
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+_MAPS = {}
+
+
+def indexer_keys_map(pool, num_blocks):
+    """The TMA map the scorer reads an indexer region through: `num_blocks` blocks of 8448 bytes as rows of 128
+    bytes, boxes of one block (66 rows), 128-byte swizzle (engine::cuda::indexer::keys_map)."""
+    key = (pool.data.ptr, num_blocks)
+    if key not in _MAPS:
+        m = _TensorMap()
+        dims = (ctypes.c_uint64 * 2)(128, num_blocks * 66)
+        strides = (ctypes.c_uint64 * 1)(128)
+        box = (ctypes.c_uint32 * 2)(128, 66)
+        elem = (ctypes.c_uint32 * 2)(1, 1)
+        # UINT8, rank 2, interleave none, swizzle 128B, L2 promotion 256B, OOB fill none
+        r = _libcuda().cuTensorMapEncodeTiled(ctypes.byref(m), 0, 2, ctypes.c_void_p(pool.data.ptr), dims, strides,
+                                              box, elem, 0, 3, 3, 0)
+        if r != 0:
+            raise RuntimeError(f"cuTensorMapEncodeTiled: {r}")
+        _MAPS[key] = m
+    return _MAPS[key]
+
+
+_LIBCUDA = []
+
+
+def _libcuda():
+    if not _LIBCUDA:
+        _LIBCUDA.append(ctypes.CDLL("libcuda.so.1"))
+    return _LIBCUDA[0]
+
+
+def launch(fn, grid, block, smem, args):
+    """Launches `fn` (a CuPy RawKernel) on CuPy's current stream through the driver, which takes the tensor-map
+    parameters CuPy's own launch cannot: `args` are CuPy arrays, NumPy scalars, None (a null pointer) or tensor
+    maps."""
+    vals = []
+    for a in args:
+        if isinstance(a, cp.ndarray):
+            vals.append(ctypes.c_uint64(a.data.ptr))
+        elif a is None:
+            vals.append(ctypes.c_uint64(0))
+        elif isinstance(a, np.int64):
+            vals.append(ctypes.c_int64(int(a)))
+        elif isinstance(a, np.int32):
+            vals.append(ctypes.c_int32(int(a)))
+        elif isinstance(a, _TensorMap):
+            vals.append(a)
+        else:
+            raise TypeError(f"launch: argument {a!r}")
+    params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    block = tuple(block) + (1,) * (3 - len(block))
+    f = fn.kernel.ptr if hasattr(fn, "kernel") else fn.ptr  # a RawKernel's CUfunction
+    r = _libcuda().cuLaunchKernel(ctypes.c_void_p(f), *grid, *block, smem,
+                                  ctypes.c_void_p(cp.cuda.get_current_stream().ptr), params, None)
+    if r != 0:
+        raise RuntimeError(f"cuLaunchKernel: error {r}")
+
+
+def indexer_scores(fn, grid, pool, num_blocks, args, smem):
+    """Launches tandem_indexer_scores on CuPy's current stream: its tensor map of `pool`, then `args` (the
+    kernel's other parameters, in order)."""
+    launch(fn, grid, (128,), smem, [indexer_keys_map(pool, num_blocks)] + list(args))
 
 
 def e4m3_codes(x):
@@ -238,7 +320,7 @@ def indexer(tokens, rng):
     out = []
     m_idx, m_topk = module("indexer"), module("topk")
     f_scores, f_topk = m_idx.get_function("tandem_indexer_scores"), m_topk.get_function("tandem_topk_rule")
-    set_smem(f_scores, 7 * BLOCK * dim + 3 * BLOCK * 4 + 4 * 64 * 4 + 4 * 1025 * 4 + 1024)  # shared_bytes(4)
+    set_smem(f_scores, indexer_smem(4))
     set_smem(f_topk, TOPK_SMEM)
     for ctx in (tokens // 2, tokens * 2):
         nblk = ctx // BLOCK
@@ -259,14 +341,14 @@ def indexer(tokens, rng):
         counts, nans = cp.zeros(rows, dtype=cp.int32), cp.zeros(rows, dtype=cp.int32)
 
         groups = cp.asarray(np.array([[r, 1] for r in range(rows)], dtype=np.int32).reshape(-1))
-        smem = 4 * BLOCK * dim + 3 * BLOCK * 4 + 64 * 4 + 1025 * 4 + 1024  # engine::cuda::indexer::shared_bytes(1)
 
         hist = cp.zeros((rows, 2049), dtype=cp.uint32)  # the top-k's first digit, counted by the scorer
 
         def run():
             hist.fill(0)
-            f_scores((-(-nblk // 8), rows), (128,), (q, w, np.int32(heads), pool, table, np.int32(nblk), np.int32(num_blocks), lens,
-                                                      groups, np.int32(1), scores, np.int64(ctx), hist), shared_mem=smem)
+            indexer_scores(f_scores, (-(-nblk // 8), rows), pool, num_blocks,
+                           (q, w, np.int32(heads), table, np.int32(nblk), np.int32(num_blocks), lens, groups, np.int32(1),
+                            scores, np.int64(ctx), hist), indexer_smem(1))
             f_topk((rows,), (1024,), (scores, np.int64(ctx), lens, np.int32(k), pos, counts, nans, hist), shared_mem=TOPK_SMEM)
 
         run()

@@ -36,7 +36,7 @@ _spec.loader.exec_module(kl)
 
 BLOCK, DIM, HEADS, K = 64, 128, 64, 2048
 BLOCK_BYTES = BLOCK * (DIM + 4)
-STAGES, MAX_Q = 3, 4
+MAX_Q = 4
 SCORE_BYTES = 64 << 20
 HIST_WORDS = 2049  # the top-k's first-digit histogram per row, filled by the scorer
 # engine::cuda::topk: the split form's slice, plan record words, resolve shared memory and limits.
@@ -47,7 +47,7 @@ MAX_SPLIT_STRIDE, SPLIT_MAX_ROWS = 64 * SLICE, 512
 
 
 def shared_bytes(max_q):
-    return (STAGES + max_q) * BLOCK * DIM + STAGES * BLOCK * 4 + max_q * HEADS * 4 + max_q * 1025 * 4 + 1024
+    return kl.indexer_smem(max_q)
 
 
 FLUSH = None
@@ -95,9 +95,9 @@ class Kernels:
         """The scorer; `hist` ([rows, 2049] u32) is zeroed and gets the top-k's first-digit counts."""
         ngroups = groups.size // 2
         hist.fill(0)
-        self.scores((-(-max_blocks // 8), ngroups), (128,),
-                    (q, w, np.int32(HEADS), pool, table, np.int32(max_blocks), np.int32(num_blocks), lens, groups,
-                     np.int32(max_q), scores, np.int64(stride), hist), shared_mem=shared_bytes(max_q))
+        kl.indexer_scores(self.scores, (-(-max_blocks // 8), ngroups), pool, num_blocks,
+                          (q, w, np.int32(HEADS), table, np.int32(max_blocks), np.int32(num_blocks), lens, groups,
+                           np.int32(max_q), scores, np.int64(stride), hist), shared_bytes(max_q))
 
     def select(self, scores, stride, lens, rows, pos, counts, nans, hist, plans=None):
         """The top-k; with `plans` ([rows, SPLIT_WORDS] u32) in the split form, as the CUDA backend runs it where

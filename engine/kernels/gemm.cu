@@ -78,21 +78,6 @@
 #define GEMM_STAGES_M64_64 13
 #endif
 
-// A CUDA tensor map (CUtensorMap: 128 opaque bytes, 64-byte aligned), passed by value as a
-// __grid_constant__ parameter and used through its address.
-struct alignas(64) TandemTensorMap {
-    unsigned long long opaque[16];
-};
-
-// A 2-D TMA load of the box at (x: innermost, in elements; y: row) into shared memory, completing on `bar`.
-__device__ __forceinline__ void gemm_tma_2d(u32 dst, const TandemTensorMap* map, int x, int y, u32 bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
-            dst),
-        "l"((unsigned long long)map), "r"(x), "r"(y), "r"(bar)
-        : "memory");
-}
-
 // Keeps the compiler from moving accesses of an accumulator across this point (CUTLASS's
 // warpgroup_fence_operand): the wait has no register operands.
 template <int N>
@@ -256,8 +241,8 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
                     tandem_mbar_expect_tx(bar, STAGE + SA_BYTES);
                     // This CTA's half of the A tile into both CTAs.
                     gemm_tma_2d_pair(a + rank * (A_BYTES / 2), ta, kb * GEMM_BK, m0 + rank * (TM / 2), bar);
-                    gemm_tma_2d(a + A_BYTES, tb, kb * GEMM_BK, nb, bar);
-                    gemm_tma_2d(scales + s * SA_SLOT, tsa, m0 & ~3, kb, bar);
+                    tandem_tma_2d(a + A_BYTES, tb, kb * GEMM_BK, nb, bar);
+                    tandem_tma_2d(scales + s * SA_SLOT, tsa, m0 & ~3, kb, bar);
                 }
             }
         }

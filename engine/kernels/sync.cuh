@@ -5,6 +5,21 @@
 #pragma once
 #include "common.cuh"
 
+// A CUDA tensor map (CUtensorMap: 128 opaque bytes, 64-byte aligned), passed by value as a
+// __grid_constant__ parameter and used through its address.
+struct alignas(64) TandemTensorMap {
+    unsigned long long opaque[16];
+};
+
+// A 2-D TMA load of the box at (x: innermost, in elements; y: row) into shared memory, completing on `bar`.
+__device__ __forceinline__ void tandem_tma_2d(u32 dst, const TandemTensorMap* map, int x, int y, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+            dst),
+        "l"((unsigned long long)map), "r"(x), "r"(y), "r"(bar)
+        : "memory");
+}
+
 __device__ __forceinline__ void tandem_mbar_init(u32 bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }

@@ -169,6 +169,12 @@ thread_local! {
 #[repr(transparent)]
 pub struct TensorMap(sys::CUtensorMap);
 
+impl std::fmt::Debug for TensorMap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TensorMap(..)")
+    }
+}
+
 // SAFETY: a plain 128-byte struct the kernel declares with the same size and a compatible alignment
 // (`TandemTensorMap` in gemm.cu).
 unsafe impl DeviceRepr for TensorMap {}
@@ -250,6 +256,24 @@ impl TensorMap {
             kpad,
             kpad,
             box_rows,
+            BK,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+        )
+    }
+
+    /// An indexer region of `num_blocks` 8448-byte blocks as rows of 128 bytes (a block is 66: its 64 keys,
+    /// then 2 rows of scales), boxes of one block in the 128-byte swizzle wgmma reads
+    /// (`engine/kernels/indexer.cu`).
+    pub fn index_blocks(ptr: u64, num_blocks: usize) -> Result<Self, CudaError> {
+        let rows = crate::cache::BLOCK_SIZE + 2;
+        Self::encode(
+            ptr,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            1,
+            num_blocks * rows,
+            BK,
+            BK,
+            rows,
             BK,
             sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
         )

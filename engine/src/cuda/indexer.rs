@@ -14,7 +14,14 @@ use crate::cache::BLOCK_SIZE;
 /// Must match `IDX_BLOCKS_PER_CTA` (the grid: a CTA of a single query; groups take twice as many and leave
 /// the surplus CTAs at once), `IDX_STAGES`, `IDX_THREADS` and `IDX_MAX_Q` in the kernel.
 const BLOCKS_PER_CTA: usize = 8;
-const STAGES: usize = 3;
+/// `IDX_BLOCKS_PER_CTA_GROUP`: the most blocks a CTA scores (its table entries in shared memory).
+const MAX_BLOCKS_PER_CTA: usize = 16;
+/// `IDX_STAGES` and `IDX_STAGES_GROUP4`: key stages of a launch whose largest group has `max_q` rows.
+const fn stages(max_q: usize) -> usize {
+    if max_q >= 4 { 2 } else { 3 }
+}
+/// `IDX_STAGE_BYTES`: a stage holds one 8448-byte block, 1024-byte aligned.
+const STAGE_BYTES: usize = 9216;
 const THREADS: u32 = 128;
 /// The FP8 indexer block holds 128-wide keys; the MMA takes 64 heads (fewer are padded in the kernel).
 pub const DIM: usize = 128;
@@ -22,19 +29,25 @@ pub const MAX_HEADS: usize = 64;
 /// Rows of one request a CTA scores together.
 pub const MAX_GROUP: usize = 4;
 
-/// Dynamic shared memory of a launch whose largest group has `max_q` rows: key stages and q tiles of 8 KiB,
-/// the stages' key scales, the head weights, each row's first-digit counts (16-bit, two a word), and slack
-/// to align the tiles to 1024 bytes.
+/// Dynamic shared memory of a launch whose largest group has `max_q` rows: slack to align the tiles to 1024
+/// bytes, key stages of one 8448-byte block each (1024-byte aligned), q tiles of 8 KiB, the stages'
+/// mbarriers, the CTA's checked table entries and the rows' lengths, the head weights, and each row's
+/// first-digit counts (16-bit, two a word).
 pub const fn shared_bytes(max_q: usize) -> usize {
-    (STAGES + max_q) * BLOCK_SIZE * DIM
-        + STAGES * BLOCK_SIZE * 4
+    1024 + stages(max_q) * STAGE_BYTES
+        + max_q * BLOCK_SIZE * DIM
+        + stages(max_q) * 8
+        + (MAX_BLOCKS_PER_CTA + MAX_GROUP) * 4
         + max_q * MAX_HEADS * 4
         + max_q * HIST_WORDS.div_ceil(2) * 4
-        + 1024
 }
 
 /// What the kernel may ask for (set on the function when the GPU is opened).
-pub const MAX_SHARED_BYTES: usize = shared_bytes(MAX_GROUP);
+pub const MAX_SHARED_BYTES: usize = max(shared_bytes(MAX_GROUP), shared_bytes(MAX_GROUP - 1));
+
+const fn max(a: usize, b: usize) -> usize {
+    if a > b { a } else { b }
+}
 
 /// The scorer's groups, flattened `(first row, rows)` pairs, of `runs`: each run is a request's consecutive
 /// rows in position order (`first`, `rows`), all reading the block table of the run's last row. Every
@@ -108,6 +121,8 @@ pub fn launch_scores(gpu: &Gpu, a: &RawScoreArgs) -> Result<(), CudaError> {
     if a.ngroups == 0 || a.score_stride == 0 {
         return Ok(());
     }
+    // The region as the kernel's TMA boxes read it (encoded once per region and thread, then cached).
+    let keys = super::gemm::TensorMap::index_blocks(a.index_blocks, a.num_blocks)?;
     launch(
         gpu,
         "tandem_indexer_scores",
@@ -115,10 +130,10 @@ pub fn launch_scores(gpu: &Gpu, a: &RawScoreArgs) -> Result<(), CudaError> {
         THREADS,
         shared_bytes(a.max_q) as u32,
         &[
+            Arg::T(keys),
             Arg::P(a.q),
             Arg::P(a.w),
             Arg::I(a.heads as i32),
-            Arg::P(a.index_blocks),
             Arg::P(a.block_table),
             Arg::I(a.max_blocks as i32),
             Arg::I(a.num_blocks as i32),

@@ -154,8 +154,8 @@ pub const FAMILIES: &[Family] = &[
         source: include_str!("../../kernels/indexer.cu"),
         functions: &["tandem_indexer_scores"],
         externals: &[],
-        // The q . k products as FP8 wgmma on the tensor cores, keys streamed in by 16-byte cp.async.
-        sass_expect: &["QGMMA.64x128x32.F32.E4M3.E4M3", "QGMMA.64x64x32.F32.E4M3.E4M3", "LDGSTS.E.BYPASS.128"],
+        // The q . k products as FP8 wgmma on the tensor cores, key blocks streamed in as TMA boxes.
+        sass_expect: &["QGMMA.64x128x32.F32.E4M3.E4M3", "QGMMA.64x64x32.F32.E4M3.E4M3", "UTMALDG.2D"],
     },
     Family {
         name: "sparse_mla",

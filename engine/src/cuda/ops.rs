@@ -19,6 +19,8 @@ pub enum Arg {
     L(i64),
     F(f32),
     D(f64),
+    /// A TMA tensor map, by value (`__grid_constant__`).
+    T(super::gemm::TensorMap),
 }
 
 /// A device allocation of `T`s with its address.
@@ -223,6 +225,7 @@ pub fn launch(
             Arg::L(v) => b.arg(v),
             Arg::F(v) => b.arg(v),
             Arg::D(v) => b.arg(v),
+            Arg::T(v) => b.arg(v),
         };
     }
     let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
