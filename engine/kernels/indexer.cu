@@ -38,6 +38,9 @@
 #define IDX_BLOCKS_PER_CTA 8         // a CTA of a single query; the grid is sized by it
 #define IDX_BLOCKS_PER_CTA_GROUP 16  // a CTA of a group of 2..4 queries (its q tiles staged once for more keys)
 #define IDX_GROUP_SPAN_MIN_CTAS 1024 // ... in a launch of at least this many CTAs
+#ifndef IDX_SINGLE_SPAN_MIN_BLOCKS
+#define IDX_SINGLE_SPAN_MIN_BLOCKS 1024  // ... and for single queries where the table is this long (64K positions)
+#endif
 #ifndef IDX_STAGES
 #define IDX_STAGES 3          // key stages of a launch whose groups have at most 3 rows
 #endif
@@ -129,28 +132,30 @@ extern "C" __global__ void __launch_bounds__(IDX_THREADS) tandem_indexer_scores(
     u32* const shist = reinterpret_cast<u32*>(wsm + max_q * IDX_HEADS);  // [max_q][IDX_HIST_WORDS] if hist
 
     const int row0 = groups[2 * blockIdx.y], nq = groups[2 * blockIdx.y + 1];
-    int glen = 0;
-    for (int j = 0; j < nq; ++j) glen = max(glen, (int)min((i64)lengths[row0 + j], score_stride));
     // A group of several queries takes twice the key blocks per CTA where the launch has work for more than
     // a few waves (measured on the H100: MTP pairs 6-12% faster from 1024 CTAs up, prefill groups of four
-    // 15-20%; below, fewer CTAs leave SMs idle and it is slower; single queries keep 8 at any size). The grid
-    // is sized for 8, so a group's surplus CTAs leave at once. Which CTA scores a key changes no score
-    // (nothing is combined across CTAs).
-    const int span = nq >= 2 && gridDim.x * gridDim.y >= IDX_GROUP_SPAN_MIN_CTAS ? IDX_BLOCKS_PER_CTA_GROUP
+    // 15-20%; below, fewer CTAs leave SMs idle and it is slower), and so does a single query over tables of
+    // 64K positions or more (H200: 64 x 128K 7% faster; at 32K it was 2% slower). The grid is sized for 8,
+    // so surplus CTAs leave at once. Which CTA scores a key changes no score (nothing is combined across
+    // CTAs).
+    const bool large = gridDim.x * gridDim.y >= IDX_GROUP_SPAN_MIN_CTAS;
+    const int span = large && (nq >= 2 || max_blocks >= IDX_SINGLE_SPAN_MIN_BLOCKS) ? IDX_BLOCKS_PER_CTA_GROUP
                                                                                  : IDX_BLOCKS_PER_CTA;
     const int first = blockIdx.x * span;
+    const int* table = block_table + (i64)(row0 + nq - 1) * max_blocks;
+    // The CTA's table entries are read before the group's lengths are known (the table holds max_blocks
+    // entries a row), so the two loads are in flight together: a CTA's start is on the stream's critical path.
+    const int phys = threadIdx.x < span && first + (int)threadIdx.x < max_blocks ? table[first + threadIdx.x] : -1;
+    int glen = 0;
+    for (int j = 0; j < nq; ++j) glen = max(glen, (int)min((i64)lengths[row0 + j], score_stride));
     const int last = min(min(first + span, (glen + IDX_BLOCK - 1) / IDX_BLOCK), max_blocks);
     if (first >= last) return;
     const int nblk = last - first;
-    const int* table = block_table + (i64)(row0 + nq - 1) * max_blocks;
 
     // The CTA's table entries, checked: an entry outside the region (a caller's bug) reads block 0 instead
     // (the region holds at least one block) and its scores become NaN, which the top-k counts and, past k
     // positions, never selects.
-    if (threadIdx.x < nblk) {
-        const int phys = table[first + threadIdx.x];
-        sphys[threadIdx.x] = phys >= 0 && phys < num_blocks ? phys : -1;
-    }
+    if (threadIdx.x < nblk) sphys[threadIdx.x] = phys >= 0 && phys < num_blocks ? phys : -1;
     if (threadIdx.x < nq) slen[threadIdx.x] = (int)min((i64)lengths[row0 + threadIdx.x], score_stride);
     if (threadIdx.x == 0) {
         asm volatile("prefetch.tensormap [%0];" ::"l"((unsigned long long)&keys) : "memory");
@@ -207,6 +212,9 @@ extern "C" __global__ void __launch_bounds__(IDX_THREADS) tandem_indexer_scores(
         // Queries two at a time: one m64n128 chain over both q tiles (adjacent in shared memory, so they form
         // one 128-row B operand), or one m64n64 chain for the last odd query. A score's products come from
         // the same per-element dot product either way (tested: any grouping gives the same bits).
+#if IDX_NO_COMPUTE
+        if (!valid)  // timing only: the loads without the products
+#endif
         for (int j = 0; j < nq; j += 2) {
             const unsigned long long db = tandem_desc_sw128(tandem_idx_q(base, nst, j));
             if (j + 1 < nq) {
