@@ -54,20 +54,28 @@ def set_smem(fn, nbytes):
         cp.cuda.driver.funcSetAttribute(fn.ptr, 8, nbytes)  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
-# engine::cuda::indexer::stages (a -DIDX_STAGES or -DIDX_STAGES_GROUP4 variant sets the same variable here)
-IDX_STAGES = int(os.environ.get("IDX_STAGES", 3))
-IDX_STAGES_GROUP4 = int(os.environ.get("IDX_STAGES_GROUP4", 2))
+def _loop_define(name, default):
+    """The value of `-DNAME=V` in TANDEM_LOOP_DEFINES (the flags nvcc builds the kernels with), else `default`."""
+    for word in os.environ.get("TANDEM_LOOP_DEFINES", "").split():
+        if word.startswith(f"-D{name}="):
+            return int(word.split("=", 1)[1])
+    return default
 
 
 def indexer_smem(max_q):
-    """engine::cuda::indexer::shared_bytes: alignment slack, key stages of 9216 bytes, q tiles, the stages'
-    mbarriers, the CTA's table entries and the queries' lengths, head weights and first-digit counts."""
-    nst = IDX_STAGES_GROUP4 if max_q >= 4 else IDX_STAGES
+    """engine::cuda::indexer::shared_bytes: alignment slack, key stages of 9216 bytes (engine::cuda::indexer::stages,
+    or a -DIDX_STAGES / -DIDX_STAGES_GROUP4 variant's), q tiles, the stages' mbarriers, the CTA's table entries
+    and the queries' lengths, head weights and first-digit counts."""
+    nst = _loop_define("IDX_STAGES_GROUP4", 2) if max_q >= 4 else _loop_define("IDX_STAGES", 3)
     return 1024 + nst * 9216 + max_q * 8192 + nst * 8 + 16 * 4 + 4 * 4 + max_q * (64 * 4 + 1025 * 4)
 
 
-class _TensorMap(ctypes.Structure):
-    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+class TensorMap:
+    """A CUtensorMap in a 64-byte aligned buffer (the driver's requirement), passed to a kernel by value."""
+
+    def __init__(self):
+        self._buf = ctypes.create_string_buffer(128 + 64)
+        self.addr = (ctypes.addressof(self._buf) + 63) & ~63
 
 
 _MAPS = {}
@@ -75,17 +83,17 @@ _MAPS = {}
 
 def indexer_keys_map(pool, num_blocks):
     """The TMA map the scorer reads an indexer region through: `num_blocks` blocks of 8448 bytes as rows of 128
-    bytes, boxes of one block (66 rows), 128-byte swizzle (engine::cuda::indexer::keys_map)."""
+    bytes, boxes of one block (66 rows), 128-byte swizzle (engine::cuda::gemm::TensorMap::index_blocks)."""
     key = (pool.data.ptr, num_blocks)
     if key not in _MAPS:
-        m = _TensorMap()
+        m = TensorMap()
         dims = (ctypes.c_uint64 * 2)(128, num_blocks * 66)
         strides = (ctypes.c_uint64 * 1)(128)
         box = (ctypes.c_uint32 * 2)(128, 66)
         elem = (ctypes.c_uint32 * 2)(1, 1)
         # UINT8, rank 2, interleave none, swizzle 128B, L2 promotion 256B, OOB fill none
-        r = _libcuda().cuTensorMapEncodeTiled(ctypes.byref(m), 0, 2, ctypes.c_void_p(pool.data.ptr), dims, strides,
-                                              box, elem, 0, 3, 3, 0)
+        r = _libcuda().cuTensorMapEncodeTiled(ctypes.c_void_p(m.addr), 0, 2, ctypes.c_void_p(pool.data.ptr), dims,
+                                              strides, box, elem, 0, 3, 3, 0)
         if r != 0:
             raise RuntimeError(f"cuTensorMapEncodeTiled: {r}")
         _MAPS[key] = m
@@ -115,11 +123,14 @@ def launch(fn, grid, block, smem, args):
             vals.append(ctypes.c_int64(int(a)))
         elif isinstance(a, np.int32):
             vals.append(ctypes.c_int32(int(a)))
-        elif isinstance(a, _TensorMap):
+        elif isinstance(a, TensorMap):
             vals.append(a)
         else:
             raise TypeError(f"launch: argument {a!r}")
-    params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
+    # Each parameter by the address of its value (a tensor map's is its aligned buffer).
+    params = (ctypes.c_void_p * len(vals))(*[v.addr if isinstance(v, TensorMap) else ctypes.cast(ctypes.byref(v),
+                                                                                                   ctypes.c_void_p)
+                                             for v in vals])
     grid = tuple(grid) + (1,) * (3 - len(grid))
     block = tuple(block) + (1,) * (3 - len(block))
     f = fn.kernel.ptr if hasattr(fn, "kernel") else fn.ptr  # a RawKernel's CUfunction
@@ -320,7 +331,7 @@ def indexer(tokens, rng):
     out = []
     m_idx, m_topk = module("indexer"), module("topk")
     f_scores, f_topk = m_idx.get_function("tandem_indexer_scores"), m_topk.get_function("tandem_topk_rule")
-    set_smem(f_scores, indexer_smem(4))
+    set_smem(f_scores, max(indexer_smem(m) for m in range(1, 5)))
     set_smem(f_topk, TOPK_SMEM)
     for ctx in (tokens // 2, tokens * 2):
         nblk = ctx // BLOCK

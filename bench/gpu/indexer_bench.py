@@ -79,7 +79,7 @@ def copy_bandwidth():
 class Kernels:
     def __init__(self):
         self.scores = kl.module("indexer").get_function("tandem_indexer_scores")
-        kl.set_smem(self.scores, shared_bytes(MAX_Q))
+        kl.set_smem(self.scores, max(shared_bytes(m) for m in range(1, MAX_Q + 1)))
         mod = kl.module("topk")
         self.topk = mod.get_function("tandem_topk_rule")
         kl.set_smem(self.topk, kl.TOPK_SMEM)
