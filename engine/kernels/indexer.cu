@@ -5,14 +5,15 @@
 //
 // Rows come in groups: up to IDX_MAX_Q consecutive rows that share one block table (a decode token and its
 // MTP draft, or up to four prompt tokens of one prefill chunk), so a key block read from memory serves every
-// query of the group. A CTA is one warpgroup; it owns IDX_BLOCKS_PER_CTA (8; 16 for a group of several
-// queries in a large launch) consecutive key blocks of one group. One thread streams them into shared memory
-// as TMA boxes, two blocks in flight (one for groups of 4): the layer's region is a tensor map of 128-byte rows (a block
-// is 66 of them: 64 keys, then 2 rows of scales), so a block is one box of 66 rows, stored in the
-// 128-byte-swizzled K-major layout wgmma reads and counted on its stage's mbarrier. (The keys came in by
-// 16-byte cp.async before, 5 per thread and block: their addresses, the swizzle and the waits were a third
-// of the kernel's instructions.) Each query's q tile (64 heads x 128, zero heads past `heads`) is staged the
-// same way once. Per key block, four wgmma k-steps of m64n128k32 e4m3 for a pair of queries (their q tiles
+// query of the group. A CTA is one warpgroup; it owns IDX_BLOCKS_PER_CTA (8; 16 in a large launch for a
+// group of several queries, or for single queries over tables of at least 1024 blocks) consecutive key
+// blocks of one group. One thread streams them into shared memory as TMA boxes, two blocks in flight (one
+// for groups of 4): the layer's region is a tensor map of 128-byte rows (a block is 66 of them: 64 keys,
+// then 2 rows of scales), so a block is one box of 66 rows, stored in the 128-byte-swizzled K-major layout
+// wgmma reads and counted on its stage's mbarrier. (The keys came in by 16-byte cp.async before, 5 per
+// thread and block: their addresses, the swizzle and the waits were a third of the kernel's instructions.)
+// Each query's q tile (64 heads x 128, zero heads past `heads`) is written once by the CTA's threads into
+// the same swizzled layout. Per key block, four wgmma k-steps of m64n128k32 e4m3 for a pair of queries (their q tiles
 // adjacent) or m64n64k32 for a single one (f32 accumulators: 64 tokens x 64 heads) give every q . k
 // product; the epilogue applies ReLU and the head weights in registers and sums the heads in the fixed order
 // of docs/model.md §2.3 (four interleaved partial sums, then a two-level butterfly), which the CPU backend's
@@ -20,8 +21,9 @@
 //
 // Batch invariance: a query's products are per-element dot products of its q row and the key over the
 // same four k-steps whichever group or batch it is in (pairs of queries share one m64n128 instruction, a
-// single query takes m64n64: the tests check both give the same bits); the CTA split depends only on the
-// group's lengths; no score is combined across CTAs.
+// single query takes m64n64: the tests check both give the same bits); which CTA scores a key (the split
+// depends on the group's lengths, the table width and the launch's size) changes no score, since no score
+// is combined across CTAs.
 //
 // Given a histogram buffer, the epilogue also counts each score's first radix digit (the top 11 bits of its
 // order-preserving key, topk_key.cuh) for the top-k rule, which then skips its own first pass over the row:
@@ -47,6 +49,8 @@
 #ifndef IDX_STAGES_GROUP4
 #define IDX_STAGES_GROUP4 2   // ... and of a launch with groups of 4: three CTAs an SM instead of two
 #endif
+// IDX_NO_COMPUTE=1 (timing only, bench/RESULTS.md): the key blocks are loaded but valid ones get no products,
+// scores or counts, to measure the load pipeline alone. Never set in a build the engine uses.
 #define IDX_THREADS 128
 #define IDX_TILE (IDX_BLOCK * IDX_DIM)          // 8 KB: one block's keys or one query's q tile
 #define IDX_BLOCK_ROWS (IDX_BLOCK + 2)          // a block as 128-byte rows of the tensor map: keys, then scales
@@ -212,7 +216,7 @@ extern "C" __global__ void __launch_bounds__(IDX_THREADS) tandem_indexer_scores(
         // Queries two at a time: one m64n128 chain over both q tiles (adjacent in shared memory, so they form
         // one 128-row B operand), or one m64n64 chain for the last odd query. A score's products come from
         // the same per-element dot product either way (tested: any grouping gives the same bits).
-#if IDX_NO_COMPUTE
+#if defined(IDX_NO_COMPUTE) && IDX_NO_COMPUTE
         if (!valid)  // timing only: the loads without the products
 #endif
         for (int j = 0; j < nq; j += 2) {

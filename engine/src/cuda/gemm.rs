@@ -176,7 +176,7 @@ impl std::fmt::Debug for TensorMap {
 }
 
 // SAFETY: a plain 128-byte struct the kernel declares with the same size and a compatible alignment
-// (`TandemTensorMap` in gemm.cu).
+// (`TandemTensorMap` in sync.cuh).
 unsafe impl DeviceRepr for TensorMap {}
 
 impl TensorMap {

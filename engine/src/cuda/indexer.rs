@@ -11,8 +11,9 @@ use super::topk::HIST_WORDS;
 use super::{CudaError, Gpu};
 use crate::cache::BLOCK_SIZE;
 
-/// Must match `IDX_BLOCKS_PER_CTA` (the grid: a CTA of a single query; groups take twice as many and leave
-/// the surplus CTAs at once), `IDX_STAGES`, `IDX_THREADS` and `IDX_MAX_Q` in the kernel.
+/// Must match `IDX_BLOCKS_PER_CTA` (the grid: 8 blocks a CTA; in large launches groups, and single queries
+/// over tables of 1024 blocks or more, take 16 and the surplus CTAs leave at once), `IDX_THREADS` and
+/// `IDX_MAX_Q` in the kernel.
 const BLOCKS_PER_CTA: usize = 8;
 /// `IDX_BLOCKS_PER_CTA_GROUP`: the most blocks a CTA scores (its table entries in shared memory).
 const MAX_BLOCKS_PER_CTA: usize = 16;
@@ -41,6 +42,10 @@ pub const fn shared_bytes(max_q: usize) -> usize {
         + max_q * MAX_HEADS * 4
         + max_q * HIST_WORDS.div_ceil(2) * 4
 }
+
+/// The most blocks an indexer region may hold: the kernel addresses a block's first row of the tensor map
+/// (66 rows a block) with a 32-bit signed coordinate.
+pub const MAX_REGION_BLOCKS: usize = i32::MAX as usize / (BLOCK_SIZE + 2);
 
 /// What the kernel may ask for (set on the function when the GPU is opened).
 pub const MAX_SHARED_BYTES: usize = max(shared_bytes(MAX_GROUP), shared_bytes(MAX_GROUP - 1));
@@ -108,8 +113,12 @@ pub fn launch_scores(gpu: &Gpu, a: &RawScoreArgs) -> Result<(), CudaError> {
     if a.max_q == 0 || a.max_q > MAX_GROUP {
         return bad(format!("groups of {} rows: 1 to {MAX_GROUP}", a.max_q));
     }
-    if a.ngroups > 65_535 || a.num_blocks > i32::MAX as usize || a.max_blocks > i32::MAX as usize {
-        return bad(format!("{} groups (at most 65535 per launch), {} blocks", a.ngroups, a.num_blocks));
+    if a.ngroups > 65_535 || a.max_blocks > i32::MAX as usize {
+        return bad(format!("{} groups (at most 65535 per launch), {} table entries a row", a.ngroups, a.max_blocks));
+    }
+    // The kernel's TMA row coordinate (66 rows a block) is a 32-bit signed integer.
+    if a.num_blocks > MAX_REGION_BLOCKS {
+        return bad(format!("an indexer region of {} blocks: at most {MAX_REGION_BLOCKS}", a.num_blocks));
     }
     if a.score_stride > a.max_blocks * BLOCK_SIZE {
         return bad(format!(
@@ -393,6 +402,48 @@ mod tests {
                     r.len
                 );
             }
+        }
+    }
+
+    /// Launches of at least 1024 CTAs take 16 key blocks a CTA for groups of queries and for single queries
+    /// over tables of at least 1024 blocks: each row still gets the CPU's bits.
+    #[test]
+    fn wide_spans_of_large_launches_give_the_cpu_scores_bit_for_bit() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        // A prefill group of four causal rows and a decode pair, each sharing a table, and six single rows:
+        // eight groups over tables of 1100 blocks, 8 x 138 CTAs.
+        let top = 1100 * BLOCK_SIZE;
+        let lens = vec![
+            top - 3,
+            top - 2,
+            top - 1,
+            top,
+            top - 64,
+            top - 63,
+            top,
+            top - 1,
+            top - 100,
+            70_001,
+            64 * 1024,
+            top - 7,
+        ];
+        let mut c = case(&mut rng, 8, &lens, true);
+        let four = c.rows[3].table.clone();
+        for r in &mut c.rows[..4] {
+            r.table = four.clone();
+        }
+        let pair = c.rows[5].table.clone();
+        c.rows[4].table = pair;
+        let grouping = groups([(0, 4), (4, 2)].into_iter().chain((6..lens.len()).map(|r| (r, 1))));
+        assert!(grouping.len() / 2 * c.rows[0].table.len().div_ceil(BLOCKS_PER_CTA) >= 1024);
+        for (r, got) in gpu_scores_grouped(&gpu, &c, &grouping).iter().enumerate() {
+            let want = cpu_row(&c, &c.rows[r], 8);
+            assert!(
+                got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "row {r} len {} (seed {seed})",
+                c.rows[r].len
+            );
         }
     }
 
