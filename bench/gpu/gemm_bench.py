@@ -75,32 +75,39 @@ class TensorMap(ctypes.Structure):
     _fields_ = [("opaque", ctypes.c_uint64 * 16)]
 
 
+def _encoded(encode, what):
+    """A TensorMap filled by `encode(address)` at a 64-byte aligned address (the driver's requirement for the
+    encoder; a kernel parameter is copied from wherever it lies)."""
+    buf = ctypes.create_string_buffer(128 + 64)
+    addr = (ctypes.addressof(buf) + 63) & ~63
+    check(encode(ctypes.c_void_p(addr)), what)
+    m = TensorMap()
+    ctypes.memmove(ctypes.byref(m), addr, 128)
+    return m
+
+
 def tensor_map(t, rows, cols, box_rows):
     """A 2-D TMA map of the u8 matrix `t` [rows, cols] with a [box_rows x 128] box, 128-byte swizzle, zero fill."""
-    m = TensorMap()
     dims = (ctypes.c_uint64 * 2)(cols, rows)
     strides = (ctypes.c_uint64 * 1)(cols)
     box = (ctypes.c_uint32 * 2)(BK, box_rows)
     elem = (ctypes.c_uint32 * 2)(1, 1)
     # UINT8, rank 2, interleave none, swizzle 128B (3), L2 promotion 256B (3), OOB fill none (zeros)
-    check(_cuda.cuTensorMapEncodeTiled(ctypes.byref(m), 0, 2, ctypes.c_void_p(t.data_ptr()), dims, strides, box, elem,
-                                       0, 3, 3, 0), "cuTensorMapEncodeTiled")
-    return m
+    return _encoded(lambda at: _cuda.cuTensorMapEncodeTiled(at, 0, 2, ctypes.c_void_p(t.data_ptr()), dims, strides, box,
+                                                            elem, 0, 3, 3, 0), "cuTensorMapEncodeTiled")
 
 
 def scale_map(sa_t, rows):
     """A 2-D TMA map of the transposed activation scales sa_t [groups, ld] (f32, ld >= rows, a multiple of 4)
     with a [1 x SCALE_BOX] box: one K block's scales of a row tile (from its first row rounded down to a multiple
     of 4: engine::cuda::gemm::SCALE_BOX), zero past `rows`."""
-    m = TensorMap()
     dims = (ctypes.c_uint64 * 2)(rows, sa_t.shape[0])
     strides = (ctypes.c_uint64 * 1)(sa_t.shape[1] * 4)
     box = (ctypes.c_uint32 * 2)(SCALE_BOX, 1)
     elem = (ctypes.c_uint32 * 2)(1, 1)
     # FLOAT32 (7), no swizzle, no L2 promotion
-    check(_cuda.cuTensorMapEncodeTiled(ctypes.byref(m), 7, 2, ctypes.c_void_p(sa_t.data_ptr()), dims, strides, box,
-                                       elem, 0, 0, 0, 0), "cuTensorMapEncodeTiled (scales)")
-    return m
+    return _encoded(lambda at: _cuda.cuTensorMapEncodeTiled(at, 7, 2, ctypes.c_void_p(sa_t.data_ptr()), dims, strides,
+                                                            box, elem, 0, 0, 0, 0), "cuTensorMapEncodeTiled (scales)")
 
 
 def transposed_scales(sa):
