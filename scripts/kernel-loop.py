@@ -70,12 +70,9 @@ def indexer_smem(max_q):
     return 1024 + nst * 9216 + max_q * 8192 + nst * 8 + 16 * 4 + 4 * 4 + max_q * (64 * 4 + 1025 * 4)
 
 
-class TensorMap:
-    """A CUtensorMap in a 64-byte aligned buffer (the driver's requirement), passed to a kernel by value."""
-
-    def __init__(self):
-        self._buf = ctypes.create_string_buffer(128 + 64)
-        self.addr = (ctypes.addressof(self._buf) + 63) & ~63
+class TensorMap(ctypes.Structure):
+    """A CUtensorMap (128 opaque bytes), passed to a kernel by value."""
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
 
 
 _MAPS = {}
@@ -86,16 +83,20 @@ def indexer_keys_map(pool, num_blocks):
     bytes, boxes of one block (66 rows), 128-byte swizzle (engine::cuda::gemm::TensorMap::index_blocks)."""
     key = (pool.data.ptr, num_blocks)
     if key not in _MAPS:
-        m = TensorMap()
         dims = (ctypes.c_uint64 * 2)(128, num_blocks * 66)
         strides = (ctypes.c_uint64 * 1)(128)
         box = (ctypes.c_uint32 * 2)(128, 66)
         elem = (ctypes.c_uint32 * 2)(1, 1)
-        # UINT8, rank 2, interleave none, swizzle 128B, L2 promotion 256B, OOB fill none
-        r = _libcuda().cuTensorMapEncodeTiled(ctypes.c_void_p(m.addr), 0, 2, ctypes.c_void_p(pool.data.ptr), dims,
+        # The encoder writes at a 64-byte aligned address (the driver's requirement); a kernel parameter is
+        # copied from wherever it lies. UINT8, rank 2, interleave none, swizzle 128B, L2 promotion 256B, no OOB fill.
+        buf = ctypes.create_string_buffer(128 + 64)
+        at = (ctypes.addressof(buf) + 63) & ~63
+        r = _libcuda().cuTensorMapEncodeTiled(ctypes.c_void_p(at), 0, 2, ctypes.c_void_p(pool.data.ptr), dims,
                                               strides, box, elem, 0, 3, 3, 0)
         if r != 0:
             raise RuntimeError(f"cuTensorMapEncodeTiled: {r}")
+        m = TensorMap()
+        ctypes.memmove(ctypes.byref(m), at, 128)
         _MAPS[key] = m
     return _MAPS[key]
 
@@ -127,10 +128,7 @@ def launch(fn, grid, block, smem, args):
             vals.append(a)
         else:
             raise TypeError(f"launch: argument {a!r}")
-    # Each parameter by the address of its value (a tensor map's is its aligned buffer).
-    params = (ctypes.c_void_p * len(vals))(*[v.addr if isinstance(v, TensorMap) else ctypes.cast(ctypes.byref(v),
-                                                                                                   ctypes.c_void_p)
-                                             for v in vals])
+    params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
     grid = tuple(grid) + (1,) * (3 - len(grid))
     block = tuple(block) + (1,) * (3 - len(block))
     f = fn.kernel.ptr if hasattr(fn, "kernel") else fn.ptr  # a RawKernel's CUfunction
