@@ -218,17 +218,30 @@ fn moving_eplb() -> engine::eplb::EplbConfig {
     }
 }
 
-/// One prefill of a short prompt: a step of the group.
+/// One prefill of a short prompt, then one decode step of it: two steps of the group. The decode pass has
+/// the same shape every time, so from the second on it replays a CUDA graph holding the exchanges'
+/// collectives: a lost rank must end that replay too.
 fn one_step(s: &Served) -> Result<(), engine::EngineError> {
     let toks: Vec<u32> = (0..24).map(|i| 7 + i).collect();
-    let t = s.pool.reserve("step", toks.len()).unwrap();
-    let r = s.b.prefill(
-        &s.cache,
-        &[SeqInput { tokens: &toks, start: 0, blocks: &t.blocks, logits: Logits::Last }],
-        &mut |_, _| {},
-    );
+    let t = s.pool.reserve("step", toks.len() + 1).unwrap();
+    let run = || -> Result<(), engine::EngineError> {
+        let item = SeqInput { tokens: &toks, start: 0, blocks: &t.blocks, logits: Logits::Last };
+        let o = s.b.prefill(&s.cache, &[item], &mut |_, _| {})?;
+        s.b.rows_to_host(&o[0].logits)?;
+        let next = [7u32];
+        let item = SeqInput { tokens: &next, start: toks.len(), blocks: &t.blocks, logits: Logits::Last };
+        let o = s.b.decode(&s.cache, &[item])?;
+        s.b.rows_to_host(&o[0].logits).map(drop)
+    };
+    let r = run();
     s.pool.release("step").unwrap();
-    r.map(|o| drop(s.b.rows_to_host(&o[0].logits)))
+    r
+}
+
+/// The backend's decode graphs as `captures replays`.
+fn graph_counts(b: &dyn Backend) -> String {
+    let g = b.decode_graphs().unwrap_or_default();
+    format!("{} {}", g.captures, g.replays)
 }
 
 /// A rank (`TANDEM_EP_TEST_MODE`): `equal` runs its requests under EP-2 and writes the trace; `fault` steps
@@ -246,6 +259,7 @@ fn rank_main(rank: usize) {
             if let Some(st) = b.eplb_stats() {
                 write_whole(&format!("{out}.eplb"), &format!("{} {}", st.layers_moved, st.copies_received));
             }
+            write_whole(&format!("{out}.graphs"), &graph_counts(&*b));
             write_whole(&out, &encode(&t));
         }
         "fault" => {
@@ -258,6 +272,8 @@ fn rank_main(rank: usize) {
                         n += 1;
                         last = Instant::now();
                         if n == 3 {
+                            let g = s.b.decode_graphs().unwrap_or_default();
+                            assert!(g.replays > 0, "rank {rank}: the decode steps replay no graph: {g:?}");
                             std::fs::write(format!("{out}.stepping"), "").unwrap();
                         }
                     }
@@ -265,6 +281,9 @@ fn rank_main(rank: usize) {
                 }
             };
             let waited = last.elapsed().as_secs_f64();
+            // As a worker does on a group failure: it leaves the group (its decode graphs dropped, the
+            // communicator aborted), then ends its requests; nothing here may wait for NCCL's abort.
+            s.b.leave_group("the test's rank stops");
             let group = matches!(err, engine::EngineError::GroupDown(_));
             write_whole(
                 &out,
@@ -353,8 +372,9 @@ fn two_gpus_or_skip() -> bool {
     false
 }
 
-/// Rank 1 stopped (`STOP`) or killed (`KILL`) mid-run: rank 0's step fails within seconds (its watchdog
-/// aborts the communicator), and the two form a new group (rank 1 restarted) that steps again.
+/// Rank 1 stopped (`STOP`) or killed (`KILL`) mid-run, or (`EXIT`) exiting on its own just before it
+/// would replay a decode graph that rank 0 then replays alone: rank 0's step fails within seconds (its
+/// watchdog aborts the communicator), and the two form a new group (rank 1 restarted) that steps again.
 fn fault_case(signal: &str) {
     let _gpus = gpus_lock();
     let dir = tempfile::tempdir().unwrap();
@@ -363,25 +383,36 @@ fn fault_case(signal: &str) {
     let (p1, p2) = (free_port(), free_port());
     let env = |r: usize| vec![("TANDEM_EP_TEST_SPEC", spec(r, p1)), ("TANDEM_EP_TEST_SPEC2", spec(r, p2))];
     let mut r0 = spawn_rank(dir.path(), 0, "fault", &env(0));
-    let mut r1 = spawn_rank(dir.path(), 1, "fault", &env(1));
+    let mut env1 = env(1);
+    if signal == "EXIT" {
+        // Past the steps that write `stepping` (a replay each from the second).
+        env1.push((engine::cuda::ep::FAULT_EXIT_AT_REPLAY, "5".into()));
+    }
+    let mut r1 = spawn_rank(dir.path(), 1, "fault", &env1);
     let stepping = |r: usize| dir.path().join(format!("fault-rank{r}.txt.stepping")).exists();
     let deadline = Instant::now() + Duration::from_secs(120);
     while !(stepping(0) && stepping(1)) {
         assert!(Instant::now() < deadline, "the ranks did not start stepping within 120 s");
-        assert!(r0.try_wait().unwrap().is_none() && r1.try_wait().unwrap().is_none(), "a rank exited early");
+        let exited = r1.try_wait().unwrap().is_some() && signal != "EXIT";
+        assert!(r0.try_wait().unwrap().is_none() && !exited, "a rank exited early");
         std::thread::sleep(Duration::from_millis(20));
     }
     let hit = Instant::now();
-    let st = Command::new("kill").args([&format!("-{signal}"), &r1.id().to_string()]).status().unwrap();
-    assert!(st.success(), "kill -{signal}");
+    if signal == "EXIT" {
+        let st = r1.wait().unwrap();
+        assert_eq!(st.code(), Some(3), "rank 1 exits at its fifth agreed replay");
+    } else {
+        let st = Command::new("kill").args([&format!("-{signal}"), &r1.id().to_string()]).status().unwrap();
+        assert!(st.success(), "kill -{signal}");
+    }
     let out0 = dir.path().join("fault-rank0.txt");
     while !std::fs::read_to_string(&out0).is_ok_and(|o| o.starts_with("error")) {
-        assert!(hit.elapsed() < Duration::from_secs(60), "rank 0 still steps 60 s after rank 1 got SIG{signal}");
+        assert!(hit.elapsed() < Duration::from_secs(60), "rank 0 still steps 60 s after rank 1's fault ({signal})");
         std::thread::sleep(Duration::from_millis(20));
     }
     let after = hit.elapsed().as_secs_f64();
     let msg = std::fs::read_to_string(&out0).unwrap();
-    eprintln!("SIG{signal}: rank 0's step failed {after:.2} s after the signal: {}", msg.trim());
+    eprintln!("{signal}: rank 0's step failed {after:.2} s after rank 1's fault: {}", msg.trim());
     assert!(msg.contains("(group down: true)"), "rank 0's error is the group's, not its device's: {msg}");
     // Restart all ranks: rank 1 anew, rank 0 (already rejoining) with it.
     drop(r1.kill());
@@ -422,9 +453,11 @@ fn a_group_of_one_gives_the_plain_backends_logits_bit_for_bit() {
     let seed = 7;
     let Some((ckpt, cache, want)) = plain_trace(dir.path(), seed) else { return };
     let ep = EpConfig::parse(&format!("0/1@127.0.0.1:{}", free_port())).unwrap();
-    let grouped = CudaBackend::load_ep(&ckpt, Precision::Fp8, 0, &cache, &ep).unwrap();
+    let grouped = Arc::new(CudaBackend::load_ep(&ckpt, Precision::Fp8, 0, &cache, &ep).unwrap());
     assert!(grouped.ep_group().is_some());
-    assert!(encode(&run(Arc::new(grouped), &[0, 1, 2, 3], seed)) == want, "EP-1 differs from the plain backend");
+    assert!(encode(&run(grouped.clone(), &[0, 1, 2, 3], seed)) == want, "EP-1 differs from the plain backend");
+    let g = grouped.decode_graphs().unwrap();
+    assert!(g.captures > 0 && g.replays > 0, "the decode passes ran as CUDA graphs: {g:?}");
 }
 
 /// A group of one with load balancing: the experts' copies move between its slots at nearly every step
@@ -469,6 +502,15 @@ fn a_group_of_one_with_dual_batch_overlap_gives_the_plain_backends_logits_bit_fo
     let micro_b = stages.iter().filter(|s| s.micro == 1 && s.what == "experts").count();
     assert!(on_comm > 0 && micro_b > 0, "no overlapped pass ran: {} stages", stages.len());
     assert!(stages.iter().all(|s| s.end_ms >= s.start_ms && s.start_ms >= 0.0));
+    assert_eq!(b.decode_graphs().unwrap().replays, 0, "timed stages are read per launch: no graph");
+    // Not timed, the overlapped decode passes (both streams) are captured and replayed: the same bits.
+    b.record_timeline(false);
+    drop(b);
+    let ep = EpConfig { dbo: Dbo::On, ..EpConfig::parse(&format!("0/1@127.0.0.1:{}", free_port())).unwrap() };
+    let b = Arc::new(CudaBackend::load_ep(&ckpt, Precision::Fp8, 0, &cache, &ep).unwrap());
+    assert!(encode(&run(b.clone(), &[0, 1, 2, 3], seed)) == want, "EP-1 overlapped in CUDA graphs differs");
+    let g = b.decode_graphs().unwrap();
+    assert!(g.captures > 0 && g.replays > 0, "the overlapped decode passes ran as CUDA graphs: {g:?}");
 }
 
 /// Bad load-balancing settings are refused when the backend loads, with the reason.
@@ -522,6 +564,16 @@ fn a_stopped_rank_ends_the_others_steps_and_the_group_is_formed_again() {
         return;
     }
     fault_case("STOP");
+}
+
+/// Rank 0 replays a decode graph whose exchanges wait for rank 1, which is gone: the watchdog's abort ends
+/// the graph's collectives, the step fails, and the group forms again.
+#[test]
+fn a_rank_lost_while_the_other_replays_a_decode_graph_ends_its_step_and_the_group_is_formed_again() {
+    if std::env::var(RANK).is_ok() || !two_gpus_or_skip() {
+        return;
+    }
+    fault_case("EXIT");
 }
 
 #[test]
@@ -589,6 +641,14 @@ fn two_ranks_against_one_gpu(eplb: bool, dbo: bool) {
         (0..2).map(|r| (format!("equal-rank{r}"), spawn_rank(dir.path(), r, "equal", &env(r)))).collect();
     wait_all(dir.path(), &mut kids, 300);
     let outs: Vec<PathBuf> = (0..2).map(|r| dir.path().join(format!("equal-rank{r}.txt"))).collect();
+    for (r, o) in outs.iter().enumerate() {
+        let g = std::fs::read_to_string(o.with_extension("txt.graphs")).unwrap();
+        let (captures, replays): (u64, u64) =
+            g.split_once(' ').map(|(a, b)| (a.parse().unwrap(), b.parse().unwrap())).unwrap();
+        eprintln!("rank {r}: {captures} decode graphs captured, {replays} replayed");
+        // Load balancing moves experts at nearly every step, and a move drops the graphs.
+        assert!(eplb || (captures > 0 && replays > 0), "rank {r}: the decode passes ran as CUDA graphs");
+    }
     if eplb {
         for (r, o) in outs.iter().enumerate() {
             let st = std::fs::read_to_string(o.with_extension("txt.eplb")).unwrap();

@@ -246,6 +246,11 @@ struct ScorePlan {
 }
 
 /// Blocks of the longest block-table row a call over `items` needs.
+/// Device memory a whole-step graph of `layers` layers is expected to hold ([`CudaBackend::graph_bytes_each`]).
+fn graph_bytes(layers: usize) -> u64 {
+    (48 * layers as u64 + 32) * 3 * 1024
+}
+
 fn table_blocks(items: &[Item<'_>]) -> usize {
     items.iter().map(|it| (it.start + it.n).div_ceil(BLOCK_SIZE)).max().unwrap_or(1)
 }
@@ -349,6 +354,12 @@ impl CudaBackend {
             let spare = r.slots.as_ref().map_or(0, |t| t.per_rank.saturating_sub(cfg.n_routed_experts / shard.world));
             r.experts.down.groups().saturating_sub(spare)
         });
+        let mut graphs = Graphs::new(graphs::enabled_by_env());
+        if ep.is_some() {
+            // Every rank evicts the same graphs at the same call (the plan agreement also catches a rank
+            // whose graphs differ, at the cost of a capture).
+            graphs.charge_each(graph_bytes(w.layers.len() + usize::from(w.mtp.is_some())));
+        }
         Ok(CudaBackend {
             balancer,
             dbo,
@@ -375,7 +386,7 @@ impl CudaBackend {
             ep,
             ep_cap: Default::default(),
             ep_step: Default::default(),
-            graphs: Mutex::new(Graphs::new(graphs::enabled_by_env())),
+            graphs: Mutex::new(graphs),
             whole_steps: std::env::var("TANDEM_WHOLE_STEP").map_or(true, |v| v != "0").into(),
         })
     }
@@ -607,6 +618,19 @@ impl CudaBackend {
         form: AttnForm,
         pad: Option<Pad>,
     ) -> Result<Inputs, EngineError> {
+        self.padded_inputs(ws, items, form, pad, None)
+    }
+
+    /// [`inputs`](Self::inputs) where padding rows may attend to `fill` (position 0 of that block) when
+    /// `items` is empty: an overlapped pass's second micro-batch of padding alone.
+    fn padded_inputs(
+        &self,
+        ws: &mut Workspace,
+        items: &[Item<'_>],
+        form: AttnForm,
+        pad: Option<Pad>,
+        fill: Option<BlockId>,
+    ) -> Result<Inputs, EngineError> {
         let s = self.stream();
         let real: usize = items.iter().map(|it| it.n).sum();
         let needed = table_blocks(items);
@@ -639,6 +663,7 @@ impl CudaBackend {
             let first = items
                 .first()
                 .and_then(|it| it.blocks.first())
+                .or(fill.as_ref())
                 .ok_or_else(|| EngineError::InvalidInput("padding rows need a request with a block".into()))?;
             for r in real..rows {
                 positions.push(0);
@@ -717,20 +742,23 @@ impl CudaBackend {
         })
     }
 
-    /// The padded shape a decode pass over `items` is captured at, or `None` where it runs eagerly: graphs
-    /// off, another form than decode, expert parallelism (its exchanges agree on counts on the host),
-    /// selections recorded or kernels profiled (both read per launch), an item of more than two rows
-    /// (a replayed prefill chunk), or more rows than [`graphs::MAX_ROWS`].
-    fn graph_shape(&self, items: &[Item<'_>], form: AttnForm) -> Option<Pad> {
+    /// Whether a pass over `items` in `form` may run as a CUDA graph on this backend: graphs on, the decode
+    /// form, no selections recorded, kernels profiled or overlap stages timed (all read per launch), and no
+    /// item of more than two rows (a replayed prefill chunk).
+    fn graph_able(&self, items: &[Item<'_>], form: AttnForm) -> bool {
         let on = self.graphs.lock().unwrap_or_else(|p| p.into_inner()).enabled();
-        if !on
-            || form != AttnForm::Decode
-            || self.ep.is_some()
-            || self.selections.is_some()
-            || self.gpu.profiler().is_on()
-            || items.is_empty()
-            || items.iter().any(|it| it.n > graphs::MAX_ROWS_PER_REQUEST)
-        {
+        on && form == AttnForm::Decode
+            && self.selections.is_none()
+            && !self.gpu.profiler().is_on()
+            && !self.ep.as_ref().is_some_and(EpGroup::recording_timeline)
+            && !items.is_empty()
+            && items.iter().all(|it| it.n <= graphs::MAX_ROWS_PER_REQUEST)
+    }
+
+    /// The padded shape a decode pass over `items` is captured at on one GPU, or `None` where it runs
+    /// eagerly: not [`graph_able`](Self::graph_able), or more rows than [`graphs::MAX_ROWS`].
+    fn graph_shape(&self, items: &[Item<'_>], form: AttnForm) -> Option<Pad> {
+        if self.ep.is_some() || !self.graph_able(items, form) {
             return None;
         }
         let real: usize = items.iter().map(|it| it.n).sum();
@@ -745,43 +773,122 @@ impl CudaBackend {
         Some(Pad { rows, width: graphs::width_bucket(table_blocks(items)) })
     }
 
+    /// The padded shape `pass` over `items` runs at as a graph ([`graph_shape`](Self::graph_shape)); under
+    /// expert parallelism, agreed by every rank ([`EpGroup::agree_graph_shape`]): the decode-form passes
+    /// ([`Pass::Main`], [`Pass::Mtp`]) whose agreed most rows have a row bucket are captured where every rank
+    /// can and has rows, each rank padded to that bucket and to the widest rank's table width, so all ranks
+    /// run the same graphs together (their exchanges' collectives are in them). Called after
+    /// [`begin`](Self::begin); a rank without rows joins with [`ep_join_graph`](Self::ep_join_graph).
+    fn pass_shape(&self, items: &[Item<'_>], form: AttnForm, pass: Pass) -> Result<Option<Pad>, EngineError> {
+        let Some(ep) = &self.ep else { return Ok(self.graph_shape(items, form)) };
+        let Some(rows) = self.ep_graph_rows(pass) else { return Ok(None) };
+        let limits = *self.limits.lock().unwrap_or_else(|p| p.into_inner());
+        // Padding past the serving limit would outgrow the workspace reserved for it.
+        let able = self.graph_able(items, form) && limits.is_none_or(|l| rows <= l.max_num_batched_tokens);
+        let real: usize = items.iter().map(|it| it.n).sum();
+        let width = ep.agree_graph_shape(able, real, table_blocks(items))?;
+        Ok(width.map(|w| Pad { rows, width: graphs::width_bucket(w) }))
+    }
+
+    /// The rows every rank pads a graphed `pass` to under expert parallelism (its agreed most rows' bucket),
+    /// or `None` for a pass that is never captured (no [`EpGroup::agree_graph_shape`] then, on any rank).
+    fn ep_graph_rows(&self, pass: Pass) -> Option<usize> {
+        if pass == Pass::MainPrefill {
+            return None;
+        }
+        graphs::row_bucket(self.ep_most.load(std::sync::atomic::Ordering::Relaxed).max(1))
+    }
+
+    /// A rank without rows in `pass` joins its graph-shape agreement (which then says no graph: the pass
+    /// runs eagerly on every rank).
+    fn ep_join_graph(&self, ep: &EpGroup, pass: Pass) -> Result<(), EngineError> {
+        if self.ep_graph_rows(pass).is_some() {
+            ep.agree_graph_shape(false, 0, 0)?;
+        }
+        Ok(())
+    }
+
     /// Runs the layers of a pass (`issue`, which leaves the workspace where it found it): with `pad` (its
     /// graph shape, [`graph_shape`](Self::graph_shape)) as the CUDA graph of that shape, replayed where
     /// captured, otherwise run eagerly, then captured (not run) for the next call of the shape
     /// (engine::cuda::graphs); without, eagerly.
+    /// Under expert parallelism the ranks agree on the plan ([`EpGroup::agree_graph_plan`]): every rank
+    /// replays, or every rank runs and captures, or none captures; after a capture, a failure on any rank is
+    /// every rank's. While capturing, the group does not pace the host (nothing runs). `second` is an
+    /// overlapped pass's second workspace, rewound and frozen with the first.
     #[allow(clippy::too_many_arguments)]
     fn graphed(
         &self,
         ws: &mut Workspace,
+        mut second: Option<&mut Workspace>,
         pass: GraphPass,
         pad: Option<Pad>,
         form: AttnForm,
         g: &CacheGeometry,
         pool: u64,
-        mut issue: impl FnMut(&mut Workspace) -> Result<(), EngineError>,
+        mut issue: impl FnMut(&mut Workspace, Option<&mut Workspace>) -> Result<(), EngineError>,
     ) -> Result<(), EngineError> {
         let Some(pad) = pad else {
             if form == AttnForm::Decode {
                 self.graphs.lock().unwrap_or_else(|p| p.into_inner()).count_eager();
             }
-            return issue(ws);
+            return issue(ws, second);
         };
-        let mark = ws.mark();
-        let key = self.graph_key(ws, pass, pad, g, pool);
+        let (mark, mark_b) = (ws.mark(), second.as_ref().map(|b| b.mark()));
+        let key = self.graph_key(ws, second.as_deref(), pass, pad, g, pool);
         let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
-        match graphs.replay(&key)? {
-            Plan::Replayed => Ok(()),
-            Plan::Eager => issue(ws),
+        graphs.retire(self.balancer.as_ref().map_or(0, super::balance::Balancer::moves));
+        let mut plan = graphs.plan(&key);
+        if let Some(ep) = &self.ep {
+            let code = match plan {
+                Plan::Replayed => 0,
+                Plan::RunAndCapture => 1,
+                Plan::Eager => 2,
+            };
+            plan = match ep.agree_graph_plan(code)? {
+                0 => Plan::Replayed,
+                1 => Plan::RunAndCapture,
+                _ => Plan::Eager,
+            };
+        }
+        match plan {
+            Plan::Replayed => graphs.launch(&key),
+            Plan::Eager => {
+                graphs.count_eager_shape();
+                issue(ws, second)
+            }
             Plan::RunAndCapture => {
-                issue(ws)?;
+                graphs.count_eager_shape();
+                issue(ws, second.as_deref_mut())?;
                 ws.rewind(mark);
-                // The eager run grew the workspace to what this issue sequence takes: capturing may not grow it
-                // (an allocation would be captured too).
+                // The eager run grew the workspaces to what this issue sequence takes: capturing may not grow
+                // them (an allocation would be captured too).
                 ws.set_frozen(true);
-                let captured = graphs.capture(self.stream(), key, || issue(ws));
+                if let (Some(b), Some(m)) = (second.as_deref_mut(), mark_b) {
+                    b.rewind(m);
+                    b.set_frozen(true);
+                }
+                if let Some(ep) = &self.ep {
+                    ep.set_capturing(true);
+                }
+                let captured = graphs.capture(self.stream(), key, || issue(ws, second.as_deref_mut()));
+                if let Some(ep) = &self.ep {
+                    ep.set_capturing(false);
+                }
                 ws.set_frozen(false);
                 ws.rewind(mark);
-                captured
+                if let (Some(b), Some(m)) = (second, mark_b) {
+                    b.set_frozen(false);
+                    b.rewind(m);
+                }
+                captured?;
+                if let Some(ep) = &self.ep {
+                    let mine = if graphs.is_captured(&key) { 0 } else { 2 };
+                    if ep.agree_graph_plan(mine)? != 0 {
+                        graphs.mark_failed(key);
+                    }
+                }
+                Ok(())
             }
         }
     }
@@ -1538,7 +1645,7 @@ impl CudaBackend {
             let pass = Pass::main(form);
             let mut ws = self.begin(&items, pass)?;
             let dbo = self.dbo_applies(pass);
-            let pad = if dbo { None } else { self.graph_shape(&items, form) };
+            let pad = self.pass_shape(&items, form, pass)?;
             let mut tokens: Vec<i32> = batch.iter().flat_map(|b| b.tokens.iter().map(|&t| t as i32)).collect();
             if let Some(p) = pad {
                 tokens.resize(p.rows, 0);
@@ -1553,28 +1660,41 @@ impl CudaBackend {
                 let (a, b) = split_items(&items, half);
                 let mut ws_b = self.ws_b.lock().unwrap_or_else(|p| p.into_inner());
                 ws_b.reset();
-                let inp_a = self.inputs(&mut ws, &a, form, None)?;
-                let inp_b = if b.is_empty() { None } else { Some(self.inputs(&mut ws_b, &b, form, None)?) };
+                // A graphed pass pads each half to its rows (the second may be padding alone, attending to
+                // the first request's first block).
+                let pads = pad.map(|p| (Pad { rows: half, ..p }, Pad { rows: rows - half, ..p }));
+                let fill = items.first().and_then(|it| it.blocks.first()).copied();
+                let inp_a = self.inputs(&mut ws, &a, form, pads.map(|p| p.0))?;
+                let inp_b = match pads {
+                    Some((_, pb)) if pb.rows > 0 => Some(self.padded_inputs(&mut ws_b, &b, form, Some(pb), fill)?),
+                    _ if b.is_empty() => None,
+                    _ => Some(self.inputs(&mut ws_b, &b, form, None)?),
+                };
                 let hidden = self.cfg.hidden_size;
                 let micro = [
                     Micro { inp: Some(&inp_a), rows: half, h },
                     Micro { inp: inp_b.as_ref(), rows: rows - half, h: h + (half * hidden * 4) as u64 },
                 ];
-                self.overlapped(&mut ws, &mut ws_b, pass, &micro, Some((g, pool, form)), on_layer)?;
+                let both = |ws: &mut Workspace, ws_b: Option<&mut Workspace>| -> Result<(), EngineError> {
+                    let ws_b = ws_b
+                        .ok_or_else(|| EngineError::Device("an overlapped pass without its second workspace".into()))?;
+                    self.overlapped(ws, ws_b, pass, &micro, Some((g, pool, form)), on_layer)
+                };
+                self.graphed(&mut ws, Some(&mut ws_b), GraphPass::Main, pad, form, g, pool, both)?;
             } else {
                 let inp = self.inputs(&mut ws, &items, form, pad)?;
                 // A layer's intermediates are dead once its last kernel is issued (the residual stream `h` and
                 // the inputs were taken before): every layer reuses the same workspace bytes, so a call holds
                 // one layer's (`activation_bytes`), not 61.
                 let mark = ws.mark();
-                let layers = |ws: &mut Workspace| -> Result<(), EngineError> {
+                let layers = |ws: &mut Workspace, _: Option<&mut Workspace>| -> Result<(), EngineError> {
                     for (l, layer) in self.w.layers.iter().enumerate() {
                         self.layer(ws, &inp, layer, LayerIdx(l as u32), g, pool, form, h, on_layer)?;
                         ws.rewind(mark);
                     }
                     Ok(())
                 };
-                self.graphed(&mut ws, GraphPass::Main, pad, form, g, pool, layers)?;
+                self.graphed(&mut ws, None, GraphPass::Main, pad, form, g, pool, layers)?;
             }
             let out = self.finish(&mut ws, &items, h, &self.w.norm, &self.w.lm_head)?;
             self.gpu.busy().end(self.stream());
@@ -1617,7 +1737,7 @@ impl CudaBackend {
         let s = self.stream().clone();
         self.gpu.busy().begin(&s);
         let (bufs, staged) = self.step_buffers(&mut ws, &items, batch, pad, eos)?;
-        self.graphed(&mut ws, GraphPass::Step, pad, form, g, pool, |ws| self.issue_step(ws, &bufs, g, pool))?;
+        self.graphed(&mut ws, None, GraphPass::Step, pad, form, g, pool, |ws, _| self.issue_step(ws, &bufs, g, pool))?;
         self.gpu.busy().end(&s);
         let rows = bufs.rows;
         let has_mtp = self.w.mtp.is_some();
@@ -1862,7 +1982,7 @@ impl CudaBackend {
                 ws.rewind(mark);
                 grown_for = Some(pad.rows);
             }
-            let key = self.graph_key(&ws, GraphPass::Step, pad, g, pool);
+            let key = self.graph_key(&ws, None, GraphPass::Step, pad, g, pool);
             // A shape whose capture fails (its workspace outgrew the widest shape's) grows it in one eager step
             // and is captured again; a second failure leaves it to its first serving step.
             for attempt in 0..2 {
@@ -1929,7 +2049,15 @@ impl CudaBackend {
     }
 
     /// The key of the graph of `pass` at shape `pad`, its layers starting at the workspace's current mark.
-    fn graph_key(&self, ws: &Workspace, pass: GraphPass, pad: Pad, g: &CacheGeometry, pool: u64) -> GraphKey {
+    fn graph_key(
+        &self,
+        ws: &Workspace,
+        second: Option<&Workspace>,
+        pass: GraphPass,
+        pad: Pad,
+        g: &CacheGeometry,
+        pool: u64,
+    ) -> GraphKey {
         GraphKey {
             pass,
             rows: pad.rows,
@@ -1938,14 +2066,16 @@ impl CudaBackend {
             num_blocks: g.num_blocks,
             num_layers: g.num_layers,
             mark: ws.address(ws.mark()),
+            cap: if self.ep.is_some() { self.ep_cap.load(std::sync::atomic::Ordering::Relaxed) } else { 0 },
+            dbo: second.is_some(),
+            mark_b: second.map_or(0, |b| b.address(b.mark())),
         }
     }
 
     /// Device memory one whole-step graph is expected to hold (the memory budget's estimate): about 3 KiB a
     /// node, 48 nodes a layer (measured on an H200: 5.2 MiB for the 62 layers of the synthetic model's graphs).
     fn graph_bytes_each(&self) -> u64 {
-        let layers = (self.w.layers.len() + usize::from(self.w.mtp.is_some())) as u64;
-        (48 * layers + 32) * 3 * 1024
+        graph_bytes(self.w.layers.len() + usize::from(self.w.mtp.is_some()))
     }
 
     /// Starts a call over `items` (not empty): the context bound to this thread, the workspace reset (the
@@ -2028,6 +2158,8 @@ impl CudaBackend {
             }
             self.ep_cap.store(ep::capacity(most), std::sync::atomic::Ordering::Relaxed);
             self.ep_most.store(most, std::sync::atomic::Ordering::Relaxed);
+            // Without rows the pass is not captured on any rank (it runs eagerly everywhere).
+            self.ep_join_graph(ep, pass)?;
             if self.dbo_applies(pass) {
                 // The others run two micro-batches: this rank joins both, empty, in the same order.
                 let mut ws_b = self.ws_b.lock().unwrap_or_else(|p| p.into_inner());
@@ -2105,8 +2237,9 @@ impl CudaBackend {
         let s = self.stream().clone();
         let hidden = c.hidden_size;
         let most = self.ep_most.load(std::sync::atomic::Ordering::Relaxed);
-        // Each micro-batch at the capacity of the largest rank's half (every rank's halves fit it).
-        self.ep_cap.store(ep::capacity(most.div_ceil(2)), std::sync::atomic::Ordering::Relaxed);
+        // Each micro-batch at the capacity of the largest rank's half (every rank's halves fit it, a graphed
+        // pass's padded halves too: they are at most half the full capacity).
+        self.ep_cap.store(ep::capacity(ep::capacity(most).div_ceil(2)), std::sync::atomic::Ordering::Relaxed);
         let layers: Vec<&DLayer> = match pass {
             Pass::Main | Pass::MainPrefill => self.w.layers.iter().map(|l| &**l).collect(),
             Pass::Mtp => return Err(EngineError::InvalidInput("the MTP pass is not overlapped".into())),
@@ -2205,9 +2338,12 @@ impl CudaBackend {
     fn ep_fail_fast<T>(&self, r: Result<T, EngineError>) -> Result<T, EngineError> {
         let (Err(e), Some(ep)) = (&r, &self.ep) else { return r };
         if let Some(why) = ep.is_down() {
+            self.drop_graphs();
             return Err(EngineError::GroupDown(why));
         }
         let why = format!("a step failed on this rank after the ranks agreed on it: {e}");
+        // The graphs first: the abort returns once they are gone.
+        self.drop_graphs();
         ep.abort(&why);
         match r {
             Err(EngineError::Device(_)) => r,
@@ -2219,9 +2355,19 @@ impl CudaBackend {
     /// delivered their data: an error instead (expert parallelism; nothing otherwise).
     fn ep_outputs_valid(&self) -> Result<(), EngineError> {
         match self.ep.as_ref().and_then(EpGroup::is_down) {
-            Some(why) => Err(EngineError::GroupDown(format!("this step's outputs are lost: {why}"))),
+            Some(why) => {
+                self.drop_graphs();
+                Err(EngineError::GroupDown(format!("this step's outputs are lost: {why}")))
+            }
             None => Ok(()),
         }
+    }
+
+    /// Drops the captured decode graphs (the group is down, or about to be aborted on this thread): NCCL's
+    /// abort of the communicator returns only once every graph holding its launches is destroyed
+    /// (engine::cuda::ep; a graph still running is freed when it ends), and a down group replays none.
+    fn drop_graphs(&self) {
+        self.graphs.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
 
     /// This rank's expert-parallel group, if it is one.
@@ -2362,6 +2508,8 @@ impl Backend for CudaBackend {
 
     fn leave_group(&self, why: &str) {
         if let Some(ep) = &self.ep {
+            // The graphs first: the abort returns once they are gone.
+            self.drop_graphs();
             ep.abort(&format!("this rank stops: {why}"));
         }
     }
@@ -2570,7 +2718,7 @@ impl Backend for CudaBackend {
         let row0: usize = items.iter().map(|it| it.n).sum();
         let mut run = || -> Result<Vec<SeqOutput>, EngineError> {
             let mut ws = self.begin(&items, Pass::Mtp)?;
-            let pad = self.graph_shape(&items, form);
+            let pad = self.pass_shape(&items, form, Pass::Mtp)?;
             self.gpu.busy().begin(self.stream());
             let inp = self.inputs(&mut ws, &items, form, pad)?;
             let rows = inp.rows;
@@ -2606,13 +2754,13 @@ impl Backend for CudaBackend {
             let h = ws.take::<f32>(&s, rows * hidden)?;
             let li = LayerIdx(self.cfg.num_hidden_layers as u32);
             let mark = ws.mark();
-            let layer = |ws: &mut Workspace| -> Result<(), EngineError> {
+            let layer = |ws: &mut Workspace, _: Option<&mut Workspace>| -> Result<(), EngineError> {
                 mtp.eh_proj.forward(&self.gpu, ws, cat, rows, 1, 0, h)?;
                 self.layer(ws, &inp, &mtp.layer, li, g, pool, form, h, on_layer)?;
                 ws.rewind(mark);
                 Ok(())
             };
-            self.graphed(&mut ws, GraphPass::Mtp, pad, form, g, pool, layer)?;
+            self.graphed(&mut ws, None, GraphPass::Mtp, pad, form, g, pool, layer)?;
             let head = mtp.head.as_ref().unwrap_or(&self.w.lm_head);
             let out = self.finish(&mut ws, &items, h, &mtp.head_norm, head)?;
             self.gpu.busy().end(self.stream());
@@ -2703,6 +2851,14 @@ impl CudaBackend {
 /// Call outputs (logits, hidden rows) are stream-ordered allocations from the device's default pool: keeping
 /// what is freed in the pool (release threshold: never) means that once the first calls at the serving
 /// limits have run, no call asks the driver for memory.
+impl Drop for CudaBackend {
+    /// The captured graphs go before the expert-parallel group's communicator (fields drop in declaration
+    /// order, `ep` first): a graph holding NCCL launches is destroyed while its communicator still exists.
+    fn drop(&mut self) {
+        self.graphs.get_mut().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+}
+
 fn keep_freed_memory(gpu: &Gpu) -> Result<(), EngineError> {
     let ctx = gpu.context();
     if !ctx.has_async_alloc() {

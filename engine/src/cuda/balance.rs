@@ -101,6 +101,12 @@ impl Balancer {
         self.snapshot.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
+    /// MoE layers moved so far (the same on every rank at the same point of a step): captured decode graphs
+    /// name the experts' buffers of the placement they were captured under.
+    pub fn moves(&self) -> u64 {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).stats.layers_moved
+    }
+
     /// Right after a step agreement, on every rank: a busy step counts towards the next look, and a queued
     /// layer moves (see the module's text). Nothing happens on a step every rank agreed to be empty.
     pub fn after_agreement(

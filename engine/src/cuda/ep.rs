@@ -316,6 +316,10 @@ fn fetch_id(cfg: &EpConfig) -> Result<nccl::ncclUniqueId, String> {
 /// Set in a rank's environment (tests only), the rank exits right after it received the NCCL id.
 pub const FAULT_EXIT_AFTER_ID: &str = "TANDEM_EP_FAULT_EXIT_AFTER_ID";
 
+/// Fault injection for the tests: set to N, this rank exits when the ranks have agreed to replay a decode
+/// graph for the Nth time, just before it would launch its own, so the others replay theirs without it.
+pub const FAULT_EXIT_AT_REPLAY: &str = "TANDEM_EP_FAULT_EXIT_AT_REPLAY";
+
 /// `ncclCommInitRank` within `cfg.timeout`: it waits for every rank, and a rank that died after the
 /// rendezvous would otherwise hold this one forever. On the deadline the set-up thread is left blocked in
 /// NCCL and the rank reports the error (the recovery is restarting every rank's process).
@@ -377,8 +381,12 @@ pub enum Lane {
 
 /// The tag of a step agreement ([`EpGroup::agree_step`]); pass agreements carry their pass (1-3).
 const STEP_TAG: i32 = 8;
-/// The largest agreement: three passes' rows and the tag twice.
+/// The largest agreement: three passes' rows and the tag twice (every agreement sends this many, so a rank
+/// in another kind of agreement is told apart by the tag rather than left in a mismatched collective).
 const AGREE_INTS: usize = 5;
+/// Tags of the decode graphs' agreements ([`EpGroup::agree_graph_shape`], [`EpGroup::agree_graph_plan`]).
+const GRAPH_SHAPE_TAG: i32 = 9;
+const GRAPH_PLAN_TAG: i32 = 10;
 
 /// The communicator and what the watchdog shares with the forward calls.
 struct Shared {
@@ -388,11 +396,21 @@ struct Shared {
     broken: Mutex<Option<String>>,
     /// The step in flight: when it began, the event its last work records (once enqueued), and its bound.
     armed: Mutex<Option<(Instant, Option<cudarc::driver::CudaEvent>, Duration)>>,
+    /// The thread running NCCL's abort of the communicator, once aborted ([`Shared::abort`]).
+    aborting: Mutex<Option<std::thread::JoinHandle<()>>>,
     rank: usize,
 }
 
 #[derive(Clone, Copy)]
 struct CommPtr(nccl::ncclComm_t);
+
+impl CommPtr {
+    /// NCCL's abort of the communicator (taken out of the shared slot: nothing else uses it).
+    fn abort(self) {
+        // SAFETY: a live communicator no other thread can reach any more.
+        unsafe { nccl::ncclCommAbort(self.0) };
+    }
+}
 // SAFETY: an NCCL communicator may be used from any thread; the lock around it orders use and abort.
 unsafe impl Send for CommPtr {}
 unsafe impl Sync for CommPtr {}
@@ -403,15 +421,27 @@ impl Shared {
         b.get_or_insert(why);
     }
 
-    /// Aborts the communicator (once): pending collectives end, later ones are refused.
+    /// Aborts the communicator (once): pending collectives end, later ones are refused. The communicator
+    /// is taken out under the lock and aborted on a thread of its own: NCCL's abort stops the device's
+    /// pending collectives at once but returns only once every CUDA graph holding this communicator's
+    /// launches is destroyed, which the backend does when it sees the group down (or at its drop). No caller
+    /// waits for that: not the thread that must drop the graphs, not the watchdog.
     fn abort(&self, why: &str) {
         self.mark_broken(why.to_string());
-        let mut c = self.comm.write().unwrap_or_else(|p| p.into_inner());
-        if !c.0.is_null() {
-            tracing::error!(rank = self.rank, "expert-parallel group aborted: {why}");
-            // SAFETY: the write lock excludes every other use; the pointer is cleared after.
-            unsafe { nccl::ncclCommAbort(c.0) };
-            c.0 = std::ptr::null_mut();
+        let comm = {
+            let mut c = self.comm.write().unwrap_or_else(|p| p.into_inner());
+            CommPtr(std::mem::replace(&mut c.0, std::ptr::null_mut()))
+        };
+        if comm.0.is_null() {
+            return;
+        }
+        tracing::error!(rank = self.rank, "expert-parallel group aborted: {why}");
+        match std::thread::Builder::new().name(format!("ep-abort-{}", self.rank)).spawn(move || comm.abort()) {
+            Ok(h) => *self.aborting.lock().unwrap_or_else(|p| p.into_inner()) = Some(h),
+            Err(e) => {
+                tracing::warn!(error = %e, "no thread for NCCL's abort; aborting on this one");
+                comm.abort();
+            }
         }
     }
 
@@ -473,6 +503,11 @@ pub struct EpGroup {
     start_timeout: Duration,
     /// Set once the group is formed, cleared by the first agreement.
     starting: std::sync::atomic::AtomicBool,
+    /// A decode pass is being captured as a CUDA graph: nothing runs, so the host does not pace itself on
+    /// events recorded into the capture (querying one is an error).
+    capturing: std::sync::atomic::AtomicBool,
+    /// Replays agreed so far (for [`FAULT_EXIT_AT_REPLAY`]).
+    replays_agreed: std::sync::atomic::AtomicUsize,
 }
 
 /// MoE layers the host may run ahead of the GPU under expert parallelism (a DeepSeek-V3.2 layer is about 40
@@ -519,6 +554,7 @@ impl EpGroup {
             comm: std::sync::RwLock::new(CommPtr(comm)),
             broken: Mutex::new(None),
             armed: Mutex::new(None),
+            aborting: Mutex::new(None),
             rank: cfg.rank,
         });
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -548,6 +584,8 @@ impl EpGroup {
             step_timeout: cfg.step_timeout,
             start_timeout: cfg.timeout,
             starting: std::sync::atomic::AtomicBool::new(false),
+            capturing: std::sync::atomic::AtomicBool::new(false),
+            replays_agreed: std::sync::atomic::AtomicUsize::new(0),
         };
         // Every collective once, so the point-to-point connections exist before the first step (a first
         // connection waits for the peer, which the watchdog could not interrupt).
@@ -594,8 +632,12 @@ impl EpGroup {
         self.shard
     }
 
-    /// Waits (spinning, checking the group) until the GPU is at most [`PACE_LAYERS`] MoE layers behind.
+    /// Waits (spinning, checking the group) until the GPU is at most [`PACE_LAYERS`] MoE layers behind; at
+    /// once while a graph is captured.
     pub fn pace(&self) -> Result<(), CudaError> {
+        if self.is_capturing() {
+            return Ok(());
+        }
         let mut q = self.paced.lock().unwrap_or_else(|p| p.into_inner());
         while q.len() >= PACE_LAYERS {
             while !q.front().is_some_and(cudarc::driver::CudaEvent::is_complete) {
@@ -607,12 +649,31 @@ impl EpGroup {
         Ok(())
     }
 
-    /// Marks the end of a MoE layer's exchange on the stream (for [`pace`](Self::pace)).
+    /// Marks the end of a MoE layer's exchange on the stream (for [`pace`](Self::pace)); nothing while a
+    /// graph is captured.
     pub fn layer_issued(&self) -> Result<(), CudaError> {
+        if self.is_capturing() {
+            return Ok(());
+        }
         let ev = self.stream.context().new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
         ev.record(&self.stream)?;
         self.paced.lock().unwrap_or_else(|p| p.into_inner()).push_back(ev);
         Ok(())
+    }
+
+    /// A decode pass is captured as a CUDA graph from now (`true`) or no longer.
+    pub fn set_capturing(&self, on: bool) {
+        self.capturing.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn is_capturing(&self) -> bool {
+        self.capturing.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether stages of overlapped passes are being recorded ([`record_timeline`](Self::record_timeline)):
+    /// their events are read per launch, so such passes are not captured.
+    pub fn recording_timeline(&self) -> bool {
+        self.timeline.lock().unwrap_or_else(|p| p.into_inner()).is_some()
     }
 
     fn cu_stream(&self) -> nccl::cudaStream_t {
@@ -683,13 +744,60 @@ impl EpGroup {
         // by the start-up bound.
         let first = self.starting.swap(false, std::sync::atomic::Ordering::Relaxed);
         self.arm_for(if first { self.start_timeout } else { self.step_timeout });
-        let mut host: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
-        host.extend([tag, -tag]);
-        let n = host.len();
+        let vals: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        let got = self.max_ints(&vals, tag, what)?;
+        if let Some(bad) = got.iter().find(|&&r| r < 0) {
+            let e = CudaError::Driver(format!("expert-parallel agreement returned {bad} rows"));
+            self.shared.abort(&e.to_string());
+            return Err(e);
+        }
+        Ok(got.iter().map(|&r| r as usize).collect())
+    }
+
+    /// The decode graph shape of a pass that may be captured (engine::cuda::graphs): each rank says whether
+    /// it can run the pass as a graph (`able`), its rows and the block-table width its rows need. The pass is
+    /// captured (or replayed) on every rank or on none: `Some(most blocks)` where every rank is able and has
+    /// rows, `None` otherwise (a rank joining empty passes `able = false`). Every rank then pads its rows to
+    /// the same count and its tables to the same width, so the ranks' graphs are captured and replayed
+    /// together: NCCL requires a graph's collectives to be captured, and replayed, by all their ranks at
+    /// once. Called inside a pass (the watchdog is armed).
+    pub fn agree_graph_shape(&self, able: bool, rows: usize, blocks: usize) -> Result<Option<usize>, CudaError> {
+        let clamp = |v: usize| v.min(i32::MAX as usize) as i32;
+        let got = self.max_ints(&[i32::from(!able), -clamp(rows), clamp(blocks)], GRAPH_SHAPE_TAG, "a graph shape")?;
+        Ok((got[0] == 0 && got[1] < 0).then_some(got[2].max(1) as usize))
+    }
+
+    /// The agreed plan for a graph every rank is about to run ([`agree_graph_shape`](Self::agree_graph_shape)
+    /// said yes): each rank's own (0 replay, 1 run and capture, 2 run eagerly), the most of them. So every
+    /// rank replays, or every rank captures (again, where some rank's copy is missing), or none does: the
+    /// ranks' graphs always come from the same capture. After a capture, the same call with each rank's
+    /// outcome (0 captured, 2 failed) makes a failure everyone's.
+    pub fn agree_graph_plan(&self, plan: i32) -> Result<i32, CudaError> {
+        let agreed = self.max_ints(&[plan, 0, 0], GRAPH_PLAN_TAG, "a graph plan")?[0];
+        if agreed == 0
+            && let Some(n) = std::env::var(FAULT_EXIT_AT_REPLAY).ok().and_then(|v| v.parse::<usize>().ok())
+            && self.replays_agreed.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1 == n
+        {
+            std::process::exit(3);
+        }
+        Ok(agreed)
+    }
+
+    /// One all-reduce (max) of `vals` (at most [`AGREE_INTS`] - 2) with `tag` and `-tag` after them, padded to
+    /// [`AGREE_INTS`], then a wait for it: ranks that bring another tag are out of lockstep (an error on
+    /// every rank, the group aborted).
+    fn max_ints(&self, vals: &[i32], tag: i32, what: &str) -> Result<Vec<i32>, CudaError> {
+        self.usable()?;
+        self.stream.context().bind_to_thread()?;
+        let mut host = [0i32; AGREE_INTS];
+        host[..vals.len()].copy_from_slice(vals);
+        host[AGREE_INTS - 2] = tag;
+        host[AGREE_INTS - 1] = -tag;
+        let n = AGREE_INTS;
         let mut got = vec![0i32; n];
         let (dev, cs) = (self.agree_buf.ptr(), self.stream.cu_stream());
         self.with_comm(|comm| {
-            // SAFETY: n <= AGREE_INTS i32 to the buffer; the host vector outlives the synchronize below.
+            // SAFETY: n = AGREE_INTS i32 to the buffer; the host vector outlives the synchronize below.
             unsafe { cudarc::driver::result::memcpy_htod_async(dev, &host[..], cs) }
                 .map_err(|e| CudaError::Driver(format!("the agreement's upload: {e}")))?;
             let p = dev as *mut std::ffi::c_void;
@@ -723,12 +831,8 @@ impl EpGroup {
             self.shared.abort(&e.to_string());
             return Err(e);
         }
-        if let Some(bad) = got[..n - 2].iter().find(|&&r| r < 0) {
-            let e = CudaError::Driver(format!("expert-parallel agreement returned {bad} rows"));
-            self.shared.abort(&e.to_string());
-            return Err(e);
-        }
-        Ok(got[..n - 2].iter().map(|&r| r as usize).collect())
+        got.truncate(vals.len());
+        Ok(got)
     }
 
     /// Every rank's `bytes` at `send` into `recv` (`world * bytes`, rank order).
@@ -924,6 +1028,12 @@ impl Drop for EpGroup {
         if let Some(w) = self.watchdog.take() {
             drop(w.join());
         }
+        // An abort in progress ends once no graph holds the communicator (the backend dropped its graphs
+        // before its group).
+        let aborting = self.shared.aborting.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(h) = aborting {
+            drop(h.join());
+        }
         let mut c = self.shared.comm.write().unwrap_or_else(|p| p.into_inner());
         if c.0.is_null() {
             return;
@@ -941,10 +1051,11 @@ impl Drop for EpGroup {
     }
 }
 
-/// A call's capacity from the agreed most rows of any rank: rounded up to 4 (the FP8 scales' row
-/// alignment), at least 4.
+/// A call's capacity from the agreed most rows of any rank: rounded up to the decode graphs' row bucket
+/// where there is one (a captured pass pads every rank's rows to it, engine::cuda::graphs::row_bucket), then
+/// to 4 (the FP8 scales' row alignment); at least 4.
 pub fn capacity(max_rows: usize) -> usize {
-    max_rows.max(1).next_multiple_of(4)
+    super::graphs::row_bucket(max_rows).unwrap_or(max_rows).max(1).next_multiple_of(4)
 }
 
 /// Byte layout of one dispatch record of `cap` rows.
@@ -1505,6 +1616,23 @@ mod tests {
         assert_eq!(Dbo::parse("auto").unwrap(), Dbo::default());
         for bad in ["yes", "auto:1", "auto:a,b"] {
             assert!(Dbo::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// A graphed decode pass pads every rank's rows to the agreed most rows' bucket, and an overlapped one
+    /// each half of those: the records' capacity holds both, every rank computing it alike.
+    #[test]
+    fn the_capacity_holds_a_graphed_pass_and_its_overlapped_halves() {
+        for most in 1..=2 * super::super::graphs::MAX_ROWS {
+            let cap = capacity(most);
+            assert!(cap >= most && cap.is_multiple_of(4), "{most} -> {cap}");
+            if let Some(rows) = super::super::graphs::row_bucket(most) {
+                assert!(rows <= cap, "{most}: {rows} padded rows at capacity {cap}");
+                let (half, micro) = (rows.div_ceil(2), capacity(cap.div_ceil(2)));
+                assert!(half <= micro && rows - half <= micro, "{most}: halves of {rows} at capacity {micro}");
+            } else {
+                assert!(cap < most + 4, "{most}: past the buckets only the 4-row alignment ({cap})");
+            }
         }
     }
 

@@ -110,6 +110,11 @@ pub struct GraphKey {
     /// The workspace address where the layers began (the inputs and the residual stream were taken before
     /// it, at addresses that follow from the shape).
     pub mark: u64,
+    /// Under expert parallelism (0 and `false` without): the agreed capacity of the exchange's records,
+    /// whether the pass runs as two overlapped micro-batches, and where the second one's workspace began.
+    pub cap: usize,
+    pub dbo: bool,
+    pub mark_b: u64,
 }
 
 /// A captured pass. The driver's graph objects are not internally synchronized: every use is under the
@@ -134,6 +139,11 @@ pub struct Graphs {
     /// them to).
     max_held: usize,
     max_bytes: u64,
+    /// Where set, each graph is charged this many bytes instead of the free-memory drop measured at its
+    /// capture: expert-parallel ranks then evict the same graphs at the same calls.
+    charge: Option<u64>,
+    /// The routed experts' placement the held graphs read (load balancing's moves, [`Graphs::retire`]).
+    experts: u64,
 }
 
 /// What to do with a pass of a given shape.
@@ -155,7 +165,32 @@ impl Graphs {
             stats: DecodeGraphs::default(),
             max_held: MAX_HELD,
             max_bytes: GRAPH_BYTES,
+            charge: None,
+            experts: 0,
         }
+    }
+
+    /// Charges every graph `bytes` (expert parallelism: eviction follows the calls alone, the same on every
+    /// rank).
+    pub fn charge_each(&mut self, bytes: u64) {
+        self.charge = Some(bytes.min(MAX_GRAPH_BYTES));
+    }
+
+    /// Drops every held graph when the routed experts moved since they were captured (`placement` counts
+    /// load balancing's moves): their launches name the old experts' buffers, which are freed.
+    pub fn retire(&mut self, placement: u64) {
+        if placement != self.experts {
+            self.experts = placement;
+            self.clear();
+        }
+    }
+
+    /// Drops every held graph (the graphs' device memory goes back).
+    pub fn clear(&mut self) {
+        self.held.clear();
+        self.stats.held = 0;
+        self.stats.nodes = 0;
+        self.stats.bytes = 0;
     }
 
     /// Makes room for `count` graphs of about `bytes_each` (the shapes captured at start-up, all held while
@@ -172,10 +207,7 @@ impl Graphs {
     pub fn set_enabled(&mut self, on: bool) {
         self.enabled = on;
         if !on {
-            self.held.clear();
-            self.stats.held = 0;
-            self.stats.nodes = 0;
-            self.stats.bytes = 0;
+            self.clear();
         }
     }
 
@@ -204,23 +236,43 @@ impl Graphs {
 
     /// Replays the pass of `key` on its stream where it is captured; otherwise says how to run it.
     pub fn replay(&mut self, key: &GraphKey) -> Result<Plan, EngineError> {
-        self.clock += 1;
-        let Some(h) = self.held.get_mut(key) else {
-            self.stats.eager += 1;
-            return Ok(Plan::RunAndCapture);
-        };
-        h.last_used = self.clock;
-        match &h.graph {
-            Some(g) => {
-                g.launch().map_err(|e| EngineError::Device(format!("replaying a decode graph: {e}")))?;
-                self.stats.replays += 1;
-                Ok(Plan::Replayed)
-            }
-            None => {
+        match self.plan(key) {
+            Plan::Replayed => self.launch(key).map(|()| Plan::Replayed),
+            other => {
                 self.stats.eager += 1;
-                Ok(Plan::Eager)
+                Ok(other)
             }
         }
+    }
+
+    /// What this backend holds for `key`, without running anything: [`Plan::Replayed`] where it is
+    /// captured (then [`launch`](Self::launch) it), otherwise how to run the pass.
+    pub fn plan(&mut self, key: &GraphKey) -> Plan {
+        self.clock += 1;
+        let Some(h) = self.held.get_mut(key) else { return Plan::RunAndCapture };
+        h.last_used = self.clock;
+        if h.graph.is_some() { Plan::Replayed } else { Plan::Eager }
+    }
+
+    /// Launches the captured graph of `key` on its stream.
+    pub fn launch(&mut self, key: &GraphKey) -> Result<(), EngineError> {
+        let g = self.held.get(key).and_then(|h| h.graph.as_ref());
+        let g = g.ok_or_else(|| EngineError::Device(format!("no captured decode graph for {key:?}")))?;
+        g.launch().map_err(|e| EngineError::Device(format!("replaying a decode graph: {e}")))?;
+        self.stats.replays += 1;
+        Ok(())
+    }
+
+    /// Counts a pass of an eligible shape that ran eagerly (before its capture, or where capturing failed).
+    pub fn count_eager_shape(&mut self) {
+        self.stats.eager += 1;
+    }
+
+    /// Makes `key` a failed shape's entry (another rank's capture of it failed): it runs eagerly from now.
+    pub fn mark_failed(&mut self, key: GraphKey) {
+        self.clock += 1;
+        self.held.insert(key, Held { graph: None, nodes: 0, bytes: 0, last_used: self.clock });
+        self.evict();
     }
 
     /// Captures what `issue` puts on `stream` (nothing runs) as the graph of `key`. The same issue sequence
@@ -260,8 +312,10 @@ impl Graphs {
         };
         // The device's free memory also moves with other processes' allocations (workers sharing a GPU): a
         // reading past MAX_GRAPH_BYTES is not this graph's.
-        let bytes = match (free_before, free_memory()) {
-            (Some(a), Some(b)) if graph.is_some() => a.saturating_sub(b).min(MAX_GRAPH_BYTES),
+        let bytes = match (free_before, free_memory(), self.charge) {
+            _ if graph.is_none() => 0,
+            (_, _, Some(c)) => c,
+            (Some(a), Some(b), None) => a.saturating_sub(b).min(MAX_GRAPH_BYTES),
             _ => 0,
         };
         let nodes = graph.as_ref().map_or(0, node_count);
@@ -342,6 +396,42 @@ mod tests {
             assert!(b <= r + 64, "{r} -> {b}: at most 64 padding rows");
         }
         assert_eq!([1, 2, 3, 33, 64, 65].map(width_bucket), [1, 2, 4, 64, 64, 128]);
+    }
+
+    fn key(rows: usize) -> GraphKey {
+        GraphKey {
+            pass: GraphPass::Main,
+            rows,
+            width: 4,
+            pool: 1 << 20,
+            num_blocks: 64,
+            num_layers: 2,
+            mark: 1 << 30,
+            cap: 8,
+            dbo: false,
+            mark_b: 0,
+        }
+    }
+
+    /// The plan of a shape (what the expert-parallel ranks agree on): captured next where nothing is held, run
+    /// eagerly once some rank's capture failed, captured again after the experts moved (the held graphs
+    /// name the old placement's buffers).
+    #[test]
+    fn a_shape_is_captured_then_kept_eager_after_a_failure_and_dropped_when_the_experts_move() {
+        let mut g = Graphs::new(true);
+        g.charge_each(u64::MAX);
+        assert_eq!(g.charge, Some(MAX_GRAPH_BYTES), "a charge is at most one graph's bound");
+        assert!(matches!(g.plan(&key(4)), Plan::RunAndCapture));
+        g.mark_failed(key(4));
+        assert!(matches!(g.plan(&key(4)), Plan::Eager));
+        assert!(!g.is_captured(&key(4)));
+        assert!(g.launch(&key(4)).is_err(), "nothing to launch for a failed shape");
+        assert!(matches!(g.plan(&key(8)), Plan::RunAndCapture), "another shape is its own entry");
+        g.retire(0);
+        assert!(matches!(g.plan(&key(4)), Plan::Eager), "the same placement keeps the entries");
+        g.retire(1);
+        assert!(matches!(g.plan(&key(4)), Plan::RunAndCapture), "a move drops every entry");
+        assert_eq!(g.stats().held, 0);
     }
 
     #[test]
