@@ -74,6 +74,10 @@
 #                   experts (loads counted: what balancing would gain), then with --eplb EPLB_FLAGS (default 8 spare
 #                   slots a rank, a look every 4 busy steps over the last 4 looks), each after EPLB_WARMUP untimed
 #                   steps: $OUT/eplb-{off,on}-rank{0,1}.json (extra.eplb: max/mean GPU load as sharded and as placed)
+#         epgraph   decode graphs under expert parallelism on 2 GPUs: two engine-bench ranks (--ep --graphs-ab) with
+#                   EPGRAPH_MODEL (default synthetic:v32,experts=8) and EPGRAPH_ARGS, --dbo off then on: each batch timed
+#                   with its decode passes (and their exchanges) replayed as CUDA graphs, then eagerly
+#                   ($OUT/epgraph-dbo{off,on}-rank{0,1}.json); fails where a timed step replayed no graph
 #         dbo       dual-batch overlap on 2 GPUs: two engine-bench ranks (--ep) with DBO_MODEL (default
 #                   synthetic:v32,experts=128) and DBO_ARGS, with --dbo off (and --kernel-profile: the exchange's
 #                   share of the step) then --dbo on (and --timeline): $OUT/dbo-{off,on}-rank{0,1}.json,
@@ -603,6 +607,49 @@ wait_log() {
     return 1
 }
 
+phase_epgraph() {
+    nccl_lib
+    local rc=0 mode r model=${EPGRAPH_MODEL:-synthetic:v32,experts=8}
+    local args=${EPGRAPH_ARGS:---decode-only --batches 1,16,64 --context 256 --decode-steps 8 --blocks 4096 --mtp --warmup-steps 2}
+    for mode in off on; do
+        local port=$((29500 + RANDOM % 1000))
+        for r in 0 1; do
+            # shellcheck disable=SC2086
+            timeout 500 engine-bench --device "cuda:$r" --ep "$r/2@127.0.0.1:$port" --model "$model" $args \
+                --dbo "$mode" --graphs-ab --json --out "$OUTDIR/epgraph-dbo$mode-rank$r.json" \
+                >"$OUTDIR/epgraph-dbo$mode-rank$r.log" 2>&1 &
+        done
+        wait -n || rc=$?
+        wait -n || rc=$?
+        tail -n 3 "$OUTDIR"/epgraph-dbo$mode-rank*.log
+    done
+    python3 - "$OUTDIR" <<'PY' || rc=$?
+import json, sys
+out = sys.argv[1]
+print("| dbo | rank | batch | graphs ms | eager ms | eager / graphs | timed replays | GPU idle between calls (graphs, eager) |")
+print("|---|---:|---:|---:|---:|---:|---:|---|")
+bad = []
+for mode in ("off", "on"):
+    for r in (0, 1):
+        rows = {x["bench"]: x for x in json.load(open(f"{out}/epgraph-dbo{mode}-rank{r}.json"))}
+        for name, g in rows.items():
+            if not name.startswith("decode_batch_") or name.endswith("_eager"):
+                continue
+            e = rows[name + "_eager"]
+            ms = lambda x: 1e3 * x["extra"]["step_s"]
+            rep = g["extra"].get("graphs", {}).get("timed_replays", 0)
+            if rep == 0:
+                bad.append(f"dbo {mode} rank {r} {name}: no replay")
+            idle = lambda x: x["extra"].get("gpu_idle_between_calls", 0)
+            print(f"| {mode} | {r} | {g['extra']['batch']} | {ms(g):.2f} | {ms(e):.2f} | {ms(e) / ms(g):.3f} | {rep} | "
+                  f"{100 * idle(g):.0f}%, {100 * idle(e):.0f}% |")
+if bad:
+    sys.exit("; ".join(bad))
+PY
+    echo "| epgraph | engine-bench --ep (2 ranks) --graphs-ab, --dbo off and on | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+    ((rc == 0)) || FAILED+=(epgraph)
+}
+
 phase_serve_ep() {
     nccl_lib
     local dir=/tmp/tandem-gpu/tiny gen=$OUTDIR/generate-cuda.json long=$OUTDIR/generate-cuda-long.json log
@@ -673,7 +720,7 @@ PY
 }
 
 run() {
-    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|gemm|moe|bf16|f32|sparse-mla|sparse-prefill|serve|v32|serve-v32|kv|ep|serve-ep|eplb|dbo|all}
+    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|gemm|moe|bf16|f32|sparse-mla|sparse-prefill|serve|v32|serve-v32|kv|ep|serve-ep|eplb|dbo|epgraph|all}
     [[ -d "$BUNDLE" ]] || { echo "gpu-test.sh: $BUNDLE/ is missing: run 'scripts/gpu-test.sh pack' here and carry it" >&2; exit 1; }
     unpack
     OUTDIR=${OUT:-bench/out}
@@ -713,6 +760,7 @@ run() {
         serve-ep) phase_serve_ep ;;
         eplb) phase_eplb ;;
         dbo) phase_dbo ;;
+        epgraph) phase_epgraph ;;
         all) phase_sass; phase_kernels; phase_loop; phase_model; phase_serve; phase_sanitize ;;
         *) echo "gpu-test.sh: unknown phase $phase" >&2; exit 2 ;;
     esac
