@@ -84,6 +84,14 @@ extern "C" __global__ void tandem_moe_map_ids(int* __restrict__ ids, int n, cons
     }
 }
 
+// Under expert parallelism, the pairs of a padded pass's padding rows (rows at or past `*real`, read from
+// device memory so that a CUDA graph takes each step's count) route to no expert: id -1. They are then
+// neither counted, dispatched, computed nor combined.
+extern "C" __global__ void tandem_moe_drop_padding(int* __restrict__ ids, int n, int k, const int* __restrict__ real) {
+    const int own = min(max(*real, 0) * k, n);
+    for (int p = own + blockIdx.x * blockDim.x + threadIdx.x; p < n; p += gridDim.x * blockDim.x) ids[p] = -1;
+}
+
 // ---- Expert parallelism (engine::cuda::ep): one rank's tokens go out as a dispatch record of `cap` rows
 // (FP8 codes [cap][kpad], their scales [kpad / 128][cap], the route's expert ids [cap][k]; rows past the
 // rank's own are id -1), every rank gathers every record, computes the pairs of its own experts and sends

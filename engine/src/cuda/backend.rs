@@ -233,6 +233,9 @@ struct Inputs {
     /// layer would make the host wait for the stream every layer): groups on the device, groups, most queries
     /// of a group.
     score_groups: Vec<(u64, usize, usize)>,
+    /// A padded call's real rows (one i32 on the device, so a graph reads each step's), 0 where no row is
+    /// padding: under expert parallelism the padding rows' pairs route to no expert.
+    real_rows: u64,
 }
 
 /// How a call's indexer scores are cut into chunks of rows (the same in every layer).
@@ -245,12 +248,16 @@ struct ScorePlan {
     chunk_rows: usize,
 }
 
-/// Blocks of the longest block-table row a call over `items` needs.
+/// Device memory a graph is expected to hold a node (measured on an H200: 5.2 MiB for the 62 layers of the
+/// synthetic model's graphs, about 48 nodes a layer).
+const GRAPH_NODE_BYTES: u64 = 3 * 1024;
+
 /// Device memory a whole-step graph of `layers` layers is expected to hold ([`CudaBackend::graph_bytes_each`]).
 fn graph_bytes(layers: usize) -> u64 {
-    (48 * layers as u64 + 32) * 3 * 1024
+    (48 * layers as u64 + 32) * GRAPH_NODE_BYTES
 }
 
+/// Blocks of the longest block-table row a call over `items` needs.
 fn table_blocks(items: &[Item<'_>]) -> usize {
     items.iter().map(|it| (it.start + it.n).div_ceil(BLOCK_SIZE)).max().unwrap_or(1)
 }
@@ -358,7 +365,7 @@ impl CudaBackend {
         if ep.is_some() {
             // Every rank evicts the same graphs at the same call (the plan agreement also catches a rank
             // whose graphs differ, at the cost of a capture).
-            graphs.charge_each(graph_bytes(w.layers.len() + usize::from(w.mtp.is_some())));
+            graphs.charge_nodes(GRAPH_NODE_BYTES);
         }
         Ok(CudaBackend {
             balancer,
@@ -727,7 +734,9 @@ impl CudaBackend {
                 score_groups.push((ws.upload(s, &grouping)?, grouping.len() / 2, max_q));
             }
         }
+        let real_rows = if pad.is_some() { ws.upload(s, &[real as i32])? } else { 0 };
         Ok(Inputs {
+            real_rows,
             rows,
             positions: ws.upload(s, &positions)?,
             lengths: ws.upload(s, &lengths)?,
@@ -845,7 +854,7 @@ impl CudaBackend {
                 Plan::RunAndCapture => 1,
                 Plan::Eager => 2,
             };
-            plan = match ep.agree_graph_plan(code)? {
+            plan = match ep.agree_graph_plan(code, graphs.serial_of(&key))? {
                 0 => Plan::Replayed,
                 1 => Plan::RunAndCapture,
                 _ => Plan::Eager,
@@ -882,11 +891,10 @@ impl CudaBackend {
                     b.rewind(m);
                 }
                 captured?;
-                if let Some(ep) = &self.ep {
-                    let mine = if graphs.is_captured(&key) { 0 } else { 2 };
-                    if ep.agree_graph_plan(mine)? != 0 {
-                        graphs.mark_failed(key);
-                    }
+                if let Some(ep) = &self.ep
+                    && !ep.agree_graph_outcome(graphs.is_captured(&key))?
+                {
+                    graphs.mark_failed(key);
                 }
                 Ok(())
             }
@@ -1031,6 +1039,7 @@ impl CudaBackend {
         m: &DMoe,
         x: u64,
         rows: usize,
+        real: u64,
         pre: Option<&QuantIn>,
     ) -> Result<(u64, u64, u64), CudaError> {
         let c = &self.cfg;
@@ -1042,6 +1051,11 @@ impl CudaBackend {
             let logits = ws.take::<f32>(s, rows * e)?;
             m.gate.forward(&self.gpu, ws, x, rows, 1, 0, logits)?;
             moe::route(&self.gpu, c, logits, m.bias.as_ref().map_or(0, DBuf::ptr), rows, ids, weights)?;
+            if real != 0 {
+                let n = rows * k;
+                let args = [Arg::P(ids), Arg::I(n as i32), Arg::I(k as i32), Arg::P(real)];
+                launch(&self.gpu, "tandem_moe_drop_padding", elementwise_grid(n), 256, 0, &args)?;
+            }
             super::balance::count(&self.gpu, m, ids, rows * k, e)?;
             if let Some(sh) = &m.shared {
                 shared = ws.take::<f32>(s, rows * hidden)?;
@@ -1053,7 +1067,8 @@ impl CudaBackend {
 
     /// Under expert parallelism, a MoE layer up to its dispatch (on `lane`): the rows quantized first, into
     /// this rank's dispatch record (engine::cuda::ep), which the shared expert reads too (one quantization
-    /// of x for both), then routed. A rank without rows still joins (it computes the others' pairs).
+    /// of x for both), then routed (a padded pass's padding rows, past `*real`, to no expert). A rank
+    /// without rows still joins (it computes the others' pairs).
     #[allow(clippy::too_many_arguments)]
     fn moe_front(
         &self,
@@ -1062,6 +1077,7 @@ impl CudaBackend {
         m: &DMoe,
         x: u64,
         rows: usize,
+        real: u64,
         lane: ep::Lane,
         micro: usize,
     ) -> Result<ep::Flight, CudaError> {
@@ -1069,11 +1085,12 @@ impl CudaBackend {
         ep.pace()?;
         let cap = self.ep_cap.load(std::sync::atomic::Ordering::Relaxed);
         let q = ep::quantize(&self.gpu, ws, c, ep::record_format(m, c.hidden_size)?, x, rows, cap)?;
-        let (ids, weights, shared) = self.route_and_share(ws, m, x, rows, Some(&q.input()))?;
+        let (ids, weights, shared) = self.route_and_share(ws, m, x, rows, real, Some(&q.input()))?;
         ep::moe_send(&self.gpu, ws, ep, c, m, &q, rows, ids, weights, shared, lane, micro)
     }
 
-    fn ffn(&self, ws: &mut Workspace, f: &DFfn, x: u64, rows: usize, y: u64) -> Result<(), CudaError> {
+    /// The feed-forward block of `rows` rows of `x` into `y`; `real` as in [`Inputs::real_rows`].
+    fn ffn(&self, ws: &mut Workspace, f: &DFfn, x: u64, rows: usize, real: u64, y: u64) -> Result<(), CudaError> {
         let m = match f {
             DFfn::Dense(m) => return self.mlp(ws, m, x, rows, 1, 0, None, y),
             DFfn::Moe(m) => m,
@@ -1082,12 +1099,13 @@ impl CudaBackend {
         let (s, hidden, e, k) = (self.stream(), c.hidden_size, c.n_routed_experts, c.num_experts_per_tok);
         // Expert parallelism: the routed experts of every rank, the stages back to back.
         if let Some(ep) = &self.ep {
-            let mut f = self.moe_front(ws, ep, m, x, rows, ep::Lane::Main, 0)?;
+            let mut f = self.moe_front(ws, ep, m, x, rows, real, ep::Lane::Main, 0)?;
             ep::moe_experts(&self.gpu, ws, ep, c, &mut f)?;
             ep::moe_finish(&self.gpu, ep, c, f, y)?;
             return ep.layer_issued();
         }
-        let (ids, weights, shared) = self.route_and_share(ws, m, x, rows, None)?;
+        // One GPU: padding rows' pairs run like any (every grouped row alone), so the mask is not needed.
+        let (ids, weights, shared) = self.route_and_share(ws, m, x, rows, 0, None)?;
         let routed = m.routed();
         // Experts that share weights (a synthetic model's) run as the matrix they share.
         let e = match &routed.expert_map {
@@ -1566,7 +1584,7 @@ impl CudaBackend {
         let (s, rows, hidden) = (self.stream(), inp.rows, self.cfg.hidden_size);
         let x2 = self.ffn_input(ws, layer, h, rows)?;
         let f = ws.take::<f32>(s, rows * hidden)?;
-        self.ffn(ws, &layer.ffn, x2, rows, f)?;
+        self.ffn(ws, &layer.ffn, x2, rows, inp.real_rows, f)?;
         self.add(h, f, rows * hidden)?;
         Ok(())
     }
@@ -2175,7 +2193,7 @@ impl CudaBackend {
             };
             let mark = ws.mark();
             for l in layers.into_iter().filter(|l| matches!(l.ffn, DFfn::Moe(_))) {
-                self.ffn(&mut ws, &l.ffn, 0, 0, 0)?;
+                self.ffn(&mut ws, &l.ffn, 0, 0, 0, 0)?;
                 ws.rewind(mark);
             }
             self.ep_step_issued()?;
@@ -2276,12 +2294,13 @@ impl CudaBackend {
                     match moe {
                         Some(m) => {
                             let x2 = if mb.rows > 0 { self.ffn_input(ws, layer, mb.h, mb.rows)? } else { 0 };
-                            Ok(Some(self.moe_front(ws, ep, m, x2, mb.rows, ep::Lane::Comm, i)?))
+                            let real = mb.inp.map_or(0, |inp| inp.real_rows);
+                            Ok(Some(self.moe_front(ws, ep, m, x2, mb.rows, real, ep::Lane::Comm, i)?))
                         }
                         None if mb.rows > 0 => {
                             let x2 = self.ffn_input(ws, layer, mb.h, mb.rows)?;
                             let f = ws.take::<f32>(&s, mb.rows * hidden)?;
-                            self.ffn(ws, &layer.ffn, x2, mb.rows, f)?;
+                            self.ffn(ws, &layer.ffn, x2, mb.rows, 0, f)?;
                             self.add(mb.h, f, mb.rows * hidden)?;
                             Ok(None)
                         }
@@ -2848,17 +2867,18 @@ impl CudaBackend {
     }
 }
 
-/// Call outputs (logits, hidden rows) are stream-ordered allocations from the device's default pool: keeping
-/// what is freed in the pool (release threshold: never) means that once the first calls at the serving
-/// limits have run, no call asks the driver for memory.
 impl Drop for CudaBackend {
-    /// The captured graphs go before the expert-parallel group's communicator (fields drop in declaration
-    /// order, `ep` first): a graph holding NCCL launches is destroyed while its communicator still exists.
+    /// The captured graphs go before the expert-parallel group (fields drop in declaration order, and `ep`
+    /// is declared before `graphs`): NCCL's destroy or abort of the communicator returns only once no graph
+    /// holds its launches.
     fn drop(&mut self) {
         self.graphs.get_mut().unwrap_or_else(|p| p.into_inner()).clear();
     }
 }
 
+/// Call outputs (logits, hidden rows) are stream-ordered allocations from the device's default pool: keeping
+/// what is freed in the pool (release threshold: never) means that once the first calls at the serving
+/// limits have run, no call asks the driver for memory.
 fn keep_freed_memory(gpu: &Gpu) -> Result<(), EngineError> {
     let ctx = gpu.context();
     if !ctx.has_async_alloc() {

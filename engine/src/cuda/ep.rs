@@ -387,6 +387,7 @@ const AGREE_INTS: usize = 5;
 /// Tags of the decode graphs' agreements ([`EpGroup::agree_graph_shape`], [`EpGroup::agree_graph_plan`]).
 const GRAPH_SHAPE_TAG: i32 = 9;
 const GRAPH_PLAN_TAG: i32 = 10;
+const GRAPH_OUTCOME_TAG: i32 = 11;
 
 /// The communicator and what the watchdog shares with the forward calls.
 struct Shared {
@@ -439,8 +440,10 @@ impl Shared {
         match std::thread::Builder::new().name(format!("ep-abort-{}", self.rank)).spawn(move || comm.abort()) {
             Ok(h) => *self.aborting.lock().unwrap_or_else(|p| p.into_inner()) = Some(h),
             Err(e) => {
-                tracing::warn!(error = %e, "no thread for NCCL's abort; aborting on this one");
-                comm.abort();
+                // Not on this thread, which may hold the graphs the abort waits for: the group's drop aborts
+                // it, after the backend dropped its graphs (the group is marked broken already).
+                tracing::warn!(error = %e, "no thread for NCCL's abort; the communicator is aborted when the group ends");
+                self.comm.write().unwrap_or_else(|p| p.into_inner()).0 = comm.0;
             }
         }
     }
@@ -768,12 +771,18 @@ impl EpGroup {
     }
 
     /// The agreed plan for a graph every rank is about to run ([`agree_graph_shape`](Self::agree_graph_shape)
-    /// said yes): each rank's own (0 replay, 1 run and capture, 2 run eagerly), the most of them. So every
-    /// rank replays, or every rank captures (again, where some rank's copy is missing), or none does: the
-    /// ranks' graphs always come from the same capture. After a capture, the same call with each rank's
-    /// outcome (0 captured, 2 failed) makes a failure everyone's.
-    pub fn agree_graph_plan(&self, plan: i32) -> Result<i32, CudaError> {
-        let agreed = self.max_ints(&[plan, 0, 0], GRAPH_PLAN_TAG, "a graph plan")?[0];
+    /// said yes): each rank's own (0 replay, 1 run and capture, 2 run eagerly) and the capture its held graph
+    /// came from (`serial`, the same count on every rank: captures are collective). Every rank replays where
+    /// every rank holds a graph of the same capture; otherwise every rank runs and captures (again, where
+    /// some still held one), or none does (2: a shape whose capture failed). So the ranks' graphs always come
+    /// from one capture, as NCCL requires.
+    pub fn agree_graph_plan(&self, plan: i32, serial: u64) -> Result<i32, CudaError> {
+        let s = serial.min(i32::MAX as u64) as i32;
+        let got = self.max_ints(&[plan, s, -s], GRAPH_PLAN_TAG, "a graph plan")?;
+        let agreed = match got[0] {
+            0 if got[1] != -got[2] => 1,
+            p => p,
+        };
         if agreed == 0
             && let Some(n) = std::env::var(FAULT_EXIT_AT_REPLAY).ok().and_then(|v| v.parse::<usize>().ok())
             && self.replays_agreed.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1 == n
@@ -781,6 +790,12 @@ impl EpGroup {
             std::process::exit(3);
         }
         Ok(agreed)
+    }
+
+    /// After a capture every rank made together: whether it succeeded on every rank (`captured` on this
+    /// one). A failure anywhere is everyone's, so no rank replays a graph another lacks.
+    pub fn agree_graph_outcome(&self, captured: bool) -> Result<bool, CudaError> {
+        Ok(self.max_ints(&[i32::from(!captured), 0, 0], GRAPH_OUTCOME_TAG, "a graph capture's outcome")?[0] == 0)
     }
 
     /// One all-reduce (max) of `vals` (at most [`AGREE_INTS`] - 2) with `tag` and `-tag` after them, padded to

@@ -124,6 +124,9 @@ struct Held {
     nodes: usize,
     bytes: u64,
     last_used: u64,
+    /// Which capture made it ([`Graphs::serial`] then): expert-parallel ranks replay only graphs of the
+    /// same capture.
+    serial: u64,
 }
 
 // SAFETY: a CUgraphExec may be launched from any thread; access is serialized by the `Graphs` owner's mutex.
@@ -139,11 +142,14 @@ pub struct Graphs {
     /// them to).
     max_held: usize,
     max_bytes: u64,
-    /// Where set, each graph is charged this many bytes instead of the free-memory drop measured at its
-    /// capture: expert-parallel ranks then evict the same graphs at the same calls.
+    /// Where set, each graph is charged this many bytes a node instead of the free-memory drop measured at
+    /// its capture: expert-parallel ranks then evict the same graphs at the same calls.
     charge: Option<u64>,
     /// The routed experts' placement the held graphs read (load balancing's moves, [`Graphs::retire`]).
     experts: u64,
+    /// Captures begun so far: expert-parallel ranks capture together, so the count names the same capture
+    /// on every rank.
+    serial: u64,
 }
 
 /// What to do with a pass of a given shape.
@@ -167,13 +173,19 @@ impl Graphs {
             max_bytes: GRAPH_BYTES,
             charge: None,
             experts: 0,
+            serial: 0,
         }
     }
 
-    /// Charges every graph `bytes` (expert parallelism: eviction follows the calls alone, the same on every
-    /// rank).
-    pub fn charge_each(&mut self, bytes: u64) {
-        self.charge = Some(bytes.min(MAX_GRAPH_BYTES));
+    /// Charges every graph `bytes` a node (expert parallelism: eviction follows the shapes alone, the same
+    /// on every rank) instead of the free memory it took.
+    pub fn charge_nodes(&mut self, bytes: u64) {
+        self.charge = Some(bytes);
+    }
+
+    /// The capture that made the graph of `key` (0: none held).
+    pub fn serial_of(&self, key: &GraphKey) -> u64 {
+        self.held.get(key).map_or(0, |h| h.serial)
     }
 
     /// Drops every held graph when the routed experts moved since they were captured (`placement` counts
@@ -234,17 +246,6 @@ impl Graphs {
         self.stats.eager += 1;
     }
 
-    /// Replays the pass of `key` on its stream where it is captured; otherwise says how to run it.
-    pub fn replay(&mut self, key: &GraphKey) -> Result<Plan, EngineError> {
-        match self.plan(key) {
-            Plan::Replayed => self.launch(key).map(|()| Plan::Replayed),
-            other => {
-                self.stats.eager += 1;
-                Ok(other)
-            }
-        }
-    }
-
     /// What this backend holds for `key`, without running anything: [`Plan::Replayed`] where it is
     /// captured (then [`launch`](Self::launch) it), otherwise how to run the pass.
     pub fn plan(&mut self, key: &GraphKey) -> Plan {
@@ -271,7 +272,7 @@ impl Graphs {
     /// Makes `key` a failed shape's entry (another rank's capture of it failed): it runs eagerly from now.
     pub fn mark_failed(&mut self, key: GraphKey) {
         self.clock += 1;
-        self.held.insert(key, Held { graph: None, nodes: 0, bytes: 0, last_used: self.clock });
+        self.held.insert(key, Held { graph: None, nodes: 0, bytes: 0, last_used: self.clock, serial: self.serial });
         self.evict();
     }
 
@@ -282,11 +283,12 @@ impl Graphs {
         F: FnOnce() -> Result<(), EngineError>,
     {
         let t0 = Instant::now();
+        self.serial += 1;
         let free_before = free_memory();
         if let Err(e) = stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) {
             tracing::warn!(?key, error = %e, "a decode graph capture did not start; this shape runs eagerly");
             self.clock += 1;
-            self.held.insert(key, Held { graph: None, nodes: 0, bytes: 0, last_used: self.clock });
+            self.held.insert(key, Held { graph: None, nodes: 0, bytes: 0, last_used: self.clock, serial: self.serial });
             return Ok(());
         }
         let issued = issue();
@@ -312,13 +314,13 @@ impl Graphs {
         };
         // The device's free memory also moves with other processes' allocations (workers sharing a GPU): a
         // reading past MAX_GRAPH_BYTES is not this graph's.
+        let nodes = graph.as_ref().map_or(0, node_count);
         let bytes = match (free_before, free_memory(), self.charge) {
             _ if graph.is_none() => 0,
-            (_, _, Some(c)) => c,
+            (_, _, Some(c)) => (nodes as u64 * c).min(MAX_GRAPH_BYTES),
             (Some(a), Some(b), None) => a.saturating_sub(b).min(MAX_GRAPH_BYTES),
             _ => 0,
         };
-        let nodes = graph.as_ref().map_or(0, node_count);
         let secs = t0.elapsed().as_secs_f64();
         self.stats.capture_s += secs;
         if graph.is_some() {
@@ -326,7 +328,7 @@ impl Graphs {
             tracing::debug!(?key, nodes, bytes, ms = secs * 1e3, "decode pass captured");
         }
         self.clock += 1;
-        self.held.insert(key, Held { graph, nodes, bytes, last_used: self.clock });
+        self.held.insert(key, Held { graph, nodes, bytes, last_used: self.clock, serial: self.serial });
         self.evict();
         Ok(())
     }
@@ -419,9 +421,8 @@ mod tests {
     #[test]
     fn a_shape_is_captured_then_kept_eager_after_a_failure_and_dropped_when_the_experts_move() {
         let mut g = Graphs::new(true);
-        g.charge_each(u64::MAX);
-        assert_eq!(g.charge, Some(MAX_GRAPH_BYTES), "a charge is at most one graph's bound");
         assert!(matches!(g.plan(&key(4)), Plan::RunAndCapture));
+        assert_eq!(g.serial_of(&key(4)), 0, "nothing held");
         g.mark_failed(key(4));
         assert!(matches!(g.plan(&key(4)), Plan::Eager));
         assert!(!g.is_captured(&key(4)));

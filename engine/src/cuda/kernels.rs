@@ -206,6 +206,7 @@ pub const FAMILIES: &[Family] = &[
             "tandem_moe_plan",
             "tandem_moe_scatter",
             "tandem_moe_map_ids",
+            "tandem_moe_drop_padding",
             "tandem_ep_pack_ids",
             "tandem_eplb_count",
             "tandem_ep_local_ids",
