@@ -88,7 +88,7 @@ extern "C" __global__ void tandem_moe_map_ids(int* __restrict__ ids, int n, cons
 // device memory so that a CUDA graph takes each step's count) route to no expert: id -1. They are then
 // neither counted, dispatched, computed nor combined.
 extern "C" __global__ void tandem_moe_drop_padding(int* __restrict__ ids, int n, int k, const int* __restrict__ real) {
-    const int own = min(max(*real, 0) * k, n);
+    const int own = min(max(*real, 0), n / k) * k;
     for (int p = own + blockIdx.x * blockDim.x + threadIdx.x; p < n; p += gridDim.x * blockDim.x) ids[p] = -1;
 }
 

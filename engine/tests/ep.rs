@@ -460,6 +460,35 @@ fn a_group_of_one_gives_the_plain_backends_logits_bit_for_bit() {
     assert!(g.captures > 0 && g.replays > 0, "the decode passes ran as CUDA graphs: {g:?}");
 }
 
+/// A graphed decode pass pads its rows (3 live requests run at the 4-row bucket), and the padding rows'
+/// pairs route to no expert: the experts' counted load over the whole run is the eager run's, pair for pair,
+/// and the logits are the same.
+#[test]
+fn padding_rows_of_a_graphed_pass_add_no_expert_load() {
+    if std::env::var(RANK).is_ok() {
+        return;
+    }
+    let _gpus = gpus_lock();
+    let dir = tempfile::tempdir().unwrap();
+    let seed = 17;
+    let Some((ckpt, cache, want)) = plain_trace(dir.path(), seed) else { return };
+    // Loads counted at every busy step and summed over the whole run; no placement changes.
+    let eplb = engine::eplb::EplbConfig { rebalance: false, interval: 1, window: 64, ..Default::default() };
+    let load = |graphs: bool| {
+        let ep = EpConfig { eplb, ..EpConfig::parse(&format!("0/1@127.0.0.1:{}", free_port())).unwrap() };
+        let b = Arc::new(CudaBackend::load_ep(&ckpt, Precision::Fp8, 0, &cache, &ep).unwrap().with_graphs(graphs));
+        assert!(encode(&run(b.clone(), &[0, 1, 2, 3], seed)) == want, "EP-1 (graphs {graphs}) differs");
+        let g = b.decode_graphs().unwrap();
+        assert_eq!(g.replays > 0, graphs, "graphs {graphs}: {g:?}");
+        let st = b.eplb_stats().unwrap();
+        assert!(st.looks >= 4, "{st:?}");
+        st.gpu_load
+    };
+    let (graphed, eager) = (load(true), load(false));
+    assert!(eager.iter().sum::<f64>() > 0.0, "no load counted");
+    assert_eq!(graphed, eager, "padding rows were counted as expert load");
+}
+
 /// A group of one with load balancing: the experts' copies move between its slots at nearly every step
 /// (the slot table, the copies, the switch between steps), and the logits stay the plain backend's.
 #[test]

@@ -27,8 +27,9 @@
 //! a GPU) each batch runs one untimed step first (it captures the shapes), and `extra.graphs` says how many
 //! timed passes were replayed. `--graphs-ab` (GPU; under --ep every rank passes it) times each batch with
 //! graphs on, then off (`decode_batch_N_eager`) on the same requests, which by then are a few positions
-//! longer (the steps of the first mode). `--whole-step-ab` (GPU, one rank) times each batch with whole decode steps on the device
-//! (`Backend::decode_whole_step`, the default), then with the separate calls (`decode_batch_N_parts`).
+//! longer (the steps of the first mode). `--whole-step-ab` (GPU, one rank) times each batch with whole
+//! decode steps on the device (`Backend::decode_whole_step`, the default), then with the separate calls
+//! (`decode_batch_N_parts`).
 //! `--prepare-decode` captures the decode steps before the decode measurements, as a decode worker does
 //! before serving (`Backend::prepare_decode`, limits: the largest batch, contexts up to the longest measured),
 //! and records the time and the graphs (`prepare_decode`).

@@ -233,8 +233,8 @@ struct Inputs {
     /// layer would make the host wait for the stream every layer): groups on the device, groups, most queries
     /// of a group.
     score_groups: Vec<(u64, usize, usize)>,
-    /// A padded call's real rows (one i32 on the device, so a graph reads each step's), 0 where no row is
-    /// padding: under expert parallelism the padding rows' pairs route to no expert.
+    /// Under expert parallelism, a padded call's real rows (one i32 on the device, so a graph reads each
+    /// step's): the padding rows' pairs route to no expert. 0 otherwise.
     real_rows: u64,
 }
 
@@ -248,8 +248,8 @@ struct ScorePlan {
     chunk_rows: usize,
 }
 
-/// Device memory a graph is expected to hold a node (measured on an H200: 5.2 MiB for the 62 layers of the
-/// synthetic model's graphs, about 48 nodes a layer).
+/// Device memory a graph is expected to hold a node, with room (measured on an H200: 5.2 MiB for the 62
+/// layers of the synthetic model's graphs, about 48 nodes a layer, 1.8 KiB a node).
 const GRAPH_NODE_BYTES: u64 = 3 * 1024;
 
 /// Device memory a whole-step graph of `layers` layers is expected to hold ([`CudaBackend::graph_bytes_each`]).
@@ -734,7 +734,7 @@ impl CudaBackend {
                 score_groups.push((ws.upload(s, &grouping)?, grouping.len() / 2, max_q));
             }
         }
-        let real_rows = if pad.is_some() { ws.upload(s, &[real as i32])? } else { 0 };
+        let real_rows = if pad.is_some() && self.ep.is_some() { ws.upload(s, &[real as i32])? } else { 0 };
         Ok(Inputs {
             real_rows,
             rows,
@@ -1033,6 +1033,7 @@ impl CudaBackend {
 
     /// A MoE layer's routing of `x [rows, hidden]` (ids and weights `[rows, k]`) and its shared expert's
     /// output (f32 `[rows, hidden]`, 0 without one), the shared expert's input quantized as `pre` says.
+    /// Where `real` is set ([`Inputs::real_rows`]), the rows past that count route to no expert (id -1).
     fn route_and_share(
         &self,
         ws: &mut Workspace,
@@ -2868,9 +2869,9 @@ impl CudaBackend {
 }
 
 impl Drop for CudaBackend {
-    /// The captured graphs go before the expert-parallel group (fields drop in declaration order, and `ep`
-    /// is declared before `graphs`): NCCL's destroy or abort of the communicator returns only once no graph
-    /// holds its launches.
+    /// The captured graphs go first: fields drop in declaration order, which would drop the expert-parallel
+    /// group (`ep`) before `graphs`, and NCCL's destroy or abort of the communicator returns only once no
+    /// graph holds its launches.
     fn drop(&mut self) {
         self.graphs.get_mut().unwrap_or_else(|p| p.into_inner()).clear();
     }

@@ -428,6 +428,12 @@ impl Shared {
     /// launches is destroyed, which the backend does when it sees the group down (or at its drop). No caller
     /// waits for that: not the thread that must drop the graphs, not the watchdog.
     fn abort(&self, why: &str) {
+        self.abort_on(false, why);
+    }
+
+    /// [`abort`](Self::abort) from the watchdog (`watchdog`: it holds no graphs, so without a thread for the
+    /// abort it may wait for it itself) or from a forward thread.
+    fn abort_on(&self, watchdog: bool, why: &str) {
         self.mark_broken(why.to_string());
         let comm = {
             let mut c = self.comm.write().unwrap_or_else(|p| p.into_inner());
@@ -439,9 +445,15 @@ impl Shared {
         tracing::error!(rank = self.rank, "expert-parallel group aborted: {why}");
         match std::thread::Builder::new().name(format!("ep-abort-{}", self.rank)).spawn(move || comm.abort()) {
             Ok(h) => *self.aborting.lock().unwrap_or_else(|p| p.into_inner()) = Some(h),
+            Err(e) if watchdog => {
+                // The forward thread sees the group broken, its device work ends with the abort's flags, and
+                // it drops its graphs: this abort then returns.
+                tracing::warn!(error = %e, "no thread for NCCL's abort; the watchdog aborts");
+                comm.abort();
+            }
             Err(e) => {
-                // Not on this thread, which may hold the graphs the abort waits for: the group's drop aborts
-                // it, after the backend dropped its graphs (the group is marked broken already).
+                // Not on a forward thread, which may hold the graphs the abort waits for: the group's drop
+                // aborts it, after the backend dropped its graphs (the group is marked broken already).
                 tracing::warn!(error = %e, "no thread for NCCL's abort; the communicator is aborted when the group ends");
                 self.comm.write().unwrap_or_else(|p| p.into_inner()).0 = comm.0;
             }
@@ -462,11 +474,14 @@ impl Shared {
             }
         };
         if let Some((t, bound)) = overdue {
-            self.abort(&format!(
-                "rank {}: a step has not finished after {:.1} s (bound {bound:?}): another rank died or hangs",
-                self.rank,
-                t.as_secs_f64(),
-            ));
+            self.abort_on(
+                true,
+                &format!(
+                    "rank {}: a step has not finished after {:.1} s (bound {bound:?}): another rank died or hangs",
+                    self.rank,
+                    t.as_secs_f64(),
+                ),
+            );
             return;
         }
         let c = self.comm.read().unwrap_or_else(|p| p.into_inner());
@@ -478,7 +493,7 @@ impl Shared {
         unsafe { nccl::ncclCommGetAsyncError(c.0, &mut r) };
         drop(c);
         if r != nccl::ncclResult_t::ncclSuccess && r != nccl::ncclResult_t::ncclInProgress {
-            self.abort(&format!("rank {}: NCCL reports {r:?} (a peer's connection was lost)", self.rank));
+            self.abort_on(true, &format!("rank {}: NCCL reports {r:?} (a peer's connection was lost)", self.rank));
         }
     }
 }
