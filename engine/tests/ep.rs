@@ -441,6 +441,16 @@ fn plain_trace(dir: &Path, seed: u64) -> Option<(engine::checkpoint::Checkpoint,
     Some((ckpt, cache, want))
 }
 
+/// A group of one rank's settings, on a free leader port.
+fn one_rank() -> EpConfig {
+    EpConfig::parse(&format!("0/1@127.0.0.1:{}", free_port())).unwrap()
+}
+
+/// A group of one rank with `ep`'s settings, loaded from `ckpt`.
+fn one_rank_backend(ckpt: &engine::checkpoint::Checkpoint, cache: &Path, ep: &EpConfig) -> Arc<CudaBackend> {
+    Arc::new(CudaBackend::load_ep(ckpt, Precision::Fp8, 0, cache, ep).unwrap())
+}
+
 /// A group of one rank runs every step of expert parallelism (record, exchange with itself, gather, the
 /// down projection into the combine rows, the combine) in one process: the same bits as without it.
 #[test]
@@ -452,8 +462,7 @@ fn a_group_of_one_gives_the_plain_backends_logits_bit_for_bit() {
     let dir = tempfile::tempdir().unwrap();
     let seed = 7;
     let Some((ckpt, cache, want)) = plain_trace(dir.path(), seed) else { return };
-    let ep = EpConfig::parse(&format!("0/1@127.0.0.1:{}", free_port())).unwrap();
-    let grouped = Arc::new(CudaBackend::load_ep(&ckpt, Precision::Fp8, 0, &cache, &ep).unwrap());
+    let grouped = one_rank_backend(&ckpt, &cache, &one_rank());
     assert!(grouped.ep_group().is_some());
     assert!(encode(&run(grouped.clone(), &[0, 1, 2, 3], seed)) == want, "EP-1 differs from the plain backend");
     let g = grouped.decode_graphs().unwrap();
@@ -475,7 +484,7 @@ fn padding_rows_of_a_graphed_pass_add_no_expert_load() {
     // Loads counted at every busy step and summed over the whole run; no placement changes.
     let eplb = engine::eplb::EplbConfig { rebalance: false, interval: 1, window: 64, ..Default::default() };
     let load = |graphs: bool| {
-        let ep = EpConfig { eplb, ..EpConfig::parse(&format!("0/1@127.0.0.1:{}", free_port())).unwrap() };
+        let ep = EpConfig { eplb, ..one_rank() };
         let b = Arc::new(CudaBackend::load_ep(&ckpt, Precision::Fp8, 0, &cache, &ep).unwrap().with_graphs(graphs));
         assert!(encode(&run(b.clone(), &[0, 1, 2, 3], seed)) == want, "EP-1 (graphs {graphs}) differs");
         let g = b.decode_graphs().unwrap();
@@ -500,9 +509,7 @@ fn a_group_of_one_whose_experts_move_gives_the_plain_backends_logits_bit_for_bit
     let dir = tempfile::tempdir().unwrap();
     let seed = 11;
     let Some((ckpt, cache, want)) = plain_trace(dir.path(), seed) else { return };
-    let mut ep = EpConfig::parse(&format!("0/1@127.0.0.1:{}", free_port())).unwrap();
-    ep.eplb = moving_eplb();
-    let b = Arc::new(CudaBackend::load_ep(&ckpt, Precision::Fp8, 0, &cache, &ep).unwrap());
+    let b = one_rank_backend(&ckpt, &cache, &EpConfig { eplb: moving_eplb(), ..one_rank() });
     assert!(encode(&run(b.clone(), &[0, 1, 2, 3], seed)) == want, "EP-1 with moving experts differs");
     let st = b.eplb_stats().unwrap();
     eprintln!("{st:?}");
@@ -521,9 +528,7 @@ fn a_group_of_one_with_dual_batch_overlap_gives_the_plain_backends_logits_bit_fo
     let dir = tempfile::tempdir().unwrap();
     let seed = 13;
     let Some((ckpt, cache, want)) = plain_trace(dir.path(), seed) else { return };
-    let mut ep = EpConfig::parse(&format!("0/1@127.0.0.1:{}", free_port())).unwrap();
-    ep.dbo = Dbo::On;
-    let b = Arc::new(CudaBackend::load_ep(&ckpt, Precision::Fp8, 0, &cache, &ep).unwrap());
+    let b = one_rank_backend(&ckpt, &cache, &EpConfig { dbo: Dbo::On, ..one_rank() });
     b.record_timeline(true);
     assert!(encode(&run(b.clone(), &[0, 1, 2, 3], seed)) == want, "EP-1 with dual-batch overlap differs");
     let stages = b.take_timeline().unwrap();
@@ -535,8 +540,7 @@ fn a_group_of_one_with_dual_batch_overlap_gives_the_plain_backends_logits_bit_fo
     // Not timed, the overlapped decode passes (both streams) are captured and replayed: the same bits.
     b.record_timeline(false);
     drop(b);
-    let ep = EpConfig { dbo: Dbo::On, ..EpConfig::parse(&format!("0/1@127.0.0.1:{}", free_port())).unwrap() };
-    let b = Arc::new(CudaBackend::load_ep(&ckpt, Precision::Fp8, 0, &cache, &ep).unwrap());
+    let b = one_rank_backend(&ckpt, &cache, &EpConfig { dbo: Dbo::On, ..one_rank() });
     assert!(encode(&run(b.clone(), &[0, 1, 2, 3], seed)) == want, "EP-1 overlapped in CUDA graphs differs");
     let g = b.decode_graphs().unwrap();
     assert!(g.captures > 0 && g.replays > 0, "the overlapped decode passes ran as CUDA graphs: {g:?}");
@@ -558,8 +562,7 @@ fn load_balancing_settings_that_cannot_work_are_refused() {
         eprintln!("skipped: no GPU");
         return;
     }
-    let mut ep = EpConfig::parse(&format!("0/1@127.0.0.1:{}", free_port())).unwrap();
-    ep.eplb = engine::eplb::EplbConfig { redundant: 17, ..moving_eplb() };
+    let ep = EpConfig { eplb: engine::eplb::EplbConfig { redundant: 17, ..moving_eplb() }, ..one_rank() };
     let e = CudaBackend::load_ep(&ckpt, Precision::Fp8, 0, &cache, &ep).err().expect("17 spare slots of 16 experts");
     assert!(e.to_string().contains("exceed"), "{e}");
 }

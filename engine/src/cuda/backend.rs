@@ -849,16 +849,7 @@ impl CudaBackend {
         graphs.retire(self.balancer.as_ref().map_or(0, super::balance::Balancer::moves));
         let mut plan = graphs.plan(&key);
         if let Some(ep) = &self.ep {
-            let code = match plan {
-                Plan::Replayed => 0,
-                Plan::RunAndCapture => 1,
-                Plan::Eager => 2,
-            };
-            plan = match ep.agree_graph_plan(code, graphs.serial_of(&key))? {
-                0 => Plan::Replayed,
-                1 => Plan::RunAndCapture,
-                _ => Plan::Eager,
-            };
+            plan = Plan::from_code(ep.agree_graph_plan(plan.code(), graphs.serial_of(&key))?);
         }
         match plan {
             Plan::Replayed => graphs.launch(&key),

@@ -524,7 +524,8 @@ pub struct EpGroup {
     /// A decode pass is being captured as a CUDA graph: nothing runs, so the host does not pace itself on
     /// events recorded into the capture (querying one is an error).
     capturing: std::sync::atomic::AtomicBool,
-    /// Replays agreed so far (for [`FAULT_EXIT_AT_REPLAY`]).
+    /// [`FAULT_EXIT_AT_REPLAY`] (read once, at the group's start), and the replays agreed so far.
+    exit_at_replay: Option<usize>,
     replays_agreed: std::sync::atomic::AtomicUsize,
 }
 
@@ -603,6 +604,7 @@ impl EpGroup {
             start_timeout: cfg.timeout,
             starting: std::sync::atomic::AtomicBool::new(false),
             capturing: std::sync::atomic::AtomicBool::new(false),
+            exit_at_replay: std::env::var(FAULT_EXIT_AT_REPLAY).ok().and_then(|v| v.parse().ok()),
             replays_agreed: std::sync::atomic::AtomicUsize::new(0),
         };
         // Every collective once, so the point-to-point connections exist before the first step (a first
@@ -799,7 +801,7 @@ impl EpGroup {
             p => p,
         };
         if agreed == 0
-            && let Some(n) = std::env::var(FAULT_EXIT_AT_REPLAY).ok().and_then(|v| v.parse::<usize>().ok())
+            && let Some(n) = self.exit_at_replay
             && self.replays_agreed.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1 == n
         {
             std::process::exit(3);

@@ -162,6 +162,27 @@ pub enum Plan {
     Eager,
 }
 
+impl Plan {
+    /// The plan as the expert-parallel ranks agree on it (engine::cuda::ep::EpGroup::agree_graph_plan: the
+    /// most of the ranks' codes): 0 replay, 1 run and capture, 2 run eagerly.
+    pub fn code(&self) -> i32 {
+        match self {
+            Plan::Replayed => 0,
+            Plan::RunAndCapture => 1,
+            Plan::Eager => 2,
+        }
+    }
+
+    /// The plan of an agreed code ([`code`](Self::code)).
+    pub fn from_code(code: i32) -> Plan {
+        match code {
+            0 => Plan::Replayed,
+            1 => Plan::RunAndCapture,
+            _ => Plan::Eager,
+        }
+    }
+}
+
 impl Graphs {
     pub fn new(enabled: bool) -> Self {
         Graphs {
@@ -269,7 +290,8 @@ impl Graphs {
         self.stats.eager += 1;
     }
 
-    /// Makes `key` a failed shape's entry (another rank's capture of it failed): it runs eagerly from now.
+    /// Makes `key` a failed shape's entry (its capture failed here or on another rank): it runs eagerly from
+    /// now.
     pub fn mark_failed(&mut self, key: GraphKey) {
         self.clock += 1;
         self.held.insert(key, Held { graph: None, nodes: 0, bytes: 0, last_used: self.clock, serial: self.serial });
@@ -287,8 +309,7 @@ impl Graphs {
         let free_before = free_memory();
         if let Err(e) = stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) {
             tracing::warn!(?key, error = %e, "a decode graph capture did not start; this shape runs eagerly");
-            self.clock += 1;
-            self.held.insert(key, Held { graph: None, nodes: 0, bytes: 0, last_used: self.clock, serial: self.serial });
+            self.mark_failed(key);
             return Ok(());
         }
         let issued = issue();

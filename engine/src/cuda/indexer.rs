@@ -275,6 +275,16 @@ mod tests {
         len: usize,
     }
 
+    impl Case {
+        /// Rows `rows` take row `from`'s block table (rows of one request: a group shares one table).
+        fn share_table(&mut self, rows: std::ops::Range<usize>, from: usize) {
+            let table = self.rows[from].table.clone();
+            for r in &mut self.rows[rows] {
+                r.table = table.clone();
+            }
+        }
+    }
+
     fn case(rng: &mut ChaCha8Rng, heads: usize, lens: &[usize], exact: bool) -> Case {
         let max_blocks = lens.iter().map(|l| l.div_ceil(BLOCK_SIZE)).max().unwrap_or(1).max(1);
         let num_blocks = max_blocks * 2 + 3;
@@ -429,12 +439,8 @@ mod tests {
             top - 7,
         ];
         let mut c = case(&mut rng, 8, &lens, true);
-        let four = c.rows[3].table.clone();
-        for r in &mut c.rows[..4] {
-            r.table = four.clone();
-        }
-        let pair = c.rows[5].table.clone();
-        c.rows[4].table = pair;
+        c.share_table(0..4, 3);
+        c.share_table(4..5, 5);
         let grouping = groups([(0, 4), (4, 2)].into_iter().chain((6..lens.len()).map(|r| (r, 1))));
         assert!(grouping.len() / 2 * c.rows[0].table.len().div_ceil(BLOCKS_PER_CTA) >= 1024);
         for (r, got) in gpu_scores_grouped(&gpu, &c, &grouping).iter().enumerate() {
@@ -521,12 +527,8 @@ mod tests {
             // A prefill chunk: 11 consecutive causal rows of one request (one table), then a decode pair.
             let lens: Vec<usize> = (0..11).map(|i| 1990 + 7 * i).chain([300, 301]).collect();
             let mut c = case(&mut rng, 64, &lens, exact);
-            let shared = c.rows[10].table.clone();
-            for r in &mut c.rows[..11] {
-                r.table = shared.clone();
-            }
-            let pair = c.rows[12].table.clone();
-            c.rows[11].table = pair;
+            c.share_table(0..11, 10);
+            c.share_table(11..12, 12);
             let single = gpu_scores(&gpu, &c);
             let grouped = gpu_scores_grouped(&gpu, &c, &groups([(0, 11), (11, 2)]));
             for (r, (a, b)) in single.iter().zip(&grouped).enumerate() {
@@ -560,7 +562,7 @@ mod tests {
         let mut c = case(&mut rng, 64, &[5000, 2049, 3100, 64], false);
         c.rows[2].table[3] = c.num_blocks as i32 + 9;
         // Rows 0 and 1 share a table and are scored as a pair (the m64n128 path), rows 2 and 3 alone.
-        c.rows[1].table = c.rows[0].table.clone();
+        c.share_table(1..2, 0);
         let d = OnDevice::new(&gpu, &c);
         let (rows, stride) = (d.rows, d.stride);
         let hist = st.alloc_zeros::<u32>(rows * HIST_WORDS).unwrap();
