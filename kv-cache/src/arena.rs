@@ -80,6 +80,15 @@ pub trait DeviceCopy: Send + Sync {
     unsafe fn copy_pieces(&self, _pieces: &[(u64, u64, u64)]) -> Option<Result<(), String>> {
         None
     }
+    /// As [`DeviceCopy::copy_pieces`], but returns once the copy is queued on the device: the handle says
+    /// when the bytes are in place (how a receiver scatters a landed write without holding its UCX
+    /// progress thread). `None` where this device cannot; callers then use `copy_pieces`.
+    ///
+    /// # Safety
+    /// As [`DeviceCopy::copy_pieces`], until the handle reports the copy finished (or is waited on).
+    unsafe fn copy_pieces_queued(&self, _pieces: &[(u64, u64, u64)]) -> Option<Result<Box<dyn QueuedCopy>, String>> {
+        None
+    }
     /// `bytes` of device memory on the arena's device for transports to gather into or land in, freed
     /// when dropped; `None` where this device cannot.
     fn alloc(&self, _bytes: usize) -> Option<Result<Box<dyn DeviceBuffer>, String>> {
@@ -90,6 +99,15 @@ pub trait DeviceCopy: Send + Sync {
     fn cuda_memory(&self) -> bool {
         false
     }
+}
+
+/// A copy queued on a device ([`DeviceCopy::copy_pieces_queued`]). Dropping it before it finished waits
+/// for it.
+pub trait QueuedCopy: Send {
+    /// `Some` once the copy finished (or failed), without waiting; `None` while it runs.
+    fn poll(&mut self) -> Option<Result<(), String>>;
+    /// Waits until the copy finished.
+    fn wait(&mut self) -> Result<(), String>;
 }
 
 /// The largest message a transport gathers a scattered layer into (kv-transfer's stream writes).

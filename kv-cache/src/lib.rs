@@ -14,7 +14,8 @@ pub mod ready;
 
 pub use allocator::{AllocError, BlockAllocator, BlockRun, BlockTable, runs_of};
 pub use arena::{
-    ArenaError, DeviceBuffer, DeviceCopy, KvArena, MemoryKind, TRANSFER_BUFFERS, TRANSFER_CHUNK, arenas_created,
+    ArenaError, DeviceBuffer, DeviceCopy, KvArena, MemoryKind, QueuedCopy, TRANSFER_BUFFERS, TRANSFER_CHUNK,
+    arenas_created,
 };
 pub use format::{BLOCK_SIZE, BlockId, CacheFormat, CacheGeometry, EntryDims, LayerIdx};
 pub use pool::{BlockPool, PoolError, PoolStats};

@@ -180,49 +180,98 @@ impl PutPlan {
         latent.chain(indexer)
     }
 
-    /// The pieces of stream range `lo..hi` of `layer`, as (pool offset, length) on the source side
+    /// The pieces of range `lo..hi` of the request's stream, as (pool offset, length) on the source side
     /// (`src`) or the destination side. A layer's stream is its puts' bytes back to back: the latent
-    /// entries of its tokens in order, then its indexer blocks in order. It is the same on both sides
-    /// whatever the block ids (the checksum covers it too), so a range of it names the same bytes there.
-    pub fn stream_pieces(&self, layer: LayerIdx, lo: u64, hi: u64, src: bool) -> Vec<(u64, u64)> {
-        let mut out = Vec::new();
-        let mut at = 0u64;
-        for p in self.layer_puts(layer) {
-            let (start, end) = (at.max(lo), (at + p.len).min(hi));
-            if start < end {
-                let base = if src { p.src_offset } else { p.dst_offset };
-                match out.last_mut() {
-                    // Consecutive in the pool too (a run split only on the other side): one piece.
-                    Some((o, l)) if *o + *l == base + (start - at) => *l += end - start,
-                    _ => out.push((base + (start - at), end - start)),
+    /// entries of its tokens in order, then its indexer blocks in order; the request's stream is its
+    /// layers' streams back to back, layer 0 first (byte `o` of layer `l`'s stream is byte
+    /// `l * bytes_per_layer() + o`). It is the same on both sides whatever the block ids (the checksums
+    /// cover it too), so a range of it names the same bytes there.
+    pub fn stream_pieces(&self, lo: u64, hi: u64, src: bool) -> Vec<(u64, u64)> {
+        let bpl = self.bytes_per_layer();
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        if bpl == 0 || lo >= hi {
+            return out;
+        }
+        for layer in lo / bpl..hi.div_ceil(bpl) {
+            let base_at = layer * bpl;
+            let mut at = base_at;
+            for p in self.layer_puts(LayerIdx(layer as u32)) {
+                let (start, end) = (at.max(lo), (at + p.len).min(hi));
+                if start < end {
+                    let base = if src { p.src_offset } else { p.dst_offset };
+                    match out.last_mut() {
+                        // Consecutive in the pool too (a run split only on the other side): one piece.
+                        Some((o, l)) if *o + *l == base + (start - at) => *l += end - start,
+                        _ => out.push((base + (start - at), end - start)),
+                    }
                 }
-            }
-            at += p.len;
-            if at >= hi {
-                break;
+                at += p.len;
+                if at >= hi {
+                    break;
+                }
             }
         }
         out
     }
 
-    /// A layer's stream cut into ranges of at most `max` bytes (at least one item each) that split no
-    /// latent entry or indexer block and hold only latent or only indexer bytes: how a gathered layer
-    /// travels.
-    pub fn stream_chunks(&self, max: u64) -> Vec<(u64, u64)> {
+    /// Whether request-stream offset `at` falls between items: not inside a latent entry or an
+    /// indexer block of its layer (a layer's end is a boundary).
+    pub fn stream_boundary(&self, at: u64) -> bool {
+        self.stream_floor(at) == at
+    }
+
+    /// The last item boundary at or before request-stream offset `at`.
+    fn stream_floor(&self, at: u64) -> u64 {
+        let (bpl, lat) = (self.bytes_per_layer(), self.latent_bytes_per_layer());
+        if bpl == 0 {
+            return at;
+        }
+        let (layer, off) = (at / bpl, at % bpl);
+        let off =
+            if off <= lat { off - off % self.unit_bytes(true) } else { off - (off - lat) % self.unit_bytes(false) };
+        layer * bpl + off
+    }
+
+    /// The first item boundary after request-stream offset `at` (which is a boundary).
+    fn stream_next(&self, at: u64) -> u64 {
+        let (bpl, lat) = (self.bytes_per_layer(), self.latent_bytes_per_layer());
+        let off = at % bpl.max(1);
+        at + if off < lat { self.unit_bytes(true) } else { self.unit_bytes(false) }
+    }
+
+    /// Request-stream range `lo..hi` (item boundaries) cut into ranges of at most `max` bytes (at least
+    /// one item each) that split no latent entry or indexer block: how gathered layers travel. A range
+    /// may hold latent and indexer bytes, and end in a later layer than it starts.
+    pub fn stream_chunks(&self, lo: u64, hi: u64, max: u64) -> Vec<(u64, u64)> {
         let mut out = Vec::new();
-        let lat = self.latent_bytes_per_layer();
-        for (start, len, unit) in
-            [(0, lat, self.unit_bytes(true)), (lat, self.indexer_bytes_per_layer(), self.unit_bytes(false))]
-        {
-            let step = (max / unit).max(1) * unit;
-            let mut at = 0;
-            while at < len {
-                let n = step.min(len - at);
-                out.push((start + at, start + at + n));
-                at += n;
+        let mut at = lo;
+        while at < hi {
+            let mut end = at.saturating_add(max).min(hi);
+            if end < hi {
+                end = self.stream_floor(end);
+                if end <= at {
+                    end = self.stream_next(at).min(hi);
+                }
             }
+            out.push((at, end));
+            at = end;
         }
         out
+    }
+
+    /// The (layer, latent bytes, indexer bytes) that request-stream range `lo..hi` holds, layer by layer.
+    pub fn stream_layers(&self, lo: u64, hi: u64) -> Vec<(usize, u64, u64)> {
+        let (bpl, lat) = (self.bytes_per_layer(), self.latent_bytes_per_layer());
+        if bpl == 0 || lo >= hi {
+            return Vec::new();
+        }
+        (lo / bpl..hi.div_ceil(bpl))
+            .map(|layer| {
+                let (a, b) = (lo.max(layer * bpl) - layer * bpl, hi.min((layer + 1) * bpl) - layer * bpl);
+                let latent = b.min(lat).saturating_sub(a.min(lat));
+                (layer as usize, latent, b - a - latent)
+            })
+            .collect()
     }
 
     /// Puts per layer (a measure of how scattered the request's blocks are on either side).
@@ -286,44 +335,65 @@ mod tests {
     }
 
     #[test]
-    fn a_layers_stream_names_the_same_bytes_on_both_sides() {
+    fn the_request_stream_names_the_same_bytes_on_both_sides() {
         let g = geo(40);
         let l = layout_of(&g);
         let b = |v: &[u32]| v.iter().map(|&x| BlockId(x)).collect::<Vec<_>>();
         let (src, dst) = (b(&[3, 4, 5, 9, 10, 20, 21]), b(&[30, 31, 7, 8, 9, 2, 1]));
         let tokens = 64 * 6 + 5;
         let plan = PutPlan::new(l, l, &src, &dst, tokens);
-        let layer = LayerIdx(1);
-        let total = plan.bytes_per_layer();
-        // Every chunking of the stream covers it once and maps to the puts' own bytes, on either side.
-        for max in [1u64, 656 * 100, 8448 * 3, 1 << 30] {
-            let chunks = plan.stream_chunks(max);
-            assert_eq!(chunks.first().map(|c| c.0), Some(0));
-            assert_eq!(chunks.last().map(|c| c.1), Some(total));
-            assert!(chunks.windows(2).all(|w| w[0].1 == w[1].0), "back to back");
-            for side in [true, false] {
-                let mut got = Vec::new();
-                for &(lo, hi) in &chunks {
-                    let p = plan.stream_pieces(layer, lo, hi, side);
-                    assert_eq!(p.iter().map(|x| x.1).sum::<u64>(), hi - lo);
-                    got.extend(p);
+        let (bpl, lat) = (plan.bytes_per_layer(), plan.latent_bytes_per_layer());
+        let layers = g.num_layers as u64;
+        // Every chunking of any span of whole layers covers it once and maps to the puts' own bytes, on
+        // either side; chunks may cross from one layer into the next.
+        for (first, last) in [(1u64, 2u64), (0, layers), (2, 3)] {
+            let (lo, hi) = (first * bpl, last * bpl);
+            for max in [1u64, 656 * 100, 8448 * 3, bpl + 7, 1 << 30] {
+                let chunks = plan.stream_chunks(lo, hi, max);
+                assert_eq!(chunks.first().map(|c| c.0), Some(lo));
+                assert_eq!(chunks.last().map(|c| c.1), Some(hi));
+                assert!(chunks.windows(2).all(|w| w[0].1 == w[1].0), "back to back");
+                assert!(chunks.iter().all(|&(a, z)| z - a <= max.max(8448)), "at most max, or one item");
+                for side in [true, false] {
+                    let mut got = Vec::new();
+                    for &(a, z) in &chunks {
+                        let p = plan.stream_pieces(a, z, side);
+                        assert_eq!(p.iter().map(|x| x.1).sum::<u64>(), z - a);
+                        got.extend(p);
+                    }
+                    let mut want: Vec<(u64, u64)> = (first..last)
+                        .flat_map(|layer| plan.layer_puts(LayerIdx(layer as u32)).collect::<Vec<_>>())
+                        .map(|p| (if side { p.src_offset } else { p.dst_offset }, p.len))
+                        .collect();
+                    // Pieces may merge or split differently; compare byte by byte.
+                    let flat = |v: &mut Vec<(u64, u64)>| v.iter().flat_map(|&(o, l)| o..o + l).collect::<Vec<_>>();
+                    assert_eq!(flat(&mut got), flat(&mut want), "layers {first}..{last}, max {max}, src side {side}");
                 }
-                let mut want: Vec<(u64, u64)> =
-                    plan.layer_puts(layer).map(|p| (if side { p.src_offset } else { p.dst_offset }, p.len)).collect();
-                // Pieces may merge or split differently; compare byte by byte.
-                let flat = |v: &mut Vec<(u64, u64)>| v.iter().flat_map(|&(o, l)| o..o + l).collect::<Vec<_>>();
-                assert_eq!(flat(&mut got), flat(&mut want), "max {max}, src side {side}");
+                // Chunks never split an entry or a block.
+                for &(a, z) in &chunks {
+                    for at in [a, z] {
+                        let off = at % bpl;
+                        let whole = if off <= lat { off.is_multiple_of(656) } else { (off - lat).is_multiple_of(8448) };
+                        assert!(whole && plan.stream_boundary(at), "offset {at} (layer offset {off})");
+                    }
+                }
+                // The bytes each chunk holds per layer add up to the layers' own.
+                let mut per_layer = vec![(0u64, 0u64); layers as usize];
+                for &(a, z) in &chunks {
+                    for (layer, latent, indexer) in plan.stream_layers(a, z) {
+                        per_layer[layer].0 += latent;
+                        per_layer[layer].1 += indexer;
+                    }
+                }
+                for (layer, &(latent, indexer)) in per_layer.iter().enumerate() {
+                    let inside = (first..last).contains(&(layer as u64));
+                    let want = if inside { (lat, plan.indexer_bytes_per_layer()) } else { (0, 0) };
+                    assert_eq!((latent, indexer), want, "layer {layer}, max {max}");
+                }
             }
         }
-        // Chunks never split an entry or a block, nor mix latent and indexer bytes.
-        let lat = plan.latent_bytes_per_layer();
-        for &(lo, hi) in &plan.stream_chunks(656 * 100 + 5) {
-            if hi <= lat {
-                assert!(lo.is_multiple_of(656) && hi.is_multiple_of(656));
-            } else {
-                assert!(lo >= lat && (lo - lat).is_multiple_of(8448) && (hi - lat).is_multiple_of(8448));
-            }
-        }
+        assert!(!plan.stream_boundary(bpl + 655) && !plan.stream_boundary(lat + 8447));
+        assert!(plan.stream_boundary(0) && plan.stream_boundary(lat) && plan.stream_boundary(2 * bpl));
     }
 
     #[test]

@@ -2,10 +2,40 @@
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 use kv_cache::{BlockPool, CacheFormat, CacheGeometry, DeviceCopy, EntryDims, KvArena, KvCache};
 use proto::v1::ModelFingerprint;
+
+/// A completion marker that is reached once opened: a sender that queues every layer of a request behind
+/// one gate, then opens it, ships them as if they were all written before its shipping thread got to the
+/// first (deterministically gathered together where the layers are gathered).
+#[derive(Default)]
+pub struct Gate {
+    open: Mutex<bool>,
+    opened: Condvar,
+}
+
+impl Gate {
+    pub fn open(&self) {
+        *self.open.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        self.opened.notify_all();
+    }
+}
+
+impl kv_cache::Fence for Gate {
+    fn wait(&self) -> Result<(), String> {
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        while !*open {
+            open = self.opened.wait(open).unwrap_or_else(|p| p.into_inner());
+        }
+        Ok(())
+    }
+
+    fn is_complete(&self) -> bool {
+        *self.open.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
 
 /// A fingerprint matching `g`.
 pub fn fingerprint(g: &CacheGeometry) -> ModelFingerprint {

@@ -55,11 +55,15 @@ fn gpus() -> Option<(usize, usize)> {
 }
 
 fn device_pool(ordinal: usize, seed: u64) -> (Arc<KvCache>, Arc<BlockPool>) {
-    let g = testkit::geometry(LAYERS, BLOCKS);
+    device_pool_of(ordinal, seed, LAYERS, BLOCKS)
+}
+
+fn device_pool_of(ordinal: usize, seed: u64, layers: usize, blocks: usize) -> (Arc<KvCache>, Arc<BlockPool>) {
+    let g = testkit::geometry(layers, blocks);
     let gpu = engine::cuda::Gpu::open(ordinal, &engine::cuda::kernels::default_cache_dir()).expect("open GPU");
     let cache = engine::cuda::pool::allocate(&gpu, g).expect("device pool");
     testkit::fill(&cache, seed);
-    (Arc::new(cache), Arc::new(BlockPool::new(BLOCKS)))
+    (Arc::new(cache), Arc::new(BlockPool::new(blocks)))
 }
 
 fn receiver(cache: &Arc<KvCache>, pool: &Arc<BlockPool>) -> KvReceiver {
@@ -76,7 +80,11 @@ fn peer(args: &[String], fault: Option<&str>) -> (Child, ChildStdin, std::sync::
 }
 
 fn shape(device: usize) -> Vec<String> {
-    ["--layers", &LAYERS.to_string(), "--blocks", &BLOCKS.to_string(), "--device", &device.to_string()]
+    shape_of(device, LAYERS, BLOCKS)
+}
+
+fn shape_of(device: usize, layers: usize, blocks: usize) -> Vec<String> {
+    ["--layers", &layers.to_string(), "--blocks", &blocks.to_string(), "--device", &device.to_string()]
         .map(String::from)
         .to_vec()
 }
@@ -97,15 +105,32 @@ fn json_line(out: &std::sync::mpsc::Receiver<String>, prefix: &str) -> serde_jso
 /// with another request's), each verified on both GPUs and by host copies.
 #[test]
 fn gpu_pools_ship_between_processes_intact() {
+    // Device to device, every layer is gathered on the sender's GPU and scattered on this one (they are
+    // small, and the 51 blocks of the last request are scattered: 102 puts a layer), and kv-peer queues
+    // the request's layers together, so its 4 layers travel as one message.
+    ship_into_a_fragmented_pool(LAYERS, BLOCKS, 41, &[(1, 1), (64 * 3 + 17, 1), (64 * 50 + 5, 1)]);
+}
+
+/// Many layers of a larger request go together as a few 32 MiB gathered writes that start and end inside
+/// layers (16 layers of 6000 tokens: 16 x 4.74 MB = 75.8 MB, three writes), land intact and are counted
+/// layer by layer (the checksums are verified per layer).
+#[test]
+fn gpu_layers_travel_together_in_a_few_large_writes() {
+    ship_into_a_fragmented_pool(16, 200, 44, &[(6000, 3), (64 * 20, 1)]);
+}
+
+/// Ships each `(tokens, gathered writes expected)` request from `kv-peer` on GPU 0 into this process's
+/// pool of `layers` x `blocks` on the last GPU, whose every other block a filler request holds.
+fn ship_into_a_fragmented_pool(layers: usize, blocks: usize, seed: u64, requests: &[(usize, u64)]) {
     let Some((send_gpu, recv_gpu)) = gpus() else { return };
-    let (cache, pool) = device_pool(recv_gpu, 41);
+    let (cache, pool) = device_pool_of(recv_gpu, seed, layers, blocks);
     let recv = receiver(&cache, &pool);
     let mut args = vec!["send".to_string()];
-    args.extend(shape(send_gpu));
+    args.extend(shape_of(send_gpu, layers, blocks));
     let (mut child, mut stdin, out) = peer(&args, None);
     // Fragment the receiver's pool: every other block stays held by a filler request, so the only free
     // blocks are single ones (the allocator would otherwise hand out one contiguous run).
-    let all: Vec<String> = (0..BLOCKS).map(|i| format!("filler-{i}")).collect();
+    let all: Vec<String> = (0..blocks).map(|i| format!("filler-{i}")).collect();
     for f in &all {
         pool.reserve(f, 64).unwrap();
     }
@@ -113,11 +138,9 @@ fn gpu_pools_ship_between_processes_intact() {
         pool.release(f).unwrap();
     }
     let fillers: Vec<&String> = all.iter().step_by(2).collect();
-    // Few runs go as one message per run; the 51 scattered blocks (102 puts a layer) are gathered on the
-    // sender's GPU and scattered on this one.
     let direct = kv_transfer::transport::ucx::cuda_memory();
-    for (n, tokens) in [(0, 1), (1, 64 * 3 + 17), (2, 64 * 50 + 5)] {
-        let before = recv.stats().stream_bytes_received;
+    for (n, &(tokens, writes_wanted)) in requests.iter().enumerate() {
+        let before = recv.stats();
         let id = format!("r{n}");
         let table = pool.reserve(&id, tokens).unwrap();
         let req = ExpectRequest {
@@ -136,9 +159,13 @@ fn gpu_pools_ship_between_processes_intact() {
         }
         let got = testkit::request_digest(&cache, &table.blocks, tokens);
         assert_eq!(sent["digest"].as_str().unwrap(), format!("{got:016x}"), "{tokens} tokens: received bytes");
-        let gathered = recv.stats().stream_bytes_received - before;
-        let want = if direct && n == 2 { sent["bytes"].as_u64().unwrap() } else { 0 };
-        assert_eq!(gathered, want, "{tokens} tokens: bytes that came gathered");
+        let after = recv.stats();
+        let gathered = after.stream_bytes_received - before.stream_bytes_received;
+        let want = if direct { sent["bytes"].as_u64().unwrap() } else { 0 };
+        assert_eq!(gathered, want, "request {n}, {tokens} tokens: bytes that came gathered");
+        let writes = after.stream_writes_received - before.stream_writes_received;
+        let writes_wanted = if direct { writes_wanted } else { 0 };
+        assert_eq!(writes, writes_wanted, "request {n}, {tokens} tokens: gathered writes");
         pool.release(&id).unwrap();
     }
     for f in &fillers {

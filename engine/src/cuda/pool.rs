@@ -9,10 +9,12 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg, result, sys,
+};
 
 use super::{CudaError, Gpu};
-use crate::cache::{CacheGeometry, DeviceBuffer, DeviceCopy, KvArena, KvCache, hash};
+use crate::cache::{CacheGeometry, DeviceBuffer, DeviceCopy, KvArena, KvCache, QueuedCopy, hash};
 
 /// Words (8 bytes) one CTA of the checksum kernel sums: 64 KiB, so a 26 MB layer of a 32K-token request
 /// spreads over about 400 CTAs.
@@ -232,7 +234,23 @@ impl DeviceCopy for PoolCopier {
     }
 
     unsafe fn copy_pieces(&self, pieces: &[(u64, u64, u64)]) -> Option<Result<(), String>> {
-        Some(self.copy_tasks(pieces).map_err(|e| e.to_string()))
+        let copied = self.queue_tasks(pieces).and_then(|tasks| match tasks {
+            Some(_) => self.stream.synchronize(),
+            None => Ok(()),
+        });
+        Some(copied.map_err(|e| e.to_string()))
+    }
+
+    unsafe fn copy_pieces_queued(&self, pieces: &[(u64, u64, u64)]) -> Option<Result<Box<dyn QueuedCopy>, String>> {
+        let queued = || -> Result<Box<dyn QueuedCopy>, cudarc::driver::DriverError> {
+            let tasks = self.queue_tasks(pieces)?;
+            let done = match tasks {
+                Some(_) => Some(self.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?),
+                None => None,
+            };
+            Ok(Box::new(QueuedTasks { done, _tasks: tasks }))
+        };
+        Some(queued().map_err(|e| e.to_string()))
     }
 
     fn cuda_memory(&self) -> bool {
@@ -248,9 +266,39 @@ impl DeviceCopy for PoolCopier {
     }
 }
 
+/// A copy kernel's launch on the copier's stream and the event after it ([`DeviceCopy::copy_pieces_queued`]).
+struct QueuedTasks {
+    /// `None`: there was nothing to copy.
+    done: Option<CudaEvent>,
+    /// The launch's task list, freed (stream-ordered) after the kernel.
+    _tasks: Option<CudaSlice<u64>>,
+}
+
+impl QueuedCopy for QueuedTasks {
+    fn poll(&mut self) -> Option<Result<(), String>> {
+        match self.done.as_ref().map(CudaEvent::try_is_complete) {
+            None | Some(Ok(true)) => Some(Ok(())),
+            Some(Ok(false)) => None,
+            Some(Err(e)) => Some(Err(e.to_string())),
+        }
+    }
+
+    fn wait(&mut self) -> Result<(), String> {
+        self.done.as_ref().map_or(Ok(()), |e| e.synchronize().map_err(|e| e.to_string()))
+    }
+}
+
+impl Drop for QueuedTasks {
+    fn drop(&mut self) {
+        // Whoever dropped it no longer waits for the bytes, but the kernel must not outlive what it names.
+        let _ = self.wait();
+    }
+}
+
 impl PoolCopier {
-    /// One launch of the copy kernel over `pieces` cut into tasks of at most [`COPY_TASK_BYTES`].
-    fn copy_tasks(&self, pieces: &[(u64, u64, u64)]) -> Result<(), cudarc::driver::DriverError> {
+    /// One launch of the copy kernel over `pieces` cut into tasks of at most [`COPY_TASK_BYTES`], queued on
+    /// the copier's stream; the task list it reads (`None`: nothing to copy, nothing launched).
+    fn queue_tasks(&self, pieces: &[(u64, u64, u64)]) -> Result<Option<CudaSlice<u64>>, cudarc::driver::DriverError> {
         let mut tasks: Vec<u64> = Vec::new();
         for &(src, dst, len) in pieces {
             let mut at = 0;
@@ -261,7 +309,7 @@ impl PoolCopier {
             }
         }
         if tasks.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         self.ctx.bind_to_thread()?;
         let d_tasks = self.stream.clone_htod(&tasks)?;
@@ -271,7 +319,7 @@ impl PoolCopier {
         b.arg(&d_tasks);
         // SAFETY: the caller's contract (copy_pieces): every range is device memory it may access.
         unsafe { b.launch(cfg) }?;
-        self.stream.synchronize()
+        Ok(Some(d_tasks))
     }
 }
 

@@ -159,9 +159,14 @@ fn main() -> anyhow::Result<()> {
                 let digest = testkit::request_digest(&cache, &src.blocks, desc.num_tokens as usize);
                 let r = (|| {
                     let s = sender.begin(&desc, &src)?;
-                    for l in 0..g.num_layers {
-                        s.put_layer(LayerIdx(l as u32))?;
-                    }
+                    // Every layer queued before the shipping thread may read the first: they go as if
+                    // written together (gathered device layers then travel together, deterministically).
+                    let gate = Arc::new(testkit::Gate::default());
+                    let queued = (0..g.num_layers).try_for_each(|l| {
+                        s.put_layer_when(LayerIdx(l as u32), kv_cache::LayerReady::pending(gate.clone()))
+                    });
+                    gate.open();
+                    queued?;
                     s.complete(GeneratedToken { token_id: 1, logprobs: None }, None)
                 })();
                 pool.release(&desc.request_id)?;

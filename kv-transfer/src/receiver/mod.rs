@@ -118,8 +118,11 @@ pub struct ReceiverStats {
     /// Blocks held back after a one-sided sender was lost (freed when the quarantine ends).
     pub quarantined_blocks: usize,
     pub bytes_received: u64,
-    /// Of those, the bytes that came as gathered writes (scattered layers of a device pool).
+    /// Of those, the bytes that came as gathered writes (layers of a device pool gathered on the sender's
+    /// GPU: scattered ones, and small ones that travel several to a message).
     pub stream_bytes_received: u64,
+    /// The gathered writes those bytes came in.
+    pub stream_writes_received: u64,
 }
 
 /// The receiving side of kv-transfer, one per decode worker.
@@ -258,6 +261,7 @@ impl KvReceiver {
             quarantined_blocks: c.quarantined_blocks.load(Ordering::SeqCst),
             bytes_received: c.bytes_received.load(Ordering::Relaxed),
             stream_bytes_received: c.stream_bytes_received.load(Ordering::Relaxed),
+            stream_writes_received: c.stream_writes_received.load(Ordering::Relaxed),
         }
     }
 }

@@ -2,8 +2,12 @@
 //! sender; puts themselves are asynchronous in every transport, so the thread waits for each layer's
 //! completion marker (a GPU event; complete at once on the CPU), plans, checksums and hands puts over.
 //! A device pool is copied out piece by piece into staging buffers first ([`crate::staging`]); the
-//! transport returns each buffer once its bytes left.
+//! transport returns each buffer once its bytes left. Where the link moves device memory and lands
+//! gathered writes, the layers of a device pool are gathered on the device instead, and consecutive
+//! layers of a session that are already written go together: a few large messages for many small
+//! layers (see [`Shipper::start`]).
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
@@ -38,14 +42,41 @@ pub(crate) struct Shipper {
 }
 
 impl Shipper {
+    /// Starts the shipping thread. It takes the oldest queued layer and, where that layer is gathered
+    /// ([`gathers`]), the layers of the same session queued right behind it that are already written
+    /// (up to [`COALESCE_BYTES`]): they are gathered and sent as one stretch of the request's stream, so
+    /// a request whose layers are all written (a short prefill, or a shipper that fell behind) goes as a
+    /// few 32 MiB messages instead of one or two per layer. A layer still being computed is never waited
+    /// for to fill a batch.
     pub fn start() -> Result<Shipper, TransferError> {
         let (tx, rx) = mpsc::channel::<LayerShipment>();
         std::thread::Builder::new()
             .name("kv-ship".into())
             .spawn(move || {
-                while let Ok(shipment) = rx.recv() {
-                    ship(&shipment);
-                    shipment.st.shipment_done();
+                let mut backlog: VecDeque<LayerShipment> = VecDeque::new();
+                loop {
+                    let first = match backlog.pop_front() {
+                        Some(s) => s,
+                        None => match rx.recv() {
+                            Ok(s) => s,
+                            Err(_) => return,
+                        },
+                    };
+                    let mut batch = vec![first];
+                    if gathers(&batch[0]) {
+                        // A failed marker is reported by ship(), which waits again.
+                        let _ = batch[0].ready.wait();
+                        backlog.extend(rx.try_iter());
+                        while let Some(next) = backlog.front()
+                            && joins(&batch, next)
+                        {
+                            batch.extend(backlog.pop_front());
+                        }
+                    }
+                    ship(&batch);
+                    for s in &batch {
+                        s.st.shipment_done();
+                    }
                 }
             })
             .map_err(|e| TransferError::Transport(format!("cannot start the shipping thread: {e}")))?;
@@ -57,17 +88,77 @@ impl Shipper {
     }
 }
 
-fn ship(shipment: &LayerShipment) {
+/// The most bytes of consecutive written layers gathered together (the sender's gather buffers, once
+/// over).
+const COALESCE_BYTES: u64 = (staging::DEVICE_BUFFERS * staging::STREAM_CHUNK) as u64;
+
+/// Whether `shipment`'s layer goes gathered on the device: a device pool, read by the link itself
+/// (CUDA-capable UCX) into a receiver that lands gathered writes, and a layer either scattered (more
+/// than [`staging::GATHER_MIN_PUTS`] runs) or small enough that layers going together pays (two fit
+/// one message).
+fn gathers(shipment: &LayerShipment) -> bool {
     let st = &shipment.st;
-    let layer = shipment.layer;
-    if let Err(e) = shipment.ready.wait() {
-        st.set_error(TransferError::Transport(format!(
-            "request {}: layer {} was never written: {e}",
-            st.request_id(),
-            layer.0
-        )));
+    let device = !st.cache.memory_kind().host_accessible();
+    let direct = st.link.moves_device_memory() && st.cache.arena().cuda_memory();
+    device
+        && (direct || shipment.staging.is_none())
+        && st.link.stream_writes()
+        && (st.plan.layer_put_count() > staging::GATHER_MIN_PUTS
+            || st.plan.bytes_per_layer() * 2 <= staging::STREAM_CHUNK as u64)
+}
+
+/// Whether `next` joins `batch` (gathered layers of one session, in order): the next layer of the same
+/// session, already written, within [`COALESCE_BYTES`], and no fault due at the batch's last layer.
+fn joins(batch: &[LayerShipment], next: &LayerShipment) -> bool {
+    let Some(last) = batch.last() else { return false };
+    Arc::ptr_eq(&last.st, &next.st)
+        && next.layer.0 == last.layer.0 + 1
+        && !last.fault.is_some_and(|f| f.layer() == last.layer.0)
+        && next.ready.is_complete()
+        && (batch.len() as u64 + 1) * next.st.plan.bytes_per_layer() <= COALESCE_BYTES
+}
+
+/// Ships `batch`: consecutive layers of one session (one layer unless they are gathered).
+fn ship(batch: &[LayerShipment]) {
+    let Some(first) = batch.first() else { return };
+    let st = &first.st;
+    for s in batch {
+        if let Err(e) = s.ready.wait() {
+            st.set_error(TransferError::Transport(format!(
+                "request {}: layer {} was never written: {e}",
+                st.request_id(),
+                s.layer.0
+            )));
+            return;
+        }
+    }
+    let pool = gathers(first).then(|| gather_pool(st, first)).flatten();
+    let Some(pool) = pool else {
+        for s in batch {
+            if !ship_puts(s) {
+                return;
+            }
+        }
+        return;
+    };
+    let last = batch.last().map_or(first.layer, |s| s.layer);
+    if !ship_gathered(st, &pool, first.layer, last) {
         return;
     }
+    let (latent, indexer) = (st.plan.latent_bytes_per_layer(), st.plan.indexer_bytes_per_layer());
+    for s in batch {
+        st.bytes.fetch_add(latent + indexer, Ordering::Relaxed);
+        if !finish_layer(s, latent, indexer, None) {
+            return;
+        }
+    }
+}
+
+/// Ships `shipment`'s layer a put per run (pieces of it through staging buffers for a staged pool);
+/// false after recording why the session cannot go on.
+fn ship_puts(shipment: &LayerShipment) -> bool {
+    let st = &shipment.st;
+    let layer = shipment.layer;
     // Regions only where the receiver granted one-sided puts; else writes go through the receiver.
     let base = st.dst_regions.first().map(|r| r.remote_addr).unwrap_or(0);
     let src_base = st.cache.arena().as_ptr() as *const u8;
@@ -82,24 +173,7 @@ fn ship(shipment: &LayerShipment) {
     let max_write = [own_limit, st.link.max_write()].into_iter().flatten().min();
     let (mut latent, mut indexer) = (0u64, 0u64);
     let latent_len = st.plan.latent_bytes_per_layer();
-    // A scattered layer of a device pool on a link that moves device memory: gathered on the device and
-    // sent as a few large writes instead of a message per run.
-    let gather = (device
-        && staging.is_none()
-        && st.link.stream_writes()
-        && st.plan.layer_put_count() > staging::GATHER_MIN_PUTS)
-        .then(|| gather_pool(st, shipment))
-        .flatten();
-    let puts = gather.is_none().then(|| st.plan.layer_puts(layer)).into_iter().flatten();
-    if let Some(pool) = gather {
-        if !ship_gathered(st, &pool, layer) {
-            return;
-        }
-        latent = latent_len;
-        indexer = st.plan.indexer_bytes_per_layer();
-        st.bytes.fetch_add(latent + indexer, Ordering::Relaxed);
-    }
-    for p in puts {
+    for p in st.plan.layer_puts(layer) {
         let is_latent = latent < latent_len;
         let dst_addr = base.wrapping_add(p.dst_offset);
         let region = if st.dst_regions.is_empty() {
@@ -108,7 +182,7 @@ fn ship(shipment: &LayerShipment) {
             r
         } else {
             st.set_error(TransferError::Transport(format!("request {}: put outside the regions", st.request_id())));
-            return;
+            return false;
         };
         // Several lanes: cut the put into aligned pieces dealt over the lanes by bytes; a small
         // request stays on lane 0 with the control messages.
@@ -129,7 +203,7 @@ fn ship(shipment: &LayerShipment) {
                 None => (src_base.wrapping_add((p.src_offset + off) as usize), None),
                 Some(pool) => match stage(st, pool, layer, p.src_offset + off, len, staged_hash.as_mut()) {
                     Some(buf) => (buf.as_ptr(), Some(buf)),
-                    None => return,
+                    None => return false,
                 },
             };
             let op = PutOp {
@@ -150,12 +224,12 @@ fn ship(shipment: &LayerShipment) {
             // returns, no put of this session enters the transport.
             let c = st.lock_ctl();
             if c.stopped.is_some() {
-                return;
+                return false;
             }
             if let Err(e) = st.link.put(st.regions, op) {
                 drop(c);
                 st.set_error(super::map_link_error(st.request_id(), e));
-                return;
+                return false;
             }
         }
         if is_latent {
@@ -165,6 +239,17 @@ fn ship(shipment: &LayerShipment) {
         }
         st.bytes.fetch_add(p.len, Ordering::Relaxed);
     }
+    finish_layer(shipment, latent, indexer, staged_hash)
+}
+
+/// Records `shipment`'s layer as sent (`latent` and `indexer` bytes) in the session's manifests, with its
+/// checksum where the session sends them (`staged_hash`: the digest of the host copies that went out,
+/// for a staged pool), and fires a fault due at this layer; false after recording why the session
+/// cannot go on.
+fn finish_layer(shipment: &LayerShipment, latent: u64, indexer: u64, staged_hash: Option<Sum64>) -> bool {
+    let st = &shipment.st;
+    let layer = shipment.layer;
+    let device = !st.cache.memory_kind().host_accessible();
     let checksum = match (st.checksum, staged_hash) {
         (false, _) => None,
         (true, Some(h)) => Some(h.digest()),
@@ -184,12 +269,13 @@ fn ship(shipment: &LayerShipment) {
                         st.request_id(),
                         layer.0
                     )));
-                    return;
+                    return false;
                 }
             }
         }
         (true, None) => {
             let segs = st.plan.layer_puts(layer).map(|p| (p.src_offset, p.len));
+            let src_base = st.cache.arena().as_ptr() as *const u8;
             // SAFETY: the layer is complete (put_layer's contract) and inside the local host arena.
             Some(unsafe { checksum_segments(src_base, segs) })
         }
@@ -205,6 +291,7 @@ fn ship(shipment: &LayerShipment) {
         }
         f.fire(st.request_id());
     }
+    true
 }
 
 /// The sender's gather buffers, made on first use; `None` (the layer then goes a message per run, with a
@@ -223,19 +310,27 @@ fn gather_pool(st: &SessionState, shipment: &LayerShipment) -> Option<Arc<stagin
     }
 }
 
-/// Gathers `layer`'s stream chunk by chunk into device buffers of `pool` and hands each to the link as
-/// one write; false after recording why the session cannot go on.
-fn ship_gathered(st: &SessionState, pool: &Arc<staging::DevicePool>, layer: LayerIdx) -> bool {
+/// Gathers layers `first..=last` (written) of the request's stream chunk by chunk into device buffers of
+/// `pool` and hands each chunk to the link as one write; false after recording why the session cannot
+/// go on.
+fn ship_gathered(st: &SessionState, pool: &Arc<staging::DevicePool>, first: LayerIdx, last: LayerIdx) -> bool {
     let arena = st.cache.arena();
     let fail = |why: String| {
-        st.set_error(TransferError::Transport(format!("request {}: layer {}: {why}", st.request_id(), layer.0)));
+        st.set_error(TransferError::Transport(format!(
+            "request {}: layers {}..={}: {why}",
+            st.request_id(),
+            first.0,
+            last.0
+        )));
         false
     };
     let Some(copier) = arena.device_copier() else {
         return fail("a gathered layer needs a device pool".into());
     };
     let base = arena.as_ptr() as u64;
-    for (lo, hi) in st.plan.stream_chunks(staging::STREAM_CHUNK as u64) {
+    let bpl = st.plan.bytes_per_layer();
+    let (from, to) = (first.0 as u64 * bpl, (last.0 as u64 + 1) * bpl);
+    for (lo, hi) in st.plan.stream_chunks(from, to, staging::STREAM_CHUNK as u64) {
         if st.lock_ctl().stopped.is_some() {
             return false;
         }
@@ -249,7 +344,7 @@ fn ship_gathered(st: &SessionState, pool: &Arc<staging::DevicePool>, layer: Laye
         let mut at = buf.addr();
         let copies: Vec<(u64, u64, u64)> = st
             .plan
-            .stream_pieces(layer, lo, hi, true)
+            .stream_pieces(lo, hi, true)
             .into_iter()
             .map(|(off, len)| {
                 let c = (base + off, at, len);
@@ -258,7 +353,7 @@ fn ship_gathered(st: &SessionState, pool: &Arc<staging::DevicePool>, layer: Laye
             })
             .collect();
         // SAFETY: the pieces lie in the pool (the plan was checked against its geometry in begin()) and the
-        // buffer holds the chunk (STREAM_CHUNK bytes at most); the layer is complete and the buffer ours.
+        // buffer holds the chunk (STREAM_CHUNK bytes at most); the layers are complete and the buffer ours.
         match unsafe { copier.copy_pieces(&copies) } {
             Some(Ok(())) => {}
             Some(Err(e)) => return fail(format!("gathering on the device: {e}")),
@@ -269,13 +364,14 @@ fn ship_gathered(st: &SessionState, pool: &Arc<staging::DevicePool>, layer: Laye
             token: *st.token().as_bytes(),
             src: buf.addr() as *const u8,
             len: hi - lo,
-            dst_offset: lo,
+            // The chunk's place in the stream: from byte `lo % bpl` of layer `lo / bpl`'s.
+            dst_offset: lo % bpl,
             dst_addr: 0,
             region: 0,
             lane: st.lanes.deal(st.link.lanes(), hi - lo),
             staged: None,
             device: true,
-            stream_layer: Some(layer.0),
+            stream_layer: Some((lo / bpl) as u32),
             device_buf: Some(buf),
         };
         let c = st.lock_ctl();

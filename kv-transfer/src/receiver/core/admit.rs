@@ -123,16 +123,17 @@ impl Drop for InFlight {
     }
 }
 
-/// Permission to land bytes `offset..offset + len` of one layer's stream (a gathered write: the layer's
-/// latent entries, then its indexer blocks, back to back) in one transfer's blocks: `pieces` are where
-/// they go, as (pool offset, length), in stream order. Like a [`WritePermit`], it holds the transfer
-/// until dropped; `commit` first when the bytes are in place.
+/// Permission to land bytes `offset..offset + len` of a transfer's stream, counted from the start of
+/// layer `layer`'s (a gathered write: each layer's latent entries, then its indexer blocks, layer after
+/// layer; a write may run on into the next layers) in one transfer's blocks: `pieces` are where they go,
+/// as (pool offset, length), in stream order. Like a [`WritePermit`], it holds the transfer until
+/// dropped; `commit` first when the bytes are in place.
 pub struct StreamPermit {
     w: InFlight,
     pub pieces: Vec<(u64, u64)>,
     pub len: u64,
-    layer: usize,
-    latent: u64,
+    /// (layer, latent bytes, indexer bytes) the write holds, layer by layer.
+    layers: Vec<(usize, u64, u64)>,
     committed: bool,
 }
 
@@ -155,17 +156,21 @@ impl StreamPermit {
 impl Drop for StreamPermit {
     fn drop(&mut self) {
         if self.committed {
-            self.w.landed(self.layer, self.latent, self.len - self.latent);
+            for &(layer, latent, indexer) in &self.layers {
+                self.w.landed(layer, latent, indexer);
+            }
             self.w.core.counters.stream_bytes_received.fetch_add(self.len, Ordering::Relaxed);
+            self.w.core.counters.stream_writes_received.fetch_add(1, Ordering::Relaxed);
         }
     }
 }
 
 impl ReceiverCore {
-    /// Admits a gathered write of `len` bytes at `offset` of `layer`'s stream for `session` (see
-    /// [`StreamPermit`]), whose writer presents `token`. As for [`ReceiverCore::admit_write`], a wrong
-    /// token is refused and counted, and a range outside the layer's stream or splitting an entry or a
-    /// block fails the transfer. The destination comes from the transfer's own blocks only.
+    /// Admits a gathered write of `len` bytes at `offset` of `layer`'s stream, running on into the next
+    /// layers' where it is longer, for `session` (see [`StreamPermit`]), whose writer presents `token`. As
+    /// for [`ReceiverCore::admit_write`], a wrong token is refused and counted, and a range outside the
+    /// transfer's stream or splitting an entry or a block fails the transfer. The destination comes from
+    /// the transfer's own blocks only.
     pub fn admit_stream(
         self: &Arc<Self>,
         session: u64,
@@ -180,31 +185,28 @@ impl ReceiverCore {
             let blocks: Vec<kv_cache::BlockId> = t.blocks.iter().map(|&b| kv_cache::BlockId(b)).collect();
             crate::layout::PutPlan::new(self.layout, self.layout, &blocks, &blocks, t.num_tokens as usize)
         });
-        let lat = plan.latent_bytes_per_layer();
-        let end = offset.saturating_add(len);
-        let aligned = |at: u64| {
-            if at <= lat {
-                at.is_multiple_of(plan.unit_bytes(true))
-            } else {
-                (at - lat).is_multiple_of(plan.unit_bytes(false))
-            }
-        };
+        let bpl = plan.bytes_per_layer();
+        let total = bpl.saturating_mul(self.geometry.num_layers as u64);
+        let lo = (layer as u64).saturating_mul(bpl).saturating_add(offset);
+        let hi = lo.saturating_add(len);
         let why = if layer as usize >= self.geometry.num_layers {
             Some(format!("gathered write into layer {layer} of {}", self.geometry.num_layers))
-        } else if len == 0 || end > plan.bytes_per_layer() {
-            Some(format!("gathered write {offset}+{len} outside the layer's {} bytes", plan.bytes_per_layer()))
-        } else if !aligned(offset) || !(aligned(end) || end == plan.bytes_per_layer()) || (offset < lat && end > lat) {
-            Some(format!("gathered write {offset}+{len} splits an entry or a block, or mixes latent and indexer bytes"))
+        } else if len == 0 || offset >= bpl || hi > total {
+            Some(format!(
+                "gathered write {offset}+{len} from layer {layer} outside the transfer's {} layers of {bpl} bytes",
+                self.geometry.num_layers
+            ))
+        } else if !plan.stream_boundary(lo) || !plan.stream_boundary(hi) {
+            Some(format!("gathered write {offset}+{len} from layer {layer} splits an entry or a block"))
         } else {
             None
         };
         match why {
             None => Ok(StreamPermit {
-                pieces: plan.stream_pieces(kv_cache::LayerIdx(layer), offset, end, false),
+                pieces: plan.stream_pieces(lo, hi, false),
+                layers: plan.stream_layers(lo, hi),
                 w,
                 len,
-                layer: layer as usize,
-                latent: if offset < lat { len } else { 0 },
                 committed: false,
             }),
             Some(why) => Err(self.refuse(w, why)),
@@ -336,7 +338,7 @@ mod tests {
     }
 
     /// A gathered write lands only in the transfer's own blocks, in stream order, as whole entries or
-    /// blocks of one kind; anything else fails the transfer, and a stranger's is refused untouched.
+    /// blocks; anything else fails the transfer, and a stranger's is refused untouched.
     #[test]
     fn stream_writes_map_to_the_transfers_blocks_and_nothing_else() {
         let (core, _rt) = core();
@@ -370,11 +372,61 @@ mod tests {
         assert_eq!(core.admit_stream(t.session, &token, 0, 0, entry).err(), Some(Refusal::Stale));
     }
 
+    /// One gathered write may hold latent and indexer bytes and run on into the next layers: it counts
+    /// each layer's bytes where they belong.
     #[test]
-    fn stream_writes_outside_the_layer_or_mixing_kinds_fail_the_transfer() {
-        for (layer, offset, len) in
-            [(2u32, 0u64, 656u64), (0, 0, 0), (0, 0, 138 * 656 + 8448), (0, 138 * 656, 8448 * 4)]
-        {
+    fn stream_writes_may_cross_kinds_and_layers() {
+        let (core, _rt) = core();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let t = core.register("r", TransferToken::generate().unwrap(), 138, vec![4, 2, 7], deadline, false).unwrap();
+        t.active.store(true, Ordering::SeqCst);
+        let token = *t.session_token.as_bytes();
+        let (lat, ix) = (138 * 656u64, 3 * 8448u64);
+        // The last entry of layer 0, its indexer blocks and the first entry of layer 1.
+        let p = core.admit_stream(t.session, &token, 0, lat - 656, 656 + ix + 656).unwrap();
+        assert_eq!(p.layers, vec![(0, 656, ix), (1, 656, 0)]);
+        let g = core.geometry;
+        let stride = g.latent_layer_stride() as u64;
+        let idx = g.indexer_region_offset() as u64;
+        assert_eq!(
+            p.pieces,
+            vec![
+                (7 * 64 * 656 + 9 * 656, 656),
+                (idx + 4 * 8448, 8448),
+                (idx + 2 * 8448, 8448),
+                (idx + 7 * 8448, 8448),
+                (stride + 4 * 64 * 656, 656)
+            ]
+        );
+        p.commit();
+        assert_eq!(t.latent_written[0].load(Ordering::Relaxed), 656);
+        assert_eq!(t.indexer_written[0].load(Ordering::Relaxed), ix);
+        assert_eq!(t.latent_written[1].load(Ordering::Relaxed), 656);
+        // The rest of both layers in one write.
+        let p = core.admit_stream(t.session, &token, 0, 0, lat - 656).unwrap();
+        p.commit();
+        let p = core.admit_stream(t.session, &token, 1, 656, lat - 656 + ix).unwrap();
+        assert_eq!(p.layers, vec![(1, lat - 656, ix)]);
+        p.commit();
+        for layer in 0..2 {
+            assert_eq!(t.latent_written[layer].load(Ordering::Relaxed), lat);
+            assert_eq!(t.indexer_written[layer].load(Ordering::Relaxed), ix);
+        }
+    }
+
+    #[test]
+    fn stream_writes_outside_the_transfer_or_splitting_items_fail_it() {
+        let (lat, bpl) = (138 * 656u64, 138 * 656 + 3 * 8448u64);
+        for (layer, offset, len) in [
+            (2u32, 0u64, 656u64),
+            (0, 0, 0),
+            (1, 0, bpl + 656),
+            (0, bpl, 656),
+            (0, lat, 8448 * 4),
+            (0, 0, lat + 100),
+            (0, 100, 656),
+            (0, 0, u64::MAX),
+        ] {
             let (core, _rt) = core();
             let deadline = Instant::now() + Duration::from_secs(60);
             let t =

@@ -140,6 +140,7 @@ pub(crate) struct Counters {
     pub quarantined_blocks: AtomicUsize,
     pub bytes_received: AtomicU64,
     pub stream_bytes_received: AtomicU64,
+    pub stream_writes_received: AtomicU64,
 }
 
 pub struct ReceiverCore {

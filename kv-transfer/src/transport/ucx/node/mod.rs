@@ -591,6 +591,9 @@ struct State {
     /// This receiver lane's landing buffers for gathered writes (its own: a buffer coming back wakes the
     /// lane's deferred writes).
     landing: Option<Arc<DevicePool>>,
+    /// Landed gathered writes whose scatter into the blocks is queued on the device, oldest first: each is
+    /// committed, and its landing buffer returned, once the copy finished ([`State::poll_scatters`]).
+    scattering: VecDeque<Scatter>,
     /// The context moves CUDA memory ([`Node::cuda`]): rendezvous writes into a device pool land there
     /// directly, and device sources are sent as they are.
     cuda: bool,
@@ -612,12 +615,24 @@ fn place(permit: WritePermit, src: &[u8]) {
     }
 }
 
-/// Scatters a gathered write that landed in `buf` into its pieces of the pool (on the device), then
-/// commits it; a failed copy fails the transfer.
-fn scatter(permit: StreamPermit, buf: &DeviceBuf) {
+/// A landed gathered write being scattered into the pool on the device.
+/// Its fields drop in order: the copy first (which waits for it), so neither the transfer's blocks nor
+/// the landing buffer are given back while the device still writes or reads them.
+struct Scatter {
+    copy: Box<dyn kv_cache::QueuedCopy>,
+    permit: StreamPermit,
+    /// The landing buffer the copy reads, returned when it finished.
+    _buf: DeviceBuf,
+}
+
+/// Queues the scatter of a gathered write that landed in `buf` into its pieces of the pool (on the
+/// device). `Some` while it runs; `None` once it is over: committed, or the transfer failed (a copy that
+/// could not be queued), or done synchronously where the device cannot queue copies.
+fn scatter(permit: StreamPermit, buf: DeviceBuf) -> Option<Scatter> {
     let (base, mut at) = (permit.arena().as_ptr() as u64, buf.addr());
     if permit.len > buf.len() as u64 {
-        return permit.fail("larger than its landing buffer");
+        permit.fail("larger than its landing buffer");
+        return None;
     }
     let copies: Vec<(u64, u64, u64)> = permit
         .pieces
@@ -629,15 +644,23 @@ fn scatter(permit: StreamPermit, buf: &DeviceBuf) {
         })
         .collect();
     let Some(copier) = permit.arena().device_copier().cloned() else {
-        return permit.fail("the pool is not device memory");
+        permit.fail("the pool is not device memory");
+        return None;
     };
     // SAFETY: the pieces are the transfer's own blocks (the permit mapped them from its table) and lie in
-    // the pool; the landing buffer holds `permit.len` bytes; the permit is the only writer of the pieces.
-    match unsafe { copier.copy_pieces(&copies) } {
-        Some(Ok(())) => permit.commit(),
+    // the pool; the landing buffer holds `permit.len` bytes; the permit is the only writer of the pieces,
+    // and it and the buffer are kept until the copy finished.
+    match unsafe { copier.copy_pieces_queued(&copies) } {
+        Some(Ok(copy)) => return Some(Scatter { copy, permit, _buf: buf }),
         Some(Err(e)) => permit.fail(&format!("scattering on the device: {e}")),
-        None => permit.fail("the device cannot scatter"),
+        // SAFETY: as above, and the copy is over when it returns.
+        None => match unsafe { copier.copy_pieces(&copies) } {
+            Some(Ok(())) => permit.commit(),
+            Some(Err(e)) => permit.fail(&format!("scattering on the device: {e}")),
+            None => permit.fail("the device cannot scatter"),
+        },
     }
+    None
 }
 
 fn err(lib: &UcpLib, what: &str, s: ucs_status_t) -> TransferError {

@@ -243,6 +243,7 @@ impl State {
                     break;
                 }
             }
+            busy |= !self.scattering.is_empty() && self.poll_scatters();
             if !self.closing.is_empty() {
                 let now = Instant::now();
                 let due: Vec<u64> = self.closing.iter().filter(|(_, by)| **by <= now).map(|(ep, _)| *ep).collect();
@@ -254,8 +255,10 @@ impl State {
                 last_activity = Instant::now();
                 continue;
             }
-            if last_activity.elapsed() < spin {
-                if self.actions.is_empty() {
+            // Scatters on the device complete without a UCX event: poll them without sleeping (one takes
+            // tens of microseconds).
+            if last_activity.elapsed() < spin || !self.scattering.is_empty() {
+                if self.actions.is_empty() && self.scattering.is_empty() {
                     std::hint::spin_loop();
                 } else {
                     std::thread::yield_now();
@@ -547,6 +550,7 @@ impl State {
 
     /// Fails what is pending and closes every endpoint (then `destroy`).
     pub(super) fn drain(&mut self) {
+        self.finish_scatters();
         let eps: Vec<u64> = self.eps.keys().copied().collect();
         for ep in eps {
             self.close_ep(ep);

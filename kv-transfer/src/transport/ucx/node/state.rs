@@ -137,6 +137,7 @@ impl State {
                 resuming_stream: false,
                 deferred_stream: VecDeque::new(),
                 landing: None,
+                scattering: VecDeque::new(),
                 cuda,
             })
         }
@@ -222,10 +223,11 @@ impl State {
                 self.resume_staged();
             }
             Action::RecvStream(permit, buf) => {
-                if ok {
-                    scatter(permit, &buf);
+                if ok && let Some(s) = scatter(permit, buf) {
+                    // Committed and its buffer returned by poll_scatters once the copy finished.
+                    self.scattering.push_back(s);
+                    return;
                 }
-                drop(buf);
                 // The landing buffer is back: a deferred gathered write may take it.
                 self.resume_stream();
             }
@@ -233,6 +235,39 @@ impl State {
                 join.part(if ok { Ok(()) } else { Err(err(self.lib, "link lost: flush", s)) });
             }
             Action::Close => {}
+        }
+    }
+
+    /// Commits the gathered writes whose scatter finished (a failed copy fails its transfer) and lets
+    /// deferred ones take their landing buffers; whether any finished.
+    pub(super) fn poll_scatters(&mut self) -> bool {
+        let mut any = false;
+        let mut i = 0;
+        while i < self.scattering.len() {
+            let Some(done) = self.scattering[i].copy.poll() else {
+                i += 1;
+                continue;
+            };
+            let Some(s) = self.scattering.remove(i) else { break };
+            match done {
+                Ok(()) => s.permit.commit(),
+                Err(e) => s.permit.fail(&format!("scattering on the device: {e}")),
+            }
+            any = true;
+        }
+        if any {
+            self.resume_stream();
+        }
+        any
+    }
+
+    /// Waits for every queued scatter (the node is stopping), committing those that finished.
+    pub(super) fn finish_scatters(&mut self) {
+        for mut s in std::mem::take(&mut self.scattering) {
+            match s.copy.wait() {
+                Ok(()) => s.permit.commit(),
+                Err(e) => s.permit.fail(&format!("scattering on the device: {e}")),
+            }
         }
     }
 
