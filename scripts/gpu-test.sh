@@ -55,6 +55,8 @@
 #                   cross-process GPU tests (kv-transfer/tests/gpu_transfer.rs), `tandem up --device cuda
 #                   --kv-transport ucx` checked against `tandem generate` (prefill on GPU 0, decode on the last
 #                   GPU), kv-bench --devices next to ucx_perftest on CUDA memory and a device-to-device copy
+#         kv-trace  kv-bench --devices with kv-transfer's trace events (KV_TRACE_ARGS; default 1K and 8K tokens, 62
+#                   layers, 3 requests), contiguous and scattered: where a request's time goes
 #         ep        expert parallelism on 2 GPUs (engine::cuda::ep): engine/tests/ep.rs (EP-2 logits == one GPU's, bit
 #                   for bit; a stopped or killed rank ends the other's steps, and the group is formed again;
 #                   TANDEM_REQUIRE_GPUS=2; load balancing moving experts keeps the bits), the groups of one under
@@ -438,6 +440,25 @@ phase_kv() {
     ((rc == 0)) || FAILED+=(kv)
 }
 
+# kv-bench between the GPUs with kv-transfer's trace events (per chunk: the sender's buffer wait and gather, the
+# receiver's announce, landing and scatter; per request: handshake, drain, completion), untimed baselines off.
+phase_kv_trace() {
+    local rc=0 ucx=/tmp/tandem-gpu/ucx last mode
+    export LD_LIBRARY_PATH="$ucx/libucx/lib:$ucx/libucx_cu13.libs:$LD_LIBRARY_PATH" PATH="$ucx/libucx/bin:$PATH"
+    last=$(($(nvidia-smi -L | wc -l) - 1))
+    for mode in contiguous scattered; do
+        local flag=""
+        [[ $mode == scattered ]] && flag=--scattered
+        # shellcheck disable=SC2086
+        RUST_LOG=kv_transfer=trace NO_COLOR=1 timeout 120 kv-bench --transport ucx --devices "0,$last" $flag \
+            ${KV_TRACE_ARGS:---tokens 1024,8192 --layers 62 --reps 3} --no-perftest --no-baselines --json \
+            >"$OUTDIR/kv-trace-$mode.jsonl" 2>"$OUTDIR/kv-trace-$mode.log" || rc=$?
+        cat "$OUTDIR/kv-trace-$mode.jsonl"
+    done
+    echo "| kv-trace | kv-bench --devices 0,$last with trace events | $([[ $rc == 0 ]] && echo ok || echo FAILED) |" >>"$SUMMARY"
+    ((rc == 0)) || FAILED+=(kv-trace)
+}
+
 # cudarc opens libnccl.so: where only PyTorch's libnccl.so.2 exists, a link to it on the library path.
 nccl_lib() {
     ldconfig -p 2>/dev/null | grep -q 'libnccl.so ' && return 0
@@ -720,7 +741,7 @@ PY
 }
 
 run() {
-    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|gemm|moe|bf16|f32|sparse-mla|sparse-prefill|serve|v32|serve-v32|kv|ep|serve-ep|eplb|dbo|epgraph|all}
+    local phase=${1:?usage: gpu-test.sh run kernels|sass|loop|sanitize|model|bench|indexer|gemm|moe|bf16|f32|sparse-mla|sparse-prefill|serve|v32|serve-v32|kv|kv-trace|ep|serve-ep|eplb|dbo|epgraph|all}
     [[ -d "$BUNDLE" ]] || { echo "gpu-test.sh: $BUNDLE/ is missing: run 'scripts/gpu-test.sh pack' here and carry it" >&2; exit 1; }
     unpack
     OUTDIR=${OUT:-bench/out}
@@ -756,6 +777,7 @@ run() {
         sparse-prefill) phase_sparse_prefill ;;
         serve) phase_serve ;;
         kv) phase_kv ;;
+        kv-trace) phase_kv_trace ;;
         ep) phase_ep ;;
         serve-ep) phase_serve_ep ;;
         eplb) phase_eplb ;;

@@ -346,8 +346,8 @@ mod tests {
         let layers = g.num_layers as u64;
         // Every chunking of any span of whole layers covers it once and maps to the puts' own bytes, on
         // either side; chunks may cross from one layer into the next.
-        for (first, last) in [(1u64, 2u64), (0, layers), (2, 3)] {
-            let (lo, hi) = (first * bpl, last * bpl);
+        for (l0, l1) in [(1u64, 2u64), (0, layers), (2, 3)] {
+            let (lo, hi) = (l0 * bpl, l1 * bpl);
             for max in [1u64, 656 * 100, 8448 * 3, bpl + 7, 1 << 30] {
                 let chunks = plan.stream_chunks(lo, hi, max);
                 assert_eq!(chunks.first().map(|c| c.0), Some(lo));
@@ -361,13 +361,13 @@ mod tests {
                         assert_eq!(p.iter().map(|x| x.1).sum::<u64>(), z - a);
                         got.extend(p);
                     }
-                    let mut want: Vec<(u64, u64)> = (first..last)
+                    let mut want: Vec<(u64, u64)> = (l0..l1)
                         .flat_map(|layer| plan.layer_puts(LayerIdx(layer as u32)).collect::<Vec<_>>())
                         .map(|p| (if side { p.src_offset } else { p.dst_offset }, p.len))
                         .collect();
                     // Pieces may merge or split differently; compare byte by byte.
                     let flat = |v: &mut Vec<(u64, u64)>| v.iter().flat_map(|&(o, l)| o..o + l).collect::<Vec<_>>();
-                    assert_eq!(flat(&mut got), flat(&mut want), "layers {first}..{last}, max {max}, src side {side}");
+                    assert_eq!(flat(&mut got), flat(&mut want), "layers {lo}..{hi}, max {max}, src side {side}");
                 }
                 // Chunks never split an entry or a block.
                 for &(a, z) in &chunks {
@@ -386,7 +386,7 @@ mod tests {
                     }
                 }
                 for (layer, &(latent, indexer)) in per_layer.iter().enumerate() {
-                    let inside = (first..last).contains(&(layer as u64));
+                    let inside = (l0..l1).contains(&(layer as u64));
                     let want = if inside { (lat, plan.indexer_bytes_per_layer()) } else { (0, 0) };
                     assert_eq!((latent, indexer), want, "layer {layer}, max {max}");
                 }

@@ -112,8 +112,8 @@ fn gpu_pools_ship_between_processes_intact() {
 }
 
 /// Many layers of a larger request go together as a few 32 MiB gathered writes that start and end inside
-/// layers (16 layers of 6000 tokens: 16 x 4.74 MB = 75.8 MB, three writes), land intact and are counted
-/// layer by layer (the checksums are verified per layer).
+/// layers (16 layers of 6000 tokens: 16 x 4.73 MB = 75.7 MB, three writes; of 1280 tokens: 16.1 MB, one),
+/// land intact and are counted layer by layer (the checksums are verified per layer).
 #[test]
 fn gpu_layers_travel_together_in_a_few_large_writes() {
     ship_into_a_fragmented_pool(16, 200, 44, &[(6000, 3), (64 * 20, 1)]);

@@ -233,6 +233,7 @@ impl KvSender {
             sender_address: Vec::new(),
             receiver_mediated: false,
         };
+        let asked = Instant::now();
         let reply = link.call(Body::Begin(begin)).and_then(|cell| {
             cell.wait_until(deadline).unwrap_or_else(|| {
                 Err(if link.is_alive() {
@@ -242,6 +243,7 @@ impl KvSender {
                 })
             })
         });
+        tracing::trace!(request_id = %rid, handshake_us = asked.elapsed().as_micros() as u64, "kv-transfer: handshake answered");
         let (accept, session_token) = match reply {
             Ok(Body::Accept(a)) => match TransferToken::from_wire(&a.session_token) {
                 Some(t) => (a, t),

@@ -293,7 +293,9 @@ impl SendSession {
         self.finished = true;
         let st = self.st.clone();
         let r = (|| {
+            let t0 = Instant::now();
             self.drain(st.deadline)?;
+            let drained = t0.elapsed();
             let missing: Vec<usize> =
                 st.lock_ctl().queued.iter().enumerate().filter(|(_, q)| !**q).map(|(i, _)| i).collect();
             if !missing.is_empty() {
@@ -324,6 +326,12 @@ impl SendSession {
                     st.call_ack(body, st.final_deadline)?;
                 }
             }
+            tracing::trace!(
+                request_id = %st.request_id,
+                drain_us = drained.as_micros() as u64,
+                completion_us = (t0.elapsed() - drained).as_micros() as u64,
+                "kv-transfer: completed"
+            );
             Ok(SendReport {
                 bytes: st.bytes.load(Ordering::Relaxed),
                 layers: st.num_layers,

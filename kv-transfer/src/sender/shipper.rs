@@ -113,7 +113,7 @@ fn joins(batch: &[LayerShipment], next: &LayerShipment) -> bool {
     let Some(last) = batch.last() else { return false };
     Arc::ptr_eq(&last.st, &next.st)
         && next.layer.0 == last.layer.0 + 1
-        && !last.fault.is_some_and(|f| f.layer() == last.layer.0)
+        && last.fault.is_none_or(|f| f.layer() != last.layer.0)
         && next.ready.is_complete()
         && (batch.len() as u64 + 1) * next.st.plan.bytes_per_layer() <= COALESCE_BYTES
 }
@@ -310,9 +310,13 @@ fn gather_pool(st: &SessionState, shipment: &LayerShipment) -> Option<Arc<stagin
     }
 }
 
+/// Gathers queued on the device ahead of the chunk being handed to the link.
+const GATHERS_AHEAD: usize = 2;
+
 /// Gathers layers `first..=last` (written) of the request's stream chunk by chunk into device buffers of
 /// `pool` and hands each chunk to the link as one write; false after recording why the session cannot
-/// go on.
+/// go on. The next chunk's gather is queued on the device before this one's is waited for, so the
+/// copies run back to back while the link sends.
 fn ship_gathered(st: &SessionState, pool: &Arc<staging::DevicePool>, first: LayerIdx, last: LayerIdx) -> bool {
     let arena = st.cache.arena();
     let fail = |why: String| {
@@ -330,35 +334,85 @@ fn ship_gathered(st: &SessionState, pool: &Arc<staging::DevicePool>, first: Laye
     let base = arena.as_ptr() as u64;
     let bpl = st.plan.bytes_per_layer();
     let (from, to) = (first.0 as u64 * bpl, (last.0 as u64 + 1) * bpl);
-    for (lo, hi) in st.plan.stream_chunks(from, to, staging::STREAM_CHUNK as u64) {
-        if st.lock_ctl().stopped.is_some() {
-            return false;
+    // Messages of 32 MiB from the first: growing from 2 MiB (a shorter first copy) measured 1-4% slower
+    // on the H200 pair, in the same call (bench/RESULTS.md).
+    let max = staging::STREAM_CHUNK as u64;
+    let mut chunks = st.plan.stream_chunks(from, to, max).into_iter().peekable();
+    // The gather before its buffer: dropped first (an early return), it waits for the copy, so the buffer
+    // goes back to the pool only once the device no longer writes it.
+    let mut queued: VecDeque<(u64, u64, Gather, staging::DeviceBuf)> = VecDeque::new();
+    loop {
+        // Queue gathers while buffers are free (waiting for one only when none is queued).
+        while queued.len() < GATHERS_AHEAD
+            && let Some(&(lo, hi)) = chunks.peek()
+        {
+            if st.lock_ctl().stopped.is_some() {
+                return false;
+            }
+            let t0 = std::time::Instant::now();
+            let buf = if queued.is_empty() {
+                let Some(buf) = pool.take_until(st.deadline) else {
+                    st.set_error(st.timeout_error());
+                    return false;
+                };
+                buf
+            } else {
+                match pool.try_take() {
+                    Some(buf) => buf,
+                    None => break,
+                }
+            };
+            chunks.next();
+            if hi - lo > buf.len() as u64 {
+                return fail(format!("a {}-byte chunk exceeds the {}-byte gather buffer", hi - lo, buf.len()));
+            }
+            let mut at = buf.addr();
+            let copies: Vec<(u64, u64, u64)> = st
+                .plan
+                .stream_pieces(lo, hi, true)
+                .into_iter()
+                .map(|(off, len)| {
+                    let c = (base + off, at, len);
+                    at += len;
+                    c
+                })
+                .collect();
+            // SAFETY: the pieces lie in the pool (the plan was checked against its geometry in begin()) and
+            // the buffer holds the chunk (STREAM_CHUNK bytes at most); the layers are complete, and the
+            // buffer stays ours (in `queued`, then in the put) until the copy finished.
+            let gather = match unsafe { copier.copy_pieces_queued(&copies) } {
+                Some(Ok(copy)) => Gather::Queued(copy),
+                Some(Err(e)) => return fail(format!("gathering on the device: {e}")),
+                // SAFETY: as above; the copy is over when it returns.
+                None => match unsafe { copier.copy_pieces(&copies) } {
+                    Some(Ok(())) => Gather::Done,
+                    Some(Err(e)) => return fail(format!("gathering on the device: {e}")),
+                    None => return fail("the device cannot gather".into()),
+                },
+            };
+            tracing::trace!(
+                lo,
+                bytes = hi - lo,
+                pieces = copies.len(),
+                // Waiting for a buffer, mapping the pieces, uploading them and launching the copy.
+                queue_us = t0.elapsed().as_micros() as u64,
+                "kv-transfer: gather queued"
+            );
+            queued.push_back((lo, hi, gather, buf));
         }
-        let Some(buf) = pool.take_until(st.deadline) else {
-            st.set_error(st.timeout_error());
-            return false;
-        };
-        if hi - lo > buf.len() as u64 {
-            return fail(format!("a {}-byte chunk exceeds the {}-byte gather buffer", hi - lo, buf.len()));
+        let Some((lo, hi, gather, buf)) = queued.pop_front() else { return true };
+        let t0 = std::time::Instant::now();
+        if let Gather::Queued(mut copy) = gather
+            && let Err(e) = copy.wait()
+        {
+            return fail(format!("gathering on the device: {e}"));
         }
-        let mut at = buf.addr();
-        let copies: Vec<(u64, u64, u64)> = st
-            .plan
-            .stream_pieces(lo, hi, true)
-            .into_iter()
-            .map(|(off, len)| {
-                let c = (base + off, at, len);
-                at += len;
-                c
-            })
-            .collect();
-        // SAFETY: the pieces lie in the pool (the plan was checked against its geometry in begin()) and the
-        // buffer holds the chunk (STREAM_CHUNK bytes at most); the layers are complete and the buffer ours.
-        match unsafe { copier.copy_pieces(&copies) } {
-            Some(Ok(())) => {}
-            Some(Err(e)) => return fail(format!("gathering on the device: {e}")),
-            None => return fail("the device cannot gather".into()),
-        }
+        tracing::trace!(
+            lo,
+            bytes = hi - lo,
+            wait_us = t0.elapsed().as_micros() as u64,
+            "kv-transfer: gathered a chunk"
+        );
         let op = PutOp {
             session_id: st.session_id,
             token: *st.token().as_bytes(),
@@ -384,7 +438,12 @@ fn ship_gathered(st: &SessionState, pool: &Arc<staging::DevicePool>, first: Laye
             return false;
         }
     }
-    true
+}
+
+/// A chunk's gather: queued on the device, or already done (a device that cannot queue copies).
+enum Gather {
+    Queued(Box<dyn kv_cache::QueuedCopy>),
+    Done,
 }
 
 /// Copies `len` bytes at `offset` of the device pool into a staging buffer (waiting for one until the

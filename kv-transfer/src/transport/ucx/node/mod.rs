@@ -623,6 +623,7 @@ struct Scatter {
     permit: StreamPermit,
     /// The landing buffer the copy reads, returned when it finished.
     _buf: DeviceBuf,
+    queued: Instant,
 }
 
 /// Queues the scatter of a gathered write that landed in `buf` into its pieces of the pool (on the
@@ -651,7 +652,7 @@ fn scatter(permit: StreamPermit, buf: DeviceBuf) -> Option<Scatter> {
     // the pool; the landing buffer holds `permit.len` bytes; the permit is the only writer of the pieces,
     // and it and the buffer are kept until the copy finished.
     match unsafe { copier.copy_pieces_queued(&copies) } {
-        Some(Ok(copy)) => return Some(Scatter { copy, permit, _buf: buf }),
+        Some(Ok(copy)) => return Some(Scatter { copy, permit, _buf: buf, queued: Instant::now() }),
         Some(Err(e)) => permit.fail(&format!("scattering on the device: {e}")),
         // SAFETY: as above, and the copy is over when it returns.
         None => match unsafe { copier.copy_pieces(&copies) } {

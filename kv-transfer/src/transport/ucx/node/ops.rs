@@ -389,6 +389,13 @@ impl State {
     /// A gathered write: admitted as a range of a layer's stream, received into a landing buffer on the
     /// device, then scattered into the transfer's blocks ([`scatter`]).
     pub(super) fn on_stream(&mut self, sink: &dyn Sink, hdr: StreamHeader, payload: Payload) {
+        tracing::trace!(
+            layer = hdr.layer,
+            offset = hdr.offset,
+            bytes = hdr.len,
+            waiting = self.deferred_stream.len(),
+            "kv-transfer: a gathered write announced"
+        );
         let admitted = match sink.admit_stream(&hdr) {
             Some(Ok(p)) => Some(p),
             Some(Err(Refusal::Invalid(why))) => {

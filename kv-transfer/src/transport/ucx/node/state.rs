@@ -223,6 +223,7 @@ impl State {
                 self.resume_staged();
             }
             Action::RecvStream(permit, buf) => {
+                tracing::trace!(bytes = permit.len, ok, "kv-transfer: a gathered write landed");
                 if ok && let Some(s) = scatter(permit, buf) {
                     // Committed and its buffer returned by poll_scatters once the copy finished.
                     self.scattering.push_back(s);
@@ -249,6 +250,11 @@ impl State {
                 continue;
             };
             let Some(s) = self.scattering.remove(i) else { break };
+            tracing::trace!(
+                bytes = s.permit.len,
+                scatter_us = s.queued.elapsed().as_micros() as u64,
+                "kv-transfer: scattered a gathered write"
+            );
             match done {
                 Ok(()) => s.permit.commit(),
                 Err(e) => s.permit.fail(&format!("scattering on the device: {e}")),
