@@ -13,7 +13,8 @@
 //! - [`transport`]: UCX (libucp loaded at run time, TCP fallback), TCP (tokio), in-process, one trait.
 //! - [`layout`]: the put plan (runs contiguous on both sides go as single puts) and checksums.
 //! - [`staging`]: a pool in GPU memory (`KvArena::from_device`) moves GPU to GPU where UCX is CUDA-capable
-//!   (scattered layers gathered and scattered on the GPUs), else through bounded, reused host buffers, with
+//!   (small and scattered layers gathered on the sender's GPU, several to a message, and scattered on the
+//!   receiver's), else through bounded, reused host buffers, with
 //!   the same protocol and guarantees; host pools move without a copy.
 //!
 //! See the crate README for the message sequence, failure semantics and the block-freeing policy.

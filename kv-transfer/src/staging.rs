@@ -1,6 +1,6 @@
 //! Buffers for cache pools in device memory: host staging buffers for transports that cannot move device
 //! memory (TCP, in-process, a UCX without CUDA), and the device buffers a CUDA-capable UCX gathers
-//! scattered layers into and lands them in ([`DevicePool`]).
+//! layers into (scattered ones, and small ones several to a buffer) and lands them in ([`DevicePool`]).
 //!
 //! Staged, the sender copies each piece of a put out of the device arena ([`kv_cache::KvArena::copy_out`]) into a
 //! host buffer that the transport sends from; the receiver places each write through a host buffer and
@@ -107,17 +107,18 @@ impl DerefMut for StagedBuf {
     }
 }
 
-/// The most one gathered write carries (a CUDA-capable UCX moving a scattered request: the pieces of a
-/// layer's stream are gathered on the sender's GPU, sent as a few messages and scattered on the
-/// receiver's): a 32K-token layer's latent entries (21.5 MB) in one, its indexer blocks in another.
+/// The most one gathered write carries (a CUDA-capable UCX moving device layers: a stretch of the
+/// request's stream, one or more layers' latent entries and indexer blocks, is gathered on the sender's
+/// GPU, sent as one message and scattered on the receiver's): 1.3 layers of a 32K-token request, 41 of
+/// a 1K-token one.
 pub const STREAM_CHUNK: usize = kv_cache::TRANSFER_CHUNK;
 
 /// Device buffers of [`STREAM_CHUNK`] a sender gathers into, and each receiver lane lands gathered writes
 /// in (128 MiB a side per lane, counted in the backend's memory budget).
 pub const DEVICE_BUFFERS: usize = kv_cache::TRANSFER_BUFFERS;
 
-/// Layers with more puts than this (a scattered block table) are gathered on the device and sent as a
-/// few large messages; fewer, larger puts go as they are.
+/// Layers with more puts than this (a scattered block table) are gathered on the device; so are layers
+/// small enough that two fit a [`STREAM_CHUNK`]. Larger layers of few runs go a put per run.
 pub const GATHER_MIN_PUTS: usize = 16;
 
 /// Fixed-size device buffers ([`STREAM_CHUNK`]).

@@ -6,8 +6,8 @@ use crate::v1::ModelFingerprint;
 /// The kv-transfer protocol this build speaks (`ModelFingerprint::kv_transfer_protocol`). Raise it with
 /// every change that makes old and new workers unable to transfer to each other (a field moved or
 /// required, a message sequence changed). 4: a gathered write (UCX `AM_STREAM`, device pools) may run
-/// on past its first layer's stream into the next layers' (a receiver of 3 refuses it). 3: layer checksums are `kv_cache::hash` digests (a sum a GPU
-/// computes in parallel) instead of xxh3. 2: 16-byte transfer and session tokens, memory keys only in
+/// on past its first layer's stream into the next layers' (a receiver of 3 refuses it). 3: layer
+/// checksums are `kv_cache::hash` digests (a sum a GPU computes in parallel) instead of xxh3. 2: 16-byte transfer and session tokens, memory keys only in
 /// `TransferAccept`. 1 (0 on the wire: the field did not exist): 64-bit tokens, keys in the descriptor.
 pub const KV_TRANSFER_PROTOCOL: u32 = 4;
 

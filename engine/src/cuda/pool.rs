@@ -245,7 +245,14 @@ impl DeviceCopy for PoolCopier {
         let queued = || -> Result<Box<dyn QueuedCopy>, cudarc::driver::DriverError> {
             let tasks = self.queue_tasks(pieces)?;
             let done = match tasks {
-                Some(_) => Some(self.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?),
+                Some(_) => match self.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)) {
+                    Ok(e) => Some(e),
+                    Err(e) => {
+                        // The copy is launched: it must be over before the caller gives its memory back.
+                        let _ = self.stream.synchronize();
+                        return Err(e);
+                    }
+                },
                 None => None,
             };
             Ok(Box::new(QueuedTasks { done, _tasks: tasks }))

@@ -5,8 +5,9 @@
 //!
 //! The bench re-executes itself as the receiving process (hidden `--serve`); this process is the sender.
 //! Time per request runs from `begin` (handshake) to the receiver's verified completion; descriptor
-//! delivery (the router's job) is not timed. The perftest message size is the mean put size of the
-//! request (each layer ships one latent and one indexer put into a fresh pool). The per-request overhead
+//! delivery (the router's job) is not timed. The perftest message size is the request's per-layer message:
+//! the mean put size (each layer one latent and one indexer put into a fresh pool), or one layer for a
+//! scattered device table (see `msg` in `run`). The per-request overhead
 //! (handshake + completion, without data movement) goes to stderr as a JSON line.
 
 use std::io::{BufRead, BufReader, Write};
@@ -315,7 +316,10 @@ fn run(args: &Args) -> anyhow::Result<()> {
         sorted.sort_by(f64::total_cmp);
         let median = sorted[sorted.len() / 2];
         let gbps = bytes as f64 / mean / 1e9;
-        // The mean message: a put per layer and region, or (a scattered device layer) the gathered layer.
+        // The request's per-layer message: a put per layer and region, or (a scattered device table) one
+        // layer. Kept as the ratio's baseline since the first device measurements, though device layers
+        // now travel gathered, several to a message of up to 32 MiB; `perftest_cold_gbps` is one
+        // request-sized message.
         let msg = if args.scattered && device_direct {
             (bytes / args.layers as u64).min(kv_transfer::staging::STREAM_CHUNK as u64)
         } else {

@@ -85,7 +85,7 @@ pub(crate) struct SenderShared {
     pub shipper: Shipper,
     /// Host buffers a device pool is shipped through (`None` for host pools, shipped in place).
     pub staging: Option<Arc<StagingPool>>,
-    /// Device buffers a scattered layer of a device pool is gathered into (allocated on first use).
+    /// Device buffers the layers of a device pool are gathered into (allocated on first use).
     pub gather: Arc<crate::staging::LazyDevicePool>,
 }
 

@@ -33,7 +33,7 @@ pub(crate) struct LayerShipment {
     pub fault: Option<Fault>,
     /// The sender's staging buffers when its pool is device memory.
     pub staging: Option<Arc<StagingPool>>,
-    /// The sender's device buffers for gathering scattered layers.
+    /// The sender's device buffers for gathering layers ([`gathers`]).
     pub gather: Arc<staging::LazyDevicePool>,
 }
 
@@ -302,7 +302,7 @@ fn gather_pool(st: &SessionState, shipment: &LayerShipment) -> Option<Arc<stagin
         Some(Ok(p)) => Some(p),
         Some(Err(e)) => {
             if !WARNED.swap(true, Ordering::Relaxed) {
-                tracing::warn!(error = %e, "no device buffers to gather scattered layers: they go a message per run");
+                tracing::warn!(error = %e, "no device buffers to gather layers: they go a message per run");
             }
             None
         }

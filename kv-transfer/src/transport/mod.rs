@@ -135,8 +135,9 @@ pub struct PutOp {
     /// `src` is device memory (a device pool sent without staging, over a link whose
     /// [`Link::moves_device_memory`]).
     pub device: bool,
-    /// A gathered write of this layer's stream ([`crate::receiver::core::StreamPermit`]): `dst_offset` is
-    /// the offset in the layer's stream, `src` the device buffer it was gathered into.
+    /// A gathered write starting in this layer's stream ([`crate::receiver::core::StreamPermit`]):
+    /// `dst_offset` is the offset in that layer's stream (the write may run on into the next layers'),
+    /// `src` the device buffer it was gathered into.
     pub stream_layer: Option<u32>,
     /// The device buffer `src` points into for a gathered write, held until the transport is done.
     pub device_buf: Option<crate::staging::DeviceBuf>,

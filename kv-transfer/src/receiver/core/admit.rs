@@ -1,5 +1,6 @@
 //! Admission of receiver-mediated writes (TCP, in-process, UCX active messages): a write lands only in
-//! an active transfer's own blocks, inside one layer, and the transfer cannot be freed while it runs.
+//! an active transfer's own blocks (inside one layer, or a gathered write's stretch of the transfer's
+//! layers), and the transfer cannot be freed while it runs.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -191,6 +192,9 @@ impl ReceiverCore {
         let hi = lo.saturating_add(len);
         let why = if layer as usize >= self.geometry.num_layers {
             Some(format!("gathered write into layer {layer} of {}", self.geometry.num_layers))
+        } else if len > crate::staging::STREAM_CHUNK as u64 {
+            // Refused before its pieces are mapped: a write lands in one buffer of this size.
+            Some(format!("gathered write of {len} bytes, more than {}", crate::staging::STREAM_CHUNK))
         } else if len == 0 || offset >= bpl || hi > total {
             Some(format!(
                 "gathered write {offset}+{len} from layer {layer} outside the transfer's {} layers of {bpl} bytes",

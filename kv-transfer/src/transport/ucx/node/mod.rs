@@ -623,6 +623,7 @@ struct Scatter {
     permit: StreamPermit,
     /// The landing buffer the copy reads, returned when it finished.
     _buf: DeviceBuf,
+    /// When the copy was queued (for the trace event of its end).
     queued: Instant,
 }
 

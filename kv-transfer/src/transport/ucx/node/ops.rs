@@ -386,8 +386,9 @@ impl State {
         }
     }
 
-    /// A gathered write: admitted as a range of a layer's stream, received into a landing buffer on the
-    /// device, then scattered into the transfer's blocks ([`scatter`]).
+    /// A gathered write: admitted as a range of the transfer's stream (from a layer's, possibly on into the
+    /// next layers'), received into a landing buffer on the device, then scattered into the transfer's
+    /// blocks ([`scatter`]).
     pub(super) fn on_stream(&mut self, sink: &dyn Sink, hdr: StreamHeader, payload: Payload) {
         tracing::trace!(
             layer = hdr.layer,
@@ -578,6 +579,8 @@ impl State {
                 }
             }
         }
+        // Landings completed by the loop above queued their scatters.
+        self.finish_scatters();
         let lost = || Err(TransferError::Transport("link lost: UCX worker stopped".into()));
         for j in self.flush_waiting.drain().flat_map(|(_, v)| v) {
             j.part(lost());

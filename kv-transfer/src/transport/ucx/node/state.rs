@@ -224,7 +224,9 @@ impl State {
             }
             Action::RecvStream(permit, buf) => {
                 tracing::trace!(bytes = permit.len, ok, "kv-transfer: a gathered write landed");
-                if ok && let Some(s) = scatter(permit, buf) {
+                if !ok {
+                    drop((permit, buf));
+                } else if let Some(s) = scatter(permit, buf) {
                     // Committed and its buffer returned by poll_scatters once the copy finished.
                     self.scattering.push_back(s);
                     return;
