@@ -82,12 +82,15 @@ pub trait DeviceCopy: Send + Sync {
     }
     /// As [`DeviceCopy::copy_pieces`], but returns once the copy is queued on the device: the handle says
     /// when the bytes are in place (how a receiver scatters a landed write without holding its UCX
-    /// progress thread). `None` where this device cannot; callers then use `copy_pieces`.
+    /// progress thread). By default the copy is `copy_pieces`'s, over when this returns; `None` where
+    /// this device cannot copy.
     ///
     /// # Safety
     /// As [`DeviceCopy::copy_pieces`], until the handle reports the copy finished (or is waited on).
-    unsafe fn copy_pieces_queued(&self, _pieces: &[(u64, u64, u64)]) -> Option<Result<Box<dyn QueuedCopy>, String>> {
-        None
+    unsafe fn copy_pieces_queued(&self, pieces: &[(u64, u64, u64)]) -> Option<Result<Box<dyn QueuedCopy>, String>> {
+        // SAFETY: forwarded contract; the copy is over when it returns.
+        let copied = unsafe { self.copy_pieces(pieces) }?;
+        Some(copied.map(|()| Box::new(Finished) as Box<dyn QueuedCopy>))
     }
     /// `bytes` of device memory on the arena's device for transports to gather into or land in, freed
     /// when dropped; `None` where this device cannot.
@@ -108,6 +111,19 @@ pub trait QueuedCopy: Send {
     fn poll(&mut self) -> Option<Result<(), String>>;
     /// Waits until the copy finished.
     fn wait(&mut self) -> Result<(), String>;
+}
+
+/// A copy that was over before its handle existed (the default [`DeviceCopy::copy_pieces_queued`]).
+struct Finished;
+
+impl QueuedCopy for Finished {
+    fn poll(&mut self) -> Option<Result<(), String>> {
+        Some(Ok(()))
+    }
+
+    fn wait(&mut self) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// The largest message a transport gathers a scattered layer into (kv-transfer's stream writes).

@@ -340,7 +340,7 @@ fn ship_gathered(st: &SessionState, pool: &Arc<staging::DevicePool>, first: Laye
     let mut chunks = st.plan.stream_chunks(from, to, max).into_iter().peekable();
     // The gather before its buffer: dropped first (an early return), it waits for the copy, so the buffer
     // goes back to the pool only once the device no longer writes it.
-    let mut queued: VecDeque<(u64, u64, Gather, staging::DeviceBuf)> = VecDeque::new();
+    let mut queued: VecDeque<(u64, u64, Box<dyn kv_cache::QueuedCopy>, staging::DeviceBuf)> = VecDeque::new();
     loop {
         // Queue gathers while buffers are free (waiting for one only when none is queued).
         while queued.len() < GATHERS_AHEAD
@@ -381,14 +381,9 @@ fn ship_gathered(st: &SessionState, pool: &Arc<staging::DevicePool>, first: Laye
             // the buffer holds the chunk (STREAM_CHUNK bytes at most); the layers are complete, and the
             // buffer stays ours (in `queued`, then in the put) until the copy finished.
             let gather = match unsafe { copier.copy_pieces_queued(&copies) } {
-                Some(Ok(copy)) => Gather::Queued(copy),
+                Some(Ok(copy)) => copy,
                 Some(Err(e)) => return fail(format!("gathering on the device: {e}")),
-                // SAFETY: as above; the copy is over when it returns.
-                None => match unsafe { copier.copy_pieces(&copies) } {
-                    Some(Ok(())) => Gather::Done,
-                    Some(Err(e)) => return fail(format!("gathering on the device: {e}")),
-                    None => return fail("the device cannot gather".into()),
-                },
+                None => return fail("the device cannot gather".into()),
             };
             tracing::trace!(
                 lo,
@@ -400,11 +395,9 @@ fn ship_gathered(st: &SessionState, pool: &Arc<staging::DevicePool>, first: Laye
             );
             queued.push_back((lo, hi, gather, buf));
         }
-        let Some((lo, hi, gather, buf)) = queued.pop_front() else { return true };
+        let Some((lo, hi, mut gather, buf)) = queued.pop_front() else { return true };
         let t0 = std::time::Instant::now();
-        if let Gather::Queued(mut copy) = gather
-            && let Err(e) = copy.wait()
-        {
+        if let Err(e) = gather.wait() {
             return fail(format!("gathering on the device: {e}"));
         }
         tracing::trace!(
@@ -438,12 +431,6 @@ fn ship_gathered(st: &SessionState, pool: &Arc<staging::DevicePool>, first: Laye
             return false;
         }
     }
-}
-
-/// A chunk's gather: queued on the device, or already done (a device that cannot queue copies).
-enum Gather {
-    Queued(Box<dyn kv_cache::QueuedCopy>),
-    Done,
 }
 
 /// Copies `len` bytes at `offset` of the device pool into a staging buffer (waiting for one until the

@@ -318,25 +318,6 @@ pub fn concurrent_requests(kind: &Kind) {
     wait_pool_used(&p.rpool, 0, Duration::from_secs(1));
 }
 
-/// A GPU-style completion marker: pending until `signal`.
-struct TestFence {
-    done: std::sync::Mutex<bool>,
-    cv: std::sync::Condvar,
-}
-
-impl kv_cache::Fence for TestFence {
-    fn wait(&self) -> Result<(), String> {
-        let mut d = self.done.lock().unwrap();
-        while !*d {
-            d = self.cv.wait(d).unwrap();
-        }
-        Ok(())
-    }
-    fn is_complete(&self) -> bool {
-        *self.done.lock().unwrap()
-    }
-}
-
 /// A layer handed over with a pending marker is shipped only once the marker is reached: bytes written
 /// after the hand-over (as a GPU stream writes them after the compute thread moved on) are what lands.
 pub fn layers_wait_for_their_completion_marker(kind: &Kind) {
@@ -345,7 +326,7 @@ pub fn layers_wait_for_their_completion_marker(kind: &Kind) {
     let (dst, src) = reserve(&p, "fenced", tokens);
     let (desc, pending) = expect(&p, "fenced", &dst, tokens, Duration::from_secs(10), true);
     let s = p.sender.begin(&desc, &src).unwrap();
-    let fence = std::sync::Arc::new(TestFence { done: std::sync::Mutex::new(false), cv: std::sync::Condvar::new() });
+    let fence = std::sync::Arc::new(kv_transfer::testkit::Gate::default());
     let t0 = Instant::now();
     s.put_layer_when(LayerIdx(0), kv_cache::LayerReady::pending(fence.clone())).unwrap();
     assert!(t0.elapsed() < Duration::from_millis(100), "put_layer_when must not wait for the marker");
@@ -363,8 +344,7 @@ pub fn layers_wait_for_their_completion_marker(kind: &Kind) {
         write(&p.scache, g.latent_block_offset(LayerIdx(0), b), &latent);
         write(&p.scache, g.indexer_block_offset(LayerIdx(0), b), &vec![0xc3; g.indexer_bytes_per_block()]);
     }
-    *fence.done.lock().unwrap() = true;
-    fence.cv.notify_all();
+    fence.open();
     s.complete(first_token(), draft()).unwrap();
     let out = pending.wait_timeout(Duration::from_secs(10)).expect("outcome").unwrap();
     assert!(matches!(out, TransferOutcome::Completed(ref c) if c.checksum_verified), "{out:?}");
@@ -382,7 +362,7 @@ pub fn layers_stream_as_their_markers_are_reached(kind: &Kind) {
     let (dst, src) = reserve(&p, "stream", tokens);
     let (desc, pending) = expect(&p, "stream", &dst, tokens, Duration::from_secs(20), true);
     let s = p.sender.begin(&desc, &src).unwrap();
-    let fence = std::sync::Arc::new(TestFence { done: std::sync::Mutex::new(false), cv: std::sync::Condvar::new() });
+    let fence = std::sync::Arc::new(kv_transfer::testkit::Gate::default());
     s.put_layer(LayerIdx(0)).unwrap();
     s.put_layer_when(LayerIdx(1), kv_cache::LayerReady::pending(fence.clone())).unwrap();
     let one_sided = kind.data_path() == Some(kv_transfer::transport::ucx::DataPath::Put) && !kind.on_device().1;
@@ -396,8 +376,7 @@ pub fn layers_stream_as_their_markers_are_reached(kind: &Kind) {
         assert_eq!(p.recv.stats().bytes_received, layer_bytes, "only layer 0 may ship while layer 1 waits");
         assert_layer_landed(&p, &desc, &src, LayerIdx(0));
     }
-    *fence.done.lock().unwrap() = true;
-    fence.cv.notify_all();
+    fence.open();
     for l in 2..4 {
         s.put_layer(LayerIdx(l)).unwrap();
     }

@@ -628,8 +628,8 @@ struct Scatter {
 }
 
 /// Queues the scatter of a gathered write that landed in `buf` into its pieces of the pool (on the
-/// device). `Some` while it runs; `None` once it is over: committed, or the transfer failed (a copy that
-/// could not be queued), or done synchronously where the device cannot queue copies.
+/// device). `Some` while it runs (or until it is polled, for a device that copies synchronously); `None`
+/// when the transfer failed (a copy that could not be queued).
 fn scatter(permit: StreamPermit, buf: DeviceBuf) -> Option<Scatter> {
     let (base, mut at) = (permit.arena().as_ptr() as u64, buf.addr());
     if permit.len > buf.len() as u64 {
@@ -655,12 +655,7 @@ fn scatter(permit: StreamPermit, buf: DeviceBuf) -> Option<Scatter> {
     match unsafe { copier.copy_pieces_queued(&copies) } {
         Some(Ok(copy)) => return Some(Scatter { copy, permit, _buf: buf, queued: Instant::now() }),
         Some(Err(e)) => permit.fail(&format!("scattering on the device: {e}")),
-        // SAFETY: as above, and the copy is over when it returns.
-        None => match unsafe { copier.copy_pieces(&copies) } {
-            Some(Ok(())) => permit.commit(),
-            Some(Err(e)) => permit.fail(&format!("scattering on the device: {e}")),
-            None => permit.fail("the device cannot scatter"),
-        },
+        None => permit.fail("the device cannot scatter"),
     }
     None
 }
