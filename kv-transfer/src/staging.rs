@@ -50,6 +50,16 @@ impl<B> Pool<B> {
 
     /// A free buffer, waiting for one to come back until `deadline` (`None` then).
     pub fn take_until(self: &Arc<Self>, deadline: Instant) -> Option<Loan<B>> {
+        // A buffer comes back when a transport's thread finished with it: poll first, as a sleeping
+        // shipping thread woken per buffer let the link run dry between 32 MiB messages.
+        let mut polled = None;
+        crate::wait::spin_until(deadline, || {
+            polled = self.try_take();
+            polled.is_some()
+        });
+        if polled.is_some() {
+            return polled;
+        }
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             if let Some(buf) = free.pop() {

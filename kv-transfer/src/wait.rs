@@ -16,9 +16,60 @@ pub struct Cell<T> {
     ready: AtomicBool,
 }
 
-/// How long a thread waiting on a cell polls before it sleeps on the condition variable: replies on
-/// loopback arrive within tens of microseconds, and a futex wake-up costs about as much again.
-const SPIN: Duration = Duration::from_micros(50);
+/// How long kv-transfer's own threads poll before they sleep: a UCX progress thread after its last
+/// activity, the shipping thread between layers, a thread waiting for a reply. Waking a sleeping thread
+/// costs tens of microseconds, and on a virtual machine up to a millisecond (the idle vCPU halts). On the
+/// H200 pair (32 cores) 200 us of polling left most handshakes to cold threads: a 8K-token request took
+/// 1.31-1.60 ms with it and 1.27-1.37 with 1-3 ms, a 32K one 4.81-5.04 against 4.60-4.70
+/// (bench/RESULTS.md, "Fixed costs of a request"). Polling holds a core only while transfers flow.
+const SPIN: Duration = Duration::from_micros(2000);
+/// The same on machines of at most [`FEW_CORES`] cores, where a polling thread takes the core another
+/// thread (often the peer process's) needs: on the 2-core VM handshake + completion took a median
+/// 520 us with 200 us of polling and 320 us with 50 us.
+const SPIN_FEW_CORES: Duration = Duration::from_micros(50);
+const FEW_CORES: usize = 4;
+
+/// The polling window ([`SPIN`]); `TANDEM_KV_SPIN_US` overrides it (read once).
+pub fn spin_time() -> Duration {
+    static V: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        if let Some(us) = std::env::var("TANDEM_KV_SPIN_US").ok().and_then(|v| v.trim().parse::<u64>().ok()) {
+            return Duration::from_micros(us.min(1_000_000));
+        }
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        if cores <= FEW_CORES { SPIN_FEW_CORES } else { SPIN }
+    })
+}
+
+/// Polls `ready` for up to [`spin_time`] (or until `deadline`); whether it became true. Blocking waits call
+/// it before they sleep on their condition variable.
+pub fn spin_until(deadline: Instant, mut ready: impl FnMut() -> bool) -> bool {
+    let until = (Instant::now() + spin_time()).min(deadline);
+    loop {
+        if ready() {
+            return true;
+        }
+        if Instant::now() >= until {
+            return false;
+        }
+        for _ in 0..32 {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// Receives from `rx`, polling for [`spin_time`] before it blocks.
+pub fn recv_spinning<T>(rx: &std::sync::mpsc::Receiver<T>) -> Result<T, std::sync::mpsc::RecvError> {
+    let until = Instant::now() + spin_time();
+    loop {
+        match rx.try_recv() {
+            Ok(v) => return Ok(v),
+            Err(std::sync::mpsc::TryRecvError::Disconnected) => return Err(std::sync::mpsc::RecvError),
+            Err(std::sync::mpsc::TryRecvError::Empty) if Instant::now() < until => std::hint::spin_loop(),
+            Err(std::sync::mpsc::TryRecvError::Empty) => return rx.recv(),
+        }
+    }
+}
 
 struct State<T> {
     value: Option<T>,
@@ -64,7 +115,7 @@ impl<T> Cell<T> {
 
     /// Takes the value, waiting until `deadline`. `None` on timeout (or when already taken).
     pub fn wait_until(&self, deadline: Instant) -> Option<T> {
-        let spin_until = Instant::now() + SPIN;
+        let spin_until = Instant::now() + spin_time();
         while !self.ready.load(Ordering::Acquire) && Instant::now() < spin_until.min(deadline) {
             std::hint::spin_loop();
         }
@@ -124,5 +175,36 @@ mod tests {
             c2.set("x");
         });
         assert_eq!(c.wait_until(Instant::now() + Duration::from_secs(5)), Some("x"));
+    }
+
+    #[test]
+    fn polling_sees_a_condition_and_gives_up_at_its_window() {
+        let far = Instant::now() + Duration::from_secs(60);
+        let mut n = 0;
+        assert!(spin_until(far, || {
+            n += 1;
+            n == 3
+        }));
+        let t0 = Instant::now();
+        assert!(!spin_until(far, || false));
+        // It polls for the window (2 ms, or 50 us on few cores), never towards the far deadline.
+        assert!(t0.elapsed() < spin_time() + Duration::from_millis(500), "{:?}", t0.elapsed());
+        assert!(!spin_until(Instant::now(), || false));
+    }
+
+    #[test]
+    fn receiving_polls_then_blocks() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        tx.send(1).unwrap();
+        assert_eq!(recv_spinning(&rx), Ok(1));
+        // Sent after the polling window: received by the blocking receive.
+        let tx2 = tx.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(spin_time() + Duration::from_millis(20));
+            tx2.send(2).unwrap();
+        });
+        assert_eq!(recv_spinning(&rx), Ok(2));
+        drop(tx);
+        assert!(recv_spinning(&rx).is_err(), "every sender gone");
     }
 }

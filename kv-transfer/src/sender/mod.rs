@@ -234,6 +234,7 @@ impl KvSender {
             receiver_mediated: false,
         };
         let asked = Instant::now();
+        tracing::trace!(request_id = %rid, "kv-transfer: handshake sent");
         let reply = link.call(Body::Begin(begin)).and_then(|cell| {
             cell.wait_until(deadline).unwrap_or_else(|| {
                 Err(if link.is_alive() {

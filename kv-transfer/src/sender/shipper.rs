@@ -57,7 +57,7 @@ impl Shipper {
                 loop {
                     let first = match backlog.pop_front() {
                         Some(s) => s,
-                        None => match rx.recv() {
+                        None => match crate::wait::recv_spinning(&rx) {
                             Ok(s) => s,
                             Err(_) => return,
                         },
@@ -72,6 +72,7 @@ impl Shipper {
                         {
                             batch.extend(backlog.pop_front());
                         }
+                        join_burst(&rx, &mut backlog, &mut batch);
                     }
                     ship(&batch);
                     for s in &batch {
@@ -85,6 +86,35 @@ impl Shipper {
 
     pub fn submit(&self, shipment: LayerShipment) -> bool {
         self.tx.lock().unwrap_or_else(|p| p.into_inner()).send(shipment).is_ok()
+    }
+}
+
+/// How long the shipping thread waits for the next `put_layer` of a burst still being queued
+/// ([`join_burst`]).
+const BURST_GAP: std::time::Duration = std::time::Duration::from_micros(5);
+
+/// Takes the layers of a burst of `put_layer` calls still arriving into `batch`: while everything queued
+/// joined it and the next layer arrives within [`BURST_GAP`], written and within [`COALESCE_BYTES`]
+/// (`joins`). A request whose layers are all written is queued in a burst (a short prefill, a
+/// shipper that fell behind, kv-bench), and a shipping thread that woke at its first layer took one or
+/// two layers alone: a 1K-token request went as a 1-4 MB message before its 32 MiB ones. Layers queued
+/// as they are computed do not join (not written yet), so this waits at most [`BURST_GAP`] for them.
+fn join_burst(
+    rx: &mpsc::Receiver<LayerShipment>,
+    backlog: &mut VecDeque<LayerShipment>,
+    batch: &mut Vec<LayerShipment>,
+) {
+    let mut last = std::time::Instant::now();
+    while backlog.is_empty() && last.elapsed() < BURST_GAP {
+        match rx.try_recv() {
+            Ok(next) if joins(batch, &next) => {
+                batch.push(next);
+                last = std::time::Instant::now();
+            }
+            Ok(next) => backlog.push_back(next),
+            Err(mpsc::TryRecvError::Empty) => std::hint::spin_loop(),
+            Err(mpsc::TryRecvError::Disconnected) => return,
+        }
     }
 }
 

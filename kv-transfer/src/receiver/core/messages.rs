@@ -35,6 +35,7 @@ impl ReceiverCore {
     }
 
     fn on_begin(self: &Arc<Self>, peer: &Arc<dyn PeerLink>, corr: u64, b: TransferBegin) {
+        tracing::trace!(request_id = %b.request_id, "kv-transfer: handshake received");
         let reject = |status: TransferStatus, message: String| {
             self.counters.rejected_handshakes.fetch_add(1, Ordering::Relaxed);
             tracing::info!(request_id = %b.request_id, ?status, message, "kv transfer handshake rejected");
@@ -151,6 +152,11 @@ impl ReceiverCore {
             }
         }
         drop(ph);
+        tracing::trace!(
+            request_id = %t.request_id,
+            inflight = t.inflight.load(Ordering::SeqCst),
+            "kv-transfer: completion received"
+        );
         t.active.store(false, Ordering::SeqCst);
         *t.deferred_complete.lock().unwrap_or_else(|p| p.into_inner()) = Some((corr, c, peer.clone()));
         if t.inflight.load(Ordering::SeqCst) == 0 {
@@ -184,6 +190,7 @@ impl ReceiverCore {
                         elapsed,
                     };
                     if t.outcome.set(Ok(TransferOutcome::Completed(done))) {
+                        tracing::trace!(request_id = %t.request_id, "kv-transfer: completion verified");
                         core.counters.completed.fetch_add(1, Ordering::Relaxed);
                         peer.send(ack(corr, t.session, TransferStatus::Ok, ""));
                     } else {

@@ -34,22 +34,11 @@ pub const AM_CONTROL: u32 = 7101;
 pub const AM_DATA: u32 = 7102;
 /// AM id of gathered writes (header: a [`StreamHeader`]; payload by rendezvous, device memory).
 pub const AM_STREAM: u32 = 7103;
-/// How long the loop keeps polling after activity before it sleeps on the event fd ([`spin_time`]).
-const SPIN: Duration = Duration::from_micros(200);
-/// The same on machines of at most [`FEW_CORES`] cores, where a polling thread takes the core another
-/// thread (often the peer process's) needs: on the 2-core VM handshake + completion took a median
-/// 520 us with 200 us of polling and 320 us with 50 us.
-const SPIN_FEW_CORES: Duration = Duration::from_micros(50);
-const FEW_CORES: usize = 4;
 /// The sleep's timeout with nothing in flight (ms): only to notice the owners are gone.
 const IDLE_POLL_MS: i32 = 100;
 /// The sleep's timeout with requests in flight (ms).
 const INFLIGHT_POLL_MS: i32 = 1;
 
-fn spin_time() -> Duration {
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    if cores <= FEW_CORES { SPIN_FEW_CORES } else { SPIN }
-}
 /// Shared-memory segment (FIFO element payload) size when `UCX_MM_SEG_SIZE` / `UCX_SYSV_SEG_SIZE` /
 /// `UCX_POSIX_SEG_SIZE` are unset: 8K (UCX's default) moved 10-12 GB/s at 8K-32K tokens on 2 cores, 32K-60000
 /// about 18 GB/s. It must stay below 64 KiB: with UCX 1.13, 64K and 128K segments silently corrupt emulated

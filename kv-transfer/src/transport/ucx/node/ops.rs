@@ -220,7 +220,7 @@ impl State {
     /// The progress loop; returns on Shutdown or when every owner is gone.
     pub(super) unsafe fn run(&mut self, node: &Arc<Node>, rx: mpsc::Receiver<Cmd>, sink: Arc<dyn Sink>) {
         let mut last_activity = Instant::now();
-        let spin = spin_time();
+        let spin = crate::wait::spin_time();
         loop {
             let mut busy = false;
             loop {
