@@ -16,34 +16,75 @@ pub struct Cell<T> {
     ready: AtomicBool,
 }
 
-/// How long kv-transfer's own threads poll before they sleep: a UCX progress thread after its last
-/// activity, the shipping thread between layers, a thread waiting for a reply. Waking a sleeping thread
-/// costs tens of microseconds, and on a virtual machine up to a millisecond (the idle vCPU halts). On the
-/// H200 pair (32 cores) 200 us of polling left most handshakes to cold threads: a 8K-token request took
-/// 1.31-1.60 ms with it and 1.27-1.37 with 1-3 ms, a 32K one 4.81-5.04 against 4.60-4.70
-/// (bench/RESULTS.md, "Fixed costs of a request"). Polling holds a core only while transfers flow.
+/// How long kv-transfer's threads poll before they sleep: a UCX progress thread after its last activity,
+/// the shipping thread between layers, a thread waiting for a reply, a completion or a buffer ([`spin_until`]).
+/// Waking a sleeping thread costs tens of microseconds, on a virtual machine sometimes hundreds (the idle vCPU
+/// halts). On the H200 pair (32 cores) 200 us of polling left most handshakes to cold threads: a scattered
+/// 8K-token request took 1.39-1.60 ms with it and 1.27-1.37 with 1-3 ms, a 32K one 4.81-5.04 against
+/// 4.60-4.70 (bench/RESULTS.md, "Fixed costs of a request").
 const SPIN: Duration = Duration::from_micros(2000);
 /// The same on machines of at most [`FEW_CORES`] cores, where a polling thread takes the core another
 /// thread (often the peer process's) needs: on the 2-core VM handshake + completion took a median
 /// 520 us with 200 us of polling and 320 us with 50 us.
 const SPIN_FEW_CORES: Duration = Duration::from_micros(50);
 const FEW_CORES: usize = 4;
+/// The longest window `TANDEM_KV_SPIN_US` may ask for.
+const SPIN_MAX_US: u64 = 1_000_000;
 
-/// The polling window ([`SPIN`]); `TANDEM_KV_SPIN_US` overrides it (read once).
+/// The polling window ([`SPIN`]); `TANDEM_KV_SPIN_US` overrides it (microseconds, at most one second;
+/// read once, a value that is not a number is reported and ignored).
 pub fn spin_time() -> Duration {
     static V: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
     *V.get_or_init(|| {
-        if let Some(us) = std::env::var("TANDEM_KV_SPIN_US").ok().and_then(|v| v.trim().parse::<u64>().ok()) {
-            return Duration::from_micros(us.min(1_000_000));
+        if let Ok(v) = std::env::var("TANDEM_KV_SPIN_US") {
+            match v.trim().parse::<u64>() {
+                Ok(us) => return Duration::from_micros(us.min(SPIN_MAX_US)),
+                Err(_) => tracing::warn!(value = %v, "TANDEM_KV_SPIN_US is not a number of microseconds; ignored"),
+            }
         }
-        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-        if cores <= FEW_CORES { SPIN_FEW_CORES } else { SPIN }
+        if cores() <= FEW_CORES { SPIN_FEW_CORES } else { SPIN }
     })
 }
 
+fn cores() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+/// Threads polling in [`spin_until`] or [`Cell::wait_until`] now. Those waits run on the callers' threads
+/// (a prefill worker settles each request on a thread of its own), so many requests finishing together
+/// must not turn into as many polling cores: past [`spinners_max`] a wait sleeps at once.
+static SPINNERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// A quarter of the cores, at least one.
+fn spinners_max() -> usize {
+    (cores() / 4).max(1)
+}
+
+/// Counts one polling thread while alive; `None` when [`spinners_max`] threads poll already.
+struct SpinTicket;
+
+impl SpinTicket {
+    fn take() -> Option<SpinTicket> {
+        let n = SPINNERS.fetch_add(1, Ordering::AcqRel);
+        if n >= spinners_max() {
+            SPINNERS.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        Some(SpinTicket)
+    }
+}
+
+impl Drop for SpinTicket {
+    fn drop(&mut self) {
+        SPINNERS.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// Polls `ready` for up to [`spin_time`] (or until `deadline`); whether it became true. Blocking waits call
-/// it before they sleep on their condition variable.
+/// it before they sleep on their condition variable. Where [`spinners_max`] threads poll already, it looks
+/// once.
 pub fn spin_until(deadline: Instant, mut ready: impl FnMut() -> bool) -> bool {
+    let Some(_ticket) = SpinTicket::take() else { return ready() };
     let until = (Instant::now() + spin_time()).min(deadline);
     loop {
         if ready() {
@@ -115,10 +156,7 @@ impl<T> Cell<T> {
 
     /// Takes the value, waiting until `deadline`. `None` on timeout (or when already taken).
     pub fn wait_until(&self, deadline: Instant) -> Option<T> {
-        let spin_until = Instant::now() + spin_time();
-        while !self.ready.load(Ordering::Acquire) && Instant::now() < spin_until.min(deadline) {
-            std::hint::spin_loop();
-        }
+        spin_until(deadline, || self.ready.load(Ordering::Acquire));
         let mut s = self.lock();
         loop {
             if s.set {
@@ -180,16 +218,29 @@ mod tests {
     #[test]
     fn polling_sees_a_condition_and_gives_up_at_its_window() {
         let far = Instant::now() + Duration::from_secs(60);
-        let mut n = 0;
-        assert!(spin_until(far, || {
-            n += 1;
-            n == 3
-        }));
+        assert!(spin_until(far, || true));
         let t0 = Instant::now();
         assert!(!spin_until(far, || false));
         // It polls for the window (2 ms, or 50 us on few cores), never towards the far deadline.
         assert!(t0.elapsed() < spin_time() + Duration::from_millis(500), "{:?}", t0.elapsed());
         assert!(!spin_until(Instant::now(), || false));
+    }
+
+    #[test]
+    fn polling_threads_are_bounded() {
+        // As if far more threads than the bound polled (other tests' waits may hold tickets too): no
+        // ticket, and a wait looks once instead of polling.
+        SPINNERS.fetch_add(1 << 20, Ordering::AcqRel);
+        let refused = SpinTicket::take().is_none();
+        let mut looks = 0;
+        let seen = spin_until(Instant::now() + Duration::from_secs(60), || {
+            looks += 1;
+            false
+        });
+        SPINNERS.fetch_sub(1 << 20, Ordering::AcqRel);
+        assert!(refused);
+        assert!(!seen);
+        assert_eq!(looks, 1);
     }
 
     #[test]

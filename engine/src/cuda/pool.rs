@@ -192,10 +192,11 @@ impl TaskSlots {
             return None;
         }
         let slot = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
-        // SAFETY: the slot is ours until the lease is dropped, and lies inside the allocation.
+        // SAFETY: the slot is ours until the lease is dropped, and lies inside the allocation. The launch
+        // that follows orders these writes before the kernel's reads.
         unsafe { std::ptr::copy_nonoverlapping(tasks.as_ptr(), self.host.add(slot * SLOT_TASKS * 3), tasks.len()) };
-        // The words must be visible to the kernel launched after this.
-        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        #[cfg(test)]
+        PINNED_LISTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Some(SlotLease { slots: self.clone(), slot })
     }
 }
@@ -233,6 +234,20 @@ enum TaskList {
     Pinned(SlotLease),
     Uploaded(CudaSlice<u64>),
 }
+
+impl TaskList {
+    /// Gives the list up after a failed wait: the kernel may still read it, so a pinned slot is never
+    /// handed out again (an uploaded list is freed in stream order, after the kernel, anyway).
+    fn abandon(self) {
+        if let TaskList::Pinned(lease) = self {
+            std::mem::forget(lease);
+        }
+    }
+}
+
+/// Task lists written into pinned slots (tests check the slots are used).
+#[cfg(test)]
+static PINNED_LISTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 impl PoolCopier {
     fn check(&self, offset: usize, len: usize) -> Result<(), String> {
@@ -326,7 +341,7 @@ impl DeviceCopy for PoolCopier {
 
     unsafe fn copy_pieces(&self, pieces: &[(u64, u64, u64)]) -> Option<Result<(), String>> {
         let copied = self.queue_tasks(pieces).and_then(|tasks| match tasks {
-            Some(_) => self.stream.synchronize(),
+            Some(list) => self.stream.synchronize().inspect_err(|_| list.abandon()),
             None => Ok(()),
         });
         Some(copied.map_err(|e| e.to_string()))
@@ -335,12 +350,16 @@ impl DeviceCopy for PoolCopier {
     unsafe fn copy_pieces_queued(&self, pieces: &[(u64, u64, u64)]) -> Option<Result<Box<dyn QueuedCopy>, String>> {
         let queued = || -> Result<Box<dyn QueuedCopy>, cudarc::driver::DriverError> {
             let tasks = self.queue_tasks(pieces)?;
-            let done = match tasks {
+            let done = match &tasks {
                 Some(_) => match self.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)) {
                     Ok(e) => Some(e),
                     Err(e) => {
                         // The copy is launched: it must be over before the caller gives its memory back.
-                        let _ = self.stream.synchronize();
+                        if self.stream.synchronize().is_err()
+                            && let Some(list) = tasks
+                        {
+                            list.abandon();
+                        }
                         return Err(e);
                     }
                 },
@@ -389,7 +408,11 @@ impl QueuedCopy for QueuedTasks {
 impl Drop for QueuedTasks {
     fn drop(&mut self) {
         // Whoever dropped it no longer waits for the bytes, but the kernel must not outlive what it names.
-        let _ = self.wait();
+        if self.wait().is_err()
+            && let Some(list) = self._tasks.take()
+        {
+            list.abandon();
+        }
     }
 }
 
@@ -547,6 +570,7 @@ mod tests {
         unsafe { arena.copy_in(0, &bytes) }.unwrap();
         let buf = copier.alloc(1 << 20).unwrap().unwrap();
         let base = arena.as_ptr() as u64;
+        let pinned_before = PINNED_LISTS.load(std::sync::atomic::Ordering::Relaxed);
         // TASK_SLOTS + 4 single-piece gathers held queued together, then one of SLOT_TASKS + 900 pieces.
         let (one, small) = (4096u64, 16u64);
         let mut want = Vec::new();
@@ -566,6 +590,9 @@ mod tests {
             let src = (64 + k * 32) as usize;
             want.extend_from_slice(&bytes[src..src + small as usize]);
         }
+        // The first TASK_SLOTS found pinned lists (other tests' copies may add to the count).
+        let pinned = PINNED_LISTS.load(std::sync::atomic::Ordering::Relaxed) - pinned_before;
+        assert!(pinned >= TASK_SLOTS as u64, "{pinned} copies used a pinned list");
         for mut q in queued {
             q.wait().unwrap();
         }

@@ -154,7 +154,8 @@ impl SessionState {
     /// Waits until every queued layer was shipped (or skipped). False on timeout.
     fn wait_shipments(&self, until: Instant) -> bool {
         // Polled first: the completion waits on this, and a sleeping thread's wake-up took up to 200 us.
-        if crate::wait::spin_until(until, || *self.shipments.lock().unwrap_or_else(|p| p.into_inner()) == 0) {
+        // try_lock: polling must not hold up the shipping thread's shipment_done.
+        if crate::wait::spin_until(until, || self.shipments.try_lock().is_ok_and(|n| *n == 0)) {
             return true;
         }
         let mut n = self.shipments.lock().unwrap_or_else(|p| p.into_inner());
