@@ -514,19 +514,26 @@ mod tests {
         assert_ne!(arena.device_checksum(&cases[0]).unwrap().unwrap(), before);
     }
 
+    /// A 2-layer, 40-block pool on `gpu` holding seeded random bytes (returned too), and a 1 MiB device
+    /// buffer from its copier.
+    fn random_pool(gpu: &Gpu, seed: u64) -> (KvCache, Vec<u8>, Box<dyn DeviceBuffer>) {
+        let g = CacheGeometry::new(CacheFormat::Fp8, EntryDims::DEEPSEEK_V32, 2, 40);
+        let cache = allocate(gpu, g).unwrap();
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let bytes: Vec<u8> = (0..cache.arena().len()).map(|_| rng.random()).collect();
+        unsafe { cache.arena().copy_in(0, &bytes) }.unwrap();
+        let buf = cache.arena().device_copier().expect("a device pool has a copier").alloc(1 << 20).unwrap().unwrap();
+        (cache, bytes, buf)
+    }
+
     /// Gathering scattered pieces into a buffer and scattering them back elsewhere moves exactly those
     /// bytes: aligned block-sized pieces, pieces longer than a task, and unaligned ones (the byte path).
     #[test]
     fn gathers_and_scatters_move_exactly_the_pieces() {
         let Some(gpu) = Gpu::for_test() else { return };
-        let g = CacheGeometry::new(CacheFormat::Fp8, EntryDims::DEEPSEEK_V32, 2, 40);
-        let cache = allocate(&gpu, g).unwrap();
+        let (cache, bytes, buf) = random_pool(&gpu, 9);
         let arena = cache.arena();
         let copier = arena.device_copier().expect("a device pool has a copier");
-        let mut rng = ChaCha8Rng::seed_from_u64(9);
-        let bytes: Vec<u8> = (0..arena.len()).map(|_| rng.random()).collect();
-        unsafe { arena.copy_in(0, &bytes) }.unwrap();
-        let buf = copier.alloc(1 << 20).unwrap().unwrap();
         let base = arena.as_ptr() as u64;
         // (pool offset, length) pieces, gathered back to back into the buffer.
         let pieces =
@@ -561,14 +568,9 @@ mod tests {
     #[test]
     fn queued_copies_past_the_pinned_lists_move_exactly_their_pieces() {
         let Some(gpu) = Gpu::for_test() else { return };
-        let g = CacheGeometry::new(CacheFormat::Fp8, EntryDims::DEEPSEEK_V32, 2, 40);
-        let cache = allocate(&gpu, g).unwrap();
+        let (cache, bytes, buf) = random_pool(&gpu, 11);
         let arena = cache.arena();
         let copier = arena.device_copier().expect("a device pool has a copier");
-        let mut rng = ChaCha8Rng::seed_from_u64(11);
-        let bytes: Vec<u8> = (0..arena.len()).map(|_| rng.random()).collect();
-        unsafe { arena.copy_in(0, &bytes) }.unwrap();
-        let buf = copier.alloc(1 << 20).unwrap().unwrap();
         let base = arena.as_ptr() as u64;
         let pinned_before = PINNED_LISTS.load(std::sync::atomic::Ordering::Relaxed);
         // TASK_SLOTS + 4 single-piece gathers held queued together, then one of SLOT_TASKS + 900 pieces.
