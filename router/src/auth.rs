@@ -209,20 +209,22 @@ mod tests {
 
     #[test]
     fn bad_key_lists_are_refused_without_echoing_keys() {
+        // Keys longer than a temporary file's random name, which the message names (".tmpSk2I10" once
+        // contained "k2").
         let cases = [
             ("", "no key in it"),
             ("# only a comment\n", "no key in it"),
-            ("a:k1\nb:k1\n", "listed twice"),
-            ("a:k1\na:k2\n", "listed twice"),
+            ("a:firstsecret\nb:firstsecret\n", "listed twice"),
+            ("a:firstsecret\na:secondsecret\n", "listed twice"),
             ("a:has space\n", "printable ASCII"),
-            (":k1\n", "empty key name"),
+            (":firstsecret\n", "empty key name"),
             ("a:\n", "non-empty"),
         ];
         for (text, why) in cases {
             let f = file(text);
             let err = ApiKeys::load(None, Some(f.path()), None).unwrap_err();
             assert!(err.contains(why), "{text:?}: {err}");
-            assert!(!err.contains("k1") && !err.contains("k2"), "a key was echoed: {err}");
+            assert!(!err.contains("firstsecret") && !err.contains("secondsecret"), "a key was echoed: {err}");
         }
         let missing = ApiKeys::load(None, Some(Path::new("/nonexistent/keys")), None).unwrap_err();
         assert!(missing.contains("cannot be read"), "{missing}");
