@@ -447,12 +447,12 @@ impl PoolCopier {
         let n = (tasks.len() / 3) as u32;
         let cfg = LaunchConfig { grid_dim: (n, 1, 1), block_dim: (COPY_THREADS, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.stream.launch_builder(&self.copy);
-        let addr = match &list {
-            TaskList::Pinned(lease) => lease.device_addr(),
-            TaskList::Uploaded(_) => 0,
-        };
+        let pinned_addr;
         match &list {
-            TaskList::Pinned(_) => b.arg(&addr),
+            TaskList::Pinned(lease) => {
+                pinned_addr = lease.device_addr();
+                b.arg(&pinned_addr)
+            }
             TaskList::Uploaded(d) => b.arg(d),
         };
         // SAFETY: the caller's contract (copy_pieces): every range is device memory it may access; the task
@@ -526,6 +526,18 @@ mod tests {
         (cache, bytes, buf)
     }
 
+    /// The first `len` bytes of `buf`, scattered into the second half of `cache`'s pool and read back from
+    /// there (returns also where they landed, a pool offset).
+    fn read_back(cache: &KvCache, buf: &dyn DeviceBuffer, len: u64) -> (Vec<u8>, u64) {
+        let arena = cache.arena();
+        let dst0 = arena.len() as u64 / 2;
+        let copier = arena.device_copier().expect("a device pool has a copier");
+        unsafe { copier.copy_pieces(&[(buf.addr(), arena.as_ptr() as u64 + dst0, len)]) }.unwrap().unwrap();
+        let mut back = vec![0u8; len as usize];
+        unsafe { arena.copy_out(dst0 as usize, &mut back) }.unwrap();
+        (back, dst0)
+    }
+
     /// Gathering scattered pieces into a buffer and scattering them back elsewhere moves exactly those
     /// bytes: aligned block-sized pieces, pieces longer than a task, and unaligned ones (the byte path).
     #[test]
@@ -548,11 +560,7 @@ mod tests {
             })
             .collect();
         unsafe { copier.copy_pieces(&gather) }.unwrap().unwrap();
-        // Scatter the buffer to the pool's second half and read it back.
-        let dst0 = arena.len() as u64 / 2;
-        unsafe { copier.copy_pieces(&[(buf.addr(), base + dst0, at)]) }.unwrap().unwrap();
-        let mut back = vec![0u8; at as usize];
-        unsafe { arena.copy_out(dst0 as usize, &mut back) }.unwrap();
+        let (back, dst0) = read_back(&cache, buf.as_ref(), at);
         let want: Vec<u8> =
             pieces.iter().flat_map(|&(off, len)| bytes[off as usize..(off + len) as usize].to_vec()).collect();
         assert_eq!(back, want);
@@ -598,12 +606,7 @@ mod tests {
         for mut q in queued {
             q.wait().unwrap();
         }
-        // The buffer, scattered into the pool's second half and read back.
-        let dst0 = arena.len() as u64 / 2;
-        unsafe { copier.copy_pieces(&[(buf.addr(), base + dst0, want.len() as u64)]) }.unwrap().unwrap();
-        let mut back = vec![0u8; want.len()];
-        unsafe { arena.copy_out(dst0 as usize, &mut back) }.unwrap();
-        assert!(back == want, "the queued copies moved other bytes");
+        assert!(read_back(&cache, buf.as_ref(), want.len() as u64).0 == want, "the queued copies moved other bytes");
         // The lists came back: as many copies again find pinned lists and still move their pieces.
         let again: Vec<_> = (0..TASK_SLOTS as u64)
             .map(|i| {
@@ -611,10 +614,7 @@ mod tests {
             })
             .collect();
         drop(again);
-        let mut first = vec![0u8; one as usize];
-        unsafe { copier.copy_pieces(&[(buf.addr(), base + dst0, one)]) }.unwrap().unwrap();
-        unsafe { arena.copy_out(dst0 as usize, &mut first) }.unwrap();
-        assert_eq!(first, bytes[..one as usize]);
+        assert_eq!(read_back(&cache, buf.as_ref(), one).0, bytes[..one as usize]);
     }
 
     /// UCX moves the pool from its own threads: binding the context there works, and the pool is plain
