@@ -31,15 +31,18 @@ E4M3_MAX = 448.0
 
 def module(family):
     """The family compiled for sm_90a (wgmma needs the `a` target): by nvcc where the machine has it, else
-    by NVRTC through CuPy."""
+    (or with TANDEM_LOOP_COMPILER=nvrtc, the compiler the engine uses) by NVRTC through CuPy."""
     src = os.path.join(ROOT, family + ".cu")
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+    if os.environ.get("TANDEM_LOOP_COMPILER", "") == "nvrtc":
+        nvcc = None
     if nvcc:
         out = os.path.join(tempfile.gettempdir(), f"tandem-loop-{family}.cubin")
         subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-std=c++17", "-lineinfo", "-I", os.path.abspath(ROOT), src,
                         "-o", out] + os.environ.get("TANDEM_LOOP_DEFINES", "").split(), check=True)
         return cp.RawModule(path=out)
-    opts = ("-std=c++17", "-I" + os.path.abspath(ROOT), "-lineinfo", "--gpu-architecture=sm_90a")
+    opts = ("-std=c++17", "-I" + os.path.abspath(ROOT), "-lineinfo", "--gpu-architecture=sm_90a",
+            "-DTANDEM_NVRTC=1") + tuple(os.environ.get("TANDEM_LOOP_DEFINES", "").split())
     return cp.RawModule(code=open(src).read(), options=opts, backend="nvrtc")
 
 
