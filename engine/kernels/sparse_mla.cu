@@ -131,8 +131,20 @@ __device__ __forceinline__ void smla_dequant16(uint4 raw, u32 f, uint4& lo, uint
     hi.w = smla_e4m3x2(raw.w, 0x3424u, f);
 }
 
+// Two f32 rounded to bf16 (round to nearest even), lo in the low half.
 __device__ __forceinline__ u32 smla_pack_bf16(float lo, float hi) {
     return (u32)tandem_bf16(lo) | ((u32)tandem_bf16(hi) << 16);
+}
+// The same bits from one F2FP instruction (cvt.rn.bf16x2.f32) instead of two F2F on a slower pipe, in the staged
+// form: its softmax converts 32 values a thread per tile on warpgroup 0's critical chain, and the packed form
+// made it 6-7% faster (H200). The gathering forms keep the two conversions: with the packed form their decode
+// took 1.5% longer (b = 64, 32K, three rounds each; bench/RESULTS.md).
+template <bool PACKED>
+__device__ __forceinline__ u32 smla_pack_bf16_as(float lo, float hi) {
+    if (!PACKED) return smla_pack_bf16(lo, hi);
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
 }
 __device__ __forceinline__ float smla_bf16_val(u32 bits16) { return __uint_as_float(bits16 << 16); }
 
@@ -496,8 +508,8 @@ __device__ __forceinline__ void smla_decode(
             float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                pk[2 * j] = smla_pack_bf16(exp2f(s[4 * j] - n0), exp2f(s[4 * j + 1] - n0));
-                pk[2 * j + 1] = smla_pack_bf16(exp2f(s[4 * j + 2] - n1), exp2f(s[4 * j + 3] - n1));
+                pk[2 * j] = smla_pack_bf16_as<STAGED>(exp2f(s[4 * j] - n0), exp2f(s[4 * j + 1] - n0));
+                pk[2 * j + 1] = smla_pack_bf16_as<STAGED>(exp2f(s[4 * j + 2] - n1), exp2f(s[4 * j + 3] - n1));
                 sum0 += smla_bf16_val(pk[2 * j] & 0xffffu) + smla_bf16_val(pk[2 * j] >> 16);
                 sum1 += smla_bf16_val(pk[2 * j + 1] & 0xffffu) + smla_bf16_val(pk[2 * j + 1] >> 16);
             }
@@ -600,8 +612,8 @@ __device__ __forceinline__ void smla_decode(
             if (h1 < heads) *reinterpret_cast<float2*>(po + (i64)h1 * SMLA_DV + col) = make_float2(b0, b1);
         } else if (out_bf16) {
             u32* ob = reinterpret_cast<u32*>(out);
-            if (h0 < heads) ob[(((i64)qi * heads + h0) * SMLA_DV + col) >> 1] = smla_pack_bf16(a0, a1);
-            if (h1 < heads) ob[(((i64)qi * heads + h1) * SMLA_DV + col) >> 1] = smla_pack_bf16(b0, b1);
+            if (h0 < heads) ob[(((i64)qi * heads + h0) * SMLA_DV + col) >> 1] = smla_pack_bf16_as<STAGED>(a0, a1);
+            if (h1 < heads) ob[(((i64)qi * heads + h1) * SMLA_DV + col) >> 1] = smla_pack_bf16_as<STAGED>(b0, b1);
         } else {
             float* of = reinterpret_cast<float*>(out);
             if (h0 < heads) *reinterpret_cast<float2*>(of + ((i64)qi * heads + h0) * SMLA_DV + col) = make_float2(a0, a1);
