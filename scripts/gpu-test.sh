@@ -85,6 +85,11 @@
 #                   share of the step) then --dbo on (and --timeline): $OUT/dbo-{off,on}-rank{0,1}.json,
 #                   $OUT/dbo-timeline.json and an SVG per measurement (bench/gpu/timeline_plot.py)
 #         all       kernels, sass, loop, sanitize, model, serve
+#       The Python kernel benchmarks (bench/gpu/*_bench.py) compile engine/kernels on the device with nvcc;
+#       TANDEM_LOOP_DEFINES adds -D flags (a kernel's variants timed in one call), and for the benchmarks that go
+#       through scripts/kernel-loop.py (sparse-mla, sparse-prefill, indexer, ...) TANDEM_LOOP_COMPILER=nvrtc
+#       compiles with NVRTC instead, the engine's compiler. bench/gpu/sparse_bits.py compares two trees' sparse
+#       MLA outputs bit for bit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUNDLE=gpu-carry

@@ -5,11 +5,13 @@ no re-carry) and checks and times one kernel family against a NumPy reference.
 
 Edit a .cu file here, send it with a device call, run this there. The Rust tests (engine::cuda, run by
 scripts/gpu-test.sh) stay the reference: this loop is for iterating quickly on one kernel. Where nvcc builds
-the module, TANDEM_LOOP_DEFINES adds its words to the command line (e.g. "-DNAME=1"), so one device call can
-time variants of a kernel that a macro selects (bench/gpu/*_bench.py load kernels through here too).
+the module, or NVRTC (TANDEM_LOOP_COMPILER=nvrtc: the engine's compiler), TANDEM_LOOP_DEFINES adds its words
+to the command line (e.g. "-DNAME=1"), so one device call can time variants of a kernel that a macro selects
+(bench/gpu/*_bench.py load kernels through here too).
 """
 import argparse
 import ctypes
+import hashlib
 import json
 import os
 import shutil
@@ -41,8 +43,13 @@ def module(family):
         subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-std=c++17", "-lineinfo", "-I", os.path.abspath(ROOT), src,
                         "-o", out] + os.environ.get("TANDEM_LOOP_DEFINES", "").split(), check=True)
         return cp.RawModule(path=out)
+    # CuPy's cache keys on the source and the options, not on the headers found through -I: their hash goes
+    # into the options, so a header edited on its own is compiled again.
+    heads = hashlib.sha256(b"".join(open(os.path.join(ROOT, h), "rb").read() for h in sorted(os.listdir(ROOT))
+                                    if h.endswith(".cuh"))).hexdigest()[:16]
     opts = ("-std=c++17", "-I" + os.path.abspath(ROOT), "-lineinfo", "--gpu-architecture=sm_90a",
-            "-DTANDEM_NVRTC=1") + tuple(os.environ.get("TANDEM_LOOP_DEFINES", "").split())
+            "-DTANDEM_NVRTC=1", f"-DTANDEM_HEADERS_{heads}=1")
+    opts += tuple(os.environ.get("TANDEM_LOOP_DEFINES", "").split())
     return cp.RawModule(code=open(src).read(), options=opts, backend="nvrtc")
 
 
@@ -58,7 +65,7 @@ def set_smem(fn, nbytes):
 
 
 def _loop_define(name, default):
-    """The value of `-DNAME=V` in TANDEM_LOOP_DEFINES (the flags nvcc builds the kernels with), else `default`."""
+    """The value of `-DNAME=V` in TANDEM_LOOP_DEFINES (the flags the kernels are built with), else `default`."""
     for word in os.environ.get("TANDEM_LOOP_DEFINES", "").split():
         if word.startswith(f"-D{name}="):
             return int(word.split("=", 1)[1])

@@ -2,12 +2,15 @@
 bit (an instruction swap, a schedule with the same operations in the same order) is checked on the device by
 saving one tree's outputs and comparing the other's.
 
-  python3 bench/gpu/sparse_bits.py save TREE OUT.npz     # TREE: a checkout (its engine/kernels and bench/gpu)
+  python3 bench/gpu/sparse_bits.py save TREE OUT.npz     # TREE: a checkout (its engine/kernels, bench/gpu, scripts)
   python3 bench/gpu/sparse_bits.py compare A.npz B.npz   # exit status 1 when any array differs
 
 Saved: the staged and gathering forms' outputs (bf16 bits) and lse on fixed inputs: 512 queries at the end of an
-8K context, 256 at the end of 32K, and a dense 2048-token prompt (sparse_prefill_bench's Chunk, seed 7). Set
-TANDEM_LOOP_COMPILER=nvrtc to compile with the engine's compiler.
+8K context, 256 at the end of 32K, and a dense 2048-token prompt (sparse_prefill_bench's Chunk, seed 7). The
+outputs start as NaN and a NaN left in them is an error (an element a kernel does not write). Each tree is
+compiled by its own scripts/kernel-loop.py: TANDEM_LOOP_COMPILER=nvrtc (the engine's compiler) is honoured by
+trees from 2026-11-28 on, older ones use nvcc; copy this tree's kernel-loop.py into an older one to compare like
+with like.
 """
 import os
 import sys
@@ -26,11 +29,15 @@ def save(root, out):
     for ctx, s_q, dense in [(8192, 512, False), (32768, 256, False), (2048, 2048, True)]:
         ch = spb.Chunk(ctx, s_q, dense=dense, seed=7)
         for form in range(2):  # staged, gathering
-            o = torch.empty(ch.s_q, spb.HEADS, spb.DV, dtype=torch.bfloat16, device="cuda")
-            lse = torch.empty(ch.s_q, spb.HEADS, dtype=torch.float32, device="cuda")
+            o = torch.full((ch.s_q, spb.HEADS, spb.DV), float("nan"), dtype=torch.bfloat16, device="cuda")
+            lse = torch.full((ch.s_q, spb.HEADS), float("nan"), dtype=torch.float32, device="cuda")
             ch.launches(forms, o, lse)[form]()
             torch.cuda.synchronize()
+            if torch.isnan(o.float()).any() or torch.isnan(lse).any():
+                sys.exit(f"ctx {ctx}: form {form} left output elements unwritten (NaN)")
             arrays += [o.view(torch.int16).cpu().numpy(), lse.cpu().numpy()]
+    if not out.endswith(".npz"):
+        out += ".npz"  # what np.savez writes
     np.savez(out, *arrays)
     print(f"{out}: {len(arrays)} arrays")
 

@@ -138,7 +138,7 @@ __device__ __forceinline__ u32 smla_pack_bf16(float lo, float hi) {
 // The same bits from one F2FP instruction (cvt.rn.bf16x2.f32) instead of two F2F on a slower pipe, in the staged
 // form: its softmax converts 32 values a thread per tile on warpgroup 0's critical chain, and the packed form
 // made it 6-7% faster (H200). The gathering forms keep the two conversions: with the packed form their decode
-// took 1.5% longer (b = 64, 32K, three rounds each; bench/RESULTS.md).
+// took about 2% longer (b = 64, 32K, three rounds each; bench/RESULTS.md).
 template <bool PACKED>
 __device__ __forceinline__ u32 smla_pack_bf16_as(float lo, float hi) {
     if (!PACKED) return smla_pack_bf16(lo, hi);
