@@ -38,9 +38,18 @@ BM, BK = 128, 128
 BM_SMALL = 64  # small products' tile height (engine::cuda::gemm::BM_SMALL)
 MAX_K_BLOCKS = 256  # engine::cuda::gemm::MAX_K_BLOCKS
 SCALE_BOX = BM + 4  # row scales per TMA box (engine::cuda::gemm::SCALE_BOX)
-STAGES = {(128, 128): int(os.environ.get("GEMM_STAGES_128", 6)), (128, 64): int(os.environ.get("GEMM_STAGES_64", 8))}
-STAGES[(BM_SMALL, 128)] = int(os.environ.get("GEMM_STAGES_M64_128", 9))  # engine::cuda::gemm::stages
-STAGES[(BM_SMALL, 64)] = int(os.environ.get("GEMM_STAGES_M64_64", 13))
+# engine::cuda::gemm::stages (the kernel's GEMM_STAGES_* defaults; the same names override both): 128-row tiles
+# keep their output tile in shared memory for the TMA store, so fewer stages fit beside it.
+STAGES = {(128, 128, "f32"): int(os.environ.get("GEMM_STAGES_128_F32", 4)),
+          (128, 128, "bf16"): int(os.environ.get("GEMM_STAGES_128_BF16", 5)),
+          (128, 64, "f32"): int(os.environ.get("GEMM_STAGES_64_F32", 7)),
+          (128, 64, "bf16"): int(os.environ.get("GEMM_STAGES_64_BF16", 8))}
+for _o in ("f32", "bf16"):
+    STAGES[(BM_SMALL, 128, _o)] = int(os.environ.get("GEMM_STAGES_M64_128", 9))
+    STAGES[(BM_SMALL, 64, _o)] = int(os.environ.get("GEMM_STAGES_M64_64", 13))
+# engine::cuda::gemm::tma_store: 128-row tiles of plain products store through shared memory and TMA
+# (TANDEM_GEMM_TMA_STORE=0: register stores, the same bits, for A/B measurements).
+TMA_STORE = os.environ.get("TANDEM_GEMM_TMA_STORE", "1") != "0"
 
 
 def threads(bm):
@@ -97,6 +106,24 @@ def tensor_map(t, rows, cols, box_rows):
                                                             elem, 0, 3, 3, 0), "cuTensorMapEncodeTiled")
 
 
+def out_map(y):
+    """A 2-D TMA map of the output y [rows, n] (f32 or bf16) for the TMA store: boxes of 64 rows x one
+    128-byte row (32 f32 / 64 bf16 columns), 128-byte swizzle; None where TMA cannot address it (a row stride
+    or address not a multiple of 16 bytes: engine::cuda::gemm::TensorMap::output)."""
+    rows, n = y.shape
+    esz = y.element_size()
+    if (n * esz) % 16 or y.data_ptr() % 16:
+        return None
+    dims = (ctypes.c_uint64 * 2)(n, rows)
+    strides = (ctypes.c_uint64 * 1)(n * esz)
+    box = (ctypes.c_uint32 * 2)(128 // esz, 64)
+    elem = (ctypes.c_uint32 * 2)(1, 1)
+    # FLOAT32 (7) or BFLOAT16 (9), swizzle 128B (3), no L2 promotion
+    dtype = 9 if y.dtype == torch.bfloat16 else 7
+    return _encoded(lambda at: _cuda.cuTensorMapEncodeTiled(at, dtype, 2, ctypes.c_void_p(y.data_ptr()), dims, strides,
+                                                            box, elem, 0, 3, 0, 0), "cuTensorMapEncodeTiled (out)")
+
+
 def scale_map(sa_t, rows):
     """A 2-D TMA map of the transposed activation scales sa_t [groups, ld] (f32, ld >= rows, a multiple of 4)
     with a [1 x SCALE_BOX] box: one K block's scales of a row tile (from its first row rounded down to a multiple
@@ -135,7 +162,7 @@ class Gemm:
                     f = ctypes.c_void_p()
                     name = f"tandem_gemm_fp8_n{bn}_{out_t}" if bm == BM else f"tandem_gemm_fp8_m{bm}_n{bn}_{out_t}"
                     check(_cuda.cuModuleGetFunction(ctypes.byref(f), self.mod, name.encode()), name)
-                    check(_cuda.cuFuncSetAttribute(f, 8, smem_bytes(bm, bn)), "max dynamic shared memory")
+                    check(_cuda.cuFuncSetAttribute(f, 8, smem_bytes(bm, bn, out_t)), "max dynamic shared memory")
                     self.fns[(bm, bn, out_t)] = f
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
 
@@ -157,8 +184,9 @@ class Gemm:
         bm = BM_SMALL if m <= BM_SMALL else BM
         return bm, (64 if split else self.tile_n(m, n)), chains, split
 
-    def prepare(self, qa, sa, w, ws, y, bn=None, split=None, bm=None):
-        """A launch closure of y = qa . w^T with the block scales (the plan's tile and split unless given)."""
+    def prepare(self, qa, sa, w, ws, y, bn=None, split=None, bm=None, tma=None):
+        """A launch closure of y = qa . w^T with the block scales (the plan's tile and split unless given; the
+        TMA store where the plan takes it unless `tma` says)."""
         m, kpad = qa.shape
         n = w.shape[0]
         pbm, pbn, chains, psplit = self.plan(m, n, kpad)
@@ -170,10 +198,12 @@ class Gemm:
         out_t = "bf16" if y.dtype == torch.bfloat16 else "f32"
         fn = self.fns[(bm, bn, out_t)]
         part = torch.empty(chains * m * n if split else 1, device=DEV, dtype=torch.float32)
-        vals = [ta, tb, tsa, ctypes.c_uint64(ws.data_ptr()), ctypes.c_int32(ws.shape[1]),
+        ty = out_map(y) if (TMA_STORE if tma is None else tma) and bm == BM and not split else None
+        vals = [ta, tb, tsa, ty or ta, ctypes.c_uint64(ws.data_ptr()), ctypes.c_int32(ws.shape[1]),
                 ctypes.c_uint64(y.data_ptr()), ctypes.c_uint64(part.data_ptr() if split else 0),
                 ctypes.c_int32(chains), ctypes.c_int32(m), ctypes.c_int32(n), ctypes.c_int32(kpad),
-                ctypes.c_uint64(0), ctypes.c_int32(0), ctypes.c_uint64(0)]  # no row tiles: not a grouped product
+                ctypes.c_uint64(0), ctypes.c_int32(0), ctypes.c_uint64(0),  # no row tiles: not a grouped product
+                ctypes.c_int32(1 if ty is not None else 0)]
         params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
         units = -(-m // bm) * ((-(-n // bn) + 1) // 2) * (chains if split else 1)
         grid = 2 * min(units, self.sms // 2)  # persistent clusters of two, one CTA per SM at most
@@ -188,19 +218,22 @@ class Gemm:
         def launch():
             _ = keep
             stream = torch.cuda.current_stream().cuda_stream
-            check(_cuda.cuLaunchKernel(fn, grid, 1, 1, threads(bm), 1, 1, smem_bytes(bm, bn), ctypes.c_void_p(stream),
+            check(_cuda.cuLaunchKernel(fn, grid, 1, 1, threads(bm), 1, 1, smem_bytes(bm, bn, out_t), ctypes.c_void_p(stream),
                                        params, None), "cuLaunchKernel")
             if split:
                 check(_cuda.cuLaunchKernel(cfn, cgrid, 1, 1, 256, 1, 1, 0, ctypes.c_void_p(stream), cparams, None),
                       "cuLaunchKernel (combine)")
 
         launch.plan = (bm, bn, chains, split)
+        launch.tma_store = ty is not None
         return launch
 
 
-def smem_bytes(bm, bn):
+def smem_bytes(bm, bn, out_t):
+    """engine::cuda::gemm::smem_bytes."""
     slot = (SCALE_BOX * 4 + 127) // 128 * 128
-    return 1024 + STAGES[(bm, bn)] * (bm * BK + bn * BK + slot + 16) + 16 + bm // 64 * MAX_K_BLOCKS * 4
+    out = bm * bn * (2 if out_t == "bf16" else 4) if bm == BM else 0
+    return 1024 + STAGES[(bm, bn, out_t)] * (bm * BK + bn * BK + slot + 16) + out + 16 + bm // 64 * MAX_K_BLOCKS * 4
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -299,6 +332,25 @@ def checks(g, failures):
         if base is not None:
             err = ((base().double() - ref).abs().max() / ref.abs().max()).item()
             print(f"check {m}x{n}x{k} cuBLASLt block-scaled: max rel err {err:.2e}", flush=True)
+    # The TMA store (128-row tiles of plain products) and the register stores write the same bits.
+    for (m, n, k) in [(300, 1536, 2048), (129, 576, 512)]:
+        qa, sa, qw, sw = operands(m, n, k, gen)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            for bn in (128, 64):
+                ys = []
+                for tma in (True, False):
+                    y = torch.full((m, n), float("nan"), device=DEV, dtype=out_dtype)
+                    f = g.prepare(as_u8(qa), sa, as_u8(qw), sw, y, bn, False, BM, tma)
+                    f()
+                    ys.append((y, f.tma_store))
+                torch.cuda.synchronize()
+                same = ys[0][1] and not ys[1][1] and torch.equal(ys[0][0].view(torch.int16 if out_dtype ==
+                                                                                torch.bfloat16 else torch.int32),
+                                                                  ys[1][0].view(torch.int16 if out_dtype ==
+                                                                                torch.bfloat16 else torch.int32))
+                print(f"invariance: {m}x{n}x{k} bn = {bn} {out_dtype}: TMA store == register stores: {same}", flush=True)
+                if not same:
+                    failures.append(f"TMA store != register stores at {m}x{n}x{k} bn {bn} {out_dtype}")
     # Batch invariance: rows of M = 1, 7, 129, 1000 inside M = 4096; tile width 64 against 128.
     n, k = 1536, 7168  # q_a: several chains, split at small M
     qa, sa, qw, sw = operands(4096, n, k, gen)
@@ -335,6 +387,8 @@ def main():
     ap.add_argument("--ms", help="comma-separated M values (default: 1..8192)")
     ap.add_argument("--compare-bm", action="store_true",
                     help="where the plan takes 64-row tiles, also time 128-row tiles (column 'bm128 us')")
+    ap.add_argument("--out", choices=("bf16", "f32"), default="bf16",
+                    help="output type of the timed products (cuBLASLt's is bf16 either way; the engine's linears are f32)")
     ap.add_argument("--profile", action="store_true",
                     help="no checks or timing: launch each case 5 times straight (for ncu)")
     args = ap.parse_args()
@@ -373,7 +427,7 @@ def main():
     for name, n, k in shapes:
         for m in ms:
             qa, sa, qw, sw = operands(m, n, k, gen)
-            y = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+            y = torch.empty(m, n, device=DEV, dtype=torch.bfloat16 if args.out == "bf16" else torch.float32)
             f = g.prepare(as_u8(qa), sa, as_u8(qw), sw, y)
             bm, bn, chains, split = f.plan
             ours = timed(f, args.reps)
@@ -388,6 +442,7 @@ def main():
             flops = 2.0 * m * n * k
             wbytes = n * k + sw.numel() * 4
             r = {"shape": name, "n": n, "k": k, "m": m, "tile_m": bm, "tile_n": bn, "chains": chains, "split": split,
+                 "out": args.out, "tma_store": f.tma_store,
                  "ours_ms": ours, "bm128_ms": big,
                  "tflops": flops / ours / 1e9, "weight_gbps": wbytes / ours / 1e6,
                  "of_copy": wbytes / ours / 1e6 / copy, "cublas_block_ms": tb, "cublas_tensor_ms": tt,
@@ -401,7 +456,7 @@ def main():
                   + (f"  (64: {both[64] * 1e3:.1f}, 128: {both[128] * 1e3:.1f})" if both else "")
                   + (f"  bm128 {big * 1e3:.1f} us ({100 * wbytes / big / 1e6 / copy:.0f}%)" if big else ""), flush=True)
             del qa, sa, qw, sw, y
-    report(args.json, {"device": torch.cuda.get_device_name(0), "copy_gbps": copy, "sms": g.sms, "stages": {f"{bm}x{bn}": v for (bm, bn), v in STAGES.items()},
+    report(args.json, {"device": torch.cuda.get_device_name(0), "copy_gbps": copy, "sms": g.sms, "stages": {f"{bm}x{bn}_{o}": v for (bm, bn, o), v in STAGES.items()},
                        "defines": os.environ.get("TANDEM_LOOP_DEFINES", ""),
                        "flush": "write" if os.environ.get("TANDEM_FLUSH") == "write" else "read", "rows": rows}, failures)
 

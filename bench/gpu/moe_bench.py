@@ -77,10 +77,11 @@ class Grouped:
         sa_t = transposed_scales(sa)
         ta, tb, tsa = tensor_map(qa, p, kpad, rows // 2), tensor_map(w, e * n, kpad, bn), scale_map(sa_t, p)
         fn = self.g.fns[(rows, bn, "f32")]
-        vals = [ta, tb, tsa, ctypes.c_uint64(ws.data_ptr()), ctypes.c_int32(ws.shape[1]),
+        vals = [ta, tb, tsa, ta, ctypes.c_uint64(ws.data_ptr()), ctypes.c_int32(ws.shape[1]),  # no output map
                 ctypes.c_uint64(y.data_ptr()), ctypes.c_uint64(0), ctypes.c_int32(chains(n, kpad)),
                 ctypes.c_int32(p), ctypes.c_int32(n), ctypes.c_int32(kpad), ctypes.c_uint64(t.data_ptr()),
-                ctypes.c_int32(slots), ctypes.c_uint64(0)]  # no output row map
+                ctypes.c_int32(slots), ctypes.c_uint64(0),  # no output row map
+                ctypes.c_int32(0)]  # register stores: a grouped tile's rows end at its expert's
         params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
         units = slots * ((-(-n // bn) + 1) // 2)
         grid = 2 * min(units, self.g.sms // 2)
@@ -88,7 +89,7 @@ class Grouped:
 
         def launch():
             stream = torch.cuda.current_stream().cuda_stream
-            check(_cuda.cuLaunchKernel(fn, grid, 1, 1, threads(rows), 1, 1, smem_bytes(rows, bn), ctypes.c_void_p(stream), params,
+            check(_cuda.cuLaunchKernel(fn, grid, 1, 1, threads(rows), 1, 1, smem_bytes(rows, bn, "f32"), ctypes.c_void_p(stream), params,
                                        None), "grouped gemm")
         launch.keep = keep
         return launch

@@ -18,8 +18,13 @@
 // are consumers of 64 rows each: per K block four m64nBNk32 wgmma k-steps into a fresh accumulator, a wait,
 // the stage freed, then the promotion final = fma(acc, sa[row] * ws, final) (DeepGEMM's per-block
 // promotion: the tensor core's own FP8 accumulation is short, the 128-block scales are applied exactly in
-// f32). The stores of a finished tile overlap the producer's loads of the next. Rows past `rows` and
-// columns past `n` are zero-filled by TMA and never stored. A consumer warpgroup copies its unit's
+// f32). A finished tile of a plain product on 128-row tiles leaves through shared memory: each consumer
+// warpgroup writes its 64 rows there (128-byte swizzled boxes of 64 rows x 128 bytes) and one of its threads
+// stores them with TMA, asynchronously, while the warpgroup starts its next tile (`tma_store`; the buffer takes
+// two stages' room, 4-8 stages remain). Other launches (64-row tiles, split chains, grouped rows, outputs TMA
+// cannot address) store from registers; both ways store the same values. The stores of a finished tile
+// overlap the producer's loads of the next. Rows past `rows` and columns past `n` are zero-filled by TMA and
+// never stored. A consumer warpgroup copies its unit's
 // weight-block scales into shared memory when the unit starts (a global load per K block would put its
 // latency into the promotion of every block).
 //
@@ -64,11 +69,19 @@
 #ifndef GEMM_GROUP_M
 #define GEMM_GROUP_M 8
 #endif
-#ifndef GEMM_STAGES_128
-#define GEMM_STAGES_128 6
+// 128-row tiles keep their output tile in shared memory for the TMA store (see the header): the stages that
+// fit beside it, f32 and bf16 out (engine::cuda::gemm::stages).
+#ifndef GEMM_STAGES_128_F32
+#define GEMM_STAGES_128_F32 4
 #endif
-#ifndef GEMM_STAGES_64
-#define GEMM_STAGES_64 8
+#ifndef GEMM_STAGES_128_BF16
+#define GEMM_STAGES_128_BF16 5
+#endif
+#ifndef GEMM_STAGES_64_F32
+#define GEMM_STAGES_64_F32 7
+#endif
+#ifndef GEMM_STAGES_64_BF16
+#define GEMM_STAGES_64_BF16 8
 #endif
 // 64-row tiles: as many stages as fit 227 KB (engine::cuda::gemm::stages).
 #ifndef GEMM_STAGES_M64_128
@@ -129,6 +142,15 @@ __device__ __forceinline__ void gemm_tma_2d_pair(u32 dst, const TandemTensorMap*
         : "memory");
 }
 
+// A TMA store of the 2-D box at shared address `src` to (x: innermost, in elements; y: row) of `map`, in this
+// thread's bulk async-group (out-of-bounds parts of the box are not written).
+__device__ __forceinline__ void gemm_tma_store_2d(const TandemTensorMap* map, int x, int y, u32 src) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                     (unsigned long long)map),
+                 "r"(x), "r"(y), "r"(src)
+                 : "memory");
+}
+
 // A grouped product's row tile (see the header): rows [m0, end) of weight matrix g; g < 0 for an unused slot.
 struct GemmRowTile {
     int m0, g, end;
@@ -174,11 +196,11 @@ __device__ __forceinline__ GemmRowTile gemm_unit(int u, int per_tile, int chains
 
 template <int TM, int BN, int STAGES, bool BF16>
 __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const TandemTensorMap* tb,
-                                              const TandemTensorMap* tsa, const float* __restrict__ ws,
-                                              int scale_cols, void* __restrict__ y, float* __restrict__ part,
-                                              int chains, int rows, int n, int kpad,
+                                              const TandemTensorMap* tsa, const TandemTensorMap* ty,
+                                              const float* __restrict__ ws, int scale_cols, void* __restrict__ y,
+                                              float* __restrict__ part, int chains, int rows, int n, int kpad,
                                               const GemmRowTile* __restrict__ row_tiles, int tile_slots,
-                                              const int* __restrict__ out_rows) {
+                                              const int* __restrict__ out_rows, int tma_store) {
     extern __shared__ __align__(1024) u8 smem_raw[];
     // TM rows of a tile (128, or 64 for small products: see the header); a consumer warpgroup per 64 of
     // them. A stage's `empty` barrier counts every consumer thread of this CTA and lane 0 of each consumer
@@ -193,8 +215,13 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
     // a multiple of 4 (the box's start must be 16-byte aligned, and a grouped tile starts at any row), in a
     // stage slot of SA_SLOT bytes (a multiple of 128); the tile's scales start `m0 & 3` floats in.
     constexpr u32 SA_BYTES = GEMM_SA_BOX * 4, SA_SLOT = (SA_BYTES + 127) / 128 * 128;
+    // 128-row tiles: the output tile for the TMA store, per consumer warpgroup BOXES boxes of 64 rows x one
+    // 128-byte row (32 f32 or 64 bf16 columns) in the 128-byte swizzle.
+    constexpr int OUT_ESZ = BF16 ? 2 : 4, BOX_COLS = 128 / OUT_ESZ, BOXES = BN / BOX_COLS;
+    constexpr u32 BOX_BYTES = 64 * 128, OUT_BYTES = TM == 128 ? CONSUMERS * BOXES * BOX_BYTES : 0;
     const u32 base = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
-    const u32 scales = base + STAGES * STAGE;  // [STAGES][SA_SLOT / 4] f32: the A tile's row scales of the K block
+    const u32 outs = base + STAGES * STAGE;    // [CONSUMERS][BOXES][64 x 128 bytes], 1024-byte aligned
+    const u32 scales = outs + OUT_BYTES;       // [STAGES][SA_SLOT / 4] f32: the A tile's row scales of the K block
     const u32 full = scales + STAGES * SA_SLOT, empty = full + STAGES * 8;
     // [CONSUMERS][GEMM_MAX_KB] f32: each consumer warpgroup's copy of its unit's weight-block scales.
     const u32 wscales = (empty + STAGES * 8 + 15u) & ~15u;
@@ -314,7 +341,50 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
             }
             // The stores overlap the producer's loads of the next unit.
             const int r = m0 + row;
-            if (per_tile > 1) {
+            if (TM == 128 && tma_store != 0 && per_tile == 1 && row_tiles == nullptr && out_rows == nullptr) {
+                // A plain product's tile through shared memory: each warpgroup writes its 64 rows into its
+                // boxes (the 128-byte swizzle: a warp's stores of a column block hit eight different bank
+                // groups), and one thread stores them with TMA, asynchronously: full 128-byte lines instead
+                // of eight rows' 16 bytes per warp store, and the warpgroup goes on with its next tile.
+                // (Timing only, the register stores cost kv_b (4 K blocks) half its time at M = 4096.)
+                if (chains > 1) {
+#pragma unroll
+                    for (int i = 0; i < BN / 2; ++i) fin[i] = tot[i] + fin[i];
+                }
+                const u32 wout = outs + cw * (BOXES * BOX_BYTES);
+                const int t = threadIdx.x % 128, rl = warp * 16 + lane / 4;  // rows rl and rl + 8 of the warpgroup's 64
+                // The TMA engine is done reading the previous tile's boxes (its issuing thread waited).
+                if (t == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+                asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
+#pragma unroll
+                for (int j = 0; j < BN / 8; ++j) {
+                    const int col = 8 * j + 2 * (lane % 4), byte = (col % BOX_COLS) * OUT_ESZ;
+                    const u32 at = wout + (col / BOX_COLS) * BOX_BYTES + rl * 128 + ((((byte >> 4) ^ (rl & 7))) << 4) +
+                                   (byte & 15);
+                    if (BF16) {
+                        u32 lo, hi;
+                        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(fin[4 * j + 1]), "f"(fin[4 * j + 0]));
+                        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(fin[4 * j + 3]), "f"(fin[4 * j + 2]));
+                        asm volatile("st.shared.b32 [%0], %1;" ::"r"(at), "r"(lo) : "memory");
+                        asm volatile("st.shared.b32 [%0], %1;" ::"r"(at + 8 * 128), "r"(hi) : "memory");
+                    } else {
+                        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at), "f"(fin[4 * j + 0]),
+                                     "f"(fin[4 * j + 1])
+                                     : "memory");
+                        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at + 8 * 128), "f"(fin[4 * j + 2]),
+                                     "f"(fin[4 * j + 3])
+                                     : "memory");
+                    }
+                }
+                // The generic-proxy writes, seen by the TMA engine (async proxy) once the warpgroup has synced.
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
+                if (t == 0 && n0 < n && m0 + cw * 64 < rows) {
+#pragma unroll
+                    for (int b = 0; b < BOXES; ++b) gemm_tma_store_2d(ty, n0 + b * BOX_COLS, m0 + cw * 64, wout + b * BOX_BYTES);
+                    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+                }
+            } else if (per_tile > 1) {
                 // One chain of a split launch: its sum goes to part[c] (tandem_gemm_fp8_combine adds them).
                 float* pc = part + (i64)c * rows * n;
 #pragma unroll
@@ -341,6 +411,8 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
             }
         }
     }
+    // A consumer warpgroup's last TMA stores have read its boxes before the CTA (and its shared memory) ends.
+    if (wg > 0 && threadIdx.x % 128 == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     // The peer may still arrive on this CTA's barriers: neither CTA leaves before both are done.
     __syncwarp();
     tandem_cluster_sync();
@@ -375,21 +447,22 @@ extern "C" __global__ void tandem_gemm_fp8_combine_bf16(const float* __restrict_
 // engine::cuda::gemm::smem_bytes.
 #define GEMM_PARAMS                                                                                               \
     const __grid_constant__ TandemTensorMap ta, const __grid_constant__ TandemTensorMap tb,                      \
-        const __grid_constant__ TandemTensorMap tsa, const float *__restrict__ ws, int scale_cols,                \
-        void *__restrict__ y, float *__restrict__ part, int chains, int rows, int n, int kpad,                 \
-        const GemmRowTile *__restrict__ row_tiles, int tile_slots, const int *__restrict__ out_rows
+        const __grid_constant__ TandemTensorMap tsa, const __grid_constant__ TandemTensorMap ty,                  \
+        const float *__restrict__ ws, int scale_cols, void *__restrict__ y, float *__restrict__ part, int chains, \
+        int rows, int n, int kpad, const GemmRowTile *__restrict__ row_tiles, int tile_slots,                   \
+        const int *__restrict__ out_rows, int tma_store
 
 // One entry point: its name, tile rows and width, stages, output type, threads.
 #define GEMM_ENTRY(NAME, TM, BN, STAGES, BF16, THREADS)                                                           \
     extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1) NAME(GEMM_PARAMS) {        \
-        gemm_fp8_body<TM, BN, STAGES, BF16>(&ta, &tb, &tsa, ws, scale_cols, y, part, chains, rows, n, kpad,      \
-                                            row_tiles, tile_slots, out_rows);                                   \
+        gemm_fp8_body<TM, BN, STAGES, BF16>(&ta, &tb, &tsa, &ty, ws, scale_cols, y, part, chains, rows, n, kpad, \
+                                            row_tiles, tile_slots, out_rows, tma_store);                        \
     }
 
-GEMM_ENTRY(tandem_gemm_fp8_n128_f32, 128, 128, GEMM_STAGES_128, false, GEMM_THREADS)
-GEMM_ENTRY(tandem_gemm_fp8_n128_bf16, 128, 128, GEMM_STAGES_128, true, GEMM_THREADS)
-GEMM_ENTRY(tandem_gemm_fp8_n64_f32, 128, 64, GEMM_STAGES_64, false, GEMM_THREADS)
-GEMM_ENTRY(tandem_gemm_fp8_n64_bf16, 128, 64, GEMM_STAGES_64, true, GEMM_THREADS)
+GEMM_ENTRY(tandem_gemm_fp8_n128_f32, 128, 128, GEMM_STAGES_128_F32, false, GEMM_THREADS)
+GEMM_ENTRY(tandem_gemm_fp8_n128_bf16, 128, 128, GEMM_STAGES_128_BF16, true, GEMM_THREADS)
+GEMM_ENTRY(tandem_gemm_fp8_n64_f32, 128, 64, GEMM_STAGES_64_F32, false, GEMM_THREADS)
+GEMM_ENTRY(tandem_gemm_fp8_n64_bf16, 128, 64, GEMM_STAGES_64_BF16, true, GEMM_THREADS)
 GEMM_ENTRY(tandem_gemm_fp8_m64_n128_f32, 64, 128, GEMM_STAGES_M64_128, false, GEMM_THREADS_SMALL)
 GEMM_ENTRY(tandem_gemm_fp8_m64_n128_bf16, 64, 128, GEMM_STAGES_M64_128, true, GEMM_THREADS_SMALL)
 GEMM_ENTRY(tandem_gemm_fp8_m64_n64_f32, 64, 64, GEMM_STAGES_M64_64, false, GEMM_THREADS_SMALL)

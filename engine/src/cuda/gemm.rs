@@ -40,13 +40,23 @@ const fn threads(bm: usize) -> u32 {
     (128 * (1 + bm / 64)) as u32
 }
 
-/// Pipeline stages per tile height and width (`GEMM_STAGES_128`, `GEMM_STAGES_64`, `GEMM_STAGES_M64_128`,
-/// `GEMM_STAGES_M64_64` in the kernel): as many as fit the shared memory.
-pub const fn stages(bm: usize, bn: usize) -> usize {
-    match (bm, bn) {
-        (BM, 128) => 6,
-        (BM, _) => 8,
-        (_, 128) => 9,
+/// Whether plain products on 128-row tiles store their output through shared memory with TMA (the default;
+/// `TANDEM_GEMM_TMA_STORE=0` keeps the register stores: the same bits, for A/B measurements).
+pub fn tma_store() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TANDEM_GEMM_TMA_STORE").map_or(true, |v| v != "0"))
+}
+
+/// Pipeline stages per tile height, width and output type (`GEMM_STAGES_128_F32`, `GEMM_STAGES_128_BF16`,
+/// `GEMM_STAGES_64_F32`, `GEMM_STAGES_64_BF16`, `GEMM_STAGES_M64_128`, `GEMM_STAGES_M64_64` in the kernel): as
+/// many as fit the shared memory, beside a 128-row tile's output tile (the TMA store's).
+pub const fn stages(bm: usize, bn: usize, bf16_out: bool) -> usize {
+    match (bm, bn, bf16_out) {
+        (BM, 128, false) => 4,
+        (BM, 128, true) => 5,
+        (BM, _, false) => 7,
+        (BM, _, true) => 8,
+        (_, 128, _) => 9,
         _ => 13,
     }
 }
@@ -55,11 +65,13 @@ pub const fn stages(bm: usize, bn: usize) -> usize {
 /// multiple of 4 (a box starts 16-byte aligned; a grouped product's row tiles start at any row).
 pub const SCALE_BOX: usize = BM + 4;
 
-/// Must match the kernel's layout: alignment slack, the stages (A [bm x 128] + B [bn x 128] codes), one K
-/// block's row scales per stage (a box, in a slot of a multiple of 128 bytes), two mbarriers per stage, and
-/// (16-byte aligned) each consumer warpgroup's weight scales.
-pub const fn smem_bytes(bm: usize, bn: usize) -> usize {
-    1024 + stages(bm, bn) * (bm * BK + bn * BK + (SCALE_BOX * 4).next_multiple_of(128) + 16)
+/// Must match the kernel's layout: alignment slack, the stages (A [bm x 128] + B [bn x 128] codes), a 128-row
+/// tile's output tile (f32 or bf16), one K block's row scales per stage (a box, in a slot of a multiple of 128
+/// bytes), two mbarriers per stage, and (16-byte aligned) each consumer warpgroup's weight scales.
+pub const fn smem_bytes(bm: usize, bn: usize, bf16_out: bool) -> usize {
+    let out = if bm == BM { bm * bn * if bf16_out { 2 } else { 4 } } else { 0 };
+    1024 + stages(bm, bn, bf16_out) * (bm * BK + bn * BK + (SCALE_BOX * 4).next_multiple_of(128) + 16)
+        + out
         + 16
         + bm / 64 * MAX_K_BLOCKS * 4
 }
@@ -95,11 +107,12 @@ pub fn chains(n: usize, kpad: usize) -> usize {
 /// (at most 128 KB) are launch-bound, where the combine's launch costs more than the split saves.
 pub const SPLIT_MIN_BYTES: usize = 512 << 10;
 
-/// How one product runs: the tile height and width, the weight shape's chains, and whether the chains run
-/// as separate units (`split`: each writes its sum to a partial buffer, a second kernel adds them in chain
-/// order; for products too small to fill the GPU otherwise) or one after another inside each tile. Every
-/// plan gives the same bits: a 64-row tile runs the same wgmma per 64 rows as a 128-row one, with one
-/// consumer warpgroup instead of two and the shared memory they free as more stages in flight.
+/// How one product runs: the tile height and width, the weight shape's chains, whether the chains run as
+/// separate units (`split`: each writes its sum to a partial buffer, a second kernel adds them in chain
+/// order; for products too small to fill the GPU otherwise) or one after another inside each tile, and how
+/// the output is stored. Every plan gives the same bits: a 64-row tile runs the same wgmma per 64 rows as a
+/// 128-row one, with one consumer warpgroup instead of two and the shared memory they free as more stages
+/// in flight; a stored value is the same whichever way it is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Plan {
     /// Rows of a tile: [`BM`], or [`BM_SMALL`] for products of at most that many rows (decode): their
@@ -108,6 +121,11 @@ pub struct Plan {
     pub tile: usize,
     pub chains: usize,
     pub split: bool,
+    /// A plain unsplit product on 128-row tiles writes each output tile into shared memory and stores it
+    /// with TMA, asynchronously (full 128-byte lines; the consumers go on with their next tile): measured
+    /// 1.05-1.6x faster from M = 1024 than each thread storing its registers (bench/RESULTS.md). Ignored
+    /// elsewhere, and where TMA cannot address the output ([`stores_with_tma`]).
+    pub tma_store: bool,
 }
 
 impl Plan {
@@ -121,7 +139,7 @@ impl Plan {
         let idle = rows.div_ceil(BM) * n.div_ceil(64).div_ceil(2) < sms / 2;
         let split = chains > 1 && idle && rows <= 2 * BM && n * kpad >= SPLIT_MIN_BYTES;
         let bm = if rows <= BM_SMALL && small_tiles() { BM_SMALL } else { BM };
-        Plan { bm, tile: if split { 64 } else { tile_n(rows, n, sms) }, chains, split }
+        Plan { bm, tile: if split { 64 } else { tile_n(rows, n, sms) }, chains, split, tma_store: tma_store() }
     }
 
     /// f32 values of the partial buffer a split launch needs (0 when not split).
@@ -147,14 +165,14 @@ pub fn kernel_name(bm: usize, bn: usize, bf16_out: bool) -> Option<&'static str>
 
 /// Every entry point with its dynamic shared memory (the device raises each one's limit at load).
 pub const KERNELS: [(&str, usize); 8] = [
-    ("tandem_gemm_fp8_n128_f32", smem_bytes(128, 128)),
-    ("tandem_gemm_fp8_n128_bf16", smem_bytes(128, 128)),
-    ("tandem_gemm_fp8_n64_f32", smem_bytes(128, 64)),
-    ("tandem_gemm_fp8_n64_bf16", smem_bytes(128, 64)),
-    ("tandem_gemm_fp8_m64_n128_f32", smem_bytes(64, 128)),
-    ("tandem_gemm_fp8_m64_n128_bf16", smem_bytes(64, 128)),
-    ("tandem_gemm_fp8_m64_n64_f32", smem_bytes(64, 64)),
-    ("tandem_gemm_fp8_m64_n64_bf16", smem_bytes(64, 64)),
+    ("tandem_gemm_fp8_n128_f32", smem_bytes(128, 128, false)),
+    ("tandem_gemm_fp8_n128_bf16", smem_bytes(128, 128, true)),
+    ("tandem_gemm_fp8_n64_f32", smem_bytes(128, 64, false)),
+    ("tandem_gemm_fp8_n64_bf16", smem_bytes(128, 64, true)),
+    ("tandem_gemm_fp8_m64_n128_f32", smem_bytes(64, 128, false)),
+    ("tandem_gemm_fp8_m64_n128_bf16", smem_bytes(64, 128, true)),
+    ("tandem_gemm_fp8_m64_n64_f32", smem_bytes(64, 64, false)),
+    ("tandem_gemm_fp8_m64_n64_bf16", smem_bytes(64, 64, true)),
 ];
 
 type MapKey = (u64, u32, usize, usize, usize, usize, u32);
@@ -279,6 +297,18 @@ impl TensorMap {
         )
     }
 
+    /// A product's output `[rows, n]`, f32 or bf16, for the TMA store: boxes of 64 rows x one 128-byte row
+    /// (32 f32 or 64 bf16 columns) in the 128-byte swizzle. An error where TMA cannot address it (an address
+    /// or a row stride that is not a multiple of 16 bytes).
+    pub fn output(ptr: u64, rows: usize, n: usize, bf16_out: bool) -> Result<Self, CudaError> {
+        let (dtype, elem) = if bf16_out {
+            (sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2)
+        } else {
+            (sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4)
+        };
+        Self::encode(ptr, dtype, elem, rows, n, n, 64, 128 / elem, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B)
+    }
+
     /// Transposed activation scales `[groups, ld]` f32 of `rows` rows, boxes of one K block's [`SCALE_BOX`]
     /// rows.
     pub fn scales(ptr: u64, groups: usize, rows: usize, ld: usize) -> Result<Self, CudaError> {
@@ -328,6 +358,20 @@ pub struct RawGemm {
     pub groups: usize,
     /// Grouped products: i32 `[rows]`, the row of `y` each grouped row is stored at (0: row r at r).
     pub out_rows: u64,
+}
+
+/// Whether a launch of `plan` stores its output with TMA ([`Plan::tma_store`]): a plain unsplit product on
+/// 128-row tiles whose output rows TMA can address (16-byte aligned address and row stride; the tiny model's
+/// odd widths are not), else each thread stores its registers.
+pub fn stores_with_tma(a: &RawGemm, plan: Plan) -> bool {
+    let elem = if a.bf16_out { 2 } else { 4 };
+    plan.tma_store
+        && plan.bm == BM
+        && !plan.split
+        && a.row_tiles == 0
+        && a.out_rows == 0
+        && a.y.is_multiple_of(16)
+        && (a.n * elem).is_multiple_of(16)
 }
 
 /// Queues `y = qa . w^T` with the block scales, as `plan` says (normally [`Plan::new`]; the tests force
@@ -385,6 +429,9 @@ pub fn launch(gpu: &Gpu, a: &RawGemm, plan: Plan) -> Result<(), CudaError> {
         None => TensorMap::codes(a.w, a.groups * a.n, a.kpad, bn)?,
     };
     let tsa = TensorMap::scales(a.sa_t, a.kpad / BK, a.rows, a.scale_ld)?;
+    // The output's map for the TMA store, or (unused) the activations' in its place.
+    let tma = stores_with_tma(a, plan);
+    let ty = if tma { TensorMap::output(a.y, a.rows, a.n, a.bf16_out)? } else { ta };
     // Persistent clusters of two CTAs, one CTA per SM at most; each unit is a row tile and two column tiles
     // (and one chain of them when split).
     let row_tiles = if grouped { a.tile_slots } else { a.rows.div_ceil(bm) };
@@ -395,16 +442,16 @@ pub fn launch(gpu: &Gpu, a: &RawGemm, plan: Plan) -> Result<(), CudaError> {
     let (scale_cols, chains) = (a.scale_cols as i32, plan.chains as i32);
     let (rows, n, kpad) = (a.rows as i32, a.n as i32, a.kpad as i32);
     let mut b = gpu.stream().launch_builder(f);
-    b.arg(&ta).arg(&tb).arg(&tsa).arg(&a.ws).arg(&scale_cols).arg(&a.y).arg(&part).arg(&chains);
-    let tile_slots = a.tile_slots as i32;
-    b.arg(&rows).arg(&n).arg(&kpad).arg(&a.row_tiles).arg(&tile_slots).arg(&a.out_rows);
+    b.arg(&ta).arg(&tb).arg(&tsa).arg(&ty).arg(&a.ws).arg(&scale_cols).arg(&a.y).arg(&part).arg(&chains);
+    let (tile_slots, tma_flag) = (a.tile_slots as i32, i32::from(tma));
+    b.arg(&rows).arg(&n).arg(&kpad).arg(&a.row_tiles).arg(&tile_slots).arg(&a.out_rows).arg(&tma_flag);
     let cfg = cudarc::driver::LaunchConfig {
         grid_dim: (2 * clusters as u32, 1, 1),
         block_dim: (threads(bm), 1, 1),
-        shared_mem_bytes: smem_bytes(bm, bn) as u32,
+        shared_mem_bytes: smem_bytes(bm, bn, a.bf16_out) as u32,
     };
     // SAFETY: the parameters follow GEMM_PARAMS' order and types; the tensor maps cover exactly the buffers
-    // the caller sized for these shapes, and TMA never reads outside a map; a split launch writes
+    // the caller sized for these shapes, and TMA never reads or writes outside a map; a split launch writes
     // `partial_len` values of `part`.
     // The routed experts' launches apart from the dense ones in a kernel profile.
     let label: std::borrow::Cow<'_, str> =
@@ -580,19 +627,99 @@ mod tests {
             let want = cpu_forward(&x, rows, &w);
             let want16: Vec<f32> = want.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
             let chains = plan(&gpu, rows, &w, |_| {}).chains;
-            for (bm, tile, split) in
-                [(BM, 64, false), (BM, 128, false), (BM, 64, true), (BM_SMALL, 64, false), (BM_SMALL, 128, true)]
-            {
+            for (bm, tile, split, tma) in [
+                (BM, 64, false, true),
+                (BM, 128, false, true),
+                (BM, 128, false, false),
+                (BM, 64, true, true),
+                (BM_SMALL, 64, false, true),
+                (BM_SMALL, 128, true, true),
+            ] {
                 let p = plan(&gpu, rows, &w, |p| {
                     p.bm = bm;
                     p.tile = tile;
                     p.split = split && p.chains > 1;
+                    p.tma_store = tma;
                 });
-                let what =
-                    format!("{rows}x{inp}x{out} tile {bm}x{tile} split {} of {chains} chains (seed {seed})", p.split);
+                let what = format!(
+                    "{rows}x{inp}x{out} tile {bm}x{tile} split {} of {chains} chains, TMA store {tma} (seed {seed})",
+                    p.split
+                );
                 assert_eq!(bits(&gpu_forward(&gpu, &x, rows, &w, p, false)), bits(&want), "{what}");
                 assert_eq!(bits(&gpu_forward(&gpu, &x, rows, &w, p, true)), bits(&want16), "bf16 out {what}");
             }
+        }
+    }
+
+    /// The TMA store (128-row tiles of plain products) writes the same bits as the register stores, f32 and
+    /// bf16, both tile widths, partial row tiles and column tiles past `n`; where TMA cannot address the
+    /// output (a row of an odd number of bf16 values) the launch takes the register stores.
+    #[test]
+    fn the_tma_store_writes_what_the_register_stores_write() {
+        let Some(gpu) = Gpu::for_test() else { return };
+        let (mut rng, seed) = crate::cpu::test_support::rng();
+        for (rows, inp, out) in [(300, 2048, 1536), (129, 512, 576), (200, 384, 200), (1000, 1024, 2304)] {
+            let w = weights(&mut rng, out, inp, false);
+            let x = activations(&mut rng, rows, inp, false);
+            for tile in [64, 128] {
+                for bf16 in [false, true] {
+                    let with = plan(&gpu, rows, &w, |p| {
+                        p.bm = BM;
+                        p.tile = tile;
+                        p.split = false;
+                        p.tma_store = true;
+                    });
+                    let without = Plan { tma_store: false, ..with };
+                    let a = RawGemm { y: 256, n: out, bf16_out: bf16, ..unit_raw() };
+                    assert!(stores_with_tma(&a, with) && !stores_with_tma(&a, without));
+                    let what = format!("{rows}x{inp}x{out} tile {tile} bf16 {bf16} (seed {seed})");
+                    assert_eq!(
+                        bits(&gpu_forward(&gpu, &x, rows, &w, with, bf16)),
+                        bits(&gpu_forward(&gpu, &x, rows, &w, without, bf16)),
+                        "{what}"
+                    );
+                }
+            }
+        }
+        // Rows TMA cannot address: a bf16 row of 130 values is 260 bytes; an f32 one is 520 (not 16-byte
+        // multiples either way), and an odd address.
+        let p = Plan { bm: BM, tile: 128, chains: 1, split: false, tma_store: true };
+        for a in [
+            RawGemm { y: 256, n: 130, bf16_out: true, ..unit_raw() },
+            RawGemm { y: 256, n: 130, bf16_out: false, ..unit_raw() },
+            RawGemm { y: 264, n: 256, bf16_out: false, ..unit_raw() },
+        ] {
+            assert!(!stores_with_tma(&a, p), "n {} at {:#x}", a.n, a.y);
+        }
+        let (w, x) = (weights(&mut rng, 130, 256, true), activations(&mut rng, 77, 256, true));
+        let want16: Vec<f32> = cpu_forward(&x, 77, &w).iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+        assert_eq!(bits(&gpu_forward(&gpu, &x, 77, &w, p, true)), bits(&want16), "odd width (seed {seed})");
+        // Grouped and split launches never take it.
+        assert!(!stores_with_tma(&RawGemm { y: 256, n: 256, row_tiles: 1024, ..unit_raw() }, p));
+        assert!(!stores_with_tma(&RawGemm { y: 256, n: 256, ..unit_raw() }, Plan { split: true, ..p }));
+        assert!(!stores_with_tma(&RawGemm { y: 256, n: 256, ..unit_raw() }, Plan { bm: BM_SMALL, ..p }));
+    }
+
+    /// A RawGemm of null buffers, for the store rule's checks.
+    fn unit_raw() -> RawGemm {
+        RawGemm {
+            qa: 0,
+            sa_t: 0,
+            scale_ld: 4,
+            w: 0,
+            ws: 0,
+            scale_cols: 1,
+            y: 0,
+            part: 0,
+            bf16_out: false,
+            rows: 1,
+            n: 1,
+            kpad: BK,
+            w_maps: None,
+            row_tiles: 0,
+            tile_slots: 0,
+            groups: 1,
+            out_rows: 0,
         }
     }
 
@@ -791,7 +918,7 @@ mod tests {
             groups: 1,
             out_rows: 0,
         };
-        let p = Plan { bm: BM, tile: 64, chains: 1, split: false };
+        let p = Plan { bm: BM, tile: 64, chains: 1, split: false, tma_store: true };
         assert!(launch(&gpu, &RawGemm { kpad: 100, ..ok }, p).unwrap_err().to_string().contains("kpad"));
         assert!(launch(&gpu, &RawGemm { scale_ld: 2, ..ok }, p).unwrap_err().to_string().contains("scale_ld"));
         assert!(launch(&gpu, &RawGemm { scale_cols: 0, ..ok }, p).unwrap_err().to_string().contains("scale"));
@@ -823,7 +950,7 @@ mod tests {
         let grouped = RawGemm { row_tiles: 256, tile_slots: 1, groups: 2, ..aligned };
         assert!(launch(&gpu, &RawGemm { groups: 2, ..aligned }, p).unwrap_err().to_string().contains("grouped"));
         assert!(launch(&gpu, &RawGemm { tile_slots: 0, ..grouped }, p).unwrap_err().to_string().contains("grouped"));
-        let split2 = Plan { bm: BM, tile: 64, chains: 1, split: true };
+        let split2 = Plan { bm: BM, tile: 64, chains: 1, split: true, tma_store: true };
         assert!(launch(&gpu, &RawGemm { part: 256, ..grouped }, split2).unwrap_err().to_string().contains("grouped"));
     }
 

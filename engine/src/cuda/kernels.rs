@@ -188,8 +188,14 @@ pub const FAMILIES: &[Family] = &[
             "tandem_gemm_fp8_combine_bf16",
         ],
         externals: &[],
-        // FP8 wgmma from shared memory fed by 2-D TMA loads through mbarriers.
-        sass_expect: &["QGMMA.64x128x32.F32.E4M3.E4M3", "QGMMA.64x64x32.F32.E4M3.E4M3", "UTMALDG.2D", "SYNCS"],
+        // FP8 wgmma from shared memory fed by 2-D TMA loads through mbarriers; 128-row tiles leave by TMA stores.
+        sass_expect: &[
+            "QGMMA.64x128x32.F32.E4M3.E4M3",
+            "QGMMA.64x64x32.F32.E4M3.E4M3",
+            "UTMALDG.2D",
+            "UTMASTG.2D",
+            "SYNCS",
+        ],
     },
     Family {
         name: "bf16_mma",

@@ -271,7 +271,8 @@ pub fn grouped_linear(
     if groups == 0 || groups * out * kpad != codes.len() {
         return Err(CudaError::Shape(format!("moe: {} weight bytes are not matrices of {out} x {kpad}", codes.len())));
     }
-    let plan = gemm::Plan { bm: g.tile_rows, tile, chains: gemm::chains(*out, *kpad), split: false };
+    // Register stores: a grouped tile's rows end at its expert's, inside the TMA box.
+    let plan = gemm::Plan { bm: g.tile_rows, tile, chains: gemm::chains(*out, *kpad), split: false, tma_store: false };
     let raw = gemm::RawGemm {
         qa,
         sa_t,
