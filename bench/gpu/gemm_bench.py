@@ -159,11 +159,12 @@ class Gemm:
         for bm in (BM, BM_SMALL):
             for bn in (128, 64):
                 for out_t in ("f32", "bf16"):
-                    f = ctypes.c_void_p()
-                    name = f"tandem_gemm_fp8_n{bn}_{out_t}" if bm == BM else f"tandem_gemm_fp8_m{bm}_n{bn}_{out_t}"
-                    check(_cuda.cuModuleGetFunction(ctypes.byref(f), self.mod, name.encode()), name)
-                    check(_cuda.cuFuncSetAttribute(f, 8, smem_bytes(bm, bn, out_t)), "max dynamic shared memory")
-                    self.fns[(bm, bn, out_t)] = f
+                    for chained in (False, True):
+                        f = ctypes.c_void_p()
+                        name = kernel_name(bm, bn, out_t, chained)
+                        check(_cuda.cuModuleGetFunction(ctypes.byref(f), self.mod, name.encode()), name)
+                        check(_cuda.cuFuncSetAttribute(f, 8, smem_bytes(bm, bn, out_t)), "max dynamic shared memory")
+                        self.fns[(bm, bn, out_t, chained)] = f
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
 
         for out_t in ("f32", "bf16"):
@@ -196,7 +197,7 @@ class Gemm:
         sa_t = transposed_scales(sa)
         ta, tb, tsa = tensor_map(qa, m, kpad, bm // 2), tensor_map(w, n, kpad, bn), scale_map(sa_t, m)
         out_t = "bf16" if y.dtype == torch.bfloat16 else "f32"
-        fn = self.fns[(bm, bn, out_t)]
+        fn = self.fns[(bm, bn, out_t, chains > 1 and not split)]
         part = torch.empty(chains * m * n if split else 1, device=DEV, dtype=torch.float32)
         ty = out_map(y) if (TMA_STORE if tma is None else tma) and bm == BM and not split else None
         vals = [ta, tb, tsa, ty or ta, ctypes.c_uint64(ws.data_ptr()), ctypes.c_int32(ws.shape[1]),
@@ -227,6 +228,14 @@ class Gemm:
         launch.plan = (bm, bn, chains, split)
         launch.tma_store = ty is not None
         return launch
+
+
+def kernel_name(bm, bn, out_t, chained):
+    """engine::cuda::gemm::kernel_name: 128-row tiles have a kernel without in-tile chains (one chain, or split
+    launches) and one with them; 64-row tiles one kernel for both."""
+    if bm == BM:
+        return f"tandem_gemm_fp8_n{bn}_{out_t}" + ("_chains" if chained else "")
+    return f"tandem_gemm_fp8_m{bm}_n{bn}_{out_t}"
 
 
 def smem_bytes(bm, bn, out_t):

@@ -76,7 +76,7 @@ class Grouped:
         bn = bn or self.g.tile_n(slots * rows, n)  # engine::cuda::moe::grouped_linear
         sa_t = transposed_scales(sa)
         ta, tb, tsa = tensor_map(qa, p, kpad, rows // 2), tensor_map(w, e * n, kpad, bn), scale_map(sa_t, p)
-        fn = self.g.fns[(rows, bn, "f32")]
+        fn = self.g.fns[(rows, bn, "f32", chains(n, kpad) > 1)]
         vals = [ta, tb, tsa, ta, ctypes.c_uint64(ws.data_ptr()), ctypes.c_int32(ws.shape[1]),  # no output map
                 ctypes.c_uint64(y.data_ptr()), ctypes.c_uint64(0), ctypes.c_int32(chains(n, kpad)),
                 ctypes.c_int32(p), ctypes.c_int32(n), ctypes.c_int32(kpad), ctypes.c_uint64(t.data_ptr()),

@@ -194,7 +194,7 @@ __device__ __forceinline__ GemmRowTile gemm_unit(int u, int per_tile, int chains
     return gemm_row_tile<TM>(row_tiles, mt, rows);
 }
 
-template <int TM, int BN, int STAGES, bool BF16>
+template <int TM, int BN, int STAGES, bool BF16, bool CHAINED>
 __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const TandemTensorMap* tb,
                                               const TandemTensorMap* tsa, const TandemTensorMap* ty,
                                               const float* __restrict__ ws, int scale_cols, void* __restrict__ y,
@@ -253,23 +253,25 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
             asm volatile("prefetch.tensormap [%0];" ::"l"((unsigned long long)ta) : "memory");
             asm volatile("prefetch.tensormap [%0];" ::"l"((unsigned long long)tb) : "memory");
             asm volatile("prefetch.tensormap [%0];" ::"l"((unsigned long long)tsa) : "memory");
-            int it = 0;
+            // Stage s of round `round` (a counter, not it % STAGES: STAGES need not be a power of two).
+            int s = 0;
+            u32 round = 0;
             for (int u = cluster; u < units; u += clusters) {
                 int n0, c, kb0, kb1;
                 const GemmRowTile rt =
                     gemm_unit<TM>(u, per_tile, chains, kblocks, rank, m_tiles, n_pairs, BN, row_tiles, rows, n0, c, kb0, kb1);
                 if (rt.g < 0) continue;
                 const int m0 = rt.m0, nb = rt.g * n + n0;
-                for (int kb = kb0; kb < kb1; ++kb, ++it) {
-                    const int s = it % STAGES;
+                for (int kb = kb0; kb < kb1; ++kb) {
                     // Both CTAs' consumers are done with the stage (this CTA's multicast writes the peer's too).
-                    if (it >= STAGES) tandem_mbar_wait(empty + 8 * s, ((it / STAGES) - 1) & 1);
+                    if (round > 0) tandem_mbar_wait(empty + 8 * s, (round - 1) & 1);
                     const u32 a = base + s * STAGE, bar = full + 8 * s;
                     tandem_mbar_expect_tx(bar, STAGE + SA_BYTES);
                     // This CTA's half of the A tile into both CTAs.
                     gemm_tma_2d_pair(a + rank * (A_BYTES / 2), ta, kb * GEMM_BK, m0 + rank * (TM / 2), bar);
                     tandem_tma_2d(a + A_BYTES, tb, kb * GEMM_BK, nb, bar);
                     tandem_tma_2d(scales + s * SA_SLOT, tsa, m0 & ~3, kb, bar);
+                    if (++s == STAGES) s = 0, ++round;
                 }
             }
         }
@@ -278,7 +280,14 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
         const int cw = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
         const int row = cw * 64 + warp * 16 + lane / 4;  // this thread's rows in the tile: row, row + 8
         float* wsm = (float*)(smem_raw + (wscales - (u32)__cvta_generic_to_shared(smem_raw))) + cw * GEMM_MAX_KB;
-        int it = 0;
+        // The stage and its full barrier's phase parity, counted (no division per K block); the peer's
+        // empty barriers, mapped once.
+        int s = 0;
+        u32 phase = 0;
+        const u32 peer_empty = tandem_peer(empty, peer);
+        // Without in-tile chains (CHAINED false: one chain, or split launches whose units are single chains)
+        // there is no running total, and the 64 registers it took stay free for the loop's addresses.
+        if (!CHAINED && chains > 1 && part == nullptr) __trap();
         for (int u = cluster; u < units; u += clusters) {
             int n0, c, kb0, kb1;
             const GemmRowTile rt =
@@ -295,12 +304,13 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
             for (int i = threadIdx.x % 128; i < kb1 - kb0; i += 128) wsm[i] = has_n ? wsp[kb0 + i] : 0.0f;
             asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");
             // fin: the current chain; tot: the chains before it, summed left to right.
-            float fin[BN / 2], tot[BN / 2], acc[BN / 2];
+            float fin[BN / 2], tot[CHAINED ? BN / 2 : 1], acc[BN / 2];
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) fin[i] = 0.0f;
             int next_chain = 1, next_begin = per_tile > 1 ? kb1 : gemm_chain_begin(1, chains, kblocks);
-            for (int kb = kb0; kb < kb1; ++kb, ++it) {
-                if (kb == next_begin) {
+            for (int kb = kb0; kb < kb1; ++kb) {
+                if constexpr (CHAINED) {
+                    if (kb == next_begin) {
                     // A chain ends: add it to the ones before (the first one is taken as it is).
 #pragma unroll
                     for (int i = 0; i < BN / 2; ++i) {
@@ -309,17 +319,19 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
                     }
                     ++next_chain;
                     next_begin = gemm_chain_begin(next_chain, chains, kblocks);
+                    }
                 }
-                const int s = it % STAGES;
                 const float w = wsm[kb - kb0];
-                tandem_mbar_wait(full + 8 * s, (it / STAGES) & 1);
+                tandem_mbar_wait(full + 8 * s, phase);
                 const float* sas = scales_f + s * (SA_SLOT / 4) + (m0 & 3);
                 const float f_lo = sas[row] * w, f_hi = sas[row + 8] * w;
-                const u32 a = base + s * STAGE + cw * (64 * GEMM_BK), b = base + s * STAGE + A_BYTES;
+                // A k-step's descriptors are the first one's plus its 32 bytes (2 in the address field, which
+                // no shared address brings near its top).
+                const unsigned long long da = tandem_desc_sw128(base + s * STAGE + cw * (64 * GEMM_BK));
+                const unsigned long long db = tandem_desc_sw128(base + s * STAGE + A_BYTES);
                 tandem_wgmma_fence();
 #pragma unroll
-                for (int ks = 0; ks < GEMM_BK / 32; ++ks)
-                    gemm_mma<BN>(acc, tandem_desc_sw128(a + ks * 32), tandem_desc_sw128(b + ks * 32), ks);
+                for (int ks = 0; ks < GEMM_BK / 32; ++ks) gemm_mma<BN>(acc, da + 2 * ks, db + 2 * ks, ks);
                 tandem_wgmma_commit();
                 tandem_wgmma_wait<0>();
                 gemm_fence_operand(acc);  // the promotion's reads of acc stay after the wait
@@ -330,7 +342,7 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
                 __syncwarp();
                 // CTA-scope release: the stage was read by wgmma only, whose wait completed; a cluster-scope
                 // release costs a MEMBAR per K block (measured: half the speed).
-                if (lane == 0) tandem_mbar_arrive_remote_cta(tandem_peer(empty + 8 * s, peer));
+                if (lane == 0) tandem_mbar_arrive_remote_cta(peer_empty + 8 * s);
 #pragma unroll
                 for (int j = 0; j < BN / 8; ++j) {
                     fin[4 * j + 0] = fmaf(acc[4 * j + 0], f_lo, fin[4 * j + 0]);
@@ -338,6 +350,7 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
                     fin[4 * j + 2] = fmaf(acc[4 * j + 2], f_hi, fin[4 * j + 2]);
                     fin[4 * j + 3] = fmaf(acc[4 * j + 3], f_hi, fin[4 * j + 3]);
                 }
+                if (++s == STAGES) s = 0, phase ^= 1;
             }
             // The stores overlap the producer's loads of the next unit.
             const int r = m0 + row;
@@ -347,9 +360,11 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
                 // groups), and one thread stores them with TMA, asynchronously: full 128-byte lines instead
                 // of eight rows' 16 bytes per warp store, and the warpgroup goes on with its next tile.
                 // (Timing only, the register stores cost kv_b (4 K blocks) half its time at M = 4096.)
-                if (chains > 1) {
+                if constexpr (CHAINED) {
+                    if (chains > 1) {
 #pragma unroll
-                    for (int i = 0; i < BN / 2; ++i) fin[i] = tot[i] + fin[i];
+                        for (int i = 0; i < BN / 2; ++i) fin[i] = tot[i] + fin[i];
+                    }
                 }
                 const u32 wout = outs + cw * (BOXES * BOX_BYTES);
                 const int t = threadIdx.x % 128, rl = warp * 16 + lane / 4;  // rows rl and rl + 8 of the warpgroup's 64
@@ -394,9 +409,11 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
                     gemm_store<false>(pc, rows, n, r + 8 < row_end ? r + 8 : -1, col, fin[4 * j + 2], fin[4 * j + 3]);
                 }
             } else {
-                if (chains > 1) {
+                if constexpr (CHAINED) {
+                    if (chains > 1) {
 #pragma unroll
-                    for (int i = 0; i < BN / 2; ++i) fin[i] = tot[i] + fin[i];
+                        for (int i = 0; i < BN / 2; ++i) fin[i] = tot[i] + fin[i];
+                    }
                 }
                 // With `out_rows`, row r is stored at row out_rows[r] (expert parallelism's combine buffer).
                 const int lim = out_rows != nullptr ? 0x7fffffff : row_end;
@@ -441,7 +458,10 @@ extern "C" __global__ void tandem_gemm_fp8_combine_bf16(const float* __restrict_
     gemm_combine_body<true>(part, chains, count, y);
 }
 
-// The entry points: tile rows 128 or 64 (`_m64_`), output tile width 128 or 64, f32 or bf16 out. Launch: a grid
+// The entry points: tile rows 128 or 64 (`_m64_`), output tile width 128 or 64, f32 or bf16 out; 128-row tiles
+// without in-tile chains (one chain, or a split launch) and with them (`_chains`: the consumers also keep the
+// running total of the chains before, 64 registers a thread the plain kernels spend on the K loop's
+// addresses instead of recomputing them every K block). Launch: a grid
 // of an even number of CTAs (clusters of two), at most one per SM (persistent: each cluster walks units u =
 // cluster, cluster + clusters, ...), 384 threads (256 with 64-row tiles), dynamic shared memory
 // engine::cuda::gemm::smem_bytes.
@@ -452,18 +472,22 @@ extern "C" __global__ void tandem_gemm_fp8_combine_bf16(const float* __restrict_
         int rows, int n, int kpad, const GemmRowTile *__restrict__ row_tiles, int tile_slots,                   \
         const int *__restrict__ out_rows, int tma_store
 
-// One entry point: its name, tile rows and width, stages, output type, threads.
-#define GEMM_ENTRY(NAME, TM, BN, STAGES, BF16, THREADS)                                                           \
+// One entry point: its name, tile rows and width, stages, output type, in-tile chains, threads.
+#define GEMM_ENTRY(NAME, TM, BN, STAGES, BF16, CHAINED, THREADS)                                                  \
     extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1) NAME(GEMM_PARAMS) {        \
-        gemm_fp8_body<TM, BN, STAGES, BF16>(&ta, &tb, &tsa, &ty, ws, scale_cols, y, part, chains, rows, n, kpad, \
+        gemm_fp8_body<TM, BN, STAGES, BF16, CHAINED>(&ta, &tb, &tsa, &ty, ws, scale_cols, y, part, chains, rows, n, kpad, \
                                             row_tiles, tile_slots, out_rows, tma_store);                        \
     }
 
-GEMM_ENTRY(tandem_gemm_fp8_n128_f32, 128, 128, GEMM_STAGES_128_F32, false, GEMM_THREADS)
-GEMM_ENTRY(tandem_gemm_fp8_n128_bf16, 128, 128, GEMM_STAGES_128_BF16, true, GEMM_THREADS)
-GEMM_ENTRY(tandem_gemm_fp8_n64_f32, 128, 64, GEMM_STAGES_64_F32, false, GEMM_THREADS)
-GEMM_ENTRY(tandem_gemm_fp8_n64_bf16, 128, 64, GEMM_STAGES_64_BF16, true, GEMM_THREADS)
-GEMM_ENTRY(tandem_gemm_fp8_m64_n128_f32, 64, 128, GEMM_STAGES_M64_128, false, GEMM_THREADS_SMALL)
-GEMM_ENTRY(tandem_gemm_fp8_m64_n128_bf16, 64, 128, GEMM_STAGES_M64_128, true, GEMM_THREADS_SMALL)
-GEMM_ENTRY(tandem_gemm_fp8_m64_n64_f32, 64, 64, GEMM_STAGES_M64_64, false, GEMM_THREADS_SMALL)
-GEMM_ENTRY(tandem_gemm_fp8_m64_n64_bf16, 64, 64, GEMM_STAGES_M64_64, true, GEMM_THREADS_SMALL)
+GEMM_ENTRY(tandem_gemm_fp8_n128_f32, 128, 128, GEMM_STAGES_128_F32, false, false, GEMM_THREADS)
+GEMM_ENTRY(tandem_gemm_fp8_n128_bf16, 128, 128, GEMM_STAGES_128_BF16, true, false, GEMM_THREADS)
+GEMM_ENTRY(tandem_gemm_fp8_n64_f32, 128, 64, GEMM_STAGES_64_F32, false, false, GEMM_THREADS)
+GEMM_ENTRY(tandem_gemm_fp8_n64_bf16, 128, 64, GEMM_STAGES_64_BF16, true, false, GEMM_THREADS)
+GEMM_ENTRY(tandem_gemm_fp8_n128_f32_chains, 128, 128, GEMM_STAGES_128_F32, false, true, GEMM_THREADS)
+GEMM_ENTRY(tandem_gemm_fp8_n128_bf16_chains, 128, 128, GEMM_STAGES_128_BF16, true, true, GEMM_THREADS)
+GEMM_ENTRY(tandem_gemm_fp8_n64_f32_chains, 128, 64, GEMM_STAGES_64_F32, false, true, GEMM_THREADS)
+GEMM_ENTRY(tandem_gemm_fp8_n64_bf16_chains, 128, 64, GEMM_STAGES_64_BF16, true, true, GEMM_THREADS)
+GEMM_ENTRY(tandem_gemm_fp8_m64_n128_f32, 64, 128, GEMM_STAGES_M64_128, false, true, GEMM_THREADS_SMALL)
+GEMM_ENTRY(tandem_gemm_fp8_m64_n128_bf16, 64, 128, GEMM_STAGES_M64_128, true, true, GEMM_THREADS_SMALL)
+GEMM_ENTRY(tandem_gemm_fp8_m64_n64_f32, 64, 64, GEMM_STAGES_M64_64, false, true, GEMM_THREADS_SMALL)
+GEMM_ENTRY(tandem_gemm_fp8_m64_n64_bf16, 64, 64, GEMM_STAGES_M64_64, true, true, GEMM_THREADS_SMALL)

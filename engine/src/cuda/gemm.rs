@@ -148,27 +148,39 @@ impl Plan {
     }
 }
 
-/// The entry point for a tile height, width and output type (`None`: no such tile).
-pub fn kernel_name(bm: usize, bn: usize, bf16_out: bool) -> Option<&'static str> {
-    Some(match (bm, bn, bf16_out) {
-        (128, 128, false) => "tandem_gemm_fp8_n128_f32",
-        (128, 128, true) => "tandem_gemm_fp8_n128_bf16",
-        (128, 64, false) => "tandem_gemm_fp8_n64_f32",
-        (128, 64, true) => "tandem_gemm_fp8_n64_bf16",
-        (64, 128, false) => "tandem_gemm_fp8_m64_n128_f32",
-        (64, 128, true) => "tandem_gemm_fp8_m64_n128_bf16",
-        (64, 64, false) => "tandem_gemm_fp8_m64_n64_f32",
-        (64, 64, true) => "tandem_gemm_fp8_m64_n64_bf16",
+/// The entry point for a tile height, width, output type and whether the chains run one after another inside
+/// each tile (`chained`: more than one chain, unsplit). 128-row tiles have a kernel without in-tile chains,
+/// whose consumers keep no running total (64 registers a thread that the K loop's addresses then use: with
+/// the loop's other changes 1.1-1.15x at M >= 1024, bench/RESULTS.md), and one with them; 64-row tiles one
+/// kernel for both. `None`: no such tile.
+pub fn kernel_name(bm: usize, bn: usize, bf16_out: bool, chained: bool) -> Option<&'static str> {
+    Some(match (bm, bn, bf16_out, chained) {
+        (128, 128, false, false) => "tandem_gemm_fp8_n128_f32",
+        (128, 128, true, false) => "tandem_gemm_fp8_n128_bf16",
+        (128, 64, false, false) => "tandem_gemm_fp8_n64_f32",
+        (128, 64, true, false) => "tandem_gemm_fp8_n64_bf16",
+        (128, 128, false, true) => "tandem_gemm_fp8_n128_f32_chains",
+        (128, 128, true, true) => "tandem_gemm_fp8_n128_bf16_chains",
+        (128, 64, false, true) => "tandem_gemm_fp8_n64_f32_chains",
+        (128, 64, true, true) => "tandem_gemm_fp8_n64_bf16_chains",
+        (64, 128, false, _) => "tandem_gemm_fp8_m64_n128_f32",
+        (64, 128, true, _) => "tandem_gemm_fp8_m64_n128_bf16",
+        (64, 64, false, _) => "tandem_gemm_fp8_m64_n64_f32",
+        (64, 64, true, _) => "tandem_gemm_fp8_m64_n64_bf16",
         _ => return None,
     })
 }
 
 /// Every entry point with its dynamic shared memory (the device raises each one's limit at load).
-pub const KERNELS: [(&str, usize); 8] = [
+pub const KERNELS: [(&str, usize); 12] = [
     ("tandem_gemm_fp8_n128_f32", smem_bytes(128, 128, false)),
     ("tandem_gemm_fp8_n128_bf16", smem_bytes(128, 128, true)),
     ("tandem_gemm_fp8_n64_f32", smem_bytes(128, 64, false)),
     ("tandem_gemm_fp8_n64_bf16", smem_bytes(128, 64, true)),
+    ("tandem_gemm_fp8_n128_f32_chains", smem_bytes(128, 128, false)),
+    ("tandem_gemm_fp8_n128_bf16_chains", smem_bytes(128, 128, true)),
+    ("tandem_gemm_fp8_n64_f32_chains", smem_bytes(128, 64, false)),
+    ("tandem_gemm_fp8_n64_bf16_chains", smem_bytes(128, 64, true)),
     ("tandem_gemm_fp8_m64_n128_f32", smem_bytes(64, 128, false)),
     ("tandem_gemm_fp8_m64_n128_bf16", smem_bytes(64, 128, true)),
     ("tandem_gemm_fp8_m64_n64_f32", smem_bytes(64, 64, false)),
@@ -398,7 +410,7 @@ pub fn launch(gpu: &Gpu, a: &RawGemm, plan: Plan) -> Result<(), CudaError> {
     if plan.tile != 64 && plan.tile != 128 {
         return Err(CudaError::Shape(format!("gemm: tile width {} (64 or 128)", plan.tile)));
     }
-    let Some(kernel) = kernel_name(plan.bm, plan.tile, a.bf16_out) else {
+    let Some(kernel) = kernel_name(plan.bm, plan.tile, a.bf16_out, plan.chains > 1 && !plan.split) else {
         return Err(CudaError::Shape(format!("gemm: tile height {} ({BM_SMALL} or {BM})", plan.bm)));
     };
     if plan.chains == 0 || plan.chains > a.kpad / BK {
