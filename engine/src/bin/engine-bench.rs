@@ -291,6 +291,15 @@ fn prompt(n: usize, salt: u32, vocab: u32) -> Vec<u32> {
     (0..n as u32).map(|i| 7 + (i.wrapping_mul(2654435761).wrapping_add(salt * 97) >> 7) % (vocab - 7)).collect()
 }
 
+/// A sequence's cache blocks, or a clear error (exit 2) when the bench's pool, sized by `--blocks`, is too
+/// small for the lengths and batches asked for.
+fn reserved<T, E: std::fmt::Debug>(r: Result<T, E>, pool_blocks: usize) -> T {
+    r.unwrap_or_else(|e| {
+        eprintln!("engine-bench: {e:?}: --blocks {pool_blocks} is too few for these lengths and batches; raise it");
+        std::process::exit(2)
+    })
+}
+
 fn main() {
     let o = match parse() {
         Ok(o) => o,
@@ -402,7 +411,7 @@ fn main() {
         let toks = prompt(512, 7, cfg.vocab_size as u32);
         for i in 0..o.warmup_steps {
             let id = format!("w{i}");
-            let t = pool.reserve(&id, toks.len() + 2).expect("blocks");
+            let t = reserved(pool.reserve(&id, toks.len() + 2), o.blocks);
             let mut s = SeqState::new(toks.clone(), SamplingParams::greedy(1), t.blocks, 0);
             generate::prefill(b, &cache, &mut [&mut s], &[toks.len()], &mut |_, _| {}).expect("prefill");
             pool.release(&id).expect("release");
@@ -413,7 +422,7 @@ fn main() {
         let mut best = f64::MAX;
         for rep in 0..2 {
             let id = format!("p{len}-{rep}");
-            let t = pool.reserve(&id, len + 2).expect("blocks");
+            let t = reserved(pool.reserve(&id, len + 2), o.blocks);
             let mut s = SeqState::new(toks.clone(), SamplingParams::greedy(1), t.blocks, 0);
             let start = Instant::now();
             generate::prefill(b, &cache, &mut [&mut s], &[len], &mut |_, _| {}).expect("prefill");
@@ -427,7 +436,7 @@ fn main() {
         }
         if o.kernel_profile {
             let id = format!("p{len}-profiled");
-            let t = pool.reserve(&id, len + 2).expect("blocks");
+            let t = reserved(pool.reserve(&id, len + 2), o.blocks);
             let mut s = SeqState::new(toks.clone(), SamplingParams::greedy(1), t.blocks, 0);
             let kernels = profiled(b, 1, || {
                 generate::prefill(b, &cache, &mut [&mut s], &[len], &mut |_, _| {}).expect("prefill");
@@ -438,7 +447,7 @@ fn main() {
         if let (Some(c), Some(_)) = (&cuda, &o.timeline) {
             c.record_timeline(true);
             let id = format!("p{len}-timeline");
-            let t = pool.reserve(&id, len + 2).expect("blocks");
+            let t = reserved(pool.reserve(&id, len + 2), o.blocks);
             let mut s = SeqState::new(toks.clone(), SamplingParams::greedy(1), t.blocks, 0);
             generate::prefill(b, &cache, &mut [&mut s], &[len], &mut |_, _| {}).expect("prefill");
             pool.release(&id).expect("release");
@@ -453,7 +462,7 @@ fn main() {
     // own seed (temperature 1), so their tokens, and so their experts and selections, part from the first step.
     let shared = match cuda.as_deref().filter(|_| o.shared_context) {
         Some(_) => {
-            let t = pool.reserve("context", o.context + 1).expect("blocks");
+            let t = reserved(pool.reserve("context", o.context + 1), o.blocks);
             let mut base = SeqState::new(
                 prompt(o.context, 0, cfg.vocab_size as u32),
                 SamplingParams { ignore_eos: true, ..SamplingParams::greedy(10_000) },
@@ -494,7 +503,7 @@ fn main() {
                 let used = ctx.div_ceil(engine::cache::BLOCK_SIZE);
                 (0..batch)
                     .map(|i| {
-                        let own = pool.reserve(&format!("d{batch}-{i}"), room).expect("blocks");
+                        let own = reserved(pool.reserve(&format!("d{batch}-{i}"), room), o.blocks);
                         c.copy_blocks(&cache, &t.blocks[..used], &own.blocks[..used]).expect("copy the context");
                         let params = SamplingParams {
                             temperature: 1.0,
@@ -518,7 +527,7 @@ fn main() {
             None => {
                 let mut seqs: Vec<SeqState> = (0..batch)
                     .map(|i| {
-                        let t = pool.reserve(&format!("d{batch}-{i}"), room).expect("blocks");
+                        let t = reserved(pool.reserve(&format!("d{batch}-{i}"), room), o.blocks);
                         let mut s = SeqState::new(
                             prompt(ctx, i as u32, cfg.vocab_size as u32),
                             SamplingParams { ignore_eos: true, ..SamplingParams::greedy(10_000) },
