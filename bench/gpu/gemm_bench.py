@@ -18,6 +18,7 @@ The kernels are loaded through the CUDA driver (ctypes): their tensor-map parame
 import argparse
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -38,15 +39,24 @@ BM, BK = 128, 128
 BM_SMALL = 64  # small products' tile height (engine::cuda::gemm::BM_SMALL)
 MAX_K_BLOCKS = 256  # engine::cuda::gemm::MAX_K_BLOCKS
 SCALE_BOX = BM + 4  # row scales per TMA box (engine::cuda::gemm::SCALE_BOX)
-# engine::cuda::gemm::stages (the kernel's GEMM_STAGES_* defaults; the same names override both): 128-row tiles
-# keep their output tile in shared memory for the TMA store, so fewer stages fit beside it.
-STAGES = {(128, 128, "f32"): int(os.environ.get("GEMM_STAGES_128_F32", 4)),
-          (128, 128, "bf16"): int(os.environ.get("GEMM_STAGES_128_BF16", 5)),
-          (128, 64, "f32"): int(os.environ.get("GEMM_STAGES_64_F32", 7)),
-          (128, 64, "bf16"): int(os.environ.get("GEMM_STAGES_64_BF16", 8))}
+
+
+def _stage_define(name, default):
+    """A GEMM_STAGES_* value as the kernel is built with it: `-DNAME=N` in TANDEM_LOOP_DEFINES, else the
+    kernel's default (so the shared memory launched always matches the kernel's layout)."""
+    m = re.search(rf"-D{name}=(\d+)", os.environ.get("TANDEM_LOOP_DEFINES", ""))
+    return int(m.group(1)) if m else default
+
+
+# engine::cuda::gemm::stages: 128-row tiles keep their output tile in shared memory for the TMA store, so fewer
+# stages fit beside it.
+STAGES = {(128, 128, "f32"): _stage_define("GEMM_STAGES_128_F32", 4),
+          (128, 128, "bf16"): _stage_define("GEMM_STAGES_128_BF16", 5),
+          (128, 64, "f32"): _stage_define("GEMM_STAGES_64_F32", 7),
+          (128, 64, "bf16"): _stage_define("GEMM_STAGES_64_BF16", 8)}
 for _o in ("f32", "bf16"):
-    STAGES[(BM_SMALL, 128, _o)] = int(os.environ.get("GEMM_STAGES_M64_128", 9))
-    STAGES[(BM_SMALL, 64, _o)] = int(os.environ.get("GEMM_STAGES_M64_64", 13))
+    STAGES[(BM_SMALL, 128, _o)] = _stage_define("GEMM_STAGES_M64_128", 9)
+    STAGES[(BM_SMALL, 64, _o)] = _stage_define("GEMM_STAGES_M64_64", 13)
 # engine::cuda::gemm::tma_store: 128-row tiles of plain products store through shared memory and TMA
 # (TANDEM_GEMM_TMA_STORE=0: register stores, the same bits, for A/B measurements).
 TMA_STORE = os.environ.get("TANDEM_GEMM_TMA_STORE", "1") != "0"

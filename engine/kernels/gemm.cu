@@ -20,8 +20,8 @@
 // promotion: the tensor core's own FP8 accumulation is short, the 128-block scales are applied exactly in
 // f32). A finished tile of a plain product on 128-row tiles leaves through shared memory: each consumer
 // warpgroup writes its 64 rows there (128-byte swizzled boxes of 64 rows x 128 bytes) and one of its threads
-// stores them with TMA, asynchronously, while the warpgroup starts its next tile (`tma_store`; the buffer takes
-// two stages' room, 4-8 stages remain). Other launches (64-row tiles, split chains, grouped rows, outputs TMA
+// stores them with TMA, asynchronously, while the warpgroup starts its next tile (`tma_store`; the buffer costs
+// 0-2 stages: 4-8 remain). Other launches (64-row tiles, split chains, grouped rows, outputs TMA
 // cannot address) store from registers; both ways store the same values. The stores of a finished tile
 // overlap the producer's loads of the next. Rows past `rows` and columns past `n` are zero-filled by TMA and
 // never stored. A consumer warpgroup copies its unit's

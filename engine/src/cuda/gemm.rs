@@ -123,7 +123,8 @@ pub struct Plan {
     pub split: bool,
     /// A plain unsplit product on 128-row tiles writes each output tile into shared memory and stores it
     /// with TMA, asynchronously (full 128-byte lines; the consumers go on with their next tile): measured
-    /// 1.05-1.6x faster from M = 1024 than each thread storing its registers (bench/RESULTS.md). Ignored
+    /// up to 1.6x faster from M = 1024 than each thread storing its registers (small K; 1.0-1.05x at large K;
+    /// bench/RESULTS.md). Ignored
     /// elsewhere, and where TMA cannot address the output ([`stores_with_tma`]).
     pub tma_store: bool,
 }
@@ -418,6 +419,10 @@ pub fn launch(gpu: &Gpu, a: &RawGemm, plan: Plan) -> Result<(), CudaError> {
     }
     if plan.split && a.part == 0 {
         return Err(CudaError::Shape("gemm: a split launch needs its partial buffer".into()));
+    }
+    if plan.split && plan.chains < 2 {
+        // One chain's unit would store into y, which the combine then overwrites from an unwritten `part`.
+        return Err(CudaError::Shape("gemm: a split launch needs at least two chains".into()));
     }
     let grouped = a.row_tiles != 0;
     if a.groups == 0
@@ -911,25 +916,7 @@ mod tests {
     #[test]
     fn bad_shapes_are_errors() {
         let Some(gpu) = Gpu::for_test() else { return };
-        let ok = RawGemm {
-            qa: 0,
-            sa_t: 0,
-            scale_ld: 4,
-            w: 0,
-            ws: 0,
-            scale_cols: 1,
-            y: 0,
-            part: 0,
-            bf16_out: false,
-            rows: 4,
-            n: 8,
-            kpad: 128,
-            w_maps: None,
-            row_tiles: 0,
-            tile_slots: 0,
-            groups: 1,
-            out_rows: 0,
-        };
+        let ok = RawGemm { rows: 4, n: 8, ..unit_raw() };
         let p = Plan { bm: BM, tile: 64, chains: 1, split: false, tma_store: true };
         assert!(launch(&gpu, &RawGemm { kpad: 100, ..ok }, p).unwrap_err().to_string().contains("kpad"));
         assert!(launch(&gpu, &RawGemm { scale_ld: 2, ..ok }, p).unwrap_err().to_string().contains("scale_ld"));
@@ -962,8 +949,11 @@ mod tests {
         let grouped = RawGemm { row_tiles: 256, tile_slots: 1, groups: 2, ..aligned };
         assert!(launch(&gpu, &RawGemm { groups: 2, ..aligned }, p).unwrap_err().to_string().contains("grouped"));
         assert!(launch(&gpu, &RawGemm { tile_slots: 0, ..grouped }, p).unwrap_err().to_string().contains("grouped"));
-        let split2 = Plan { bm: BM, tile: 64, chains: 1, split: true, tma_store: true };
-        assert!(launch(&gpu, &RawGemm { part: 256, ..grouped }, split2).unwrap_err().to_string().contains("grouped"));
+        let split2 = Plan { bm: BM, tile: 64, chains: 2, split: true, tma_store: true };
+        let grouped2 = RawGemm { part: 256, kpad: 256, scale_cols: 2, ..grouped };
+        assert!(launch(&gpu, &grouped2, split2).unwrap_err().to_string().contains("grouped"));
+        // A split launch of one chain would leave y to the combine of an unwritten partial buffer.
+        assert!(launch(&gpu, &RawGemm { part: 256, ..aligned }, split).unwrap_err().to_string().contains("two chains"));
     }
 
     /// The chains of a weight shape never depend on M, and a plan splits only where the unsplit launch
