@@ -352,7 +352,13 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
                 }
                 if (++s == STAGES) s = 0, phase ^= 1;
             }
-            // The stores overlap the producer's loads of the next unit.
+            // The stores overlap the producer's loads of the next unit. In-tile chains end with their sum.
+            if constexpr (CHAINED) {
+                if (per_tile == 1 && chains > 1) {
+#pragma unroll
+                    for (int i = 0; i < BN / 2; ++i) fin[i] = tot[i] + fin[i];
+                }
+            }
             const int r = m0 + row;
             if (TM == 128 && tma_store != 0 && per_tile == 1 && row_tiles == nullptr && out_rows == nullptr) {
                 // A plain product's tile through shared memory: each warpgroup writes its 64 rows into its
@@ -360,12 +366,6 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
                 // groups), and one thread stores them with TMA, asynchronously: full 128-byte lines instead
                 // of eight rows' 16 bytes per warp store, and the warpgroup goes on with its next tile.
                 // (Timing only, the register stores cost kv_b (4 K blocks) half its time at M = 4096.)
-                if constexpr (CHAINED) {
-                    if (chains > 1) {
-#pragma unroll
-                        for (int i = 0; i < BN / 2; ++i) fin[i] = tot[i] + fin[i];
-                    }
-                }
                 const u32 wout = outs + cw * (BOXES * BOX_BYTES);
                 const int t = threadIdx.x % 128, rl = warp * 16 + lane / 4;  // rows rl and rl + 8 of the warpgroup's 64
                 // The TMA engine is done reading the previous tile's boxes (its issuing thread waited).
@@ -377,9 +377,8 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
                     const u32 at = wout + (col / BOX_COLS) * BOX_BYTES + rl * 128 + ((((byte >> 4) ^ (rl & 7))) << 4) +
                                    (byte & 15);
                     if (BF16) {
-                        u32 lo, hi;
-                        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(fin[4 * j + 1]), "f"(fin[4 * j + 0]));
-                        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(fin[4 * j + 3]), "f"(fin[4 * j + 2]));
+                        const u32 lo = tandem_bf16x2(fin[4 * j + 0], fin[4 * j + 1]);
+                        const u32 hi = tandem_bf16x2(fin[4 * j + 2], fin[4 * j + 3]);
                         asm volatile("st.shared.b32 [%0], %1;" ::"r"(at), "r"(lo) : "memory");
                         asm volatile("st.shared.b32 [%0], %1;" ::"r"(at + 8 * 128), "r"(hi) : "memory");
                     } else {
@@ -409,12 +408,6 @@ __device__ __forceinline__ void gemm_fp8_body(const TandemTensorMap* ta, const T
                     gemm_store<false>(pc, rows, n, r + 8 < row_end ? r + 8 : -1, col, fin[4 * j + 2], fin[4 * j + 3]);
                 }
             } else {
-                if constexpr (CHAINED) {
-                    if (chains > 1) {
-#pragma unroll
-                        for (int i = 0; i < BN / 2; ++i) fin[i] = tot[i] + fin[i];
-                    }
-                }
                 // With `out_rows`, row r is stored at row out_rows[r] (expert parallelism's combine buffer).
                 const int lim = out_rows != nullptr ? 0x7fffffff : row_end;
                 const int ra = r < row_end ? (out_rows != nullptr ? out_rows[r] : r) : -1;

@@ -135,16 +135,13 @@ __device__ __forceinline__ void smla_dequant16(uint4 raw, u32 f, uint4& lo, uint
 __device__ __forceinline__ u32 smla_pack_bf16(float lo, float hi) {
     return (u32)tandem_bf16(lo) | ((u32)tandem_bf16(hi) << 16);
 }
-// The same bits from one F2FP instruction (cvt.rn.bf16x2.f32) instead of two F2F on a slower pipe, in the staged
-// form: its softmax converts 32 values a thread per tile on warpgroup 0's critical chain, and the packed form
-// made it 6-7% faster (H200). The gathering forms keep the two conversions: with the packed form their decode
-// took about 2% longer (b = 64, 32K, three rounds each; bench/RESULTS.md).
+// The same bits from one F2FP instruction (tandem_bf16x2) in the staged form: its softmax converts 32 values
+// a thread per tile on warpgroup 0's critical chain, and the packed form made it 6-7% faster (H200). The
+// gathering forms keep the two conversions: with the packed form their decode took about 2% longer (b = 64,
+// 32K, three rounds each; bench/RESULTS.md).
 template <bool PACKED>
 __device__ __forceinline__ u32 smla_pack_bf16_as(float lo, float hi) {
-    if (!PACKED) return smla_pack_bf16(lo, hi);
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
+    return PACKED ? tandem_bf16x2(lo, hi) : smla_pack_bf16(lo, hi);
 }
 __device__ __forceinline__ float smla_bf16_val(u32 bits16) { return __uint_as_float(bits16 << 16); }
 

@@ -124,8 +124,7 @@ pub struct Plan {
     /// A plain unsplit product on 128-row tiles writes each output tile into shared memory and stores it
     /// with TMA, asynchronously (full 128-byte lines; the consumers go on with their next tile): measured
     /// up to 1.6x faster from M = 1024 than each thread storing its registers (small K; 1.0-1.05x at large K;
-    /// bench/RESULTS.md). Ignored
-    /// elsewhere, and where TMA cannot address the output ([`stores_with_tma`]).
+    /// bench/RESULTS.md). Ignored elsewhere, and where TMA cannot address the output ([`stores_with_tma`]).
     pub tma_store: bool,
 }
 
